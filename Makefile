@@ -1,0 +1,35 @@
+# Two entry points that work on a fresh machine with only Python:
+#   make demo   -- install into .venv, run the quickstart comparison, print a table, write plots
+#   make test   -- install into .venv (with test extras) and run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+OUT    ?= results/quickstart
+PLOTS  ?= plots
+
+.PHONY: demo test install install-test reproduce clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(VENV)/.installed $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+demo: install
+	$(BIN)/kvjax run configs/quickstart.yaml --out $(OUT)
+	$(BIN)/python scripts/plot_all.py $(OUT) --out $(PLOTS)
+
+test: install-test
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache

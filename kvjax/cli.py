@@ -1,0 +1,240 @@
+"""The `kvjax` command line: size, generate, run, train (contract in docs/architecture.md).
+
+User errors exit with status 2 and one line on stderr that names the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvjax import config as config_lib
+from kvjax.errors import KvjaxError
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):  # one line, not the usage block
+    raise KvjaxError(f"{message} (see {self.prog} --help)")
+
+
+def _add_set(p):
+  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                 help="override a config key, e.g. --set model.n_kv_heads=2 (repeatable)")
+
+
+# -- size ---------------------------------------------------------------------------------
+def cmd_size(args) -> dict:
+  from kvjax import cache, codecs
+
+  over = {}
+  if args.hf:
+    from kvjax import hf
+    cfg = hf.load_config(args.hf)
+  else:
+    missing = [n for n in ("layers", "heads", "kv_heads", "head_dim") if getattr(args, n) is None]
+    if missing:
+      raise KvjaxError("size needs --layers --heads --kv-heads --head-dim (or --hf DIR); missing: "
+                       + ", ".join("--" + m.replace("_", "-") for m in missing))
+    over.update({"model.n_layers": args.layers, "model.n_heads": args.heads,
+                 "model.n_kv_heads": args.kv_heads, "model.head_dim": args.head_dim,
+                 "model.d_model": args.heads * args.head_dim})
+    cfg = config_lib.Config()
+  if args.dtype:
+    if args.dtype not in codecs.DTYPE_TO_CODEC:
+      raise KvjaxError(f"unknown --dtype '{args.dtype}'; use one of "
+                       f"{', '.join(codecs.DTYPE_TO_CODEC)}")
+    over["cache.codec"] = codecs.DTYPE_TO_CODEC[args.dtype]
+  elif not args.codec and not args.k_codec and not args.v_codec:
+    over["cache.codec"] = "bf16"
+  if args.codec:
+    over["cache.codec"] = args.codec
+  cfg = config_lib.apply_overrides(cfg, {**over, **config_lib.parse_set(args.set)})
+  if args.k_codec or args.v_codec:
+    cfg = config_lib.apply_overrides(cfg, {k: v for k, v in (("cache.k_codec", args.k_codec),
+                                                             ("cache.v_codec", args.v_codec)) if v})
+  if args.seq_len <= 0 or args.batch <= 0:
+    raise KvjaxError("--seq-len and --batch must be positive")
+  spec = cache.CacheSpec.from_config(cfg, args.batch, args.seq_len)
+  layout = cache.LAYOUTS["contiguous" if cfg.cache.layout == "none" else cfg.cache.layout]
+  m = cfg.model
+  per_token = m.n_layers * (spec.kc.bytes_per_token(m.n_kv_heads, m.D, cfg.cache)
+                            + spec.vc.bytes_per_token(m.n_kv_heads, m.D, cfg.cache))
+  return {
+      "bytes_per_token": per_token,
+      "total_bytes": layout.closed_form_bytes(spec),
+      "layers": m.n_layers, "heads": m.n_heads, "kv_heads": m.n_kv_heads, "head_dim": m.D,
+      "seq_len": args.seq_len, "batch": args.batch, "variant": m.variant,
+      "k_codec": cfg.cache.k_codec, "v_codec": cfg.cache.v_codec, "layout": layout.name,
+  }
+
+
+def _human(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if abs(n) < 1024 or unit == "TiB":
+      return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+    n /= 1024
+  return str(n)
+
+
+# -- generate -----------------------------------------------------------------------------
+def _load_model(args):
+  """(config, params, tokenizer folder) from --config, --checkpoint or --hf."""
+  from kvjax import model
+
+  if args.hf:
+    from kvjax import hf
+    cfg, params = hf.load(args.hf, overrides=config_lib.parse_set(args.set))
+    return cfg, params, args.hf
+  if args.checkpoint:
+    from kvjax import checkpoint
+    cfg, params = checkpoint.load(args.checkpoint, overrides=config_lib.parse_set(args.set))
+    return cfg, params, None
+  cfg = config_lib.load(args.config, args.set)
+  return cfg, model.init_params(cfg.model, cfg.seed), None
+
+
+def cmd_generate(args) -> dict:
+  from kvjax import decode, tokenizer
+
+  cfg, params, folder = _load_model(args)
+  over = {}
+  if args.codec:
+    over["cache.codec"] = args.codec
+  if args.temperature is not None:
+    over["workload.temperature"] = args.temperature
+  if args.greedy:
+    over["workload.temperature"] = 0.0
+  for key, val in (("top_k", args.top_k), ("top_p", args.top_p)):
+    if val is not None:
+      over[f"workload.{key}"] = val
+  if args.seed is not None:
+    over["seed"] = args.seed
+  if over:
+    cfg = config_lib.apply_overrides(cfg, over)
+  tok = tokenizer.get_tokenizer(cfg.tokenizer, folder)
+  if args.prompt is not None:
+    if tok is None:
+      raise KvjaxError("this model has no tokenizer; pass --prompt-ids 1,2,3 instead of --prompt")
+    prompts = [tok.encode(args.prompt)]
+  elif args.prompt_ids:
+    prompts = []
+    for item in args.prompt_ids:
+      try:
+        prompts.append([int(x) for x in item.replace(" ", "").split(",") if x])
+      except ValueError:
+        raise KvjaxError(f"--prompt-ids expects comma-separated integers, got '{item}'") from None
+  else:
+    raise KvjaxError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3")
+  out = decode.generate(cfg, params, prompts, args.max_new_tokens)
+  result = {"tokens": out["tokens"]}
+  if tok is not None:
+    result["text"] = [tok.decode(t) for t in out["tokens"]]
+  result.update({k: out[k] for k in ("cache_bytes", "ttft_s", "tpot_s", "compile_s", "capacity")})
+  result.update({"variant": cfg.model.variant, "layout": cfg.cache.layout,
+                 "k_codec": cfg.cache.k_codec, "v_codec": cfg.cache.v_codec,
+                 "batch": len(prompts)})
+  return result
+
+
+# -- run / train --------------------------------------------------------------------------
+def cmd_run(args):
+  from kvjax import runner
+  return runner.run_file(args.file, overrides=args.set, out_dir=args.out)
+
+
+def cmd_train(args):
+  from kvjax import train
+  return train.train_file(args.file, overrides=args.set, out_dir=args.out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = _Parser(prog="kvjax", description="Compare KV-cache variants: memory, speed, quality.")
+  sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+  s = sub.add_parser("size", help="closed-form KV-cache bytes for a model shape")
+  s.add_argument("--layers", type=int)
+  s.add_argument("--heads", type=int)
+  s.add_argument("--kv-heads", type=int)
+  s.add_argument("--head-dim", type=int)
+  s.add_argument("--hf", metavar="DIR", help="read the shape from a Hugging Face config.json")
+  s.add_argument("--seq-len", type=int, required=True)
+  s.add_argument("--batch", type=int, default=1)
+  s.add_argument("--dtype", help="float32 | bfloat16 | float16 (same as --codec fp32/bf16/fp16)")
+  s.add_argument("--codec", help="cache codec for K and V")
+  s.add_argument("--k-codec")
+  s.add_argument("--v-codec")
+  s.add_argument("--json", action="store_true")
+  _add_set(s)
+  s.set_defaults(func=cmd_size)
+
+  g = sub.add_parser("generate", help="prefill + decode through the cache")
+  src = g.add_mutually_exclusive_group()
+  src.add_argument("--config", metavar="FILE.yaml")
+  src.add_argument("--checkpoint", metavar="DIR")
+  src.add_argument("--hf", metavar="DIR")
+  pr = g.add_mutually_exclusive_group()
+  pr.add_argument("--prompt")
+  pr.add_argument("--prompt-ids", action="append", metavar="1,2,3",
+                  help="one sequence per use; repeat for a ragged batch")
+  g.add_argument("--max-new-tokens", type=int, default=16)
+  g.add_argument("--codec")
+  g.add_argument("--greedy", action="store_true")
+  g.add_argument("--temperature", type=float)
+  g.add_argument("--top-k", type=int)
+  g.add_argument("--top-p", type=float)
+  g.add_argument("--seed", type=int)
+  g.add_argument("--json", action="store_true")
+  _add_set(g)
+  g.set_defaults(func=cmd_generate)
+
+  r = sub.add_parser("run", help="run an experiment config's grid, appending results rows")
+  r.add_argument("file", metavar="FILE.yaml")
+  r.add_argument("--out", metavar="DIR")
+  _add_set(r)
+  r.set_defaults(func=cmd_run)
+
+  t = sub.add_parser("train", help="train a model from a config, with orbax checkpoints")
+  t.add_argument("file", metavar="FILE.yaml")
+  t.add_argument("--out", metavar="DIR", required=True)
+  _add_set(t)
+  t.set_defaults(func=cmd_train)
+  return p
+
+
+def _print_human(command: str, result: dict) -> None:
+  if command == "size":
+    print(f"{result['variant']} L={result['layers']} H={result['heads']} K={result['kv_heads']} "
+          f"D={result['head_dim']}  K:{result['k_codec']} V:{result['v_codec']}")
+    print(f"bytes per token: {result['bytes_per_token']:,.1f} ({_human(result['bytes_per_token'])})")
+    print(f"total for batch {result['batch']} x {result['seq_len']} tokens: "
+          f"{result['total_bytes']:,} ({_human(result['total_bytes'])})")
+  elif command == "generate":
+    for i, toks in enumerate(result["tokens"]):
+      text = f"  {result['text'][i]!r}" if "text" in result else ""
+      print(f"[{i}] {toks}{text}")
+    print(f"cache {_human(result['cache_bytes'])}  TTFT {result['ttft_s'] * 1e3:.2f} ms  "
+          f"TPOT {result['tpot_s'] * 1e3:.3f} ms  compile {result['compile_s']:.2f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+  try:
+    args = build_parser().parse_args(argv)
+    result = args.func(args)
+    if args.command in ("size", "generate"):
+      if args.json:
+        print(json.dumps(result))
+      else:
+        _print_human(args.command, result)
+    return 0
+  except KvjaxError as e:
+    print(f"kvjax: error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print("kvjax: interrupted; rows already written are kept", file=sys.stderr)
+    return 130
+
+
+if __name__ == "__main__":
+  sys.exit(main())

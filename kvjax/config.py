@@ -1,0 +1,332 @@
+"""Configuration: frozen dataclasses, YAML loading, dotted overrides, host-side validation.
+
+Every setting that changes a compiled shape or a code path lives here, so a config is
+hashable and can be passed to `jax.jit` as a static argument. Shape letters used across
+kvjax: B batch, T new tokens, S cache capacity, L layers, H query heads, K kv heads,
+G = H // K query heads per kv head, D head_dim, E d_model, F d_ff, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvjax.errors import KvjaxError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int = 260          # V: 256 bytes + specials (kvjax.tokenizer.BYTE_VOCAB)
+  d_model: int = 64              # E
+  n_layers: int = 2              # L
+  n_heads: int = 4               # H
+  n_kv_heads: int = 4            # K: MHA when == H, MQA when 1, GQA between
+  head_dim: int = 0              # D: 0 means d_model // n_heads
+  d_ff: int = 0                  # F: 0 means the Llama rule round(8/3 * E) to a multiple of 8
+  attention: str = "grouped"     # attention variant, from kvjax.attention.ATTENTIONS
+  rope_theta: float = 10000.0
+  rope_scaling: tuple = ()       # (("rope_type","llama3"), ("factor", 8.0), ...) as sorted pairs
+  norm_eps: float = 1e-5
+  qkv_bias: bool = False
+  tie_embeddings: bool = False
+  dtype: str = "float32"         # activation / compute dtype
+  param_dtype: str = "float32"
+  scan_unroll: int = 1           # layers are scanned; unroll=n_layers gives the unrolled program
+  max_seq_len: int = 4096        # longest position the model is meant for (RoPE tables, checks)
+
+  @property
+  def D(self) -> int:
+    return self.head_dim or self.d_model // self.n_heads
+
+  @property
+  def F(self) -> int:
+    if self.d_ff:
+      return self.d_ff
+    return 8 * ((int(round(8 * self.d_model / 3)) + 7) // 8)
+
+  @property
+  def G(self) -> int:
+    return self.n_heads // self.n_kv_heads
+
+  @property
+  def variant(self) -> str:
+    """MHA / GQA-<kv heads> / MQA, the name used in results and plots."""
+    if self.n_kv_heads == self.n_heads:
+      return "MHA"
+    if self.n_kv_heads == 1:
+      return "MQA"
+    return f"GQA-{self.n_kv_heads}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+  layout: str = "contiguous"     # none | contiguous | paged (kvjax.cache.LAYOUTS)
+  codec: str = ""                # sets k_codec and v_codec when given
+  k_codec: str = "fp32"
+  v_codec: str = "fp32"
+  capacity: int = 0              # S tokens per sequence; 0 means prompt + new tokens
+  k_axis: str = "token"          # token | channel (per-channel key scales, KIVI)
+  group_size: int = 0            # quantization group along head_dim (token axis) or tokens
+  residual: int = 0              # full-precision window of recent tokens (KIVI's R)
+  page_size: int = 16
+  num_pages: int = 0             # paged pool size; 0 means enough for batch * capacity
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadConfig:
+  batch: int = 1
+  prompt_len: int = 16
+  gen_len: int = 16
+  temperature: float = 0.0       # 0 means greedy
+  top_k: int = 0
+  top_p: float = 1.0
+  eos_id: int = -1               # stop token; -1 means none
+  repeats: int = 5               # timing repeats (median reported)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  data: int = 1
+  model: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  model: ModelConfig = ModelConfig()
+  cache: CacheConfig = CacheConfig()
+  workload: WorkloadConfig = WorkloadConfig()
+  mesh: MeshConfig = MeshConfig()
+  seed: int = 0
+  tokenizer: str = "bytes"       # bytes | none | a path to tokenizer.json
+  experiment: str = ""           # experiment name for `kvjax run`
+  grid: tuple = ()               # ((dotted key, (values...)), ...) expanded by `kvjax run`
+  params: tuple = ()             # experiment-specific options as sorted (key, value) pairs
+  name: str = ""
+
+  def to_dict(self) -> dict:
+    return _to_plain(self)
+
+  def hash(self) -> str:
+    blob = json.dumps(self.to_dict(), sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+  def param(self, key: str, default: Any = None) -> Any:
+    return dict(self.params).get(key, default)
+
+
+def _to_plain(obj: Any) -> Any:
+  if dataclasses.is_dataclass(obj):
+    out = {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    for key in ("grid", "params", "rope_scaling"):
+      if key in out:
+        out[key] = {k: _to_plain(v) for k, v in getattr(obj, key)}
+    return out
+  if isinstance(obj, tuple):
+    return [_to_plain(v) for v in obj]
+  return obj
+
+
+def _freeze(value: Any) -> Any:
+  """Make YAML values hashable: dicts become sorted pair tuples, lists become tuples."""
+  if isinstance(value, dict):
+    return tuple(sorted((str(k), _freeze(v)) for k, v in value.items()))
+  if isinstance(value, (list, tuple)):
+    return tuple(_freeze(v) for v in value)
+  return value
+
+
+_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "workload": WorkloadConfig,
+             "mesh": MeshConfig}
+_FREEFORM = ("grid", "params", "model.rope_scaling")
+
+
+def _field_type(cls: type, name: str) -> Any:
+  hints = typing.get_type_hints(cls)
+  return hints[name]
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+  """Coerce a YAML or command-line value to a dataclass field's type, or fail clearly."""
+  origin = typing.get_origin(typ)
+  if origin in (typing.Union, types.UnionType):
+    typ = [a for a in typing.get_args(typ) if a is not type(None)][0]
+  try:
+    if typ is bool:
+      if isinstance(value, str):
+        low = value.lower()
+        if low in ("true", "1", "yes", "on"):
+          return True
+        if low in ("false", "0", "no", "off"):
+          return False
+        raise ValueError
+      if isinstance(value, (bool, int)):
+        return bool(value)
+      raise ValueError
+    if typ is int:
+      if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError
+      return int(value)
+    if typ is float:
+      if isinstance(value, bool):
+        raise ValueError
+      return float(value)
+    if typ is str:
+      if isinstance(value, (dict, list)):
+        raise ValueError
+      return "" if value is None else str(value)
+    if typ is tuple:
+      return _freeze(value)
+  except (TypeError, ValueError):
+    pass
+  raise KvjaxError(f"config key '{key}' expects {getattr(typ, '__name__', typ)}, got {value!r}")
+
+
+def _known_keys() -> list[str]:
+  keys = [f.name for f in dataclasses.fields(Config) if f.name not in _SECTIONS]
+  for sec, cls in _SECTIONS.items():
+    keys += [f"{sec}.{f.name}" for f in dataclasses.fields(cls)]
+  return keys
+
+
+def from_dict(data: dict) -> Config:
+  """Build a Config from nested dicts (as read from YAML); unknown keys are errors."""
+  if data is None:
+    data = {}
+  if not isinstance(data, dict):
+    raise KvjaxError("config must be a YAML mapping of sections (model:, cache:, ...)")
+  flat: dict[str, Any] = {}
+  for key, value in data.items():
+    if key in _SECTIONS:
+      if value is None:
+        continue
+      if not isinstance(value, dict):
+        raise KvjaxError(f"config section '{key}' must be a mapping")
+      for sub, subval in value.items():
+        flat[f"{key}.{sub}"] = subval
+    else:
+      flat[str(key)] = value
+  return apply_overrides(Config(), flat)
+
+
+def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
+  """Apply {dotted key: value} overrides with type coercion, then resolve and validate."""
+  sections = {name: {} for name in _SECTIONS}
+  top: dict[str, Any] = {}
+  for key, value in overrides.items():
+    parts = key.split(".")
+    if len(parts) == 1 and parts[0] in [f.name for f in dataclasses.fields(Config)] \
+        and parts[0] not in _SECTIONS:
+      top[parts[0]] = _coerce(key, value, _field_type(Config, parts[0]))
+    elif len(parts) == 2 and parts[0] in _SECTIONS and \
+        parts[1] in [f.name for f in dataclasses.fields(_SECTIONS[parts[0]])]:
+      sections[parts[0]][parts[1]] = _coerce(key, value, _field_type(_SECTIONS[parts[0]], parts[1]))
+    else:
+      raise KvjaxError(f"unknown config key '{key}'; known keys: {', '.join(_known_keys())}")
+  new = dataclasses.replace(
+      cfg, **top, **{sec: dataclasses.replace(getattr(cfg, sec), **vals)
+                     for sec, vals in sections.items() if vals})
+  return validate(resolve(new))
+
+
+def parse_set(items: list[str] | None) -> dict[str, Any]:
+  """Parse `--set key=value` items; values are read as YAML scalars (`4`, `1e-5`, `true`)."""
+  out: dict[str, Any] = {}
+  for item in items or []:
+    if "=" not in item:
+      raise KvjaxError(f"--set expects key=value, got '{item}'")
+    key, raw = item.split("=", 1)
+    try:
+      out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+      out[key.strip()] = raw
+  return out
+
+
+def load(path: str | Path | None, overrides: list[str] | dict | None = None) -> Config:
+  """Load a YAML config file (or defaults when path is None) and apply --set overrides."""
+  data: dict = {}
+  if path is not None:
+    path = Path(path)
+    if not path.is_file():
+      raise KvjaxError(f"config file not found: {path}")
+    try:
+      data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+      mark = getattr(e, "problem_mark", None)
+      where = f" at line {mark.line + 1}" if mark else ""
+      raise KvjaxError(f"malformed YAML in {path}{where}: fix the syntax") from None
+  cfg = from_dict(data)
+  if overrides:
+    items = overrides if isinstance(overrides, dict) else parse_set(overrides)
+    cfg = apply_overrides(cfg, items)
+  return cfg
+
+
+def resolve(cfg: Config) -> Config:
+  """Fill derived fields: `cache.codec` sets both K and V codecs."""
+  cache = cfg.cache
+  if cache.codec:
+    cache = dataclasses.replace(cache, k_codec=cache.codec, v_codec=cache.codec, codec="")
+  return dataclasses.replace(cfg, cache=cache)
+
+
+def validate(cfg: Config) -> Config:
+  """Host-side checks with one-line messages that name the fix."""
+  from kvjax import attention, cache, codecs  # registries live with their code
+
+  m, c, w = cfg.model, cfg.cache, cfg.workload
+  for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "max_seq_len",
+               "scan_unroll"):
+    if getattr(m, name) <= 0:
+      raise KvjaxError(f"model.{name} must be positive, got {getattr(m, name)}")
+  if m.head_dim < 0 or m.d_ff < 0:
+    raise KvjaxError("model.head_dim and model.d_ff must be >= 0 (0 picks the default)")
+  if m.n_heads % m.n_kv_heads:
+    raise KvjaxError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads="
+                     f"{m.n_kv_heads}; choose n_kv_heads among the divisors of n_heads")
+  if not m.head_dim and m.d_model % m.n_heads:
+    raise KvjaxError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
+                     "set model.head_dim explicitly")
+  if m.D % 2:
+    raise KvjaxError(f"head_dim={m.D} is odd; rotary embeddings need an even head_dim")
+  for name in ("dtype", "param_dtype"):
+    if getattr(m, name) not in DTYPES:
+      raise KvjaxError(f"unknown model.{name} '{getattr(m, name)}'; use one of {', '.join(DTYPES)}")
+  if m.attention not in attention.ATTENTIONS:
+    raise KvjaxError(f"unknown attention '{m.attention}'; known: {', '.join(attention.ATTENTIONS)}")
+  if c.layout not in cache.LAYOUTS:
+    raise KvjaxError(f"unknown cache.layout '{c.layout}'; known: {', '.join(cache.LAYOUTS)}")
+  for name in ("k_codec", "v_codec"):
+    if getattr(c, name) not in codecs.CODECS:
+      raise KvjaxError(f"unknown codec '{getattr(c, name)}' (cache.{name}); "
+                       f"known: {', '.join(codecs.CODECS)}")
+  if c.k_axis not in ("token", "channel"):
+    raise KvjaxError(f"unknown cache.k_axis '{c.k_axis}'; use token or channel")
+  for name in ("capacity", "group_size", "residual", "num_pages"):
+    if getattr(c, name) < 0:
+      raise KvjaxError(f"cache.{name} must be >= 0, got {getattr(c, name)}")
+  if c.page_size <= 0:
+    raise KvjaxError(f"cache.page_size must be positive, got {c.page_size}")
+  for name in ("batch", "prompt_len", "repeats"):
+    if getattr(w, name) <= 0:
+      raise KvjaxError(f"workload.{name} must be positive, got {getattr(w, name)}")
+  if w.gen_len < 0 or w.top_k < 0 or w.temperature < 0 or not 0 < w.top_p <= 1:
+    raise KvjaxError("workload: gen_len, top_k, temperature must be >= 0 and top_p in (0, 1]")
+  if cfg.mesh.data <= 0 or cfg.mesh.model <= 0:
+    raise KvjaxError("mesh.data and mesh.model must be positive")
+  codecs.check_cache_config(c, m)
+  return cfg
+
+
+def replace(cfg: Config, **dotted: Any) -> Config:
+  """`replace(cfg, **{"model.n_kv_heads": 1})`: overrides by dotted key, validated."""
+  return apply_overrides(cfg, dotted)

@@ -1,0 +1,153 @@
+"""A Llama-style decoder (RMSNorm, RoPE, SwiGLU) as a Flax Linen module used as a pure function:
+
+    logits_BTV, cache = Transformer(cfg).apply({"params": params}, tokens_BT, positions_BT, cache)
+
+`positions_BT[b, t]` is the absolute position of token t of sequence b, or -1 for
+right-padding (a ragged batch); padding is never attended to and never stored. With
+`cache=None` the call is the full forward pass over `tokens` alone (the reference).
+With a cache, the layers read what the cache layout stores and the new K/V are written
+after the layer scan. Layers are one `nn.scan` (compile time independent of depth);
+`model.scan_unroll` trades compile time for step time (see docs/architecture.md).
+
+Parameter names follow Hugging Face Llama (q_proj, ..., input_layernorm) so checkpoint
+import is a rename and a transpose.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from kvjax import attention
+from kvjax.cache import LAYOUTS
+from kvjax.config import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+  """Inverse frequencies [D/2], with Llama-3 `rope_scaling` when the config has it."""
+  D = cfg.D
+  inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))
+  scaling = dict(cfg.rope_scaling)
+  kind = scaling.get("rope_type", scaling.get("type", "default"))
+  if kind == "llama3":
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = jnp.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    inv = jnp.where(medium, smoothed, scaled)
+  return inv
+
+
+def rope_cos_sin(positions_BT: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+  """cos/sin tables [B, T, D] in the rotate-half convention of HF Llama (float32)."""
+  freqs = jnp.maximum(positions_BT, 0)[..., None].astype(jnp.float32) * rope_inv_freq(cfg)
+  emb = jnp.concatenate([freqs, freqs], axis=-1)
+  return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x_BTND: jax.Array, cos_BTD: jax.Array, sin_BTD: jax.Array) -> jax.Array:
+  x = x_BTND.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  out = x * cos_BTD[:, :, None, :] + rotated * sin_BTD[:, :, None, :]
+  return out.astype(x_BTND.dtype)
+
+
+class RMSNorm(nn.Module):
+  eps: float
+  dtype: jnp.dtype
+  param_dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x):
+    weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return weight.astype(self.dtype) * x32.astype(self.dtype)
+
+
+def _dense(cfg: ModelConfig, features: int, name: str, bias: bool = False) -> nn.Dense:
+  return nn.Dense(features, use_bias=bias, dtype=jnp.dtype(cfg.dtype),
+                  param_dtype=jnp.dtype(cfg.param_dtype), name=name,
+                  kernel_init=nn.initializers.normal(0.02))
+
+
+class Block(nn.Module):
+  """One decoder layer. Scanned over layers: carry is x, xs is this layer's cache store."""
+
+  cfg: ModelConfig
+  spec: object = None  # CacheSpec of the cache being read, or None (full forward)
+
+  @nn.compact
+  def __call__(self, x_BTE, layer_store, ctx):
+    cfg = self.cfg
+    positions_BT, cos, sin, lengths_B = ctx
+    B, T, _ = x_BTE.shape
+    H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.D
+    dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+
+    h = RMSNorm(cfg.norm_eps, dtype, pdtype, name="input_layernorm")(x_BTE)
+    q_BTHD = _dense(cfg, H * D, "q_proj", cfg.qkv_bias)(h).reshape(B, T, H, D)
+    k_BTKD = _dense(cfg, K * D, "k_proj", cfg.qkv_bias)(h).reshape(B, T, K, D)
+    v_BTKD = _dense(cfg, K * D, "v_proj", cfg.qkv_bias)(h).reshape(B, T, K, D)
+    q_BTHD, k_BTKD = apply_rope(q_BTHD, cos, sin), apply_rope(k_BTKD, cos, sin)
+
+    segments = [] if self.spec is None else \
+        LAYOUTS[self.spec.layout].segments(self.spec, layer_store, lengths_B)
+    attn_BTHD = attention.ATTENTIONS[cfg.attention](q_BTHD, k_BTKD, v_BTKD, positions_BT, segments)
+    x_BTE = x_BTE + _dense(cfg, cfg.d_model, "o_proj")(attn_BTHD.reshape(B, T, H * D))
+
+    h = RMSNorm(cfg.norm_eps, dtype, pdtype, name="post_attention_layernorm")(x_BTE)
+    gate = _dense(cfg, cfg.F, "gate_proj")(h)
+    up = _dense(cfg, cfg.F, "up_proj")(h)
+    x_BTE = x_BTE + _dense(cfg, cfg.d_model, "down_proj")(nn.silu(gate) * up)
+    return x_BTE, (k_BTKD, v_BTKD)
+
+
+class Transformer(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens_BT, positions_BT, cache=None):
+    cfg = self.cfg
+    dtype = jnp.dtype(cfg.dtype)
+    embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype,
+                     param_dtype=jnp.dtype(cfg.param_dtype), name="embed_tokens",
+                     embedding_init=nn.initializers.normal(0.02))
+    x_BTE = embed(tokens_BT)
+    cos, sin = rope_cos_sin(positions_BT, cfg)
+    spec = None if cache is None else cache.spec
+    stores = None if cache is None else cache.layer_stores()
+    lengths = None if cache is None else cache.lengths
+
+    layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                     in_axes=(0, nn.broadcast), length=cfg.n_layers, unroll=cfg.scan_unroll)
+    x_BTE, (k_LBTKD, v_LBTKD) = layers(cfg, spec, name="layers")(
+        x_BTE, stores, (positions_BT, cos, sin, lengths))
+
+    x_BTE = RMSNorm(cfg.norm_eps, dtype, jnp.dtype(cfg.param_dtype), name="norm")(x_BTE)
+    if cfg.tie_embeddings:
+      logits_BTV = embed.attend(x_BTE)
+    else:
+      logits_BTV = _dense(cfg, cfg.vocab_size, "lm_head")(x_BTE)
+    if cache is not None:
+      cache = cache.layout.write(cache, k_LBTKD, v_LBTKD, positions_BT)
+    return logits_BTV.astype(jnp.float32), cache
+
+
+def init_params(cfg: ModelConfig, seed: int = 0):
+  """Random parameters (normal(0.02) projections, unit norms)."""
+  tokens = jnp.zeros((1, 2), jnp.int32)
+  positions = jnp.arange(2, dtype=jnp.int32)[None]
+  return jax.jit(Transformer(cfg).init)(jax.random.PRNGKey(seed), tokens, positions)["params"]
+
+
+def param_bytes(params) -> int:
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params)))

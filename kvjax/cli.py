@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
@@ -149,6 +148,11 @@ def cmd_train(args):
   return train.train_file(args.file, overrides=args.set, out_dir=args.out)
 
 
+def cmd_convert(args):
+  from kvjax import convert
+  return convert.convert_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
   p = _Parser(prog="kvjax", description="Compare KV-cache variants: memory, speed, quality.")
   sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -200,6 +204,15 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--out", metavar="DIR", required=True)
   _add_set(t)
   t.set_defaults(func=cmd_train)
+
+  c = sub.add_parser("convert", help="mean-pool an MHA checkpoint's K/V heads into GQA/MQA")
+  csrc = c.add_mutually_exclusive_group(required=True)
+  csrc.add_argument("--checkpoint", metavar="DIR")
+  csrc.add_argument("--hf", metavar="DIR")
+  c.add_argument("--kv-heads", type=int, required=True)
+  c.add_argument("--out", metavar="DIR", required=True)
+  _add_set(c)
+  c.set_defaults(func=cmd_convert)
   return p
 
 

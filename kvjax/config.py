@@ -94,6 +94,25 @@ class WorkloadConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  data: str = "stdlib"           # stdlib (Python's own sources and docs) | a text file or folder
+  steps: int = 200
+  batch: int = 16
+  seq_len: int = 128
+  lr: float = 3e-3
+  min_lr_ratio: float = 0.1      # cosine decays to lr * min_lr_ratio
+  warmup: int = 20
+  weight_decay: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  grad_clip: float = 1.0
+  eval_every: int = 50
+  eval_batches: int = 8
+  checkpoint_every: int = 100
+  log_every: int = 10
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshConfig:
   data: int = 1
   model: int = 1
@@ -105,6 +124,7 @@ class Config:
   cache: CacheConfig = CacheConfig()
   workload: WorkloadConfig = WorkloadConfig()
   mesh: MeshConfig = MeshConfig()
+  train: TrainConfig = TrainConfig()
   seed: int = 0
   tokenizer: str = "bytes"       # bytes | none | a path to tokenizer.json
   experiment: str = ""           # experiment name for `kvjax run`
@@ -145,7 +165,7 @@ def _freeze(value: Any) -> Any:
 
 
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "workload": WorkloadConfig,
-             "mesh": MeshConfig}
+             "mesh": MeshConfig, "train": TrainConfig}
 _FREEFORM = ("grid", "params", "model.rope_scaling")
 
 

@@ -1,0 +1,141 @@
+"""The decode loop: greedy equals the reference, compiles once, samplers, eos, cache bytes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_config, tiny_params
+from kvjax import cache as cache_lib
+from kvjax import config as config_lib
+from kvjax import decode
+from kvjax.errors import KvjaxError
+from kvjax.model import Transformer
+
+PROMPTS = [[3, 14, 15, 9, 2, 6], [5, 35], [8, 9, 7, 9, 3]]
+
+
+def _greedy_reference(cfg, params, prompt, n):
+  """Greedy decoding by re-running the full forward pass on the growing sequence."""
+  model = Transformer(cfg.model)
+  seq = list(prompt)
+  for _ in range(n):
+    tok = jnp.asarray([seq], jnp.int32)
+    pos = jnp.arange(len(seq), dtype=jnp.int32)[None]
+    logits, _ = model.apply({"params": params}, tok, pos, None)
+    seq.append(int(jnp.argmax(logits[0, -1])))
+  return seq[len(prompt):]
+
+
+def test_greedy_contiguous_equals_none_equals_reference(variant_cfg):
+  params = tiny_params(variant_cfg)
+  got = {}
+  for layout in ("contiguous", "none"):
+    cfg = config_lib.replace(variant_cfg, **{"cache.layout": layout})
+    got[layout] = decode.generate(cfg, params, PROMPTS, 10, timed=False)["tokens"]
+  assert got["contiguous"] == got["none"]
+  assert got["contiguous"][1] == _greedy_reference(variant_cfg, params, PROMPTS[1], 10)
+
+
+def test_decode_compiles_once_for_many_steps_and_new_prompts():
+  cfg = tiny_config(**{"model.n_kv_heads": 2, "seed": 1})
+  params = tiny_params(cfg)
+  decode.generate(cfg, params, PROMPTS, 12, timed=False)
+  before = dict(decode.TRACES)
+  other = [[t + 1 for t in p] for p in PROMPTS]  # same shapes, new values
+  out = decode.generate(cfg, params, other, 12, timed=False)
+  assert decode.TRACES == before
+  assert all(len(t) == 12 for t in out["tokens"])
+
+
+@pytest.mark.parametrize("codec, itemsize", [("fp32", 4), ("bf16", 2), ("fp16", 2)])
+def test_cache_bytes_equal_closed_form(codec, itemsize):
+  cfg = tiny_config(**{"model.n_kv_heads": 2, "cache.codec": codec})
+  B, S = 3, 20
+  cache = cache_lib.init_cache(cfg, B, S)
+  m = cfg.model
+  expected = 2 * m.n_layers * m.n_kv_heads * m.D * S * B * itemsize + 4 * B
+  assert cache_lib.tree_bytes(cache) == expected
+  spec = cache_lib.CacheSpec.from_config(cfg, B, S)
+  assert cache_lib.LAYOUTS["contiguous"].closed_form_bytes(spec) == expected
+  out = decode.generate(cfg, tiny_params(cfg), PROMPTS, 4, timed=False)
+  S_run = max(map(len, PROMPTS)) + 4
+  per_slot = (expected - 4 * B) // S  # generate sizes the cache to prompt + new tokens
+  assert out["cache_bytes"] == per_slot * S_run + 4 * B
+
+
+def test_reduced_precision_caches_stay_close_to_fp32():
+  cfg32 = tiny_config()
+  params = tiny_params(cfg32)
+  tokens = jnp.asarray([PROMPTS[0] + [1, 2, 3, 4]], jnp.int32)
+  T = tokens.shape[1]
+  ref = None
+  for codec, tol in (("fp32", 0.0), ("bf16", 2e-2), ("fp16", 2e-3)):
+    cfg = config_lib.replace(cfg32, **{"cache.codec": codec})
+    model = Transformer(cfg.model)
+    cache = cache_lib.init_cache(cfg, 1, T)
+    _, cache = model.apply({"params": params}, tokens[:, :6],
+                           jnp.arange(6, dtype=jnp.int32)[None], cache)
+    logits, _ = model.apply({"params": params}, tokens[:, 6:],
+                            jnp.arange(6, T, dtype=jnp.int32)[None], cache)
+    if ref is None:
+      ref = logits
+    err = float(jnp.max(jnp.abs(logits - ref)) / jnp.max(jnp.abs(ref)))
+    assert err <= tol + 1e-6, (codec, err)
+
+
+def test_samplers():
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.normal(size=(4, 50)) * 3, jnp.float32)
+  keys = jax.random.split(jax.random.PRNGKey(0), 64)
+  greedy = np.asarray(decode.Sampler()(logits, keys[0]))
+  assert (greedy == np.argmax(logits, -1)).all()
+  assert (np.asarray(decode.Sampler(1.0, top_k=1)(logits, keys[1])) == greedy).all()
+  assert (np.asarray(decode.Sampler(1.0, top_p=1e-6)(logits, keys[2])) == greedy).all()
+  top5 = np.argsort(-np.asarray(logits), -1)[:, :5]
+  draws = np.stack([np.asarray(decode.Sampler(1.0, top_k=5)(logits, k)) for k in keys])
+  assert all(set(draws[:, b]) <= set(top5[b]) for b in range(4))
+  assert len(set(draws[:, 0])) > 1  # it does sample, not argmax
+  # top_p keeps the smallest prefix reaching p: every draw is inside that nucleus
+  probs = np.asarray(jax.nn.softmax(logits, -1))
+  order = np.argsort(-probs, -1)
+  draws_p = np.stack([np.asarray(decode.Sampler(1.0, top_p=0.5)(logits, k)) for k in keys])
+  for b in range(4):
+    cum = np.cumsum(probs[b, order[b]])
+    nucleus = set(order[b, :int(np.searchsorted(cum, 0.5) + 1)])
+    assert set(draws_p[:, b]) <= nucleus
+
+
+def test_sampling_is_reproducible_per_seed():
+  cfg = tiny_config(**{"workload.temperature": 1.0, "workload.top_k": 20})
+  params = tiny_params(cfg)
+  a = decode.generate(cfg, params, PROMPTS, 8, seed=1, timed=False)["tokens"]
+  b = decode.generate(cfg, params, PROMPTS, 8, seed=1, timed=False)["tokens"]
+  c = decode.generate(cfg, params, PROMPTS, 8, seed=2, timed=False)["tokens"]
+  assert a == b and a != c
+
+
+def test_eos_stops_each_sequence():
+  cfg = tiny_config()
+  params = tiny_params(cfg)
+  free = decode.generate(cfg, params, PROMPTS, 8, timed=False)["tokens"]
+  eos = free[0][2]
+  cfg_eos = config_lib.replace(cfg, **{"workload.eos_id": eos})
+  out = decode.generate(cfg_eos, params, PROMPTS, 8, timed=False)["tokens"]
+  for row_free, row in zip(free, out):
+    if eos in row_free:
+      cut = row_free.index(eos) + 1
+      assert row == row_free[:cut]
+    else:
+      assert row == row_free
+
+
+def test_request_limits_are_checked_on_the_host():
+  cfg = tiny_config(**{"cache.capacity": 8})
+  params = tiny_params(cfg)
+  with pytest.raises(KvjaxError, match="exceeds the cache capacity 8"):
+    decode.generate(cfg, params, [[1, 2, 3, 4, 5]], 4)
+  with pytest.raises(KvjaxError, match="outside the vocabulary"):
+    decode.generate(cfg, params, [[1, 99]], 2)
+  with pytest.raises(KvjaxError, match="at least one token"):
+    decode.generate(cfg, params, [[]], 2)

@@ -48,11 +48,39 @@ class CacheSpec:
 
   @property
   def kc(self) -> codecs.Codec:
-    return codecs.get(self.k_codec)
+    return codecs.for_role(self.k_codec, self.cache_cfg, "k")
 
   @property
   def vc(self) -> codecs.Codec:
-    return codecs.get(self.v_codec)
+    return codecs.for_role(self.v_codec, self.cache_cfg, "v")
+
+  @property
+  def residual(self) -> int:
+    """R: slots of the full-precision window of recent tokens (0: none)."""
+    return getattr(self.cache_cfg, "residual", 0) or 0
+
+  @property
+  def block(self) -> int:
+    """U: tokens quantized together when they leave the window (KIVI key groups)."""
+    return self.kc.token_block
+
+  @property
+  def history(self) -> int:
+    """Quantized slots: all of `capacity` without a window, else what can ever leave it."""
+    R, U = self.residual, self.block
+    return self.capacity if not R else U * -(-max(self.capacity - R, 0) // U)
+
+  @property
+  def window_codec(self) -> codecs.Codec:
+    return codecs.get(codecs.DTYPE_TO_CODEC[self.dtype])
+
+  def quantized_len(self, lengths_B: jax.Array) -> jax.Array:
+    """q(n): tokens held in the quantized history when n are cached. The window keeps the
+    newest n - q <= R tokens; a block of U leaves it only when the window would overflow."""
+    R, U = self.residual, self.block
+    if not R:
+      return lengths_B
+    return (jnp.maximum(lengths_B - R, 0) + U - 1) // U * U
 
   @classmethod
   def from_config(cls, cfg: Config, batch: int, capacity: int) -> "CacheSpec":
@@ -68,6 +96,8 @@ class KVCache:
   v: Any                 # V codec storage, leaves [L, B, K, S, ...]
   lengths: jax.Array     # [B] int32: tokens held per sequence
   spec: CacheSpec = struct.field(pytree_node=False)
+  k_win: Any = None      # full-precision window [L, B, K, R, D] (cache.residual > 0), else None
+  v_win: Any = None
 
   @property
   def layout(self) -> "Layout":
@@ -75,7 +105,9 @@ class KVCache:
 
   def layer_stores(self) -> Any:
     """The per-layer part that the layer scan slices along its leading axis."""
-    return (self.k, self.v)
+    if self.k_win is None:
+      return (self.k, self.v)
+    return (self.k, self.v, self.k_win, self.v_win)
 
 
 @struct.dataclass
@@ -147,46 +179,114 @@ class NoCache(Layout):
 
 
 class Contiguous(Layout):
-  """`capacity` preallocated slots per sequence; token at position p lives in slot p."""
+  """`capacity` preallocated slots per sequence; token at position p lives in slot p.
+
+  With a residual window (`cache.residual` = R > 0) the newest tokens stay in full
+  precision in a ring of R slots (position p in slot p mod R) and the quantized history
+  holds positions [0, q(n)) in slot p. When the window would overflow, its oldest block
+  of U tokens (U = the K codec's token block: 1, or the KIVI group) is encoded once and
+  appended to the history; history is never decoded or re-encoded. Everything is data-
+  driven by per-sequence lengths, so prefill and decode never retrace.
+  """
 
   name = "contiguous"
 
   def init(self, spec: CacheSpec) -> KVCache:
-    shape = (spec.n_layers, spec.batch, spec.n_kv_heads, spec.capacity, spec.head_dim)
-    return KVCache(k=spec.kc.init(shape, spec.cache_cfg), v=spec.vc.init(shape, spec.cache_cfg),
-                   lengths=jnp.zeros((spec.batch,), jnp.int32), spec=spec)
+    L, B, K, D, R = spec.n_layers, spec.batch, spec.n_kv_heads, spec.head_dim, spec.residual
+    shape = (L, B, K, spec.history, D)
+    cache = KVCache(k=spec.kc.init(shape, spec.cache_cfg), v=spec.vc.init(shape, spec.cache_cfg),
+                    lengths=jnp.zeros((B,), jnp.int32), spec=spec)
+    if R:
+      win = lambda: spec.window_codec.init((L, B, K, R, D))  # noqa: E731
+      cache = dataclasses.replace(cache, k_win=win(), v_win=win())
+    return cache
 
   def forward(self, model, params, tokens_BT, positions_BT, cache: KVCache):
     return model.apply({"params": params}, tokens_BT, positions_BT, cache)
 
   def segments(self, spec, layer_store, lengths_B):
-    k, v = layer_store
-    mask_BS = jnp.arange(spec.capacity)[None, :] < lengths_B[:, None]
-    return [Segment(k, v, mask_BS, spec.kc, spec.vc)]
+    k, v = layer_store[:2]
+    q_B = spec.quantized_len(lengths_B)
+    segs = []
+    if spec.history:
+      mask_BS = jnp.arange(spec.history)[None, :] < q_B[:, None]
+      segs.append(Segment(k, v, mask_BS, spec.kc, spec.vc))
+    if spec.residual:
+      R = spec.residual
+      slot_R = jnp.arange(R)[None, :]
+      pos_BR = q_B[:, None] + (slot_R - q_B[:, None]) % R  # the position each slot holds
+      wc = spec.window_codec
+      segs.append(Segment(layer_store[2], layer_store[3], pos_BR < lengths_B[:, None], wc, wc))
+    return segs
 
   def write(self, cache: KVCache, k_LBTKD, v_LBTKD, positions_BT) -> KVCache:
     spec = cache.spec
-    S = spec.capacity
     # [L, B, T, K, D] -> [L, B, K, T, D]: the cache stores K heads before tokens.
     k_LBKTD = jnp.swapaxes(k_LBTKD, 2, 3)
     v_LBKTD = jnp.swapaxes(v_LBTKD, 2, 3)
-    slots_BT = jnp.where(positions_BT >= 0, positions_BT, S)  # padding: out of range, dropped
-
-    def put(store, new):
-      # store [L, B, K, S, ...], new [L, B, K, T, ...]; scatter each token to its slot.
-      B = new.shape[1]
-      rows = jnp.arange(B)[:, None]
-      return store.at[:, rows, :, slots_BT].set(jnp.moveaxis(new, (1, 3), (0, 1)), mode="drop")
-
-    k = jax.tree.map(put, cache.k, spec.kc.encode(k_LBKTD, spec.cache_cfg))
-    v = jax.tree.map(put, cache.v, spec.vc.encode(v_LBKTD, spec.cache_cfg))
     lengths = cache.lengths + jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
+    if spec.residual:
+      return self._write_windowed(cache, k_LBKTD, v_LBKTD, positions_BT, lengths)
+    slots_BT = jnp.where(positions_BT >= 0, positions_BT, spec.history)  # padding: dropped
+    k = jax.tree.map(_scatter(slots_BT), cache.k, spec.kc.encode(k_LBKTD, spec.cache_cfg))
+    v = jax.tree.map(_scatter(slots_BT), cache.v, spec.vc.encode(v_LBKTD, spec.cache_cfg))
     return dataclasses.replace(cache, k=k, v=v, lengths=lengths)
+
+  def _write_windowed(self, cache, k_LBKTD, v_LBKTD, positions_BT, lengths):
+    spec = cache.spec
+    R, U = spec.residual, spec.block
+    n0, n1 = cache.lengths, lengths
+    q0, q1 = spec.quantized_len(n0), spec.quantized_len(n1)
+    T = positions_BT.shape[1]
+    n_blocks = -(-T // U)  # q1 - q0 < T + U, so at most ceil(T / U) blocks leave per call
+    # Positions leaving the window, gathered from (old window ++ new tokens) in full precision.
+    p_BP = q0[:, None] + jnp.arange(n_blocks * U)[None, :]
+    src_BP = jnp.clip(jnp.where(p_BP < n0[:, None], p_BP % R, R + p_BP - n0[:, None]), 0, R + T - 1)
+    blk = q0[:, None] // U + jnp.arange(n_blocks)[None, :]
+    blk_BN = jnp.where((jnp.arange(n_blocks)[None, :] + 1) * U <= (q1 - q0)[:, None], blk,
+                       spec.history // U)  # beyond the history: dropped
+    # New tokens that stay in the window go to slot p mod R (the rest never enter it).
+    stay = (positions_BT >= 0) & (positions_BT >= q1[:, None])
+    wslot_BT = jnp.where(stay, positions_BT % R, R)
+
+    def update(codec, hist, win, new_LBKTD):
+      src = jnp.concatenate([win, new_LBKTD.astype(win.dtype)], axis=3)
+      out_LBKPD = jnp.take_along_axis(src, src_BP[None, :, None, :, None], axis=3)
+      hist = jax.tree.map(_scatter_blocks(blk_BN), hist, codec.encode(out_LBKPD, spec.cache_cfg))
+      win = _scatter(wslot_BT)(win, spec.window_codec.encode(new_LBKTD))
+      return hist, win
+
+    k, k_win = update(spec.kc, cache.k, cache.k_win, k_LBKTD)
+    v, v_win = update(spec.vc, cache.v, cache.v_win, v_LBKTD)
+    return dataclasses.replace(cache, k=k, v=v, k_win=k_win, v_win=v_win, lengths=lengths)
 
   def closed_form_bytes(self, spec: CacheSpec) -> int:
     per_token = (spec.kc.bytes_per_token(spec.n_kv_heads, spec.head_dim, spec.cache_cfg)
                  + spec.vc.bytes_per_token(spec.n_kv_heads, spec.head_dim, spec.cache_cfg))
-    return int(round(spec.n_layers * spec.batch * spec.capacity * per_token)) + 4 * spec.batch
+    window = 2 * spec.residual * spec.window_codec.bytes_per_token(spec.n_kv_heads, spec.head_dim)
+    return int(round(spec.n_layers * spec.batch * (spec.history * per_token + window))) \
+        + 4 * spec.batch
+
+
+def _scatter(slots_BT):
+  """store [L, B, K, S, ...] <- new [L, B, K, T, ...], token t to slot slots_BT[b, t]."""
+  def put(store, new):
+    rows = jnp.arange(new.shape[1])[:, None]
+    return store.at[:, rows, :, slots_BT].set(jnp.moveaxis(new, (1, 3), (0, 1)), mode="drop")
+  return put
+
+
+def _scatter_blocks(blk_BN):
+  """Like `_scatter`, for leaves holding N encoded blocks: block j goes to block blk_BN[b, j]."""
+  def put(store, new):
+    N = blk_BN.shape[1]
+    L, B, K, rows = new.shape[:4]
+    r = rows // N  # leaf rows per block (U codes rows, or 1 scale row for a channel codec)
+    store5 = store.reshape(L, B, K, store.shape[3] // r, r, *store.shape[4:])
+    new5 = new.reshape(L, B, K, N, r, *new.shape[4:])
+    out = _scatter(blk_BN)(store5, new5)
+    return out.reshape(store.shape)
+  return put
 
 
 LAYOUTS: dict[str, Layout] = {"none": NoCache(), "contiguous": Contiguous()}

@@ -6,7 +6,17 @@ and slice any codec the same way); `qk` and `pv` are the attention's two reads, 
 quantized codec can fold its scales into the logits and probabilities instead of
 materialising a full-precision copy of the cache.
 
-Adding a codec = one class here (or in its own module) + one `register()` call.
+Adding a codec = one class here (or in its own module) + one `register()` call. The
+quantized codecs (int8/int4/int2, fp8_e4m3/fp8_e5m2) live in `kvjax.quant`, imported at the
+bottom of this module so the registry is always complete.
+
+Registry codecs are generic; `for_role(name, cache_cfg, "k"|"v")` returns the instance a
+cache actually uses, with the granularity knobs of `cache_cfg` (group size, key axis)
+bound in, so `encode`/`qk`/`pv` never need the config again.
+
+Non-finite input: the float codecs propagate NaN and +-Inf unchanged (a cast), and
+saturate finite values at the storage type's largest finite value, so finite input
+never becomes Inf (fp16 would otherwise overflow above 65504, bf16 just below 2**128).
 """
 
 from __future__ import annotations
@@ -41,6 +51,10 @@ class Codec:
   name: str
   dtype: Any = jnp.float32
 
+  # Tokens encoded together (1: every token is encoded on its own). A layout writes a
+  # codec's storage in whole blocks of this many tokens.
+  token_block = 1
+
   # -- storage -------------------------------------------------------------------------
   def init(self, shape_XSD: tuple[int, ...], cache_cfg=None) -> Any:
     """Zeroed storage for `shape[..., S, D]` tokens."""
@@ -48,7 +62,11 @@ class Codec:
 
   def encode(self, x_XTD: jax.Array, cache_cfg=None) -> Any:
     """Encode a block of vectors; the result has the same pytree structure as `init`."""
-    return x_XTD.astype(self.dtype)
+    if jnp.dtype(self.dtype) == jnp.float32:
+      return x_XTD.astype(self.dtype)
+    fmax = float(jnp.finfo(self.dtype).max)
+    x = x_XTD.astype(jnp.float32)
+    return jnp.where(jnp.isfinite(x), jnp.clip(x, -fmax, fmax), x).astype(self.dtype)
 
   def decode(self, enc: Any, dtype=jnp.float32) -> jax.Array:
     """Full-precision view (tests and reference paths only; attention uses qk/pv)."""
@@ -76,6 +94,56 @@ register(Codec("fp16", jnp.float16))
 
 DTYPE_TO_CODEC = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
+
+def for_role(name: str, cache_cfg=None, role: str = "v") -> "Codec":
+  """The codec instance a cache uses for K (`role="k"`) or V, knobs from `cache_cfg` bound.
+
+  Codecs with granularity knobs define `configure(cache_cfg, role)`; the float codecs have
+  none and are returned as registered.
+  """
+  codec = get(name)
+  configure = getattr(codec, "configure", None)
+  return codec if configure is None or cache_cfg is None else configure(cache_cfg, role)
+
+def _token_slice(enc: Any, start, size: int, S: int) -> Any:
+  """Tokens [start, start + size) of every leaf (a leaf may hold one row per S // rows tokens)."""
+  def cut(a):
+    per = S // a.shape[-2]
+    return jax.lax.dynamic_slice_in_dim(a, start // per, size // per, axis=a.ndim - 2)
+  return jax.tree.map(cut, enc)
+
+
+def _plan(enc: Any, block: int, chunk: int) -> tuple[int, int, int]:
+  S = jax.tree.leaves(enc)[0].shape[-2]
+  C = max(block, chunk // block * block)
+  return S, C, S // C
+
+
+def read_qk(qk_block: Callable, q_BKGTD: jax.Array, enc: Any, block: int, chunk: int):
+  """Logits over all stored tokens, computed `chunk` tokens at a time (a loop, not unrolled),
+  so whatever `qk_block` widens is chunk-sized, never cache-sized."""
+  S, C, n = _plan(enc, block, chunk)
+  if S <= C:
+    return qk_block(q_BKGTD, enc)
+  out = jnp.zeros(q_BKGTD.shape[:-1] + (S,), jnp.float32)
+  put = lambda o, i, size: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+      o, qk_block(q_BKGTD, _token_slice(enc, i * C, size, S)), i * C, axis=4)
+  out = jax.lax.fori_loop(0, n, lambda i, o: put(o, i, C), out)
+  return put(out, n, S - n * C) if S % C else out
+
+
+def read_pv(pv_block: Callable, p_BKGTS: jax.Array, enc: Any, block: int, chunk: int):
+  """Probability-weighted values, accumulated `chunk` stored tokens at a time."""
+  S, C, n = _plan(enc, block, chunk)
+  if S <= C:
+    return pv_block(p_BKGTS, enc)
+  part = lambda i, size: pv_block(  # noqa: E731
+      jax.lax.dynamic_slice_in_dim(p_BKGTS, i * C, size, axis=4), _token_slice(enc, i * C, size, S))
+  shape = jax.eval_shape(part, 0, C).shape
+  out = jax.lax.fori_loop(0, n, lambda i, acc: acc + part(i, C), jnp.zeros(shape, jnp.float32))
+  return out + part(n, S - n * C) if S % C else out
+
+
 # Extra cache-config checks that codecs need (e.g. group sizes); codec modules append.
 CACHE_CHECKS: list[Callable] = []
 
@@ -83,3 +151,6 @@ CACHE_CHECKS: list[Callable] = []
 def check_cache_config(cache_cfg, model_cfg) -> None:
   for check in CACHE_CHECKS:
     check(cache_cfg, model_cfg)
+
+
+from kvjax import quant  # noqa: E402,F401  (registers the quantized codecs and their checks)

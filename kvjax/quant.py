@@ -1,0 +1,280 @@
+"""Quantized cache codecs: int8 (symmetric), int4 / int2 (asymmetric, packed), fp8 e4m3 / e5m2.
+
+Every codec stores a dict of leaves, each with the token axis at -2:
+  codes [..., T, D * bits / 8]  int8 | packed uint8 | float8
+  scale [..., T, n] (per token, n = D / group_size groups along head_dim)
+        or [..., T / U, D] (`axis="channel"`: one scale per channel per U tokens, KIVI keys)
+  zero  like scale, asymmetric codecs only.
+
+Math (x̂ is what the attention effectively reads; s, z the *stored* scale and zero):
+  int8      x̂ = s * c,            c = round(x / s) in [-127, 127], s >= max|x| / 127
+  int4/int2 x̂ = z + (c - h) * s,  c in [0, 2h], h = (2^bits - 1) / 2, z = group midpoint
+  fp8       x̂ = s * c,            c = fp8(x / s), s >= max|x| / fp8_max
+So |x - x̂| <= s/2 for the integer codecs and <= max(2^-(m+1) |x|, s * 2^(e_min - m - 1))
+for fp8 (m mantissa bits, e_min the smallest normal exponent). The codes are computed
+against the stored (rounded) scale and zero, so the bounds hold for what is stored.
+
+Decisions, and why:
+  - Scales and zeros are bfloat16: it has float32's exponent range, so the scale of any
+    finite input is representable (fp16 overflows at 65504 and underflows at 6e-8); its
+    8-bit mantissa costs nothing in accuracy because the scale is rounded *up* before the
+    codes are computed (the clipping range always covers the group) and the zero is
+    rounded before the codes too. Two bytes halve fp32's metadata (int4, D=128, whole-head
+    groups: 64 payload + 4 metadata bytes per vector).
+  - fp8 carries a per-token (per-group) scale: unscaled e4m3 turns values above 448 into
+    NaN and flushes |x| < 2^-9 to zero; with the scale the error is purely relative at
+    2 bytes per head vector (1.6% at D=128).
+  - The asymmetric zero is the group midpoint, so z + (c - h) * s never overflows even for
+    inputs near float32's limits (min + c * s would).
+  - Scales are floored at the smallest normal float32, so all-zero and constant groups
+    get a finite scale (no 0/0).
+  - Non-finite input propagates, as with the fp32 cache: a group holding a NaN or +-Inf
+    stores scale (and zero) = NaN, so the whole group reads back as NaN and the attention
+    shows it; other groups are unaffected. Nothing is silently clamped away.
+
+Reading never dequantizes the cache: per-token scales are folded into the logits (K) and
+the probabilities (V); channel scales are folded into the query (K). Codes are widened
+only `READ_CHUNK` tokens at a time (a loop over the token axis), because XLA:CPU
+materializes a converted operand of a dot: without chunking the widened codes would be a
+full-precision copy of the layer's cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import codecs
+from kvjax.errors import KvjaxError
+
+SCALE_DTYPE = jnp.bfloat16
+SCALE_BYTES = 2
+TINY = float(jnp.finfo(jnp.float32).tiny)         # smallest normal float32: the scale floor
+_UP = 1.0 + 2.0 ** -7                             # bf16 rounds within 2^-8: this rounds up
+_BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
+READ_CHUNK = 512                                  # tokens widened at once on the read path
+
+
+def pack(codes: jax.Array, bits: int) -> jax.Array:
+  """Pack codes < 2**bits along the last axis into uint8 in planes: byte j holds the codes
+  of elements j, j + D/p, j + 2D/p, ... (p = 8 / bits), so unpacking is a concatenation."""
+  per = 8 // bits
+  codes = codes.astype(jnp.uint8)
+  if per == 1:
+    return codes
+  *lead, D = codes.shape
+  planes = codes.reshape(*lead, per, D // per)
+  shifts = (jnp.arange(per, dtype=jnp.uint8) * bits)[:, None]
+  return jnp.sum(planes << shifts, axis=-2, dtype=jnp.uint8)  # disjoint bits: sum == or
+
+
+def unpack(packed: jax.Array, bits: int) -> jax.Array:
+  """Inverse of `pack`: uint8 [..., D * bits / 8] -> uint8 codes [..., D]."""
+  per = 8 // bits
+  if per == 1:
+    return packed
+  *lead, W = packed.shape
+  shifts = (jnp.arange(per, dtype=jnp.uint8) * bits)[:, None]
+  planes = (packed[..., None, :] >> shifts) & jnp.uint8(2 ** bits - 1)
+  return planes.reshape(*lead, per * W)
+
+
+def _round_up_bf16(s: jax.Array) -> jax.Array:
+  """A bfloat16 value >= s (s >= 0, finite): bf16's round-to-nearest loses < 2^-8."""
+  return jnp.minimum(s * _UP, _BF16_MAX).astype(SCALE_DTYPE)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledCodec(codecs.Codec):
+  """Codes plus per-group scales (and zeros). `dtype` is the stored code type."""
+
+  kind: str = "int"      # int: symmetric | uint: asymmetric, packed | fp8
+  bits: int = 8
+  group: int = 0         # token axis: elements per group along head_dim (0: whole head)
+                         # channel axis: tokens per scale group (U)
+  axis: str = "token"    # token | channel
+
+  @property
+  def asym(self) -> bool:
+    return self.kind == "uint"
+
+  @property
+  def half(self) -> float:
+    return (2 ** self.bits - 1) / 2
+
+  @property
+  def token_block(self) -> int:
+    return self.group if self.axis == "channel" else 1
+
+  def configure(self, cache_cfg, role: str) -> "ScaledCodec":
+    axis = cache_cfg.k_axis if role == "k" else "token"
+    return dataclasses.replace(self, group=cache_cfg.group_size, axis=axis)
+
+  # -- storage -------------------------------------------------------------------------
+  def init(self, shape_XSD, cache_cfg=None):
+    shapes = jax.eval_shape(self.encode, jax.ShapeDtypeStruct(tuple(shape_XSD), jnp.float32))
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+  def encode(self, x_XTD: jax.Array, cache_cfg=None) -> dict:
+    x = x_XTD.astype(jnp.float32)
+    *lead, T, D = x.shape
+    finite = jnp.isfinite(x)
+    x = jnp.where(finite, x, 0.0)
+    if self.axis == "channel":
+      U = self.group
+      if T % U:
+        raise KvjaxError(f"channel-axis codec encodes whole groups of {U} tokens, got {T}")
+      grouped, red = (*lead, T // U, U, D), -2
+    else:
+      g = self.group or D
+      grouped, red = (*lead, T, D // g, g), -1
+    xg = x.reshape(grouped)
+    ok = jnp.all(finite.reshape(grouped), axis=red, keepdims=True)
+    codes, scale, zero = self._quantize(xg, red)
+    nan = jnp.array(jnp.nan, SCALE_DTYPE)
+    out = {"codes": codes.reshape(*lead, T, D),
+           "scale": jnp.squeeze(jnp.where(ok, scale, nan), red)}
+    if self.kind == "uint":
+      out["codes"] = pack(out["codes"], self.bits)
+      out["zero"] = jnp.squeeze(jnp.where(ok, zero, nan), red)
+    return out
+
+  def _quantize(self, xg, red):
+    if self.asym:
+      mx, mn = jnp.max(xg, red, keepdims=True), jnp.min(xg, red, keepdims=True)
+      zero = jnp.clip(mx / 2 + mn / 2, -_BF16_MAX, _BF16_MAX).astype(SCALE_DTYPE)
+      zf = zero.astype(jnp.float32)
+      reach = jnp.maximum(mx - zf, zf - mn)
+      scale = _round_up_bf16(jnp.maximum(reach / self.half, TINY))
+      c = jnp.round((xg - zf) / scale.astype(jnp.float32) + self.half)
+      return jnp.clip(c, 0, 2 * self.half).astype(jnp.uint8), scale, zero
+    qmax = 127.0 if self.kind == "int" else float(jnp.finfo(self.dtype).max)
+    amax = jnp.max(jnp.abs(xg), red, keepdims=True)
+    scale = _round_up_bf16(jnp.maximum(amax / qmax, TINY))
+    y = jnp.clip(xg / scale.astype(jnp.float32), -qmax, qmax)
+    codes = jnp.round(y).astype(jnp.int8) if self.kind == "int" else y.astype(self.dtype)
+    return codes, scale, None
+
+  def codes(self, enc: dict, dtype=jnp.float32) -> jax.Array:
+    """The integer / fp8 code of every element, widened to `dtype`: [..., T, D]."""
+    raw = enc["codes"]
+    return (unpack(raw, self.bits) if self.asym else raw).astype(dtype)
+
+  def decode(self, enc: dict, dtype=jnp.float32) -> jax.Array:
+    """Dequantize everything (reference and tests only; the attention uses qk/pv)."""
+    c = self.codes(enc)
+    T, D = c.shape[-2:]
+    rep, ax = (T // enc["scale"].shape[-2], -2) if self.axis == "channel" else \
+        (D // enc["scale"].shape[-1], -1)
+    widen = lambda a: jnp.repeat(a.astype(jnp.float32), rep, axis=ax)  # noqa: E731
+    if self.asym:
+      return (widen(enc["zero"]) + (c - self.half) * widen(enc["scale"])).astype(dtype)
+    return (c * widen(enc["scale"])).astype(dtype)
+
+  def bytes_per_token(self, n_kv_heads: int, head_dim: int, cache_cfg=None) -> float:
+    meta = SCALE_BYTES * (2 if self.asym else 1)
+    if self.axis == "channel":
+      meta_per_token = meta * head_dim / self.group
+    else:
+      meta_per_token = meta * head_dim // (self.group or head_dim)
+    return n_kv_heads * (head_dim * self.bits / 8 + meta_per_token)
+
+  # -- the attention's reads -----------------------------------------------------------
+  def qk(self, q_BKGTD, k_enc):
+    return codecs.read_qk(self._qk_block, q_BKGTD, k_enc, self.token_block, READ_CHUNK)
+
+  def pv(self, p_BKGTS, v_enc):
+    return codecs.read_pv(self._pv_block, p_BKGTS, v_enc, self.token_block, READ_CHUNK)
+
+  def _parts(self, enc, dtype):
+    """Codes widened to `dtype`, scale and the asymmetric offset z - h*s (float32)."""
+    scale = enc["scale"].astype(jnp.float32)
+    off = enc["zero"].astype(jnp.float32) - self.half * scale if self.asym else None
+    return self.codes(enc, dtype), scale, off
+
+  def _qk_block(self, q_BKGTD, enc):
+    """Logits over a block of C stored tokens, scales folded in: [B, K, G, T, C]."""
+    c_BKCD, s, off = self._parts(enc, q_BKGTD.dtype)
+    B, K, G, T, D = q_BKGTD.shape
+    C = c_BKCD.shape[-2]
+    f32 = jnp.float32
+    if self.axis == "channel":  # s, off [B, K, J, D]: scale the query once per token group
+      J = s.shape[-2]
+      qs_BKGTJD = (q_BKGTD[:, :, :, :, None].astype(f32) * s[:, :, None, None]).astype(q_BKGTD.dtype)
+      l = jnp.einsum("bkgtjd,bkjud->bkgtju", qs_BKGTJD, c_BKCD.reshape(B, K, J, C // J, D),
+                     preferred_element_type=f32)
+      if off is not None:
+        l = l + jnp.einsum("bkgtd,bkjd->bkgtj", q_BKGTD.astype(f32), off)[..., None]
+      return l.reshape(B, K, G, T, C)
+    n = s.shape[-1]  # per-token scales [B, K, C, n]: fold into the logits per group
+    qn = q_BKGTD.reshape(B, K, G, T, n, D // n)
+    l = jnp.einsum("bkgtnd,bksnd->bkgtsn", qn, c_BKCD.reshape(B, K, C, n, D // n),
+                   preferred_element_type=f32)
+    l = jnp.einsum("bkgtsn,bksn->bkgts", l, s)
+    if off is not None:
+      l = l + jnp.einsum("bkgtn,bksn->bkgts", jnp.sum(qn.astype(f32), -1), off)
+    return l
+
+  def _pv_block(self, p_BKGTC, enc):
+    """Probability-weighted values of a block of C tokens, scales folded into p: [B,K,G,T,D]."""
+    c_BKCD, s, off = self._parts(enc, jnp.float32)
+    B, K, G, T, C = p_BKGTC.shape
+    D = c_BKCD.shape[-1]
+    p = p_BKGTC.astype(jnp.float32)
+    if self.axis == "channel":  # s, off [B, K, J, D]
+      J = s.shape[-2]
+      pj = p.reshape(B, K, G, T, J, C // J)
+      t = jnp.einsum("bkgtju,bkjud->bkgtjd", pj, c_BKCD.reshape(B, K, J, C // J, D))
+      out = jnp.einsum("bkgtjd,bkjd->bkgtd", t, s)
+      if off is not None:
+        out = out + jnp.einsum("bkgtj,bkjd->bkgtd", jnp.sum(pj, -1), off)
+      return out
+    n = s.shape[-1]
+    ps = p[..., None] * s[:, :, None, None]  # [B, K, G, T, C, n]
+    out = jnp.einsum("bkgtsn,bksnd->bkgtnd", ps, c_BKCD.reshape(B, K, C, n, D // n))
+    if off is not None:
+      out = out + jnp.einsum("bkgts,bksn->bkgtn", p, off)[..., None]
+    return out.reshape(B, K, G, T, D)
+
+
+codecs.register(ScaledCodec("int8", jnp.int8, kind="int", bits=8))
+codecs.register(ScaledCodec("int4", jnp.uint8, kind="uint", bits=4))
+codecs.register(ScaledCodec("int2", jnp.uint8, kind="uint", bits=2))
+codecs.register(ScaledCodec("fp8_e4m3", jnp.float8_e4m3fn, kind="fp8", bits=8))
+codecs.register(ScaledCodec("fp8_e5m2", jnp.float8_e5m2, kind="fp8", bits=8))
+
+
+def check_cache(c, m) -> None:
+  """Config checks for the quantized codecs (hooked into `config.validate`)."""
+  D, g = m.D, c.group_size
+  for role in ("k", "v"):
+    name = getattr(c, f"{role}_codec")
+    codec = codecs.CODECS.get(name)
+    if not isinstance(codec, ScaledCodec):
+      continue
+    axis = c.k_axis if role == "k" else "token"
+    if axis == "token" and g and D % g:
+      raise KvjaxError(f"cache.group_size={g} does not divide head_dim={D} (cache.{role}_codec="
+                       f"{name} groups along head_dim); use a divisor of {D}, or 0 for whole heads")
+    per = 8 // codec.bits
+    if D % per:
+      raise KvjaxError(f"{name} packs {per} values per byte but head_dim={D} is not a multiple "
+                       f"of {per}; choose another codec")
+  if c.k_axis == "channel":
+    if not isinstance(codecs.CODECS.get(c.k_codec), ScaledCodec):
+      raise KvjaxError(f"cache.k_axis=channel needs a quantized cache.k_codec (int8, int4, int2, "
+                       f"fp8_e4m3, fp8_e5m2), got '{c.k_codec}'; or set cache.k_axis=token")
+    if not g:
+      raise KvjaxError("cache.k_axis=channel needs cache.group_size (tokens per key-scale "
+                       "group, e.g. 32)")
+    if not c.residual:
+      raise KvjaxError(f"cache.k_axis=channel needs a full-precision residual window: set "
+                       f"cache.residual to a multiple of cache.group_size={g} (e.g. {2 * g})")
+  if c.residual and g and c.k_axis == "channel" and c.residual % g:
+    raise KvjaxError(f"cache.residual={c.residual} must be a multiple of cache.group_size={g} "
+                     f"with cache.k_axis=channel; e.g. cache.residual={max(g, c.residual // g * g)}")
+
+
+codecs.CACHE_CHECKS.append(check_cache)

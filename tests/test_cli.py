@@ -8,7 +8,8 @@ import pytest
 
 from kvjax import cli
 
-QUICK = ["--set", "model.n_layers=1", "--set", "model.d_model=32", "--set", "model.n_heads=4"]
+QUICK = ["--set", "model.n_layers=1", "--set", "model.d_model=32", "--set", "model.n_heads=4",
+         "--set", "model.n_kv_heads=2"]
 
 
 def run_cli(capsys, *argv):

@@ -1,0 +1,141 @@
+"""Orbax checkpoints with the resolved config saved beside them.
+
+A checkpoint folder holds:
+
+    config.yaml          the fully resolved config the weights belong to (written atomically)
+    steps/<step>/        orbax items: `params`, optionally `opt_state`, and `meta` (JSON)
+
+Orbax writes each step into a temporary folder and renames it when complete, so a crash
+mid-save leaves the previous step intact; `latest_step` only sees finished steps, and
+training resumes from there. `load(dir)` returns `(cfg, params)` for any consumer
+(`kvjax generate --checkpoint`, the quality and uptrain experiments).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import yaml
+
+from kvjax import config as config_lib
+from kvjax.config import Config
+from kvjax.errors import KvjaxError
+
+logging.getLogger("absl").setLevel(logging.ERROR)  # orbax logs every save at INFO
+
+
+def _ocp():
+  import orbax.checkpoint as ocp  # heavy import: only when a checkpoint is touched
+  return ocp
+
+
+def _manager(out_dir: Path, keep: int = 2, read_only: bool = False):
+  ocp = _ocp()
+  opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
+                                      enable_async_checkpointing=False, read_only=read_only)
+  return ocp.CheckpointManager(Path(out_dir).absolute() / "steps", options=opts)
+
+
+def write_config(out_dir: str | Path, cfg: Config) -> None:
+  """Atomically write the resolved config (tmp file + rename)."""
+  out = Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  tmp = out / "config.yaml.tmp"
+  tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=True))
+  os.replace(tmp, out / "config.yaml")
+
+
+def read_config(ckpt_dir: str | Path, overrides: dict | None = None) -> Config:
+  path = Path(ckpt_dir) / "config.yaml"
+  if not path.is_file():
+    raise KvjaxError(f"{ckpt_dir} has no config.yaml, so it is not a kvjax checkpoint; "
+                     "point --checkpoint at a folder written by `kvjax train --out DIR`")
+  try:
+    data = yaml.safe_load(path.read_text())
+  except yaml.YAMLError:
+    raise KvjaxError(f"{path} is corrupt (unreadable YAML); retrain or restore the file") from None
+  cfg = config_lib.from_dict(_nested(data))
+  return config_lib.apply_overrides(cfg, overrides) if overrides else cfg
+
+
+def _nested(data: Any) -> dict:
+  """config.yaml holds `to_dict()` output; grid/params/rope_scaling are plain mappings."""
+  if not isinstance(data, dict):
+    raise KvjaxError("checkpoint config.yaml is not a mapping; retrain or restore the file")
+  return data
+
+
+def save(out_dir: str | Path, cfg: Config, params: Any, step: int, opt_state: Any = None,
+         meta: dict | None = None, keep: int = 2) -> Path:
+  """Save one step (params, optimizer state, JSON meta) and the resolved config beside it."""
+  ocp = _ocp()
+  write_config(out_dir, cfg)
+  items = {"params": ocp.args.StandardSave(params),
+           "meta": ocp.args.JsonSave({"step": int(step), **(meta or {})})}
+  if opt_state is not None:
+    items["opt_state"] = ocp.args.StandardSave(opt_state)
+  mngr = _manager(Path(out_dir), keep)
+  mngr.save(int(step), args=ocp.args.Composite(**items), force=True)
+  mngr.wait_until_finished()
+  mngr.close()
+  return Path(out_dir)
+
+
+def latest_step(ckpt_dir: str | Path) -> int | None:
+  if not (Path(ckpt_dir) / "steps").is_dir():
+    return None
+  mngr = _manager(Path(ckpt_dir), read_only=True)
+  step = mngr.latest_step()
+  mngr.close()
+  return step
+
+
+def restore(ckpt_dir: str | Path, params_like: Any = None, opt_state_like: Any = None,
+            step: int | None = None) -> dict:
+  """Restore {params, opt_state?, meta} at `step` (default: latest finished step).
+
+  `*_like` are abstract trees (e.g. from `jax.eval_shape`) giving structure and dtypes;
+  without them params come back as the saved nested dicts.
+  """
+  ocp = _ocp()
+  ckpt_dir = Path(ckpt_dir)
+  if not ckpt_dir.is_dir():
+    raise KvjaxError(f"checkpoint folder {ckpt_dir} not found; train one with "
+                     f"`kvjax train CONFIG.yaml --out {ckpt_dir}`")
+  step = latest_step(ckpt_dir) if step is None else step
+  if step is None:
+    raise KvjaxError(f"{ckpt_dir} holds no finished checkpoint step; retrain with "
+                     f"`kvjax train CONFIG.yaml --out {ckpt_dir}`")
+  items = {"params": ocp.args.StandardRestore(params_like), "meta": ocp.args.JsonRestore()}
+  if opt_state_like is not None:
+    items["opt_state"] = ocp.args.StandardRestore(opt_state_like)
+  mngr = _manager(ckpt_dir, read_only=True)
+  try:
+    out = mngr.restore(step, args=ocp.args.Composite(**items))
+  except Exception as e:  # orbax/tensorstore raise many types for damaged files
+    msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+    raise KvjaxError(f"checkpoint {ckpt_dir} step {step} is corrupt or incomplete ({msg}); "
+                     "delete that step folder to fall back to an earlier one, or retrain") from None
+  finally:
+    mngr.close()
+  return {k: out[k] for k in items}
+
+
+def load(ckpt_dir: str | Path, overrides: dict | None = None) -> tuple[Config, Any]:
+  """(config, params) of the latest step; params are checked against the config's shapes."""
+  from kvjax import model
+
+  cfg = read_config(ckpt_dir, overrides)
+  abstract = jax.eval_shape(lambda: model.init_params(cfg.model, cfg.seed))
+  got = restore(ckpt_dir)["params"]
+  want_shapes = jax.tree.map(lambda x: tuple(x.shape), abstract)
+  got_shapes = jax.tree.map(lambda x: tuple(x.shape), got)
+  if want_shapes != got_shapes:
+    raise KvjaxError(f"checkpoint {ckpt_dir} parameters do not match its config's model shape "
+                     "(a --set that changes model.* shapes?); drop the override or retrain")
+  params = jax.tree.map(lambda a, x: jax.numpy.asarray(x, a.dtype), abstract, got)
+  return cfg, params

@@ -1,0 +1,217 @@
+"""Training and evaluation data: a built-in text corpus, user text, and associative recall.
+
+The built-in corpus (`stdlib`) is text that ships with every Python install, so it needs
+no download: the standard library's own `.py` sources (tests excluded) plus the bundled
+documentation topics (`pydoc_data.topics`). Documents are split into train/validation
+*by document*, with a hash of the document name, so the split is deterministic, disjoint
+and stable when files are added or removed. Tokens are bytes (`kvjax.tokenizer`,
+vocab 256 + specials); each document starts with BOS.
+
+The associative-recall task (multi-query, after Zoology's MQAR) puts key-value pairs at
+the start of a sequence, filler text in the middle and queries at the end; a query is a
+key and the answer is its value. Keys and values are bytes >= 128, which are removed from
+the filler text (non-ASCII bytes become spaces), so the answer can only come from the pairs: accuracy vs context length
+is the sharpest probe of what a cache loses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+from kvjax.errors import KvjaxError
+from kvjax.tokenizer import BOS
+
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".yaml", ".yml", ".toml", ".cfg",
+                 ".html", ".c", ".h", ".csv", ".tex", ".js", ".ts", ".rs", ".go", ".java")
+KEYS = np.arange(128, 192, dtype=np.int32)     # 64 key bytes
+VALUES = np.arange(192, 256, dtype=np.int32)   # 64 value bytes (chance = 1/64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+  """Token streams (int32, BOS-separated documents) for the two splits."""
+
+  name: str
+  train: np.ndarray
+  validation: np.ndarray
+  train_docs: tuple[str, ...]
+  validation_docs: tuple[str, ...]
+
+  def split(self, name: str) -> np.ndarray:
+    if name not in ("train", "validation"):
+      raise KvjaxError(f"unknown split '{name}'; use train or validation")
+    return self.train if name == "train" else self.validation
+
+
+def is_validation(doc_name: str, val_fraction: float) -> bool:
+  """Hash-based assignment: the same name always lands in the same split."""
+  h = int.from_bytes(hashlib.sha1(doc_name.encode()).digest()[:8], "big")
+  return (h % 10_000) < val_fraction * 10_000
+
+
+def stdlib_documents() -> dict[str, bytes]:
+  """{name: utf-8 bytes} for the standard library sources and the bundled doc topics."""
+  root = Path(sysconfig.get_paths()["stdlib"])
+  docs: dict[str, bytes] = {}
+  for path in sorted(root.rglob("*.py")):
+    rel = path.relative_to(root).as_posix()
+    parts = rel.split("/")
+    if parts[0] in ("site-packages", "test", "dist-packages") or "tests" in parts \
+        or "idle_test" in parts:
+      continue
+    try:
+      docs[rel] = path.read_bytes()
+    except OSError:
+      continue
+  try:
+    from pydoc_data import topics
+    for name in sorted(topics.topics):
+      docs[f"pydoc_data/topics/{name}"] = topics.topics[name].encode("utf-8")
+  except ImportError:  # some distributions strip pydoc_data; the sources still suffice
+    pass
+  if not docs:
+    raise KvjaxError(f"no Python sources found under {root}; pass train.data=PATH to a text "
+                     "file or folder")
+  return docs
+
+
+def folder_documents(path: Path) -> dict[str, bytes]:
+  files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+  if not files:
+    raise KvjaxError(f"no text files ({', '.join(TEXT_SUFFIXES[:5])}, ...) under {path}; "
+                     "point train.data at a text file or a folder of them")
+  return {p.relative_to(path).as_posix(): p.read_bytes() for p in files}
+
+
+def _stream(docs: list[bytes]) -> np.ndarray:
+  if not docs:
+    return np.zeros((0,), np.int32)
+  parts = []
+  for d in docs:
+    parts.append(np.array([BOS], np.int32))
+    parts.append(np.frombuffer(d, np.uint8).astype(np.int32))
+  return np.concatenate(parts)
+
+
+@functools.lru_cache(maxsize=4)
+def load_corpus(source: str = "stdlib", val_fraction: float = 0.05) -> Corpus:
+  """The corpus named by `train.data`: `stdlib`, a text file, or a folder of text files.
+
+  Folders (and the stdlib) split by document; a single file splits by position (its last
+  `val_fraction` of bytes is validation), since one document cannot be split by name.
+  """
+  if source == "stdlib":
+    docs = stdlib_documents()
+  else:
+    path = Path(source).expanduser()
+    if path.is_file():
+      data = path.read_bytes()
+      if len(data) < 64:
+        raise KvjaxError(f"{path} holds {len(data)} bytes; training needs more text")
+      cut = int(len(data) * (1 - val_fraction))
+      return Corpus(str(path), _stream([data[:cut]]), _stream([data[cut:]]),
+                    (path.name + "[train]",), (path.name + "[validation]",))
+    if not path.is_dir():
+      raise KvjaxError(f"train.data '{source}' is neither 'stdlib' nor an existing file or folder")
+    docs = folder_documents(path)
+  val = [n for n in docs if is_validation(n, val_fraction)]
+  train = [n for n in docs if not is_validation(n, val_fraction)]
+  if not val or not train:  # tiny folders: hold out the last document by name
+    names = sorted(docs)
+    if len(names) < 2:
+      raise KvjaxError(f"{source} has one document; pass the file itself to split it by position")
+    train, val = names[:-1], names[-1:]
+  return Corpus(source, _stream([docs[n] for n in train]), _stream([docs[n] for n in val]),
+                tuple(train), tuple(val))
+
+
+def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
+  """Entropy (nats) of the token frequencies: the loss of the best context-free model."""
+  counts = np.bincount(tokens, minlength=vocab_size).astype(np.float64)
+  p = counts[counts > 0] / counts.sum()
+  return float(-(p * np.log(p)).sum())
+
+
+def windows(stream: np.ndarray, batch: int, seq_len: int, rng: np.random.Generator) -> np.ndarray:
+  """`batch` random windows of `seq_len + 1` tokens (inputs and shifted targets)."""
+  n = len(stream) - seq_len - 1
+  if n <= 0:
+    raise KvjaxError(f"the corpus split holds {len(stream)} tokens, fewer than seq_len+1="
+                     f"{seq_len + 1}; lower train.seq_len or add text")
+  starts = rng.integers(0, n, size=batch)
+  return np.stack([stream[s:s + seq_len + 1] for s in starts])
+
+
+def eval_windows(stream: np.ndarray, n: int, seq_len: int) -> np.ndarray:
+  """`n` fixed, evenly spaced windows of `seq_len + 1` tokens (the same every call)."""
+  limit = len(stream) - seq_len - 1
+  if limit <= 0:
+    raise KvjaxError(f"the validation split holds {len(stream)} tokens, fewer than seq_len+1="
+                     f"{seq_len + 1}; lower the sequence length or add text")
+  starts = np.linspace(0, limit, n).astype(np.int64)
+  return np.stack([stream[s:s + seq_len + 1] for s in starts])
+
+
+# -- associative recall -------------------------------------------------------------------
+def recall_example(rng: np.random.Generator, length: int, n_pairs: int, n_queries: int,
+                   filler: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """One sequence of `length` tokens and a mask of the answer positions (the targets).
+
+  Layout: BOS, k1 v1 ... kN vN, filler, q1 a1 ... qM aM. `mask[t]` is True where token t
+  is an answer, i.e. the prediction made at t-1 is scored.
+  """
+  need = 1 + 2 * n_pairs + 2 * n_queries
+  if length < need:
+    raise KvjaxError(f"recall context {length} is shorter than the {need} tokens that "
+                     f"{n_pairs} pairs and {n_queries} queries need; raise the context")
+  if n_pairs > len(KEYS):
+    raise KvjaxError(f"recall n_pairs={n_pairs} exceeds the {len(KEYS)} distinct keys")
+  keys = rng.choice(KEYS, size=n_pairs, replace=False)
+  vals = rng.choice(VALUES, size=n_pairs, replace=True)
+  pick = rng.integers(0, n_pairs, size=n_queries)
+  n_fill = length - need
+  if filler is not None and len(filler) > n_fill + 1:
+    s = rng.integers(0, len(filler) - n_fill)
+    fill = np.where(filler[s:s + n_fill] >= 128, 32, filler[s:s + n_fill])  # keys/values only
+  else:
+    fill = rng.integers(32, 127, size=n_fill)  # printable ASCII noise
+  seq = np.concatenate([[BOS], np.stack([keys, vals], 1).ravel(), fill,
+                        np.stack([keys[pick], vals[pick]], 1).ravel()]).astype(np.int32)
+  mask = np.zeros(length, bool)
+  mask[length - 2 * n_queries + 1::2] = True
+  return seq, mask
+
+
+def recall_batch(rng: np.random.Generator, batch: int, length: int, n_pairs: int,
+                 n_queries: int, filler: np.ndarray | None = None):
+  seqs, masks = zip(*[recall_example(rng, length, n_pairs, n_queries, filler)
+                      for _ in range(batch)])
+  return np.stack(seqs), np.stack(masks)
+
+
+def training_batch(corpus: Corpus, rng: np.random.Generator, batch: int, seq_len: int,
+                   recall_mix: float = 0.0, n_pairs: int = 8, n_queries: int = 8):
+  """Inputs [B, T], targets [B, T] and a loss mask [B, T] for one training step.
+
+  A fraction `recall_mix` of rows are recall sequences (loss on answers only) of random
+  length, right-padded into the window; the rest are text windows (loss everywhere).
+  """
+  win = windows(corpus.train, batch, seq_len, rng)
+  mask = np.ones((batch, seq_len + 1), bool)
+  mask[:, 0] = False
+  n_recall = int(round(recall_mix * batch))
+  need = 1 + 2 * n_pairs + 2 * n_queries
+  for i in range(n_recall):
+    L = int(rng.integers(need, seq_len + 2))
+    seq, m = recall_example(rng, L, n_pairs, n_queries, corpus.train)
+    win[i] = 0
+    win[i, :L] = seq
+    mask[i] = False
+    mask[i, :L] = m
+  return win[:, :-1], win[:, 1:], mask[:, 1:]

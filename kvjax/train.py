@@ -1,0 +1,193 @@
+"""Training: `kvjax train FILE.yaml --out DIR`.
+
+optax AdamW (decoupled weight decay on matrices only) with linear warmup and cosine decay
+to `lr * min_lr_ratio`, global-norm gradient clipping, and one jit-compiled step. The
+batch for step s is drawn from an RNG seeded by (seed, s), so a resumed run sees exactly
+the batches an uninterrupted one would have. Checkpoints (kvjax.checkpoint) are saved
+every `checkpoint_every` steps and at the end; rerunning the same command resumes from
+the latest one. `log.jsonl` gets one row per log/eval point and `summary.json` the final
+validation loss next to the validation unigram entropy (the bar a model must clear).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from kvjax import checkpoint, data
+from kvjax import config as config_lib
+from kvjax.config import Config, ModelConfig
+from kvjax.errors import KvjaxError
+from kvjax.model import Transformer, init_params
+
+
+def schedule(cfg: Config) -> optax.Schedule:
+  t = cfg.train
+  warmup = min(t.warmup, max(t.steps - 1, 0))
+  return optax.warmup_cosine_decay_schedule(0.0, t.lr, warmup, max(t.steps, warmup + 1),
+                                            end_value=t.lr * t.min_lr_ratio)
+
+
+def optimizer(cfg: Config) -> optax.GradientTransformation:
+  """AdamW + clipping; one object per distinct schedule, so jit reuses the compiled step."""
+  t = cfg.train
+  return _optimizer(t.lr, t.min_lr_ratio, t.warmup, t.steps, t.weight_decay, t.b1, t.b2,
+                    t.grad_clip)
+
+
+@functools.lru_cache(maxsize=16)
+def _optimizer(lr, min_lr_ratio, warmup, steps, weight_decay, b1, b2, grad_clip):
+  t = config_lib.TrainConfig(lr=lr, min_lr_ratio=min_lr_ratio, warmup=warmup, steps=steps,
+                             weight_decay=weight_decay, b1=b1, b2=b2, grad_clip=grad_clip)
+  cfg = Config(train=t)
+  decay_mask = lambda p: jax.tree_util.tree_map_with_path(  # noqa: E731
+      lambda path, _: getattr(path[-1], "key", "") in ("kernel", "embedding"), p)
+  return optax.chain(optax.clip_by_global_norm(t.grad_clip),
+                     optax.adamw(schedule(cfg), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
+                                 mask=decay_mask))
+
+
+def loss_fn(params, model_cfg: ModelConfig, inputs_BT, targets_BT, mask_BT):
+  """Masked mean next-token cross-entropy (nats) of the full forward pass."""
+  B, T = inputs_BT.shape
+  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  logits, _ = Transformer(model_cfg).apply({"params": params}, inputs_BT, positions, None)
+  nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets_BT)
+  m = mask_BT.astype(jnp.float32)
+  return jnp.sum(nll * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg", "opt"))
+def train_step(params, opt_state, inputs, targets, mask, *, model_cfg: ModelConfig, opt):
+  loss, grads = jax.value_and_grad(loss_fn)(params, model_cfg, inputs, targets, mask)
+  updates, opt_state = opt.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss, optax.global_norm(grads)
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg",))
+def eval_loss(params, inputs, targets, mask, *, model_cfg: ModelConfig):
+  return loss_fn(params, model_cfg, inputs, targets, mask)
+
+
+def validation_loss(cfg: Config, params, corpus: data.Corpus, n_windows: int | None = None,
+                    seq_len: int | None = None) -> float:
+  """Mean loss over fixed, evenly spaced validation windows (the same every call)."""
+  t = cfg.train
+  T = seq_len or t.seq_len
+  n = n_windows or t.eval_batches * t.batch
+  win = data.eval_windows(corpus.validation, n, T)
+  losses = []
+  for i in range(0, n, t.batch):
+    w = win[i:i + t.batch]
+    losses.append(float(eval_loss(params, w[:, :-1], w[:, 1:], np.ones_like(w[:, 1:], bool),
+                                  model_cfg=cfg.model)) * len(w))
+  return sum(losses) / n
+
+
+def _check(cfg: Config) -> None:
+  t = cfg.train
+  for name in ("steps", "batch", "seq_len", "eval_every", "eval_batches", "checkpoint_every",
+               "log_every"):
+    if getattr(t, name) <= 0:
+      raise KvjaxError(f"train.{name} must be positive, got {getattr(t, name)}")
+  if t.lr <= 0 or t.grad_clip <= 0:
+    raise KvjaxError("train.lr and train.grad_clip must be positive")
+  if not 0.0 <= t.recall_mix <= 1.0:
+    raise KvjaxError(f"train.recall_mix must be in [0, 1], got {t.recall_mix}")
+  if t.seq_len > cfg.model.max_seq_len:
+    raise KvjaxError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len="
+                     f"{cfg.model.max_seq_len}; lower one or raise the other")
+  if cfg.model.vocab_size < 257:
+    raise KvjaxError("byte-level training needs model.vocab_size >= 257 (256 bytes + BOS)")
+
+
+def _log(out_dir: Path, row: dict) -> None:
+  with open(out_dir / "log.jsonl", "a") as f:
+    f.write(json.dumps(row) + "\n")
+
+
+def train(cfg: Config, out_dir: str | Path, params: Any = None, progress: bool = True) -> dict:
+  """Train (or resume) `cfg` into `out_dir`; `params` seeds a fresh run (uptraining)."""
+  from tqdm import tqdm
+
+  _check(cfg)
+  t = cfg.train
+  out_dir = Path(out_dir)
+  corpus = data.load_corpus(t.data)
+  opt = optimizer(cfg)
+  start = 0
+  last = checkpoint.latest_step(out_dir)
+  if last is not None:  # resume: same config, params, optimizer state and step
+    params_like = jax.eval_shape(lambda: init_params(cfg.model, cfg.seed))
+    has_opt = (out_dir / "steps" / str(last) / "opt_state").is_dir()
+    got = checkpoint.restore(out_dir, params_like,
+                             jax.eval_shape(opt.init, params_like) if has_opt else None)
+    params, start = got["params"], int(got["meta"]["step"])
+    # a converted checkpoint holds weights only: its optimizer starts fresh
+    opt_state = got["opt_state"] if has_opt else opt.init(params)
+  else:
+    params = init_params(cfg.model, cfg.seed) if params is None else params
+    params = jax.tree.map(jnp.array, params)  # own copies: the step donates them
+    opt_state = opt.init(params)
+  checkpoint.write_config(out_dir, cfg)
+
+  t0 = time.perf_counter()
+  tokens_seen, tick, tick_tokens = 0, time.perf_counter(), 0
+  loss = float("nan")
+  val = None
+  bar = tqdm(range(start, t.steps), initial=start, total=t.steps, disable=not progress,
+             desc=cfg.name or "train", dynamic_ncols=True)
+  for step in bar:
+    rng = np.random.default_rng([cfg.seed, step])
+    inputs, targets, mask = data.training_batch(corpus, rng, t.batch, t.seq_len, t.recall_mix,
+                                                t.recall_pairs, t.recall_pairs)
+    params, opt_state, loss_a, gnorm = train_step(params, opt_state, inputs, targets, mask,
+                                                  model_cfg=cfg.model, opt=opt)
+    tick_tokens += inputs.size
+    tokens_seen += inputs.size
+    done = step + 1
+    if done % t.log_every == 0 or done == t.steps:
+      loss = float(loss_a)
+      now = time.perf_counter()
+      tps = tick_tokens / (now - tick)
+      tick, tick_tokens = now, 0
+      bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
+      row = {"step": done, "loss": loss, "grad_norm": float(gnorm), "tokens_per_s": tps,
+             "lr": float(schedule(cfg)(step)), "elapsed_s": now - t0}
+      if done % t.eval_every == 0 or done == t.steps:
+        val = validation_loss(cfg, params, corpus)
+        row["val_loss"] = val
+        bar.write(f"step {done}: loss {loss:.4f}  val_loss {val:.4f}  {tps:,.0f} tok/s")
+      _log(out_dir, row)
+    if done % t.checkpoint_every == 0 and done != t.steps:
+      checkpoint.save(out_dir, cfg, params, done, opt_state)
+  bar.close()
+  if val is None:
+    val = validation_loss(cfg, params, corpus)
+  checkpoint.save(out_dir, cfg, params, t.steps, opt_state, meta={"val_loss": val})
+  summary = {"steps": t.steps, "resumed_from": start, "train_loss": loss, "val_loss": val,
+             "unigram_entropy": data.unigram_entropy(corpus.validation, cfg.model.vocab_size),
+             "wall_s": time.perf_counter() - t0, "tokens": tokens_seen,
+             "params": int(sum(x.size for x in jax.tree_util.tree_leaves(params))),
+             "variant": cfg.model.variant, "data": t.data}
+  (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+  summary["final_params"] = params
+  return summary
+
+
+def train_file(path: str, overrides: list[str] | None, out_dir: str) -> dict:
+  cfg = config_lib.load(path, overrides)
+  out = train(cfg, out_dir)
+  print(f"{cfg.model.variant}: val_loss {out['val_loss']:.4f} nats "
+        f"(unigram entropy {out['unigram_entropy']:.4f}) after {out['steps']} steps, "
+        f"{out['wall_s']:.1f} s; checkpoint in {out_dir}")
+  out.pop("final_params")
+  return out

@@ -1,0 +1,82 @@
+"""MHA -> GQA/MQA conversion by mean-pooling K/V projection heads (Ainslie et al. 2023).
+
+Query head h reads KV head h // G (kvjax.attention groups heads as [K, G]), so old KV
+heads i*P .. i*P+P-1 (P = K_old // K_new) serve exactly the query heads that new KV head
+i will serve; averaging their K and V projections (kernels and biases) is the GQA
+paper's best initialisation, and with P = 1 it is the identity. Queries, outputs and the
+MLP are unchanged. The converted model is then usually uptrained for a few percent of
+its original steps (experiments/uptrain.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import config as config_lib
+from kvjax.config import Config
+from kvjax.errors import KvjaxError
+
+
+def check_target(model_cfg, kv_heads: int) -> None:
+  K = model_cfg.n_kv_heads
+  if kv_heads <= 0 or kv_heads > K or K % kv_heads:
+    divisors = [d for d in range(1, K + 1) if K % d == 0]
+    raise KvjaxError(f"cannot pool {K} KV heads into {kv_heads}; --kv-heads must divide {K}: "
+                     f"one of {divisors}")
+
+
+def _pool(x: jax.Array, K: int, K_new: int, D: int) -> jax.Array:
+  """Average groups of heads along the last axis ([..., K*D] -> [..., K_new*D])."""
+  lead = x.shape[:-1]
+  x = x.reshape(*lead, K_new, K // K_new, D).astype(jnp.float32)
+  return x.mean(axis=-2).reshape(*lead, K_new * D)
+
+
+def mean_pool(cfg: Config, params: Any, kv_heads: int) -> tuple[Config, Any]:
+  """(config with model.n_kv_heads = kv_heads, params with pooled k_proj/v_proj)."""
+  m = cfg.model
+  check_target(m, kv_heads)
+  layers = dict(params["layers"])
+  for name in ("k_proj", "v_proj"):
+    proj = dict(layers[name])
+    for leaf in ("kernel", "bias"):
+      if leaf in proj:
+        proj[leaf] = _pool(proj[leaf], m.n_kv_heads, kv_heads, m.D).astype(proj[leaf].dtype)
+    layers[name] = proj
+  new_params = {**params, "layers": layers}
+  new_cfg = config_lib.apply_overrides(cfg, {"model.n_kv_heads": kv_heads})
+  return new_cfg, new_params
+
+
+def _load_source(args) -> tuple[Config, Any]:
+  over = config_lib.parse_set(getattr(args, "set", None))
+  if args.checkpoint:
+    from kvjax import checkpoint
+    return checkpoint.load(args.checkpoint, overrides=over)
+  try:
+    from kvjax import hf
+  except ImportError:
+    raise KvjaxError("--hf conversion needs kvjax.hf (Hugging Face import), which this install "
+                     "lacks; convert a kvjax checkpoint with --checkpoint DIR instead") from None
+  return hf.load(args.hf, overrides=over)
+
+
+def convert_cli(args) -> dict:
+  """`kvjax convert (--checkpoint DIR | --hf DIR) --kv-heads K --out DIR`."""
+  from kvjax import checkpoint
+
+  cfg, params = _load_source(args)
+  before = cfg.model.variant
+  new_cfg, new_params = mean_pool(cfg, params, args.kv_heads)
+  out = Path(args.out)
+  if checkpoint.latest_step(out) is not None:
+    raise KvjaxError(f"{out} already holds a checkpoint; choose a new --out folder")
+  checkpoint.save(out, new_cfg, new_params, step=0,
+                  meta={"converted_from": str(args.checkpoint or args.hf), "method": "mean_pool"})
+  print(f"converted {before} -> {new_cfg.model.variant} (mean-pooled K/V heads); "
+        f"checkpoint in {out}")
+  return {"from": before, "to": new_cfg.model.variant, "out": str(out)}

@@ -1,0 +1,279 @@
+"""Hugging Face checkpoint import: Llama, Qwen2 and Mistral folders into a kvjax Config + params.
+
+    cfg = hf.load_config("path/to/folder")            # config.json only (kvjax size --hf)
+    cfg, params = hf.load("path/to/folder", {...})    # plus *.safetensors (kvjax generate --hf)
+
+No torch at run time: tensors are read with `safetensors.safe_open(framework="np")`
+(bf16 arrives as an `ml_dtypes.bfloat16` array), one file or shards listed by
+`model.safetensors.index.json`. Per-layer tensors are stacked on the leading layer axis
+of the scanned model and torch Linear weights [out, in] become Dense kernels [in, out].
+
+Everything kvjax does not implement fails loudly with one line, because a checkpoint that
+loads but computes a different function is worse than one that does not load: rope types
+other than default/llama3, bias on o_proj or the MLP, partial rotary, non-SiLU MLPs,
+unexpected tensors. Sliding-window attention (Mistral, Qwen2 with use_sliding_window) is
+honoured exactly by capping `model.max_seq_len` at the window: with at most `window`
+tokens in a sequence the window never excludes anything (HF masks key j for query i only
+when i - j >= window), and `decode.check_request` rejects longer requests on the host.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from kvjax import config as config_lib
+from kvjax.config import Config
+from kvjax.errors import KvjaxError
+
+FAMILIES = ("llama", "mistral", "qwen2")
+_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# Tensors that carry no weights kvjax needs (older checkpoints saved RoPE buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_hf_config(folder: str | Path) -> dict:
+  """The folder's config.json as a dict, with one-line errors for a bad folder."""
+  folder = Path(folder)
+  if not folder.is_dir():
+    raise KvjaxError(f"Hugging Face folder not found: {folder}; pass the checkpoint directory")
+  path = folder / "config.json"
+  if not path.is_file():
+    raise KvjaxError(f"{folder} has no config.json; pass a Hugging Face checkpoint folder")
+  try:
+    data = json.loads(path.read_text())
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise KvjaxError(f"malformed {path}: {str(e).splitlines()[0]}") from None
+  if not isinstance(data, dict):
+    raise KvjaxError(f"malformed {path}: expected a JSON object")
+  return data
+
+
+def _rope(hf: dict) -> tuple[float, tuple]:
+  """(rope_theta, kvjax rope_scaling pairs) from either the old (`rope_theta` +
+  `rope_scaling`) or the transformers-5 (`rope_parameters`) form of config.json."""
+  params = dict(hf.get("rope_scaling") or {})
+  params.update(hf.get("rope_parameters") or {})
+  theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+  kind = params.get("rope_type", params.get("type", "default"))
+  if params.get("partial_rotary_factor", 1.0) != 1.0 or hf.get("partial_rotary_factor", 1.0) != 1.0:
+    raise KvjaxError("partial_rotary_factor != 1 is not supported by kvjax's RoPE")
+  if kind == "default":
+    return theta, ()
+  if kind != "llama3":
+    raise KvjaxError(f"rope scaling type '{kind}' is not supported (kvjax implements default "
+                     "and llama3); use a checkpoint without it")
+  params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+  missing = [k for k in _LLAMA3_KEYS if params.get(k) is None]
+  if missing:
+    raise KvjaxError(f"llama3 rope scaling in config.json lacks {', '.join(missing)}")
+  pairs = [("rope_type", "llama3")] + [(k, float(params[k])) for k in _LLAMA3_KEYS]
+  return theta, tuple(sorted(pairs))
+
+
+def sliding_window(hf: dict) -> int | None:
+  """The attention window the HF model applies to some layer, or None when it has none."""
+  window = hf.get("sliding_window")
+  if not window:
+    return None
+  if hf.get("model_type") == "qwen2":
+    types = hf.get("layer_types")
+    if types is not None:
+      return int(window) if "sliding_attention" in types else None
+    if not hf.get("use_sliding_window", False):
+      return None
+    n, first = hf["num_hidden_layers"], hf.get("max_window_layers", 0)
+    return int(window) if first < n else None
+  return int(window)
+
+
+def _need(hf: dict, key: str):
+  if hf.get(key) is None:
+    raise KvjaxError(f"config.json lacks '{key}'; the checkpoint folder is incomplete")
+  return hf[key]
+
+
+def config_overrides(hf: dict) -> dict:
+  """Dotted kvjax config keys for an HF config dict (raises on anything unsupported)."""
+  kind = hf.get("model_type")
+  if kind not in FAMILIES:
+    raise KvjaxError(f"unsupported model_type '{kind}'; kvjax imports {', '.join(FAMILIES)}")
+  act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+  if act != "silu":
+    raise KvjaxError(f"hidden_act '{act}' is not supported; kvjax's MLP is SwiGLU (silu)")
+  if hf.get("attention_bias"):
+    raise KvjaxError("attention_bias=true (bias on o_proj) is not supported; kvjax has q/k/v bias only")
+  if hf.get("mlp_bias"):
+    raise KvjaxError("mlp_bias=true is not supported; kvjax's MLP has no bias")
+  if hf.get("pretraining_tp", 1) not in (1, None):
+    raise KvjaxError(f"pretraining_tp={hf['pretraining_tp']} is not supported; set it to 1")
+  E, H = _need(hf, "hidden_size"), _need(hf, "num_attention_heads")
+  theta, scaling = _rope(hf)
+  max_len = int(_need(hf, "max_position_embeddings"))
+  window = sliding_window(hf)
+  if window is not None:
+    max_len = min(max_len, window)
+  return {
+      "model.vocab_size": _need(hf, "vocab_size"),
+      "model.d_model": E,
+      "model.n_layers": _need(hf, "num_hidden_layers"),
+      "model.n_heads": H,
+      "model.n_kv_heads": hf.get("num_key_value_heads") or H,
+      "model.head_dim": hf.get("head_dim") or E // H,
+      "model.d_ff": _need(hf, "intermediate_size"),
+      "model.rope_theta": theta,
+      "model.rope_scaling": dict(scaling),
+      "model.norm_eps": hf.get("rms_norm_eps", 1e-6),
+      "model.qkv_bias": kind == "qwen2",
+      "model.tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+      "model.max_seq_len": max_len,
+      "model.dtype": "float32",
+      "model.param_dtype": "float32",
+  }
+
+
+def load_config(folder: str | Path, overrides: dict | None = None) -> Config:
+  """A kvjax Config for the checkpoint folder (fp32 compute unless overridden)."""
+  folder = Path(folder)
+  hf = read_hf_config(folder)
+  tok = folder / "tokenizer.json"
+  base = {**config_overrides(hf), "tokenizer": str(tok) if tok.is_file() else "none",
+          "name": f"hf-{hf['model_type']}-{folder.name}"}
+  cfg = config_lib.apply_overrides(Config(), base)
+  if overrides:
+    cfg = config_lib.apply_overrides(cfg, overrides)
+  window = sliding_window(hf)
+  if window is not None and cfg.model.max_seq_len > window:
+    raise KvjaxError(f"model.max_seq_len={cfg.model.max_seq_len} exceeds the checkpoint's "
+                     f"sliding_window={window}, which kvjax does not implement; keep it <= {window}")
+  return cfg
+
+
+# -- tensors ------------------------------------------------------------------------------
+def _tensor_files(folder: Path) -> dict[str, Path]:
+  """tensor name -> safetensors file, from the shard index or the single file(s)."""
+  index = folder / "model.safetensors.index.json"
+  if index.is_file():
+    try:
+      weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+      raise KvjaxError(f"malformed {index}: expected a 'weight_map' object") from None
+    for name in sorted(set(weight_map.values())):
+      if not (folder / name).is_file():
+        raise KvjaxError(f"shard {name} listed in {index.name} is missing from {folder}")
+    return {k: folder / v for k, v in weight_map.items()}
+  files = sorted(folder.glob("*.safetensors"))
+  if not files:
+    raise KvjaxError(f"{folder} has no *.safetensors weights; save the model with "
+                     "save_pretrained(..., safe_serialization=True)")
+  from safetensors import safe_open
+  out = {}
+  for f in files:
+    try:
+      with safe_open(str(f), framework="np") as st:
+        out.update({k: f for k in st.keys()})
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+      raise KvjaxError(f"cannot read {f}: {str(e).splitlines()[0]}") from None
+  return out
+
+
+class _Reader:
+  """Lazy tensor access across files, keeping each file open once."""
+
+  def __init__(self, files: dict[str, Path]):
+    self.files, self._open, self.used = files, {}, set()
+
+  def __contains__(self, name: str) -> bool:
+    return name in self.files
+
+  def get(self, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
+    from safetensors import safe_open
+
+    if name not in self.files:
+      raise KvjaxError(f"tensor '{name}' is missing from the checkpoint; the folder is "
+                       "incomplete or config.json does not match the weights")
+    path = self.files[name]
+    if path not in self._open:
+      try:
+        self._open[path] = safe_open(str(path), framework="np")
+      except Exception as e:  # noqa: BLE001  (corrupt or truncated file)
+        raise KvjaxError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
+    handle = self._open[path]
+    got = tuple(handle.get_slice(name).get_shape())
+    if got != shape:
+      raise KvjaxError(f"tensor '{name}' has shape {list(got)} but config.json implies "
+                       f"{list(shape)}; the weights do not match the config")
+    self.used.add(name)
+    arr = handle.get_tensor(name)
+    if arr.dtype not in (np.float32, np.float16, ml_dtypes.bfloat16):
+      raise KvjaxError(f"tensor '{name}' has dtype {arr.dtype}; kvjax reads float32/float16/bfloat16")
+    return arr.astype(dtype)
+
+
+def _prefix(files: dict[str, Path]) -> str:
+  """'model.' for *ForCausalLM checkpoints, '' for bare *Model ones."""
+  return "model." if any(k.startswith("model.") for k in files) else ""
+
+
+def read_params(folder: str | Path, cfg: Config) -> dict:
+  """Params in the layout of `kvjax.model.Transformer`, cast to `model.param_dtype`."""
+  m = cfg.model
+  reader = _Reader(_tensor_files(Path(folder)))
+  pre = _prefix(reader.files)
+  dtype = _DTYPES[m.param_dtype]
+  E, H, K, D, F, V = m.d_model, m.n_heads, m.n_kv_heads, m.D, m.F, m.vocab_size
+  # name -> (HF shape of one layer's tensor, transpose to [in, out])
+  linear = {"self_attn.q_proj": (H * D, E), "self_attn.k_proj": (K * D, E),
+            "self_attn.v_proj": (K * D, E), "self_attn.o_proj": (E, H * D),
+            "mlp.gate_proj": (F, E), "mlp.up_proj": (F, E), "mlp.down_proj": (E, F)}
+
+  def stacked(suffix, shape, transpose=False):
+    arrs = [reader.get(f"{pre}layers.{i}.{suffix}", shape, dtype) for i in range(m.n_layers)]
+    return np.stack([a.T if transpose else a for a in arrs])
+
+  layers = {}
+  for hf_name, shape in linear.items():
+    short = hf_name.split(".")[1]
+    layers[short] = {"kernel": stacked(f"{hf_name}.weight", shape, transpose=True)}
+    if m.qkv_bias and short in ("q_proj", "k_proj", "v_proj"):
+      layers[short]["bias"] = stacked(f"{hf_name}.bias", (shape[0],))
+  for norm in ("input_layernorm", "post_attention_layernorm"):
+    layers[norm] = {"weight": stacked(f"{norm}.weight", (E,))}
+  params = {"embed_tokens": {"embedding": reader.get(f"{pre}embed_tokens.weight", (V, E), dtype)},
+            "layers": layers, "norm": {"weight": reader.get(f"{pre}norm.weight", (E,), dtype)}}
+  if not m.tie_embeddings:
+    params["lm_head"] = {"kernel": reader.get("lm_head.weight", (V, E), dtype).T}
+  leftover = [k for k in reader.files if k not in reader.used
+              and not k.endswith(_IGNORED_SUFFIXES) and not (m.tie_embeddings and k == "lm_head.weight")]
+  if leftover:
+    raise KvjaxError(f"checkpoint tensor '{leftover[0]}' (and {len(leftover) - 1} more) has no "
+                     "place in kvjax's model; an unsupported feature (bias, extra layer)?")
+  return params
+
+
+def load(folder: str | Path, overrides: dict | None = None) -> tuple[Config, dict]:
+  """(Config, params as jax arrays) for a Hugging Face checkpoint folder."""
+  cfg = load_config(folder, overrides)
+  params = read_params(folder, cfg)
+  _check_tree(cfg, params)
+  return cfg, jax.tree_util.tree_map(jnp.asarray, params)
+
+
+def _check_tree(cfg: Config, params: dict) -> None:
+  """The imported tree must be exactly what the model initialises (names, shapes)."""
+  from kvjax.model import Transformer
+
+  tokens = jax.ShapeDtypeStruct((1, 2), jnp.int32)
+  want = jax.eval_shape(Transformer(cfg.model).init, jax.random.PRNGKey(0), tokens, tokens)
+  want = jax.tree_util.tree_map(lambda x: tuple(x.shape), want["params"])
+  got = jax.tree_util.tree_map(lambda x: tuple(x.shape), params)
+  if want != got:
+    raise KvjaxError("imported parameter tree does not match kvjax's model for this config; "
+                     "did --set change a model shape key?")
+

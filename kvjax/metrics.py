@@ -74,3 +74,63 @@ def peak_bytes() -> int | None:
   except Exception:  # backends without memory stats raise various errors
     return None
   return None if not stats else stats.get("peak_bytes_in_use")
+
+
+class DecodeTimer:
+  """Compiled prefill + decode for one config and shape, timed one repeat at a time.
+
+  Both programs donate the cache, so every repeat allocates a fresh cache *outside* the
+  timed region. `once()` returns (ttft_s, decode_s); several timers can be called in
+  turn (`bench_interleaved`) so that A-vs-B ratios share the same machine noise.
+  """
+
+  def __init__(self, cfg, params, tokens_BT, lengths_B, steps: int, capacity: int = 0):
+    from kvjax import cache as cache_lib, decode  # decode imports the model; keep it lazy
+
+    self.steps = max(int(steps), 1)
+    B, T = tokens_BT.shape
+    self.capacity = capacity or T + self.steps + 1
+    sampler = decode.Sampler.from_config(cfg)
+    self._key = jax.random.PRNGKey(cfg.seed)
+    self._args = (params, tokens_BT, lengths_B)
+    self._fresh = lambda: jax.block_until_ready(cache_lib.init_cache(cfg, B, self.capacity))
+    t0 = time.perf_counter()
+    self._pre = decode.prefill.lower(params, tokens_BT, lengths_B, self._fresh(), self._key,
+                                     cfg=cfg, sampler=sampler).compile()
+    tok, _, c = self._pre(params, tokens_BT, lengths_B, self._fresh(), self._key)
+    self._dec = decode.decode.lower(params, c, tok, self._key, cfg=cfg, sampler=sampler,
+                                    steps=self.steps).compile()
+    self.compile_s = time.perf_counter() - t0
+    self.cache_bytes = None
+
+  def once(self) -> tuple[float, float]:
+    params, tokens_BT, lengths_B = self._args
+    c = self._fresh()
+    t0 = time.perf_counter()
+    tok, _, c = self._pre(params, tokens_BT, lengths_B, c, self._key)
+    jax.block_until_ready((tok, c))
+    t1 = time.perf_counter()
+    toks, c = self._dec(params, c, tok, self._key)
+    jax.block_until_ready((toks, c))
+    t2 = time.perf_counter()
+    self.cache_bytes = tree_bytes(c)
+    return t1 - t0, (t2 - t1) / self.steps
+
+
+def bench_interleaved(timers: dict, repeats: int = 5, warmup: int = 1) -> dict:
+  """Round-robin repeats over named DecodeTimers; per name: TTFT/TPOT medians and spreads."""
+  samples = {name: ([], []) for name in timers}
+  for i in range(warmup + repeats):
+    for name, timer in timers.items():
+      ttft, tpot = timer.once()
+      if i >= warmup:
+        samples[name][0].append(ttft)
+        samples[name][1].append(tpot)
+  out = {}
+  for name, (ttfts, tpots) in samples.items():
+    a, b = summarize(ttfts), summarize(tpots)
+    out[name] = {"ttft_s": a["median"], "ttft_s_iqr": a["iqr"], "tpot_s": b["median"],
+                 "tpot_s_iqr": b["iqr"], "tpot_s_min": b["min"], "repeats": b["n"],
+                 "compile_s": timers[name].compile_s, "cache_bytes": timers[name].cache_bytes,
+                 "peak_bytes": peak_bytes()}
+  return out

@@ -1,0 +1,66 @@
+"""Experiments run by `kvjax run FILE.yaml`: one module per experiment name.
+
+Each module defines `run_cell(cfg) -> list[dict]` (rows with `variant`, `workload` and
+`metrics` dicts; the runner adds the rest) and may define `check(cfg)`, host-side limits
+checked for every cell before any cell runs, and `summary(rows) -> list[dict]`, the
+flat records of the table printed at the end. The helpers below are what several
+experiments share; the library (`kvjax/`) never imports this package.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+
+from kvjax import config as config_lib
+from kvjax.errors import KvjaxError
+
+MODELS_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
+
+
+@functools.lru_cache(maxsize=2)
+def random_params(model_cfg: config_lib.ModelConfig, seed: int):
+  """Random weights: speed and memory do not depend on their values. Cached across cells."""
+  from kvjax import model
+  return model.init_params(model_cfg, seed)
+
+
+def prompts(cfg: config_lib.Config, batch: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+  """Full-length random prompts [B, T] and their lengths [B] (seeded by cfg.seed)."""
+  rng = np.random.default_rng(cfg.seed)
+  tokens = rng.integers(0, cfg.model.vocab_size, size=(batch, length), dtype=np.int32)
+  return tokens, np.full((batch,), length, np.int32)
+
+
+def variant(cfg: config_lib.Config, **extra) -> dict:
+  """What identifies the cache variant in a results row."""
+  m, c = cfg.model, cfg.cache
+  codec = c.k_codec if c.k_codec == c.v_codec else f"K{c.k_codec}/V{c.v_codec}"
+  return {"variant": m.variant, "attention": m.attention, "heads": m.n_heads,
+          "kv_heads": m.n_kv_heads, "k_codec": c.k_codec, "v_codec": c.v_codec, "codec": codec,
+          "layout": c.layout, **extra}
+
+
+def bytes_per_token(cfg: config_lib.Config) -> float:
+  """Closed-form cache bytes one token takes across all layers (K + V, codec metadata in)."""
+  from kvjax import codecs
+  m, c = cfg.model, cfg.cache
+  return m.n_layers * (codecs.get(c.k_codec).bytes_per_token(m.n_kv_heads, m.D, c)
+                       + codecs.get(c.v_codec).bytes_per_token(m.n_kv_heads, m.D, c))
+
+
+def load_shape(name: str) -> config_lib.Config:
+  """A real model shape: `configs/models/<name>.yaml`, or a path to such a file."""
+  path = Path(name) if name.endswith((".yaml", ".yml")) else MODELS_DIR / f"{name}.yaml"
+  if not path.is_file():
+    known = ", ".join(sorted(p.stem for p in MODELS_DIR.glob("*.yaml")))
+    raise KvjaxError(f"unknown model shape '{name}'; use one of {known} or a path to a YAML file")
+  return config_lib.load(path)
+
+
+def check_context(cfg: config_lib.Config, tokens: int) -> None:
+  if tokens > cfg.model.max_seq_len:
+    raise KvjaxError(f"{tokens} tokens exceed model.max_seq_len={cfg.model.max_seq_len}; "
+                     "raise model.max_seq_len or shorten the context")

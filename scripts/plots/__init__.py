@@ -1,0 +1,121 @@
+"""Shared plot style: one colour per attention variant and one line style per codec,
+the same in every plot, so a reader learns the legend once. Plots read results rows only.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
+
+# Colour per variant, by name (tab10 colours). GQA-<k> by its kv-head count.
+VARIANT_COLORS = {"MHA": "#1f77b4", "MQA": "#d62728", "GQA-2": "#2ca02c", "GQA-4": "#9467bd",
+                  "GQA-8": "#ff7f0e", "GQA-16": "#8c564b", "GQA-32": "#e377c2"}
+_SPARE = ["#17becf", "#bcbd22", "#7f7f7f", "#8c564b", "#e377c2"]
+# Line style and marker per codec.
+CODEC_STYLES = {"fp32": ("-", "o"), "bf16": ("--", "s"), "fp16": ("-.", "D"),
+                "fp8_e4m3": ((0, (1, 1)), "^"), "fp8_e5m2": ((0, (1, 1)), "v"),
+                "int8": ((0, (5, 1)), "P"), "int4": ((0, (3, 1, 1, 1)), "X"),
+                "int2": ((0, (1, 2)), "*")}
+LAYOUT_COLORS = {"none": "#444444", "contiguous": "#1f77b4", "paged": "#2ca02c"}
+
+
+def variant_color(name: str) -> str:
+  if name in VARIANT_COLORS:
+    return VARIANT_COLORS[name]
+  return _SPARE[zlib.crc32(name.encode()) % len(_SPARE)]
+
+
+def codec_style(name: str) -> tuple:
+  return CODEC_STYLES.get(name, ("-", "."))
+
+
+def variant_order(name: str) -> tuple:
+  """MHA, then GQA by decreasing kv heads, then MQA: from most to least cache."""
+  if name == "MHA":
+    return (0, 0)
+  if name.startswith("GQA-"):
+    return (1, -int(name[4:]) if name[4:].isdigit() else 0)
+  return (2, 0) if name == "MQA" else (3, name)
+
+
+def codec_order(name: str) -> int:
+  order = list(CODEC_STYLES)
+  return order.index(name) if name in order else len(order)
+
+
+def load_rows(results_dir: str | Path) -> dict[str, list[dict]]:
+  """Rows of every *.jsonl under a folder, grouped by experiment (torn lines skipped)."""
+  out: dict[str, list[dict]] = {}
+  for path in sorted(Path(results_dir).rglob("*.jsonl")):
+    for line in path.read_text().splitlines():
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:
+        continue
+      if isinstance(row, dict) and "experiment" in row and "metrics" in row:
+        out.setdefault(row["experiment"], []).append(row)
+  return out
+
+
+def human_bytes(n: float, _pos=None) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+    if abs(n) < 1024 or unit == "PiB":
+      return f"{n:.3g} {unit}"
+    n /= 1024
+  return str(n)
+
+
+BYTES = FuncFormatter(human_bytes)
+TOKENS = FuncFormatter(lambda n, _pos=None: f"{n / 1024:g}k" if n >= 1024 else f"{n:g}")
+
+
+def log2_axis(axis, formatter=None, every: int = 1) -> None:
+  """Log base-2 scale with ticks every `every` powers of two and readable labels."""
+  from matplotlib.ticker import LogLocator, NullFormatter
+  (axis.axes.set_xscale if axis.axis_name == "x" else axis.axes.set_yscale)("log", base=2)
+  axis.set_major_locator(LogLocator(base=2 ** every))
+  axis.set_minor_formatter(NullFormatter())
+  if formatter is not None:
+    axis.set_major_formatter(formatter)
+
+
+def legend_handles(variants: list[str], codecs: list[str], extra=None) -> list:
+  handles = [Line2D([], [], color=variant_color(v), lw=2.5, label=v) for v in variants]
+  if len(codecs) > 1 or extra:
+    handles += [Line2D([], [], color="black", ls=codec_style(c)[0], marker=codec_style(c)[1],
+                       label=c) for c in codecs]
+  return handles + (extra or [])
+
+
+def legends(ax, variants: list[str], codecs: list[str], loc: str = "best", extra=None) -> None:
+  """Two legends: colour = attention variant, line style = codec."""
+  handles = legend_handles(variants, codecs, extra)
+  ax.legend(handles=handles, loc=loc, fontsize=8, ncol=2 if len(handles) > 6 else 1)
+
+
+def subtitle(rows: list[dict]) -> str:
+  """Model shape and device, from the first row: the conditions every number holds under."""
+  r = rows[0]
+  m = r.get("config", {}).get("model", {})
+  env = r.get("env", {})
+  shape = f"L={m.get('n_layers')} E={m.get('d_model')} H={m.get('n_heads')}" if m else ""
+  return f"{shape}  {env.get('backend', '?')}: {env.get('device_kind', '?')}"
+
+
+def save(fig, out_dir: Path, stem: str) -> list[Path]:
+  out_dir.mkdir(parents=True, exist_ok=True)
+  paths = [out_dir / f"{stem}.png", out_dir / f"{stem}.svg"]
+  if not fig.get_layout_engine():
+    fig.tight_layout()
+  fig.savefig(paths[0], dpi=110)
+  fig.savefig(paths[1])
+  plt.close(fig)
+  return paths

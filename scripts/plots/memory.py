@@ -1,0 +1,120 @@
+"""Plots of the `memory` experiment: cache bytes vs context (measured vs closed form),
+bytes per token per variant and codec, and max concurrency of real model shapes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+from matplotlib.lines import Line2D
+
+from plots import (BYTES, TOKENS, codec_order, codec_style, legend_handles, legends, log2_axis,
+                   save, subtitle, variant_color, variant_order)
+
+
+def _keys(rows):
+  variants = sorted({r["variant"]["variant"] for r in rows}, key=variant_order)
+  codecs = sorted({r["variant"]["codec"] for r in rows}, key=codec_order)
+  return variants, codecs
+
+
+def plot(rows: list[dict], out_dir: Path) -> list[Path]:
+  out_dir = Path(out_dir)
+  sized = [r for r in rows if r["workload"].get("part") == "cache_bytes"]
+  fits = [r for r in rows if r["workload"].get("part") == "max_concurrency"]
+  paths = []
+  if sized:
+    paths += _bytes_vs_context(sized, out_dir) + _bytes_per_token(sized, out_dir)
+  if fits:
+    paths += _concurrency(fits, out_dir)
+  return paths
+
+
+def _bytes_vs_context(rows, out_dir):
+  variants, codecs = _keys(rows)
+  fig, ax = plt.subplots(figsize=(7.5, 5))
+  for v in variants:
+    for c in codecs:
+      pts = sorted((r["workload"]["context"], r["metrics"]["closed_form_bytes"],
+                    r["metrics"]["cache_bytes"], r["workload"]["measured"]) for r in rows
+                   if r["variant"]["variant"] == v and r["variant"]["codec"] == c)
+      if not pts:
+        continue
+      ls, mk = codec_style(c)
+      ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, color=variant_color(v), lw=1.4)
+      for x, _, y, how in pts:  # measured: filled if allocated, hollow if abstract pytree
+        ax.plot(x, y, marker=mk, ms=6, color=variant_color(v),
+                mfc=variant_color(v) if how == "allocated" else "none", ls="none")
+  log2_axis(ax.xaxis, TOKENS)
+  log2_axis(ax.yaxis, BYTES, every=2)
+  batch = rows[0]["workload"]["batch"]
+  ax.set_xlabel("context length (tokens per sequence)")
+  ax.set_ylabel(f"KV-cache size (bytes, batch {batch})")
+  ax.set_title(f"KV-cache bytes vs context: lines closed form, markers measured pytree\n"
+               f"{subtitle(rows)}", fontsize=10)
+  ax.grid(True, which="major", alpha=0.3)
+  extra = [Line2D([], [], color="gray", marker="o", ls="none", label="allocated"),
+           Line2D([], [], color="gray", marker="o", mfc="none", ls="none",
+                  label="abstract (eval_shape)")]
+  legends(ax, variants, codecs, loc="upper left", extra=extra)
+  return save(fig, out_dir, "memory_bytes_vs_context")
+
+
+def _bytes_per_token(rows, out_dir):
+  variants, codecs = _keys(rows)
+  per = {(r["variant"]["variant"], r["variant"]["codec"]): r["metrics"]["bytes_per_token"]
+         for r in rows}
+  fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(codecs) + 2), 4.5))
+  width = 0.8 / len(variants)
+  for i, v in enumerate(variants):
+    xs = [j + (i - (len(variants) - 1) / 2) * width for j in range(len(codecs))]
+    ys = [per.get((v, c), 0) for c in codecs]
+    bars = ax.bar(xs, ys, width, color=variant_color(v), label=v)
+    ax.bar_label(bars, labels=[f"{y:.0f}" for y in ys], fontsize=7, padding=1)
+  ax.set_xticks(range(len(codecs)), codecs)
+  ax.set_xlabel("cache codec (K and V)")
+  ax.set_ylabel("bytes per token (all layers, K + V)")
+  ax.set_yscale("log")
+  ax.set_title(f"KV-cache bytes per token by variant and codec\n{subtitle(rows)}", fontsize=10)
+  ax.legend(fontsize=8)
+  ax.grid(True, axis="y", alpha=0.3)
+  return save(fig, out_dir, "memory_bytes_per_token")
+
+
+def _concurrency(rows, out_dir):
+  shapes = list(dict.fromkeys(r["variant"]["model"] for r in rows))
+  ncol = min(len(shapes), 2)
+  nrow = (len(shapes) + ncol - 1) // ncol
+  fig, axes = plt.subplots(nrow, ncol, figsize=(5.2 * ncol + 1.6, 3.6 * nrow + 0.6),
+                           squeeze=False, sharey=True)
+  variants, codecs = _keys(rows)
+  for ax, shape in zip(axes.flat, shapes):
+    sub = [r for r in rows if r["variant"]["model"] == shape]
+    for v in variants:
+      for c in codecs:
+        pts = sorted({(r["workload"]["context"], r["metrics"]["max_concurrency"]) for r in sub
+                      if r["variant"]["variant"] == v and r["variant"]["codec"] == c})
+        if not pts:
+          continue
+        ls, mk = codec_style(c)
+        ax.plot([p[0] for p in pts], [max(p[1], 0.5) for p in pts], ls=ls, marker=mk, ms=4,
+                color=variant_color(v))
+    r0 = sub[0]
+    weights = min(r["metrics"]["weight_bytes"] for r in sub) / 2 ** 30
+    ax.set_title(f"{shape}: {r0['workload']['budget_gib']:.0f} GiB budget, "
+                 f"~{weights:.0f} GiB weights", fontsize=9)
+    log2_axis(ax.xaxis, TOKENS)
+    log2_axis(ax.yaxis, every=2)
+    ax.axhline(1, color="gray", lw=0.8)
+    ax.grid(True, alpha=0.3)
+  for ax in axes.flat[len(shapes):]:
+    ax.set_visible(False)
+  for ax in axes[-1]:
+    ax.set_xlabel("context length (tokens per sequence)")
+  for ax in axes[:, 0]:
+    ax.set_ylabel("max concurrent sequences\n(0.5 = none fit)")
+  fig.legend(handles=legend_handles(variants, codecs), loc="center right", fontsize=8)
+  fig.suptitle("Sequences that fit: (budget - weights) / cache bytes per sequence "
+               "(closed form; MHA / native GQA / MQA per shape)", fontsize=10)
+  fig.tight_layout(rect=(0, 0, 1 - 1.4 / fig.get_figwidth(), 1))
+  return save(fig, out_dir, "memory_max_concurrency")

@@ -1,0 +1,125 @@
+"""Plot scripts: from a small results folder, every experiment's plots are written as
+non-empty PNG and SVG files, and `plot_all` keeps different configs apart.
+
+Memory rows come from a real tiny run (no compilation, fast); timing rows are built in
+the results schema with made-up times (plots only read rows, so the shape is what counts).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from kvjax import runner
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_plot_all():
+  spec = importlib.util.spec_from_file_location("plot_all", ROOT / "scripts" / "plot_all.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def timing_row(experiment, variant, codec, layout, workload, tpot, name="tiny"):
+  kv = {"MHA": 4, "GQA-2": 2, "MQA": 1}[variant]
+  return {
+      "experiment": experiment, "config_hash": f"{variant}{codec}{layout}{workload}",
+      "cell": {"index": 0, "of": 1, "row": 0, "rows": 1, "grid": {}},
+      "variant": {"variant": variant, "kv_heads": kv, "k_codec": codec, "v_codec": codec,
+                  "codec": codec, "layout": layout},
+      "workload": workload,
+      "metrics": {"ttft_s": 10 * tpot, "ttft_s_iqr": tpot, "tpot_s": tpot,
+                  "tpot_s_iqr": tpot / 10, "tokens_per_s": workload.get("batch", 1) / tpot,
+                  "cache_bytes": 1000 * kv, "bytes_per_token": 64 * kv,
+                  "speedup_vs_recompute": 3.0 if layout == "contiguous" else None},
+      "config": {"name": name, "model": {"n_layers": 1, "d_model": 32, "n_heads": 4}},
+      "env": {"backend": "cpu", "device_kind": "cpu"},
+  }
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+  folder = tmp_path_factory.mktemp("results")
+  cfg = folder / "memory.yaml"
+  cfg.write_text(
+      "name: mem\nexperiment: memory\n"
+      "model: {vocab_size: 64, d_model: 32, n_layers: 1, n_heads: 4, n_kv_heads: 4}\n"
+      "grid: {model.n_kv_heads: [4, 1], cache.codec: [fp32, bf16]}\n"
+      "params: {contexts: [8, 64], shapes: [llama3-8b], concurrency_contexts: [1024, 4096]}\n")
+  runner.run_file(cfg, out_dir=folder / "memory", progress=False)
+  rows = []
+  for v in ("MHA", "GQA-2", "MQA"):
+    for c in ("bf16", "int8"):
+      for b in (1, 4):
+        for ctx in (128, 512):
+          rows.append(timing_row("latency", v, c, "contiguous",
+                                 {"batch": b, "prompt_len": ctx - 16, "gen_len": 16,
+                                  "context": ctx}, 1e-3 * ctx / 128 / (2 if v == "MQA" else 1)))
+  for lay in ("none", "contiguous"):
+    for p in (16, 32, 64):
+      rows.append(timing_row("cache_vs_recompute", "MHA", "bf16", lay,
+                             {"position": p, "capacity": p + 5, "batch": 1},
+                             1e-4 * (p if lay == "none" else 1)))
+  (folder / "timing").mkdir()
+  (folder / "timing" / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows)
+                                                + '{"torn": ')
+  return folder
+
+
+def test_plot_all_writes_non_empty_png_and_svg_per_experiment(results, tmp_path):
+  paths = load_plot_all().plot_all(results, tmp_path / "plots")
+  names = {p.name for p in paths}
+  for stem in ("memory_bytes_vs_context", "memory_bytes_per_token", "memory_max_concurrency",
+               "latency_tpot_vs_context", "latency_ttft_vs_context",
+               "latency_throughput_vs_batch", "latency_variants", "cache_vs_recompute_tpot",
+               "cache_vs_recompute_speedup", "cache_vs_recompute_total"):
+    assert {f"{stem}.png", f"{stem}.svg"} <= names, stem
+  for p in paths:
+    assert p.is_file() and p.stat().st_size > 1000
+    if p.suffix == ".png":
+      assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+      assert b"<svg" in p.read_bytes()[:2000]
+
+
+def test_one_context_still_gives_the_variant_bars(results, tmp_path):
+  from plots import latency, load_rows  # noqa: F401  (scripts/ is on sys.path via plot_all)
+
+  rows = [r for r in load_rows(results)["latency"] if r["workload"]["context"] == 512
+          and r["workload"]["batch"] == 4]
+  paths = latency.plot(rows, tmp_path)
+  assert sorted(p.name for p in paths) == ["latency_variants.png", "latency_variants.svg"]
+
+
+def test_rows_of_two_configs_are_plotted_apart(results, tmp_path):
+  other = tmp_path / "more"
+  other.mkdir()
+  rows = [r for r in runner.read_rows(results / "timing" / "rows.jsonl")
+          if r["experiment"] == "latency" and r["workload"]["context"] == 512
+          and r["workload"]["batch"] == 4]  # one context and batch: only the bar chart
+  renamed = [copy.deepcopy(r) for r in rows]
+  for r in renamed:
+    r["config"]["name"] = "quickstart"
+  (other / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + renamed))
+  load_plot_all().plot_all(other, tmp_path / "plots")
+  assert (tmp_path / "plots" / "tiny" / "latency_variants.png").is_file()
+  assert (tmp_path / "plots" / "quickstart" / "latency_variants.png").is_file()
+
+
+def test_plot_all_on_an_empty_folder_is_a_one_line_error(tmp_path):
+  with pytest.raises(SystemExit) as err:
+    load_plot_all().plot_all(tmp_path, tmp_path / "plots")
+  assert "no results rows" in str(err.value)
+
+
+def test_variant_colours_are_fixed_by_name():
+  load_plot_all()
+  from plots import variant_color
+  assert variant_color("MHA") != variant_color("MQA") != variant_color("GQA-2")
+  assert variant_color("GQA-3") == variant_color("GQA-3")

@@ -1,0 +1,106 @@
+"""Quality through the cache: the harness is exact with the fp32 cache, metrics behave."""
+
+import jax
+import numpy as np
+import pytest
+
+from kvjax import checkpoint, evaluate
+from kvjax import config as config_lib
+from kvjax.model import init_params
+
+MODEL = {"model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
+         "model.max_seq_len": 256}
+
+
+def _cfg(**over):
+  return config_lib.apply_overrides(config_lib.Config(), {**MODEL, **over})
+
+
+@pytest.fixture(scope="module")
+def setup():
+  cfg = _cfg()
+  params = init_params(cfg.model, 3)
+  # larger weights than the init so that cache rounding is visible in the logits
+  params = jax.tree.map(lambda x: x * 4.0, params)
+  tokens = np.random.default_rng(0).integers(0, 256, size=(3, 23)).astype(np.int32)
+  return cfg, params, tokens
+
+
+@pytest.mark.parametrize("layout,chunk", [("contiguous", 1), ("contiguous", 5), ("none", 4)])
+def test_streaming_fp32_equals_full_forward(setup, layout, chunk):
+  cfg, params, tokens = setup
+  cfg = config_lib.apply_overrides(cfg, {"cache.layout": layout, "cache.codec": "fp32"})
+  lp, nbytes = evaluate.stream_logprobs(cfg, params, tokens, chunk)
+  full = evaluate.full_logprobs(params, tokens, model_cfg=cfg.model)
+  np.testing.assert_allclose(lp, full, atol=2e-5, rtol=1e-5)
+  ppl_stream = np.exp(evaluate.nll(lp, tokens))
+  ppl_full = np.exp(evaluate.nll(full, tokens))
+  assert ppl_stream == pytest.approx(ppl_full, rel=1e-5)
+  assert nbytes > 0
+
+
+def test_compare_metrics(setup):
+  cfg, params, tokens = setup
+  ref, _ = evaluate.stream_logprobs(cfg, params, tokens)
+  same = evaluate.compare(ref, ref, tokens)
+  assert same["kl"] == pytest.approx(0.0, abs=1e-7) and same["agreement"] == 1.0
+  assert same["ppl"] == same["ppl_ref"] and same["dppl_rel"] == 0.0
+  for codec in ("bf16", "fp16"):
+    lp, nbytes = evaluate.stream_logprobs(config_lib.apply_overrides(cfg, {"cache.codec": codec}),
+                                          params, tokens)
+    m = evaluate.compare(lp, ref, tokens)
+    assert 0.0 < m["kl"] < 1e-2 and 0.5 <= m["agreement"] <= 1.0
+    assert abs(m["dppl_rel"]) < 0.05 and np.isfinite(m["ppl"])
+  # a uniform predictor is worse than the model and disagrees in KL by a known amount
+  uniform = np.full_like(np.asarray(ref), -np.log(ref.shape[-1]))
+  m = evaluate.compare(uniform, ref, tokens)
+  expect = float(np.mean(np.sum(np.exp(ref) * (ref - uniform), -1)))
+  assert m["kl"] == pytest.approx(expect, rel=1e-5) and m["ppl"] == pytest.approx(260, rel=1e-4)
+
+
+def test_recall_set_is_fixed_and_accuracy_is_scored_on_answers(setup):
+  cfg, params, _ = setup
+  filler = np.arange(1000, dtype=np.int32) % 100 + 20
+  a = evaluate.recall_set(0, 4, 40, 3, filler)
+  b = evaluate.recall_set(0, 4, 40, 3, filler)
+  assert all(np.array_equal(x, y) for x, y in zip(a, b))
+  acc = evaluate.recall_accuracy(cfg, params, *a)
+  assert 0.0 <= acc <= 1.0
+  # scoring counts exactly the masked positions: a model that always predicts the answer
+  seqs, mask = a
+  lp = np.full(seqs.shape + (260,), -50.0, np.float32)
+  lp[:, :-1][np.arange(4)[:, None], np.arange(39)[None], seqs[:, 1:]] = 0.0
+  pred = lp[:, :-1].argmax(-1)
+  assert (pred == seqs[:, 1:])[mask[:, 1:]].mean() == 1.0
+
+
+def test_quality_run_cell_rows(tmp_path, setup):
+  from experiments import quality
+
+  text = tmp_path / "text.txt"
+  text.write_text("for i in range(10):\n    print(i)\n" * 200)
+  cfg, params, _ = setup
+  mcfg = config_lib.apply_overrides(cfg, {"train.data": str(text), "train.recall_pairs": 3})
+  checkpoint.save(tmp_path / "m", mcfg, params, step=0)
+  settings = {"fp32": {"cache.codec": "fp32"}, "bf16": {"cache.codec": "bf16"}}
+  ecfg = config_lib.apply_overrides(config_lib.Config(), {
+      "experiment": "quality", "workload.prompt_len": 8, "workload.gen_len": 4,
+      "params": {"checkpoints": [str(tmp_path / "m")], "settings": settings, "setting": "bf16",
+                 "eval_tokens": 32, "eval_seqs": 2, "recall_contexts": [24, 40],
+                 "recall_seqs": 4, "gen_prompts": 2}})
+  quality.check(ecfg)
+  rows = quality.run_cell(ecfg)
+  assert [r["workload"]["task"] for r in rows] == ["text", "recall", "recall"]
+  text_row = rows[0]
+  assert text_row["variant"]["k_codec"] == "bf16" and text_row["variant"]["kv_heads"] == 2
+  for key in ("ppl", "ppl_ref", "kl", "agreement", "gen_agreement", "cache_bytes"):
+    assert key in text_row["metrics"]
+  assert text_row["metrics"]["cache_bytes"] < text_row["metrics"]["cache_bytes_ref"]
+  assert [r["workload"]["context"] for r in rows[1:]] == [24, 40]
+  # the fp32 setting reproduces its own reference exactly
+  ref_rows = quality.run_cell(config_lib.apply_overrides(ecfg, {"params": {
+      **dict(ecfg.params), "setting": "fp32"}}))
+  m = ref_rows[0]["metrics"]
+  assert m["kl"] == pytest.approx(0.0, abs=1e-6) and m["agreement"] == 1.0
+  assert m["gen_agreement"] == 1.0
+  assert ref_rows[1]["metrics"]["recall"] == ref_rows[1]["metrics"]["recall_ref"]

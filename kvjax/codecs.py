@@ -44,6 +44,24 @@ def get(name: str) -> "Codec":
     raise KvjaxError(f"unknown codec '{name}'; known: {', '.join(CODECS)}") from None
 
 
+READ_CHUNK = 512  # stored tokens widened at once on the read path (see `read_qk`)
+
+
+def store_bits(x: jax.Array) -> jax.Array:
+  """bfloat16 is stored as its uint16 bit pattern: XLA:CPU has no native bf16 scatter and
+  "normalizes" each one to float32 over the *whole* array (measured: a one-token write
+  into a bf16 cache allocated a float32 copy of the cache), while an integer scatter
+  updates in place. The bitcast is free on every backend."""
+  return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x
+
+
+def load_bits(a: jax.Array, dtype) -> jax.Array:
+  """Inverse of `store_bits` for a leaf whose logical type is `dtype`."""
+  if jnp.dtype(dtype) == jnp.bfloat16 and a.dtype == jnp.uint16:
+    return jax.lax.bitcast_convert_type(a, jnp.bfloat16)
+  return a
+
+
 @dataclasses.dataclass(frozen=True)
 class Codec:
   """Base codec: full-precision storage in `dtype` (fp32 / bf16 / fp16)."""
@@ -58,7 +76,7 @@ class Codec:
   # -- storage -------------------------------------------------------------------------
   def init(self, shape_XSD: tuple[int, ...], cache_cfg=None) -> Any:
     """Zeroed storage for `shape[..., S, D]` tokens."""
-    return jnp.zeros(shape_XSD, self.dtype)
+    return store_bits(jnp.zeros(shape_XSD, self.dtype))
 
   def encode(self, x_XTD: jax.Array, cache_cfg=None) -> Any:
     """Encode a block of vectors; the result has the same pytree structure as `init`."""
@@ -66,11 +84,11 @@ class Codec:
       return x_XTD.astype(self.dtype)
     fmax = float(jnp.finfo(self.dtype).max)
     x = x_XTD.astype(jnp.float32)
-    return jnp.where(jnp.isfinite(x), jnp.clip(x, -fmax, fmax), x).astype(self.dtype)
+    return store_bits(jnp.where(jnp.isfinite(x), jnp.clip(x, -fmax, fmax), x).astype(self.dtype))
 
   def decode(self, enc: Any, dtype=jnp.float32) -> jax.Array:
     """Full-precision view (tests and reference paths only; attention uses qk/pv)."""
-    return enc.astype(dtype)
+    return load_bits(enc, self.dtype).astype(dtype)
 
   def bytes_per_token(self, n_kv_heads: int, head_dim: int, cache_cfg=None) -> float:
     """Closed-form bytes one token of K (or V) takes in one layer, metadata included."""
@@ -79,12 +97,22 @@ class Codec:
   # -- the attention's reads -----------------------------------------------------------
   def qk(self, q_BKGTD: jax.Array, k_enc: Any) -> jax.Array:
     """Logits `q · k` over the stored tokens: [B, K, G, T, S] in float32."""
-    k = k_enc.astype(q_BKGTD.dtype)
-    return jnp.einsum("bkgtd,bksd->bkgts", q_BKGTD, k, preferred_element_type=jnp.float32)
+    if jnp.dtype(self.dtype) == q_BKGTD.dtype:  # nothing to widen: one einsum
+      return self._qk_block(q_BKGTD, k_enc)
+    return read_qk(self._qk_block, q_BKGTD, k_enc, self.token_block, READ_CHUNK)
 
   def pv(self, p_BKGTS: jax.Array, v_enc: Any) -> jax.Array:
     """Probability-weighted sum of stored values: [B, K, G, T, D] in float32."""
-    v = v_enc.astype(p_BKGTS.dtype)
+    if jnp.dtype(self.dtype) == p_BKGTS.dtype:
+      return self._pv_block(p_BKGTS, v_enc)
+    return read_pv(self._pv_block, p_BKGTS, v_enc, self.token_block, READ_CHUNK)
+
+  def _qk_block(self, q_BKGTD, k_enc):
+    k = self.decode(k_enc, q_BKGTD.dtype)
+    return jnp.einsum("bkgtd,bksd->bkgts", q_BKGTD, k, preferred_element_type=jnp.float32)
+
+  def _pv_block(self, p_BKGTS, v_enc):
+    v = self.decode(v_enc, p_BKGTS.dtype)
     return jnp.einsum("bkgts,bksd->bkgtd", p_BKGTS, v, preferred_element_type=jnp.float32)
 
 
@@ -139,7 +167,7 @@ def read_pv(pv_block: Callable, p_BKGTS: jax.Array, enc: Any, block: int, chunk:
     return pv_block(p_BKGTS, enc)
   part = lambda i, size: pv_block(  # noqa: E731
       jax.lax.dynamic_slice_in_dim(p_BKGTS, i * C, size, axis=4), _token_slice(enc, i * C, size, S))
-  shape = jax.eval_shape(part, 0, C).shape
+  shape = jax.eval_shape(lambda: part(0, C)).shape
   out = jax.lax.fori_loop(0, n, lambda i, acc: acc + part(i, C), jnp.zeros(shape, jnp.float32))
   return out + part(n, S - n * C) if S % C else out
 

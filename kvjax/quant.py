@@ -54,7 +54,6 @@ SCALE_BYTES = 2
 TINY = float(jnp.finfo(jnp.float32).tiny)         # smallest normal float32: the scale floor
 _UP = 1.0 + 2.0 ** -7                             # bf16 rounds within 2^-8: this rounds up
 _BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
-READ_CHUNK = 512                                  # tokens widened at once on the read path
 
 
 def pack(codes: jax.Array, bits: int) -> jax.Array:
@@ -79,6 +78,11 @@ def unpack(packed: jax.Array, bits: int) -> jax.Array:
   shifts = (jnp.arange(per, dtype=jnp.uint8) * bits)[:, None]
   planes = (packed[..., None, :] >> shifts) & jnp.uint8(2 ** bits - 1)
   return planes.reshape(*lead, per * W)
+
+
+def _meta(a: jax.Array) -> jax.Array:
+  """A stored scale / zero (bf16 kept as uint16 bits, see `codecs.store_bits`) as float32."""
+  return codecs.load_bits(a, SCALE_DTYPE).astype(jnp.float32)
 
 
 def _round_up_bf16(s: jax.Array) -> jax.Array:
@@ -134,11 +138,11 @@ class ScaledCodec(codecs.Codec):
     ok = jnp.all(finite.reshape(grouped), axis=red, keepdims=True)
     codes, scale, zero = self._quantize(xg, red)
     nan = jnp.array(jnp.nan, SCALE_DTYPE)
-    out = {"codes": codes.reshape(*lead, T, D),
-           "scale": jnp.squeeze(jnp.where(ok, scale, nan), red)}
+    meta = lambda a: codecs.store_bits(jnp.squeeze(jnp.where(ok, a, nan), red))  # noqa: E731
+    out = {"codes": codes.reshape(*lead, T, D), "scale": meta(scale)}
     if self.kind == "uint":
       out["codes"] = pack(out["codes"], self.bits)
-      out["zero"] = jnp.squeeze(jnp.where(ok, zero, nan), red)
+      out["zero"] = meta(zero)
     return out
 
   def _quantize(self, xg, red):
@@ -168,7 +172,7 @@ class ScaledCodec(codecs.Codec):
     T, D = c.shape[-2:]
     rep, ax = (T // enc["scale"].shape[-2], -2) if self.axis == "channel" else \
         (D // enc["scale"].shape[-1], -1)
-    widen = lambda a: jnp.repeat(a.astype(jnp.float32), rep, axis=ax)  # noqa: E731
+    widen = lambda a: jnp.repeat(_meta(a), rep, axis=ax)  # noqa: E731
     if self.asym:
       return (widen(enc["zero"]) + (c - self.half) * widen(enc["scale"])).astype(dtype)
     return (c * widen(enc["scale"])).astype(dtype)
@@ -183,15 +187,17 @@ class ScaledCodec(codecs.Codec):
 
   # -- the attention's reads -----------------------------------------------------------
   def qk(self, q_BKGTD, k_enc):
-    return codecs.read_qk(self._qk_block, q_BKGTD, k_enc, self.token_block, READ_CHUNK)
+    return codecs.read_qk(self._qk_block, q_BKGTD, k_enc, self.token_block,
+                          codecs.READ_CHUNK)
 
   def pv(self, p_BKGTS, v_enc):
-    return codecs.read_pv(self._pv_block, p_BKGTS, v_enc, self.token_block, READ_CHUNK)
+    return codecs.read_pv(self._pv_block, p_BKGTS, v_enc, self.token_block,
+                          codecs.READ_CHUNK)
 
   def _parts(self, enc, dtype):
     """Codes widened to `dtype`, scale and the asymmetric offset z - h*s (float32)."""
-    scale = enc["scale"].astype(jnp.float32)
-    off = enc["zero"].astype(jnp.float32) - self.half * scale if self.asym else None
+    scale = _meta(enc["scale"])
+    off = _meta(enc["zero"]) - self.half * scale if self.asym else None
     return self.codes(enc, dtype), scale, off
 
   def _qk_block(self, q_BKGTD, enc):

@@ -298,3 +298,6 @@ def init_cache(cfg: Config, batch: int, capacity: int):
     raise KvjaxError(f"cache capacity must be positive, got {capacity}")
   spec = CacheSpec.from_config(cfg, batch, capacity)
   return LAYOUTS[spec.layout].init(spec)
+
+
+from kvjax import paged  # noqa: E402,F401  registers the "paged" layout

@@ -1,0 +1,299 @@
+"""Continuous batching over a paged KV cache (or, as the baseline, contiguous slots).
+
+A fixed number of decode slots share one cache. Each engine step is one call of one
+jit-compiled function over all slots: a row feeds the tokens of its request that are not
+cached yet (a prefill chunk of up to `chunk` tokens, or the one token sampled last step)
+and gets back the token sampled after its last fed token. So a request's state is just
+(tokens known, tokens cached): prefill, decode and recompute after preemption are the
+same loop. Two shapes exist, [slots, 1] (decode only) and [slots, chunk] (some row still
+prefilling, decode rows ride along with one token), so the step compiles twice, ever.
+
+With `cache.layout=paged` the host `PageAllocator` hands out pages on demand as a
+sequence crosses a page boundary; requests are admitted when a slot is free and the
+pool holds pages for their known tokens (beyond a small watermark, so admission does not
+immediately starve running requests). When a running request needs a page and none is
+left, the most recently admitted request is preempted: its pages are released (full ones
+stay in the prefix cache, reusable on readmission) and it goes back to the front of the
+queue with its output so far, recomputed from scratch when readmitted. The oldest request
+is never preempted for a younger one, so every request finishes. With
+`cache.layout=contiguous` every admitted request reserves `max_len` slots (max-length
+reservation, the pre-vLLM way), so nothing is ever preempted.
+
+Prefix caching: on admission the chained keys of the request's full pages (within its
+first len-1 tokens, so at least one token is always computed) are looked up; hits are
+shared read-only (refcount + 1) and skipped by prefill. Every page that fills up is
+registered, so later requests (and readmissions) can hit it.
+
+Time is counted in engine steps: arrivals are given in steps, so scheduling, utilization,
+concurrency and hit rates are deterministic for a seed; only `tokens_per_s` is wall time.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import cache as cache_lib
+from kvjax import decode, paged
+from kvjax.config import Config
+from kvjax.errors import KvjaxError
+from kvjax.model import Transformer
+
+STEP_TRACES: collections.Counter = collections.Counter()  # per step width T, at trace time
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampler"), donate_argnames=("cache",))
+def serve_step(params, cache, tokens_BT, positions_BT, last_B, key, *, cfg: Config, sampler):
+  """One model call over every slot; returns the token sampled after each row's last token."""
+  STEP_TRACES[tokens_BT.shape[1]] += 1
+  logits_BTV, cache = cache.layout.forward(Transformer(cfg.model), params, tokens_BT,
+                                           positions_BT, cache)
+  last_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
+  return sampler(last_BV, key), cache
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+  prompt: list[int]
+  max_new_tokens: int
+  arrival: int = 0                 # engine step at which the request arrives
+  output: list[int] = dataclasses.field(default_factory=list)
+  slot: int = -1
+  pages: list[int] = dataclasses.field(default_factory=list)
+  cached: int = 0                  # leading tokens of `seq` whose K/V are in the cache
+  registered: int = 0              # leading pages already in (or taken from) the prefix cache
+  keys: list[bytes] = dataclasses.field(default_factory=list)
+  preemptions: int = 0
+  first_token_step: int = -1
+  finish_step: int = -1
+
+  @property
+  def seq(self) -> list[int]:
+    return self.prompt + self.output
+
+
+class ModelBackend:
+  """The device side: the cache pytree and the compiled step. Host state goes in as data."""
+
+  def __init__(self, cfg: Config, params, spec: cache_lib.CacheSpec):
+    self.cfg, self.params, self.spec = cfg, params, spec
+    self.paged = spec.layout == "paged"
+    self.cache = paged.init_pool(spec) if self.paged else cache_lib.LAYOUTS[spec.layout].init(spec)
+    self.sampler = decode.Sampler.from_config(cfg)
+    self.key = jax.random.PRNGKey(cfg.seed)
+
+  def step(self, tokens_BT, positions_BT, table_BN, lengths_B, last_B) -> np.ndarray:
+    fields = {"lengths": jnp.asarray(lengths_B)}
+    if self.paged:
+      fields["block_table"] = jnp.asarray(table_BN)
+    self.key, sub = jax.random.split(self.key)
+    nxt, self.cache = serve_step(self.params, dataclasses.replace(self.cache, **fields),
+                                 jnp.asarray(tokens_BT), jnp.asarray(positions_BT),
+                                 jnp.asarray(last_B), sub, cfg=self.cfg, sampler=self.sampler)
+    return np.asarray(nxt)
+
+
+class Engine:
+  """Serve `Request`s to completion: `run(requests) -> stats` (outputs land in each request)."""
+
+  def __init__(self, cfg: Config, params=None, *, slots: int, max_len: int, chunk: int = 32,
+               prefix_cache: bool = True, watermark: float = 0.01, backend=None):
+    if cfg.cache.layout not in ("paged", "contiguous"):
+      raise KvjaxError(f"the serving engine needs cache.layout=paged or contiguous, got "
+                       f"'{cfg.cache.layout}'")
+    if slots <= 0 or max_len <= 0 or chunk <= 0:
+      raise KvjaxError("engine slots, max_len and chunk must be positive")
+    if max_len > cfg.model.max_seq_len:
+      raise KvjaxError(f"engine max_len={max_len} exceeds model.max_seq_len="
+                       f"{cfg.model.max_seq_len}; lower it")
+    self.cfg, self.slots, self.max_len, self.chunk = cfg, slots, max_len, chunk
+    self.spec = cache_lib.CacheSpec.from_config(cfg, slots, max_len)
+    self.paged = cfg.cache.layout == "paged"
+    self.prefix_cache = prefix_cache and self.paged
+    if self.paged:
+      self.page = paged.page_size(self.spec)
+      self.n_pages = paged.num_pages(self.spec)
+      self.watermark = int(watermark * self.n_pages)
+    self.backend = backend or ModelBackend(cfg, params, self.spec)
+
+  # -- checks and bookkeeping ---------------------------------------------------------------
+  def _check(self, r: Request) -> None:
+    need = len(r.prompt) + r.max_new_tokens
+    if not r.prompt or r.max_new_tokens < 1:
+      raise KvjaxError("every request needs a prompt token and max_new_tokens >= 1")
+    if need > self.max_len:
+      raise KvjaxError(f"a request needs {need} tokens but engine max_len={self.max_len}; "
+                       "raise max_len (cache.capacity) or shorten the request")
+    if self.paged and -(-need // self.page) > self.n_pages:
+      raise KvjaxError(f"the page pool ({self.n_pages} pages of {self.page}) is smaller than one "
+                       f"request ({-(-need // self.page)} pages); raise cache.num_pages")
+
+  def _done(self, r: Request) -> bool:
+    eos = self.cfg.workload.eos_id
+    return len(r.output) >= r.max_new_tokens or (eos >= 0 and bool(r.output)
+                                                   and r.output[-1] == eos)
+
+  def _release(self, r: Request) -> None:
+    for p in reversed(r.pages):  # tail pages first, so LRU evicts a prefix's end before its start
+      self.alloc.release(p)
+    r.pages, r.cached, r.registered = [], 0, 0
+    self.free_slots.append(r.slot)
+    self.running.remove(r)
+
+  def _keys(self, r: Request, n: int) -> list[bytes]:
+    """Chained keys of r's first n full pages (extending the ones already computed)."""
+    if len(r.keys) < n:
+      have = len(r.keys)
+      r.keys += paged.page_keys(r.seq[have * self.page:], self.page, n - have,
+                                r.keys[-1] if r.keys else b"")
+    return r.keys[:n]
+
+  # -- scheduling ----------------------------------------------------------------------------
+  def _admit(self) -> None:
+    while self.waiting and self.free_slots:
+      r = self.waiting[0]
+      if self.paged:
+        hits = []
+        if self.prefix_cache:
+          for key in self._keys(r, (len(r.seq) - 1) // self.page):
+            if self.alloc.peek(key) is None:
+              break
+            hits.append(key)
+        idle = sum(self.alloc.refs[self.alloc.peek(k)] == 0 for k in hits)
+        need = -(-len(r.seq) // self.page) - len(hits)
+        if need > self.alloc.available() - idle - (self.watermark if self.running else 0):
+          return
+        r.pages = [self.alloc.share(k) for k in hits]
+        r.cached, r.registered = len(hits) * self.page, len(hits)
+        self.stats["prompt_tokens"] += len(r.seq)
+        self.stats["hit_tokens"] += r.cached
+      self.waiting.popleft()
+      r.slot = self.free_slots.pop()
+      self.running.append(r)
+
+  def _preempt(self, r: Request) -> None:
+    self._release(r)
+    r.preemptions += 1
+    self.stats["preemptions"] += 1
+    self.waiting.appendleft(r)
+
+  def _plan(self) -> tuple[int, list[tuple[Request, int]]]:
+    """Rows of the next step (oldest request first), pages allocated; may preempt."""
+    T = self.chunk if any(len(r.seq) - r.cached > 1 for r in self.running) else 1
+    rows = []
+    for r in list(self.running):
+      if r not in self.running:
+        continue  # preempted for an older request in this loop
+      n = min(T, len(r.seq) - r.cached)
+      while self.paged and len(r.pages) * self.page < r.cached + n:
+        page = self.alloc.allocate()
+        if page is None:
+          self._preempt(self.running[-1])  # the youngest; possibly r itself
+          if r not in self.running:
+            break
+          continue
+        r.pages.append(page)
+      if r in self.running:
+        rows.append((r, n))
+    return T, rows
+
+  # -- the loop ------------------------------------------------------------------------------
+  def run(self, requests: list[Request]) -> dict:
+    for r in requests:
+      self._check(r)
+    self.alloc = paged.PageAllocator(self.n_pages) if self.paged else None
+    self.free_slots = list(range(self.slots - 1, -1, -1))
+    self.running: list[Request] = []
+    self.waiting: collections.deque = collections.deque()
+    self.stats = collections.Counter()
+    pending = collections.deque(sorted(requests, key=lambda r: r.arrival))
+    util, concurrency, clock, steps = [], 0, 0, 0
+    t0 = time.perf_counter()
+    while pending or self.waiting or self.running:
+      while pending and pending[0].arrival <= clock:
+        self.waiting.append(pending.popleft())
+      if not self.waiting and not self.running:
+        clock = pending[0].arrival
+        continue
+      self._admit()
+      T, rows = self._plan()
+      nxt_B = self._step(T, rows)
+      steps += 1
+      for r, n in rows:
+        r.cached += n
+        if r.cached == len(r.seq):
+          r.output.append(int(nxt_B[r.slot]))
+          if r.first_token_step < 0:
+            r.first_token_step = clock
+        if self.prefix_cache:
+          full = r.cached // self.page
+          for i, key in enumerate(self._keys(r, full)[r.registered:], start=r.registered):
+            self.alloc.register(r.pages[i], key)
+          r.registered = max(r.registered, full)
+      concurrency = max(concurrency, len(self.running))
+      util.append(self._utilization())
+      for r, _ in rows:
+        if self._done(r):
+          r.finish_step = clock
+          self._release(r)
+      clock += 1
+    wall = time.perf_counter() - t0
+    out_tokens = sum(len(r.output) for r in requests)
+    s = self.stats
+    return {
+        "requests": len(requests), "steps": steps, "wall_s": wall, "output_tokens": out_tokens,
+        "tokens_per_s": out_tokens / wall if wall > 0 else 0.0,
+        "memory_utilization": float(np.mean(util)) if util else 0.0,
+        "max_concurrency": concurrency, "preemptions": s["preemptions"],
+        "prefix_hit_rate": s["hit_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0,
+        "evictions": self.alloc.evictions if self.paged else 0,
+        "mean_latency_steps": float(np.mean([r.finish_step - r.arrival + 1 for r in requests])),
+        "mean_ttft_steps": float(np.mean([r.first_token_step - r.arrival + 1 for r in requests])),
+    }
+
+  def _step(self, T: int, rows) -> np.ndarray:
+    B = self.slots
+    tokens = np.zeros((B, T), np.int32)
+    positions = np.full((B, T), -1, np.int32)
+    last = np.zeros((B,), np.int32)
+    lengths = np.zeros((B,), np.int32)
+    N = paged.pages_per_seq(self.spec) if self.paged else 1
+    table = np.full((B, N), self.n_pages if self.paged else 0, np.int32)
+    for r, n in rows:
+      b = r.slot
+      tokens[b, :n] = r.seq[r.cached:r.cached + n]
+      positions[b, :n] = np.arange(r.cached, r.cached + n)
+      last[b], lengths[b] = n - 1, r.cached
+      if self.paged:
+        table[b, :len(r.pages)] = r.pages
+        for i in range(r.cached // self.page, (r.cached + n - 1) // self.page + 1):
+          if not self.alloc.writable(r.pages[i]):
+            raise AssertionError(f"page {r.pages[i]} is shared or cached but would be written")
+    return self.backend.step(tokens, positions, table, lengths, last)
+
+  def _utilization(self) -> float:
+    """Tokens held by running requests / token slots reserved for them (shared pages once)."""
+    if not self.running:
+      return 0.0
+    if not self.paged:
+      return sum(r.cached for r in self.running) / (len(self.running) * self.max_len)
+    fill: dict[int, int] = {}
+    for r in self.running:
+      for i, p in enumerate(r.pages):
+        fill[p] = max(fill.get(p, 0), min(self.page, max(r.cached - i * self.page, 0)))
+    return sum(fill.values()) / (len(fill) * self.page) if fill else 0.0
+
+  def warmup(self) -> None:
+    """Compile (and run once) both step shapes with every row idle: nothing is written."""
+    for T in sorted({1, self.chunk}):
+      B = self.slots
+      N = paged.pages_per_seq(self.spec) if self.paged else 1
+      self.backend.step(np.zeros((B, T), np.int32), np.full((B, T), -1, np.int32),
+                        np.full((B, N), self.n_pages if self.paged else 0, np.int32),
+                        np.zeros((B,), np.int32), np.zeros((B,), np.int32))

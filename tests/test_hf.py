@@ -298,3 +298,32 @@ def test_cli_bad_folder_exits_with_one_line(tmp_path, capsys):
   assert cli.main(["generate", "--hf", str(tmp_path), "--prompt-ids", "1", "--json"]) == 2
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and "config.json" in err
+
+
+# -- the peer benchmark's plumbing (timings are never asserted) --------------------------
+def test_peer_experiment_rows_and_plot(tmp_path):
+  """The speed race runs the same function on both sides: transformers' dynamic and
+  static caches give kvjax's greedy tokens, and rows feed the plot."""
+  import sys
+  from pathlib import Path
+
+  from experiments import peer
+  from kvjax import config as config_lib
+
+  cfg = config_lib.load(None, {"model.vocab_size": V, "model.d_model": E, "model.n_layers": 1,
+                               "model.n_heads": 4, "model.n_kv_heads": 2, "model.max_seq_len": 64,
+                               "cache.codec": "fp32", "workload.batch": 2, "workload.prompt_len": 4,
+                               "workload.gen_len": 3, "workload.repeats": 1,
+                               "params": {"peers": ["kvjax", "dynamic", "static"], "threads": 1}})
+  peer.check(cfg)
+  rows = peer.run_cell(cfg)
+  assert [r["variant"]["peer"] for r in rows] == ["kvjax", "dynamic", "static"]
+  for r in rows:
+    assert r["metrics"]["tpot_s"] > 0 and r["metrics"]["ttft_s"] > 0
+    assert r["workload"]["threads"] == 1 == r["workload"]["torch_threads"]
+  assert [r["metrics"].get("agreement") for r in rows[1:]] == [1.0, 1.0]
+  sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+  from plots import peer as peer_plot
+  for r in rows:
+    r["config"] = cfg.to_dict()
+  assert all(p.is_file() for p in peer_plot.plot(rows, tmp_path))

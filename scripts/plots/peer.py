@@ -1,0 +1,71 @@
+"""Plot of the `peer` experiment: kvjax vs transformers' caches on the same weights.
+
+One panel per (metric, model vocabulary): bars of TPOT (decode, per token) and TTFT
+(prefill + first token) for each peer, grouped by batch, log scale, whiskers = IQR.
+Each transformers bar is labelled with its time relative to kvjax measured in the same
+run (e.g. "9.1x" = nine times slower than kvjax), the number the protocol trusts on a
+shared machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from plots import save, subtitle
+
+PEER_ORDER = ("kvjax", "dynamic", "static", "quanto")
+PEER_COLORS = {"kvjax": "#1f77b4", "dynamic": "#ff7f0e", "static": "#2ca02c", "quanto": "#9467bd"}
+PEER_LABELS = {"kvjax": "kvjax (lax.scan, contiguous)", "dynamic": "transformers DynamicCache",
+               "static": "transformers StaticCache", "quanto": "transformers QuantizedCache (quanto int4)"}
+
+
+def _vocab(row: dict) -> int:
+  return row.get("config", {}).get("model", {}).get("vocab_size", 0)
+
+
+def plot(rows: list[dict], out_dir: Path) -> list[Path]:
+  out_dir = Path(out_dir)
+  vocabs = sorted({_vocab(r) for r in rows})
+  metrics = [("tpot_s", "time per output token (ms)", "tpot_vs_kvjax"),
+             ("ttft_s", "time to first token (ms)", "ttft_vs_kvjax")]
+  fig, axes = plt.subplots(len(metrics), len(vocabs), figsize=(5.6 * len(vocabs), 8.2),
+                           squeeze=False)
+  for col, vocab in enumerate(vocabs):
+    sub = [r for r in rows if _vocab(r) == vocab]
+    batches = sorted({r["workload"]["batch"] for r in sub})
+    peers = [p for p in PEER_ORDER if any(r["variant"]["peer"] == p for r in sub)]
+    width = 0.8 / max(len(peers), 1)
+    for row_i, (metric, ylabel, ratio_key) in enumerate(metrics):
+      ax = axes[row_i][col]
+      for j, peer in enumerate(peers):
+        xs, ys, errs, ratios = [], [], [], []
+        for i, b in enumerate(batches):
+          hit = [r for r in sub if r["variant"]["peer"] == peer and r["workload"]["batch"] == b]
+          if not hit:
+            continue
+          m = hit[0]["metrics"]
+          xs.append(i + (j - (len(peers) - 1) / 2) * width)
+          ys.append(m[metric] * 1e3)
+          errs.append(m.get(metric + "_iqr", 0.0) * 1e3 / 2)
+          ratios.append(m.get(ratio_key))
+        ax.bar(xs, ys, width, yerr=errs, color=PEER_COLORS[peer], capsize=2,
+               label=PEER_LABELS[peer] if row_i == 0 and col == 0 else None)
+        if peer != "kvjax":
+          for x, y, q in zip(xs, ys, ratios):
+            if q:
+              ax.text(x, y * 1.08, f"{q:.1f}x", ha="center", va="bottom", fontsize=7)
+      ax.set_yscale("log")
+      ax.set_xticks(np.arange(len(batches)), [f"batch {b}" for b in batches])
+      ax.set_ylabel(ylabel)
+      w = sub[0]["workload"]
+      ax.set_title(f"vocab {vocab}, prompt {w['prompt_len']}, {w['gen_len']} new tokens, "
+                   f"{w['threads']} threads", fontsize=9)
+      ax.grid(True, axis="y", which="both", alpha=0.3)
+  fig.legend(loc="lower center", ncol=len(PEER_ORDER), fontsize=8, frameon=False)
+  fig.suptitle(f"kvjax vs transformers, same weights (median; labels = time / kvjax's)  "
+               f"{subtitle(rows)}", fontsize=10)
+  fig.tight_layout(rect=(0, 0.04, 1, 1))
+  return save(fig, out_dir, "peer_decode_speed")

@@ -1,0 +1,143 @@
+"""The `paged` layout: identical outputs to `contiguous`, exact bytes, one-line refusals."""
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_config, tiny_params
+
+from kvjax import attention, cli, decode, paged
+from kvjax import cache as cache_lib
+from kvjax import config as config_lib
+from kvjax.errors import KvjaxError
+from kvjax.model import Transformer
+
+B, S, H, D = 3, 13, 4, 8  # capacity 13: no page size below 13 divides it except 1
+
+
+def _writes(K, seed=0):
+  """A ragged prefill chunk (lengths 5, 2, 4) then three one-token steps: K/V and positions."""
+  rng = np.random.default_rng(seed)
+  lengths = np.array([5, 2, 4])
+  out = []
+  pos = np.where(np.arange(5)[None] < lengths[:, None], np.arange(5)[None], -1)
+  for positions in [pos] + [lengths[:, None] + i for i in range(3)]:
+    T = positions.shape[1]
+    kv = [jnp.asarray(rng.normal(size=(2, B, T, K, D)) * 3, jnp.float32) for _ in range(2)]
+    out.append((*kv, jnp.asarray(positions, jnp.int32)))
+  return out
+
+
+def _attend(cache, q_BTHD, k_BTKD, v_BTKD, positions_BT, layer):
+  store = jax.tree.map(lambda a: a[layer], cache.layer_stores())
+  segs = cache.layout.segments(cache.spec, store, cache.lengths)
+  return attention.grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segs)
+
+
+CASES = [("fp32", 1, 4), ("bf16", 5, 2), ("int8", 3, 1), ("int4", 7, 2), ("int2", 13, 4),
+         ("fp8_e4m3", 64, 1)]
+
+
+@pytest.mark.parametrize("codec, page, K", CASES, ids=lambda x: str(x))
+def test_paged_attention_is_bit_identical_to_contiguous(codec, page, K):
+  """Write the same ragged tokens through both layouts; every read gives the same bits. The
+  paged block table is a random permutation: physical page order must not matter."""
+  cfg = tiny_config(**{"model.n_kv_heads": K, "cache.codec": codec, "model.head_dim": D,
+                       "cache.page_size": page})
+  rng = np.random.default_rng(1)
+  writes = _writes(K)
+  qs = [jnp.asarray(rng.normal(size=(B, pos.shape[1], H, D)), jnp.float32) for *_, pos in writes]
+  N = -(-S // page)
+  table_BN = jnp.asarray(rng.permutation(B * N).reshape(B, N), jnp.int32)
+
+  @jax.jit
+  def run(writes, qs):  # one program per case: eager ops would compile one by one
+    out = {}
+    for lay in ("contiguous", "paged"):
+      c = cache_lib.init_cache(config_lib.replace(cfg, **{"cache.layout": lay}), B, S)
+      if lay == "paged":
+        c = c.replace(block_table=table_BN)
+      out[lay] = []
+      for (k_LBTKD, v_LBTKD, positions_BT), q in zip(writes, qs):
+        out[lay].append(_attend(c, q, k_LBTKD[1], v_LBTKD[1], positions_BT, 1))
+        c = c.layout.write(c, k_LBTKD, v_LBTKD, positions_BT)
+      out[lay].append(c.lengths)
+    return out
+
+  out = run(writes, qs)
+  for a, b in zip(out["contiguous"], out["paged"]):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _model_logits(params, tokens_BT, lengths_B, *, cfg):
+  """Prefill logits of every prompt position, then one decode step's logits."""
+  model = Transformer(cfg.model)
+  cache = cache_lib.init_cache(cfg, tokens_BT.shape[0], 16)
+  t = jnp.arange(tokens_BT.shape[1])[None]
+  positions = jnp.where(t < lengths_B[:, None], t, -1)
+  pre_BTV, cache = cache.layout.forward(model, params, tokens_BT, positions, cache)
+  nxt_B1 = jnp.argmax(pre_BTV[jnp.arange(tokens_BT.shape[0]), lengths_B - 1], -1)[:, None]
+  step_B1V, _ = cache.layout.forward(model, params, nxt_B1, lengths_B[:, None], cache)
+  return jnp.where(positions[..., None] >= 0, pre_BTV, 0), step_B1V
+
+
+@pytest.mark.parametrize("kv_heads, codec, page", [(2, "int8", 1), (1, "int4", 64)])
+def test_model_logits_paged_equal_contiguous(kv_heads, codec, page):
+  """The whole model on ragged prompts: prefill and decode logits, bit for bit."""
+  cfg = tiny_config(**{"model.n_kv_heads": kv_heads, "cache.codec": codec,
+                       "cache.page_size": page})
+  tokens, lengths = decode.pad_prompts([[3, 14, 15, 9, 2, 6, 5], [5, 35], [8, 9, 7, 9]])
+  got = [_model_logits(tiny_params(cfg), tokens, lengths,
+                       cfg=config_lib.replace(cfg, **{"cache.layout": lay}))
+         for lay in ("contiguous", "paged")]
+  for a, b in zip(*got):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int4"])
+def test_cache_bytes_equal_closed_form(codec):
+  cfg = tiny_config(**{"cache.layout": "paged", "cache.page_size": 5, "cache.codec": codec,
+                       "cache.num_pages": 11, "model.n_kv_heads": 2})
+  spec = cache_lib.CacheSpec.from_config(cfg, 2, 13)
+  pool = paged.init_pool(spec)
+  assert cache_lib.tree_bytes(pool) == cache_lib.LAYOUTS["paged"].closed_form_bytes(spec)
+  L, K, Dm = cfg.model.n_layers, 2, cfg.model.D
+  if codec == "fp32":  # 2 (K, V) x layers x pages x page x heads x dim x 4 bytes + tables
+    assert cache_lib.tree_bytes(pool) == 2 * L * 11 * 5 * K * Dm * 4 + 4 * 2 * 3 + 4 * 2
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"cache.residual": 8}, "cache.residual"),
+    ({"cache.codec": "int4", "cache.k_axis": "channel", "cache.group_size": 4,
+      "cache.residual": 8}, "cache.residual"),
+    ({"cache.codec": "int4", "cache.k_axis": "channel", "cache.group_size": 4}, "k_axis"),
+])
+def test_unsupported_paged_options_are_one_line_errors(overrides, words):
+  with pytest.raises(KvjaxError, match=words) as err:
+    tiny_config(**{"cache.layout": "paged", **overrides})
+  assert "\n" not in str(err.value)
+
+
+def test_pool_too_small_for_up_front_allocation_is_an_error():
+  cfg = tiny_config(**{"cache.layout": "paged", "cache.page_size": 4, "cache.num_pages": 5})
+  with pytest.raises(KvjaxError, match="num_pages=5 is smaller than the 8 pages"):
+    cache_lib.init_cache(cfg, 2, 16)
+
+
+def test_cli_generate_paged_gives_the_contiguous_tokens(capsys):
+  """`kvjax generate --set cache.layout=paged` (page size 3, ragged prompts) == contiguous."""
+  prompts = [[1, 2, 3, 4, 5, 9, 9], [7, 8]]
+  args = ["generate", "--max-new-tokens", "6", "--json", "--set", "cache.layout=paged",
+          "--set", "cache.page_size=3"]
+  args += [a for p in prompts for a in ("--prompt-ids", ",".join(map(str, p)))]
+  args += [a for k, v in {"model.vocab_size": 64, "model.d_model": 32, "model.d_ff": 48}.items()
+           for a in ("--set", f"{k}={v}")]
+  assert cli.main(args) == 0
+  out = json.loads(capsys.readouterr().out)
+  cfg = tiny_config()  # the same model the CLI built: defaults + the three overrides
+  ref = decode.generate(cfg, tiny_params(cfg), prompts, 6, timed=False)["tokens"]
+  assert out["layout"] == "paged" and out["tokens"] == ref

@@ -85,6 +85,21 @@ def _meta(a: jax.Array) -> jax.Array:
   return codecs.load_bits(a, SCALE_DTYPE).astype(jnp.float32)
 
 
+def _pow2(k: jax.Array) -> jax.Array:
+  """Exactly 2**k as float32 for integer k in [-126, 127] (built from the exponent bits)."""
+  return jax.lax.bitcast_convert_type((k + 127) << 23, jnp.float32)
+
+
+def _div(x: jax.Array, s: jax.Array) -> jax.Array:
+  """x / s for a normal s > 0. XLA rewrites a division by a broadcast into a product with
+  the reciprocal, and 1/s is subnormal (flushed to zero on CPU) once s > 2^126; scaling
+  both by the same exact power of two first keeps every intermediate normal."""
+  e = (jax.lax.bitcast_convert_type(s, jnp.int32) >> 23) - 127  # s = m * 2^e, m in [1, 2)
+  a = -(e // 2)
+  fa, fb = _pow2(a), _pow2(-e - a)
+  return (x * fa * fb) / (s * fa * fb)
+
+
 def _round_up_bf16(s: jax.Array) -> jax.Array:
   """A bfloat16 value >= s (s >= 0, finite): bf16's round-to-nearest loses < 2^-8."""
   return jnp.minimum(s * _UP, _BF16_MAX).astype(SCALE_DTYPE)
@@ -152,12 +167,12 @@ class ScaledCodec(codecs.Codec):
       zf = zero.astype(jnp.float32)
       reach = jnp.maximum(mx - zf, zf - mn)
       scale = _round_up_bf16(jnp.maximum(reach / self.half, TINY))
-      c = jnp.round((xg - zf) / scale.astype(jnp.float32) + self.half)
+      c = jnp.round(_div(xg - zf, scale.astype(jnp.float32)) + self.half)
       return jnp.clip(c, 0, 2 * self.half).astype(jnp.uint8), scale, zero
     qmax = 127.0 if self.kind == "int" else float(jnp.finfo(self.dtype).max)
     amax = jnp.max(jnp.abs(xg), red, keepdims=True)
     scale = _round_up_bf16(jnp.maximum(amax / qmax, TINY))
-    y = jnp.clip(xg / scale.astype(jnp.float32), -qmax, qmax)
+    y = jnp.clip(_div(xg, scale.astype(jnp.float32)), -qmax, qmax)
     codes = jnp.round(y).astype(jnp.int8) if self.kind == "int" else y.astype(self.dtype)
     return codes, scale, None
 
@@ -174,8 +189,13 @@ class ScaledCodec(codecs.Codec):
         (D // enc["scale"].shape[-1], -1)
     widen = lambda a: jnp.repeat(_meta(a), rep, axis=ax)  # noqa: E731
     if self.asym:
-      return (widen(enc["zero"]) + (c - self.half) * widen(enc["scale"])).astype(dtype)
-    return (c * widen(enc["scale"])).astype(dtype)
+      x = widen(enc["zero"]) + (c - self.half) * widen(enc["scale"])
+    else:
+      x = c * widen(enc["scale"])
+    # The rounded-up scale can push the extreme code a hair past float32's max for inputs
+    # within 2^-7 of it; clipping only moves x̂ towards x, so the bound holds (NaN stays).
+    fmax = float(jnp.finfo(jnp.float32).max)
+    return jnp.clip(x, -fmax, fmax).astype(dtype)
 
   def bytes_per_token(self, n_kv_heads: int, head_dim: int, cache_cfg=None) -> float:
     meta = SCALE_BYTES * (2 if self.asym else 1)

@@ -112,6 +112,9 @@ def cmd_generate(args) -> dict:
     over["seed"] = args.seed
   if over:
     cfg = config_lib.apply_overrides(cfg, over)
+  if args.k_codec or args.v_codec:  # after --codec, so K8/V4 can refine it
+    cfg = config_lib.apply_overrides(cfg, {k: v for k, v in (("cache.k_codec", args.k_codec),
+                                                             ("cache.v_codec", args.v_codec)) if v})
   tok = tokenizer.get_tokenizer(cfg.tokenizer, folder)
   if args.prompt is not None:
     if tok is None:
@@ -183,7 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
   pr.add_argument("--prompt-ids", action="append", metavar="1,2,3",
                   help="one sequence per use; repeat for a ragged batch")
   g.add_argument("--max-new-tokens", type=int, default=16)
-  g.add_argument("--codec")
+  g.add_argument("--codec", help="cache codec for K and V")
+  g.add_argument("--k-codec", help="cache codec for K only (e.g. int8 with --v-codec int4)")
+  g.add_argument("--v-codec", help="cache codec for V only")
   g.add_argument("--greedy", action="store_true")
   g.add_argument("--temperature", type=float)
   g.add_argument("--top-k", type=int)

@@ -18,6 +18,16 @@ class _Parser(argparse.ArgumentParser):
     raise KvjaxError(f"{message} (see {self.prog} --help)")
 
 
+def _add_distributed(p):
+  d = p.add_argument_group("multi-host (jax.distributed; or KVJAX_COORDINATOR, "
+                           "KVJAX_NUM_PROCESSES, KVJAX_PROCESS_ID, KVJAX_DISTRIBUTED=1)")
+  d.add_argument("--distributed", action="store_true",
+                 help="jax.distributed.initialize() with cluster auto-detection (TPU, SLURM, MPI)")
+  d.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
+  d.add_argument("--num-processes", type=int)
+  d.add_argument("--process-id", type=int)
+
+
 def _add_set(p):
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                  help="override a config key, e.g. --set model.n_kv_heads=2 (repeatable)")
@@ -31,10 +41,13 @@ def cmd_size(args) -> dict:
   if args.hf:
     from kvjax import hf
     cfg = hf.load_config(args.hf)
+  elif args.config:
+    cfg = config_lib.load(args.config)
   else:
     missing = [n for n in ("layers", "heads", "kv_heads", "head_dim") if getattr(args, n) is None]
     if missing:
-      raise KvjaxError("size needs --layers --heads --kv-heads --head-dim (or --hf DIR); missing: "
+      raise KvjaxError("size needs --layers --heads --kv-heads --head-dim (or --hf DIR or "
+                       "--config FILE); missing: "
                        + ", ".join("--" + m.replace("_", "-") for m in missing))
     over.update({"model.n_layers": args.layers, "model.n_heads": args.heads,
                  "model.n_kv_heads": args.kv_heads, "model.head_dim": args.head_dim,
@@ -60,12 +73,15 @@ def cmd_size(args) -> dict:
   m = cfg.model
   per_token = m.n_layers * (spec.kc.bytes_per_token(m.n_kv_heads, m.D, cfg.cache)
                             + spec.vc.bytes_per_token(m.n_kv_heads, m.D, cfg.cache))
+  from kvjax import sharding  # bytes per device under mesh.data x mesh.model (no devices needed)
   return {
       "bytes_per_token": per_token,
       "total_bytes": layout.closed_form_bytes(spec),
       "layers": m.n_layers, "heads": m.n_heads, "kv_heads": m.n_kv_heads, "head_dim": m.D,
       "seq_len": args.seq_len, "batch": args.batch, "variant": m.variant,
       "k_codec": cfg.cache.k_codec, "v_codec": cfg.cache.v_codec, "layout": layout.name,
+      **sharding.size_report(cfg, args.batch, args.seq_len,
+                             with_params=bool(args.hf or args.config)),
   }
 
 
@@ -91,6 +107,9 @@ def _load_model(args):
     cfg, params = checkpoint.load(args.checkpoint, overrides=config_lib.parse_set(args.set))
     return cfg, params, None
   cfg = config_lib.load(args.config, args.set)
+  from kvjax import sharding
+  if sharding.is_sharded(cfg):  # created already split: never whole on one device
+    return cfg, sharding.init_params(cfg, sharding.make_mesh(cfg)), None
   return cfg, model.init_params(cfg.model, cfg.seed), None
 
 
@@ -166,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--kv-heads", type=int)
   s.add_argument("--head-dim", type=int)
   s.add_argument("--hf", metavar="DIR", help="read the shape from a Hugging Face config.json")
+  s.add_argument("--config", metavar="FILE.yaml", help="read the shape from a kvjax config")
   s.add_argument("--seq-len", type=int, required=True)
   s.add_argument("--batch", type=int, default=1)
   s.add_argument("--dtype", help="float32 | bfloat16 | float16 (same as --codec fp32/bf16/fp16)")
@@ -196,12 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--seed", type=int)
   g.add_argument("--json", action="store_true")
   _add_set(g)
+  _add_distributed(g)
   g.set_defaults(func=cmd_generate)
 
   r = sub.add_parser("run", help="run an experiment config's grid, appending results rows")
   r.add_argument("file", metavar="FILE.yaml")
   r.add_argument("--out", metavar="DIR")
   _add_set(r)
+  _add_distributed(r)
   r.set_defaults(func=cmd_run)
 
   t = sub.add_parser("train", help="train a model from a config, with orbax checkpoints")
@@ -228,6 +250,16 @@ def _print_human(command: str, result: dict) -> None:
     print(f"bytes per token: {result['bytes_per_token']:,.1f} ({_human(result['bytes_per_token'])})")
     print(f"total for batch {result['batch']} x {result['seq_len']} tokens: "
           f"{result['total_bytes']:,} ({_human(result['total_bytes'])})")
+    if result["devices"] > 1 or "param_bytes" in result:
+      mesh = result["mesh"]
+      rep = f", each KV head on {mesh['kv_replication']} devices" \
+          if mesh["kv_replication"] > 1 else ""
+      print(f"mesh {mesh['data']}x{mesh['model']} (data x model){rep}: cache "
+            f"{_human(result['bytes_per_device'])} per device "
+            f"(ideal {_human(result['ideal_bytes_per_device'])})")
+      if "param_bytes" in result:
+        print(f"parameters {_human(result['param_bytes'])}: "
+              f"{_human(result['param_bytes_per_device'])} per device")
   elif command == "generate":
     for i, toks in enumerate(result["tokens"]):
       text = f"  {result['text'][i]!r}" if "text" in result else ""
@@ -236,11 +268,23 @@ def _print_human(command: str, result: dict) -> None:
           f"TPOT {result['tpot_s'] * 1e3:.3f} ms  compile {result['compile_s']:.2f} s")
 
 
+def _is_lead_process() -> bool:
+  """Only process 0 prints on a multi-host run (every process computes the same result)."""
+  if "jax" not in sys.modules:
+    return True
+  import jax
+  return jax.process_index() == 0
+
+
 def main(argv: list[str] | None = None) -> int:
   try:
     args = build_parser().parse_args(argv)
+    if hasattr(args, "distributed"):
+      from kvjax import sharding
+      sharding.initialize_distributed(args.coordinator, args.num_processes, args.process_id,
+                                      args.distributed)
     result = args.func(args)
-    if args.command in ("size", "generate"):
+    if args.command in ("size", "generate") and _is_lead_process():
       if args.json:
         print(json.dumps(result))
       else:

@@ -21,6 +21,7 @@ import numpy as np
 from flax import struct
 
 from kvjax import cache as cache_lib
+from kvjax import sharding
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
@@ -74,6 +75,7 @@ def prefill(params, tokens_BT, lengths_B, cache, key, *, cfg: Config, sampler: S
   model = Transformer(cfg.model)
   layout = cache_lib.LAYOUTS[cache.spec.layout]
   logits_BTV, cache = layout.forward(model, params, tokens_BT, positions_BT, cache)
+  cache = sharding.constrain_cache(cache, cfg)  # keep the mesh layout (no-op on one device)
   last_BV = jnp.take_along_axis(logits_BTV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
   return sampler(last_BV, key), last_BV, cache
 
@@ -91,6 +93,7 @@ def decode(params, cache, token_B, key, *, cfg: Config, sampler: Sampler, steps:
     positions_B1 = state.cache.lengths[:, None]
     logits, new_cache = layout.forward(model, params, state.token[:, None], positions_B1,
                                        state.cache)
+    new_cache = sharding.constrain_cache(new_cache, cfg)
     key, sub = jax.random.split(state.key)
     nxt = sampler(logits[:, 0], sub)
     if eos >= 0:
@@ -140,12 +143,14 @@ def _block(x):
 
 
 def generate(cfg: Config, params, prompts: list[list[int]], max_new_tokens: int,
-             seed: int | None = None, timed: bool = True) -> dict:
+             seed: int | None = None, timed: bool = True, return_cache: bool = False) -> dict:
   """Prefill + decode for a batch of ragged prompts.
 
   Both programs are compiled ahead of time (reported as `compile_s`), run once to warm
   up, then timed: `ttft_s` is prefill + first sample, `tpot_s` the decode loop time per
-  token. Returns new tokens per sequence (cut after eos), cache bytes and timings.
+  token. Returns new tokens per sequence (cut after eos), cache bytes and timings (and the
+  final cache under "cache" with `return_cache`). With more than one device in `cfg.mesh`
+  the parameters, prompts and cache are laid out on the mesh first (kvjax.sharding).
   """
   capacity = cfg.cache.capacity or max(len(p) for p in prompts) + max_new_tokens
   check_request(cfg, prompts, max_new_tokens, capacity)
@@ -156,6 +161,12 @@ def generate(cfg: Config, params, prompts: list[list[int]], max_new_tokens: int,
   steps = max_new_tokens - 1
   B = len(prompts)
   fresh = lambda: cache_lib.init_cache(cfg, B, capacity)  # noqa: E731
+  if sharding.is_sharded(cfg):  # params, prompts and cache laid out on the mesh; jit follows
+    mesh = sharding.make_mesh(cfg)
+    sharding.check_batch(cfg, B)
+    params = sharding.shard_params(params, cfg, mesh)
+    tokens, lengths = sharding.put_batch(tokens, mesh), sharding.put_batch(lengths, mesh)
+    fresh = lambda: sharding.init_cache(cfg, B, capacity, mesh)  # noqa: E731
 
   t0 = time.perf_counter()
   c0 = fresh()
@@ -177,7 +188,8 @@ def generate(cfg: Config, params, prompts: list[list[int]], max_new_tokens: int,
       rest, c = dec(params, c, tok, k_decode)
       _block(rest)
     tc = time.perf_counter()
-    return np.concatenate([np.asarray(tok)[:, None], np.asarray(rest)], 1), c, tb - ta, tc - tb
+    return (np.concatenate([sharding.to_host(tok)[:, None], sharding.to_host(rest)], 1), c,
+            tb - ta, tc - tb)
 
   if timed:
     run()  # warm-up: first executions pay one-time costs
@@ -187,9 +199,12 @@ def generate(cfg: Config, params, prompts: list[list[int]], max_new_tokens: int,
     if cfg.workload.eos_id >= 0 and cfg.workload.eos_id in row:
       row = row[:row.index(cfg.workload.eos_id) + 1]
     seqs.append(row)
+  extra = {"cache": final_cache} if return_cache else {}
   return {
+      **extra,
       "tokens": seqs,
       "cache_bytes": cache_lib.tree_bytes(final_cache),
+      "cache_bytes_per_device": sharding.measured_device_bytes(final_cache),
       "ttft_s": ttft,
       "tpot_s": decode_s / steps if steps > 0 else 0.0,
       "compile_s": compile_s,

@@ -1,0 +1,316 @@
+"""Scale out with `jax.sharding`: one device mesh for parameters and cache (docs/scaling.md).
+
+`mesh.data` x `mesh.model` devices form a `jax.sharding.Mesh`; everything else is XLA's
+SPMD partitioner, fed by the shardings of the inputs (parameters, cache, prompts) and by
+`constrain_cache` inside the jitted prefill/decode, so the cache keeps its layout through
+the decode loop. Nothing here is a home-made collective.
+
+The `model` axis (size m) is laid out as two mesh axes, `kv` x `rep`:
+  m_kv = m when K % m == 0, else K when m % K == 0 (anything else is an error);
+  rep  = m / m_kv: how many devices hold a copy of each KV head.
+Megatron-style tensor parallelism uses both (`TP = ("kv", "rep")`): q/gate/up kernels
+split their output axis, o/down their input axis, so each layer needs one all-reduce
+after attention and one after the MLP. K/V projections and the cache split the KV-head
+axis over `kv` only; when K < m (MQA, small GQA) each KV head is replicated on the `rep`
+devices whose query heads read it (what vLLM and Megatron do). Sharding the cache along
+the sequence instead would save that replication but needs a distributed softmax every
+step; `kvjax size` reports the replication's cost (`bytes_per_device` vs `ideal`).
+
+Embedding and lm_head split the vocabulary over TP (a vocab-parallel embedding is a
+masked gather plus an all-reduce; the logits stay vocab-split until the sampler's
+argmax). Norms are replicated (E floats per layer). The batch splits over `data`.
+
+Divisibility: heads that do not divide -> one-line KvjaxError (a head is never split);
+a batch that `data` does not divide -> KvjaxError; d_ff or vocab that `TP` does not
+divide -> that weight is replicated (pinned by tests/test_sharding.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from kvjax.config import Config
+from kvjax.errors import KvjaxError
+
+AXES = ("data", "kv", "rep")
+TP = ("kv", "rep")          # the whole `model` axis
+COLUMN = ("q_proj", "gate_proj", "up_proj")   # split the output axis over TP
+KV_PROJ = ("k_proj", "v_proj")                # split the output axis over `kv`
+ROW = ("o_proj", "down_proj")                 # split the input axis over TP
+CACHE_FIELDS = ("k", "v", "k_win", "v_win")   # leaves [L, B, K, S, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Mesh axis sizes for one config: data x kv x rep devices."""
+
+  data: int
+  kv: int
+  rep: int
+
+  @property
+  def model(self) -> int:
+    return self.kv * self.rep
+
+  @property
+  def n_devices(self) -> int:
+    return self.data * self.model
+
+  @property
+  def sizes(self) -> dict:
+    return {"data": self.data, "kv": self.kv, "rep": self.rep}
+
+  def shards(self, spec: P) -> int:
+    """How many pieces an array with this PartitionSpec is cut into."""
+    n = 1
+    for entry in spec:
+      for name in (entry if isinstance(entry, tuple) else (entry,)):
+        n *= self.sizes.get(name, 1) if name else 1
+    return n
+
+
+def plan(cfg: Config) -> Plan:
+  """Check that the mesh fits the model's heads; return the axis sizes."""
+  m, H, K = cfg.mesh.model, cfg.model.n_heads, cfg.model.n_kv_heads
+  if H % m:
+    raise KvjaxError(f"mesh.model={m} does not divide model.n_heads={H}; choose mesh.model "
+                     "among the divisors of n_heads")
+  if K % m == 0:
+    return Plan(cfg.mesh.data, m, 1)
+  if m % K == 0:
+    return Plan(cfg.mesh.data, K, m // K)
+  raise KvjaxError(f"mesh.model={m} and model.n_kv_heads={K}: one must divide the other "
+                   "(KV heads are split, or replicated m/K times, never cut)")
+
+
+def is_sharded(cfg: Config) -> bool:
+  return cfg.mesh.data * cfg.mesh.model > 1
+
+
+def check_batch(cfg: Config, batch: int) -> None:
+  if batch % cfg.mesh.data:
+    raise KvjaxError(f"batch {batch} is not divisible by mesh.data={cfg.mesh.data}; "
+                     "pad the batch or choose mesh.data among its divisors")
+
+
+@functools.lru_cache(maxsize=8)
+def _mesh(p: Plan, device_ids: tuple) -> Mesh:
+  by_id = {d.id: d for d in jax.devices()}
+  devs = np.array([by_id[i] for i in device_ids]).reshape(p.data, p.kv, p.rep)
+  return Mesh(devs, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def make_mesh(cfg: Config) -> Mesh:
+  """The (data, kv, rep) mesh over the first data * model devices (all hosts' devices)."""
+  p = plan(cfg)
+  devices = jax.devices()
+  if p.n_devices > len(devices):
+    raise KvjaxError(f"mesh {cfg.mesh.data}x{cfg.mesh.model} needs {p.n_devices} devices, "
+                     f"{len(devices)} visible; lower mesh.data/mesh.model (on CPU: XLA_FLAGS="
+                     f"--xla_force_host_platform_device_count={p.n_devices})")
+  return _mesh(p, tuple(d.id for d in devices[:p.n_devices]))
+
+
+# -- specs ------------------------------------------------------------------------------------
+def _names(path) -> list[str]:
+  return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+
+
+def param_spec(path: list[str], shape: tuple, p: Plan) -> P:
+  """PartitionSpec of one parameter, named by its path in the Flax params dict."""
+  def split(axis: int, over) -> P:
+    n = math.prod(p.sizes[a] for a in (over if isinstance(over, tuple) else (over,)))
+    if shape[axis] % n:
+      return P()  # d_ff or vocab not divisible: replicate this weight (documented fallback)
+    spec = [None] * len(shape)
+    spec[axis] = over
+    return P(*spec)
+
+  module, leaf = (path[-2] if len(path) > 1 else ""), path[-1]
+  if module in COLUMN:
+    return split(len(shape) - 1, TP)   # kernel [L, E, out] or bias [L, out]
+  if module in KV_PROJ:
+    return split(len(shape) - 1, "kv")
+  if module in ROW and leaf == "kernel":
+    return split(len(shape) - 2, TP)   # kernel [L, in, E]
+  if module == "embed_tokens":
+    return split(0, TP)                # [V, E]
+  if module == "lm_head" and leaf == "kernel":
+    return split(1, TP)                # [E, V]
+  return P()                           # norms, o/down biases (none in Llama)
+
+
+def param_specs(params: Any, cfg: Config) -> Any:
+  p = plan(cfg)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: param_spec(_names(path), tuple(x.shape), p), params)
+
+
+def cache_leaf_spec(path: list[str], ndim: int) -> P:
+  """KV leaves [L, B, K, S, ...] split batch over `data` and KV heads over `kv`;
+  `lengths` [B] and the `none` layout's tokens [B, S] split the batch only."""
+  field = path[0] if path else ""
+  if field in CACHE_FIELDS:
+    return P(None, "data", "kv", *([None] * (ndim - 3)))
+  if field in ("lengths", "tokens"):
+    return P("data", *([None] * (ndim - 1)))
+  return P()  # unknown layouts' leaves (e.g. a paged pool): replicated, see docs/scaling.md
+
+
+def cache_specs(cache: Any) -> Any:
+  return jax.tree_util.tree_map_with_path(lambda path, x: cache_leaf_spec(_names(path), x.ndim),
+                                          cache)
+
+
+def shardings(specs: Any, mesh: Mesh) -> Any:
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                      is_leaf=lambda s: isinstance(s, P))
+
+
+# -- placement --------------------------------------------------------------------------------
+def _put(x, sharding: NamedSharding):
+  """Host data -> a global array; works on one host and on many (each holds the full x)."""
+  if isinstance(x, jax.Array):
+    same = x.sharding.is_equivalent_to(sharding, x.ndim) if hasattr(x, "sharding") else False
+    return x if same else jax.device_put(x, sharding)
+  arr = np.asarray(x)
+  return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
+
+
+def shard_params(params: Any, cfg: Config, mesh: Mesh) -> Any:
+  sh = shardings(param_specs(params, cfg), mesh)
+  return jax.tree.map(_put, params, sh)
+
+
+def init_params(cfg: Config, mesh: Mesh) -> Any:
+  """Random parameters created already split (never whole on one device)."""
+  from kvjax import model
+
+  shapes = jax.eval_shape(lambda: model.init_params(cfg.model, cfg.seed))
+  sh = shardings(param_specs(shapes, cfg), mesh)
+  return jax.jit(lambda: model.init_params(cfg.model, cfg.seed), out_shardings=sh)()
+
+
+def init_cache(cfg: Config, batch: int, capacity: int, mesh: Mesh) -> Any:
+  """A fresh cache allocated directly in its sharded layout."""
+  from kvjax import cache as cache_lib
+
+  check_batch(cfg, batch)
+  make = lambda: cache_lib.init_cache(cfg, batch, capacity)  # noqa: E731
+  sh = shardings(cache_specs(jax.eval_shape(make)), mesh)
+  return jax.jit(make, out_shardings=sh)()
+
+
+def put_batch(x, mesh: Mesh):
+  """Prompt tokens [B, T] / lengths [B]: batch over `data`, replicated over the model axis."""
+  return _put(x, NamedSharding(mesh, P("data", *([None] * (np.ndim(x) - 1)))))
+
+
+def constrain_cache(cache: Any, cfg: Config) -> Any:
+  """Inside jit: pin the cache to its layout (a no-op on one device)."""
+  if not is_sharded(cfg):
+    return cache
+  sh = shardings(cache_specs(cache), make_mesh(cfg))
+  return jax.lax.with_sharding_constraint(cache, sh)
+
+
+def to_host(x) -> np.ndarray:
+  """A (possibly multi-host) global array as a full numpy array on every process."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
+
+
+# -- bytes ------------------------------------------------------------------------------------
+def bytes_per_device(tree: Any, specs: Any, p: Plan) -> int:
+  """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs) under `specs`."""
+  leaves = jax.tree.leaves(tree)
+  spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+  return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize // p.shards(s)
+                 for x, s in zip(leaves, spec_leaves)))
+
+
+def measured_device_bytes(tree: Any) -> int:
+  """Bytes actually resident on the fullest device, from the arrays' shards."""
+  per: dict = {}
+  for x in jax.tree.leaves(tree):
+    for s in x.addressable_shards:
+      per[s.device] = per.get(s.device, 0) + s.data.size * s.data.dtype.itemsize
+  return max(per.values()) if per else 0
+
+
+def size_report(cfg: Config, batch: int, capacity: int, with_params: bool) -> dict:
+  """Bytes per device of the cache (and parameters) under cfg.mesh, computed abstractly:
+  no device is needed, so a laptop can size a 64-chip slice."""
+  from kvjax import cache as cache_lib
+  from kvjax import model
+
+  p = plan(cfg)
+  check_batch(cfg, batch)
+  if cfg.cache.layout == "none":
+    cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, layout="contiguous"))
+  c = jax.eval_shape(lambda: cache_lib.init_cache(cfg, batch, capacity))
+  total = bytes_per_device(c, cache_specs(c), Plan(1, 1, 1))
+  out = {"mesh": {"data": p.data, "model": p.model, "kv": p.kv, "kv_replication": p.rep},
+         "devices": p.n_devices,
+         "bytes_per_device": bytes_per_device(c, cache_specs(c), p),
+         "ideal_bytes_per_device": -(-total // p.n_devices)}
+  if with_params:
+    w = jax.eval_shape(lambda: model.init_params(cfg.model, 0))
+    specs = param_specs(w, cfg)
+    out["param_bytes"] = bytes_per_device(w, specs, Plan(1, 1, 1))
+    out["param_bytes_per_device"] = bytes_per_device(w, specs, p)
+  return out
+
+
+# -- multi-host -------------------------------------------------------------------------------
+ENV = {"coordinator": "KVJAX_COORDINATOR", "num_processes": "KVJAX_NUM_PROCESSES",
+       "process_id": "KVJAX_PROCESS_ID", "distributed": "KVJAX_DISTRIBUTED"}
+
+
+def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None, auto: bool = False) -> bool:
+  """`jax.distributed.initialize` from flags or KVJAX_* environment variables.
+
+  With nothing given (and KVJAX_DISTRIBUTED unset) this does nothing: one process. `auto`
+  (or KVJAX_DISTRIBUTED=1) lets JAX detect the cluster (Cloud TPU, SLURM, Open MPI);
+  otherwise coordinator, process count and id must all be given. Returns whether it ran.
+  """
+  coordinator = coordinator or os.environ.get(ENV["coordinator"]) or None
+  num_processes = num_processes if num_processes is not None else \
+      _env_int(ENV["num_processes"])
+  process_id = process_id if process_id is not None else _env_int(ENV["process_id"])
+  auto = auto or os.environ.get(ENV["distributed"], "") not in ("", "0")
+  explicit = [v is not None for v in (coordinator, num_processes, process_id)]
+  if not auto and not any(explicit):
+    return False
+  if any(explicit) and not all(explicit):
+    raise KvjaxError("multi-host needs --coordinator HOST:PORT, --num-processes N and "
+                     "--process-id I together (or KVJAX_COORDINATOR/..._NUM_PROCESSES/"
+                     "..._PROCESS_ID), or --distributed alone for TPU/SLURM/MPI auto-detection")
+  try:
+    jax.distributed.initialize(coordinator, num_processes, process_id)
+  except (RuntimeError, ValueError) as e:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise KvjaxError(f"jax.distributed.initialize failed: {msg}; check the coordinator "
+                     "address and that every process was started") from None
+  return True
+
+
+def _env_int(name: str) -> int | None:
+  raw = os.environ.get(name, "")
+  if not raw:
+    return None
+  try:
+    return int(raw)
+  except ValueError:
+    raise KvjaxError(f"{name} must be an integer, got '{raw}'") from None

@@ -1,0 +1,246 @@
+"""Sharding on a device mesh (kvjax.sharding): same greedy tokens as one device, intended layouts.
+
+The multi-device checks run in ONE child process with 4 forced CPU devices (this file run
+as a script), so the rest of the suite keeps one device; the child prints JSON and the
+parent asserts. Pure rules (specs, plans, errors, sizes) run in-process: they need no devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from kvjax import cli, sharding
+from kvjax import config as config_lib
+from kvjax.errors import KvjaxError
+
+TINY = {"model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4}
+CASES = [("MHA", 4, "fp32"), ("GQA-2", 2, "int8"), ("MQA", 1, "fp32")]
+MESHES = [(1, 4), (2, 2), (4, 1)]
+PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12], [3, 3]]
+NEW = 5
+
+
+def _cfg(**over):
+  return config_lib.load(None, {**TINY, **over})
+
+
+# -- the child: everything that needs 4 devices -------------------------------------------------
+def _leaf_report(cache) -> list[dict]:
+  """Per cache leaf: global and per-device shapes, and whether its sharding is the rule
+  (written out here by hand: batch over `data`, KV heads over `kv`)."""
+  from jax.sharding import NamedSharding
+  out = []
+  for path, x in jax.tree_util.tree_leaves_with_path(cache):
+    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    rule = P("data") if names == ["lengths"] else P(None, "data", "kv")
+    out.append({"path": names, "shape": list(x.shape),
+                "shard": list(x.addressable_shards[0].data.shape),
+                "intended": x.sharding.is_equivalent_to(NamedSharding(x.sharding.mesh, rule),
+                                                        x.ndim)})
+  return out
+
+
+def child() -> dict:
+  from kvjax import decode, model
+
+  res: dict = {"devices": len(jax.devices()), "runs": [], "errors": {}}
+  for name, K, codec in CASES:
+    cfg = _cfg(**{"model.n_kv_heads": K, "cache.codec": codec})
+    params = model.init_params(cfg.model, 0)
+    ref = decode.generate(cfg, params, PROMPTS, NEW, timed=False)
+    for d, m in MESHES:
+      c = config_lib.apply_overrides(cfg, {"mesh.data": d, "mesh.model": m})
+      out = decode.generate(c, params, PROMPTS, NEW, timed=False, return_cache=True)
+      res["runs"].append({"case": name, "K": K, "mesh": [d, m], "same": out["tokens"] == ref["tokens"],
+                          "bytes": out["cache_bytes"], "per_device": out["cache_bytes_per_device"],
+                          "leaves": _leaf_report(out["cache"])})
+    if name == "MHA":  # the recompute layout (token buffer) on a 2x2 mesh, same tokens
+      c = config_lib.apply_overrides(cfg, {"mesh.data": 2, "mesh.model": 2, "cache.layout": "none"})
+      out = decode.generate(c, params, PROMPTS, NEW, timed=False)
+      res["none_same"] = out["tokens"] == ref["tokens"]
+  cfg = _cfg(**{"mesh.data": 2})
+  for label, c, prompts in (("batch", cfg, PROMPTS[:3]),
+                            ("devices", _cfg(**{"mesh.data": 4, "mesh.model": 2}), PROMPTS)):
+    try:
+      decode.generate(c, model.init_params(c.model, 0), prompts, 2, timed=False)
+      res["errors"][label] = None
+    except KvjaxError as e:
+      res["errors"][label] = str(e)
+  return res
+
+
+@pytest.fixture(scope="module")
+def four_devices() -> dict:
+  env = dict(os.environ)
+  # Cheaper XLA:CPU compiles: both sides of every comparison run under the same flags.
+  env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4 "
+                      "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run([sys.executable, __file__, "child"], env=env, capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_meshes_give_the_same_greedy_tokens_as_one_device(four_devices):
+  assert four_devices["devices"] == 4
+  runs = four_devices["runs"]
+  assert {(r["case"], tuple(r["mesh"])) for r in runs} == \
+      {(c[0], m) for c in CASES for m in MESHES}
+  bad = [(r["case"], r["mesh"]) for r in runs if not r["same"]]
+  assert not bad, f"tokens differ from one device: {bad}"
+  assert four_devices["none_same"]
+
+
+def test_cache_leaves_carry_the_intended_shardings(four_devices):
+  for r in four_devices["runs"]:
+    d, m = r["mesh"]
+    K = r["K"]
+    kv = m if K % m == 0 else K      # KV heads split over `kv`, replicated over `rep`
+    kv_leaves = [leaf for leaf in r["leaves"] if leaf["path"][0] in ("k", "v")]
+    assert kv_leaves, r["leaves"]
+    for leaf in kv_leaves:  # codes and codec scales alike: [L, B, K, S, ...]
+      assert leaf["intended"], leaf
+      L, B, Kh, *rest = leaf["shape"]
+      assert leaf["shard"] == [L, B // d, Kh // kv, *rest], (r["case"], r["mesh"], leaf)
+    (lengths,) = [leaf for leaf in r["leaves"] if leaf["path"] == ["lengths"]]
+    assert lengths["intended"] and lengths["shard"] == [len(PROMPTS) // d]
+    # Bytes on the fullest device: the global cache split over data x kv (no more, no less).
+    kv_bytes = r["bytes"] - 4 * len(PROMPTS)
+    assert r["per_device"] == kv_bytes // (d * kv) + 4 * len(PROMPTS) // d
+
+
+def test_int8_scales_shard_with_their_codes(four_devices):
+  (r,) = [r for r in four_devices["runs"] if r["case"] == "GQA-2" and r["mesh"] == [2, 2]]
+  names = {leaf["path"][-1] for leaf in r["leaves"] if leaf["path"][0] == "k"}
+  assert {"codes", "scale"} <= names
+  for leaf in r["leaves"]:
+    if leaf["path"][0] in ("k", "v"):
+      assert leaf["shard"][1:3] == [leaf["shape"][1] // 2, leaf["shape"][2] // 2]
+
+
+def test_mqa_replicates_kv_over_the_model_axis(four_devices):
+  """The documented rule for K < mesh.model: each KV head is held whole by the devices that
+  read it, so MQA on 1x4 keeps the full cache on every device."""
+  (r,) = [r for r in four_devices["runs"] if r["case"] == "MQA" and r["mesh"] == [1, 4]]
+  assert r["per_device"] == r["bytes"]
+
+
+def test_bad_meshes_fail_with_one_line_errors(four_devices):
+  errs = four_devices["errors"]
+  assert errs["batch"] and "mesh.data=2" in errs["batch"] and "\n" not in errs["batch"]
+  assert errs["devices"] and "needs 8 devices, 4 visible" in errs["devices"]
+
+
+# -- pure rules (one device is enough) ----------------------------------------------------------
+def _specs(cfg):
+  from kvjax import model
+  shapes = jax.eval_shape(lambda: model.init_params(cfg.model, 0))
+  return shapes, sharding.param_specs(shapes, cfg)
+
+
+def test_params_are_split_megatron_style():
+  cfg = _cfg(**{"model.n_kv_heads": 2, "model.vocab_size": 264, "mesh.model": 4})
+  _, specs = _specs(cfg)
+  layers = specs["layers"]
+  TP = ("kv", "rep")
+  for name in ("q_proj", "gate_proj", "up_proj"):
+    assert layers[name]["kernel"] == P(None, None, TP)
+  for name in ("k_proj", "v_proj"):
+    assert layers[name]["kernel"] == P(None, None, "kv")
+  for name in ("o_proj", "down_proj"):
+    assert layers[name]["kernel"] == P(None, TP, None)
+  assert layers["input_layernorm"]["weight"] == P() and specs["norm"]["weight"] == P()
+  assert specs["embed_tokens"]["embedding"] == P(TP, None)
+  assert specs["lm_head"]["kernel"] == P(None, TP)
+
+
+def test_qkv_biases_split_with_their_kernels():
+  cfg = _cfg(**{"model.n_kv_heads": 2, "model.qkv_bias": True, "mesh.model": 2})
+  _, specs = _specs(cfg)
+  assert specs["layers"]["q_proj"]["bias"] == P(None, ("kv", "rep"))
+  assert specs["layers"]["k_proj"]["bias"] == P(None, "kv")
+
+
+def test_vocab_and_dff_that_do_not_divide_are_replicated():
+  """Documented fallback: a weight whose split axis does not divide stays whole."""
+  cfg = _cfg(**{"model.vocab_size": 262, "model.d_ff": 90, "mesh.model": 4})
+  _, specs = _specs(cfg)
+  assert specs["embed_tokens"]["embedding"] == P()
+  assert specs["lm_head"]["kernel"] == P()
+  for name in ("gate_proj", "up_proj", "down_proj"):
+    assert specs["layers"][name]["kernel"] == P()
+  assert specs["layers"]["q_proj"]["kernel"] == P(None, None, ("kv", "rep"))
+
+
+@pytest.mark.parametrize("over,fragment", [
+    ({"mesh.model": 3}, "does not divide model.n_heads=4"),
+    ({"model.n_heads": 6, "model.n_kv_heads": 3, "model.head_dim": 8, "mesh.model": 2},
+     "one must divide the other"),
+])
+def test_meshes_that_cut_heads_are_one_line_errors(over, fragment):
+  with pytest.raises(KvjaxError, match=fragment) as e:
+    sharding.plan(_cfg(**over))
+  assert "\n" not in str(e.value)
+
+
+def test_plan_replicates_kv_heads_only_as_needed():
+  assert sharding.plan(_cfg(**{"model.n_heads": 8, "model.n_kv_heads": 8, "mesh.model": 4})) == \
+      sharding.Plan(1, 4, 1)
+  assert sharding.plan(_cfg(**{"model.n_heads": 8, "model.n_kv_heads": 2, "mesh.model": 8})) == \
+      sharding.Plan(1, 2, 4)
+  assert sharding.plan(_cfg(**{"model.n_kv_heads": 1, "mesh.model": 4, "mesh.data": 2})) == \
+      sharding.Plan(2, 1, 4)
+
+
+def test_one_device_cannot_hold_a_bigger_mesh():
+  with pytest.raises(KvjaxError, match="needs 2 devices, 1 visible"):
+    sharding.make_mesh(_cfg(**{"mesh.model": 2}))
+
+
+def test_size_report_counts_bytes_per_device_and_replication():
+  mqa = _cfg(**{"model.n_kv_heads": 1, "mesh.data": 2, "mesh.model": 4})
+  r = sharding.size_report(mqa, batch=4, capacity=64, with_params=True)
+  one = sharding.size_report(_cfg(**{"model.n_kv_heads": 1}), batch=4, capacity=64,
+                             with_params=True)
+  total = one["bytes_per_device"]
+  assert r["mesh"] == {"data": 2, "model": 4, "kv": 1, "kv_replication": 4}
+  assert r["bytes_per_device"] == total // 2          # split over data only: K=1 is replicated
+  assert r["ideal_bytes_per_device"] == -(-total // 8)
+  assert r["param_bytes"] == one["param_bytes"] > r["param_bytes_per_device"]
+
+
+def test_cli_size_reports_bytes_per_device(capsys):
+  argv = ["size", "--layers", "4", "--heads", "8", "--kv-heads", "8", "--head-dim", "16",
+          "--seq-len", "128", "--batch", "4", "--set", "mesh.data=2", "--set", "mesh.model=4",
+          "--json"]
+  assert cli.main(argv) == 0
+  out = json.loads(capsys.readouterr().out)
+  lengths = 4 * 4  # [B] int32, split over data only
+  assert out["devices"] == 8
+  assert out["bytes_per_device"] == (out["total_bytes"] - lengths) // 8 + lengths // 2
+  assert cli.main(argv[:-3] + ["mesh.model=3"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("kvjax: error:") and "mesh.model=3" in err and "\n" not in err
+
+
+def test_distributed_flags_must_come_together(monkeypatch):
+  for name in sharding.ENV.values():
+    monkeypatch.delenv(name, raising=False)
+  assert sharding.initialize_distributed() is False   # one process: nothing to do
+  with pytest.raises(KvjaxError, match="together"):
+    sharding.initialize_distributed(coordinator="10.0.0.1:1234")
+  monkeypatch.setenv("KVJAX_NUM_PROCESSES", "two")
+  with pytest.raises(KvjaxError, match="KVJAX_NUM_PROCESSES must be an integer"):
+    sharding.initialize_distributed()
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["child"]:
+  print(json.dumps(child()))

@@ -1,12 +1,16 @@
 """Continuous batching over a paged KV cache (or, as the baseline, contiguous slots).
 
-A fixed number of decode slots share one cache. Each engine step is one call of one
-jit-compiled function over all slots: a row feeds the tokens of its request that are not
-cached yet (a prefill chunk of up to `chunk` tokens, or the one token sampled last step)
-and gets back the token sampled after its last fed token. So a request's state is just
-(tokens known, tokens cached): prefill, decode and recompute after preemption are the
-same loop. Two shapes exist, [slots, 1] (decode only) and [slots, chunk] (some row still
-prefilling, decode rows ride along with one token), so the step compiles twice, ever.
+A fixed number of decode slots share one cache. A request's state is just (tokens known,
+tokens cached), so prefill, decode and recompute after preemption are one loop: each
+engine step feeds every running request the tokens it has not cached yet and samples the
+token after its last one. A step is at most two calls of two jit-compiled functions:
+  - chunked prefill: up to `prefill_rows` requests with more than one uncached token feed
+    up to `chunk` tokens each, as a narrow [prefill_rows, chunk] batch;
+  - decode: every slot at once, [slots, 1], for the requests with one uncached token.
+Keeping prefill narrow matters on compute-bound hardware: a [slots, chunk] step would pad
+every decode row to `chunk` tokens. Both shapes compile once, ever (a test counts traces).
+The paged cache makes the narrow batch free (it is just other block-table rows); the
+contiguous cache gathers those slots' rows and scatters them back.
 
 With `cache.layout=paged` the host `PageAllocator` hands out pages on demand as a
 sequence crosses a page boundary; requests are admitted when a slot is free and the
@@ -45,17 +49,36 @@ from kvjax.config import Config
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
 
-STEP_TRACES: collections.Counter = collections.Counter()  # per step width T, at trace time
+STEP_TRACES: collections.Counter = collections.Counter()  # per (rows, width), at trace time
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampler"), donate_argnames=("cache",))
-def serve_step(params, cache, tokens_BT, positions_BT, last_B, key, *, cfg: Config, sampler):
-  """One model call over every slot; returns the token sampled after each row's last token."""
-  STEP_TRACES[tokens_BT.shape[1]] += 1
+def _call(cfg, sampler, params, cache, tokens_BT, positions_BT, last_B, key):
+  STEP_TRACES[tokens_BT.shape] += 1
   logits_BTV, cache = cache.layout.forward(Transformer(cfg.model), params, tokens_BT,
                                            positions_BT, cache)
   last_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
   return sampler(last_BV, key), cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampler"), donate_argnames=("cache",))
+def serve_step(params, cache, tokens_BT, positions_BT, last_B, key, *, cfg: Config, sampler):
+  """One model call; returns the token sampled after each row's last token. The cache's
+  `lengths` (and block table) say which rows are which: a paged cache may hold any number."""
+  return _call(cfg, sampler, params, cache, tokens_BT, positions_BT, last_B, key)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampler"), donate_argnames=("cache",))
+def serve_slots(params, cache, slots_R, tokens_RT, positions_RT, last_R, key, *, cfg: Config,
+                sampler):
+  """`serve_step` on the distinct slots `slots_R` of a contiguous cache (rows gathered, run,
+  scattered back): the narrow prefill batch."""
+  take = lambda a: jnp.take(a, slots_R, axis=1)  # noqa: E731  leaves [L, B, ...]
+  parts = {f: jax.tree.map(take, getattr(cache, f)) for f in ("k", "v", "k_win", "v_win")}
+  sub = dataclasses.replace(cache, **parts, lengths=cache.lengths[slots_R])
+  nxt, sub = _call(cfg, sampler, params, sub, tokens_RT, positions_RT, last_R, key)
+  put = lambda full, part: full.at[:, slots_R].set(part)  # noqa: E731
+  back = {f: jax.tree.map(put, getattr(cache, f), getattr(sub, f)) for f in parts}
+  return nxt, dataclasses.replace(cache, **back)
 
 
 @dataclasses.dataclass(eq=False)
@@ -88,14 +111,23 @@ class ModelBackend:
     self.sampler = decode.Sampler.from_config(cfg)
     self.key = jax.random.PRNGKey(cfg.seed)
 
-  def step(self, tokens_BT, positions_BT, table_BN, lengths_B, last_B) -> np.ndarray:
-    fields = {"lengths": jnp.asarray(lengths_B)}
-    if self.paged:
-      fields["block_table"] = jnp.asarray(table_BN)
+  def step(self, tokens_RT, positions_RT, table_RN, lengths_R, last_R, slots_R) -> np.ndarray:
+    """Run rows R (all slots, or the narrow prefill batch `slots_R`); host state as data."""
     self.key, sub = jax.random.split(self.key)
-    nxt, self.cache = serve_step(self.params, dataclasses.replace(self.cache, **fields),
-                                 jnp.asarray(tokens_BT), jnp.asarray(positions_BT),
-                                 jnp.asarray(last_B), sub, cfg=self.cfg, sampler=self.sampler)
+    args = [jnp.asarray(a) for a in (tokens_RT, positions_RT, last_R)] + [sub]
+    kw = {"cfg": self.cfg, "sampler": self.sampler}
+    if self.paged:
+      cache = dataclasses.replace(self.cache, block_table=jnp.asarray(table_RN),
+                                  lengths=jnp.asarray(lengths_R))
+      nxt, self.cache = serve_step(self.params, cache, *args, **kw)
+    else:
+      lengths_B = np.zeros((self.spec.batch,), np.int32)  # rows outside slots_R are not read
+      lengths_B[slots_R] = lengths_R
+      cache = dataclasses.replace(self.cache, lengths=jnp.asarray(lengths_B))
+      if len(slots_R) == self.spec.batch and (np.asarray(slots_R) == np.arange(len(slots_R))).all():
+        nxt, self.cache = serve_step(self.params, cache, *args, **kw)
+      else:
+        nxt, self.cache = serve_slots(self.params, cache, jnp.asarray(slots_R), *args, **kw)
     return np.asarray(nxt)
 
 
@@ -103,16 +135,18 @@ class Engine:
   """Serve `Request`s to completion: `run(requests) -> stats` (outputs land in each request)."""
 
   def __init__(self, cfg: Config, params=None, *, slots: int, max_len: int, chunk: int = 32,
-               prefix_cache: bool = True, watermark: float = 0.01, backend=None):
+               prefill_rows: int = 2, prefix_cache: bool = True, watermark: float = 0.01,
+               backend=None):
     if cfg.cache.layout not in ("paged", "contiguous"):
       raise KvjaxError(f"the serving engine needs cache.layout=paged or contiguous, got "
                        f"'{cfg.cache.layout}'")
-    if slots <= 0 or max_len <= 0 or chunk <= 0:
-      raise KvjaxError("engine slots, max_len and chunk must be positive")
+    if min(slots, max_len, chunk, prefill_rows) <= 0:
+      raise KvjaxError("engine slots, max_len, chunk and prefill_rows must be positive")
     if max_len > cfg.model.max_seq_len:
       raise KvjaxError(f"engine max_len={max_len} exceeds model.max_seq_len="
                        f"{cfg.model.max_seq_len}; lower it")
     self.cfg, self.slots, self.max_len, self.chunk = cfg, slots, max_len, chunk
+    self.prefill_rows = min(prefill_rows, slots)
     self.spec = cache_lib.CacheSpec.from_config(cfg, slots, max_len)
     self.paged = cfg.cache.layout == "paged"
     self.prefix_cache = prefix_cache and self.paged
@@ -183,25 +217,33 @@ class Engine:
     self.stats["preemptions"] += 1
     self.waiting.appendleft(r)
 
-  def _plan(self) -> tuple[int, list[tuple[Request, int]]]:
-    """Rows of the next step (oldest request first), pages allocated; may preempt."""
-    T = self.chunk if any(len(r.seq) - r.cached > 1 for r in self.running) else 1
-    rows = []
+  def _reserve(self, r: Request, n: int) -> bool:
+    """Pages for r's next n tokens, preempting the youngest requests (possibly r) if the pool
+    is dry; False when r itself was preempted."""
+    while self.paged and len(r.pages) * self.page < r.cached + n:
+      page = self.alloc.allocate()
+      if page is None:
+        self._preempt(self.running[-1])
+        if r not in self.running:
+          return False
+      else:
+        r.pages.append(page)
+    return True
+
+  def _plan(self) -> tuple[list, list]:
+    """(prefill rows, decode rows) of the next step as (request, tokens to feed), oldest
+    request first, pages allocated; may preempt."""
+    prefill, decoding = [], []
     for r in list(self.running):
       if r not in self.running:
         continue  # preempted for an older request in this loop
-      n = min(T, len(r.seq) - r.cached)
-      while self.paged and len(r.pages) * self.page < r.cached + n:
-        page = self.alloc.allocate()
-        if page is None:
-          self._preempt(self.running[-1])  # the youngest; possibly r itself
-          if r not in self.running:
-            break
-          continue
-        r.pages.append(page)
-      if r in self.running:
-        rows.append((r, n))
-    return T, rows
+      pending = len(r.seq) - r.cached
+      if pending > 1 and len(prefill) == self.prefill_rows:
+        continue  # waits for a prefill row
+      n = min(self.chunk, pending)
+      if self._reserve(r, n):
+        (prefill if pending > 1 else decoding).append((r, n))
+    return prefill, decoding
 
   # -- the loop ------------------------------------------------------------------------------
   def run(self, requests: list[Request]) -> dict:
@@ -213,7 +255,7 @@ class Engine:
     self.waiting: collections.deque = collections.deque()
     self.stats = collections.Counter()
     pending = collections.deque(sorted(requests, key=lambda r: r.arrival))
-    util, concurrency, clock, steps = [], 0, 0, 0
+    util, running, clock, steps = [], [], 0, 0
     t0 = time.perf_counter()
     while pending or self.waiting or self.running:
       while pending and pending[0].arrival <= clock:
@@ -222,13 +264,18 @@ class Engine:
         clock = pending[0].arrival
         continue
       self._admit()
-      T, rows = self._plan()
-      nxt_B = self._step(T, rows)
+      prefill, decoding = self._plan()
+      rows = prefill + decoding
+      nxt = {}
+      if prefill:
+        nxt.update(self._step(prefill, self.chunk, self.prefill_rows))
+      if decoding:
+        nxt.update(self._step(decoding, 1, self.slots))
       steps += 1
       for r, n in rows:
         r.cached += n
         if r.cached == len(r.seq):
-          r.output.append(int(nxt_B[r.slot]))
+          r.output.append(nxt[r])
           if r.first_token_step < 0:
             r.first_token_step = clock
         if self.prefix_cache:
@@ -236,7 +283,7 @@ class Engine:
           for i, key in enumerate(self._keys(r, full)[r.registered:], start=r.registered):
             self.alloc.register(r.pages[i], key)
           r.registered = max(r.registered, full)
-      concurrency = max(concurrency, len(self.running))
+      running.append(len(self.running))
       util.append(self._utilization())
       for r, _ in rows:
         if self._done(r):
@@ -250,32 +297,43 @@ class Engine:
         "requests": len(requests), "steps": steps, "wall_s": wall, "output_tokens": out_tokens,
         "tokens_per_s": out_tokens / wall if wall > 0 else 0.0,
         "memory_utilization": float(np.mean(util)) if util else 0.0,
-        "max_concurrency": concurrency, "preemptions": s["preemptions"],
+        "max_concurrency": max(running, default=0),
+        "mean_concurrency": float(np.mean(running)) if running else 0.0,
+        "preemptions": s["preemptions"],
         "prefix_hit_rate": s["hit_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0,
         "evictions": self.alloc.evictions if self.paged else 0,
         "mean_latency_steps": float(np.mean([r.finish_step - r.arrival + 1 for r in requests])),
         "mean_ttft_steps": float(np.mean([r.first_token_step - r.arrival + 1 for r in requests])),
     }
 
-  def _step(self, T: int, rows) -> np.ndarray:
-    B = self.slots
-    tokens = np.zeros((B, T), np.int32)
-    positions = np.full((B, T), -1, np.int32)
-    last = np.zeros((B,), np.int32)
-    lengths = np.zeros((B,), np.int32)
+  def _step(self, rows, T: int, R: int) -> dict:
+    """One call on R rows of width T: all slots (row = slot) when R is the slot count,
+    else a narrow batch whose spare rows are distinct idle slots (they write nothing)."""
+    if R == self.slots:
+      slots = np.arange(R)
+      order = {r.slot: r for r, _ in rows}
+    else:
+      used = [r.slot for r, _ in rows]
+      slots = np.array(used + [b for b in range(self.slots) if b not in used][:R - len(used)])
+      order = {i: r for i, (r, _) in enumerate(rows)}
+    tokens = np.zeros((R, T), np.int32)
+    positions = np.full((R, T), -1, np.int32)
+    last, lengths = np.zeros((R,), np.int32), np.zeros((R,), np.int32)
     N = paged.pages_per_seq(self.spec) if self.paged else 1
-    table = np.full((B, N), self.n_pages if self.paged else 0, np.int32)
-    for r, n in rows:
-      b = r.slot
-      tokens[b, :n] = r.seq[r.cached:r.cached + n]
-      positions[b, :n] = np.arange(r.cached, r.cached + n)
-      last[b], lengths[b] = n - 1, r.cached
+    table = np.full((R, N), self.n_pages if self.paged else 0, np.int32)
+    fed = dict(rows)
+    for i, r in order.items():
+      n = fed[r]
+      tokens[i, :n] = r.seq[r.cached:r.cached + n]
+      positions[i, :n] = np.arange(r.cached, r.cached + n)
+      last[i], lengths[i] = n - 1, r.cached
       if self.paged:
-        table[b, :len(r.pages)] = r.pages
-        for i in range(r.cached // self.page, (r.cached + n - 1) // self.page + 1):
-          if not self.alloc.writable(r.pages[i]):
-            raise AssertionError(f"page {r.pages[i]} is shared or cached but would be written")
-    return self.backend.step(tokens, positions, table, lengths, last)
+        table[i, :len(r.pages)] = r.pages
+        for j in range(r.cached // self.page, (r.cached + n - 1) // self.page + 1):
+          if not self.alloc.writable(r.pages[j]):
+            raise AssertionError(f"page {r.pages[j]} is shared or cached but would be written")
+    out = self.backend.step(tokens, positions, table, lengths, last, slots)
+    return {r: int(out[i]) for i, r in order.items()}
 
   def _utilization(self) -> float:
     """Tokens held by running requests / token slots reserved for them (shared pages once)."""
@@ -291,9 +349,8 @@ class Engine:
 
   def warmup(self) -> None:
     """Compile (and run once) both step shapes with every row idle: nothing is written."""
-    for T in sorted({1, self.chunk}):
-      B = self.slots
-      N = paged.pages_per_seq(self.spec) if self.paged else 1
-      self.backend.step(np.zeros((B, T), np.int32), np.full((B, T), -1, np.int32),
-                        np.full((B, N), self.n_pages if self.paged else 0, np.int32),
-                        np.zeros((B,), np.int32), np.zeros((B,), np.int32))
+    N = paged.pages_per_seq(self.spec) if self.paged else 1
+    for R, T in sorted({(self.prefill_rows, self.chunk), (self.slots, 1)}):
+      self.backend.step(np.zeros((R, T), np.int32), np.full((R, T), -1, np.int32),
+                        np.full((R, N), self.n_pages if self.paged else 0, np.int32),
+                        np.zeros((R,), np.int32), np.zeros((R,), np.int32), np.arange(R))

@@ -40,7 +40,7 @@ class FakeBackend:
     self.pool = np.full((n_pages, page), -1, np.int64)
     self.page, self.engine = page, None
 
-  def step(self, tokens_BT, positions_BT, table_BN, lengths_B, last_B):
+  def step(self, tokens_BT, positions_BT, table_BN, lengths_B, last_B, slots_B):
     alloc, P = self.engine.alloc, self.pool.shape[0]
     alloc.check()
     out = np.zeros(tokens_BT.shape[0], np.int32)
@@ -61,12 +61,12 @@ class FakeBackend:
     return out
 
 
-def fake_engine(page, n_pages, slots, max_len, chunk, prefix_cache=True):
+def fake_engine(page, n_pages, slots, max_len, chunk, prefix_cache=True, prefill_rows=2):
   cfg = tiny_config(**{"cache.layout": "paged", "cache.page_size": page,
                        "cache.num_pages": n_pages})
   fake = FakeBackend(n_pages, page)
   e = engine.Engine(cfg, slots=slots, max_len=max_len, chunk=chunk, prefix_cache=prefix_cache,
-                    backend=fake)
+                    prefill_rows=prefill_rows, backend=fake)
   fake.engine = e
   return e
 
@@ -79,12 +79,14 @@ requests_st = st.lists(st.tuples(st.sampled_from([None, 0, 1]),
 
 @settings(max_examples=60, deadline=None)
 @given(reqs=requests_st, page=st.integers(1, 5), chunk=st.sampled_from([1, 2, 3, 8]),
-       slots=st.integers(1, 4), extra=st.integers(0, 12), prefix=st.booleans())
-def test_every_request_completes_correctly_under_any_pool(reqs, page, chunk, slots, extra, prefix):
+       slots=st.integers(1, 4), extra=st.integers(0, 12), prefix=st.booleans(),
+       prefill_rows=st.integers(1, 3))
+def test_every_request_completes_correctly_under_any_pool(reqs, page, chunk, slots, extra, prefix,
+                                                          prefill_rows):
   prompts = [(SYSTEM[s] if s is not None else []) + tail for s, tail, _, _ in reqs]
   max_len = max(len(p) + n for p, (_, _, n, _) in zip(prompts, reqs))
   n_pages = -(-max_len // page) + extra  # from exactly one longest request upwards
-  e = fake_engine(page, n_pages, slots, max_len, chunk, prefix)
+  e = fake_engine(page, n_pages, slots, max_len, chunk, prefix, prefill_rows)
   rs = [engine.Request(p, n, arrival=a) for p, (_, _, n, a) in zip(prompts, reqs)]
   stats = e.run(rs)
   for r in rs:

@@ -28,6 +28,10 @@ demo: install
 	$(BIN)/kvjax run configs/quickstart.yaml --out $(OUT)
 	$(BIN)/python scripts/plot_all.py $(OUT) --out $(PLOTS)
 
+# Every experiment config, then every plot (accelerator-sized configs on a GPU/TPU).
+reproduce: install
+	KVJAX=$(BIN)/kvjax PYTHON=$(BIN)/python bash scripts/reproduce.sh results plots
+
 test: install-test
 	$(BIN)/python -m pytest
 

@@ -20,6 +20,7 @@ import jax
 import experiments as ex
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
+from kvjax import metrics
 from kvjax.errors import KvjaxError
 
 GIB = 2 ** 30
@@ -57,7 +58,8 @@ def _bytes_row(cfg: config_lib.Config, context: int) -> dict:
       "workload": {"part": "cache_bytes", "batch": B, "context": context, "measured": source},
       "metrics": {"cache_bytes": measured, "closed_form_bytes": closed,
                   "bytes_per_token": ex.bytes_per_token(cfg),
-                  "measured_bytes_per_token": measured / (B * context)},
+                  "measured_bytes_per_token": measured / (B * context),
+                  "peak_bytes": metrics.peak_bytes()},
   }
 
 

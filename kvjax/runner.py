@@ -314,7 +314,7 @@ def _cell_text(key: str, v: Any) -> str:
   if key.endswith("bytes"):
     return _human_bytes(v)
   if _is_seconds(key):
-    return f"{v * 1e3:.4g}"
+    return f"{v * 1e3:,.0f}" if v * 1e3 >= 1e4 else f"{v * 1e3:.4g}"
   if abs(v) >= 1e4:
     return f"{v:,.0f}"
   return f"{v:.4g}" if isinstance(v, float) else str(v)

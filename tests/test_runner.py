@@ -230,5 +230,6 @@ def test_timed_experiments_write_timing_rows(tmp_path):
 def test_every_shipped_config_expands():
   root = Path(__file__).resolve().parent.parent / "configs"
   for name in ("memory", "latency", "cache_vs_recompute", "quickstart"):
-    _, cells = runner.expand(root / f"{name}.yaml")
-    assert cells
+    for path in (root / f"{name}.yaml", root / "accel" / f"{name}.yaml"):
+      base, cells = runner.expand(path)
+      assert cells and base.experiment in runner.available_experiments()

@@ -20,10 +20,10 @@ VARIANT_COLORS = {"MHA": "#1f77b4", "MQA": "#d62728", "GQA-2": "#2ca02c", "GQA-4
                   "GQA-8": "#ff7f0e", "GQA-16": "#8c564b", "GQA-32": "#e377c2"}
 _SPARE = ["#17becf", "#bcbd22", "#7f7f7f", "#8c564b", "#e377c2"]
 # Line style and marker per codec.
-CODEC_STYLES = {"fp32": ("-", "o"), "bf16": ("--", "s"), "fp16": ("-.", "D"),
-                "fp8_e4m3": ((0, (1, 1)), "^"), "fp8_e5m2": ((0, (1, 1)), "v"),
-                "int8": ((0, (5, 1)), "P"), "int4": ((0, (3, 1, 1, 1)), "X"),
-                "int2": ((0, (1, 2)), "*")}
+CODEC_STYLES = {"fp32": ("-", "o"), "bf16": ("--", "s"), "fp16": ((0, (8, 2)), "D"),
+                "fp8_e4m3": ("-.", "^"), "fp8_e5m2": ((0, (3, 1, 1, 1, 1, 1)), "v"),
+                "int8": (":", "P"), "int4": ((0, (4, 1, 1, 1)), "X"),
+                "int2": ((0, (1, 3)), "*")}
 LAYOUT_COLORS = {"none": "#444444", "contiguous": "#1f77b4", "paged": "#2ca02c"}
 
 
@@ -74,6 +74,7 @@ def human_bytes(n: float, _pos=None) -> str:
 
 
 BYTES = FuncFormatter(human_bytes)
+PLAIN = FuncFormatter(lambda y, _pos=None: f"{y:g}")
 TOKENS = FuncFormatter(lambda n, _pos=None: f"{n / 1024:g}k" if n >= 1024 else f"{n:g}")
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from plots import LAYOUT_COLORS, save, subtitle
+from plots import LAYOUT_COLORS, PLAIN, TOKENS, log2_axis, save, subtitle
 
 
 def _series(rows):
@@ -41,11 +41,13 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     xs, ys = [p[0] for p in pts], [p[1] * 1e3 for p in pts]
     half = len(xs) // 2  # the growth exponent over the longer half of the positions
     k = _slope(xs[half:], ys[half:])
-    ax.errorbar(xs, ys, yerr=[p[2] * 1e3 / 2 for p in pts], marker="o", ms=4, capsize=2,
+    err = [min(p[2] * 1e3 / 2, 0.9 * y) for p, y in zip(pts, ys)]
+    ax.errorbar(xs, ys, yerr=err, marker="o", ms=4, capsize=2,
                 color=LAYOUT_COLORS.get(lay, "C4"), ls="--" if lay == "none" else "-",
                 label=f"{'recompute (none)' if lay == 'none' else lay}: ~ p^{k:.2f}")
-  ax.set_xscale("log", base=2)
+  log2_axis(ax.xaxis, TOKENS)
   ax.set_yscale("log")
+  ax.yaxis.set_major_formatter(PLAIN)
   ax.set_xlabel("position p (tokens already in the sequence)")
   ax.set_ylabel("decode time per token (ms)")
   ax.set_title(f"Decode time per token vs position: cache vs recompute\n{subtitle(rows)}",
@@ -64,8 +66,9 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
       if pts:
         ax.annotate(f"{pts[-1][3]:.0f}x", (pts[-1][0], pts[-1][3]), textcoords="offset points",
                     xytext=(-10, 6), fontsize=9)
-    ax.set_xscale("log", base=2)
+    log2_axis(ax.xaxis, TOKENS)
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(PLAIN)
     ax.axhline(1, color="gray", lw=0.8)
     ax.set_xlabel("position p (tokens already in the sequence)")
     ax.set_ylabel("speedup: recompute time / cached time per token")
@@ -90,11 +93,12 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     ax.plot(xs, tot, marker="o", ms=4, color=LAYOUT_COLORS.get(lay, "C4"),
             ls="--" if lay == "none" else "-",
             label=f"{'recompute (none)' if lay == 'none' else lay}: ~ N^{k:.2f}")
-  ax.set_xscale("log", base=2)
+  log2_axis(ax.xaxis, TOKENS)
   ax.set_yscale("log")
+  ax.yaxis.set_major_formatter(PLAIN)
   ax.set_xlabel("tokens generated N")
   ax.set_ylabel("total decode time (s, integrated per-token time)")
-  ax.set_title(f"Generating N tokens: quadratic without a cache, linear with one\n"
+  ax.set_title(f"Total time to generate N tokens: recompute vs KV cache\n"
                f"{subtitle(rows)}", fontsize=10)
   ax.grid(True, which="both", alpha=0.3)
   ax.legend(fontsize=8, title="layout: fitted growth (upper half)", title_fontsize=8)

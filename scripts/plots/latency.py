@@ -7,8 +7,8 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from plots import (BYTES, codec_order, codec_style, legends, save, subtitle, variant_color,
-                   variant_order)
+from plots import (BYTES, PLAIN, TOKENS, codec_order, codec_style, legends, log2_axis, save,
+                   subtitle, variant_color, variant_order)
 
 
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
@@ -44,10 +44,13 @@ def _vs_context(rows, out_dir, metric, ylabel, what):
           if not pts:
             continue
           ls, mk = codec_style(c)
-          ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] / 2 for p in pts],
+          # half the IQR either side, kept above zero on the log axis
+          err = [min(p[2] / 2, 0.9 * p[1]) for p in pts]
+          ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=err,
                       ls=ls, marker=mk, ms=4, color=variant_color(v), capsize=2)
-    ax.set_xscale("log", base=2)
+    log2_axis(ax.xaxis, TOKENS)
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(PLAIN)
     ax.set_xlabel("context length (tokens in the cache)")
     ax.set_ylabel(ylabel)
     ax.set_title(f"batch {b}", fontsize=9)
@@ -70,8 +73,10 @@ def _vs_batch(rows, out_dir):
         ls, mk = codec_style(c)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, marker=mk,
                 color=variant_color(v))
-  ax.set_xscale("log", base=2)
+  log2_axis(ax.xaxis, PLAIN)
   ax.set_yscale("log")
+  ax.yaxis.set_major_formatter(PLAIN)
+  ax.yaxis.set_minor_formatter(PLAIN)
   ax.set_xlabel("batch size (sequences)")
   ax.set_ylabel("decode throughput (new tokens / s)")
   ax.set_title(f"Decode throughput vs batch at context {ctx}\n{subtitle(rows)}", fontsize=10)

@@ -152,7 +152,9 @@ def cmd_generate(args) -> dict:
   result = {"tokens": out["tokens"]}
   if tok is not None:
     result["text"] = [tok.decode(t) for t in out["tokens"]]
-  result.update({k: out[k] for k in ("cache_bytes", "ttft_s", "tpot_s", "compile_s", "capacity")})
+  result.update({k: out[k] for k in ("cache_bytes", "cache_bytes_per_device", "ttft_s", "tpot_s",
+                                     "compile_s", "capacity")})
+  result["mesh"] = {"data": cfg.mesh.data, "model": cfg.mesh.model}
   result.update({"variant": cfg.model.variant, "layout": cfg.cache.layout,
                  "k_codec": cfg.cache.k_codec, "v_codec": cfg.cache.v_codec,
                  "batch": len(prompts)})

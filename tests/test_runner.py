@@ -6,7 +6,6 @@ compiling anything, so a whole grid runs in well under a second.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess

@@ -272,3 +272,22 @@ def test_contiguous_reservation_engine_matches_generate(served):
   e = engine.Engine(cfg, params, slots=3, max_len=32, chunk=8)
   stats, out = _serve(e, prompts, news)
   assert out == ref and stats["preemptions"] == 0 and stats["max_concurrency"] == 3
+
+
+def test_workload_stream_is_seeded_skewed_and_shares_system_prompts():
+  from experiments import paged_workload
+
+  cfg = config_lib.load("configs/paged_workload.yaml")
+  a, b = paged_workload.stream(cfg), paged_workload.stream(cfg)
+  assert [(r.prompt, r.max_new_tokens, r.arrival) for r in a] == \
+      [(r.prompt, r.max_new_tokens, r.arrival) for r in b]
+  out = np.array([r.max_new_tokens for r in a])
+  assert np.mean(out) > np.median(out)  # right-skewed lengths
+  heads = [tuple(r.prompt[:32]) for r in a]
+  assert max(heads.count(h) for h in set(heads)) >= 4  # common system prompts
+  assert all(x <= y for x, y in zip([r.arrival for r in a], [r.arrival for r in a][1:]))
+  paged_workload.check(cfg)
+  tiny_budget = config_lib.replace(cfg, **{"cache.layout": "contiguous",
+                                            "params": {**dict(cfg.params), "budget_kib": 1}})
+  with pytest.raises(KvjaxError, match="holds no 288-token reservation"):
+    paged_workload.check(tiny_budget)

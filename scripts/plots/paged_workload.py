@@ -57,9 +57,10 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
   _bars(ax, rows, groups, "memory_utilization", 100)
   ax.axhspan(20, 38, color="#1f77b4", alpha=0.08, label="vLLM paper: reservation 20-38%")
   ax.axhline(96, color="#2ca02c", ls=":", lw=1, label="vLLM paper: paging ~96%")
-  ax.set_ylim(0, 110)
+  ax.set_ylim(0, 135)
+  ax.set_yticks(range(0, 101, 20))
   ax.set_ylabel("memory utilization (%)\nlive tokens / reserved slots")
-  ax.legend(fontsize=7, loc="lower right")
+  ax.legend(fontsize=7, loc="upper center", ncol=2)
   ax = axes[0, 1]
   _bars(ax, rows, groups, "mean_concurrency", fmt="{:.1f}", marker="max_concurrency")
   ax.set_ylabel("requests running together\n(bar: mean over steps, dash: max)")

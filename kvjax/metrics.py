@@ -92,8 +92,15 @@ class DecodeTimer:
     self.capacity = capacity or T + self.steps + 1
     sampler = decode.Sampler.from_config(cfg)
     self._key = jax.random.PRNGKey(cfg.seed)
-    self._args = (params, tokens_BT, lengths_B)
     self._fresh = lambda: jax.block_until_ready(cache_lib.init_cache(cfg, B, self.capacity))
+    from kvjax import sharding
+    if sharding.is_sharded(cfg):  # --set mesh.data/mesh.model: lay everything out on the mesh
+      mesh = sharding.make_mesh(cfg)
+      params = sharding.shard_params(params, cfg, mesh)
+      tokens_BT, lengths_B = sharding.put_batch(tokens_BT, mesh), sharding.put_batch(lengths_B, mesh)
+      self._fresh = lambda: jax.block_until_ready(
+          sharding.init_cache(cfg, B, self.capacity, mesh))
+    self._args = (params, tokens_BT, lengths_B)
     t0 = time.perf_counter()
     self._pre = decode.prefill.lower(params, tokens_BT, lengths_B, self._fresh(), self._key,
                                      cfg=cfg, sampler=sampler).compile()

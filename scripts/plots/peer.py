@@ -54,15 +54,15 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
         ax.bar(xs, ys, width, yerr=errs, color=PEER_COLORS[peer], capsize=2,
                label=PEER_LABELS[peer] if row_i == 0 and col == 0 else None)
         if peer != "kvjax":
-          for x, y, q in zip(xs, ys, ratios):
+          for x, y, e, q in zip(xs, ys, errs, ratios):
             if q:
-              ax.text(x, y * 1.08, f"{q:.1f}x", ha="center", va="bottom", fontsize=7)
+              ax.text(x, (y + e) * 1.04, f"{q:.1f}x", ha="center", va="bottom", fontsize=7)
       ax.set_yscale("log")
       ax.set_xticks(np.arange(len(batches)), [f"batch {b}" for b in batches])
       ax.set_ylabel(ylabel)
       w = sub[0]["workload"]
       ax.set_title(f"vocab {vocab}, prompt {w['prompt_len']}, {w['gen_len']} new tokens, "
-                   f"{w['threads']} threads", fontsize=9)
+                   f"threads: {w['threads']}", fontsize=9)
       ax.grid(True, axis="y", which="both", alpha=0.3)
   fig.legend(loc="lower center", ncol=len(PEER_ORDER), fontsize=8, frameon=False)
   fig.suptitle(f"kvjax vs transformers, same weights (median; labels = time / kvjax's)  "

@@ -20,6 +20,9 @@ Embedding and lm_head split the vocabulary over TP (a vocab-parallel embedding i
 masked gather plus an all-reduce; the logits stay vocab-split until the sampler's
 argmax). Norms are replicated (E floats per layer). The batch splits over `data`.
 
+The `paged` layout's pool [L, P, K, page, ...] splits KV heads only (pages are shared by
+the batch, so they are replicated over `data`); its block table splits the batch.
+
 Divisibility: heads that do not divide -> one-line KvjaxError (a head is never split);
 a batch that `data` does not divide -> KvjaxError; d_ff or vocab that `TP` does not
 divide -> that weight is replicated (pinned by tests/test_sharding.py).
@@ -154,20 +157,25 @@ def param_specs(params: Any, cfg: Config) -> Any:
       lambda path, x: param_spec(_names(path), tuple(x.shape), p), params)
 
 
-def cache_leaf_spec(path: list[str], ndim: int) -> P:
+def cache_leaf_spec(path: list[str], ndim: int, paged: bool = False) -> P:
   """KV leaves [L, B, K, S, ...] split batch over `data` and KV heads over `kv`;
-  `lengths` [B] and the `none` layout's tokens [B, S] split the batch only."""
+  `lengths` [B], block tables [B, N] and the `none` layout's tokens [B, S] split the batch.
+
+  A paged pool [L, P, K, page, ...] splits KV heads only: any sequence may own (or share,
+  with prefix caching) any page, so pages are replicated over `data`; each data shard
+  gathers its sequences' pages locally and the writes (new tokens only) are exchanged."""
   field = path[0] if path else ""
   if field in CACHE_FIELDS:
-    return P(None, "data", "kv", *([None] * (ndim - 3)))
-  if field in ("lengths", "tokens"):
+    return P(None, None if paged else "data", "kv", *([None] * (ndim - 3)))
+  if field in ("lengths", "tokens", "block_table"):
     return P("data", *([None] * (ndim - 1)))
-  return P()  # unknown layouts' leaves (e.g. a paged pool): replicated, see docs/scaling.md
+  return P()  # a leaf no rule names: replicated
 
 
 def cache_specs(cache: Any) -> Any:
-  return jax.tree_util.tree_map_with_path(lambda path, x: cache_leaf_spec(_names(path), x.ndim),
-                                          cache)
+  paged = hasattr(cache, "block_table")
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: cache_leaf_spec(_names(path), x.ndim, paged), cache)
 
 
 def shardings(specs: Any, mesh: Mesh) -> Any:

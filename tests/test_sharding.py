@@ -39,7 +39,12 @@ def _leaf_report(cache) -> list[dict]:
   out = []
   for path, x in jax.tree_util.tree_leaves_with_path(cache):
     names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-    rule = P("data") if names == ["lengths"] else P(None, "data", "kv")
+    if names[0] in ("lengths", "block_table"):
+      rule = P("data")
+    elif hasattr(cache, "block_table"):  # a paged pool: pages shared by the batch
+      rule = P(None, None, "kv")
+    else:
+      rule = P(None, "data", "kv")
     out.append({"path": names, "shape": list(x.shape),
                 "shard": list(x.addressable_shards[0].data.shape),
                 "intended": x.sharding.is_equivalent_to(NamedSharding(x.sharding.mesh, rule),
@@ -61,10 +66,14 @@ def child() -> dict:
       res["runs"].append({"case": name, "K": K, "mesh": [d, m], "same": out["tokens"] == ref["tokens"],
                           "bytes": out["cache_bytes"], "per_device": out["cache_bytes_per_device"],
                           "leaves": _leaf_report(out["cache"])})
-    if name == "MHA":  # the recompute layout (token buffer) on a 2x2 mesh, same tokens
-      c = config_lib.apply_overrides(cfg, {"mesh.data": 2, "mesh.model": 2, "cache.layout": "none"})
-      out = decode.generate(c, params, PROMPTS, NEW, timed=False)
-      res["none_same"] = out["tokens"] == ref["tokens"]
+    if name == "MHA":  # the recompute and paged layouts on a 2x2 mesh, same tokens
+      for layout in ("none", "paged"):
+        c = config_lib.apply_overrides(cfg, {"mesh.data": 2, "mesh.model": 2,
+                                             "cache.layout": layout, "cache.page_size": 4})
+        out = decode.generate(c, params, PROMPTS, NEW, timed=False, return_cache=True)
+        res[f"{layout}_same"] = out["tokens"] == ref["tokens"]
+        if layout == "paged":
+          res["paged_leaves"] = _leaf_report(out["cache"])
   cfg = _cfg(**{"mesh.data": 2})
   for label, c, prompts in (("batch", cfg, PROMPTS[:3]),
                             ("devices", _cfg(**{"mesh.data": 4, "mesh.model": 2}), PROMPTS)):
@@ -96,7 +105,18 @@ def test_meshes_give_the_same_greedy_tokens_as_one_device(four_devices):
       {(c[0], m) for c in CASES for m in MESHES}
   bad = [(r["case"], r["mesh"]) for r in runs if not r["same"]]
   assert not bad, f"tokens differ from one device: {bad}"
-  assert four_devices["none_same"]
+  assert four_devices["none_same"] and four_devices["paged_same"]
+
+
+def test_paged_pool_splits_kv_heads_and_the_block_table_splits_the_batch(four_devices):
+  leaves = four_devices["paged_leaves"]
+  assert all(leaf["intended"] for leaf in leaves), leaves
+  for leaf in leaves:
+    if leaf["path"][0] in ("k", "v"):   # [L, P, K, page, D] on a 2x2 mesh: heads halved
+      L, Pg, Kh, *rest = leaf["shape"]
+      assert leaf["shard"] == [L, Pg, Kh // 2, *rest]
+    elif leaf["path"][0] == "block_table":
+      assert leaf["shard"] == [leaf["shape"][0] // 2, leaf["shape"][1]]
 
 
 def test_cache_leaves_carry_the_intended_shardings(four_devices):

@@ -8,9 +8,13 @@ token after its last one. A step is at most two calls of two jit-compiled functi
     up to `chunk` tokens each, as a narrow [prefill_rows, chunk] batch;
   - decode: every slot at once, [slots, 1], for the requests with one uncached token.
 Keeping prefill narrow matters on compute-bound hardware: a [slots, chunk] step would pad
-every decode row to `chunk` tokens. Both shapes compile once, ever (a test counts traces).
-The paged cache makes the narrow batch free (it is just other block-table rows); the
-contiguous cache gathers those slots' rows and scatters them back.
+every decode row to `chunk` tokens. Likewise a call reads only the smallest of a few
+bucket widths (64, 128, ... tokens, `bucket_widths`) that holds its longest request, not
+every slot's full capacity: for the paged cache that is a narrower block table, for the
+contiguous cache a window of its slots. Each (shape, width) compiles once, ever (`warmup`
+compiles them all up front; a test counts traces). The paged cache makes the narrow batch
+free (it is just other block-table rows); the contiguous cache gathers those slots' rows
+and writes them back.
 
 With `cache.layout=paged` the host `PageAllocator` hands out pages on demand as a
 sequence crosses a page boundary; requests are admitted when a slot is free and the
@@ -49,7 +53,7 @@ from kvjax.config import Config
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
 
-STEP_TRACES: collections.Counter = collections.Counter()  # per (rows, width), at trace time
+STEP_TRACES: collections.Counter = collections.Counter()  # per tokens shape, at trace time
 
 
 def _call(cfg, sampler, params, cache, tokens_BT, positions_BT, last_B, key):
@@ -67,18 +71,36 @@ def serve_step(params, cache, tokens_BT, positions_BT, last_B, key, *, cfg: Conf
   return _call(cfg, sampler, params, cache, tokens_BT, positions_BT, last_B, key)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampler"), donate_argnames=("cache",))
-def serve_slots(params, cache, slots_R, tokens_RT, positions_RT, last_R, key, *, cfg: Config,
-                sampler):
-  """`serve_step` on the distinct slots `slots_R` of a contiguous cache (rows gathered, run,
-  scattered back): the narrow prefill batch."""
-  take = lambda a: jnp.take(a, slots_R, axis=1)  # noqa: E731  leaves [L, B, ...]
-  parts = {f: jax.tree.map(take, getattr(cache, f)) for f in ("k", "v", "k_win", "v_win")}
-  sub = dataclasses.replace(cache, **parts, lengths=cache.lengths[slots_R])
+@functools.partial(jax.jit, static_argnames=("cfg", "sampler", "width", "all_rows"),
+                   donate_argnames=("cache",))
+def serve_contiguous(params, cache, slots_R, tokens_RT, positions_RT, last_R, key, *,
+                     cfg: Config, sampler, width: int, all_rows: bool):
+  """`serve_step` on a contiguous cache's slots `slots_R` (all of them, in order, when
+  `all_rows`) and its first `width` token slots: a window gathered, run and written back,
+  so a step reads what the live requests can hold, not every reservation to its end."""
+  def window(a):  # leaves [L, B, K, S, X]
+    return (a if all_rows else jnp.take(a, slots_R, axis=1))[:, :, :, :width]
+
+  def put(full, part):
+    return full.at[:, :, :, :width].set(part) if all_rows else \
+        full.at[:, slots_R, :, :width].set(part)
+
+  sub = dataclasses.replace(cache, k=jax.tree.map(window, cache.k), v=jax.tree.map(window, cache.v),
+                            lengths=cache.lengths[slots_R],
+                            spec=dataclasses.replace(cache.spec, capacity=width))
   nxt, sub = _call(cfg, sampler, params, sub, tokens_RT, positions_RT, last_R, key)
-  put = lambda full, part: full.at[:, slots_R].set(part)  # noqa: E731
-  back = {f: jax.tree.map(put, getattr(cache, f), getattr(sub, f)) for f in parts}
-  return nxt, dataclasses.replace(cache, **back)
+  return nxt, dataclasses.replace(cache, k=jax.tree.map(put, cache.k, sub.k),
+                                  v=jax.tree.map(put, cache.v, sub.v))
+
+
+def bucket_widths(capacity: int, smallest: int = 64) -> tuple[int, ...]:
+  """Token widths a step may read: doubling from `smallest` up to `capacity` (a few compiles,
+  each step reads at most twice what its longest request holds)."""
+  widths, w = [], smallest
+  while w < capacity:
+    widths.append(w)
+    w *= 2
+  return tuple(widths) + (capacity,)
 
 
 @dataclasses.dataclass(eq=False)
@@ -111,12 +133,14 @@ class ModelBackend:
     self.sampler = decode.Sampler.from_config(cfg)
     self.key = jax.random.PRNGKey(cfg.seed)
 
-  def step(self, tokens_RT, positions_RT, table_RN, lengths_R, last_R, slots_R) -> np.ndarray:
-    """Run rows R (all slots, or the narrow prefill batch `slots_R`); host state as data."""
+  def step(self, tokens_RT, positions_RT, table_RN, lengths_R, last_R, slots_R,
+           width: int) -> np.ndarray:
+    """Run rows R (all slots, or the narrow prefill batch `slots_R`) reading `width` tokens
+    per row; host state goes in as data."""
     self.key, sub = jax.random.split(self.key)
     args = [jnp.asarray(a) for a in (tokens_RT, positions_RT, last_R)] + [sub]
     kw = {"cfg": self.cfg, "sampler": self.sampler}
-    if self.paged:
+    if self.paged:  # any rows, any width: it is all in the block table
       cache = dataclasses.replace(self.cache, block_table=jnp.asarray(table_RN),
                                   lengths=jnp.asarray(lengths_R))
       nxt, self.cache = serve_step(self.params, cache, *args, **kw)
@@ -124,10 +148,9 @@ class ModelBackend:
       lengths_B = np.zeros((self.spec.batch,), np.int32)  # rows outside slots_R are not read
       lengths_B[slots_R] = lengths_R
       cache = dataclasses.replace(self.cache, lengths=jnp.asarray(lengths_B))
-      if len(slots_R) == self.spec.batch and (np.asarray(slots_R) == np.arange(len(slots_R))).all():
-        nxt, self.cache = serve_step(self.params, cache, *args, **kw)
-      else:
-        nxt, self.cache = serve_slots(self.params, cache, jnp.asarray(slots_R), *args, **kw)
+      all_rows = len(slots_R) == self.spec.batch and bool((np.diff(slots_R) == 1).all())
+      nxt, self.cache = serve_contiguous(self.params, cache, jnp.asarray(slots_R), *args,
+                                         width=width, all_rows=all_rows, **kw)
     return np.asarray(nxt)
 
 
@@ -136,17 +159,22 @@ class Engine:
 
   def __init__(self, cfg: Config, params=None, *, slots: int, max_len: int, chunk: int = 32,
                prefill_rows: int = 2, prefix_cache: bool = True, watermark: float = 0.01,
-               backend=None):
+               widths: tuple[int, ...] | None = None, backend=None):
     if cfg.cache.layout not in ("paged", "contiguous"):
       raise KvjaxError(f"the serving engine needs cache.layout=paged or contiguous, got "
                        f"'{cfg.cache.layout}'")
     if min(slots, max_len, chunk, prefill_rows) <= 0:
       raise KvjaxError("engine slots, max_len, chunk and prefill_rows must be positive")
+    if cfg.cache.residual:
+      raise KvjaxError("the serving engine does not support cache.residual yet; set "
+                       "cache.residual=0")
     if max_len > cfg.model.max_seq_len:
       raise KvjaxError(f"engine max_len={max_len} exceeds model.max_seq_len="
                        f"{cfg.model.max_seq_len}; lower it")
     self.cfg, self.slots, self.max_len, self.chunk = cfg, slots, max_len, chunk
     self.prefill_rows = min(prefill_rows, slots)
+    self.widths = tuple(sorted({min(w, max_len) for w in widths or ()} | {max_len})) \
+        if widths else bucket_widths(max_len)
     self.spec = cache_lib.CacheSpec.from_config(cfg, slots, max_len)
     self.paged = cfg.cache.layout == "paged"
     self.prefix_cache = prefix_cache and self.paged
@@ -306,9 +334,13 @@ class Engine:
         "mean_ttft_steps": float(np.mean([r.first_token_step - r.arrival + 1 for r in requests])),
     }
 
+  def _table_width(self, width: int) -> int:
+    return min(-(-width // self.page), paged.pages_per_seq(self.spec)) if self.paged else 1
+
   def _step(self, rows, T: int, R: int) -> dict:
-    """One call on R rows of width T: all slots (row = slot) when R is the slot count,
-    else a narrow batch whose spare rows are distinct idle slots (they write nothing)."""
+    """One call on R rows of T new tokens: all slots (row = slot) when R is the slot count,
+    else a narrow batch whose spare rows are distinct idle slots (they write nothing). The
+    call reads the smallest bucket width that holds its longest row."""
     if R == self.slots:
       slots = np.arange(R)
       order = {r.slot: r for r, _ in rows}
@@ -316,12 +348,12 @@ class Engine:
       used = [r.slot for r, _ in rows]
       slots = np.array(used + [b for b in range(self.slots) if b not in used][:R - len(used)])
       order = {i: r for i, (r, _) in enumerate(rows)}
+    fed = dict(rows)
+    width = min(w for w in self.widths if w >= max(r.cached + n for r, n in rows))
     tokens = np.zeros((R, T), np.int32)
     positions = np.full((R, T), -1, np.int32)
     last, lengths = np.zeros((R,), np.int32), np.zeros((R,), np.int32)
-    N = paged.pages_per_seq(self.spec) if self.paged else 1
-    table = np.full((R, N), self.n_pages if self.paged else 0, np.int32)
-    fed = dict(rows)
+    table = np.full((R, self._table_width(width)), self.n_pages if self.paged else 0, np.int32)
     for i, r in order.items():
       n = fed[r]
       tokens[i, :n] = r.seq[r.cached:r.cached + n]
@@ -332,7 +364,7 @@ class Engine:
         for j in range(r.cached // self.page, (r.cached + n - 1) // self.page + 1):
           if not self.alloc.writable(r.pages[j]):
             raise AssertionError(f"page {r.pages[j]} is shared or cached but would be written")
-    out = self.backend.step(tokens, positions, table, lengths, last, slots)
+    out = self.backend.step(tokens, positions, table, lengths, last, slots, width)
     return {r: int(out[i]) for i, r in order.items()}
 
   def _utilization(self) -> float:
@@ -348,9 +380,10 @@ class Engine:
     return sum(fill.values()) / (len(fill) * self.page) if fill else 0.0
 
   def warmup(self) -> None:
-    """Compile (and run once) both step shapes with every row idle: nothing is written."""
-    N = paged.pages_per_seq(self.spec) if self.paged else 1
+    """Compile (and run once) every step shape with every row idle: nothing is written."""
     for R, T in sorted({(self.prefill_rows, self.chunk), (self.slots, 1)}):
-      self.backend.step(np.zeros((R, T), np.int32), np.full((R, T), -1, np.int32),
-                        np.full((R, N), self.n_pages if self.paged else 0, np.int32),
-                        np.zeros((R,), np.int32), np.zeros((R,), np.int32), np.arange(R))
+      for width in self.widths:
+        self.backend.step(np.zeros((R, T), np.int32), np.full((R, T), -1, np.int32),
+                          np.full((R, self._table_width(width)),
+                                  self.n_pages if self.paged else 0, np.int32),
+                          np.zeros((R,), np.int32), np.zeros((R,), np.int32), np.arange(R), width)

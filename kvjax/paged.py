@@ -2,8 +2,9 @@
 
 Device side: one pool of fixed-size pages per layer holds codec-encoded K/V (every leaf
 `[L, P, K, page_size, ...]`, token axis still at -2, so any token-axis codec works
-unchanged), and a block table `[B, N]` (N = ceil(capacity / page_size)) maps each
-sequence's logical page i to a physical page. The block table is data in the cache
+unchanged), and a block table `[B, N]` (N = ceil(capacity / page_size), or fewer: a narrower table
+reads fewer tokens, as the engine does for short requests) maps each sequence's logical
+page i to a physical page. The block table is data in the cache
 pytree: the engine rewrites it between steps and nothing retraces. A layer reads its
 sequences by gathering their pages through the block table (the XLA gather path: one
 copy of the live pages per layer, the price of paging without a kernel) into an
@@ -107,7 +108,7 @@ class Paged(cache_lib.Layout):
 
   def segments(self, spec, layer_store, lengths_B):
     k, v, bt_BN = layer_store
-    S = spec.capacity
+    S = min(spec.capacity, bt_BN.shape[1] * page_size(spec))  # a narrower table reads less
 
     def gather(leaf_PKpX):  # one layer's pool leaf -> [B, K, S, X] through the block table
       g = jnp.take(leaf_PKpX, bt_BN, axis=0, mode="clip")  # [B, N, K, page, X]

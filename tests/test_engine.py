@@ -40,9 +40,11 @@ class FakeBackend:
     self.pool = np.full((n_pages, page), -1, np.int64)
     self.page, self.engine = page, None
 
-  def step(self, tokens_BT, positions_BT, table_BN, lengths_B, last_B, slots_B):
+  def step(self, tokens_BT, positions_BT, table_BN, lengths_B, last_B, slots_B, width):
     alloc, P = self.engine.alloc, self.pool.shape[0]
     alloc.check()
+    assert table_BN.shape[1] * self.page >= min(width, self.engine.max_len)
+    assert (positions_BT < width).all() and (lengths_B <= width).all(), "row wider than the call"
     out = np.zeros(tokens_BT.shape[0], np.int32)
     for b in range(tokens_BT.shape[0]):
       valid = positions_BT[b] >= 0
@@ -61,12 +63,13 @@ class FakeBackend:
     return out
 
 
-def fake_engine(page, n_pages, slots, max_len, chunk, prefix_cache=True, prefill_rows=2):
+def fake_engine(page, n_pages, slots, max_len, chunk, prefix_cache=True, prefill_rows=2,
+                widths=None):
   cfg = tiny_config(**{"cache.layout": "paged", "cache.page_size": page,
                        "cache.num_pages": n_pages})
   fake = FakeBackend(n_pages, page)
   e = engine.Engine(cfg, slots=slots, max_len=max_len, chunk=chunk, prefix_cache=prefix_cache,
-                    prefill_rows=prefill_rows, backend=fake)
+                    prefill_rows=prefill_rows, widths=widths, backend=fake)
   fake.engine = e
   return e
 
@@ -80,13 +83,13 @@ requests_st = st.lists(st.tuples(st.sampled_from([None, 0, 1]),
 @settings(max_examples=60, deadline=None)
 @given(reqs=requests_st, page=st.integers(1, 5), chunk=st.sampled_from([1, 2, 3, 8]),
        slots=st.integers(1, 4), extra=st.integers(0, 12), prefix=st.booleans(),
-       prefill_rows=st.integers(1, 3))
+       prefill_rows=st.integers(1, 3), widths=st.sampled_from([None, (3,), (4, 8, 12)]))
 def test_every_request_completes_correctly_under_any_pool(reqs, page, chunk, slots, extra, prefix,
-                                                          prefill_rows):
+                                                          prefill_rows, widths):
   prompts = [(SYSTEM[s] if s is not None else []) + tail for s, tail, _, _ in reqs]
   max_len = max(len(p) + n for p, (_, _, n, _) in zip(prompts, reqs))
   n_pages = -(-max_len // page) + extra  # from exactly one longest request upwards
-  e = fake_engine(page, n_pages, slots, max_len, chunk, prefix, prefill_rows)
+  e = fake_engine(page, n_pages, slots, max_len, chunk, prefix, prefill_rows, widths)
   rs = [engine.Request(p, n, arrival=a) for p, (_, _, n, a) in zip(prompts, reqs)]
   stats = e.run(rs)
   for r in rs:
@@ -247,14 +250,14 @@ def _serve(e, prompts, news):
 def test_paged_engine_matches_generate_with_and_without_prefix_sharing(served):
   cfg, params, prompts, news, ref = served
   pcfg = config_lib.replace(cfg, **{"cache.layout": "paged", "cache.num_pages": 48})
-  e = engine.Engine(pcfg, params, slots=4, max_len=32, chunk=8)
+  e = engine.Engine(pcfg, params, slots=4, max_len=32, chunk=8, widths=(16,))
   stats, out = _serve(e, prompts, news)
   assert out == ref and stats["prefix_hit_rate"] > 0
   traces = dict(engine.STEP_TRACES)
-  e2 = engine.Engine(pcfg, params, slots=4, max_len=32, chunk=8, prefix_cache=False)
+  e2 = engine.Engine(pcfg, params, slots=4, max_len=32, chunk=8, widths=(16,), prefix_cache=False)
   stats2, out2 = _serve(e2, prompts, news)
   assert out2 == ref and stats2["prefix_hit_rate"] == 0
-  # many steps, two runs, two engines: the step compiled once per width (1 and chunk)
+  # many steps, two runs, two engines: the step compiled once per shape (2 kinds x 2 widths)
   assert stats["steps"] + stats2["steps"] > 20 and dict(engine.STEP_TRACES) == traces
 
 
@@ -269,7 +272,7 @@ def test_preemption_under_a_tiny_pool_keeps_every_output(served):
 
 def test_contiguous_reservation_engine_matches_generate(served):
   cfg, params, prompts, news, ref = served
-  e = engine.Engine(cfg, params, slots=3, max_len=32, chunk=8)
+  e = engine.Engine(cfg, params, slots=3, max_len=32, chunk=8, widths=(16,))
   stats, out = _serve(e, prompts, news)
   assert out == ref and stats["preemptions"] == 0 and stats["max_concurrency"] == 3
 

@@ -108,13 +108,14 @@ def run_cell(cfg) -> list[dict]:
                      setting=cfg.param("setting", ""), model=Path(path).name)
     lp, nbytes = evaluate.stream_logprobs(tcfg, params, ref["tokens"], chunk)
     metrics = evaluate.compare(lp, ref["lp"], ref["tokens"])
+    B, N = ref["tokens"].shape
     metrics.update(cache_bytes=nbytes, cache_bytes_ref=ref["bytes"],
-                   bytes_per_token=ex.bytes_per_token(tcfg))
+                   bytes_per_token=_bytes_per_token(tcfg),
+                   cache_bytes_per_token=nbytes / (B * N))
     if ref["gen"] is not None:
       prompts, ref_gen = ref["gen"]
       got = evaluate.greedy_tokens(tcfg, params, prompts, tcfg.workload.gen_len)
       metrics["gen_agreement"] = evaluate.generation_agreement(got, ref_gen)
-    B, N = ref["tokens"].shape
     rows.append({"variant": var, "workload": {"task": "text", "batch": B, "context": N,
                                               "chunk": chunk, "data": mcfg.train.data},
                  "metrics": metrics})
@@ -125,6 +126,14 @@ def run_cell(cfg) -> list[dict]:
                                                 "n_pairs": mcfg.train.recall_pairs},
                    "metrics": {"recall": acc, "recall_ref": acc_ref}})
   return rows
+
+
+def _bytes_per_token(cfg) -> float:
+  """Asymptotic bytes per cached token (all layers, K+V, scales included; the residual
+  window is a fixed cost, seen in `cache_bytes_per_token` at the measured context)."""
+  m, c = cfg.model, cfg.cache
+  return m.n_layers * sum(codecs.for_role(getattr(c, f"{r}_codec"), c, r).bytes_per_token(
+      m.n_kv_heads, m.D, c) for r in ("k", "v"))
 
 
 def available_settings(cfg) -> list[str]:

@@ -1,6 +1,6 @@
 """Plots of the `quality` experiment: the cost of each cache setting against its bytes.
 
-  quality_dppl_vs_bytes: Δppl (%) vs cache bytes per token, one point per setting and
+  quality_dppl_vs_bytes: Δppl (%) vs measured cache bytes per token, one point per setting and
     model (colour = attention variant), labelled with the setting name; the good
     settings sit low and to the left.
   quality_kl: mean KL vs the fp32 cache per setting (log scale), bars per model.
@@ -38,10 +38,18 @@ def _variants(rows):
   return sorted({r["variant"]["variant"] for r in rows}, key=variant_order)
 
 
+def _bpt(r) -> float:
+  """Measured bytes per token (the pytree over batch x context), else the closed form."""
+  m, w = r["metrics"], r["workload"]
+  if "cache_bytes" in m and w.get("batch") and w.get("context"):
+    return m["cache_bytes"] / (w["batch"] * w["context"])
+  return m["bytes_per_token"]
+
+
 def _dppl(rows, out_dir):
   fig, ax = plt.subplots(figsize=(8, 5.5))
   for v in _variants(rows):
-    pts = [(r["metrics"]["bytes_per_token"], 100 * r["metrics"]["dppl_rel"], _setting(r))
+    pts = [(_bpt(r), 100 * r["metrics"]["dppl_rel"], _setting(r))
            for r in rows if r["variant"]["variant"] == v]
     ax.scatter([p[0] for p in pts], [p[1] for p in pts], color=variant_color(v), label=v, s=30)
     for x, y, name in pts:
@@ -52,7 +60,8 @@ def _dppl(rows, out_dir):
   for target, label in ((0.1, "int8 target 0.1%"), (1.0, "int4 target 1%"), (5.0, "int2 5%")):
     ax.axhline(target, color="gray", lw=0.6, ls=":")
     ax.text(ax.get_xlim()[1], target, label, fontsize=7, color="gray", ha="right", va="bottom")
-  ax.set_xlabel("cache bytes per token (all layers, K+V, metadata included)")
+  ax.set_xlabel(f"measured cache bytes per token at context {rows[0]['workload'].get('context')}"
+                " (all layers, K+V, scales and residual window included)")
   ax.set_ylabel("Δ perplexity vs fp32 cache (%)")
   n = rows[0]["workload"]
   ax.set_title(f"Quality vs cache size, tokens fed one at a time through the cache\n"
@@ -66,7 +75,7 @@ def _dppl(rows, out_dir):
 def _kl(rows, out_dir):
   variants = _variants(rows)
   settings = list(dict.fromkeys(_setting(r) for r in sorted(
-      rows, key=lambda r: -r["metrics"]["bytes_per_token"])))
+      rows, key=lambda r: -_bpt(r))))
   fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(settings) + 2), 4.5))
   width = 0.8 / len(variants)
   x = np.arange(len(settings))

@@ -1,7 +1,7 @@
 """Quantized cache codecs: int8 (symmetric), int4 / int2 (asymmetric, packed), fp8 e4m3 / e5m2.
 
 Every codec stores a dict of leaves, each with the token axis at -2:
-  codes [..., T, D * bits / 8]  int8 | packed uint8 | float8
+  codes [..., T, D * bits / 8]  int8 | packed uint8 | float8 bits as uint8
   scale [..., T, n] (per token, n = D / group_size groups along head_dim)
         or [..., T / U, D] (`axis="channel"`: one scale per channel per U tokens, KIVI keys)
   zero  like scale, asymmetric codecs only.
@@ -173,13 +173,16 @@ class ScaledCodec(codecs.Codec):
     amax = jnp.max(jnp.abs(xg), red, keepdims=True)
     scale = _round_up_bf16(jnp.maximum(amax / qmax, TINY))
     y = jnp.clip(_div(xg, scale.astype(jnp.float32)), -qmax, qmax)
-    codes = jnp.round(y).astype(jnp.int8) if self.kind == "int" else y.astype(self.dtype)
+    codes = jnp.round(y).astype(jnp.int8) if self.kind == "int" else \
+        codecs.store_bits(y.astype(self.dtype))
     return codes, scale, None
 
   def codes(self, enc: dict, dtype=jnp.float32) -> jax.Array:
     """The integer / fp8 code of every element, widened to `dtype`: [..., T, D]."""
     raw = enc["codes"]
-    return (unpack(raw, self.bits) if self.asym else raw).astype(dtype)
+    if self.asym:
+      return unpack(raw, self.bits).astype(dtype)
+    return codecs.load_bits(raw, self.dtype).astype(dtype)
 
   def decode(self, enc: dict, dtype=jnp.float32) -> jax.Array:
     """Dequantize everything (reference and tests only; the attention uses qk/pv)."""

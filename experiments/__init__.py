@@ -44,11 +44,15 @@ def variant(cfg: config_lib.Config, **extra) -> dict:
 
 
 def bytes_per_token(cfg: config_lib.Config) -> float:
-  """Closed-form cache bytes one token takes across all layers (K + V, codec metadata in)."""
+  """Closed-form cache bytes one token takes across all layers (K + V, codec metadata in).
+
+  Codecs are bound to their role (`for_role`), so group sizes and per-channel keys count.
+  """
   from kvjax import codecs
   m, c = cfg.model, cfg.cache
-  return m.n_layers * (codecs.get(c.k_codec).bytes_per_token(m.n_kv_heads, m.D, c)
-                       + codecs.get(c.v_codec).bytes_per_token(m.n_kv_heads, m.D, c))
+  k, v = codecs.for_role(c.k_codec, c, "k"), codecs.for_role(c.v_codec, c, "v")
+  return m.n_layers * (k.bytes_per_token(m.n_kv_heads, m.D, c)
+                       + v.bytes_per_token(m.n_kv_heads, m.D, c))
 
 
 def load_shape(name: str) -> config_lib.Config:

@@ -33,6 +33,37 @@ def _add_set(p):
                  help="override a config key, e.g. --set model.n_kv_heads=2 (repeatable)")
 
 
+def _cache_overrides(args, over: dict) -> dict:
+  """All overrides of one command, applied (and validated) once, in this precedence:
+  `over` < --set < --codec < --k-codec/--v-codec. A codec given for both is expanded into
+  k_codec/v_codec here, so K8/V4 can refine it and KIVI settings given with --set are
+  checked against the final codecs, not an intermediate state."""
+  merged = {**over, **config_lib.parse_set(args.set)}
+  if args.codec:
+    merged["cache.codec"] = args.codec
+  codec = merged.pop("cache.codec", None)
+  if codec:
+    merged["cache.k_codec"] = merged["cache.v_codec"] = codec
+  for key, val in (("cache.k_codec", args.k_codec), ("cache.v_codec", args.v_codec)):
+    if val:
+      merged[key] = val
+  return merged
+
+
+def _sampling_overrides(args) -> dict:
+  over = {}
+  if args.temperature is not None:
+    over["workload.temperature"] = args.temperature
+  if args.greedy:
+    over["workload.temperature"] = 0.0
+  for key, val in (("top_k", args.top_k), ("top_p", args.top_p)):
+    if val is not None:
+      over[f"workload.{key}"] = val
+  if args.seed is not None:
+    over["seed"] = args.seed
+  return over
+
+
 # -- size ---------------------------------------------------------------------------------
 def cmd_size(args) -> dict:
   from kvjax import cache, codecs
@@ -58,14 +89,9 @@ def cmd_size(args) -> dict:
       raise KvjaxError(f"unknown --dtype '{args.dtype}'; use one of "
                        f"{', '.join(codecs.DTYPE_TO_CODEC)}")
     over["cache.codec"] = codecs.DTYPE_TO_CODEC[args.dtype]
-  elif not args.codec and not args.k_codec and not args.v_codec:
-    over["cache.codec"] = "bf16"
-  if args.codec:
-    over["cache.codec"] = args.codec
-  cfg = config_lib.apply_overrides(cfg, {**over, **config_lib.parse_set(args.set)})
-  if args.k_codec or args.v_codec:
-    cfg = config_lib.apply_overrides(cfg, {k: v for k, v in (("cache.k_codec", args.k_codec),
-                                                             ("cache.v_codec", args.v_codec)) if v})
+  elif not (args.hf or args.config):
+    over["cache.codec"] = "bf16"  # the shape-only form: the common serving dtype
+  cfg = config_lib.apply_overrides(cfg, _cache_overrides(args, over))
   if args.seq_len <= 0 or args.batch <= 0:
     raise KvjaxError("--seq-len and --batch must be positive")
   spec = cache.CacheSpec.from_config(cfg, args.batch, args.seq_len)
@@ -98,15 +124,16 @@ def _load_model(args):
   """(config, params, tokenizer folder) from --config, --checkpoint or --hf."""
   from kvjax import model
 
+  over = _cache_overrides(args, _sampling_overrides(args))
   if args.hf:
     from kvjax import hf
-    cfg, params = hf.load(args.hf, overrides=config_lib.parse_set(args.set))
+    cfg, params = hf.load(args.hf, overrides=over)
     return cfg, params, args.hf
   if args.checkpoint:
     from kvjax import checkpoint
-    cfg, params = checkpoint.load(args.checkpoint, overrides=config_lib.parse_set(args.set))
+    cfg, params = checkpoint.load(args.checkpoint, overrides=over)
     return cfg, params, None
-  cfg = config_lib.load(args.config, args.set)
+  cfg = config_lib.load(args.config, over)
   from kvjax import sharding
   if sharding.is_sharded(cfg):  # created already split: never whole on one device
     return cfg, sharding.init_params(cfg, sharding.make_mesh(cfg)), None
@@ -117,23 +144,6 @@ def cmd_generate(args) -> dict:
   from kvjax import decode, tokenizer
 
   cfg, params, folder = _load_model(args)
-  over = {}
-  if args.codec:
-    over["cache.codec"] = args.codec
-  if args.temperature is not None:
-    over["workload.temperature"] = args.temperature
-  if args.greedy:
-    over["workload.temperature"] = 0.0
-  for key, val in (("top_k", args.top_k), ("top_p", args.top_p)):
-    if val is not None:
-      over[f"workload.{key}"] = val
-  if args.seed is not None:
-    over["seed"] = args.seed
-  if over:
-    cfg = config_lib.apply_overrides(cfg, over)
-  if args.k_codec or args.v_codec:  # after --codec, so K8/V4 can refine it
-    cfg = config_lib.apply_overrides(cfg, {k: v for k, v in (("cache.k_codec", args.k_codec),
-                                                             ("cache.v_codec", args.v_codec)) if v})
   tok = tokenizer.get_tokenizer(cfg.tokenizer, folder)
   if args.prompt is not None:
     if tok is None:

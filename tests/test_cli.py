@@ -49,6 +49,24 @@ def test_generate_prompt_text_uses_byte_tokenizer(capsys):
   assert rc == 0 and res["k_codec"] == res["v_codec"] == "bf16" and len(res["tokens"][0]) == 3
 
 
+def test_codec_flags_refine_codec_and_kivi_set_is_checked_once(capsys):
+  """--codec < --k-codec/--v-codec, and KIVI settings given with --set are validated against
+  the final codecs (a per-channel int4 key with an int8 value is a valid K/V pair)."""
+  rc, out, err = run_cli(capsys, "generate", "--config", "configs/quickstart.yaml", *QUICK,
+                         "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--codec", "int8",
+                         "--k-codec", "int4", "--set", "cache.k_axis=channel",
+                         "--set", "cache.group_size=4", "--set", "cache.residual=8", "--json")
+  assert rc == 0, err
+  res = json.loads(out)
+  assert (res["k_codec"], res["v_codec"]) == ("int4", "int8")
+  rc, out, _ = run_cli(capsys, "size", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+                       "--head-dim", "16", "--seq-len", "64", "--k-codec", "int4",
+                       "--v-codec", "int8", "--set", "cache.k_axis=channel",
+                       "--set", "cache.group_size=8", "--set", "cache.residual=16", "--json")
+  res = json.loads(out)
+  assert rc == 0 and (res["k_codec"], res["v_codec"]) == ("int4", "int8")
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "9", "--set", "cache.capacity=8"],
      "capacity"),

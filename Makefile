@@ -28,8 +28,9 @@ demo: install
 	$(BIN)/kvjax run configs/quickstart.yaml --out $(OUT)
 	$(BIN)/python scripts/plot_all.py $(OUT) --out $(PLOTS)
 
-# Every experiment config, then every plot (accelerator-sized configs on a GPU/TPU).
-reproduce: install
+# Train the comparison models if missing, run every experiment config (the peer race needs
+# the test extras: torch + transformers), then redraw every plot (accelerator configs on GPU/TPU).
+reproduce: install-test
 	KVJAX=$(BIN)/kvjax PYTHON=$(BIN)/python bash scripts/reproduce.sh results plots
 
 test: install-test

@@ -20,7 +20,6 @@ import jax
 import experiments as ex
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
-from kvjax import metrics
 from kvjax.errors import KvjaxError
 
 GIB = 2 ** 30
@@ -58,8 +57,7 @@ def _bytes_row(cfg: config_lib.Config, context: int) -> dict:
       "workload": {"part": "cache_bytes", "batch": B, "context": context, "measured": source},
       "metrics": {"cache_bytes": measured, "closed_form_bytes": closed,
                   "bytes_per_token": ex.bytes_per_token(cfg),
-                  "measured_bytes_per_token": measured / (B * context),
-                  "peak_bytes": metrics.peak_bytes()},
+                  "measured_bytes_per_token": measured / (B * context)},
   }
 
 

@@ -22,7 +22,7 @@ import functools
 from pathlib import Path
 
 import experiments as ex
-from kvjax import checkpoint, codecs, data, evaluate
+from kvjax import checkpoint, data, evaluate
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
 
@@ -110,7 +110,7 @@ def run_cell(cfg) -> list[dict]:
     metrics = evaluate.compare(lp, ref["lp"], ref["tokens"])
     B, N = ref["tokens"].shape
     metrics.update(cache_bytes=nbytes, cache_bytes_ref=ref["bytes"],
-                   bytes_per_token=_bytes_per_token(tcfg),
+                   bytes_per_token=ex.bytes_per_token(tcfg),
                    cache_bytes_per_token=nbytes / (B * N))
     if ref["gen"] is not None:
       prompts, ref_gen = ref["gen"]
@@ -126,24 +126,6 @@ def run_cell(cfg) -> list[dict]:
                                                 "n_pairs": mcfg.train.recall_pairs},
                    "metrics": {"recall": acc, "recall_ref": acc_ref}})
   return rows
-
-
-def _bytes_per_token(cfg) -> float:
-  """Asymptotic bytes per cached token (all layers, K+V, scales included; the residual
-  window is a fixed cost, seen in `cache_bytes_per_token` at the measured context)."""
-  m, c = cfg.model, cfg.cache
-  return m.n_layers * sum(codecs.for_role(getattr(c, f"{r}_codec"), c, r).bytes_per_token(
-      m.n_kv_heads, m.D, c) for r in ("k", "v"))
-
-
-def available_settings(cfg) -> list[str]:
-  """Settings whose codecs this install has (the rest need a newer kvjax.codecs)."""
-  out = []
-  for name, over in _settings(cfg).items():
-    names = [over.get(k) for k in ("cache.codec", "cache.k_codec", "cache.v_codec")]
-    if all(n in codecs.CODECS for n in names if n):
-      out.append(name)
-  return out
 
 
 def summary(rows: list[dict]) -> list[dict]:

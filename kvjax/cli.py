@@ -1,4 +1,4 @@
-"""The `kvjax` command line: size, generate, run, train (contract in docs/architecture.md).
+"""The `kvjax` command line: size, generate, run, train, convert (contract: README, DESIGN.md).
 
 User errors exit with status 2 and one line on stderr that names the problem and the fix.
 """
@@ -59,8 +59,6 @@ def _sampling_overrides(args) -> dict:
   for key, val in (("top_k", args.top_k), ("top_p", args.top_p)):
     if val is not None:
       over[f"workload.{key}"] = val
-  if args.seed is not None:
-    over["seed"] = args.seed
   return over
 
 
@@ -89,8 +87,8 @@ def cmd_size(args) -> dict:
       raise KvjaxError(f"unknown --dtype '{args.dtype}'; use one of "
                        f"{', '.join(codecs.DTYPE_TO_CODEC)}")
     over["cache.codec"] = codecs.DTYPE_TO_CODEC[args.dtype]
-  elif not (args.hf or args.config):
-    over["cache.codec"] = "bf16"  # the shape-only form: the common serving dtype
+  elif not args.config:
+    over["cache.codec"] = "bf16"  # shape-only and --hf forms: the common serving dtype
   cfg = config_lib.apply_overrides(cfg, _cache_overrides(args, over))
   if args.seq_len <= 0 or args.batch <= 0:
     raise KvjaxError("--seq-len and --batch must be positive")
@@ -158,7 +156,8 @@ def cmd_generate(args) -> dict:
         raise KvjaxError(f"--prompt-ids expects comma-separated integers, got '{item}'") from None
   else:
     raise KvjaxError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3")
-  out = decode.generate(cfg, params, prompts, args.max_new_tokens)
+  # --seed seeds sampling only; the weights of a --config model come from its `seed` key.
+  out = decode.generate(cfg, params, prompts, args.max_new_tokens, seed=args.seed)
   result = {"tokens": out["tokens"]}
   if tok is not None:
     result["text"] = [tok.decode(t) for t in out["tokens"]]
@@ -225,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--temperature", type=float)
   g.add_argument("--top-k", type=int)
   g.add_argument("--top-p", type=float)
-  g.add_argument("--seed", type=int)
+  g.add_argument("--seed", type=int, help="sampling seed (the weights keep the config's seed)")
   g.add_argument("--json", action="store_true")
   _add_set(g)
   _add_distributed(g)
@@ -304,6 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
   except KvjaxError as e:
     print(f"kvjax: error: {e}", file=sys.stderr)
+    return 2
+  except OSError as e:  # an --out that is a file, a read-only folder, a vanished path...
+    where = f": {e.filename}" if e.filename else ""
+    print(f"kvjax: error: {e.strerror or e}{where}; check the path or choose another --out",
+          file=sys.stderr)
     return 2
   except KeyboardInterrupt:
     print("kvjax: interrupted; rows already written are kept", file=sys.stderr)

@@ -57,11 +57,7 @@ def _load_source(args) -> tuple[Config, Any]:
   if args.checkpoint:
     from kvjax import checkpoint
     return checkpoint.load(args.checkpoint, overrides=over)
-  try:
-    from kvjax import hf
-  except ImportError:
-    raise KvjaxError("--hf conversion needs kvjax.hf (Hugging Face import), which this install "
-                     "lacks; convert a kvjax checkpoint with --checkpoint DIR instead") from None
+  from kvjax import hf
   return hf.load(args.hf, overrides=over)
 
 

@@ -67,13 +67,21 @@ def time_call(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> di
   return summarize(samples)
 
 
-def peak_bytes() -> int | None:
-  """Peak device memory where the backend reports it (GPU/TPU), else None."""
-  try:
-    stats = jax.devices()[0].memory_stats()
-  except Exception:  # backends without memory stats raise various errors
-    return None
-  return None if not stats else stats.get("peak_bytes_in_use")
+def program_bytes(*compiled) -> int | None:
+  """Peak memory the compiled programs need, the largest of (arguments + outputs + temps
+  - donated aliases) over the programs, from XLA's memory analysis. Per program, so it
+  does not carry over between cells the way a device's process-wide peak counter does."""
+  peaks = []
+  for prog in compiled:
+    try:
+      ma = prog.memory_analysis()
+    except Exception:  # some backends do not implement it
+      return None
+    if ma is None:
+      return None
+    peaks.append(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+                 - ma.alias_size_in_bytes)
+  return int(max(peaks)) if peaks else None
 
 
 class DecodeTimer:
@@ -109,6 +117,7 @@ class DecodeTimer:
                                     steps=self.steps).compile()
     self.compile_s = time.perf_counter() - t0
     self.cache_bytes = None
+    self.peak_bytes = program_bytes(self._pre, self._dec)
 
   def once(self) -> tuple[float, float]:
     params, tokens_BT, lengths_B = self._args
@@ -139,5 +148,5 @@ def bench_interleaved(timers: dict, repeats: int = 5, warmup: int = 1) -> dict:
     out[name] = {"ttft_s": a["median"], "ttft_s_iqr": a["iqr"], "tpot_s": b["median"],
                  "tpot_s_iqr": b["iqr"], "tpot_s_min": b["min"], "repeats": b["n"],
                  "compile_s": timers[name].compile_s, "cache_bytes": timers[name].cache_bytes,
-                 "peak_bytes": peak_bytes()}
+                 "peak_bytes": timers[name].peak_bytes}
   return out

@@ -15,6 +15,14 @@ PLOTS=${2:-plots}
 backend=$("$PYTHON" -c "import jax; print(jax.default_backend())" 2>/dev/null || echo cpu)
 echo "reproduce: backend $backend -> $RESULTS, $PLOTS"
 failed=()
+# quality and uptrain read the MHA/GQA/MQA comparison models: train any that are missing
+# (tens of minutes each on a 2-core CPU, minutes on a GPU; reruns resume).
+for kind in mha gqa mqa; do
+  if [ ! -f "checkpoints/$kind/config.yaml" ]; then
+    echo "== train $kind (checkpoints/$kind)"
+    "$KVJAX" train "configs/train_$kind.yaml" --out "checkpoints/$kind" || failed+=("train_$kind")
+  fi
+done
 for cfg in configs/*.yaml; do
   grep -q '^experiment:' "$cfg" || continue
   name=$(basename "$cfg" .yaml)

@@ -67,6 +67,25 @@ def test_codec_flags_refine_codec_and_kivi_set_is_checked_once(capsys):
   assert rc == 0 and (res["k_codec"], res["v_codec"]) == ("int4", "int8")
 
 
+def test_seed_seeds_sampling_not_the_weights(capsys):
+  base = ["generate", "--config", "configs/quickstart.yaml", *QUICK, "--prompt-ids", "1,2,3",
+          "--max-new-tokens", "6", "--json"]
+  greedy = [json.loads(run_cli(capsys, *base, "--greedy", "--seed", s)[1])["tokens"]
+            for s in ("1", "2")]
+  assert greedy[0] == greedy[1]  # same model whatever the sampling seed
+  hot = ["--temperature", "5.0"]
+  sampled = [json.loads(run_cli(capsys, *base, *hot, "--seed", s)[1])["tokens"]
+             for s in ("1", "1", "2")]
+  assert sampled[0] == sampled[1] != sampled[2]
+
+
+def test_unwritable_out_is_a_one_line_error(capsys, tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("not a folder")
+  rc, out, err = run_cli(capsys, "run", "configs/quickstart.yaml", "--out", str(blocker / "x"))
+  assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "9", "--set", "cache.capacity=8"],
      "capacity"),

@@ -114,6 +114,25 @@ def _log(out_dir: Path, row: dict) -> None:
     f.write(json.dumps(row) + "\n")
 
 
+# Keys a resumed run may change: how long it runs and how often it reports/saves.
+_RESUMABLE = {"train.steps", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
+              "train.log_every", "name"}
+
+
+def _check_resume(saved: Config, cfg: Config, out_dir: Path) -> None:
+  """A resumed run must train the same model on the same recipe (else it is a new run)."""
+  def flat(cfg: Config) -> dict:
+    d = cfg.to_dict()
+    return {"seed": d["seed"], **{f"{sec}.{k}": v for sec in ("model", "train")
+                                  for k, v in d[sec].items()}}
+
+  old, new = flat(saved), flat(cfg)
+  diff = sorted(k for k in old if k not in _RESUMABLE and old[k] != new.get(k))
+  if diff:
+    raise KvjaxError(f"{out_dir} holds a run with a different {', '.join(diff[:4])}; "
+                     "resume with the same config or train into a new --out")
+
+
 def train(cfg: Config, out_dir: str | Path, params: Any = None, progress: bool = True) -> dict:
   """Train (or resume) `cfg` into `out_dir`; `params` seeds a fresh run (uptraining)."""
   from tqdm import tqdm
@@ -126,6 +145,7 @@ def train(cfg: Config, out_dir: str | Path, params: Any = None, progress: bool =
   start = 0
   last = checkpoint.latest_step(out_dir)
   if last is not None:  # resume: same config, params, optimizer state and step
+    _check_resume(checkpoint.read_config(out_dir), cfg, out_dir)
     params_like = jax.eval_shape(lambda: init_params(cfg.model, cfg.seed))
     has_opt = (out_dir / "steps" / str(last) / "opt_state").is_dir()
     got = checkpoint.restore(out_dir, params_like,

@@ -144,3 +144,15 @@ def test_mean_pool_to_gqa_and_mqa(trained, tmp_path):
     convert.mean_pool(cfg, params, 3)
   assert cli.main(["convert", "--checkpoint", str(out), "--kv-heads", "1",
                    "--out", str(tmp_path / "mqa")]) == 2  # refuses to overwrite
+
+
+def test_resume_with_a_different_recipe_is_refused(tmp_path):
+  from kvjax import config as config_lib
+  from kvjax.errors import KvjaxError
+  from kvjax.train import _check_resume
+  a = config_lib.load(None, {"train.lr": 1e-3, "train.steps": 10})
+  _check_resume(a, config_lib.replace(a, **{"train.steps": 20}), tmp_path)  # longer run: fine
+  with pytest.raises(KvjaxError, match="train.lr"):
+    _check_resume(a, config_lib.replace(a, **{"train.lr": 2e-3}), tmp_path)
+  with pytest.raises(KvjaxError, match="model.n_kv_heads"):
+    _check_resume(a, config_lib.replace(a, **{"model.n_kv_heads": 1}), tmp_path)

@@ -3,9 +3,16 @@
 Queries are grouped as [B, K, G, T, D] (G = H // K query heads share one KV head), so
 MHA is G = 1 and MQA is K = 1, and the cache only ever holds K heads. A layer attends to
 the stored segments its cache layout hands it (read through each segment's codec, which
-may fold quantization scales into the logits and probabilities) plus the T new tokens
-of this call, causally. All segments share one softmax: logits are concatenated along
-the key axis, so no segment is ever special-cased.
+folds quantization scales into the logits and probabilities) plus the T new tokens of
+this call, causally. All segments share one softmax.
+
+Reads are blockwise with an online softmax (running max, running sum, rescaled
+accumulator): a stored segment is read `codecs.READ_CHUNK` tokens at a time in a
+`lax.while_loop` whose trip count is the segment's *live* length (`Segment.live`, data,
+not shape), so a decode step reads the tokens the cache holds, not its allocated
+capacity, and prefill into an empty cache reads nothing. Nothing retraces as lengths
+grow. Only one block of codes is ever widened at a time (XLA:CPU materializes the
+converted operand of a dot), so no full-precision copy of the cache exists.
 
 Adding a variant = one function with the `grouped` signature + one `ATTENTIONS` entry.
 """
@@ -15,7 +22,53 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-MASKED = -1e30  # finite, so fully masked (padding) rows give finite garbage, never NaN
+from kvjax import codecs
+
+MASKED = -1e30  # finite running-max floor: exp(MASKED - m) is 0 and never NaN
+
+
+def _update(state, l_BKGTC, mask, pv):
+  """Fold one block of logits into the online-softmax state (m, l, acc); masked keys
+  contribute exactly 0. `pv(p)` returns the probability-weighted values [B, K, G, T, D]."""
+  m, s, acc = state
+  lm = jnp.where(mask, l_BKGTC, MASKED)
+  m_new = jnp.maximum(m, jnp.max(lm, axis=-1))
+  p = jnp.where(mask, jnp.exp(lm - m_new[..., None]), 0.0)
+  corr = jnp.exp(m - m_new)
+  return m_new, s * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv(p)
+
+
+def _block_size(seg, S: int) -> int:
+  """Tokens per block: READ_CHUNK rounded to whole codec token blocks, at most S."""
+  U = max(seg.k_codec.token_block, seg.v_codec.token_block)
+  return min(S, max(U, codecs.READ_CHUNK // U * U))
+
+
+def _attend_segment(q_BKGTD, seg, state):
+  """Online softmax over the stored tokens [0, live) of one segment, block by block."""
+  S = seg.mask_BS.shape[1]
+  if S == 0:
+    return state
+  C = _block_size(seg, S)
+  live = S if seg.live is None else seg.live
+
+  def block(i, st):
+    # The last block may overrun S: its start is pulled back to S - C (still a whole
+    # number of codec blocks) and the tokens already read are masked out.
+    start = jnp.minimum(i * C, S - C)
+    k = codecs._token_slice(seg.k, start, C, S)
+    v = codecs._token_slice(seg.v, start, C, S)
+    idx_C = start + jnp.arange(C)
+    mask_BC = jax.lax.dynamic_slice_in_dim(seg.mask_BS, start, C, axis=1) & \
+        (idx_C >= i * C)[None, :]
+    mask = mask_BC[:, None, None, None, :]
+    l_BKGTC = seg.k_codec.qk_block(q_BKGTD, k)
+    return _update(st, l_BKGTC, mask, lambda p: seg.v_codec.pv_block(p, v))
+
+  if C == S:  # one block: no loop
+    return block(0, state)
+  n = (jnp.asarray(live, jnp.int32) + C - 1) // C
+  return jax.lax.fori_loop(0, n, block, state)
 
 
 def grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments) -> jax.Array:
@@ -27,25 +80,42 @@ def grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments) -> jax.Array:
   k_BKTD = k_BTKD.transpose(0, 2, 1, 3)
   v_BKTD = v_BTKD.transpose(0, 2, 1, 3)
 
-  logits, sizes = [], []
+  f32 = jnp.float32
+  state = (jnp.full((B, K, G, T), MASKED, f32), jnp.zeros((B, K, G, T), f32),
+           jnp.zeros((B, K, G, T, D), f32))
   for seg in segments:
-    l_BKGTS = seg.k_codec.qk(q_BKGTD, seg.k)
-    logits.append(jnp.where(seg.mask_BS[:, None, None, None, :], l_BKGTS, MASKED))
-    sizes.append(l_BKGTS.shape[-1])
+    state = _attend_segment(q_BKGTD, seg, state)
   # The new tokens: causal by position; padding (position -1) is never a key.
-  l_new = jnp.einsum("bkgtd,bkud->bkgtu", q_BKGTD, k_BKTD, preferred_element_type=jnp.float32)
+  l_new = jnp.einsum("bkgtd,bkud->bkgtu", q_BKGTD, k_BKTD, preferred_element_type=f32)
   causal_BTU = (positions_BT[:, None, :] <= positions_BT[:, :, None]) & \
       (positions_BT[:, None, :] >= 0)
-  logits.append(jnp.where(causal_BTU[:, None, None], l_new, MASKED))
-
-  probs = jax.nn.softmax(jnp.concatenate(logits, axis=-1), axis=-1)
-  out_BKGTD = jnp.einsum("bkgtu,bkud->bkgtd", probs[..., sum(sizes):].astype(v_BKTD.dtype),
-                         v_BKTD, preferred_element_type=jnp.float32)
-  start = 0
-  for seg, size in zip(segments, sizes):
-    out_BKGTD = out_BKGTD + seg.v_codec.pv(probs[..., start:start + size], seg.v)
-    start += size
+  pv_new = lambda p: jnp.einsum("bkgtu,bkud->bkgtd", p.astype(v_BKTD.dtype), v_BKTD,  # noqa
+                                preferred_element_type=f32)
+  _, s, acc = _update(state, l_new, causal_BTU[:, None, None], pv_new)
+  # Padding queries see no key at all (s = 0): they read 0, never NaN.
+  out_BKGTD = acc / jnp.where(s > 0, s, 1.0)[..., None]
   return out_BKGTD.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(q_BTHD.dtype)
 
 
-ATTENTIONS = {"grouped": grouped}
+def reference(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments) -> jax.Array:
+  """The plain path (tests): every stored slot dequantized, one softmax over everything."""
+  B, T, H, D = q_BTHD.shape
+  K = k_BTKD.shape[2]
+  q_BKGTD = (q_BTHD * (D ** -0.5)).reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)
+  ks = [seg.k_codec.decode(seg.k, jnp.float32) for seg in segments] + \
+      [k_BTKD.transpose(0, 2, 1, 3).astype(jnp.float32)]
+  vs = [seg.v_codec.decode(seg.v, jnp.float32) for seg in segments] + \
+      [v_BTKD.transpose(0, 2, 1, 3).astype(jnp.float32)]
+  causal_BTU = (positions_BT[:, None, :] <= positions_BT[:, :, None]) & \
+      (positions_BT[:, None, :] >= 0)
+  masks = [jnp.broadcast_to(seg.mask_BS[:, None, :], (B, T, seg.mask_BS.shape[1]))
+           for seg in segments] + [causal_BTU]
+  k, v, mask = (jnp.concatenate(ks, axis=2), jnp.concatenate(vs, axis=2),
+                jnp.concatenate(masks, axis=2))
+  logits = jnp.einsum("bkgtd,bksd->bkgts", q_BKGTD.astype(jnp.float32), k)
+  probs = jax.nn.softmax(jnp.where(mask[:, None, None], logits, MASKED), axis=-1)
+  out = jnp.einsum("bkgts,bksd->bkgtd", probs, v)
+  return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(q_BTHD.dtype)
+
+
+ATTENTIONS = {"grouped": grouped, "reference": reference}

@@ -128,6 +128,9 @@ class Segment:
   mask_BS: jax.Array     # [B, S'] True where the slot holds a valid token
   k_codec: codecs.Codec
   v_codec: codecs.Codec
+  live: Any = None       # scalar int32: every valid slot lies in [0, live) (None: all S).
+                         # The attention reads only ceil(live / block) blocks, so a decode
+                         # step costs the tokens held, not the capacity allocated.
 
 
 def tree_bytes(tree: Any) -> int:
@@ -169,9 +172,10 @@ class NoCache(Layout):
     lengths = buf.lengths + jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
     pos_S = jnp.arange(S, dtype=jnp.int32)
     pos_BS = jnp.where(pos_S[None, :] < lengths[:, None], pos_S[None, :], -1)
-    logits_BSV, _ = model.apply({"params": params}, tokens_BS, pos_BS, None)
-    logits_BTV = jnp.take_along_axis(logits_BSV, jnp.clip(positions_BT, 0, S - 1)[..., None],
-                                     axis=1)
+    # Logits only where they are wanted (the model's last token, or this call's T tokens),
+    # not at all S recomputed positions.
+    at = None if getattr(model, "logits_last", False) else jnp.clip(positions_BT, 0, S - 1)
+    logits_BTV, _ = model.apply({"params": params}, tokens_BS, pos_BS, None, logits_at=at)
     return logits_BTV, TokenBuffer(tokens=tokens_BS, lengths=lengths, spec=buf.spec)
 
   def closed_form_bytes(self, spec: CacheSpec) -> int:
@@ -210,7 +214,7 @@ class Contiguous(Layout):
     segs = []
     if spec.history:
       mask_BS = jnp.arange(spec.history)[None, :] < q_B[:, None]
-      segs.append(Segment(k, v, mask_BS, spec.kc, spec.vc))
+      segs.append(Segment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(q_B)))
     if spec.residual:
       R = spec.residual
       slot_R = jnp.arange(R)[None, :]

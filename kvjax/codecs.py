@@ -113,6 +113,15 @@ class Codec:
       return self._pv_block(p_BKGTS, v_enc)
     return read_pv(self._pv_block, p_BKGTS, v_enc, self.token_block, READ_CHUNK)
 
+  def qk_block(self, q_BKGTD: jax.Array, k_enc: Any) -> jax.Array:
+    """Logits over a block of stored tokens in one go (the blockwise attention's read:
+    the caller keeps blocks small, so whatever is widened here is block-sized)."""
+    return self._qk_block(q_BKGTD, k_enc)
+
+  def pv_block(self, p_BKGTS: jax.Array, v_enc: Any) -> jax.Array:
+    """Probability-weighted values of a block of stored tokens in one go."""
+    return self._pv_block(p_BKGTS, v_enc)
+
   def _qk_block(self, q_BKGTD, k_enc):
     k = self.decode(k_enc, q_BKGTD.dtype)
     return jnp.einsum("bkgtd,bksd->bkgts", q_BKGTD, k, preferred_element_type=jnp.float32)

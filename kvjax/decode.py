@@ -72,11 +72,11 @@ def prefill(params, tokens_BT, lengths_B, cache, key, *, cfg: Config, sampler: S
   T = tokens_BT.shape[1]
   t = jnp.arange(T, dtype=jnp.int32)[None, :]
   positions_BT = jnp.where(t < lengths_B[:, None], cache.lengths[:, None] + t, -1)
-  model = Transformer(cfg.model)
+  model = Transformer(cfg.model, logits_last=True)  # lm_head on each row's last token only
   layout = cache_lib.LAYOUTS[cache.spec.layout]
-  logits_BTV, cache = layout.forward(model, params, tokens_BT, positions_BT, cache)
+  logits_B1V, cache = layout.forward(model, params, tokens_BT, positions_BT, cache)
   cache = sharding.constrain_cache(cache, cfg)  # keep the mesh layout (no-op on one device)
-  last_BV = jnp.take_along_axis(logits_BTV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+  last_BV = logits_B1V[:, 0]
   return sampler(last_BV, key), last_BV, cache
 
 

@@ -112,10 +112,17 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+  """`logits_last=True` returns logits only at each row's last non-padding token, [B, 1, V]
+  (what prefill samples from): the lm_head is the largest matmul of a prompt pass (T x
+  d_model x vocab), and every other position's logits would be discarded."""
+
   cfg: ModelConfig
+  logits_last: bool = False
 
   @nn.compact
-  def __call__(self, tokens_BT, positions_BT, cache=None):
+  def __call__(self, tokens_BT, positions_BT, cache=None, logits_at=None):
+    """`logits_at` [B, N] (optional): the token indices (into T) whose logits are needed;
+    the final norm and lm_head run on those rows only."""
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype,
@@ -132,6 +139,10 @@ class Transformer(nn.Module):
     x_BTE, (k_LBTKD, v_LBTKD) = layers(cfg, spec, name="layers")(
         x_BTE, stores, (positions_BT, cos, sin, lengths))
 
+    if logits_at is None and self.logits_last:  # right padding: the last valid index
+      logits_at = jnp.maximum(jnp.sum(positions_BT >= 0, axis=1) - 1, 0)[:, None]
+    if logits_at is not None:
+      x_BTE = jnp.take_along_axis(x_BTE, logits_at[..., None].astype(jnp.int32), axis=1)
     x_BTE = RMSNorm(cfg.norm_eps, dtype, jnp.dtype(cfg.param_dtype), name="norm")(x_BTE)
     if cfg.tie_embeddings:
       logits_BTV = embed.attend(x_BTE)

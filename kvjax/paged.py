@@ -117,7 +117,7 @@ class Paged(cache_lib.Layout):
 
     mask_BS = jnp.arange(S)[None, :] < lengths_B[:, None]
     return [cache_lib.Segment(jax.tree.map(gather, k), jax.tree.map(gather, v), mask_BS,
-                              spec.kc, spec.vc)]
+                              spec.kc, spec.vc, live=jnp.max(lengths_B))]
 
   def write(self, cache: PagedCache, k_LBTKD, v_LBTKD, positions_BT) -> PagedCache:
     spec = cache.spec

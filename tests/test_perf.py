@@ -1,0 +1,153 @@
+"""The fast paths equal the plain ones: blockwise online-softmax attention over the live
+length == one softmax over every dequantized slot (MHA/GQA/MQA x codecs, live lengths on
+and across block edges, ragged rows, prefill and decode), the model's logits at chosen
+positions == the full logits sliced, and decoding many steps never retraces."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import attention, codecs, config, decode, model
+from kvjax import cache as cache_lib
+
+HEADS = [(4, 4), (4, 2), (4, 1)]  # (H, K): MHA, GQA, MQA
+CODECS = ["fp32", "bf16", "int8", "int4", "fp8_e4m3"]
+
+
+def segment(codec_name, k_BKSD, v_BKSD, lengths_B, cache_cfg=None):
+  kc = codecs.for_role(codec_name, cache_cfg, "k")
+  vc = codecs.for_role(codec_name, cache_cfg, "v")
+  S = k_BKSD.shape[2]
+  mask = jnp.arange(S)[None] < lengths_B[:, None]
+  return cache_lib.Segment(kc.encode(k_BKSD), vc.encode(v_BKSD), mask, kc, vc,
+                           live=jnp.max(lengths_B))
+
+
+@pytest.mark.parametrize("H,K,codec", [(h, k, "int8") for h, k in HEADS] +
+                         [(4, 2, c) for c in CODECS if c != "int8"] +
+                         [(4, 1, "bf16"), (4, 4, "int4")])
+def test_blockwise_attention_equals_reference(H, K, codec, monkeypatch):
+  """Blocks of 8 over S = 21 slots (the last block overruns S and is pulled back); live
+  lengths 0, 7, 8, 9, 16, 17 and 21 per row; one decode query and a ragged 3-token prefill."""
+  monkeypatch.setattr(codecs, "READ_CHUNK", 8)
+  rng = np.random.default_rng(H * 10 + K)
+  D, S = 8, 21
+  # Built inside jit, so the live length is traced data (a dynamic trip count).
+  fast = jax.jit(lambda q, kn, vn, pos, k, v, n: attention.grouped(
+      q, kn, vn, pos, [segment(codec, k, v, n)]))
+  for lengths in ([0, 7, 8], [9, 16, 17], [21, 3, 0]):
+    B = len(lengths)
+    lengths_B = jnp.asarray(lengths, jnp.int32)
+    k = jnp.asarray(rng.standard_normal((B, K, S, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, K, S, D)), jnp.float32)
+    seg = segment(codec, k, v, lengths_B)
+    for T in (1, 3):
+      q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32) * 3
+      kn = jnp.asarray(rng.standard_normal((B, T, K, D)), jnp.float32)
+      vn = jnp.asarray(rng.standard_normal((B, T, K, D)), jnp.float32)
+      t = jnp.arange(T)[None]
+      pos = jnp.where(t < jnp.array([T, 1, T])[:, None], lengths_B[:, None] + t, -1)
+      got = fast(q, kn, vn, pos, k, v, lengths_B)
+      want = attention.reference(q, kn, vn, pos, [seg])
+      valid = np.asarray(pos >= 0)[:, :, None, None]
+      np.testing.assert_allclose(np.where(valid, got, 0), np.where(valid, want, 0),
+                                 atol=2e-5, rtol=1e-5)
+      assert np.all(np.isfinite(np.asarray(got)))  # padding queries read 0, never NaN
+
+
+def test_blockwise_attention_channel_keys_equal_reference(monkeypatch):
+  """KIVI per-channel key scales (token blocks of 4) read in blocks of 8."""
+  monkeypatch.setattr(codecs, "READ_CHUNK", 8)
+  cfg = config.load(None, {"cache.k_axis": "channel", "cache.group_size": 4,
+                           "cache.residual": 8, "cache.codec": "int4"})
+  rng = np.random.default_rng(1)
+  B, K, S, D, H = 2, 2, 20, 8, 4
+  lengths_B = jnp.asarray([12, 17], jnp.int32)
+  k = jnp.asarray(rng.standard_normal((B, K, S, D)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((B, K, S, D)), jnp.float32)
+  seg = segment("int4", k, v, lengths_B, cfg.cache)
+  q = jnp.asarray(rng.standard_normal((B, 1, H, D)), jnp.float32)
+  kn = jnp.asarray(rng.standard_normal((B, 1, K, D)), jnp.float32)
+  pos = lengths_B[:, None]
+  got = jax.jit(lambda q, kn, k, v, n: attention.grouped(
+      q, kn, kn, n[:, None], [segment("int4", k, v, n, cfg.cache)]))(q, kn, k, v, lengths_B)
+  np.testing.assert_allclose(got, attention.reference(q, kn, kn, pos, [seg]), atol=2e-5)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny(kv_heads: int, codec: str, attn: str = "grouped"):
+  cfg = config.load(None, {"model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": kv_heads,
+                           "model.head_dim": 8, "model.n_layers": 2, "cache.codec": codec,
+                           "model.attention": attn})
+  return cfg, model.init_params(cfg.model, 0)
+
+
+def teacher_forced(cfg, params, tokens_BN, lens_B, capacity):
+  """Ragged prefill, then feed tokens one at a time; logits [B, steps, V] per step."""
+  net = model.Transformer(cfg.model)
+  cache = cache_lib.init_cache(cfg, tokens_BN.shape[0], capacity)
+  P = int(lens_B.max())
+
+  @jax.jit
+  def run(params, cache):
+    t = jnp.arange(P)[None]
+    _, c = cache.layout.forward(net, params, tokens_BN[:, :P],
+                                jnp.where(t < lens_B[:, None], t, -1), cache)
+
+    def step(c, _):
+      tok = jnp.take_along_axis(tokens_BN, c.lengths[:, None], axis=1)
+      logits, c = c.layout.forward(net, params, tok, c.lengths[:, None], c)
+      return c, logits[:, 0]
+
+    return jax.lax.scan(step, c, None, length=tokens_BN.shape[1] - P - 1)[1]
+
+  return np.asarray(run(params, cache))
+
+
+@pytest.mark.parametrize("kv,codec", [(4, "fp32"), (2, "bf16"), (1, "int8"), (2, "int4")])
+def test_model_decode_equals_reference_attention_across_block_edges(kv, codec, monkeypatch):
+  """A capacity of 64 slots read in blocks of 8, live lengths growing from 3 / 10 across
+  several block edges: the same logits as the plain attention over every slot."""
+  monkeypatch.setattr(codecs, "READ_CHUNK", 8)
+  toks = jnp.asarray(np.random.default_rng(2).integers(0, 260, (2, 30)), jnp.int32)
+  lens = jnp.asarray([10, 3], jnp.int32)
+  cfg, params = tiny(kv, codec)
+  got = teacher_forced(cfg, params, toks, lens, 64)
+  ref_cfg, _ = tiny(kv, codec, "reference")
+  want = teacher_forced(ref_cfg, params, toks, lens, 64)
+  np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+
+
+def test_logits_at_and_last_equal_full_logits_sliced():
+  cfg, params = tiny(2, "fp32")
+  rng = np.random.default_rng(3)
+  tokens = jnp.asarray(rng.integers(0, 260, (2, 7)), jnp.int32)
+  t = jnp.arange(7)[None]
+  pos = jnp.where(t < jnp.array([[7], [4]]), t, -1)
+  full, _ = model.Transformer(cfg.model).apply({"params": params}, tokens, pos)
+  at = jnp.array([[6, 0], [3, 2]])
+  got, _ = model.Transformer(cfg.model).apply({"params": params}, tokens, pos, logits_at=at)
+  np.testing.assert_allclose(got, jnp.take_along_axis(full, at[..., None], axis=1), atol=1e-5)
+  last, _ = model.Transformer(cfg.model, logits_last=True).apply({"params": params}, tokens, pos)
+  np.testing.assert_allclose(last[:, 0], full[jnp.arange(2), jnp.array([6, 3])], atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "none", "paged"])
+def test_generate_matches_no_cache_and_never_retraces(layout, monkeypatch):
+  """Greedy tokens through each layout == the recompute baseline (logits_last prefill,
+  blockwise decode), and a second request of other lengths reuses both programs."""
+  monkeypatch.setattr(codecs, "READ_CHUNK", 8)
+  cfg, params = tiny(2, "fp32")
+  cfg = config.apply_overrides(cfg, {"cache.layout": layout, "cache.capacity": 48,
+                                     "cache.page_size": 8})
+  base = config.apply_overrides(cfg, {"cache.layout": "none"})
+  prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [1, 2]]
+  got = decode.generate(cfg, params, prompts, 20, timed=False)["tokens"]
+  assert got == decode.generate(base, params, prompts, 20, timed=False)["tokens"]
+  decode.generate(cfg, params, [[3, 4], [1, 2, 3, 4, 5, 6, 7, 8, 9]], 20, timed=False)
+  before = dict(decode.TRACES)
+  decode.generate(cfg, params, [[9, 9, 9], [1] * 9], 20, timed=False)  # same padded width
+  assert decode.TRACES == before

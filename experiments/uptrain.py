@@ -21,6 +21,7 @@ rest of the shape come from the MHA checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from pathlib import Path
 
@@ -47,7 +48,7 @@ def check(cfg) -> None:
 def _evaluate(cfg: config_lib.Config, params, contexts, n_recall: int) -> dict:
   corpus = data.load_corpus(cfg.train.data)
   loss = train.validation_loss(cfg, params, corpus)
-  out = {"val_loss": loss, "ppl": float(2.718281828459045 ** loss)}
+  out = {"val_loss": loss, "ppl": math.exp(loss)}
   ref = evaluate.reference_config(cfg)
   for L in contexts:
     seqs, mask = evaluate.recall_set(cfg.seed, n_recall, int(L), cfg.train.recall_pairs,

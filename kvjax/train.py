@@ -65,7 +65,8 @@ def loss_fn(params, model_cfg: ModelConfig, inputs_BT, targets_BT, mask_BT):
   return jnp.sum(nll * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
-@functools.partial(jax.jit, static_argnames=("model_cfg", "opt"))
+@functools.partial(jax.jit, static_argnames=("model_cfg", "opt"),
+                   donate_argnames=("params", "opt_state"))
 def train_step(params, opt_state, inputs, targets, mask, *, model_cfg: ModelConfig, opt):
   loss, grads = jax.value_and_grad(loss_fn)(params, model_cfg, inputs, targets, mask)
   updates, opt_state = opt.update(grads, opt_state, params)

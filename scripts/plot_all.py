@@ -30,7 +30,9 @@ def plot_all(results_dir: str | Path, out_dir: str | Path) -> list[Path]:
   for name, rows in sorted(groups.items()):
     try:
       module = importlib.import_module(f"plots.{name}")
-    except ModuleNotFoundError:
+    except ModuleNotFoundError as e:
+      if e.name != f"plots.{name}":  # the module exists but one of its imports is missing
+        raise
       print(f"plot_all: no plot module for experiment '{name}' (scripts/plots/{name}.py); "
             "skipped", file=sys.stderr)
       continue

@@ -44,6 +44,18 @@ def _block_size(seg, S: int) -> int:
   return min(S, max(U, codecs.READ_CHUNK // U * U))
 
 
+def _cut(seg, enc, start, size: int, S: int):
+  """Tokens [start, start + size) of a segment's storage (of its layer, when stacked)."""
+  if seg.layer is None:
+    return codecs._token_slice(enc, start, size, S)
+
+  def cut(a):  # a: [L, B, K, rows, ...]; a leaf may hold one row per S // rows tokens
+    per = S // a.shape[3]
+    idx = (seg.layer, 0, 0, start // per) + (0,) * (a.ndim - 4)
+    return jax.lax.dynamic_slice(a, idx, (1, *a.shape[1:3], size // per, *a.shape[4:]))[0]
+  return jax.tree.map(cut, enc)
+
+
 def _attend_segment(q_BKGTD, seg, state):
   """Online softmax over the stored tokens [0, live) of one segment, block by block."""
   S = seg.mask_BS.shape[1]
@@ -56,8 +68,7 @@ def _attend_segment(q_BKGTD, seg, state):
     # The last block may overrun S: its start is pulled back to S - C (still a whole
     # number of codec blocks) and the tokens already read are masked out.
     start = jnp.minimum(i * C, S - C)
-    k = codecs._token_slice(seg.k, start, C, S)
-    v = codecs._token_slice(seg.v, start, C, S)
+    k, v = _cut(seg, seg.k, start, C, S), _cut(seg, seg.v, start, C, S)
     idx_C = start + jnp.arange(C)
     mask_BC = jax.lax.dynamic_slice_in_dim(seg.mask_BS, start, C, axis=1) & \
         (idx_C >= i * C)[None, :]
@@ -102,9 +113,11 @@ def reference(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments) -> jax.Array:
   B, T, H, D = q_BTHD.shape
   K = k_BTKD.shape[2]
   q_BKGTD = (q_BTHD * (D ** -0.5)).reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)
-  ks = [seg.k_codec.decode(seg.k, jnp.float32) for seg in segments] + \
+  layer = lambda seg, enc: enc if seg.layer is None else jax.tree.map(  # noqa: E731
+      lambda a: a[seg.layer], enc)
+  ks = [seg.k_codec.decode(layer(seg, seg.k), jnp.float32) for seg in segments] + \
       [k_BTKD.transpose(0, 2, 1, 3).astype(jnp.float32)]
-  vs = [seg.v_codec.decode(seg.v, jnp.float32) for seg in segments] + \
+  vs = [seg.v_codec.decode(layer(seg, seg.v), jnp.float32) for seg in segments] + \
       [v_BTKD.transpose(0, 2, 1, 3).astype(jnp.float32)]
   causal_BTU = (positions_BT[:, None, :] <= positions_BT[:, :, None]) & \
       (positions_BT[:, None, :] >= 0)

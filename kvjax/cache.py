@@ -131,6 +131,9 @@ class Segment:
   live: Any = None       # scalar int32: every valid slot lies in [0, live) (None: all S).
                          # The attention reads only ceil(live / block) blocks, so a decode
                          # step costs the tokens held, not the capacity allocated.
+  layer: Any = None      # None: leaves are one layer's [B, K, S', ...]. Else leaves are the
+                         # whole stacked store [L, B, K, S', ...] and this is the layer index:
+                         # the attention slices (layer, block) itself, so no layer-sized copy.
 
 
 def tree_bytes(tree: Any) -> int:
@@ -208,20 +211,27 @@ class Contiguous(Layout):
   def forward(self, model, params, tokens_BT, positions_BT, cache: KVCache):
     return model.apply({"params": params}, tokens_BT, positions_BT, cache)
 
-  def segments(self, spec, layer_store, lengths_B):
+  def segments(self, spec, layer_store, lengths_B, layer=None):
+    """With `layer`, `layer_store` is the whole stacked store (see `Segment.layer`)."""
     k, v = layer_store[:2]
     q_B = spec.quantized_len(lengths_B)
     segs = []
     if spec.history:
       mask_BS = jnp.arange(spec.history)[None, :] < q_B[:, None]
-      segs.append(Segment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(q_B)))
+      segs.append(Segment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(q_B), layer=layer))
     if spec.residual:
       R = spec.residual
       slot_R = jnp.arange(R)[None, :]
       pos_BR = q_B[:, None] + (slot_R - q_B[:, None]) % R  # the position each slot holds
       wc = spec.window_codec
-      segs.append(Segment(layer_store[2], layer_store[3], pos_BR < lengths_B[:, None], wc, wc))
+      segs.append(Segment(layer_store[2], layer_store[3], pos_BR < lengths_B[:, None], wc, wc,
+                          layer=layer))
     return segs
+
+  # The model passes the stacked store and a layer index to a `segments` marked so. The
+  # layer scan slicing each layer's store instead compiled to a copy of the whole layer's
+  # capacity every step (measured: a [B, K, S, D] dynamic-slice fusion per layer).
+  segments.stacked = True
 
   def write(self, cache: KVCache, k_LBTKD, v_LBTKD, positions_BT) -> KVCache:
     spec = cache.spec

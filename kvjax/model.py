@@ -80,15 +80,17 @@ def _dense(cfg: ModelConfig, features: int, name: str, bias: bool = False) -> nn
 
 
 class Block(nn.Module):
-  """One decoder layer. Scanned over layers: carry is x, xs is this layer's cache store."""
+  """One decoder layer. Scanned over layers: carry is x, xs is (layer index, this layer's
+  cache store), or the whole stacked store rides in ctx when the layout reads it directly."""
 
   cfg: ModelConfig
   spec: object = None  # CacheSpec of the cache being read, or None (full forward)
 
   @nn.compact
-  def __call__(self, x_BTE, layer_store, ctx):
+  def __call__(self, x_BTE, xs, ctx):
     cfg = self.cfg
-    positions_BT, cos, sin, lengths_B = ctx
+    layer, layer_store = xs
+    positions_BT, cos, sin, lengths_B, stacked = ctx
     B, T, _ = x_BTE.shape
     H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.D
     dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
@@ -99,8 +101,12 @@ class Block(nn.Module):
     v_BTKD = _dense(cfg, K * D, "v_proj", cfg.qkv_bias)(h).reshape(B, T, K, D)
     q_BTHD, k_BTKD = apply_rope(q_BTHD, cos, sin), apply_rope(k_BTKD, cos, sin)
 
-    segments = [] if self.spec is None else \
-        LAYOUTS[self.spec.layout].segments(self.spec, layer_store, lengths_B)
+    if self.spec is None:
+      segments = []
+    elif stacked is not None:  # the layout slices (layer, block) itself: no per-layer copy
+      segments = LAYOUTS[self.spec.layout].segments(self.spec, stacked, lengths_B, layer=layer)
+    else:
+      segments = LAYOUTS[self.spec.layout].segments(self.spec, layer_store, lengths_B)
     attn_BTHD = attention.ATTENTIONS[cfg.attention](q_BTHD, k_BTKD, v_BTKD, positions_BT, segments)
     x_BTE = x_BTE + _dense(cfg, cfg.d_model, "o_proj")(attn_BTHD.reshape(B, T, H * D))
 
@@ -133,11 +139,14 @@ class Transformer(nn.Module):
     spec = None if cache is None else cache.spec
     stores = None if cache is None else cache.layer_stores()
     lengths = None if cache is None else cache.lengths
+    stacked = None
+    if cache is not None and getattr(LAYOUTS[spec.layout].segments, "stacked", False):
+      stores, stacked = None, stores
 
     layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
                      in_axes=(0, nn.broadcast), length=cfg.n_layers, unroll=cfg.scan_unroll)
     x_BTE, (k_LBTKD, v_LBTKD) = layers(cfg, spec, name="layers")(
-        x_BTE, stores, (positions_BT, cos, sin, lengths))
+        x_BTE, (jnp.arange(cfg.n_layers), stores), (positions_BT, cos, sin, lengths, stacked))
 
     if logits_at is None and self.logits_last:  # right padding: the last valid index
       logits_at = jnp.maximum(jnp.sum(positions_BT >= 0, axis=1) - 1, 0)[:, None]

@@ -151,3 +151,25 @@ def test_generate_matches_no_cache_and_never_retraces(layout, monkeypatch):
   before = dict(decode.TRACES)
   decode.generate(cfg, params, [[9, 9, 9], [1] * 9], 20, timed=False)  # same padded width
   assert decode.TRACES == before
+
+
+def test_roofline_experiment_rows_and_plot(tmp_path):
+  """One tiny cell end to end: the bytes add up, the fraction is ideal / measured, and the
+  plot writes PNG + SVG."""
+  import sys
+  from pathlib import Path
+  from experiments import roofline
+  cfg = config.load(None, {"model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2,
+                           "model.head_dim": 8, "model.n_layers": 2, "cache.codec": "int8",
+                           "workload.prompt_len": 40, "workload.gen_len": 3,
+                           "workload.repeats": 1, "params": {"bandwidth_mib": 4}})
+  (row,) = roofline.run_cell(cfg)
+  m = row["metrics"]
+  assert m["step_bytes"] == m["weight_bytes"] + m["kv_bytes"] > m["kv_bytes"] > 0
+  assert m["kv_bytes"] == pytest.approx(1 * 41.5 * 2 * 2 * 2 * (8 + 2))  # B live L (K+V) heads
+  assert m["roofline_fraction"] == pytest.approx(m["ideal_s"] / m["tpot_s"])
+  sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+  from plots import roofline as plot_roofline
+  row["env"] = {"backend": "cpu", "device_kind": "cpu"}
+  paths = plot_roofline.plot([row], tmp_path)
+  assert {p.suffix for p in paths} == {".png", ".svg"} and all(p.stat().st_size for p in paths)

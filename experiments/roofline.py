@@ -1,0 +1,124 @@
+"""roofline: how close decode runs to the memory-bandwidth limit, per variant and codec.
+
+Decode is memory-bound: a step cannot be faster than the bytes it must read (every
+weight matrix once, plus each sequence's live K/V with its codec's scales) divided by
+the memory bandwidth. This experiment measures that bandwidth in the same process (a
+large streaming reduction, `params.bandwidth_mib` MiB, median of several passes), then
+times `workload.gen_len - 1` compiled decode steps from a cache already holding
+`workload.prompt_len` tokens per sequence and reports
+
+  roofline_fraction = (step_bytes / bandwidth) / tpot_s
+
+with `tpot_s`, the byte counts and the achieved bandwidth. The cache is filled by setting
+its lengths (contents are zeros: decode speed does not depend on values), so no prefill
+is timed and a cell at 8k context costs seconds, not minutes. The embedding table is not
+counted (a step gathers B rows of it) unless it is tied to the lm_head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import experiments as ex
+from kvjax import cache as cache_lib
+from kvjax import config as config_lib
+from kvjax import decode, metrics
+
+
+def capacity(cfg: config_lib.Config) -> int:
+  w = cfg.workload
+  return cfg.cache.capacity or w.prompt_len + max(w.gen_len, 2)
+
+
+def check(cfg: config_lib.Config) -> None:
+  ex.check_context(cfg, capacity(cfg))
+
+
+@functools.lru_cache(maxsize=4)
+def bandwidth(mib: int, repeats: int = 7) -> float:
+  """Bytes/s of a compiled sum over a `mib` MiB float32 array (read once per pass)."""
+  n = mib * 2 ** 20 // 4
+  x = jax.block_until_ready(jnp.ones((n,), jnp.float32))
+  f = jax.jit(jnp.sum).lower(x).compile()
+  t = metrics.time_call(lambda: f(x), repeats=repeats, warmup=2)["median"]
+  return n * 4 / t
+
+
+def step_bytes(cfg: config_lib.Config, params, batch: int, live: float) -> dict:
+  """Bytes one decode step must read: weights (embedding only if tied) + live K/V."""
+  weights = metrics.tree_bytes(params)
+  if not cfg.model.tie_embeddings:
+    weights -= metrics.tree_bytes(params["embed_tokens"])
+  kv = batch * live * ex.bytes_per_token(cfg)
+  return {"weight_bytes": weights, "kv_bytes": kv, "step_bytes": weights + kv}
+
+
+class FilledDecode:
+  """Compiled decode of `steps` tokens from a cache that already holds `context` tokens."""
+
+  def __init__(self, cfg, params, batch: int, context: int, steps: int, cap: int):
+    self.cfg, self.params, self.steps = cfg, params, steps
+    self.B, self.context, self.cap = batch, context, cap
+    self._key = jax.random.PRNGKey(cfg.seed)
+    self._tok = jnp.zeros((batch,), jnp.int32)
+    sampler = decode.Sampler.from_config(cfg)
+    self._dec = decode.decode.lower(params, self._fresh(), self._tok, self._key, cfg=cfg,
+                                    sampler=sampler, steps=steps).compile()
+
+  def _fresh(self):
+    c = cache_lib.init_cache(self.cfg, self.B, self.cap)
+    return jax.block_until_ready(
+        dataclasses.replace(c, lengths=jnp.full((self.B,), self.context, jnp.int32)))
+
+  def once(self) -> float:
+    c = self._fresh()
+    t0 = time.perf_counter()
+    jax.block_until_ready(self._dec(self.params, c, self._tok, self._key))
+    return (time.perf_counter() - t0) / self.steps
+
+
+def run_cell(cfg: config_lib.Config) -> list[dict]:
+  w = cfg.workload
+  params = ex.random_params(cfg.model, cfg.seed)
+  steps = max(w.gen_len - 1, 1)
+  bw = bandwidth(int(cfg.param("bandwidth_mib", 512)))
+  timer = FilledDecode(cfg, params, w.batch, w.prompt_len, steps, capacity(cfg))
+  t = metrics.summarize([timer.once() for _ in range(w.repeats + 1)][1:])  # first: warm-up
+  live = w.prompt_len + (steps + 1) / 2  # tokens held, averaged over the timed steps
+  m = step_bytes(cfg, params, w.batch, live)
+  ideal = m["step_bytes"] / bw
+  m.update({"tpot_s": t["median"], "tpot_s_iqr": t["iqr"], "tpot_s_min": t["min"],
+            "repeats": t["n"], "bandwidth_Bps": bw, "ideal_s": ideal,
+            "roofline_fraction": ideal / t["median"],
+            "achieved_Bps": m["step_bytes"] / t["median"],
+            "tokens_per_s": w.batch / t["median"], "bytes_per_token": ex.bytes_per_token(cfg),
+            "kv_fraction": m["kv_bytes"] / m["step_bytes"]})
+  return [{
+      "variant": ex.variant(cfg),
+      "workload": {"batch": w.batch, "prompt_len": w.prompt_len, "gen_len": w.gen_len,
+                   "context": w.prompt_len, "capacity": capacity(cfg), "decode_steps": steps},
+      "metrics": m,
+  }]
+
+
+def summary(rows: list[dict]) -> list[dict]:
+  """One line per cell, with decode time relative to the same variant's bf16 cache."""
+  ref = {(r["variant"]["variant"], r["workload"]["batch"], r["workload"]["context"]):
+         r["metrics"]["tpot_s"] for r in rows if r["variant"]["codec"] == "bf16"}
+  out = []
+  for r in rows:
+    v, w, m = r["variant"], r["workload"], r["metrics"]
+    base = ref.get((v["variant"], w["batch"], w["context"]))
+    out.append({"variant": v["variant"], "codec": v["codec"], "batch": w["batch"],
+                "context": w["context"], "tpot_ms": m["tpot_s"] * 1e3,
+                "roofline_fraction": m["roofline_fraction"],
+                "achieved_GBps": m["achieved_Bps"] / 1e9,
+                "bandwidth_GBps": m["bandwidth_Bps"] / 1e9,
+                "tpot_vs_bf16": m["tpot_s"] / base if base else float(np.nan)})
+  return out

@@ -42,6 +42,7 @@ def _figure(rows, out_dir, batch):
   a_frac.set_title(f"fraction of the bandwidth limit ({bw:.3g} GB/s measured)", fontsize=9)
   a_tpot.set_yscale("log")
   a_tpot.yaxis.set_major_formatter(PLAIN)
+  a_tpot.yaxis.set_minor_formatter(PLAIN)
   a_tpot.set_ylabel("time per output token (ms)")
   a_tpot.set_title("TPOT (decode step)", fontsize=9)
   for ax in (a_frac, a_tpot):

@@ -148,5 +148,5 @@ def bench_interleaved(timers: dict, repeats: int = 5, warmup: int = 1) -> dict:
     out[name] = {"ttft_s": a["median"], "ttft_s_iqr": a["iqr"], "tpot_s": b["median"],
                  "tpot_s_iqr": b["iqr"], "tpot_s_min": b["min"], "repeats": b["n"],
                  "compile_s": timers[name].compile_s, "cache_bytes": timers[name].cache_bytes,
-                 "peak_bytes": timers[name].peak_bytes}
+                 "peak_bytes": getattr(timers[name], "peak_bytes", None)}
   return out

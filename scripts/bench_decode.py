@@ -28,6 +28,7 @@ def _programs(cfg, params, B, ctx, steps):
   lengths = np.full((B,), ctx, np.int32)
   key = jax.random.PRNGKey(0)
   capacity = ctx + steps + 1
+  jax.clear_caches()  # compile_s must not be a cache hit on an identical earlier program
   t0 = time.perf_counter()
   c = cache_lib.init_cache(cfg, B, capacity)
   pre = decode.prefill.lower(params, tokens, lengths, c, key, cfg=cfg, sampler=sampler).compile()
@@ -55,6 +56,7 @@ def main(argv=None) -> int:
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--out", default="results/bench_decode.jsonl")
   ap.add_argument("--set", action="append", default=[])
+  ap.add_argument("--skip-layouts", action="store_true", help="only the scan vs unrolled part")
   args = ap.parse_args(argv)
   base = config_lib.load(args.config, args.set + ["cache.codec=fp32"])
   env = metrics.environment()
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
 
   # 1) cache vs recompute: tokens/s at each batch and context, layouts interleaved per repeat
   params = model.init_params(base.model, 0)
-  for B in map(int, args.batches.split(",")):
+  for B in [] if args.skip_layouts else map(int, args.batches.split(",")):
     for ctx in map(int, args.contexts.split(",")):
       progs = {lay: _programs(config_lib.replace(base, **{"cache.layout": lay}), params, B, ctx,
                               args.steps)[0] for lay in ("contiguous", "none")}

@@ -219,7 +219,7 @@ def _known_keys() -> list[str]:
   return keys
 
 
-def from_dict(data: dict) -> Config:
+def from_dict(data: dict, check: bool = True) -> Config:
   """Build a Config from nested dicts (as read from YAML); unknown keys are errors."""
   if data is None:
     data = {}
@@ -236,11 +236,12 @@ def from_dict(data: dict) -> Config:
         flat[f"{key}.{sub}"] = subval
     else:
       flat[str(key)] = value
-  return apply_overrides(Config(), flat)
+  return apply_overrides(Config(), flat, check)
 
 
-def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
-  """Apply {dotted key: value} overrides with type coercion, then resolve and validate."""
+def apply_overrides(cfg: Config, overrides: dict[str, Any], check: bool = True) -> Config:
+  """Apply {dotted key: value} overrides with type coercion, then resolve and validate
+  (`check=False` defers validation: a grid's base may be valid only per cell)."""
   sections = {name: {} for name in _SECTIONS}
   top: dict[str, Any] = {}
   for key, value in overrides.items():
@@ -256,7 +257,7 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
   new = dataclasses.replace(
       cfg, **top, **{sec: dataclasses.replace(getattr(cfg, sec), **vals)
                      for sec, vals in sections.items() if vals})
-  return validate(resolve(new))
+  return validate(resolve(new)) if check else resolve(new)
 
 
 def parse_set(items: list[str] | None) -> dict[str, Any]:
@@ -273,7 +274,8 @@ def parse_set(items: list[str] | None) -> dict[str, Any]:
   return out
 
 
-def load(path: str | Path | None, overrides: list[str] | dict | None = None) -> Config:
+def load(path: str | Path | None, overrides: list[str] | dict | None = None,
+         check: bool = True) -> Config:
   """Load a YAML config file (or defaults when path is None) and apply --set overrides."""
   data: dict = {}
   if path is not None:
@@ -286,10 +288,10 @@ def load(path: str | Path | None, overrides: list[str] | dict | None = None) -> 
       mark = getattr(e, "problem_mark", None)
       where = f" at line {mark.line + 1}" if mark else ""
       raise KvjaxError(f"malformed YAML in {path}{where}: fix the syntax") from None
-  cfg = from_dict(data)
+  cfg = from_dict(data, check=check and not overrides)
   if overrides:
     items = overrides if isinstance(overrides, dict) else parse_set(overrides)
-    cfg = apply_overrides(cfg, items)
+    cfg = apply_overrides(cfg, items, check)
   return cfg
 
 

@@ -101,23 +101,27 @@ def _grid_axes(raw: dict, overrides: dict) -> tuple[dict, dict]:
   return axes, plain
 
 
-def _with(cfg: config_lib.Config, items: dict) -> config_lib.Config:
+def _with(cfg: config_lib.Config, items: dict, check: bool = True) -> config_lib.Config:
   """Apply dotted overrides, `params.X` keys merged into the params mapping."""
   params = {k[7:]: v for k, v in items.items() if k.startswith("params.")}
   plain = {k: v for k, v in items.items() if not k.startswith("params.")}
   if params:
     plain["params"] = {**dict(cfg.params), **params}
-  return config_lib.apply_overrides(cfg, plain) if plain else cfg
+  if not plain:
+    return config_lib.validate(cfg) if check else cfg
+  return config_lib.apply_overrides(cfg, plain, check)
 
 
 def expand(path: str | Path, overrides: list[str] | dict | None = None
            ) -> tuple[config_lib.Config, list[Cell]]:
   """Read a config file and return (base config, validated cells), nothing run yet."""
-  base = config_lib.load(path)  # all file-level errors come from here, one line each
+  # File-level errors (missing, malformed, unknown keys) come from here, one line each;
+  # shape checks wait for the cells: a base may be valid only with each cell's values.
+  base = config_lib.load(path, check=False)
   raw = yaml.safe_load(Path(path).read_text()) or {}
   over = overrides if isinstance(overrides, dict) else config_lib.parse_set(overrides)
   axes, plain = _grid_axes(raw, over or {})
-  base = _with(dataclasses.replace(base, grid=()), plain)
+  base = _with(dataclasses.replace(base, grid=()), plain, check=False)
   cells, seen = [], set()
   keys = list(axes)
   for combo in itertools.product(*(axes[k] for k in keys)):

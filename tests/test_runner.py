@@ -57,6 +57,19 @@ def test_grid_is_a_cartesian_product_over_dotted_keys(tmp_path):
                                            {"model.n_kv_heads": 4, "cache.codec": "bf16"}]
 
 
+def test_a_base_valid_only_per_cell_expands_and_bad_cells_still_fail(tmp_path):
+  """The YAML's own n_heads/n_kv_heads (8/3) are inconsistent; every cell fixes them."""
+  path = tmp_path / "heads.yaml"
+  path.write_text(TINY.format(experiment="memory").replace("n_heads: 4, n_kv_heads: 4",
+                                                             "n_heads: 8, n_kv_heads: 3")
+                  + "grid:\n  model.n_kv_heads: [8, 2, 1]\n")
+  _, cells = runner.expand(path)
+  assert [c.cfg.model.n_kv_heads for c in cells] == [8, 2, 1]
+  path.write_text(path.read_text().replace("[8, 2, 1]", "[8, 3]"))
+  with pytest.raises(KvjaxError, match="not divisible"):
+    runner.expand(path)
+
+
 def test_overrides_pin_replace_and_add_axes(tmp_path):
   path = write_cfg(tmp_path)
   _, cells = runner.expand(path, ["model.n_kv_heads=2"])  # pins a swept key

@@ -39,13 +39,23 @@ def _update(state, l_BKGTC, mask, pv):
 
 
 def _block_size(seg, S: int) -> int:
-  """Tokens per block: READ_CHUNK rounded to whole codec token blocks, at most S."""
-  U = max(seg.k_codec.token_block, seg.v_codec.token_block)
+  """Tokens per block: READ_CHUNK rounded to whole codec token blocks (pages, when paged),
+  at most S."""
+  U = max(seg.k_codec.token_block, seg.v_codec.token_block, seg.page_size)
   return min(S, max(U, codecs.READ_CHUNK // U * U))
 
 
 def _cut(seg, enc, start, size: int, S: int):
   """Tokens [start, start + size) of a segment's storage (of its layer, when stacked)."""
+  if seg.pages is not None:  # gather the block's pages through the block table
+    ps = seg.page_size
+    pg_Bn = jax.lax.dynamic_slice_in_dim(seg.pages, start // ps, size // ps, axis=1)
+
+    def gather(a):  # a: [(L,) P, K, ps, ...] -> [B, K, size, ...]
+      g = a.at[pg_Bn if seg.layer is None else (seg.layer, pg_Bn)].get(mode="clip")
+      B, n, K, p = g.shape[:4]
+      return jnp.swapaxes(g, 1, 2).reshape(B, K, n * p, *g.shape[4:])
+    return jax.tree.map(gather, enc)
   if seg.layer is None:
     return codecs._token_slice(enc, start, size, S)
 
@@ -113,11 +123,10 @@ def reference(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments) -> jax.Array:
   B, T, H, D = q_BTHD.shape
   K = k_BTKD.shape[2]
   q_BKGTD = (q_BTHD * (D ** -0.5)).reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)
-  layer = lambda seg, enc: enc if seg.layer is None else jax.tree.map(  # noqa: E731
-      lambda a: a[seg.layer], enc)
-  ks = [seg.k_codec.decode(layer(seg, seg.k), jnp.float32) for seg in segments] + \
+  whole = lambda seg, enc: _cut(seg, enc, 0, seg.mask_BS.shape[1], seg.mask_BS.shape[1])  # noqa
+  ks = [seg.k_codec.decode(whole(seg, seg.k), jnp.float32) for seg in segments] + \
       [k_BTKD.transpose(0, 2, 1, 3).astype(jnp.float32)]
-  vs = [seg.v_codec.decode(layer(seg, seg.v), jnp.float32) for seg in segments] + \
+  vs = [seg.v_codec.decode(whole(seg, seg.v), jnp.float32) for seg in segments] + \
       [v_BTKD.transpose(0, 2, 1, 3).astype(jnp.float32)]
   causal_BTU = (positions_BT[:, None, :] <= positions_BT[:, :, None]) & \
       (positions_BT[:, None, :] >= 0)

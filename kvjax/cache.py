@@ -134,6 +134,10 @@ class Segment:
   layer: Any = None      # None: leaves are one layer's [B, K, S', ...]. Else leaves are the
                          # whole stacked store [L, B, K, S', ...] and this is the layer index:
                          # the attention slices (layer, block) itself, so no layer-sized copy.
+  pages: Any = None      # paged storage: block table [B, N] int32 (physical page of each logical
+                         # page). Leaves are then pools [(L,) P, K, page_size, ...] and the
+                         # attention gathers only the pages of the block it reads.
+  page_size: int = 0
 
 
 def tree_bytes(tree: Any) -> int:

@@ -5,12 +5,11 @@ Device side: one pool of fixed-size pages per layer holds codec-encoded K/V (eve
 unchanged), and a block table `[B, N]` (N = ceil(capacity / page_size), or fewer: a narrower table
 reads fewer tokens, as the engine does for short requests) maps each sequence's logical
 page i to a physical page. The block table is data in the cache
-pytree: the engine rewrites it between steps and nothing retraces. A layer reads its
-sequences by gathering their pages through the block table (the XLA gather path: one
-copy of the live pages per layer, the price of paging without a kernel) into an
-ordinary `Segment` cut to `capacity` tokens, the same shape the contiguous layout hands
-the attention; invalid slots are masked exactly as there, so paged and contiguous
-outputs are bit-identical. New tokens are scattered to (page, slot); positions whose
+pytree: the engine rewrites it between steps and nothing retraces. A layer's attention
+reads its sequences block by block: each block gathers only its pages, through the block
+table, from the stacked pool (`Segment.pages`), and reads stop at the live length, so a
+step reads the pages in use, never the whole pool or a layer-sized copy. Invalid slots
+are masked exactly as in the contiguous layout. New tokens are scattered to (page, slot); positions whose
 page is unallocated (table entry = P, the sentinel) are dropped, never written into
 another sequence's page.
 
@@ -82,9 +81,8 @@ class PagedCache:
     return cache_lib.LAYOUTS["paged"]
 
   def layer_stores(self) -> Any:
-    """The layer scan slices a leading L axis; the (tiny) block table is repeated over it."""
-    L = self.spec.n_layers
-    return (self.k, self.v, jnp.broadcast_to(self.block_table[None], (L,) + self.block_table.shape))
+    """The whole stacked pools and the block table: the attention reads (layer, page) itself."""
+    return (self.k, self.v, self.block_table)
 
 
 class Paged(cache_lib.Layout):
@@ -106,18 +104,17 @@ class Paged(cache_lib.Layout):
   def forward(self, model, params, tokens_BT, positions_BT, cache: PagedCache):
     return model.apply({"params": params}, tokens_BT, positions_BT, cache)
 
-  def segments(self, spec, layer_store, lengths_B):
+  def segments(self, spec, layer_store, lengths_B, layer=None):
+    """`layer_store` = (k pools, v pools, block table); with `layer` the pools are stacked
+    [L, P, ...]. The segment spans the table's N * page_size slots (a narrower table reads
+    less); the attention gathers only the pages of the blocks it reads, up to the live length."""
     k, v, bt_BN = layer_store
-    S = min(spec.capacity, bt_BN.shape[1] * page_size(spec))  # a narrower table reads less
+    S = bt_BN.shape[1] * page_size(spec)
+    mask_BS = jnp.arange(S)[None, :] < jnp.minimum(lengths_B, spec.capacity)[:, None]
+    return [cache_lib.Segment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(lengths_B),
+                              layer=layer, pages=bt_BN, page_size=page_size(spec))]
 
-    def gather(leaf_PKpX):  # one layer's pool leaf -> [B, K, S, X] through the block table
-      g = jnp.take(leaf_PKpX, bt_BN, axis=0, mode="clip")  # [B, N, K, page, X]
-      B, N, K, p = g.shape[:4]
-      return jnp.swapaxes(g, 1, 2).reshape(B, K, N * p, *g.shape[4:])[:, :, :S]
-
-    mask_BS = jnp.arange(S)[None, :] < lengths_B[:, None]
-    return [cache_lib.Segment(jax.tree.map(gather, k), jax.tree.map(gather, v), mask_BS,
-                              spec.kc, spec.vc, live=jnp.max(lengths_B))]
+  segments.stacked = True  # see `Contiguous.segments`
 
   def write(self, cache: PagedCache, k_LBTKD, v_LBTKD, positions_BT) -> PagedCache:
     spec = cache.spec

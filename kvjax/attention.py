@@ -15,6 +15,7 @@ grow. Only one block of codes is ever widened at a time (XLA:CPU materializes th
 converted operand of a dot), so no full-precision copy of the cache exists.
 
 Adding a variant = one function with the `grouped` signature + one `ATTENTIONS` entry.
+`pallas` (kvjax.pallas_attention) is `grouped` with each segment read by a Pallas kernel.
 """
 
 from __future__ import annotations
@@ -92,8 +93,11 @@ def _attend_segment(q_BKGTD, seg, state):
   return jax.lax.fori_loop(0, n, block, state)
 
 
-def grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments) -> jax.Array:
-  """Grouped-query attention over stored segments + the new tokens. Returns [B, T, H, D]."""
+def grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments,
+            attend_segment=None) -> jax.Array:
+  """Grouped-query attention over stored segments + the new tokens. Returns [B, T, H, D].
+  `attend_segment(q_BKGTD, seg, state) -> state` reads one stored segment (default: the
+  XLA blockwise read; `kvjax.pallas_attention` plugs in its kernel)."""
   B, T, H, D = q_BTHD.shape
   K = k_BTKD.shape[2]
   G = H // K
@@ -105,7 +109,7 @@ def grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments) -> jax.Array:
   state = (jnp.full((B, K, G, T), MASKED, f32), jnp.zeros((B, K, G, T), f32),
            jnp.zeros((B, K, G, T, D), f32))
   for seg in segments:
-    state = _attend_segment(q_BKGTD, seg, state)
+    state = (attend_segment or _attend_segment)(q_BKGTD, seg, state)
   # The new tokens: causal by position; padding (position -1) is never a key.
   l_new = jnp.einsum("bkgtd,bkud->bkgtu", q_BKGTD, k_BKTD, preferred_element_type=f32)
   causal_BTU = (positions_BT[:, None, :] <= positions_BT[:, :, None]) & \
@@ -141,3 +145,5 @@ def reference(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments) -> jax.Array:
 
 
 ATTENTIONS = {"grouped": grouped, "reference": reference}
+
+from kvjax import pallas_attention  # noqa: E402,F401  registers "pallas" (after ATTENTIONS)

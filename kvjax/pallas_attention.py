@@ -1,0 +1,244 @@
+"""`model.attention: pallas`: the `grouped` attention with each stored segment read by a
+Pallas kernel straight from the codec storage.
+
+The kernel reads what the cache holds and nothing else: fp32, bf16/fp16 bit patterns,
+int8 codes + per-token scales, packed int4/int2 codes + scale/zero, fp8 bits + scale. Each
+step loads one block of stored tokens and dequantizes it in registers, one column chunk
+at a time (a chunk = one packed bit plane x one scale group, so no unpack/concatenate is
+ever needed); no full-precision copy of the cache exists. Contiguous storage (also the
+stacked-by-layer store, `Segment.layer`) is read `BLOCK` tokens per step; paged storage one
+page per step, the page found through the block table inside the kernel.
+
+Grid: (batch, kv head, query-row tile, split of the token axis). Each split runs an online
+softmax over its blocks up to the live length (a loop with a data-dependent trip count, so
+nothing retraces as the cache fills) and writes a partial (m, l, acc); the splits, the
+other segments and the new tokens are merged in XLA by `attention.grouped` ("flash
+decoding"). Query rows are the G query heads x T new tokens of one kv head, padded to a
+power of two; below 16 rows (decode) the kernel multiply-reduces instead of `dot`.
+
+Falls back to the XLA read (`attention._attend_segment`) for segments it does not take:
+per-channel key scales (`cache.k_axis=channel`, whose scales span token blocks).
+Off GPU the kernel runs in Pallas interpret mode (slow, for tests and smoke runs).
+Shape limits (checked on the host, one-line `KvjaxError`): head_dim and the page size must
+be powers of two (Triton tensors are).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kvjax import attention, codecs, quant
+from kvjax.errors import KvjaxError
+
+BLOCK = 64        # contiguous storage: stored tokens per kernel step (a power of two)
+SPLITS = 8        # token-axis splits per (batch, kv head): parallelism for small batches
+ROW_BLOCK = 64    # query rows per program (prefill tiles its G*T rows)
+ROW_MIN = 1       # rows are padded to at least this many (16 makes decode use `dot`)
+DOT_MIN = 16      # every dim of a `dot` must reach this, else multiply-reduce
+NUM_WARPS = 4     # Triton only
+
+
+def _pow2(n: int) -> bool:
+  return n > 0 and n & (n - 1) == 0
+
+
+def _ceil_pow2(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
+
+
+def check_shapes(head_dim: int, page_size: int = 0) -> None:
+  """What the kernel cannot take, refused on the host with the fix."""
+  if not _pow2(head_dim):
+    raise KvjaxError(f"model.attention=pallas needs a power-of-two head_dim, got {head_dim}; "
+                     "use model.attention=grouped")
+  if page_size and not _pow2(page_size):
+    raise KvjaxError(f"model.attention=pallas needs a power-of-two cache.page_size, got "
+                     f"{page_size}; set cache.page_size=16 (or use model.attention=grouped)")
+
+
+def _check_config(c, m) -> None:
+  """Config-time hook (`codecs.CACHE_CHECKS`): the same limits, before anything is traced."""
+  if m is not None and m.attention == "pallas":
+    check_shapes(m.D, c.page_size if c.layout == "paged" else 0)
+
+
+codecs.CACHE_CHECKS.append(_check_config)
+
+
+def _kernel_reads(codec) -> bool:
+  return not (isinstance(codec, quant.ScaledCodec) and codec.axis == "channel")
+
+
+def _chunks(codec, D: int):
+  """Static plan of a codec's column chunks: (first element, width, packed-byte offset,
+  bit shift, scale column). Chunks never straddle a bit plane or a scale group."""
+  if not isinstance(codec, quant.ScaledCodec):
+    return [(0, D, 0, 0, 0)]
+  per = 8 // codec.bits if codec.asym else 1
+  W, g = D // per, codec.group or D
+  cs = min(W, g)
+  return [(e, cs, e % W, e // W * codec.bits, e // g) for e in range(0, D, cs)]
+
+
+def _dequant(codec, load, chunk):
+  """One column chunk of the loaded block as float32 [C, width]. `load(leaf, col, width)`
+  reads that leaf's columns for the block's tokens."""
+  _, cs, off, shift, j = chunk
+  if not isinstance(codec, quant.ScaledCodec):
+    return codecs.load_bits(load("x", 0, cs), codec.dtype).astype(jnp.float32)
+  raw, s = load("codes", off, cs), quant._meta(load("scale", j, 1))
+  if codec.asym:
+    c = ((raw >> shift) & (2 ** codec.bits - 1)).astype(jnp.float32)
+    return quant._meta(load("zero", j, 1)) + (c - codec.half) * s
+  return codecs.load_bits(raw, codec.dtype).astype(jnp.float32) * s
+
+
+def _mm(a, b, contract_b: int):
+  """a [M, X] with b [N, X] (contract_b=1, -> [M, N]) or b [X, N] (contract_b=0): `dot`
+  when every dim is big enough for Triton's tensor cores, else multiply-reduce."""
+  if min(*a.shape, *b.shape) >= DOT_MIN:
+    return jax.lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+  if contract_b == 1:
+    return jnp.sum(a[:, None, :] * b[None, :, :], axis=2)
+  return jnp.sum(a[:, :, None] * b[None, :, :], axis=1)
+
+
+def _kernel(meta_ref, q_ref, mask_ref, bt_ref, *refs, names, kc, vc, S, C, per_split, paged):
+  """One (batch, kv head, row tile, split): online softmax over this split's blocks."""
+  nk = len(names[0])
+  k_refs = dict(zip(names[0], refs[:nk]))
+  v_refs = dict(zip(names[1], refs[nk:nk + len(names[1])]))
+  m_ref, l_ref, acc_ref = refs[nk + len(names[1]):]
+  layer, live = meta_ref[0], meta_ref[1]
+  Rb, D = q_ref.shape
+  f32 = jnp.float32
+  k_chunks, v_chunks = _chunks(kc, D), _chunks(vc, D)
+
+  def block(i, state):
+    m, l, accs = state
+    if paged:  # one page per step; an unallocated entry (= P) is clamped, its slots masked
+      P = next(iter(k_refs.values())).shape[1]
+      page = jnp.minimum(bt_ref[i], P - 1)
+      valid = mask_ref[pl.ds(i * C, C)] != 0
+      load_from = lambda refs: lambda n, col, w: refs[n][layer, page, :, pl.ds(col, w)]  # noqa
+    else:  # the last block is pulled back to end at S; tokens already read are masked
+      start = jnp.minimum(i * C, S - C)
+      idx = start + jax.lax.broadcasted_iota(jnp.int32, (C,), 0)
+      valid = (mask_ref[pl.ds(start, C)] != 0) & (idx >= i * C)
+      load_from = lambda refs: lambda n, col, w: refs[n][layer, pl.ds(start, C), pl.ds(col, w)]  # noqa
+    logits = jnp.zeros((Rb, C), f32)
+    for ch in k_chunks:
+      q = q_ref[:, pl.ds(ch[0], ch[1])].astype(f32)
+      logits += _mm(q, _dequant(kc, load_from(k_refs), ch), 1)
+    logits = jnp.where(valid[None, :], logits, attention.MASKED)
+    m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+    p = jnp.where(valid[None, :], jnp.exp(logits - m_new[:, None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    accs = tuple(a * corr[:, None] + _mm(p, _dequant(vc, load_from(v_refs), ch), 0)
+                 for a, ch in zip(accs, v_chunks))
+    return m_new, l * corr + jnp.sum(p, axis=1), accs
+
+  s = pl.program_id(3)
+  lo = s * per_split
+  hi = jnp.minimum(lo + per_split, (live + C - 1) // C)
+  init = (jnp.full((Rb,), attention.MASKED, f32), jnp.zeros((Rb,), f32),
+          tuple(jnp.zeros((Rb, ch[1]), f32) for ch in v_chunks))
+  m, l, accs = jax.lax.fori_loop(lo, hi, block, init)
+  m_ref[...] = m
+  l_ref[...] = l
+  for a, ch in zip(accs, v_chunks):
+    acc_ref[:, pl.ds(ch[0], ch[1])] = a
+
+
+def _leaves(enc, stacked: bool):
+  """Storage leaves by name, each with a leading layer axis ([L, B|P, K, S|ps, X])."""
+  enc = enc if isinstance(enc, dict) else {"x": enc}
+  return {n: (a if stacked else a[None]) for n, a in sorted(enc.items())}
+
+
+def segment_state(q_BKGTD, seg):
+  """The kernel's partial state over one segment: m, l [B, K, X, G, T], acc [.., D]
+  (X = splits, not yet merged)."""
+  B, K, G, T, D = q_BKGTD.shape
+  S = seg.mask_BS.shape[1]
+  paged = seg.pages is not None
+  check_shapes(D, seg.page_size if paged else 0)
+  C = seg.page_size if paged else min(BLOCK, 1 << (S.bit_length() - 1))  # <= S, a power of 2
+  n_blocks = -(-S // C)
+  per_split = -(-n_blocks // SPLITS)
+  X = -(-n_blocks // per_split)
+  R = G * T
+  Rp = max(_ceil_pow2(R), ROW_MIN)
+  Rb = min(Rp, ROW_BLOCK)
+  q = jnp.pad(q_BKGTD.reshape(B, K, R, D), ((0, 0), (0, 0), (0, Rp - R), (0, 0)))
+  live = S if seg.live is None else seg.live
+  layer = 0 if seg.layer is None else seg.layer
+  meta = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(live, jnp.int32)])
+  ks, vs = _leaves(seg.k, seg.layer is not None), _leaves(seg.v, seg.layer is not None)
+  bt = seg.pages.astype(jnp.int32) if paged else jnp.zeros((B, 1), jnp.int32)
+
+  def store_spec(a):  # the whole stored sequence of (b, h); the kernel slices the blocks
+    if paged:
+      return pl.BlockSpec((a.shape[0], a.shape[1], None, *a.shape[3:]),
+                          lambda b, h, r, s: (0, 0, h, 0, 0))
+    return pl.BlockSpec((a.shape[0], None, None, *a.shape[3:]), lambda b, h, r, s: (0, b, h, 0, 0))
+
+  kernel = functools.partial(_kernel, names=(list(ks), list(vs)), kc=seg.k_codec, vc=seg.v_codec,
+                             S=S, C=C, per_split=per_split, paged=paged)
+  row = lambda b, h, r, s: (b, h, s, r)  # noqa: E731
+  interpret = jax.default_backend() != "gpu"
+  extra = {}
+  if not interpret:
+    from jax.experimental.pallas import triton as plgpu  # GPU-only: imported when used
+    extra["compiler_params"] = plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=2)
+  f32 = jnp.float32
+  m, l, acc = pl.pallas_call(
+      kernel, grid=(B, K, Rp // Rb, X),
+      in_specs=[pl.BlockSpec((2,), lambda b, h, r, s: (0,)),
+                pl.BlockSpec((None, None, Rb, D), lambda b, h, r, s: (b, h, r, 0)),
+                pl.BlockSpec((None, S), lambda b, h, r, s: (b, 0)),
+                pl.BlockSpec((None, bt.shape[1]), lambda b, h, r, s: (b, 0))]
+      + [store_spec(a) for a in (*ks.values(), *vs.values())],
+      out_specs=[pl.BlockSpec((None, None, None, Rb), row),
+                 pl.BlockSpec((None, None, None, Rb), row),
+                 pl.BlockSpec((None, None, None, Rb, D), lambda b, h, r, s: (b, h, s, r, 0))],
+      out_shape=[jax.ShapeDtypeStruct((B, K, X, Rp), f32),
+                 jax.ShapeDtypeStruct((B, K, X, Rp), f32),
+                 jax.ShapeDtypeStruct((B, K, X, Rp, D), f32)],
+      interpret=interpret, name="kvjax_segment_attention", **extra,
+  )(meta, q, seg.mask_BS.astype(jnp.int8), bt, *ks.values(), *vs.values())
+  rows = lambda a: a[:, :, :, :R].reshape(B, K, X, G, T, *a.shape[4:])  # noqa: E731
+  return rows(m), rows(l), rows(acc)
+
+
+def merge(state, m_BKXGT, l_BKXGT, acc_BKXGTD):
+  """Fold the splits' partial states into the running (m, l, acc) (the online-softmax
+  rescaling of `attention._update`, with a partial state in place of a block of logits)."""
+  m0, l0, acc0 = state
+  m = jnp.maximum(m0, jnp.max(m_BKXGT, axis=2))
+  c0, c = jnp.exp(m0 - m), jnp.exp(m_BKXGT - m[:, :, None])
+  return (m, l0 * c0 + jnp.sum(l_BKXGT * c, axis=2),
+          acc0 * c0[..., None] + jnp.sum(acc_BKXGTD * c[..., None], axis=2))
+
+
+def attend_segment(q_BKGTD, seg, state):
+  """`attention._attend_segment` with the kernel's read, or the XLA read where it has none."""
+  if seg.mask_BS.shape[1] == 0:
+    return state
+  if not (_kernel_reads(seg.k_codec) and _kernel_reads(seg.v_codec)):
+    return attention._attend_segment(q_BKGTD, seg, state)
+  return merge(state, *segment_state(q_BKGTD, seg))
+
+
+def pallas(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments) -> jax.Array:
+  """`attention.grouped` with every stored segment read by the Pallas kernel."""
+  return attention.grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments,
+                           attend_segment=attend_segment)
+
+
+attention.ATTENTIONS["pallas"] = pallas

@@ -97,11 +97,12 @@ def _dequant(codec, load, chunk):
   return codecs.load_bits(raw, codec.dtype).astype(jnp.float32) * s
 
 
-def _mm(a, b, contract_b: int):
-  """a [M, X] with b [N, X] (contract_b=1, -> [M, N]) or b [X, N] (contract_b=0): `dot`
-  when every dim is big enough for Triton's tensor cores, else multiply-reduce."""
+def _mm(a, b, contract_b: int, dt):
+  """a [M, X] with b [N, X] (contract_b=1, -> [M, N]) or b [X, N] (contract_b=0), in
+  float32: `dot` on `dt` operands (the query's dtype: bf16 models use the tensor cores)
+  when every dim is big enough for Triton, else a float32 multiply-reduce."""
   if min(*a.shape, *b.shape) >= DOT_MIN:
-    return jax.lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())),
+    return jax.lax.dot_general(a.astype(dt), b.astype(dt), (((1,), (contract_b,)), ((), ())),
                                preferred_element_type=jnp.float32)
   if contract_b == 1:
     return jnp.sum(a[:, None, :] * b[None, :, :], axis=2)
@@ -125,21 +126,22 @@ def _kernel(meta_ref, q_ref, mask_ref, bt_ref, *refs, names, kc, vc, S, C, per_s
       P = next(iter(k_refs.values())).shape[1]
       page = jnp.minimum(bt_ref[i], P - 1)
       valid = mask_ref[pl.ds(i * C, C)] != 0
-      load_from = lambda refs: lambda n, col, w: refs[n][layer, page, :, pl.ds(col, w)]  # noqa
+      tok = (page, slice(None))
     else:  # the last block is pulled back to end at S; tokens already read are masked
       start = jnp.minimum(i * C, S - C)
       idx = start + jax.lax.broadcasted_iota(jnp.int32, (C,), 0)
       valid = (mask_ref[pl.ds(start, C)] != 0) & (idx >= i * C)
-      load_from = lambda refs: lambda n, col, w: refs[n][layer, pl.ds(start, C), pl.ds(col, w)]  # noqa
+      tok = (pl.ds(start, C),)
+    load_from = lambda refs: lambda n, col, w: refs[n][(layer, *tok, pl.ds(col, w))]  # noqa
     logits = jnp.zeros((Rb, C), f32)
     for ch in k_chunks:
       q = q_ref[:, pl.ds(ch[0], ch[1])].astype(f32)
-      logits += _mm(q, _dequant(kc, load_from(k_refs), ch), 1)
+      logits += _mm(q, _dequant(kc, load_from(k_refs), ch), 1, q_ref.dtype)
     logits = jnp.where(valid[None, :], logits, attention.MASKED)
     m_new = jnp.maximum(m, jnp.max(logits, axis=1))
     p = jnp.where(valid[None, :], jnp.exp(logits - m_new[:, None]), 0.0)
     corr = jnp.exp(m - m_new)
-    accs = tuple(a * corr[:, None] + _mm(p, _dequant(vc, load_from(v_refs), ch), 0)
+    accs = tuple(a * corr[:, None] + _mm(p, _dequant(vc, load_from(v_refs), ch), 0, q_ref.dtype)
                  for a, ch in zip(accs, v_chunks))
     return m_new, l * corr + jnp.sum(p, axis=1), accs
 

@@ -40,6 +40,11 @@ def _latency(name, kv, codecs, batch, context, prompt, gen=32, repeats=5):
                   "workload.repeats": repeats}}
 
 
+# Decode attention, Pallas kernel vs XLA (scripts/bench_pallas.py; a smoke run off GPU).
+PALLAS = {"name": "pallas", "kind": "script", "script": "scripts/bench_pallas.py",
+          "out": "pallas", "weight": 2}
+
+
 def accelerator_stages() -> list[dict]:
   shape = {k: v for k, v in LLAMA3_8B.items() if k != "model.n_kv_heads"}
   return [
@@ -60,6 +65,7 @@ def accelerator_stages() -> list[dict]:
                "workload.gen_len": 64, "workload.repeats": 3}},
       {"name": "sharded-generate", "kind": "generate", "out": "sharding", "weight": 1,
        "set": {**LLAMA3_8B, "cache.codec": "bf16"}, "batch": 8, "prompt": 1024, "new": 64},
+      PALLAS,
   ]
 
 
@@ -81,6 +87,7 @@ def tiny_stages() -> list[dict]:
                "params.peers": ["kvjax", "dynamic"]}},
       {"name": "sharded-generate", "kind": "generate", "out": "sharding", "weight": 1,
        "set": {**TINY}, "batch": 2, "prompt": 16, "new": 8},
+      PALLAS,
   ]
 
 
@@ -127,6 +134,9 @@ def _command(stage: dict, results: Path, accel: bool, dev: dict) -> tuple[list[s
                  *_set_args({**stage["set"], "mesh.model": m, "mesh.data": n // m}),
                  *sum((["--prompt-ids", ids] for _ in range(stage["batch"])), []),
                  "--max-new-tokens", str(stage["new"]), "--greedy", "--json"], ""
+  if stage.get("kind") == "script":
+    return [sys.executable, str(ROOT / stage["script"]),
+            str(results / stage["out"] / f"{stage['out']}.jsonl")], ""
   if not _experiment_exists(stage["config"]):
     return None, f"no experiment '{stage['config']}' (experiments/{stage['config']}.py) yet"
   path = _config_path(stage["config"], accel)

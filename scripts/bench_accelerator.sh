@@ -15,6 +15,8 @@
 #   quality           codec quality, if the trained checkpoints it names exist
 #   peer              kvjax vs transformers on the same weights (configs/peer.yaml, trimmed)
 #   sharded-generate  kvjax generate on all devices (data x model mesh), if more than one
+#   pallas            decode attention: Pallas kernel vs XLA grouped, bf16/int8/int4, 4k..32k
+#                     (scripts/bench_pallas.py; JSON lines in pallas/pallas.jsonl)
 # Every stage is `kvjax run` in its own process with a share of the remaining budget
 # (default 420 s); a stage that fails or runs out of time keeps its flushed rows and the
 # next one runs. RESULTS_DIR gets <experiment>/<experiment>.jsonl, logs/, plots/ and

@@ -1,0 +1,149 @@
+"""One decode step's attention over one layer's cache: the Pallas kernel vs XLA `grouped`.
+
+    python scripts/bench_pallas.py OUT.jsonl [--contexts 4096,8192,16384,32768]
+        [--batches 1,8] [--codecs bf16,int8,int4] [--repeats 20] [--budget 300]
+
+On a GPU: Llama-3-8B attention (32 query heads, 8 kv heads, head_dim 128, bf16 queries),
+a cache of `context` tokens per sequence, all live. Each cell is compiled ahead of time
+(excluded), run once, then timed `--repeats` times; the median is reported with the bytes
+the step must read (the K and V storage of the live tokens, codes and scales: what
+`cache.tree_bytes` counts) and the achieved bytes/s. Every pallas row also carries its max
+|pallas - grouped| on the same inputs (the kernel's first check on real hardware). Then a
+small sweep of the kernel's knobs (BLOCK, ROW_MIN, SPLITS) at the longest context.
+A cell that fails writes its error and the next one runs; rows are flushed one by one.
+
+Off GPU it runs a smoke configuration (tiny heads and contexts, Pallas interpret mode) and
+says so: it checks the script, not the hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from kvjax import attention, codecs  # noqa: E402
+from kvjax import cache as cache_lib  # noqa: E402
+from kvjax import pallas_attention as pa  # noqa: E402
+
+GPU = {"heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bfloat16",
+       "contexts": "4096,8192,16384,32768", "batches": "1,8", "repeats": 20}
+SMOKE = {"heads": 4, "kv_heads": 2, "head_dim": 16, "dtype": "float32",
+         "contexts": "80", "batches": "1,2", "repeats": 2}
+SWEEP = [{"BLOCK": 32}, {"BLOCK": 128}, {"ROW_MIN": 16}, {"ROW_MIN": 16, "BLOCK": 128},
+         {"SPLITS": 32}]
+
+
+def _cell(shape, codec_name, B, S, key):
+  """Inputs of one decode step: the new token's q/k/v and one layer's encoded cache."""
+  H, K, D, dt = shape["heads"], shape["kv_heads"], shape["head_dim"], jnp.dtype(shape["dtype"])
+  codec = codecs.get(codec_name)
+  ks = jax.random.split(key, 5)
+  enc = jax.jit(lambda k: codec.encode(jax.random.normal(k, (B, K, S, D), jnp.float32)))
+  k_enc, v_enc = enc(ks[0]), enc(ks[1])
+  q = jax.random.normal(ks[2], (B, 1, H, D), dt)
+  kn, vn = (jax.random.normal(k, (B, 1, K, D), dt) for k in ks[3:])
+  pos = jnp.full((B, 1), S, jnp.int32)
+  return codec, (q, kn, vn, pos, k_enc, v_enc, jnp.int32(S))
+
+
+def _step(impl, codec, S):
+  def run(q, kn, vn, pos, k_enc, v_enc, live):
+    mask = jnp.arange(S)[None, :] < live
+    seg = cache_lib.Segment(k_enc, v_enc, jnp.broadcast_to(mask, (q.shape[0], S)), codec,
+                            codec, live=live)
+    return attention.ATTENTIONS[impl](q, kn, vn, pos, [seg]).astype(jnp.float32)
+  return jax.jit(run)
+
+
+def _time(fn, args, repeats):
+  compiled = fn.lower(*args).compile()
+  out = jax.block_until_ready(compiled(*args))  # warm-up
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times), out
+
+
+def _bench(out_f, shape, codec_name, B, S, repeats, settings, base, want=None):
+  """Time one implementation on one cell; returns (row, output)."""
+  codec, args = _cell(shape, codec_name, B, S, jax.random.PRNGKey(B * 7 + S))
+  nbytes = cache_lib.tree_bytes(args[4]) + cache_lib.tree_bytes(args[5])
+  impl = "grouped" if settings is None else "pallas"
+  row = {**base, "impl": impl, "codec": codec_name, "batch": B, "context": S,
+         "read_bytes": nbytes}
+  got = None
+  try:
+    old = {k: getattr(pa, k) for k in (settings or {})}
+    for k, v in (settings or {}).items():
+      setattr(pa, k, v)
+    if settings is not None:
+      row["settings"] = {k: getattr(pa, k) for k in ("BLOCK", "SPLITS", "ROW_BLOCK", "ROW_MIN")}
+    try:
+      med, got = _time(_step(impl, codec, S), args, repeats)
+    finally:
+      for k, v in old.items():
+        setattr(pa, k, v)
+    row.update(median_s=med, bytes_per_s=nbytes / med)
+    if want is not None:
+      row["max_abs_diff_vs_grouped"] = float(jnp.max(jnp.abs(got - want)))
+  except Exception as e:  # noqa: BLE001  a failing cell is data; the next one runs
+    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+  out_f.write(json.dumps(row) + "\n")
+  out_f.flush()
+  rate = f"{row['bytes_per_s'] / 1e9:8.1f} GB/s" if "bytes_per_s" in row else row["error"]
+  print(f"  {impl:<8} {codec_name:<6} B={B:<2} S={S:<6} "
+        + (f"{row['median_s'] * 1e6:9.1f} us " if "median_s" in row else "") + rate, flush=True)
+  return row, got
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("out", metavar="OUT.jsonl")
+  ap.add_argument("--contexts")
+  ap.add_argument("--batches")
+  ap.add_argument("--codecs", default="bf16,int8,int4")
+  ap.add_argument("--repeats", type=int)
+  ap.add_argument("--budget", type=float, default=300.0, help="seconds; no new cell after")
+  args = ap.parse_args()
+  gpu = jax.default_backend() == "gpu"
+  shape = GPU if gpu else SMOKE
+  if not gpu:
+    print(f"bench_pallas: no GPU (backend {jax.default_backend()}): smoke run, tiny shapes in "
+          "Pallas interpret mode; it checks the script, its numbers say nothing about a GPU")
+  contexts = [int(c) for c in (args.contexts or shape["contexts"]).split(",")]
+  batches = [int(b) for b in (args.batches or shape["batches"]).split(",")]
+  repeats = args.repeats or shape["repeats"]
+  base = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+          "smoke": not gpu, "heads": shape["heads"], "kv_heads": shape["kv_heads"],
+          "head_dim": shape["head_dim"], "q_dtype": shape["dtype"], "jax": jax.__version__}
+  deadline = time.monotonic() + args.budget
+  Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+  with open(args.out, "a") as f:
+    cells = [(c, B, S) for S in contexts for B in batches for c in args.codecs.split(",")]
+    sweep = [(s, ("int8", B, max(contexts))) for B in batches for s in SWEEP] if gpu else \
+        [(SWEEP[2], ("int8", batches[0], max(contexts)))]  # smoke: the dot path once
+    wants = {}
+    for settings, cell in [(None, cell) for cell in cells] + sweep:
+      if time.monotonic() > deadline:
+        print(f"bench_pallas: budget of {args.budget:.0f} s spent; stopping")
+        break
+      if settings is None:  # the XLA baseline, then the kernel with its defaults
+        _, wants[cell] = _bench(f, shape, *cell, repeats, None, base)
+        settings = {}
+      _bench(f, shape, *cell, repeats, settings, base, wants.get(cell))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -40,6 +40,7 @@ ROW_BLOCK = 64    # query rows per program (prefill tiles its G*T rows)
 ROW_MIN = 1       # rows are padded to at least this many (16 makes decode use `dot`)
 DOT_MIN = 16      # every dim of a `dot` must reach this, else multiply-reduce
 NUM_WARPS = 4     # Triton only
+INTERPRET = None  # None: interpret mode unless the default backend is a GPU
 
 
 def _pow2(n: int) -> bool:
@@ -193,7 +194,7 @@ def segment_state(q_BKGTD, seg):
   kernel = functools.partial(_kernel, names=(list(ks), list(vs)), kc=seg.k_codec, vc=seg.v_codec,
                              S=S, C=C, per_split=per_split, paged=paged)
   row = lambda b, h, r, s: (b, h, s, r)  # noqa: E731
-  interpret = jax.default_backend() != "gpu"
+  interpret = jax.default_backend() != "gpu" if INTERPRET is None else INTERPRET
   extra = {}
   if not interpret:
     from jax.experimental.pallas import triton as plgpu  # GPU-only: imported when used

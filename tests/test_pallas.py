@@ -148,3 +148,27 @@ def test_shapes_the_kernel_cannot_take_are_one_line_errors(overrides, words):
     tiny_config(**{"model.attention": "pallas", **overrides})
   assert "\n" not in str(err.value)
   tiny_config(**overrides)  # the same shapes are fine for `grouped`
+
+
+@pytest.mark.parametrize("codec, layout, T", [("int4", "contiguous", 1), ("fp8_e4m3", "paged", 1),
+                                              ("bf16", "contiguous", 8)], ids=str)
+def test_kernel_lowers_to_triton_without_a_gpu(codec, layout, T, monkeypatch):
+  """What a GPU would compile: exported for CUDA (no GPU needed), every op and shape of the
+  kernel passes the Pallas Triton lowering, one Triton call per segment. T=8 (16 query
+  rows, 16-token blocks, head_dim 16) takes the `dot` path."""
+  monkeypatch.setattr(pa, "INTERPRET", False)
+  monkeypatch.setattr(pa, "BLOCK", 16)
+  cfg = tiny_config(**{"model.n_kv_heads": 2, "cache.codec": codec, "model.head_dim": 16,
+                       "cache.layout": layout, "cache.page_size": 16})
+
+  def step(q, kv, pos):
+    c = cache_lib.init_cache(cfg, B, 40)
+    segs = c.layout.segments(c.spec, c.layer_stores(), c.lengths + 20, layer=jnp.int32(1))
+    return pa.pallas(q, kv, kv, pos, segs)
+
+  shapes = [jax.ShapeDtypeStruct(s, d) for s, d in [((B, T, H, 16), jnp.bfloat16),
+                                                    ((B, T, 2, 16), jnp.bfloat16),
+                                                    ((B, T), jnp.int32)]]
+  unchecked = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  exp = jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=unchecked)(*shapes)
+  assert exp.mlir_module().count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1

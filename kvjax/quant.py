@@ -238,6 +238,12 @@ class ScaledCodec(codecs.Codec):
         l = l + jnp.einsum("bkgtd,bkjd->bkgtj", q_BKGTD.astype(f32), off)[..., None]
       return l.reshape(B, K, G, T, C)
     n = s.shape[-1]  # per-token scales [B, K, C, n]: fold into the logits per group
+    if n == 1:  # whole-head scales: the plain einsum (its layouts need no transposed copy)
+      l = jnp.einsum("bkgtd,bksd->bkgts", q_BKGTD, c_BKCD, preferred_element_type=f32)
+      l = l * s[:, :, None, None, :, 0]
+      if off is not None:
+        l = l + jnp.sum(q_BKGTD.astype(f32), -1)[..., None] * off[:, :, None, None, :, 0]
+      return l
     qn = q_BKGTD.reshape(B, K, G, T, n, D // n)
     l = jnp.einsum("bkgtnd,bksnd->bkgtsn", qn, c_BKCD.reshape(B, K, C, n, D // n),
                    preferred_element_type=f32)
@@ -261,6 +267,13 @@ class ScaledCodec(codecs.Codec):
         out = out + jnp.einsum("bkgtj,bkjd->bkgtd", jnp.sum(pj, -1), off)
       return out
     n = s.shape[-1]
+    if n == 1:  # whole-head scales: fold into p and use the plain einsum. The grouped form
+      # below made XLA:CPU write each widened V block transposed (measured: a second,
+      # strided copy per block, as costly as the widening itself).
+      out = jnp.einsum("bkgts,bksd->bkgtd", p * s[:, :, None, None, :, 0], c_BKCD)
+      if off is not None:
+        out = out + jnp.einsum("bkgts,bks->bkgt", p, off[..., 0])[..., None]
+      return out
     ps = p[..., None] * s[:, :, None, None]  # [B, K, G, T, C, n]
     out = jnp.einsum("bkgtsn,bksnd->bkgtnd", ps, c_BKCD.reshape(B, K, C, n, D // n))
     if off is not None:

@@ -10,8 +10,9 @@ stacked-by-layer store, `Segment.layer`) is read `BLOCK` tokens per step; paged 
 page per step, the page found through the block table inside the kernel.
 
 Grid: (batch, kv head, query-row tile, split of the token axis). Each split runs an online
-softmax over its blocks up to the live length (a loop with a data-dependent trip count, so
-nothing retraces as the cache fills) and writes a partial (m, l, acc); the splits, the
+softmax over its blocks up to its row's last valid slot (at most the live length: a loop
+with a data-dependent trip count, so nothing retraces as the cache fills and a short row
+of a ragged batch stops early) and writes a partial (m, l, acc); the splits, the
 other segments and the new tokens are merged in XLA by `attention.grouped` ("flash
 decoding"). Query rows are the G query heads x T new tokens of one kv head, padded to a
 power of two; below 16 rows (decode) the kernel multiply-reduces instead of `dot`.
@@ -45,10 +46,6 @@ INTERPRET = None  # None: interpret mode unless the default backend is a GPU
 
 def _pow2(n: int) -> bool:
   return n > 0 and n & (n - 1) == 0
-
-
-def _ceil_pow2(n: int) -> int:
-  return 1 << max(n - 1, 0).bit_length()
 
 
 def check_shapes(head_dim: int, page_size: int = 0) -> None:
@@ -116,7 +113,7 @@ def _kernel(meta_ref, q_ref, mask_ref, bt_ref, *refs, names, kc, vc, S, C, per_s
   k_refs = dict(zip(names[0], refs[:nk]))
   v_refs = dict(zip(names[1], refs[nk:nk + len(names[1])]))
   m_ref, l_ref, acc_ref = refs[nk + len(names[1]):]
-  layer, live = meta_ref[0], meta_ref[1]
+  layer, end = meta_ref[0], meta_ref[1]
   Rb, D = q_ref.shape
   f32 = jnp.float32
   k_chunks, v_chunks = _chunks(kc, D), _chunks(vc, D)
@@ -148,7 +145,7 @@ def _kernel(meta_ref, q_ref, mask_ref, bt_ref, *refs, names, kc, vc, S, C, per_s
 
   s = pl.program_id(3)
   lo = s * per_split
-  hi = jnp.minimum(lo + per_split, (live + C - 1) // C)
+  hi = jnp.minimum(lo + per_split, (end + C - 1) // C)
   init = (jnp.full((Rb,), attention.MASKED, f32), jnp.zeros((Rb,), f32),
           tuple(jnp.zeros((Rb, ch[1]), f32) for ch in v_chunks))
   m, l, accs = jax.lax.fori_loop(lo, hi, block, init)
@@ -176,12 +173,15 @@ def segment_state(q_BKGTD, seg):
   per_split = -(-n_blocks // SPLITS)
   X = -(-n_blocks // per_split)
   R = G * T
-  Rp = max(_ceil_pow2(R), ROW_MIN)
+  Rp = max(1 << (R - 1).bit_length(), ROW_MIN)  # rows padded to a power of two
   Rb = min(Rp, ROW_BLOCK)
   q = jnp.pad(q_BKGTD.reshape(B, K, R, D), ((0, 0), (0, 0), (0, Rp - R), (0, 0)))
   live = S if seg.live is None else seg.live
   layer = 0 if seg.layer is None else seg.layer
-  meta = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(live, jnp.int32)])
+  # Per row: the layer and where its reads end (past its last valid slot, at most `live`).
+  end_B = jnp.minimum(jnp.max(jnp.where(seg.mask_BS, jnp.arange(1, S + 1), 0), axis=1), live)
+  meta = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (B,)),
+                    end_B.astype(jnp.int32)], axis=1)
   ks, vs = _leaves(seg.k, seg.layer is not None), _leaves(seg.v, seg.layer is not None)
   bt = seg.pages.astype(jnp.int32) if paged else jnp.zeros((B, 1), jnp.int32)
 
@@ -202,7 +202,7 @@ def segment_state(q_BKGTD, seg):
   f32 = jnp.float32
   m, l, acc = pl.pallas_call(
       kernel, grid=(B, K, Rp // Rb, X),
-      in_specs=[pl.BlockSpec((2,), lambda b, h, r, s: (0,)),
+      in_specs=[pl.BlockSpec((None, 2), lambda b, h, r, s: (b, 0)),
                 pl.BlockSpec((None, None, Rb, D), lambda b, h, r, s: (b, h, r, 0)),
                 pl.BlockSpec((None, S), lambda b, h, r, s: (b, 0)),
                 pl.BlockSpec((None, bt.shape[1]), lambda b, h, r, s: (b, 0))]

@@ -41,7 +41,7 @@ def check(cfg: config_lib.Config) -> None:
 
 
 @functools.lru_cache(maxsize=4)
-def bandwidth(mib: int, repeats: int = 7) -> float:
+def bandwidth(mib: int, repeats: int = 15) -> float:
   """Bytes/s of a compiled sum over a `mib` MiB float32 array (read once per pass)."""
   n = mib * 2 ** 20 // 4
   x = jax.block_until_ready(jnp.ones((n,), jnp.float32))

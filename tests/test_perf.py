@@ -58,6 +58,27 @@ def test_blockwise_attention_equals_reference(H, K, codec, monkeypatch):
       assert np.all(np.isfinite(np.asarray(got)))  # padding queries read 0, never NaN
 
 
+@pytest.mark.parametrize("codec, planes", [("int4", 2), ("int2", 4), ("int4", 1)])
+def test_plane_wise_packed_reads_equal_reference(codec, planes, monkeypatch):
+  """Packed codes read one bit plane at a time (`PLANE_MIN` lowered so the tiny head_dim
+  qualifies; planes=1: the unpacked fallback) == every slot dequantized, across blocks."""
+  from kvjax import quant
+  monkeypatch.setattr(codecs, "READ_CHUNK", 8)
+  D, S, B, H, K = 8, 21, 3, 4, 2
+  monkeypatch.setattr(quant, "PLANE_MIN", 1 if planes > 1 else D)
+  rng = np.random.default_rng(planes)
+  lengths_B = jnp.asarray([5, 21, 13], jnp.int32)
+  k, v = (jnp.asarray(rng.standard_normal((B, K, S, D)), jnp.float32) for _ in range(2))
+  q = jnp.asarray(rng.standard_normal((B, 1, H, D)), jnp.float32) * 3
+  kn, vn = (jnp.asarray(rng.standard_normal((B, 1, K, D)), jnp.float32) for _ in range(2))
+  kc = codecs.for_role(codec)
+  assert len(kc._planes(kc.encode(k), jnp.float32)) == planes
+  got = jax.jit(lambda q, kn, vn, k, v, n: attention.grouped(
+      q, kn, vn, n[:, None], [segment(codec, k, v, n)]))(q, kn, vn, k, v, lengths_B)
+  want = attention.reference(q, kn, vn, lengths_B[:, None], [segment(codec, k, v, lengths_B)])
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
 def test_blockwise_attention_channel_keys_equal_reference(monkeypatch):
   """KIVI per-channel key scales (token blocks of 4) read in blocks of 8."""
   monkeypatch.setattr(codecs, "READ_CHUNK", 8)

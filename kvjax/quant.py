@@ -289,12 +289,14 @@ class ScaledCodec(codecs.Codec):
         out = out + jnp.einsum("bkgtj,bkjd->bkgtd", jnp.sum(pj, -1), off)
       return out
     n = s.shape[-1]
-    if n == 1:  # whole-head scales: fold into p and use the plain einsum. The grouped form
-      # below made XLA:CPU write each widened V block transposed (measured: a second,
-      # strided copy per block, as costly as the widening itself).
+    planes = self._planes(enc, jnp.float32) if n == 1 else None
+    if n == 1 and (len(planes) > 1 or not self.asym):
+      # Whole-head scales: fold into p and use the plain einsum (per bit plane when packed).
+      # The grouped form below made XLA:CPU write each widened int8 V block transposed (a
+      # second strided copy per block, as costly as the widening itself); for unpacked
+      # int4/int2 codes it measured faster than the plain form, so those stay below.
       ps = p * s[:, :, None, None, :, 0]
-      out = jnp.concatenate([jnp.einsum("bkgts,bksd->bkgtd", ps, c)
-                             for c in self._planes(enc, jnp.float32)], axis=-1)
+      out = jnp.concatenate([jnp.einsum("bkgts,bksd->bkgtd", ps, c) for c in planes], axis=-1)
       if off is not None:
         out = out + jnp.einsum("bkgts,bks->bkgt", p, off[..., 0])[..., None]
       return out

@@ -260,8 +260,7 @@ class ScaledCodec(codecs.Codec):
       # one per bit plane of packed codes (q's matching columns)
       planes = self._planes(enc, q_BKGTD.dtype)
       W = D // len(planes)
-      l = sum(jnp.einsum("bkgtd,bksd->bkgts", q_BKGTD[..., i * W:(i + 1) * W], c,
-                         preferred_element_type=f32) for i, c in enumerate(planes))
+      l = sum(codecs.dot_qk(q_BKGTD[..., i * W:(i + 1) * W], c) for i, c in enumerate(planes))
       l = l * s[:, :, None, None, :, 0]
       if off is not None:
         l = l + jnp.sum(q_BKGTD.astype(f32), -1)[..., None] * off[:, :, None, None, :, 0]
@@ -296,7 +295,7 @@ class ScaledCodec(codecs.Codec):
       # second strided copy per block, as costly as the widening itself); for unpacked
       # int4/int2 codes it measured faster than the plain form, so those stay below.
       ps = p * s[:, :, None, None, :, 0]
-      out = jnp.concatenate([jnp.einsum("bkgts,bksd->bkgtd", ps, c) for c in planes], axis=-1)
+      out = jnp.concatenate([codecs.dot_pv(ps, c) for c in planes], axis=-1)
       if off is not None:
         out = out + jnp.einsum("bkgts,bks->bkgt", p, off[..., 0])[..., None]
       return out

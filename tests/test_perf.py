@@ -79,6 +79,25 @@ def test_plane_wise_packed_reads_equal_reference(codec, planes, monkeypatch):
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("per_head", [True, False])
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+def test_grouped_query_heads_split_or_not_equal_reference(codec, per_head, monkeypatch):
+  """G = 4 query heads per KV head read as G matvecs (the CPU form) or as one GEMM (the
+  accelerator form): both equal the reference."""
+  monkeypatch.setattr(codecs, "READ_CHUNK", 8)
+  monkeypatch.setattr(codecs, "_per_head", lambda: per_head)
+  rng = np.random.default_rng(7)
+  B, K, S, D, H = 2, 1, 21, 8, 4
+  lengths_B = jnp.asarray([9, 21], jnp.int32)
+  k, v = (jnp.asarray(rng.standard_normal((B, K, S, D)), jnp.float32) for _ in range(2))
+  q = jnp.asarray(rng.standard_normal((B, 1, H, D)), jnp.float32) * 3
+  kn, vn = (jnp.asarray(rng.standard_normal((B, 1, K, D)), jnp.float32) for _ in range(2))
+  got = jax.jit(lambda q, kn, vn, k, v, n: attention.grouped(
+      q, kn, vn, n[:, None], [segment(codec, k, v, n)]))(q, kn, vn, k, v, lengths_B)
+  want = attention.reference(q, kn, vn, lengths_B[:, None], [segment(codec, k, v, lengths_B)])
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
 def test_blockwise_attention_channel_keys_equal_reference(monkeypatch):
   """KIVI per-channel key scales (token blocks of 4) read in blocks of 8."""
   monkeypatch.setattr(codecs, "READ_CHUNK", 8)

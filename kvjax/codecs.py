@@ -129,17 +129,20 @@ class Codec:
     return dot_pv(p_BKGTS, self.decode(v_enc, p_BKGTS.dtype))
 
 
-def _per_head() -> bool:
-  """Split the G query heads sharing a KV head into G batched matvecs (CPU only). XLA:CPU ran
-  the [G*T, D] x [D, S] form 1.3-1.8x slower for G = 2-4 (it transposes the block for the
-  GEMM or takes a slow path); on accelerators one GEMM reads each block once."""
-  return jax.default_backend() == "cpu"
+def _per_head(G: int, D: int) -> bool:
+  """Split the G query heads sharing a KV head into G batched matvecs? CPU only: XLA:CPU ran
+  the [G*T, D] x [D, S] GEMM 1.3-1.8x slower than G matvecs for G = 2-4 at head_dim 32-128
+  (it transposes the block for the GEMM or takes a slow path). Each matvec is one more
+  operation per block, though, and that overhead won for G = 8 (7-80% slower split) and
+  for G = 4 at head_dim 16 (5-14%); G = 2 at head_dim 16 still gained 15-20% (decode,
+  batch 4, 4k, bench_codecs). Accelerators keep one GEMM, which reads each block once."""
+  return jax.default_backend() == "cpu" and 1 < G <= min(4, D // 8)
 
 
 def dot_qk(q_BKGTD: jax.Array, k_BKSD: jax.Array) -> jax.Array:
   """Logits of the queries against a (widened) block of keys: [B, K, G, T, S] float32."""
   f32 = jnp.float32
-  if q_BKGTD.shape[2] == 1 or not _per_head():
+  if not _per_head(q_BKGTD.shape[2], q_BKGTD.shape[-1]):
     return jnp.einsum("bkgtd,bksd->bkgts", q_BKGTD, k_BKSD, preferred_element_type=f32)
   return jnp.stack([jnp.einsum("bktd,bksd->bkts", q_BKGTD[:, :, g], k_BKSD,
                                preferred_element_type=f32)
@@ -149,7 +152,7 @@ def dot_qk(q_BKGTD: jax.Array, k_BKSD: jax.Array) -> jax.Array:
 def dot_pv(p_BKGTS: jax.Array, v_BKSD: jax.Array) -> jax.Array:
   """Probability-weighted sum of a (widened) block of values: [B, K, G, T, D] float32."""
   f32 = jnp.float32
-  if p_BKGTS.shape[2] == 1 or not _per_head():
+  if not _per_head(p_BKGTS.shape[2], v_BKSD.shape[-1]):
     return jnp.einsum("bkgts,bksd->bkgtd", p_BKGTS, v_BKSD, preferred_element_type=f32)
   return jnp.stack([jnp.einsum("bkts,bksd->bktd", p_BKGTS[:, :, g], v_BKSD,
                                preferred_element_type=f32)

@@ -85,7 +85,7 @@ def test_grouped_query_heads_split_or_not_equal_reference(codec, per_head, monke
   """G = 4 query heads per KV head read as G matvecs (the CPU form) or as one GEMM (the
   accelerator form): both equal the reference."""
   monkeypatch.setattr(codecs, "READ_CHUNK", 8)
-  monkeypatch.setattr(codecs, "_per_head", lambda: per_head)
+  monkeypatch.setattr(codecs, "_per_head", lambda G, D: per_head)
   rng = np.random.default_rng(7)
   B, K, S, D, H = 2, 1, 21, 8, 4
   lengths_B = jnp.asarray([9, 21], jnp.int32)

@@ -139,24 +139,26 @@ def _per_head(G: int, D: int) -> bool:
   return jax.default_backend() == "cpu" and 1 < G <= min(4, D // 8)
 
 
+def _grouped_einsum(spec: str, a_BKG: jax.Array, b_BKSD: jax.Array) -> jax.Array:
+  """`jnp.einsum(spec)` in float32 of per-query-head operands [B, K, G, ...] against a
+  (widened) block [B, K, S, D]: one einsum, or G of them where `_per_head` says so."""
+  f32 = jnp.float32
+  G = a_BKG.shape[2]
+  if not _per_head(G, b_BKSD.shape[-1]):
+    return jnp.einsum(spec, a_BKG, b_BKSD, preferred_element_type=f32)
+  head = spec.replace("g", "")
+  return jnp.stack([jnp.einsum(head, a_BKG[:, :, g], b_BKSD, preferred_element_type=f32)
+                    for g in range(G)], axis=2)
+
+
 def dot_qk(q_BKGTD: jax.Array, k_BKSD: jax.Array) -> jax.Array:
   """Logits of the queries against a (widened) block of keys: [B, K, G, T, S] float32."""
-  f32 = jnp.float32
-  if not _per_head(q_BKGTD.shape[2], q_BKGTD.shape[-1]):
-    return jnp.einsum("bkgtd,bksd->bkgts", q_BKGTD, k_BKSD, preferred_element_type=f32)
-  return jnp.stack([jnp.einsum("bktd,bksd->bkts", q_BKGTD[:, :, g], k_BKSD,
-                               preferred_element_type=f32)
-                    for g in range(q_BKGTD.shape[2])], axis=2)
+  return _grouped_einsum("bkgtd,bksd->bkgts", q_BKGTD, k_BKSD)
 
 
 def dot_pv(p_BKGTS: jax.Array, v_BKSD: jax.Array) -> jax.Array:
   """Probability-weighted sum of a (widened) block of values: [B, K, G, T, D] float32."""
-  f32 = jnp.float32
-  if not _per_head(p_BKGTS.shape[2], v_BKSD.shape[-1]):
-    return jnp.einsum("bkgts,bksd->bkgtd", p_BKGTS, v_BKSD, preferred_element_type=f32)
-  return jnp.stack([jnp.einsum("bkts,bksd->bktd", p_BKGTS[:, :, g], v_BKSD,
-                               preferred_element_type=f32)
-                    for g in range(p_BKGTS.shape[2])], axis=2)
+  return _grouped_einsum("bkgts,bksd->bkgtd", p_BKGTS, v_BKSD)
 
 
 register(Codec("fp32", jnp.float32))

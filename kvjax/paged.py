@@ -9,9 +9,9 @@ pytree: the engine rewrites it between steps and nothing retraces. A layer's att
 reads its sequences block by block: each block gathers only its pages, through the block
 table, from the stacked pool (`Segment.pages`), and reads stop at the live length, so a
 step reads the pages in use, never the whole pool or a layer-sized copy. Invalid slots
-are masked exactly as in the contiguous layout. New tokens are scattered to (page, slot); positions whose
-page is unallocated (table entry = P, the sentinel) are dropped, never written into
-another sequence's page.
+are masked exactly as in the contiguous layout. New tokens are scattered to (page, slot);
+positions whose page is unallocated (table entry = P, the sentinel) are dropped, never
+written into another sequence's page.
 
 Host side: `PageAllocator` keeps the free list, reference counts and the prefix cache
 (full pages keyed by a chained digest of all tokens up to the page's end, vLLM style),

@@ -235,11 +235,15 @@ class ScaledCodec(codecs.Codec):
     plane i holds elements [i D/p, (i+1) D/p), see `pack`), straight from the packed bytes:
     reads that consume planes separately never build the unpacked (concatenated) codes.
     Planes narrower than PLANE_MIN elements come back unpacked as one array instead."""
-    per = 8 // self.bits
-    if not self.asym or enc["codes"].shape[-1] < PLANE_MIN:
+    if not self._plane_wise(enc):
       return [self.codes(enc, dtype)]
     w = enc["codes"].astype(jnp.int32)
-    return [((w >> (i * self.bits)) & (2 ** self.bits - 1)).astype(dtype) for i in range(per)]
+    return [((w >> (i * self.bits)) & (2 ** self.bits - 1)).astype(dtype)
+            for i in range(8 // self.bits)]
+
+  def _plane_wise(self, enc) -> bool:
+    """Packed codes whose bit planes (`codes` bytes per vector) are at least PLANE_MIN wide."""
+    return self.asym and enc["codes"].shape[-1] >= PLANE_MIN
 
   def _qk_block(self, q_BKGTD, enc):
     """Logits over a block of C stored tokens, scales folded in: [B, K, G, T, C]."""
@@ -291,14 +295,14 @@ class ScaledCodec(codecs.Codec):
         out = out + jnp.einsum("bkgtj,bkjd->bkgtd", jnp.sum(pj, -1), off)
       return out
     n = s.shape[-1]
-    planes = self._planes(enc, jnp.float32) if n == 1 else None
-    if n == 1 and (len(planes) > 1 or not self.asym):
+    if n == 1 and (self._plane_wise(enc) or not self.asym):
       # Whole-head scales: fold into p and use the plain einsum (per bit plane when packed).
       # The grouped form below made XLA:CPU write each widened int8 V block transposed (a
       # second strided copy per block, as costly as the widening itself); for unpacked
       # int4/int2 codes it measured faster than the plain form, so those stay below.
       ps = p * s[:, :, None, None, :, 0]
-      out = jnp.concatenate([codecs.dot_pv(ps, c) for c in planes], axis=-1)
+      out = jnp.concatenate([codecs.dot_pv(ps, c) for c in self._planes(enc, jnp.float32)],
+                            axis=-1)
       if off is not None:
         out = out + jnp.einsum("bkgts,bks->bkgt", p, off[..., 0])[..., None]
       return out

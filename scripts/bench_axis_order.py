@@ -3,8 +3,9 @@ vs tokens before heads ([B, S, K, D], the order new K/V come out of the projecti
 
     python scripts/bench_axis_order.py [--repeats 11] [--json OUT.jsonl]
 
-One layer's blockwise decode read, exactly as `attention.grouped` does it (blocks of
-`codecs.READ_CHUNK` tokens up to the live length, online softmax, codes widened per block),
+One layer's blockwise decode read, written out here because `attention.grouped` only
+reads [B, K, S, D] (the same scheme: blocks of `codecs.READ_CHUNK` tokens up to the live
+length, online softmax, codes widened per block),
 over fp32, bf16 and int8 storage, for a few (B, K, S, D) shapes. Both orders are compiled
 first and timed interleaved in one process; reported: medians and the ratio [B,S,K,D] /
 [B,K,S,D]. The write side is not timed: a decode step writes one token per sequence.

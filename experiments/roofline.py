@@ -2,12 +2,12 @@
 
 Decode is memory-bound: a step cannot be faster than the bytes it must read (every
 weight matrix once, plus each sequence's live K/V with its codec's scales) divided by
-the memory bandwidth. This experiment measures that bandwidth in the same process (a
-large streaming reduction, `params.bandwidth_mib` MiB, median of several passes), then
-times `workload.gen_len - 1` compiled decode steps from a cache already holding
-`workload.prompt_len` tokens per sequence and reports
+the memory bandwidth. This experiment times `workload.gen_len - 1` compiled decode steps
+from a cache already holding `workload.prompt_len` tokens per sequence, `workload.repeats`
+times, and right before each repeat measures the bandwidth (a large streaming reduction,
+`params.bandwidth_mib` MiB, median of 3 passes). It reports
 
-  roofline_fraction = (step_bytes / bandwidth) / tpot_s
+  roofline_fraction = median over repeats of (step_bytes / bandwidth_i) / tpot_i
 
 with `tpot_s`, the byte counts and the achieved bandwidth. The cache is filled by setting
 its lengths (contents are zeros: decode speed does not depend on values), so no prefill
@@ -18,7 +18,7 @@ counted (a step gathers B rows of it) unless it is tied to the lm_head.
 from __future__ import annotations
 
 import dataclasses
-import functools
+import statistics
 import time
 
 import jax
@@ -40,14 +40,20 @@ def check(cfg: config_lib.Config) -> None:
   ex.check_context(cfg, capacity(cfg))
 
 
-@functools.lru_cache(maxsize=4)
-def bandwidth(mib: int, repeats: int = 15) -> float:
+class Bandwidth:
   """Bytes/s of a compiled sum over a `mib` MiB float32 array (read once per pass)."""
-  n = mib * 2 ** 20 // 4
-  x = jax.block_until_ready(jnp.ones((n,), jnp.float32))
-  f = jax.jit(jnp.sum).lower(x).compile()
-  t = metrics.time_call(lambda: f(x), repeats=repeats, warmup=2)["median"]
-  return n * 4 / t
+
+  def __init__(self, mib: int):
+    n = mib * 2 ** 20 // 4
+    self.nbytes = n * 4
+    self._x = jax.block_until_ready(jnp.ones((n,), jnp.float32))
+    self._sum = jax.jit(jnp.sum).lower(self._x).compile()
+    jax.block_until_ready(self._sum(self._x))  # warm-up
+
+  def measure(self, passes: int = 3) -> float:
+    """Median over `passes` timed passes."""
+    return self.nbytes / metrics.time_call(lambda: self._sum(self._x), repeats=passes,
+                                           warmup=0)["median"]
 
 
 def step_bytes(cfg: config_lib.Config, params, batch: int, live: float) -> dict:
@@ -87,15 +93,25 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
   w = cfg.workload
   params = ex.random_params(cfg.model, cfg.seed)
   steps = max(w.gen_len - 1, 1)
-  bw = bandwidth(int(cfg.param("bandwidth_mib", 512)))
   timer = FilledDecode(cfg, params, w.batch, w.prompt_len, steps, capacity(cfg))
-  t = metrics.summarize([timer.once() for _ in range(w.repeats + 1)][1:])  # first: warm-up
+  meter = Bandwidth(int(cfg.param("bandwidth_mib", 512)))
+  timer.once()  # warm-up
+  # Each repeat measures the bandwidth right before its decode and pairs the two: a slow
+  # phase of a shared machine (seconds long) slows both, and their ratio stands.
+  bws, ts = [], []
+  for _ in range(w.repeats):
+    bws.append(meter.measure())
+    ts.append(timer.once())
+  del meter
+  t = metrics.summarize(ts)
   live = w.prompt_len + (steps + 1) / 2  # tokens held, averaged over the timed steps
   m = step_bytes(cfg, params, w.batch, live)
-  ideal = m["step_bytes"] / bw
+  bw = statistics.median(bws)
+  fractions = metrics.summarize([m["step_bytes"] / b / s for b, s in zip(bws, ts)])
   m.update({"tpot_s": t["median"], "tpot_s_iqr": t["iqr"], "tpot_s_min": t["min"],
-            "repeats": t["n"], "bandwidth_Bps": bw, "ideal_s": ideal,
-            "roofline_fraction": ideal / t["median"],
+            "repeats": t["n"], "bandwidth_Bps": bw, "ideal_s": m["step_bytes"] / bw,
+            "roofline_fraction": fractions["median"],
+            "roofline_fraction_iqr": fractions["iqr"],
             "achieved_Bps": m["step_bytes"] / t["median"],
             "tokens_per_s": w.batch / t["median"], "bytes_per_token": ex.bytes_per_token(cfg),
             "kv_fraction": m["kv_bytes"] / m["step_bytes"]})

@@ -207,9 +207,28 @@ def test_roofline_experiment_rows_and_plot(tmp_path):
   m = row["metrics"]
   assert m["step_bytes"] == m["weight_bytes"] + m["kv_bytes"] > m["kv_bytes"] > 0
   assert m["kv_bytes"] == pytest.approx(1 * 41.5 * 2 * 2 * 2 * (8 + 2))  # B live L (K+V) heads
-  assert m["roofline_fraction"] == pytest.approx(m["ideal_s"] / m["tpot_s"])
+  assert m["roofline_fraction"] == pytest.approx(m["ideal_s"] / m["tpot_s"])  # one repeat
   sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
   from plots import roofline as plot_roofline
   row["env"] = {"backend": "cpu", "device_kind": "cpu"}
   paths = plot_roofline.plot([row], tmp_path)
   assert {p.suffix for p in paths} == {".png", ".svg"} and all(p.stat().st_size for p in paths)
+
+
+def test_roofline_pairs_bandwidth_with_each_repeat(monkeypatch):
+  """The fraction is the median of per-repeat ratios, each repeat's step time against the
+  bandwidth measured just before it: a slow phase that slows both keeps its ratio (repeat
+  1 here), where the median bandwidth over the median time mixes repeats and doubles it."""
+  from experiments import roofline
+  bws, tps = iter([4e9, 1e9, 1e9]), iter([0.0, 1.0, 4.0, 2.0])  # decode: warm-up first
+  monkeypatch.setattr(roofline.Bandwidth, "__init__", lambda self, mib: None)
+  monkeypatch.setattr(roofline.Bandwidth, "measure", lambda self, passes=3: next(bws))
+  monkeypatch.setattr(roofline.FilledDecode, "__init__", lambda self, *a: None)
+  monkeypatch.setattr(roofline.FilledDecode, "once", lambda self: next(tps))
+  cfg = config.load(None, {"model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2,
+                           "model.n_layers": 1, "workload.prompt_len": 8,
+                           "workload.gen_len": 2, "workload.repeats": 3})
+  m = roofline.run_cell(cfg)[0]["metrics"]
+  assert m["bandwidth_Bps"] == 1e9 and m["tpot_s"] == 2.0 and m["repeats"] == 3
+  assert m["roofline_fraction"] == pytest.approx(m["step_bytes"] / 4e9)
+  assert m["ideal_s"] / m["tpot_s"] == pytest.approx(m["step_bytes"] / 2e9)

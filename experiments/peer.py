@@ -7,6 +7,9 @@ part of what is measured). Peers, timed interleaved in one process (round-robin 
 medians; `kvjax.metrics.bench_interleaved`):
 
   kvjax       compiled prefill + `lax.scan` decode, contiguous cache (`cache.codec`);
+  kvjax_unrolled  the same with `model.scan_unroll = n_layers`: decode runs a Python
+              layer loop over weights sliced once per call (faster while the weights fit
+              in the last-level cache; docs/architecture.md, Performance);
   dynamic     `model.generate` with transformers' DynamicCache (its default);
   static      `generate` with a preallocated StaticCache (reset outside the timed region);
   quanto      `generate` with QuantizedCache(backend="quanto", int4, residual 128), when
@@ -37,7 +40,7 @@ from kvjax import config as config_lib
 from kvjax import metrics
 from kvjax.errors import KvjaxError
 
-PEERS = ("kvjax", "dynamic", "static", "quanto")
+PEERS = ("kvjax", "kvjax_unrolled", "dynamic", "static", "quanto")
 
 
 def _peers(cfg: config_lib.Config) -> list[str]:
@@ -220,16 +223,21 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
   with tempfile.TemporaryDirectory() as folder, same_threads(int(cfg.param("threads", 0))) as n:
     hf_model = build_checkpoint(cfg, folder)
     kcfg, params = _kvjax_config(cfg, folder)
-    timers = {}
+    timers, cfgs = {}, {}
     for peer in peers:
-      if peer == "kvjax":
-        timers[peer] = KvjaxTimer(kcfg, params, tokens, lengths, steps=w.gen_len - 1,
-                                           capacity=w.prompt_len + w.gen_len)
+      if peer.startswith("kvjax"):
+        pcfg = kcfg if peer == "kvjax" else config_lib.replace(
+            kcfg, **{"model.scan_unroll": kcfg.model.n_layers})
+        cfgs[peer] = pcfg
+        timers[peer] = KvjaxTimer(pcfg, params, tokens, lengths, steps=w.gen_len - 1,
+                                  capacity=w.prompt_len + w.gen_len)
       else:
         timers[peer] = HFTimer(hf_model, tokens, w.gen_len, peer)
     results = metrics.bench_interleaved(timers, repeats=w.repeats)
     ours = (timers["kvjax"] if "kvjax" in timers else
             KvjaxTimer(kcfg, params, tokens, lengths, steps=w.gen_len - 1)).greedy_tokens()
+    theirs = {p: (t.greedy_tokens() if p.startswith("kvjax") else t.tokens)
+              for p, t in timers.items() if p != "kvjax"}
     torch_threads = hf_model_threads()
 
   base = results.get("kvjax", {}).get("tpot_s")
@@ -241,10 +249,11 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
       m["tpot_vs_kvjax"] = m["tpot_s"] / base
       m["ttft_vs_kvjax"] = m["ttft_s"] / results["kvjax"]["ttft_s"]
     if peer != "kvjax":
-      m["agreement"] = float(np.mean(timers[peer].tokens == ours))
-      m["first_mismatch"] = _first_mismatch(timers[peer].tokens, ours)
+      m["agreement"] = float(np.mean(theirs[peer] == ours))
+      m["first_mismatch"] = _first_mismatch(theirs[peer], ours)
     rows.append({
-        "variant": ex.variant(kcfg, impl="kvjax" if peer == "kvjax" else "transformers",
+        "variant": ex.variant(cfgs.get(peer, kcfg),
+                              impl="kvjax" if peer.startswith("kvjax") else "transformers",
                               peer=peer, cache_kind=_cache_kind(peer, kcfg)),
         "workload": {"batch": w.batch, "prompt_len": w.prompt_len, "gen_len": w.gen_len,
                      "context": w.prompt_len + w.gen_len, "threads": n,
@@ -270,7 +279,8 @@ def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int:
 
 
 def _cache_kind(peer: str, cfg: config_lib.Config) -> str:
-  return {"kvjax": f"contiguous-{cfg.cache.k_codec}", "dynamic": "DynamicCache-fp32",
+  return {"kvjax": f"contiguous-{cfg.cache.k_codec}",
+          "kvjax_unrolled": f"contiguous-{cfg.cache.k_codec}", "dynamic": "DynamicCache-fp32",
           "static": "StaticCache-fp32", "quanto": "QuantizedCache-quanto-int4"}[peer]
 
 

@@ -24,6 +24,7 @@ from kvjax import cache as cache_lib
 from kvjax import sharding
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
+from kvjax import model as model_lib
 from kvjax.model import Transformer
 
 TRACES = {"prefill": 0, "decode": 0}  # incremented at trace time; tests count compilations
@@ -86,6 +87,9 @@ def decode(params, cache, token_B, key, *, cfg: Config, sampler: Sampler, steps:
   """`steps` decode steps in one `lax.scan`; returns the sampled tokens [B, steps]."""
   TRACES["decode"] += 1
   model = Transformer(cfg.model)
+  if cfg.model.scan_unroll >= cfg.model.n_layers:  # unrolled: weights sliced once per call
+    model = Transformer(cfg.model, unstacked=True)
+    params = model_lib.split_layers(params)
   layout = cache_lib.LAYOUTS[cache.spec.layout]
   eos = cfg.workload.eos_id
 

@@ -6,8 +6,10 @@
 right-padding (a ragged batch); padding is never attended to and never stored. With
 `cache=None` the call is the full forward pass over `tokens` alone (the reference).
 With a cache, the layers read what the cache layout stores and the new K/V are written
-after the layer scan. Layers are one `nn.scan` (compile time independent of depth);
-`model.scan_unroll` trades compile time for step time (see docs/architecture.md).
+after the layer scan. Layers are one `nn.scan` (compile time independent of depth).
+`Transformer(unstacked=True)` runs them as a Python loop over per-layer weight trees
+(`split_layers`): decode does that when `model.scan_unroll >= n_layers`, trading compile
+time for no per-step weight slicing (measurements in docs/architecture.md).
 
 Parameter names follow Hugging Face Llama (q_proj, ..., input_layernorm) so checkpoint
 import is a rename and a transpose.
@@ -124,6 +126,7 @@ class Transformer(nn.Module):
 
   cfg: ModelConfig
   logits_last: bool = False
+  unstacked: bool = False  # layer weights as `split_layers` gives them (decode, unrolled)
 
   @nn.compact
   def __call__(self, tokens_BT, positions_BT, cache=None, logits_at=None):
@@ -143,10 +146,19 @@ class Transformer(nn.Module):
     if cache is not None and getattr(LAYOUTS[spec.layout].segments, "stacked", False):
       stores, stacked = None, stores
 
-    layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
-                     in_axes=(0, nn.broadcast), length=cfg.n_layers, unroll=cfg.scan_unroll)
-    x_BTE, (k_LBTKD, v_LBTKD) = layers(cfg, spec, name="layers")(
-        x_BTE, (jnp.arange(cfg.n_layers), stores), (positions_BT, cos, sin, lengths, stacked))
+    ctx = (positions_BT, cos, sin, lengths, stacked)
+    if self.unstacked:  # params from `split_layers`: a Python loop, one weight tree per layer
+      kv = []
+      for i in range(cfg.n_layers):
+        store = None if stores is None else jax.tree.map(lambda a: a[i], stores)  # noqa: B023
+        x_BTE, kv_i = Block(cfg, spec, name=f"layers_{i}")(x_BTE, (i, store), ctx)
+        kv.append(kv_i)
+      k_LBTKD, v_LBTKD = (jnp.stack(a) for a in zip(*kv))
+    else:
+      layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                       in_axes=(0, nn.broadcast), length=cfg.n_layers, unroll=cfg.scan_unroll)
+      x_BTE, (k_LBTKD, v_LBTKD) = layers(cfg, spec, name="layers")(
+          x_BTE, (jnp.arange(cfg.n_layers), stores), ctx)
 
     if logits_at is None and self.logits_last:  # right padding: the last valid index
       logits_at = jnp.maximum(jnp.sum(positions_BT >= 0, axis=1) - 1, 0)[:, None]
@@ -158,7 +170,14 @@ class Transformer(nn.Module):
     else:
       logits_BTV = _dense(cfg, cfg.vocab_size, "lm_head")(x_BTE)
     if cache is not None:
-      cache = cache.layout.write(cache, k_LBTKD, v_LBTKD, positions_BT)
+      write_BT = positions_BT
+      if self.unstacked:
+        # Unrolled, nothing orders the write after the last layer's read of the old cache,
+        # so XLA may schedule it first and copy the whole cache to keep the old values.
+        # No float exceeds +inf, so `tie` is 0, but XLA cannot fold it: the write waits.
+        tie_B1 = (jnp.max(x_BTE, axis=(1, 2)) > jnp.inf).astype(jnp.int32)[:, None]
+        write_BT = positions_BT + tie_B1
+      cache = cache.layout.write(cache, k_LBTKD, v_LBTKD, write_BT)
     return logits_BTV.astype(jnp.float32), cache
 
 
@@ -167,6 +186,16 @@ def init_params(cfg: ModelConfig, seed: int = 0):
   tokens = jnp.zeros((1, 2), jnp.int32)
   positions = jnp.arange(2, dtype=jnp.int32)[None]
   return jax.jit(Transformer(cfg).init)(jax.random.PRNGKey(seed), tokens, positions)["params"]
+
+
+def split_layers(params):
+  """The scanned layers' stacked weights as one tree per layer (`layers_0`, `layers_1`,
+  ...), the params `Transformer(unstacked=True)` reads. Decode does this once per call,
+  outside its token loop: a scanned layer slices (copies) its weights every step."""
+  stacked = params["layers"]
+  n = jax.tree.leaves(stacked)[0].shape[0]
+  return {**{k: v for k, v in params.items() if k != "layers"},
+          **{f"layers_{i}": jax.tree.map(lambda a: a[i], stacked) for i in range(n)}}  # noqa: B023
 
 
 def param_bytes(params) -> int:

@@ -310,18 +310,19 @@ def test_peer_experiment_rows_and_plot(tmp_path):
   from experiments import peer
   from kvjax import config as config_lib
 
-  cfg = config_lib.load(None, {"model.vocab_size": V, "model.d_model": E, "model.n_layers": 1,
+  cfg = config_lib.load(None, {"model.vocab_size": V, "model.d_model": E, "model.n_layers": 2,
                                "model.n_heads": 4, "model.n_kv_heads": 2, "model.max_seq_len": 64,
                                "cache.codec": "fp32", "workload.batch": 2, "workload.prompt_len": 4,
                                "workload.gen_len": 3, "workload.repeats": 1,
-                               "params": {"peers": ["kvjax", "dynamic", "static"], "threads": 1}})
+                               "params": {"peers": ["kvjax", "kvjax_unrolled", "dynamic",
+                                                    "static"], "threads": 1}})
   peer.check(cfg)
   rows = peer.run_cell(cfg)
-  assert [r["variant"]["peer"] for r in rows] == ["kvjax", "dynamic", "static"]
+  assert [r["variant"]["peer"] for r in rows] == ["kvjax", "kvjax_unrolled", "dynamic", "static"]
   for r in rows:
     assert r["metrics"]["tpot_s"] > 0 and r["metrics"]["ttft_s"] > 0
     assert r["workload"]["threads"] == 1 == r["workload"]["torch_threads"]
-  assert [r["metrics"].get("agreement") for r in rows[1:]] == [1.0, 1.0]
+  assert [r["metrics"].get("agreement") for r in rows[1:]] == [1.0, 1.0, 1.0]
   sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
   from plots import peer as peer_plot
   for r in rows:

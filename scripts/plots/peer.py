@@ -16,9 +16,12 @@ import numpy as np
 
 from plots import save, subtitle
 
-PEER_ORDER = ("kvjax", "dynamic", "static", "quanto")
-PEER_COLORS = {"kvjax": "#1f77b4", "dynamic": "#ff7f0e", "static": "#2ca02c", "quanto": "#9467bd"}
-PEER_LABELS = {"kvjax": "kvjax (lax.scan, contiguous)", "dynamic": "transformers DynamicCache",
+PEER_ORDER = ("kvjax", "kvjax_unrolled", "dynamic", "static", "quanto")
+PEER_COLORS = {"kvjax": "#1f77b4", "kvjax_unrolled": "#17becf", "dynamic": "#ff7f0e",
+               "static": "#2ca02c", "quanto": "#9467bd"}
+PEER_LABELS = {"kvjax": "kvjax (lax.scan, contiguous)",
+               "kvjax_unrolled": "kvjax (layers unrolled, scan_unroll = n_layers)",
+               "dynamic": "transformers DynamicCache",
                "static": "transformers StaticCache", "quanto": "transformers QuantizedCache (quanto int4)"}
 
 

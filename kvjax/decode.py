@@ -66,6 +66,14 @@ class LoopState:
   key: jax.Array
 
 
+def _model(cfg: Config, params, **kw) -> tuple[Transformer, Any]:
+  """The network and its params: with `model.scan_unroll >= n_layers` an unrolled layer
+  loop over weights split per layer here, once per call (not once per layer per step)."""
+  if cfg.model.scan_unroll >= cfg.model.n_layers:
+    return Transformer(cfg.model, unstacked=True, **kw), model_lib.split_layers(params)
+  return Transformer(cfg.model, **kw), params
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "sampler"), donate_argnames=("cache",))
 def prefill(params, tokens_BT, lengths_B, cache, key, *, cfg: Config, sampler: Sampler):
   """Run the (right-padded, ragged) prompts; return the first sampled token and the cache."""
@@ -73,7 +81,7 @@ def prefill(params, tokens_BT, lengths_B, cache, key, *, cfg: Config, sampler: S
   T = tokens_BT.shape[1]
   t = jnp.arange(T, dtype=jnp.int32)[None, :]
   positions_BT = jnp.where(t < lengths_B[:, None], cache.lengths[:, None] + t, -1)
-  model = Transformer(cfg.model, logits_last=True)  # lm_head on each row's last token only
+  model, params = _model(cfg, params, logits_last=True)  # lm_head on each row's last token
   layout = cache_lib.LAYOUTS[cache.spec.layout]
   logits_B1V, cache = layout.forward(model, params, tokens_BT, positions_BT, cache)
   cache = sharding.constrain_cache(cache, cfg)  # keep the mesh layout (no-op on one device)
@@ -86,10 +94,7 @@ def prefill(params, tokens_BT, lengths_B, cache, key, *, cfg: Config, sampler: S
 def decode(params, cache, token_B, key, *, cfg: Config, sampler: Sampler, steps: int):
   """`steps` decode steps in one `lax.scan`; returns the sampled tokens [B, steps]."""
   TRACES["decode"] += 1
-  model = Transformer(cfg.model)
-  if cfg.model.scan_unroll >= cfg.model.n_layers:  # unrolled: weights sliced once per call
-    model = Transformer(cfg.model, unstacked=True)
-    params = model_lib.split_layers(params)
+  model, params = _model(cfg, params)
   layout = cache_lib.LAYOUTS[cache.spec.layout]
   eos = cfg.workload.eos_id
 

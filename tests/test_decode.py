@@ -76,11 +76,14 @@ def test_unrolled_decode_equals_scanned(case):
 
 
 def _cache_copies(cfg, B=2, S=24):
-  """Instructions of the compiled decode program that copy a whole cache leaf."""
+  """Instructions of the compiled prefill and decode programs that copy a whole cache leaf."""
   params = tiny_params(cfg)
-  cache = cache_lib.init_cache(cfg, B, S)
-  hlo = decode.decode.lower(params, cache, jnp.zeros((B,), jnp.int32), jax.random.PRNGKey(0),
-                            cfg=cfg, sampler=decode.Sampler(), steps=3).compile().as_text()
+  cache, key, sampler = cache_lib.init_cache(cfg, B, S), jax.random.PRNGKey(0), decode.Sampler()
+  tok_B = jnp.zeros((B,), jnp.int32)
+  hlo = decode.decode.lower(params, cache, tok_B, key, cfg=cfg, sampler=sampler,
+                            steps=3).compile().as_text() + \
+      decode.prefill.lower(params, jnp.zeros((B, 5), jnp.int32), tok_B + 5, cache, key,
+                           cfg=cfg, sampler=sampler).compile().as_text()
   shapes = {f"[{','.join(map(str, a.shape))}]" for a in jax.tree.leaves(cache) if a.ndim == 5}
   return [ln for ln in hlo.splitlines()
           if " copy(" in ln and any(sh in ln.split(" copy(")[0] for sh in shapes)]
@@ -88,8 +91,8 @@ def _cache_copies(cfg, B=2, S=24):
 
 def test_unrolled_decode_writes_the_cache_in_place():
   """Unrolled, the cache write must wait for the last layer's read of the old cache, or
-  XLA copies the whole cache (twice per step, measured 2x slower); the scanned program
-  never copies it."""
+  XLA copies the whole cache (twice per decode step, measured 2x slower); the scanned
+  programs never copy it."""
   cfg = tiny_config(**{"model.n_kv_heads": 2, "cache.codec": "bf16"})
   assert _cache_copies(cfg) == []
   assert _cache_copies(config_lib.replace(cfg, **{"model.scan_unroll": 2})) == []

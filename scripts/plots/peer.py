@@ -67,8 +67,8 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
       ax.set_title(f"vocab {vocab}, prompt {w['prompt_len']}, {w['gen_len']} new tokens, "
                    f"threads: {w['threads']}", fontsize=9)
       ax.grid(True, axis="y", which="both", alpha=0.3)
-  fig.legend(loc="lower center", ncol=len(PEER_ORDER), fontsize=8, frameon=False)
+  fig.legend(loc="lower center", ncol=3, fontsize=8, frameon=False)
   fig.suptitle(f"kvjax vs transformers, same weights (median; labels = time / kvjax's)  "
                f"{subtitle(rows)}", fontsize=10)
-  fig.tight_layout(rect=(0, 0.04, 1, 1))
+  fig.tight_layout(rect=(0, 0.07, 1, 1))
   return save(fig, out_dir, "peer_decode_speed")

@@ -270,9 +270,12 @@ def test_preemption_under_a_tiny_pool_keeps_every_output(served):
   assert stats["preemptions"] > 0 and out == ref
 
 
-def test_contiguous_reservation_engine_matches_generate(served):
+@pytest.mark.parametrize("unroll", [1, 2], ids=["scanned", "unrolled"])
+def test_contiguous_reservation_engine_matches_generate(served, unroll):
   cfg, params, prompts, news, ref = served
-  e = engine.Engine(cfg, params, slots=3, max_len=32, chunk=8, widths=(16,))
+  ucfg = config_lib.replace(cfg, **{"model.scan_unroll": unroll})
+  e = engine.Engine(ucfg, params, slots=3, max_len=32, chunk=8, widths=(16,))
+  assert ("layers" in e.backend.params) == (unroll < cfg.model.n_layers)
   stats, out = _serve(e, prompts, news)
   assert out == ref and stats["preemptions"] == 0 and stats["max_concurrency"] == 3
 

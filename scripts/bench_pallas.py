@@ -9,7 +9,12 @@ a cache of `context` tokens per sequence, all live. Each cell is compiled ahead 
 the step must read (the K and V storage of the live tokens, codes and scales: what
 `cache.tree_bytes` counts) and the achieved bytes/s. Every pallas row also carries its max
 |pallas - grouped| on the same inputs (the kernel's first check on real hardware). Then a
-small sweep of the kernel's knobs (BLOCK, ROW_MIN, SPLITS) at the longest context.
+small sweep of the kernel's knobs (BLOCK, ROW_MIN, SPLITS) at the longest context. For
+bf16 and int8 each cell also times JAX's own kernel, `jax.experimental.pallas.ops.gpu.
+paged_attention` (impl `jax_paged`), on the same data laid out as its pages (16 tokens,
+sequence-contiguous page tables), with its max |difference| from the cache-only
+reference. It attends over the stored tokens only (no new token, no merge with other
+segments), so it does a little less than the other two rows.
 A cell that fails writes its error and the next one runs; rows are flushed one by one.
 
 Off GPU it runs a smoke configuration (tiny heads and contexts, Pallas interpret mode) and
@@ -107,6 +112,81 @@ def _bench(out_f, shape, codec_name, B, S, repeats, settings, base, want=None):
   return row, got
 
 
+# -- jax.experimental.pallas.ops.gpu.paged_attention: JAX's own kernel, the issue's yardstick
+JAX_CODECS = ("bf16", "int8")  # its pages: float, or int8 with one scale per token and head
+
+
+def jax_paged_inputs(codec, q_B1HD, k_enc, v_enc, page: int):
+  """One layer's stored K/V ([B, K, S, D] codec storage) laid out the way JAX's paged
+  kernel reads it: pages [K, B*S/page, page, D], per-token scales [K, B*S/page, page] (int8),
+  sequence b owning pages [b*S/page, (b+1)*S/page). q comes back [B, H, D], pre-scaled by
+  head_dim^-0.5 (the kernel does not scale)."""
+  B, K, S, D = k_enc["codes"].shape if isinstance(k_enc, dict) else k_enc.shape
+  if S % page:
+    raise ValueError(f"context {S} is not a whole number of {page}-token pages")
+  n = S // page
+
+  def pages(a):  # [B, K, S, ...] -> [K, B * n, page, ...]
+    return jnp.swapaxes(a, 0, 1).reshape(K, B * n, page, *a.shape[3:])
+
+  if isinstance(k_enc, dict):  # int8: codes + per-token scales
+    from kvjax.quant import _meta
+    kp, vp = pages(k_enc["codes"]), pages(v_enc["codes"])
+    ks, vs = (pages(_meta(e["scale"]))[..., 0] for e in (k_enc, v_enc))
+  else:
+    kp, vp = (pages(codec.decode(e, q_B1HD.dtype)) for e in (k_enc, v_enc))
+    ks = vs = None
+  tables = jnp.arange(B * n, dtype=jnp.int32).reshape(B, n)
+  q = (q_B1HD[:, 0].astype(jnp.float32) * D ** -0.5).astype(q_B1HD.dtype)
+  return q, kp, vp, tables, jnp.full((B,), S, jnp.int32), ks, vs
+
+
+def jax_paged_step(n_pages: int, interpret: bool):
+  """JAX's kernel with splits / compute blocks that divide a sequence's `n_pages`."""
+  from jax.experimental.pallas.ops.gpu import paged_attention as jpa
+  splits = next(k for k in (16, 8, 4, 2, 1) if n_pages % k == 0)
+  per_block = next(c for c in (8, 4, 2, 1) if (n_pages // splits) % c == 0)
+
+  def run(q, kp, vp, tables, lengths, ks, vs):
+    return jpa.paged_attention(q, kp, vp, tables, lengths, ks, vs, k_splits=splits,
+                               pages_per_compute_block=per_block,
+                               interpret=interpret).astype(jnp.float32)
+  return jax.jit(run)
+
+
+def cache_only_reference(codec, q_B1HD, k_enc, v_enc):
+  """Attention of the new query over the stored tokens alone (what JAX's kernel computes):
+  dequantized K/V, one softmax, float32. [B, H, D]."""
+  k, v = codec.decode(k_enc, jnp.float32), codec.decode(v_enc, jnp.float32)
+  B, K, S, D = k.shape
+  q = q_B1HD[:, 0].astype(jnp.float32).reshape(B, K, -1, D) * D ** -0.5
+  p = jax.nn.softmax(jnp.einsum("bkgd,bksd->bkgs", q, k), axis=-1)
+  return jnp.einsum("bkgs,bksd->bkgd", p, v).reshape(B, -1, D)
+
+
+def _bench_jax(out_f, shape, codec_name, B, S, repeats, base, interpret, page=16):
+  """JAX's paged kernel on the same cell's data, checked against the cache-only reference."""
+  codec, args = _cell(shape, codec_name, B, S, jax.random.PRNGKey(B * 7 + S))
+  q, _, _, _, k_enc, v_enc, _ = args
+  row = {**base, "impl": "jax_paged", "codec": codec_name, "batch": B, "context": S,
+         "read_bytes": cache_lib.tree_bytes(k_enc) + cache_lib.tree_bytes(v_enc),
+         "page_size": page}
+  try:
+    inputs = jax_paged_inputs(codec, q, k_enc, v_enc, page)
+    med, got = _time(jax_paged_step(S // page, interpret), inputs, repeats)
+    row.update(median_s=med, bytes_per_s=row["read_bytes"] / med,
+               max_abs_diff_vs_reference=float(jnp.max(jnp.abs(
+                   got - cache_only_reference(codec, q, k_enc, v_enc)))))
+  except Exception as e:  # noqa: BLE001  a failing cell is data; the next one runs
+    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+  out_f.write(json.dumps(row) + "\n")
+  out_f.flush()
+  rate = f"{row['bytes_per_s'] / 1e9:8.1f} GB/s" if "bytes_per_s" in row else row["error"]
+  print(f"  {'jax_paged':<8} {codec_name:<6} B={B:<2} S={S:<6} "
+        + (f"{row['median_s'] * 1e6:9.1f} us " if "median_s" in row else "") + rate, flush=True)
+  return row
+
+
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("out", metavar="OUT.jsonl")
@@ -138,9 +218,12 @@ def main() -> int:
       if time.monotonic() > deadline:
         print(f"bench_pallas: budget of {args.budget:.0f} s spent; stopping")
         break
-      if settings is None:  # the XLA baseline, then the kernel with its defaults
+      if settings is None:  # the XLA baseline, the kernel with its defaults, JAX's kernel
         _, wants[cell] = _bench(f, shape, *cell, repeats, None, base)
-        settings = {}
+        _bench(f, shape, *cell, repeats, {}, base, wants.get(cell))
+        if cell[0] in JAX_CODECS:
+          _bench_jax(f, shape, *cell, repeats, base, interpret=not gpu)
+        continue
       _bench(f, shape, *cell, repeats, settings, base, wants.get(cell))
   return 0
 

@@ -172,3 +172,25 @@ def test_kernel_lowers_to_triton_without_a_gpu(codec, layout, T, monkeypatch):
   unchecked = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
   exp = jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=unchecked)(*shapes)
   assert exp.mlir_module().count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+def test_bench_pallas_lays_our_cache_out_for_jax_paged_kernel(codec):
+  """scripts/bench_pallas.py times JAX's own paged kernel (jax.experimental.pallas.ops.gpu.
+  paged_attention) on our cache: its page layout of our storage must make that kernel
+  (interpret mode here) compute our cache-only attention, which must in turn agree with
+  JAX's reference implementation on the dequantized K/V."""
+  import sys
+  from pathlib import Path
+
+  from jax.experimental.pallas.ops.gpu import paged_attention as jpa
+  sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+  import bench_pallas as bp
+  shape = dict(bp.SMOKE, heads=8, kv_heads=2)  # 4 query heads per kv head
+  c, (q, _, _, _, k_enc, v_enc, _) = bp._cell(shape, codec, 2, 32, jax.random.PRNGKey(3))
+  inputs = bp.jax_paged_inputs(c, q, k_enc, v_enc, page=8)
+  want = bp.cache_only_reference(c, q, k_enc, v_enc)
+  np.testing.assert_allclose(bp.jax_paged_step(4, interpret=True)(*inputs), want, atol=1e-5)
+  kv = [jnp.swapaxes(c.decode(e, jnp.float32), 1, 2) for e in (k_enc, v_enc)]  # [B, S, K, D]
+  np.testing.assert_allclose(jpa.paged_attention_reference(inputs[0], *kv, inputs[4]), want,
+                             atol=1e-5)

@@ -7,9 +7,9 @@ part of what is measured). Peers, timed interleaved in one process (round-robin 
 medians; `kvjax.metrics.bench_interleaved`):
 
   kvjax       compiled prefill + `lax.scan` decode, contiguous cache (`cache.codec`);
-  kvjax_unrolled  the same with `model.scan_unroll = n_layers`: decode runs a Python
-              layer loop over weights sliced once per call (faster while the weights fit
-              in the last-level cache; docs/architecture.md, Performance);
+  kvjax_unrolled  the same with `model.scan_unroll = n_layers`: a Python layer loop over
+              weights split per layer once (faster at batch 1 while the weights stay in
+              the last-level cache, slower at batch 8; docs/architecture.md);
   dynamic     `model.generate` with transformers' DynamicCache (its default);
   static      `generate` with a preallocated StaticCache (reset outside the timed region);
   quanto      `generate` with QuantizedCache(backend="quanto", int4, residual 128), when
@@ -38,6 +38,7 @@ import numpy as np
 import experiments as ex
 from kvjax import config as config_lib
 from kvjax import metrics
+from kvjax import model as model_lib
 from kvjax.errors import KvjaxError
 
 PEERS = ("kvjax", "kvjax_unrolled", "dynamic", "static", "quanto")
@@ -254,6 +255,8 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
     rows.append({
         "variant": ex.variant(cfgs.get(peer, kcfg),
                               impl="kvjax" if peer.startswith("kvjax") else "transformers",
+                              **({"layers": "unrolled" if model_lib.unrolled(cfgs[peer].model)
+                                  else "scanned"} if peer in cfgs else {}),
                               peer=peer, cache_kind=_cache_kind(peer, kcfg)),
         "workload": {"batch": w.batch, "prompt_len": w.prompt_len, "gen_len": w.gen_len,
                      "context": w.prompt_len + w.gen_len, "threads": n,

@@ -69,12 +69,12 @@ class FilledDecode:
   """Compiled decode of `steps` tokens from a cache that already holds `context` tokens."""
 
   def __init__(self, cfg, params, batch: int, context: int, steps: int, cap: int):
-    self.cfg, self.params, self.steps = cfg, params, steps
+    self.cfg, self.params, self.steps = cfg, decode.prepare_params(cfg, params), steps
     self.B, self.context, self.cap = batch, context, cap
     self._key = jax.random.PRNGKey(cfg.seed)
     self._tok = jnp.zeros((batch,), jnp.int32)
     sampler = decode.Sampler.from_config(cfg)
-    self._dec = decode.decode.lower(params, self._fresh(), self._tok, self._key, cfg=cfg,
+    self._dec = decode.decode.lower(self.params, self._fresh(), self._tok, self._key, cfg=cfg,
                                     sampler=sampler, steps=steps).compile()
 
   def _fresh(self):

@@ -40,8 +40,8 @@ class ModelConfig:
   tie_embeddings: bool = False
   dtype: str = "float32"         # activation / compute dtype
   param_dtype: str = "float32"
-  scan_unroll: int = 1           # layers are scanned; n_layers: decode unrolls them, each
-                                 # layer's weights sliced once per call (model.split_layers)
+  scan_unroll: int = 1           # layers are scanned; >= n_layers: prefill, decode and serve
+                                 # run them unrolled over per-layer weights (model.unrolled)
   max_seq_len: int = 4096        # longest position the model is meant for (RoPE tables, checks)
 
   @property

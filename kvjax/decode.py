@@ -21,10 +21,10 @@ import numpy as np
 from flax import struct
 
 from kvjax import cache as cache_lib
+from kvjax import model as model_lib
 from kvjax import sharding
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
-from kvjax import model as model_lib
 from kvjax.model import Transformer
 
 TRACES = {"prefill": 0, "decode": 0}  # incremented at trace time; tests count compilations
@@ -66,10 +66,16 @@ class LoopState:
   key: jax.Array
 
 
+def prepare_params(cfg: Config, params):
+  """Params as the compiled programs want them: split per layer once, here, when the
+  layers run unrolled (`model.unrolled`), so no call pays for the split."""
+  return jax.jit(model_lib.split_layers)(params) if model_lib.unrolled(cfg.model) else params
+
+
 def _model(cfg: Config, params, **kw) -> tuple[Transformer, Any]:
-  """The network and its params: with `model.scan_unroll >= n_layers` an unrolled layer
-  loop over weights split per layer here, once per call (not once per layer per step)."""
-  if cfg.model.scan_unroll >= cfg.model.n_layers:
+  """The network for these params: split ones (no stacked `layers`) run the unrolled layer
+  loop; stacked ones are split here, inside the program, when `model.unrolled`."""
+  if "layers" not in params or model_lib.unrolled(cfg.model):
     return Transformer(cfg.model, unstacked=True, **kw), model_lib.split_layers(params)
   return Transformer(cfg.model, **kw), params
 
@@ -176,6 +182,7 @@ def generate(cfg: Config, params, prompts: list[list[int]], max_new_tokens: int,
     params = sharding.shard_params(params, cfg, mesh)
     tokens, lengths = sharding.put_batch(tokens, mesh), sharding.put_batch(lengths, mesh)
     fresh = lambda: sharding.init_cache(cfg, B, capacity, mesh)  # noqa: E731
+  params = prepare_params(cfg, params)
 
   t0 = time.perf_counter()
   c0 = fresh()

@@ -49,7 +49,6 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import decode, paged
-from kvjax import model as model_lib
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
@@ -59,7 +58,7 @@ STEP_TRACES: collections.Counter = collections.Counter()  # per tokens shape, at
 
 def _call(cfg, sampler, params, cache, tokens_BT, positions_BT, last_B, key):
   STEP_TRACES[tokens_BT.shape] += 1
-  net = Transformer(cfg.model, unstacked="layers" not in params)  # see ModelBackend
+  net = Transformer(cfg.model, unstacked="layers" not in params)  # split: decode.prepare_params
   logits_BTV, cache = cache.layout.forward(net, params, tokens_BT, positions_BT, cache)
   last_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
   return sampler(last_BV, key), cache
@@ -129,8 +128,7 @@ class ModelBackend:
 
   def __init__(self, cfg: Config, params, spec: cache_lib.CacheSpec):
     self.cfg, self.params, self.spec = cfg, params, spec
-    if cfg.model.scan_unroll >= cfg.model.n_layers:  # unrolled: weights split once, here
-      self.params = jax.jit(model_lib.split_layers)(params)
+    self.params = decode.prepare_params(cfg, params)  # split once, here, when unrolled
     self.paged = spec.layout == "paged"
     self.cache = paged.init_pool(spec) if self.paged else cache_lib.LAYOUTS[spec.layout].init(spec)
     self.sampler = decode.Sampler.from_config(cfg)

@@ -108,6 +108,7 @@ class DecodeTimer:
       tokens_BT, lengths_B = sharding.put_batch(tokens_BT, mesh), sharding.put_batch(lengths_B, mesh)
       self._fresh = lambda: jax.block_until_ready(
           sharding.init_cache(cfg, B, self.capacity, mesh))
+    params = decode.prepare_params(cfg, params)
     self._args = (params, tokens_BT, lengths_B)
     t0 = time.perf_counter()
     self._pre = decode.prefill.lower(params, tokens_BT, lengths_B, self._fresh(), self._key,

@@ -8,8 +8,9 @@ right-padding (a ragged batch); padding is never attended to and never stored. W
 With a cache, the layers read what the cache layout stores and the new K/V are written
 after the layer scan. Layers are one `nn.scan` (compile time independent of depth).
 `Transformer(unstacked=True)` runs them as a Python loop over per-layer weight trees
-(`split_layers`): decode does that when `model.scan_unroll >= n_layers`, trading compile
-time for no per-step weight slicing (measurements in docs/architecture.md).
+(`split_layers`): prefill, decode and the serving engine do that when `unrolled(cfg)`
+(`model.scan_unroll >= n_layers`), trading compile time and a second copy of the layer
+weights for no per-step weight slicing (measurements in docs/architecture.md).
 
 Parameter names follow Hugging Face Llama (q_proj, ..., input_layernorm) so checkpoint
 import is a rename and a transpose.
@@ -175,6 +176,7 @@ class Transformer(nn.Module):
         # Unrolled, nothing orders the write after the last layer's read of the old cache,
         # so XLA may schedule it first and copy the whole cache to keep the old values.
         # No float exceeds +inf, so `tie` is 0, but XLA cannot fold it: the write waits.
+        # (An optimization_barrier did not order it; tests/test_decode.py checks the HLO.)
         tie_B1 = (jnp.max(x_BTE, axis=(1, 2)) > jnp.inf).astype(jnp.int32)[:, None]
         write_BT = positions_BT + tie_B1
       cache = cache.layout.write(cache, k_LBTKD, v_LBTKD, write_BT)
@@ -188,10 +190,19 @@ def init_params(cfg: ModelConfig, seed: int = 0):
   return jax.jit(Transformer(cfg).init)(jax.random.PRNGKey(seed), tokens, positions)["params"]
 
 
+def unrolled(cfg: ModelConfig) -> bool:
+  """Run the layers as a Python loop over per-layer weights (`model.scan_unroll >= n_layers`,
+  more than one layer) instead of `nn.scan`."""
+  return cfg.n_layers > 1 and cfg.scan_unroll >= cfg.n_layers
+
+
 def split_layers(params):
   """The scanned layers' stacked weights as one tree per layer (`layers_0`, `layers_1`,
-  ...), the params `Transformer(unstacked=True)` reads. Decode does this once per call,
-  outside its token loop: a scanned layer slices (copies) its weights every step."""
+  ...), the params `Transformer(unstacked=True)` reads; params already split come back as
+  they are. A second copy of the layer weights: `decode.prepare_params` makes it once per
+  model, where a scanned layer slices (copies) its weights on every step."""
+  if "layers" not in params:
+    return params
   stacked = params["layers"]
   n = jax.tree.leaves(stacked)[0].shape[0]
   return {**{k: v for k, v in params.items() if k != "layers"},

@@ -129,10 +129,11 @@ def jax_paged_inputs(codec, q_B1HD, k_enc, v_enc, page: int):
   def pages(a):  # [B, K, S, ...] -> [K, B * n, page, ...]
     return jnp.swapaxes(a, 0, 1).reshape(K, B * n, page, *a.shape[3:])
 
-  if isinstance(k_enc, dict):  # int8: codes + per-token scales
-    from kvjax.quant import _meta
+  if isinstance(k_enc, dict):  # int8: codes + per-token scales, in their stored bf16
+    from kvjax import quant
     kp, vp = pages(k_enc["codes"]), pages(v_enc["codes"])
-    ks, vs = (pages(_meta(e["scale"]))[..., 0] for e in (k_enc, v_enc))
+    ks, vs = (pages(codecs.load_bits(e["scale"], quant.SCALE_DTYPE))[..., 0]
+              for e in (k_enc, v_enc))
   else:
     kp, vp = (pages(codec.decode(e, q_B1HD.dtype)) for e in (k_enc, v_enc))
     ks = vs = None

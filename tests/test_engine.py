@@ -261,10 +261,12 @@ def test_paged_engine_matches_generate_with_and_without_prefix_sharing(served):
   assert stats["steps"] + stats2["steps"] > 20 and dict(engine.STEP_TRACES) == traces
 
 
-def test_preemption_under_a_tiny_pool_keeps_every_output(served):
+@pytest.mark.parametrize("unroll", [1, 2], ids=["scanned", "unrolled"])
+def test_preemption_under_a_tiny_pool_keeps_every_output(served, unroll):
   cfg, params, prompts, news, ref = served
   need = max(len(p) + n for p, n in zip(prompts, news))
-  pcfg = config_lib.replace(cfg, **{"cache.layout": "paged", "cache.num_pages": -(-need // 4)})
+  pcfg = config_lib.replace(cfg, **{"cache.layout": "paged", "cache.num_pages": -(-need // 4),
+                                    "model.scan_unroll": unroll})
   e = engine.Engine(pcfg, params, slots=4, max_len=32, chunk=8)
   stats, out = _serve(e, prompts, news)
   assert stats["preemptions"] > 0 and out == ref

@@ -66,10 +66,11 @@ def child() -> dict:
       res["runs"].append({"case": name, "K": K, "mesh": [d, m], "same": out["tokens"] == ref["tokens"],
                           "bytes": out["cache_bytes"], "per_device": out["cache_bytes_per_device"],
                           "leaves": _leaf_report(out["cache"])})
-    if name == "MHA":  # the recompute and paged layouts on a 2x2 mesh, same tokens
-      for layout in ("none", "paged"):
-        c = config_lib.apply_overrides(cfg, {"mesh.data": 2, "mesh.model": 2,
-                                             "cache.layout": layout, "cache.page_size": 4})
+    if name == "MHA":  # the recompute and paged layouts, and unrolled layers, on a 2x2 mesh
+      for layout in ("none", "paged", "unrolled"):
+        over = {"model.scan_unroll": cfg.model.n_layers} if layout == "unrolled" else \
+            {"cache.layout": layout, "cache.page_size": 4}
+        c = config_lib.apply_overrides(cfg, {"mesh.data": 2, "mesh.model": 2, **over})
         out = decode.generate(c, params, PROMPTS, NEW, timed=False, return_cache=True)
         res[f"{layout}_same"] = out["tokens"] == ref["tokens"]
         if layout == "paged":
@@ -106,6 +107,7 @@ def test_meshes_give_the_same_greedy_tokens_as_one_device(four_devices):
   bad = [(r["case"], r["mesh"]) for r in runs if not r["same"]]
   assert not bad, f"tokens differ from one device: {bad}"
   assert four_devices["none_same"] and four_devices["paged_same"]
+  assert four_devices["unrolled_same"]  # weights split per layer after sharding them
 
 
 def test_paged_pool_splits_kv_heads_and_the_block_table_splits_the_batch(four_devices):

@@ -253,11 +253,8 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
       m["agreement"] = float(np.mean(theirs[peer] == ours))
       m["first_mismatch"] = _first_mismatch(theirs[peer], ours)
     rows.append({
-        "variant": ex.variant(cfgs.get(peer, kcfg),
-                              impl="kvjax" if peer.startswith("kvjax") else "transformers",
-                              **({"layers": "unrolled" if model_lib.unrolled(cfgs[peer].model)
-                                  else "scanned"} if peer in cfgs else {}),
-                              peer=peer, cache_kind=_cache_kind(peer, kcfg)),
+        "variant": ex.variant(cfgs.get(peer, kcfg), peer=peer, cache_kind=_cache_kind(peer, kcfg),
+                              **_impl(cfgs.get(peer))),
         "workload": {"batch": w.batch, "prompt_len": w.prompt_len, "gen_len": w.gen_len,
                      "context": w.prompt_len + w.gen_len, "threads": n,
                      "torch_threads": torch_threads, "params_m": _param_count(hf_model) / 1e6},
@@ -281,10 +278,19 @@ def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int:
   return int(diff[0]) if diff.size else int(a.shape[1])
 
 
+def _impl(kvjax_cfg: config_lib.Config | None) -> dict:
+  """Which framework ran a row, and for kvjax whether its layers were scanned or unrolled."""
+  if kvjax_cfg is None:
+    return {"impl": "transformers"}
+  return {"impl": "kvjax",
+          "layers": "unrolled" if model_lib.unrolled(kvjax_cfg.model) else "scanned"}
+
+
 def _cache_kind(peer: str, cfg: config_lib.Config) -> str:
-  return {"kvjax": f"contiguous-{cfg.cache.k_codec}",
-          "kvjax_unrolled": f"contiguous-{cfg.cache.k_codec}", "dynamic": "DynamicCache-fp32",
-          "static": "StaticCache-fp32", "quanto": "QuantizedCache-quanto-int4"}[peer]
+  if peer.startswith("kvjax"):
+    return f"contiguous-{cfg.cache.k_codec}"
+  return {"dynamic": "DynamicCache-fp32", "static": "StaticCache-fp32",
+          "quanto": "QuantizedCache-quanto-int4"}[peer]
 
 
 def summary(rows: list[dict]) -> list[dict]:

@@ -72,7 +72,7 @@ def prepare_params(cfg: Config, params):
   return jax.jit(model_lib.split_layers)(params) if model_lib.unrolled(cfg.model) else params
 
 
-def _model(cfg: Config, params, **kw) -> tuple[Transformer, Any]:
+def network(cfg: Config, params, **kw) -> tuple[Transformer, Any]:
   """The network for these params: split ones (no stacked `layers`) run the unrolled layer
   loop; stacked ones are split here, inside the program, when `model.unrolled`."""
   if "layers" not in params or model_lib.unrolled(cfg.model):
@@ -87,7 +87,7 @@ def prefill(params, tokens_BT, lengths_B, cache, key, *, cfg: Config, sampler: S
   T = tokens_BT.shape[1]
   t = jnp.arange(T, dtype=jnp.int32)[None, :]
   positions_BT = jnp.where(t < lengths_B[:, None], cache.lengths[:, None] + t, -1)
-  model, params = _model(cfg, params, logits_last=True)  # lm_head on each row's last token
+  model, params = network(cfg, params, logits_last=True)  # lm_head on each row's last token
   layout = cache_lib.LAYOUTS[cache.spec.layout]
   logits_B1V, cache = layout.forward(model, params, tokens_BT, positions_BT, cache)
   cache = sharding.constrain_cache(cache, cfg)  # keep the mesh layout (no-op on one device)
@@ -100,7 +100,7 @@ def prefill(params, tokens_BT, lengths_B, cache, key, *, cfg: Config, sampler: S
 def decode(params, cache, token_B, key, *, cfg: Config, sampler: Sampler, steps: int):
   """`steps` decode steps in one `lax.scan`; returns the sampled tokens [B, steps]."""
   TRACES["decode"] += 1
-  model, params = _model(cfg, params)
+  model, params = network(cfg, params)
   layout = cache_lib.LAYOUTS[cache.spec.layout]
   eos = cfg.workload.eos_id
 

@@ -51,14 +51,13 @@ from kvjax import cache as cache_lib
 from kvjax import decode, paged
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
-from kvjax.model import Transformer
 
 STEP_TRACES: collections.Counter = collections.Counter()  # per tokens shape, at trace time
 
 
 def _call(cfg, sampler, params, cache, tokens_BT, positions_BT, last_B, key):
   STEP_TRACES[tokens_BT.shape] += 1
-  net = Transformer(cfg.model, unstacked="layers" not in params)  # split: decode.prepare_params
+  net, params = decode.network(cfg, params)
   logits_BTV, cache = cache.layout.forward(net, params, tokens_BT, positions_BT, cache)
   last_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
   return sampler(last_BV, key), cache
@@ -127,7 +126,7 @@ class ModelBackend:
   """The device side: the cache pytree and the compiled step. Host state goes in as data."""
 
   def __init__(self, cfg: Config, params, spec: cache_lib.CacheSpec):
-    self.cfg, self.params, self.spec = cfg, params, spec
+    self.cfg, self.spec = cfg, spec
     self.params = decode.prepare_params(cfg, params)  # split once, here, when unrolled
     self.paged = spec.layout == "paged"
     self.cache = paged.init_pool(spec) if self.paged else cache_lib.LAYOUTS[spec.layout].init(spec)

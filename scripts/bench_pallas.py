@@ -80,6 +80,19 @@ def _time(fn, args, repeats):
   return statistics.median(times), out
 
 
+def _error(e: Exception) -> str:
+  return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def _emit(out_f, row: dict) -> None:
+  """Flush one row to OUT.jsonl and print its line."""
+  out_f.write(json.dumps(row) + "\n")
+  out_f.flush()
+  rate = f"{row['bytes_per_s'] / 1e9:8.1f} GB/s" if "bytes_per_s" in row else row["error"]
+  print(f"  {row['impl']:<9} {row['codec']:<6} B={row['batch']:<2} S={row['context']:<6} "
+        + (f"{row['median_s'] * 1e6:9.1f} us " if "median_s" in row else "") + rate, flush=True)
+
+
 def _bench(out_f, shape, codec_name, B, S, repeats, settings, base, want=None):
   """Time one implementation on one cell; returns (row, output)."""
   codec, args = _cell(shape, codec_name, B, S, jax.random.PRNGKey(B * 7 + S))
@@ -103,12 +116,8 @@ def _bench(out_f, shape, codec_name, B, S, repeats, settings, base, want=None):
     if want is not None:
       row["max_abs_diff_vs_grouped"] = float(jnp.max(jnp.abs(got - want)))
   except Exception as e:  # noqa: BLE001  a failing cell is data; the next one runs
-    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-  out_f.write(json.dumps(row) + "\n")
-  out_f.flush()
-  rate = f"{row['bytes_per_s'] / 1e9:8.1f} GB/s" if "bytes_per_s" in row else row["error"]
-  print(f"  {impl:<8} {codec_name:<6} B={B:<2} S={S:<6} "
-        + (f"{row['median_s'] * 1e6:9.1f} us " if "median_s" in row else "") + rate, flush=True)
+    row["error"] = _error(e)
+  _emit(out_f, row)
   return row, got
 
 
@@ -179,12 +188,8 @@ def _bench_jax(out_f, shape, codec_name, B, S, repeats, base, interpret, page=16
                max_abs_diff_vs_reference=float(jnp.max(jnp.abs(
                    got - cache_only_reference(codec, q, k_enc, v_enc)))))
   except Exception as e:  # noqa: BLE001  a failing cell is data; the next one runs
-    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-  out_f.write(json.dumps(row) + "\n")
-  out_f.flush()
-  rate = f"{row['bytes_per_s'] / 1e9:8.1f} GB/s" if "bytes_per_s" in row else row["error"]
-  print(f"  {'jax_paged':<8} {codec_name:<6} B={B:<2} S={S:<6} "
-        + (f"{row['median_s'] * 1e6:9.1f} us " if "median_s" in row else "") + rate, flush=True)
+    row["error"] = _error(e)
+  _emit(out_f, row)
   return row
 
 

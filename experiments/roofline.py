@@ -29,6 +29,7 @@ import experiments as ex
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
 from kvjax import decode, metrics
+from kvjax.errors import KvjaxError
 
 
 def capacity(cfg: config_lib.Config) -> int:
@@ -38,6 +39,10 @@ def capacity(cfg: config_lib.Config) -> int:
 
 def check(cfg: config_lib.Config) -> None:
   ex.check_context(cfg, capacity(cfg))
+  mib = cfg.param("bandwidth_mib", 512)
+  if not isinstance(mib, int) or isinstance(mib, bool) or mib < 1:
+    raise KvjaxError(f"params.bandwidth_mib must be a whole number of MiB >= 1, got {mib!r}; "
+                     "512 suits a CPU, 4096 a GPU")
 
 
 class Bandwidth:
@@ -94,7 +99,7 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
   params = ex.random_params(cfg.model, cfg.seed)
   steps = max(w.gen_len - 1, 1)
   timer = FilledDecode(cfg, params, w.batch, w.prompt_len, steps, capacity(cfg))
-  meter = Bandwidth(int(cfg.param("bandwidth_mib", 512)))
+  meter = Bandwidth(cfg.param("bandwidth_mib", 512))
   timer.once()  # warm-up
   # Each repeat measures the bandwidth right before its decode and pairs the two: a slow
   # phase of a shared machine (seconds long) slows both, and their ratio stands.

@@ -12,6 +12,7 @@ import pytest
 
 from kvjax import attention, codecs, config, decode, model
 from kvjax import cache as cache_lib
+from kvjax.errors import KvjaxError
 
 HEADS = [(4, 4), (4, 2), (4, 1)]  # (H, K): MHA, GQA, MQA
 CODECS = ["fp32", "bf16", "int8", "int4", "fp8_e4m3"]
@@ -232,3 +233,14 @@ def test_roofline_pairs_bandwidth_with_each_repeat(monkeypatch):
   assert m["bandwidth_Bps"] == 1e9 and m["tpot_s"] == 2.0 and m["repeats"] == 3
   assert m["roofline_fraction"] == pytest.approx(m["step_bytes"] / 4e9)
   assert m["ideal_s"] / m["tpot_s"] == pytest.approx(m["step_bytes"] / 2e9)
+
+
+@pytest.mark.parametrize("mib", [0, -4, 1.5, "512"])
+def test_roofline_refuses_a_bad_bandwidth_size(mib):
+  """A bandwidth pass over 0 MiB would divide by zero after the cell's decode ran; the
+  host-side check refuses it first, in one line."""
+  from experiments import roofline
+  cfg = config.load(None, {"params": {"bandwidth_mib": mib}})
+  with pytest.raises(KvjaxError, match="bandwidth_mib") as err:
+    roofline.check(cfg)
+  assert "\n" not in str(err.value)

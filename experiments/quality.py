@@ -1,8 +1,8 @@
 """quality: what each cache setting costs in output quality, measured through the cache.
 
 A cell is one cache setting (`params.setting`, a name from `params.settings`: a mapping
-of cache overrides such as codec, k_axis, group_size, residual) on one layout. For each
-trained checkpoint in `params.checkpoints` (MHA, GQA, MQA comparison models) it returns:
+of cache overrides such as codec, k_axis, group_size, residual, applied by the runner) on
+one layout. For each trained checkpoint in `params.checkpoints` (MHA, GQA, MQA comparison models) it returns:
 
   - a `task: text` row: validation text streamed token by token (`params.chunk`) through
     the cache; `ppl`, `ppl_ref` (same model, fp32 cache), `dppl_rel`, `kl`, `agreement`
@@ -29,10 +29,6 @@ from kvjax.errors import KvjaxError
 _REF: dict = {}
 
 
-def _settings(cfg) -> dict:
-  return {k: dict(v) for k, v in dict(cfg.param("settings", ())).items()}
-
-
 def _checkpoints(cfg) -> list[str]:
   paths = cfg.param("checkpoints", ())
   if isinstance(paths, str):
@@ -44,10 +40,6 @@ def _checkpoints(cfg) -> list[str]:
 
 
 def check(cfg) -> None:
-  name = cfg.param("setting", "")
-  settings = _settings(cfg)
-  if name and name not in settings:
-    raise KvjaxError(f"unknown params.setting '{name}'; known: {', '.join(settings)}")
   for path in _checkpoints(cfg):
     if not (Path(path) / "config.yaml").is_file():
       raise KvjaxError(f"checkpoint {path} not found; train it first, e.g. "
@@ -60,11 +52,10 @@ def _load(path: str):
 
 
 def cell_config(cfg, model_cfg: config_lib.Config) -> config_lib.Config:
-  """The checkpoint's model and data with this cell's cache, workload and setting."""
+  """The checkpoint's model and data with this cell's cache and workload (the runner has
+  already applied the cell's `params.setting`)."""
   merged = dataclasses.replace(model_cfg, cache=cfg.cache, workload=cfg.workload, seed=cfg.seed)
-  over = _settings(cfg).get(cfg.param("setting", ""), {})
-  return config_lib.apply_overrides(merged, over) if over else \
-      config_lib.validate(config_lib.resolve(merged))
+  return config_lib.validate(config_lib.resolve(merged))
 
 
 def _text(cfg, model_cfg: config_lib.Config):

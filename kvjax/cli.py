@@ -34,16 +34,13 @@ def _add_set(p):
 
 
 def _cache_overrides(args, over: dict) -> dict:
-  """All overrides of one command, applied (and validated) once, in this precedence:
-  `over` < --set < --codec < --k-codec/--v-codec. A codec given for both is expanded into
-  k_codec/v_codec here, so K8/V4 can refine it and KIVI settings given with --set are
-  checked against the final codecs, not an intermediate state."""
+  """All overrides of one command as one set, applied (and validated) once: `over` < --set <
+  --codec < --k-codec/--v-codec on the same key, and, as everywhere in kvjax
+  (`config.expand_codec`), an explicit K or V codec beats `cache.codec` wherever each comes
+  from. KIVI settings given with --set are checked against the final codecs."""
   merged = {**over, **config_lib.parse_set(args.set)}
   if args.codec:
     merged["cache.codec"] = args.codec
-  codec = merged.pop("cache.codec", None)
-  if codec:
-    merged["cache.k_codec"] = merged["cache.v_codec"] = codec
   for key, val in (("cache.k_codec", args.k_codec), ("cache.v_codec", args.v_codec)):
     if val:
       merged[key] = val
@@ -173,6 +170,8 @@ def cmd_generate(args) -> dict:
 # -- run / train --------------------------------------------------------------------------
 def cmd_run(args):
   from kvjax import runner
+  if args.dry_run:
+    return runner.dry_run(args.file, overrides=args.set, out_dir=args.out)
   return runner.run_file(args.file, overrides=args.set, out_dir=args.out)
 
 
@@ -232,7 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
 
   r = sub.add_parser("run", help="run an experiment config's grid, appending results rows")
   r.add_argument("file", metavar="FILE.yaml")
-  r.add_argument("--out", metavar="DIR")
+  r.add_argument("--out", metavar="DIR", help="results folder (default results/<name>)")
+  r.add_argument("--dry-run", action="store_true",
+                 help="list the cells and their resolved cache settings; run nothing")
   _add_set(r)
   _add_distributed(r)
   r.set_defaults(func=cmd_run)

@@ -123,3 +123,26 @@ def test_variant_colours_are_fixed_by_name():
   from plots import variant_color
   assert variant_color("MHA") != variant_color("MQA") != variant_color("GQA-2")
   assert variant_color("GQA-3") == variant_color("GQA-3")
+
+
+def test_points_are_keyed_by_the_whole_cache_variant(results, tmp_path):
+  """Two settings of one codec (int4 whole-head vs int4 groups of 8, or two named settings)
+  are two lines/bars, not one overwriting the other."""
+  load_plot_all()
+  from plots import cache_label, latency
+
+  rows = [r for r in runner.read_rows(results / "timing" / "rows.jsonl")
+          if r["experiment"] == "latency" and r["variant"]["codec"] == "int8"]
+  grouped = copy.deepcopy(rows)
+  for r in grouped:
+    r["config"]["cache"] = {"k_axis": "channel", "group_size": 8, "residual": 32}
+    r["metrics"]["tpot_s"] *= 3
+  named = copy.deepcopy(rows)
+  for r in named:
+    r["variant"]["setting"] = "kivi"
+  labels = {cache_label(r) for r in rows + grouped + named}
+  assert labels == {"int8", "int8 Kch g8 R32", "kivi"}
+  _, codecs, _ = latency._lines(rows + grouped + named)
+  assert sorted(codecs) == sorted(labels)
+  paths = latency.plot(rows + grouped + named, tmp_path)
+  assert any(p.name == "latency_variants.png" for p in paths)

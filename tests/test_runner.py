@@ -329,7 +329,8 @@ def test_paired_settings_work_for_any_experiment(tmp_path):
   path = write_cfg(tmp_path, "grid:\n  params.setting: [k8v4, kivi]\n")
   path.write_text(path.read_text().replace(
       "params: {contexts: [4, 8]}",
-      "params:\n  contexts: [8]\n  settings:\n    k8v4: {cache.k_codec: int8, cache.v_codec: int4}\n"
+      "params:\n  contexts: [8]\n  settings:\n"
+      "    k8v4: {cache.k_codec: int8, cache.v_codec: int4}\n"
       "    kivi: {cache.codec: int2, cache.k_axis: channel, cache.group_size: 4,"
       " cache.residual: 4}\n"))
   _, cells = runner.expand(path)

@@ -33,8 +33,35 @@ def variant_color(name: str) -> str:
   return _SPARE[zlib.crc32(name.encode()) % len(_SPARE)]
 
 
+def _base_codec(label: str) -> str:
+  """The codec a cache label starts with ("int4 g8 R64" -> int4, "Kint8/Vint4" -> int8)."""
+  text = label[1:] if label.startswith("K") else label
+  for name in sorted(CODEC_STYLES, key=len, reverse=True):
+    if text.startswith(name):
+      return name
+  return ""
+
+
 def codec_style(name: str) -> tuple:
-  return CODEC_STYLES.get(name, ("-", "."))
+  return CODEC_STYLES.get(name) or CODEC_STYLES.get(_base_codec(name), ("-", "."))
+
+
+def cache_label(row: dict) -> str:
+  """The whole cache variant of a row as one label, so two settings of one codec never share
+  a line, bar or point: the paired setting's name when the row has one, else the codec with
+  its per-channel keys, group size and residual window (from the variant or the config)."""
+  v = row.get("variant", {})
+  if v.get("setting"):
+    return str(v["setting"])
+  c = row.get("config", {}).get("cache", {})
+  parts = [str(v.get("codec") or c.get("k_codec", "?"))]
+  if v.get("k_axis", c.get("k_axis")) == "channel":
+    parts.append("Kch")
+  if v.get("group_size", c.get("group_size")):
+    parts.append(f"g{v.get('group_size', c.get('group_size'))}")
+  if v.get("residual", c.get("residual")):
+    parts.append(f"R{v.get('residual', c.get('residual'))}")
+  return " ".join(parts)
 
 
 def variant_order(name: str) -> tuple:
@@ -46,9 +73,10 @@ def variant_order(name: str) -> tuple:
   return (2, 0) if name == "MQA" else (3, name)
 
 
-def codec_order(name: str) -> int:
+def codec_order(name: str) -> tuple:
   order = list(CODEC_STYLES)
-  return order.index(name) if name in order else len(order)
+  base = name if name in order else _base_codec(name)
+  return (order.index(base) if base in order else len(order), name)
 
 
 def load_rows(results_dir: str | Path) -> dict[str, list[dict]]:

@@ -8,13 +8,13 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
 
-from plots import (BYTES, TOKENS, codec_order, codec_style, legend_handles, legends, log2_axis,
-                   save, subtitle, variant_color, variant_order)
+from plots import (BYTES, TOKENS, cache_label, codec_order, codec_style, legend_handles,
+                   legends, log2_axis, save, subtitle, variant_color, variant_order)
 
 
 def _keys(rows):
   variants = sorted({r["variant"]["variant"] for r in rows}, key=variant_order)
-  codecs = sorted({r["variant"]["codec"] for r in rows}, key=codec_order)
+  codecs = sorted({cache_label(r) for r in rows}, key=codec_order)
   return variants, codecs
 
 
@@ -37,7 +37,7 @@ def _bytes_vs_context(rows, out_dir):
     for c in codecs:
       pts = sorted((r["workload"]["context"], r["metrics"]["closed_form_bytes"],
                     r["metrics"]["cache_bytes"], r["workload"]["measured"]) for r in rows
-                   if r["variant"]["variant"] == v and r["variant"]["codec"] == c)
+                   if r["variant"]["variant"] == v and cache_label(r) == c)
       if not pts:
         continue
       ls, mk = codec_style(c)
@@ -62,7 +62,7 @@ def _bytes_vs_context(rows, out_dir):
 
 def _bytes_per_token(rows, out_dir):
   variants, codecs = _keys(rows)
-  per = {(r["variant"]["variant"], r["variant"]["codec"]): r["metrics"]["bytes_per_token"]
+  per = {(r["variant"]["variant"], cache_label(r)): r["metrics"]["bytes_per_token"]
          for r in rows}
   fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(codecs) + 2), 4.5))
   width = 0.8 / len(variants)
@@ -93,7 +93,7 @@ def _concurrency(rows, out_dir):
     for v in variants:
       for c in codecs:
         pts = sorted({(r["workload"]["context"], r["metrics"]["max_concurrency"]) for r in sub
-                      if r["variant"]["variant"] == v and r["variant"]["codec"] == c})
+                      if r["variant"]["variant"] == v and cache_label(r) == c})
         if not pts:
           continue
         ls, mk = codec_style(c)

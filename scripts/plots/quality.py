@@ -15,11 +15,11 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from plots import save, variant_color, variant_order
+from plots import cache_label, save, variant_color, variant_order
 
 
 def _setting(r) -> str:
-  return r["variant"].get("setting") or r["variant"].get("codec", "?")
+  return cache_label(r)
 
 
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:

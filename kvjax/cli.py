@@ -1,4 +1,4 @@
-"""The `kvjax` command line: size, generate, run, train, convert (contract: README, DESIGN.md).
+"""The `kvjax` command line: size, generate, run, results, train, convert (contract: README, DESIGN.md).
 
 User errors exit with status 2 and one line on stderr that names the problem and the fix.
 """
@@ -219,6 +219,12 @@ def cmd_run(args):
   return runner.run_file(args.file, overrides=args.set, out_dir=args.out)
 
 
+def cmd_results(args):
+  from kvjax import results
+  sys.stdout.write(results.table(args.path, args.format, args.experiment))
+  return {}
+
+
 def cmd_train(args):
   from kvjax import train
   return train.train_file(args.file, overrides=args.set, out_dir=args.out)
@@ -294,6 +300,16 @@ def build_parser() -> argparse.ArgumentParser:
   _add_set(r)
   _add_distributed(r)
   r.set_defaults(func=cmd_run)
+
+  rs = sub.add_parser("results", help="results rows as a CSV or markdown table",
+                      description="Flatten the rows of a results file, or of every *.jsonl "
+                      "under a folder, into one table (variant and workload fields, then the "
+                      "metrics): CSV in raw units (seconds, bytes), markdown as printed by run.")
+  rs.add_argument("path", metavar="DIR_OR_FILE", help="a results folder or .jsonl file")
+  rs.add_argument("--format", default="markdown", choices=("csv", "markdown"),
+                  help="csv (one table, raw values) or markdown (one table per experiment)")
+  rs.add_argument("--experiment", metavar="NAME", help="only the rows of this experiment")
+  rs.set_defaults(func=cmd_results)
 
   t = sub.add_parser("train", help="train a model from a config, with orbax checkpoints")
   t.add_argument("file", metavar="FILE.yaml")

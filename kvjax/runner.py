@@ -383,16 +383,22 @@ def run_file(path: str | Path, overrides: list[str] | dict | None = None,
 
 
 # -- summary table -----------------------------------------------------------------------------
-def flatten(row: dict) -> dict:
-  """Variant and workload fields, then the known metrics, as one flat record."""
+def flatten(row: dict, all_metrics: bool = False) -> dict:
+  """Variant and workload fields, then the known metrics (`TABLE_METRICS`), as one flat
+  record; with `all_metrics`, every other scalar metric after them (`kvjax results`)."""
   rec = {}
   for section in ("variant", "workload"):
     for k, v in row.get(section, {}).items():
       if not isinstance(v, (dict, list)):
         rec[k] = v
+  metrics = row.get("metrics", {})
   for k in TABLE_METRICS:
-    if row.get("metrics", {}).get(k) is not None:
-      rec[k] = row["metrics"][k]
+    if metrics.get(k) is not None:
+      rec[k] = metrics[k]
+  if all_metrics:
+    for k, v in metrics.items():
+      if k not in rec and not isinstance(v, (dict, list)):
+        rec[k] = v
   return rec
 
 

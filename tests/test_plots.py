@@ -146,3 +146,31 @@ def test_points_are_keyed_by_the_whole_cache_variant(results, tmp_path):
   assert sorted(codecs) == sorted(labels)
   paths = latency.plot(rows + grouped + named, tmp_path)
   assert any(p.name == "latency_variants.png" for p in paths)
+
+
+def test_plot_all_says_what_it_skipped_and_why(tmp_path, capsys):
+  folder = tmp_path / "res"
+  folder.mkdir()
+  good = timing_row("latency", "MHA", "bf16", "contiguous",
+                    {"batch": 1, "prompt_len": 16, "gen_len": 16, "context": 32}, 1e-3)
+  nomod = {**good, "experiment": "no_such_plot"}
+  (folder / "rows.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(nomod) + "\n"
+                                     + '{"torn": \n')
+  (folder / "bench.jsonl").write_text('{"bench": "x", "speedup": 2}\n' * 3)
+  paths = load_plot_all().plot_all(folder, tmp_path / "plots")
+  err = capsys.readouterr().err.splitlines()
+  assert any(p.name == "latency_variants.png" for p in paths)
+  assert any("bench.jsonl: 3 rows that are not `kvjax run` results rows" in line for line in err)
+  assert any("rows.jsonl: 1 unreadable lines" in line for line in err)
+  assert any("experiment 'no_such_plot' (1 rows): no plot module" in line for line in err)
+  assert len(err) == 3
+
+
+def test_titles_do_not_repeat_the_device():
+  load_plot_all()
+  from plots import subtitle
+  row = {"config": {"model": {"n_layers": 1, "d_model": 8, "n_heads": 2}},
+         "env": {"backend": "cpu", "device_kind": "cpu"}}
+  assert "cpu: cpu" not in subtitle([row]) and subtitle([row]).endswith("cpu")
+  row["env"] = {"backend": "gpu", "device_kind": "NVIDIA H100"}
+  assert subtitle([row]).endswith("gpu: NVIDIA H100")

@@ -79,18 +79,38 @@ def codec_order(name: str) -> tuple:
   return (order.index(base) if base in order else len(order), name)
 
 
-def load_rows(results_dir: str | Path) -> dict[str, list[dict]]:
-  """Rows of every *.jsonl under a folder, grouped by experiment (torn lines skipped)."""
+def scan_rows(results_dir: str | Path) -> tuple[dict[str, list[dict]], list[str]]:
+  """(rows of every *.jsonl under a folder grouped by experiment, what was skipped and why)."""
   out: dict[str, list[dict]] = {}
-  for path in sorted(Path(results_dir).rglob("*.jsonl")):
+  skipped = []
+  root = Path(results_dir)
+  for path in sorted(root.rglob("*.jsonl")):
+    torn = foreign = 0
     for line in path.read_text().splitlines():
+      if not line.strip():
+        continue
       try:
         row = json.loads(line)
       except json.JSONDecodeError:
+        torn += 1
         continue
       if isinstance(row, dict) and "experiment" in row and "metrics" in row:
         out.setdefault(row["experiment"], []).append(row)
-  return out
+      else:
+        foreign += 1
+    where = path.relative_to(root) if path != root else path
+    if foreign:
+      skipped.append(f"{where}: {foreign} rows that are not `kvjax run` results rows (no "
+                     "experiment/metrics fields; a benchmark script's own output, shown as a "
+                     "table in the docs, not plotted)")
+    if torn:
+      skipped.append(f"{where}: {torn} unreadable lines (torn or not JSON)")
+  return out, skipped
+
+
+def load_rows(results_dir: str | Path) -> dict[str, list[dict]]:
+  """Rows of every *.jsonl under a folder, grouped by experiment (torn lines skipped)."""
+  return scan_rows(results_dir)[0]
 
 
 def human_bytes(n: float, _pos=None) -> str:
@@ -136,7 +156,9 @@ def subtitle(rows: list[dict]) -> str:
   m = r.get("config", {}).get("model", {})
   env = r.get("env", {})
   shape = f"L={m.get('n_layers')} E={m.get('d_model')} H={m.get('n_heads')}" if m else ""
-  return f"{shape}  {env.get('backend', '?')}: {env.get('device_kind', '?')}"
+  backend, kind = env.get("backend", "?"), env.get("device_kind", "?")
+  device = backend if kind == backend else f"{backend}: {kind}"
+  return f"{shape}  {device}"
 
 
 def save(fig, out_dir: Path, stem: str) -> list[Path]:

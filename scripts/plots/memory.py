@@ -101,8 +101,7 @@ def _concurrency(rows, out_dir):
                                     0.24 * n_lines * nrow + 1.4 * nrow + 0.4))
   top = max(max(r["metrics"]["max_concurrency"] for r in rows), 2)
   norm = LogNorm(vmin=1, vmax=top)
-  cmap = plt.get_cmap("viridis").copy()
-  cmap.set_bad("#dddddd")
+  cmap = plt.get_cmap("viridis").with_extremes(bad="#dddddd")
   for ax, shape in zip(axes.flat, shapes):
     lines = per_shape[shape]
     sub = {(r["variant"]["variant"], cache_label(r), r["workload"]["context"]):

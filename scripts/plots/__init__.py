@@ -123,6 +123,8 @@ def human_bytes(n: float, _pos=None) -> str:
 
 BYTES = FuncFormatter(human_bytes)
 PLAIN = FuncFormatter(lambda y, _pos=None: f"{y:g}")
+# Minor ticks of a log axis labelled at 2, 3 and 5 x 10^k only, so they do not crowd.
+SPARSE = FuncFormatter(lambda y, _pos=None: f"{y:g}" if f"{y:.0e}"[0] in "235" else "")
 TOKENS = FuncFormatter(lambda n, _pos=None: f"{n / 1024:g}k" if n >= 1024 else f"{n:g}")
 
 

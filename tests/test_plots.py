@@ -174,3 +174,33 @@ def test_titles_do_not_repeat_the_device():
   assert "cpu: cpu" not in subtitle([row]) and subtitle([row]).endswith("cpu")
   row["env"] = {"backend": "gpu", "device_kind": "NVIDIA H100"}
   assert subtitle([row]).endswith("gpu: NVIDIA H100")
+
+
+def test_every_docs_image_is_redrawable_or_names_its_command(tmp_path):
+  """docs/img/README.md lists every image; a `rows` image is drawn from its committed rows."""
+  import shutil
+
+  img = ROOT / "docs" / "img"
+  table = {}
+  for line in (img / "README.md").read_text().splitlines():
+    if line.startswith("| `"):
+      name, source, how = [c.strip() for c in line.strip("|").split("|")]
+      table[name.strip("`")] = (source, how)
+  assert set(table) == {p.name for p in img.glob("*.png")}
+  by_rows: dict = {}
+  for name, (source, how) in table.items():
+    assert source in ("rows", "command"), name
+    if source == "command":
+      assert "kvjax run configs/" in how or how == "as above", name
+    else:
+      by_rows.setdefault(how.strip("`"), []).append(name)
+  assert by_rows
+  plot_all = load_plot_all()
+  for rows_file, names in by_rows.items():
+    src = ROOT / rows_file
+    assert src.is_file(), rows_file
+    folder = tmp_path / src.stem
+    folder.mkdir()
+    shutil.copy(src, folder / src.name)
+    drawn = {p.name for p in plot_all.plot_all(folder, tmp_path / "out" / src.stem)}
+    assert set(names) <= drawn, (rows_file, names, drawn)

@@ -207,7 +207,7 @@ def cmd_generate(args) -> dict:
   result["mesh"] = {"data": cfg.mesh.data, "model": cfg.mesh.model}
   result.update({"variant": cfg.model.variant, "layout": cfg.cache.layout,
                  "k_codec": cfg.cache.k_codec, "v_codec": cfg.cache.v_codec,
-                 "batch": len(prompts)})
+                 "batch": len(prompts), "random_weights": not (args.hf or args.checkpoint)})
   return result
 
 
@@ -374,6 +374,10 @@ def _print_human(command: str, result: dict) -> None:
   if command == "size":
     _print_size(result)
   elif command == "generate":
+    if result.get("random_weights"):
+      print("kvjax: note: random weights (a --config model is initialised, not trained): the "
+            "text is noise; use --checkpoint DIR or --hf DIR for a trained model",
+            file=sys.stderr)
     for i, toks in enumerate(result["tokens"]):
       text = f"  {result['text'][i]!r}" if "text" in result else ""
       print(f"[{i}] {toks}{text}")

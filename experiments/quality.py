@@ -1,8 +1,8 @@
 """quality: what each cache setting costs in output quality, measured through the cache.
 
 A cell is one cache setting (`params.setting`, a name from `params.settings`: a mapping
-of cache overrides such as codec, k_axis, group_size, residual, applied by the runner) on
-one layout. For each trained checkpoint in `params.checkpoints` (MHA, GQA, MQA comparison models) it returns:
+of cache overrides such as codec, k_axis, group_size, residual) on one layout. For each
+trained checkpoint in `params.checkpoints` (MHA, GQA, MQA comparison models) it returns:
 
   - a `task: text` row: validation text streamed token by token (`params.chunk`) through
     the cache; `ppl`, `ppl_ref` (same model, fp32 cache), `dppl_rel`, `kl`, `agreement`

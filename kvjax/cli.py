@@ -1,4 +1,5 @@
-"""The `kvjax` command line: size, generate, run, results, train, convert (contract: README, DESIGN.md).
+"""The `kvjax` command line: size, generate, run, results, train, convert (contract: README,
+DESIGN.md).
 
 User errors exit with status 2 and one line on stderr that names the problem and the fix.
 """

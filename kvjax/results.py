@@ -1,8 +1,9 @@
 """`kvjax results DIR|FILE --format csv|markdown`: results rows as a table to paste.
 
 Each row is flattened by `runner.flatten` (its variant and workload fields, the known
-metrics, then every other scalar metric), with its experiment first. CSV keeps raw values in SI units (seconds, bytes);
-markdown formats them as the run's summary table does (times in ms, bytes in KiB/MiB/GiB).
+metrics, then every other scalar metric), with its experiment first. CSV keeps raw values
+in SI units (seconds, bytes); markdown formats them as the run's summary table does (times
+in ms, bytes in KiB/MiB/GiB).
 """
 
 from __future__ import annotations

@@ -325,7 +325,7 @@ def test_a_rows_config_rebuilds_the_cache_spec_that_ran(tmp_path, monkeypatch):
     assert row["variant"]["k_codec"] == want_k and row["variant"]["v_codec"] == "fp16"
 
 
-def test_paired_settings_work_for_any_experiment(tmp_path):
+def test_paired_settings_work_for_any_experiment(tmp_path, capsys):
   path = write_cfg(tmp_path, "grid:\n  params.setting: [k8v4, kivi]\n")
   path.write_text(path.read_text().replace(
       "params: {contexts: [4, 8]}",
@@ -341,9 +341,12 @@ def test_paired_settings_work_for_any_experiment(tmp_path):
   _, cells = runner.expand(path, ["cache.residual=8"])  # --set pins over a setting
   assert next(c for c in cells if c.cfg.param("setting") == "kivi").cfg.cache.residual == 8
   out = tmp_path / "out"
+  capsys.readouterr()
   runner.run_file(path, out_dir=out, progress=False)
   assert {r["variant"]["setting"] for r in runner.read_rows(out / "memory.jsonl")} == \
       {"k8v4", "kivi"}
+  table = capsys.readouterr().out  # the summary names the setting, not just its codec
+  assert "k8v4" in table and "kivi" in table
   with pytest.raises(KvjaxError, match="unknown params.setting 'nope'.*known: k8v4, kivi"):
     runner.expand(path, ["grid.params.setting=[nope]"])
 

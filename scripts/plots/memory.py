@@ -134,7 +134,7 @@ def _concurrency(rows, out_dir):
   for ax in axes.flat[len(shapes):]:
     ax.set_visible(False)
   fig.suptitle("Concurrent sequences that fit: floor((budget - weights) / cache bytes per "
-               "sequence)\nclosed form; grey = none fits; MHA / the shape's own GQA / MQA; weights by variant",
-               fontsize=10)
+               "sequence)\nclosed form; grey = none fits; MHA / the shape's own GQA / MQA; "
+               "weights by variant", fontsize=10)
   fig.tight_layout()
   return save(fig, out_dir, "memory_max_concurrency")

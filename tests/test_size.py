@@ -139,3 +139,10 @@ def test_size_into_a_closed_pipe_exits_quietly():
   err = proc.communicate(timeout=120)[1]
   assert "Broken pipe" not in err and "Traceback" not in err and "--out" not in err, err
   assert proc.returncode == 0
+
+
+def test_budget_on_a_mesh_is_refused_in_one_line(capsys):
+  rc = cli.main(["size", "--config", str(LLAMA3), "--seq-len", "1024", "--budget", "80GiB",
+                 "--set", "mesh.model=8"])
+  err = capsys.readouterr().err.strip()
+  assert rc == 2 and len(err.splitlines()) == 1 and "--budget sizes one device" in err

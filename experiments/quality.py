@@ -4,9 +4,9 @@ A cell is one cache setting (`params.setting`, a name from `params.settings`: a 
 of cache overrides such as codec, k_axis, group_size, residual) on one layout. Models come
 from `params.models`, a list of sources (`gguf:smollm2-135m`, `hf:DIR`, `checkpoint:DIR`,
 or a bare path; see kvjax.sources), or `params.checkpoints` (kvjax checkpoint folders: the
-trained MHA, GQA, MQA comparison models). A setting may also lower `model.n_kv_heads`:
-the model's K/V projections are then mean-pooled into that many heads (kvjax.convert,
-no uptraining) and measured against the unconverted model's fp32 cache. For each model:
+trained MHA, GQA, MQA comparison models). A setting may also set `params.kv_heads`: the
+model's K/V projections are then mean-pooled into that many heads (kvjax.convert, no
+uptraining) and measured against the unconverted model's fp32 cache. For each model:
 
   - a `task: text` row: validation text streamed token by token (`params.chunk`) through
     the cache; `ppl`, `ppl_ref` (same model, fp32 cache), `dppl_rel`, `kl`, `agreement`
@@ -47,10 +47,6 @@ from kvjax.errors import KvjaxError
 _REF: dict = {}
 
 
-def _settings(cfg) -> dict:
-  return {k: dict(v) for k, v in dict(cfg.param("settings", ())).items()}
-
-
 def _models(cfg) -> list[sources.Source]:
   """`params.models` (any source) followed by `params.checkpoints` (kvjax folders)."""
   models, paths = cfg.param("models", ()), cfg.param("checkpoints", ())
@@ -64,10 +60,6 @@ def _models(cfg) -> list[sources.Source]:
 
 
 def check(cfg) -> None:
-  name = cfg.param("setting", "")
-  settings = _settings(cfg)
-  if name and name not in settings:
-    raise KvjaxError(f"unknown params.setting '{name}'; known: {', '.join(settings)}")
   for src in _models(cfg):
     if src.kind == "checkpoint" and not (Path(src.ref) / "config.yaml").is_file():
       raise KvjaxError(f"checkpoint {src.ref} not found; train it first, e.g. "
@@ -86,11 +78,10 @@ def _load(src: sources.Source):
 
 
 def cell_config(cfg, model_cfg: config_lib.Config) -> config_lib.Config:
-  """The model and data with this cell's cache, workload and setting."""
+  """The model and data with this cell's cache and workload (the runner has
+  already applied the cell's `params.setting`)."""
   merged = dataclasses.replace(model_cfg, cache=cfg.cache, workload=cfg.workload, seed=cfg.seed)
-  over = _settings(cfg).get(cfg.param("setting", ""), {})
-  return config_lib.apply_overrides(merged, over) if over else \
-      config_lib.validate(config_lib.resolve(merged))
+  return config_lib.validate(config_lib.resolve(merged))
 
 
 def _windows(cfg, model_cfg: config_lib.Config, tok):
@@ -137,8 +128,10 @@ def run_cell(cfg) -> list[dict]:
     mcfg, params, tok = _load(src)
     tcfg = cell_config(cfg, mcfg)
     ref = _reference(src, cfg, mcfg, params, tok)
-    if tcfg.model.n_kv_heads != mcfg.model.n_kv_heads:  # GQA -> fewer KV heads, mean-pooled
-      _, params = convert.mean_pool(mcfg, params, tcfg.model.n_kv_heads)
+    kv_heads = int(cfg.param("kv_heads", 0))
+    if kv_heads and kv_heads != mcfg.model.n_kv_heads:  # fewer KV heads, mean-pooled
+      pooled_cfg, params = convert.mean_pool(mcfg, params, kv_heads)
+      tcfg = cell_config(cfg, pooled_cfg)
     c = tcfg.cache
     var = ex.variant(tcfg, k_axis=c.k_axis, group_size=c.group_size, residual=c.residual,
                      setting=cfg.param("setting", ""), model=src.name)

@@ -121,8 +121,9 @@ def _params_of(items: dict) -> dict:
 
 
 def setting_overrides(params: dict) -> dict:
-  """The cache/model/workload overrides of the selected paired setting: `params.setting`
-  names one entry of `params.settings` (name -> {dotted key: value}); {} when none."""
+  """The overrides of the selected paired setting: `params.setting` names one entry of
+  `params.settings` (name -> {dotted key: value}: cache/model/workload keys, or an
+  experiment option `params.X` other than the setting itself); {} when none."""
   name = params.get("setting") or ""
   settings = params.get("settings") or {}
   if not name:
@@ -132,8 +133,9 @@ def setting_overrides(params: dict) -> dict:
     raise KvjaxError(f"unknown params.setting '{name}'; add it under params.settings "
                      f"(known: {known})")
   over = settings[name]
-  if not isinstance(over, dict) or any(str(k).startswith(("params", "grid", "experiment"))
-                                       for k in over):
+  if not isinstance(over, dict) or any(
+      str(k) in ("params", "params.setting", "params.settings")
+      or str(k).startswith(("grid", "experiment")) for k in over):
     raise KvjaxError(f"params.settings.{name} must map config keys to values, e.g. "
                      "{cache.k_codec: int8, cache.v_codec: int4}")
   return {str(k): v for k, v in over.items()}

@@ -145,8 +145,8 @@ def load_config(path: str | Path, overrides: dict | None = None) -> Config:
   """A kvjax Config for the GGUF file (fp32 compute unless overridden)."""
   path = Path(path)
   meta = metadata(path)
-  base = {**config_overrides(meta, path), "tokenizer": f"gguf:{path}",
-          "name": f"gguf-{path.stem}"}
+  tok = f"gguf:{path}" if "tokenizer.ggml.model" in meta else "none"
+  base = {**config_overrides(meta, path), "tokenizer": tok, "name": f"gguf-{path.stem}"}
   if "rope_freqs.weight" in {t.name for t in _open(str(path)).tensors}:
     raise KvjaxError(f"{path} carries rope_freqs.weight (llama3-style RoPE scaling), which "
                      "kvjax does not read from GGUF; import the Hugging Face folder instead")

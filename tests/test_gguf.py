@@ -223,3 +223,16 @@ def test_smollm2_logits_and_greedy_tokens_match_transformers(smollm2):
     want = ref_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
                               min_new_tokens=32)[0, len(ids):].tolist()
   assert out == want
+
+
+def test_convert_gguf_to_mqa_checkpoint(tmp_path):
+  from kvjax import checkpoint, cli, convert
+  cfg, params = _source(True)
+  path = write_gguf(tmp_path / "m.gguf", cfg, params)
+  out = tmp_path / "mqa"
+  assert cli.main(["convert", "--gguf", str(path), "--kv-heads", "1", "--out", str(out)]) == 0
+  got_cfg, got = checkpoint.load(out)
+  assert got_cfg.model.n_kv_heads == 1 and got_cfg.tokenizer == "none"  # the file has none
+  _, want = convert.mean_pool(*gguf.load(path), 1)
+  np.testing.assert_allclose(np.asarray(got["layers"]["k_proj"]["kernel"]),
+                             np.asarray(want["layers"]["k_proj"]["kernel"]), rtol=1e-6)

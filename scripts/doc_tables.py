@@ -9,6 +9,9 @@ A generated block sits between `<!-- doc_tables:NAME begin -->` and
 
   quality   results/quality.jsonl: Δppl and KL per cache setting and model, the models and
             token counts they rest on, and which settings stay within 1 % Δppl.
+  real      results/real/quality.jsonl: the real model (SmolLM2-135M) per cache setting,
+            ordered by bytes per token, with transformers' quantized cache beside it and
+            the best kvjax setting at each bit width against it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "experiments.md"
-SOURCES = {"quality": ROOT / "results" / "quality.jsonl"}
+SOURCES = {"quality": ROOT / "results" / "quality.jsonl",
+           "real": ROOT / "results" / "real" / "quality.jsonl"}
 MODEL_ORDER = ("MHA", "GQA-2", "GQA-4", "GQA-8", "MQA")
 LIMIT = 1.0  # the Δppl (%) that the "within" sentence tests
 
@@ -109,7 +113,59 @@ def quality_table(rows: list[dict]) -> str:
       + ", ".join(over) + ".")
 
 
-BUILDERS = {"quality": quality_table}
+def _bits(variant: dict) -> int | None:
+  """Bits of the K and V codes when both are the same integer width, else None."""
+  names = {variant["k_codec"].removeprefix("quanto-"), variant["v_codec"].removeprefix("quanto-")}
+  if len(names) == 1 and next(iter(names)).startswith("int"):
+    return int(next(iter(names))[3:])
+  return None
+
+
+def real_table(rows: list[dict]) -> str:
+  text = [r for r in rows if r["experiment"] == "quality" and r["workload"].get("task") == "text"]
+  if not text:
+    raise SystemExit("doc_tables: no real-model rows; run "
+                     "`kvjax run configs/real_quality.yaml --out results/real`")
+  full = max(r["metrics"]["bytes_per_token"] for r in text)
+  lines = ["| setting | what | bytes/token | of fp32 | Δppl | KL | agreement |",
+           "|---|---|---|---|---|---|---|"]
+  for r in sorted(text, key=lambda r: (-r["metrics"]["bytes_per_token"], r["variant"]["setting"])):
+    v, m = r["variant"], r["metrics"]
+    what = ("transformers QuantizedCache (quanto), " + f"residual {v.get('residual')}"
+            if v.get("peer") else describe(v))
+    if v.get("variant") == "MQA":
+      what = "GQA-3 → MQA, mean-pooled K/V heads (no uptraining), " + what
+    lines.append(f"| `{v['setting']}` | {what} | {m['bytes_per_token']:,.0f} | "
+                 f"{m['bytes_per_token'] / full:.1%} | {_signed(100 * m['dppl_rel'])} | "
+                 f"{_kl(m['kl'])} | {m['agreement']:.3f} |")
+  w = text[0]["workload"]
+  model = text[0]["variant"].get("model")
+  out = "\n".join(lines) + (
+      f"\n\nRows: `results/real/quality.jsonl`: model `{model}`, {w['batch']} × {w['context']} = "
+      f"{w['batch'] * w['context']:,} tokens of `{w['data']}` validation text fed "
+      f"{w['chunk']} at a time. Each row's reference is the same model through an fp32 cache "
+      "(transformers' unquantized dynamic cache for the transformers rows). bytes/token is "
+      "kvjax's closed form over all 30 layers (codec scales included); for the transformers "
+      "rows, the bytes its cache held at the end divided by the tokens.")
+  peers = [r for r in text if r["variant"].get("peer")]
+  own = [r for r in text if not r["variant"].get("peer") and r["variant"].get("variant") != "MQA"]
+  for p in sorted(peers, key=lambda r: -_bits(r["variant"])):
+    bits = _bits(p["variant"])
+    same = [r for r in own if _bits(r["variant"]) == bits]
+    if not same:
+      continue
+    best = min(same, key=lambda r: abs(r["metrics"]["dppl_rel"]))
+    pd, bd = 100 * p["metrics"]["dppl_rel"], 100 * best["metrics"]["dppl_rel"]
+    ratio = f"{abs(pd) / abs(bd):.1f}× smaller |Δppl|" if bd else "no Δppl at all"
+    out += (f"\n\nAt {bits} bits, kvjax's best setting `{best['variant']['setting']}` "
+            f"({describe(best['variant'])}) costs {_signed(bd)} at "
+            f"{best['metrics']['bytes_per_token']:,.0f} B/token; transformers' quanto "
+            f"int{bits} costs {_signed(pd)} at {p['metrics']['bytes_per_token']:,.0f} B/token "
+            f"({ratio} for kvjax).")
+  return out
+
+
+BUILDERS = {"quality": quality_table, "real": real_table}
 
 
 def render(doc: str, blocks: dict[str, str]) -> str:

@@ -41,7 +41,7 @@ import yaml
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
 
-# Metric columns of the summary table, in this order when present (DESIGN.md names).
+# Metric columns of the summary table, in this order when present.
 TABLE_METRICS = ("bytes_per_token", "cache_bytes", "closed_form_bytes", "max_concurrency",
                  "ttft_s", "tpot_s", "tokens_per_s", "speedup_vs_recompute", "peak_bytes",
                  "roofline_fraction", "ppl", "ppl_ref", "kl", "agreement", "recall",

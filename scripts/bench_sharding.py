@@ -6,7 +6,7 @@
 Forces `--devices` host CPU devices (XLA_FLAGS, before JAX starts), lays params, prompts
 and cache out on each mesh (kvjax.sharding), compiles prefill + decode once per mesh, then
 round-robins the timed repeats over the meshes so they share the machine's noise
-(DESIGN.md protocol). Ratios to 1x1 are what to read: forced CPU devices share the same
+(the timing protocol of kvjax.metrics). Ratios to 1x1 are what to read: forced CPU devices share the same
 cores, so a mesh only adds partitioning and collective overhead here; on real devices
 the same program splits the work. Prints one JSON row per mesh.
 """

@@ -1,4 +1,4 @@
-"""The CLI contract from DESIGN.md: forms, --json fields, one-line errors, no tracebacks."""
+"""The CLI contract (README, Command line): forms, --json fields, one-line errors, no tracebacks."""
 
 import json
 import subprocess

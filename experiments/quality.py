@@ -20,11 +20,11 @@ Text: byte-level models read windows of their training corpus' validation split
 validation documents of Python's own sources and docs, kvjax.data.eval_text), tokenized
 and cut into `eval_seqs` evenly spaced windows of `eval_tokens`.
 
-Peers: `params.peers` (e.g. `[quanto_int4, quanto_int2]`) adds rows for transformers'
-`QuantizedCache` (quanto backend, that many bits, residual `params.peer_residual`, its
-other options at their defaults) on the same model (transformers' own GGUF loader) and the
-same tokens and chunking, with transformers' unquantized cache as that row's reference;
-they are emitted by the cell whose setting is `params.peer_setting` (default `fp32`).
+Peers: a setting with `params.peer: quanto_int4` (or `quanto_int2`) measures transformers'
+`QuantizedCache` instead of a kvjax cache (quanto backend, that many bits, residual
+`params.peer_residual`, its other options at their defaults) on the same model
+(transformers' own GGUF loader), the same tokens and the same chunking, with transformers'
+unquantized dynamic cache as that row's reference (computed once per run).
 
 The cell's own `model:` section is ignored: each model brings its config.
 References are computed once per model and reused by every cell of a run.
@@ -67,9 +67,9 @@ def check(cfg) -> None:
     if src.kind == "gguf":
       from kvjax import zoo
       zoo.resolve_gguf(src.ref)
-  for peer in _peers(cfg):
-    if not peer.startswith("quanto_int") or peer[len("quanto_int"):] not in ("2", "4"):
-      raise KvjaxError(f"unknown peer '{peer}' in params.peers; use quanto_int4 or quanto_int2")
+  peer = cfg.param("peer", "")
+  if peer and (not peer.startswith("quanto_int") or peer[len("quanto_int"):] not in ("2", "4")):
+    raise KvjaxError(f"unknown params.peer '{peer}'; use quanto_int4 or quanto_int2")
 
 
 @functools.lru_cache(maxsize=4)
@@ -100,7 +100,8 @@ def _reference(src: sources.Source, cfg, mcfg, params, tok) -> dict:
          tuple(cfg.param("recall_contexts", ())), cfg.param("recall_seqs", 32), cfg.seed,
          cfg.workload.prompt_len, cfg.workload.gen_len)
   if key not in _REF:
-    _REF.clear()  # one model's reference at a time: a real model's is gigabytes
+    for k in [k for k in _REF if k[0] != "hf"]:  # one model's reference at a time: a real
+      del _REF[k]                                # model's is gigabytes
     ref_cfg = evaluate.reference_config(cell_config(cfg, mcfg))
     tokens, corpus = _windows(cfg, mcfg, tok)
     lp = evaluate.reference_logprobs(ref_cfg, params, tokens, int(cfg.param("chunk", 1)))
@@ -128,6 +129,10 @@ def run_cell(cfg) -> list[dict]:
     mcfg, params, tok = _load(src)
     tcfg = cell_config(cfg, mcfg)
     ref = _reference(src, cfg, mcfg, params, tok)
+    if cfg.param("peer", ""):
+      text = str(cfg.param("text", "stdlib"))
+      rows.append(_peer_row(cfg, src, cfg.param("peer"), ref["tokens"], chunk, text))
+      continue
     kv_heads = int(cfg.param("kv_heads", 0))
     if kv_heads and kv_heads != mcfg.model.n_kv_heads:  # fewer KV heads, mean-pooled
       pooled_cfg, params = convert.mean_pool(mcfg, params, kv_heads)
@@ -148,8 +153,6 @@ def run_cell(cfg) -> list[dict]:
     rows.append({"variant": var, "workload": {"task": "text", "batch": B, "context": N,
                                               "chunk": chunk, "data": text},
                  "metrics": metrics})
-    if cfg.param("setting", "") == cfg.param("peer_setting", "fp32"):
-      rows += [_peer_row(cfg, src, peer, ref["tokens"], chunk, text) for peer in _peers(cfg)]
     for L, (seqs, mask, acc_ref) in ref["recall"].items():
       acc = evaluate.recall_accuracy(tcfg, params, seqs, mask, chunk)
       rows.append({"variant": var, "workload": {"task": "recall", "context": L,
@@ -160,11 +163,6 @@ def run_cell(cfg) -> list[dict]:
 
 
 # -- transformers' quantized cache on the same model and tokens ------------------------------
-def _peers(cfg) -> list[str]:
-  peers = cfg.param("peers", ())
-  return [peers] if isinstance(peers, str) else list(peers)
-
-
 @functools.lru_cache(maxsize=1)
 def _hf_model(src: sources.Source):
   """The same weights in transformers: its own GGUF loader, or the HF folder."""
@@ -222,7 +220,10 @@ def _peer_row(cfg, src, peer: str, tokens_BN, chunk: int, text: str) -> dict:
   from transformers import DynamicCache, QuantizedCache
   model = _hf_model(src)
   bits, residual = int(peer[len("quanto_int"):]), int(cfg.param("peer_residual", 128))
-  ref = _hf_logprobs(model, tokens_BN, chunk, DynamicCache(config=model.config))
+  key = ("hf", str(src), np.asarray(tokens_BN).tobytes(), chunk)
+  if key not in _REF:
+    _REF[key] = _hf_logprobs(model, tokens_BN, chunk, DynamicCache(config=model.config))
+  ref = _REF[key]
   cache = QuantizedCache(backend="quanto", config=model.config, nbits=bits,
                          residual_length=residual)
   lp = _hf_logprobs(model, tokens_BN, chunk, cache)

@@ -241,12 +241,21 @@ def _experiment_cfg(tmp_path, **params):
       "experiment": "long_context", "params": p})
 
 
-def test_run_cell_end_to_end(tmp_path):
+@pytest.fixture(scope="module")
+def cell_rows(tmp_path_factory):
+  """Rows of two cells (int4 KIVI-style and fp32) of the experiment on the tiny model."""
   from experiments import long_context
 
-  cfg = _experiment_cfg(tmp_path)
-  long_context.check(cfg)
-  rows = long_context.run_cell(cfg)
+  tmp = tmp_path_factory.mktemp("lc")
+  kivi = _experiment_cfg(tmp)
+  long_context.check(kivi)
+  return long_context.run_cell(kivi), long_context.run_cell(_experiment_cfg(tmp, setting="fp32"))
+
+
+def test_run_cell_end_to_end(cell_rows):
+  from experiments import long_context
+
+  rows, fp32 = cell_rows
   # passkey: one example per depth; niah and vt: one example, one query per depth
   assert [r["workload"]["task"] for r in rows] == ["passkey"] * 2 + ["niah"] * 2 + ["vt"] * 2
   for r in rows:
@@ -257,11 +266,33 @@ def test_run_cell_end_to_end(tmp_path):
     assert v["k_codec"] == "int4" and v["model"] == "tiny"
     assert m["bytes_per_token"] < 2 * 2 * 2 * 8 * 4  # well under fp32's L*2*K*D*4 bytes
   assert sorted({r["workload"]["depth"] for r in rows}) == [0.25, 0.75]
-  fp32 = long_context.run_cell(_experiment_cfg(tmp_path, setting="fp32"))
   assert fp32[0]["metrics"]["bytes_per_token"] == 2 * 2 * 2 * 8 * 4
+  assert [r["workload"]["prompt_tokens"] for r in fp32] == \
+      [r["workload"]["prompt_tokens"] for r in rows]  # same prompts for every setting
   table = long_context.summary(rows + fp32)
   assert {(t["setting"], t["task"]) for t in table} == {
       (s, t) for s in ("fp32", "int4_kivi") for t in ("passkey", "niah", "vt")}
+
+
+def test_plots_from_rows(cell_rows, tmp_path):
+  import importlib.util
+  import json
+  from pathlib import Path
+
+  root = Path(__file__).resolve().parent.parent
+  spec = importlib.util.spec_from_file_location("plot_all", root / "scripts" / "plot_all.py")
+  plot_all = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(plot_all)
+  res = tmp_path / "res"
+  res.mkdir()
+  with open(res / "long_context.jsonl", "w") as f:
+    for r in cell_rows[0] + cell_rows[1]:
+      f.write(json.dumps({"experiment": "long_context", **r}) + "\n")
+  written = plot_all.plot_all(res, tmp_path / "plots")
+  names = sorted(p.name for p in written)
+  assert names == ["long_context_accuracy_vs_bytes.png", "long_context_accuracy_vs_bytes.svg",
+                   "long_context_heatmap.png", "long_context_heatmap.svg"]
+  assert all(p.stat().st_size > 1000 for p in written)
 
 
 @pytest.mark.parametrize("params,match", [

@@ -125,8 +125,11 @@ def _make_examples(cfg, tok) -> list[tuple[tuple, tasks.Example]]:
   return out
 
 
-def _capacity(cfg) -> int:
-  return _context(cfg)
+def _capacity(cfg, mcfg) -> int:
+  """Cache slots: the model's whole window unless `params.capacity` says otherwise, the same
+  for every context so each setting's programs compile once (attention reads only the
+  live length)."""
+  return max(int(cfg.param("capacity", 0)) or mcfg.model.max_seq_len, _context(cfg))
 
 
 def _prefixes(spec: str, cfg, mcfg, params, tok):
@@ -139,7 +142,7 @@ def _prefixes(spec: str, cfg, mcfg, params, tok):
     ref = evaluate.reference_config(dataclasses.replace(mcfg, seed=cfg.seed))
     made = {}
     for k, e in _examples(cfg, tok):
-      c = tasks.prefill(ref, params, tok.encode(e.prefix), _capacity(cfg),
+      c = tasks.prefill(ref, params, tok.encode(e.prefix), _capacity(cfg, mcfg),
                         int(cfg.param("chunk", 512)))
       made[k] = (e, tasks.prefix_kv(c))
     _KV[key] = made
@@ -157,7 +160,7 @@ def run_cell(cfg) -> list[dict]:
                      setting=cfg.param("setting", ""), model=src.name)
     bpt = ex.bytes_per_token(tcfg)
     for (task, s, _, template), (e, kv) in _prefixes(spec, cfg, mcfg, params, tok).items():
-      cache = tasks.encode_prefix(tcfg, kv, _capacity(cfg))
+      cache = tasks.encode_prefix(tcfg, kv, _capacity(cfg, mcfg))
       for q in e.queries:
         tail = tok.encode(q.tail)
         if len(tail) > tail_pad:

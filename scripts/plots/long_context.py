@@ -4,12 +4,15 @@
     (rows) x context length (columns), accuracy over tasks and seeds, each cell labelled
     "right/asked".
   long_context_accuracy_vs_bytes: accuracy over every query of a context length against
-    the setting's closed-form cache bytes per token, one line per context length; each
-    point labelled with its setting.
+    the setting's closed-form cache bytes per token, one line per context length, points
+    labelled with their setting; beside it (when fp32 rows are present), the fraction of
+    queries whose first number written equals the fp32 cache's, which separates what the
+    codec changes from what the model cannot do at any precision.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -77,35 +80,58 @@ def heatmap(rows, out_dir: Path) -> list[Path]:
   return save(fig, out_dir, "long_context_heatmap")
 
 
+def _first_number(text: str):
+  m = re.search(r"\d+", text)
+  return m.group(0) if m else None
+
+
+def _query(r) -> tuple:
+  w = r["workload"]
+  return (r["variant"].get("model"), w["context"], w["task"], w["depth"], w.get("seed"),
+          w.get("key"))
+
+
 def accuracy_vs_bytes(rows, out_dir: Path) -> list[Path]:
   settings = _settings(rows)
   contexts = sorted({r["workload"]["context"] for r in rows})
-  fig, ax = plt.subplots(figsize=(7.5, 4.6))
+  ref = {_query(r): _first_number(r["metrics"]["output"]) for r in rows
+         if _setting(r) == "fp32" and "output" in r["metrics"]}
+  panels = 2 if ref else 1
+  fig, axes = plt.subplots(1, panels, figsize=(6.2 * panels, 4.6), squeeze=False)
   cmap = plt.get_cmap("viridis")
   for k, n in enumerate(contexts):
-    xs, ys, labels = [], [], []
+    xs, acc, same, labels = [], [], [], []
     for s in settings:
       sel = [r for r in rows if _setting(r) == s and r["workload"]["context"] == n]
       if sel:
         xs.append(sel[0]["metrics"]["bytes_per_token"])
-        ys.append(np.mean([r["metrics"]["accuracy"] for r in sel]))
+        acc.append(np.mean([r["metrics"]["accuracy"] for r in sel]))
+        hits = [_first_number(r["metrics"]["output"]) == ref[_query(r)] for r in sel
+                if _query(r) in ref]
+        same.append(np.mean(hits) if hits else np.nan)
         labels.append(s)
     order = np.argsort(xs)
-    color = cmap(k / max(len(contexts) - 1, 1))
+    color = cmap(0.85 * k / max(len(contexts) - 1, 1))
     asked = len([r for r in rows if r["workload"]["context"] == n]) // max(len(settings), 1)
-    ax.plot(np.array(xs)[order], np.array(ys)[order], "-o", color=color,
-            label=f"{TOKENS(n)} tokens ({asked} queries per setting)")
-    if k == len(contexts) - 1:
-      for x, y, lab in zip(xs, ys, labels):
-        ax.annotate(lab, (x, y), textcoords="offset points", xytext=(3, 4), fontsize=7)
-  ax.set_xscale("log", base=2)
-  ax.xaxis.set_major_formatter(BYTES)
-  ax.set_ylim(-0.05, 1.05)
-  ax.set_xlabel("cache bytes per token (all layers, K + V, closed form)")
-  ax.set_ylabel("accuracy (exact digits)")
-  ax.set_title(_title(rows) + ": accuracy vs cache bytes", fontsize=10)
-  ax.grid(True, alpha=0.3)
-  ax.legend(fontsize=8, loc="lower right")
+    for ax, ys in zip(axes[0], (acc, same)):
+      ax.plot(np.array(xs)[order], np.array(ys)[order], "-o", color=color,
+              label=f"{TOKENS(n)} tokens ({asked} queries per setting)")
+      if k == 0:
+        for x, y, lab in zip(xs, ys, labels):
+          ax.annotate(lab, (x, y), textcoords="offset points", xytext=(3, 4), fontsize=7)
+  for ax in axes[0]:
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(BYTES)
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_xlabel("cache bytes per token (all layers, K + V, closed form)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+  axes[0][0].set_ylabel("accuracy (exact digits)")
+  axes[0][0].set_title("accuracy", fontsize=10)
+  if panels == 2:
+    axes[0][1].set_ylabel("fraction of answers equal to fp32's")
+    axes[0][1].set_title("same answer as the fp32 cache (first number written)", fontsize=10)
+  fig.suptitle(_title(rows) + ": accuracy vs cache bytes", fontsize=10)
   return save(fig, out_dir, "long_context_accuracy_vs_bytes")
 
 

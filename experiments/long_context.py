@@ -1,0 +1,194 @@
+"""long_context: retrieval accuracy vs context length, depth and cache setting.
+
+A cell is one context length (`params.context`, tokens) and one cache setting
+(`params.setting`, a name from `params.settings`: a mapping of cache overrides). For each
+model in `params.models` (any source `kvjax.sources.parse` takes: `gguf:smollm2-135m`,
+`checkpoint:DIR`, `hf:DIR`, `config:FILE.yaml`) and each task in `params.tasks`
+(kvjax.tasks: passkey, niah, vt) it generates `params.seeds` examples whose prompt and
+`params.gen_len` answer tokens fit that context length (and the model's window), facts at `params.depths` (passkey: one example per depth; niah and vt: one
+example holding a fact per depth, each queried in turn) and returns one row per query:
+`accuracy` (1.0 or 0.0, `tasks.score`), the greedy continuation, the depth and token
+position of the fact, and the closed-form `bytes_per_token` of the setting.
+
+How a query is answered (see kvjax/tasks.py): the prefix (instructions + haystack) is
+prefilled once through an fp32 cache, `params.chunk` tokens per call; its K/V are stored
+through the cell's codec and layout (the write a prefill with that cache makes), then the
+question tail is fed as its own call and `params.gen_len` tokens are decoded greedily, so
+every question and answer token reads the haystack through the codec. The fp32 prefill is
+shared by every setting of a context (kept while the cells of that context run: list
+`params.context` before `params.setting` in the grid so the settings of a context are
+consecutive cells).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import experiments as ex
+from kvjax import config as config_lib
+from kvjax import evaluate, sources, tasks
+from kvjax.errors import KvjaxError
+
+_KV: dict = {}  # (model, context) -> {example key: (Example, fp32 K/V)}
+
+
+def _settings(cfg) -> dict:
+  return {k: dict(v) for k, v in dict(cfg.param("settings", None) or {}).items()}
+
+
+def _models(cfg) -> list[str]:
+  models = cfg.param("models", ())
+  if isinstance(models, str):
+    models = (models,)
+  if not models:
+    raise KvjaxError("long_context needs params.models: a list of model sources, "
+                     "e.g. [gguf:smollm2-135m]")
+  return list(models)
+
+
+def _task_list(cfg) -> list[str]:
+  names = cfg.param("tasks", tasks.TASKS)
+  return [names] if isinstance(names, str) else list(names)
+
+
+def _context(cfg) -> int:
+  n = cfg.param("context", None)
+  if n is None:
+    raise KvjaxError("long_context needs params.context: the context length in tokens "
+                     "(a grid axis, e.g. params.context: [1024, 2048, 4096, 8192])")
+  return int(n)
+
+
+def check(cfg) -> None:
+  name = cfg.param("setting", "")
+  settings = _settings(cfg)
+  if name and settings and name not in settings:
+    raise KvjaxError(f"unknown params.setting '{name}'; known: {', '.join(settings)}")
+  depths = list(cfg.param("depths", (0.5,)))
+  n = _context(cfg) - int(cfg.param("gen_len", 12))
+  for task in _task_list(cfg):
+    tasks.check_args(task, n, depths[:1] if task == "passkey" else depths)
+  if cfg.param("template", "plain") not in tasks.TEMPLATES:
+    raise KvjaxError(f"unknown params.template '{cfg.param('template')}'; use one of "
+                     f"{', '.join(tasks.TEMPLATES)}")
+  for spec in _models(cfg):
+    _, mcfg, _, tok = _load(spec)
+    ex.check_context(mcfg, _context(cfg))
+    _examples(cfg, tok)  # a context too short for the question fails here, before any cell
+
+
+@functools.lru_cache(maxsize=2)
+def _load(spec: str):
+  src = sources.parse(spec)
+  mcfg, params, tok = sources.load(src)
+  if tok is None:
+    raise KvjaxError(f"model {spec} has no tokenizer; long_context needs text in and out")
+  return src, mcfg, params, tok
+
+
+def cell_config(cfg, model_cfg: config_lib.Config) -> config_lib.Config:
+  """The model with this cell's cache and seed, plus the setting's overrides when the
+  runner left them to the experiment (`params.settings` still in the cell's params)."""
+  merged = dataclasses.replace(model_cfg, cache=cfg.cache, seed=cfg.seed)
+  over = _settings(cfg).get(cfg.param("setting", ""), {})
+  return config_lib.apply_overrides(merged, over) if over else \
+      config_lib.validate(config_lib.resolve(merged))
+
+
+_EX: dict = {}
+
+
+def _examples(cfg, tok) -> list[tuple[tuple, tasks.Example]]:
+  """The prompts fill the context but for the `gen_len` answer tokens (memoized: `check`
+  and `run_cell` both ask)."""
+  key = (id(tok), _context(cfg), tuple(cfg.param("depths", (0.5,))), tuple(_task_list(cfg)),
+         int(cfg.param("seeds", 1)), cfg.param("template", "plain"), cfg.seed,
+         int(cfg.param("vt_hops", 1)), int(cfg.param("gen_len", 12)))
+  if key not in _EX:
+    _EX[key] = _make_examples(cfg, tok)
+  return _EX[key]
+
+
+def _make_examples(cfg, tok) -> list[tuple[tuple, tasks.Example]]:
+  n = _context(cfg) - int(cfg.param("gen_len", 12))
+  depths = [float(d) for d in cfg.param("depths", (0.5,))]
+  template = tasks.TEMPLATES[cfg.param("template", "plain")]
+  out = []
+  for task in _task_list(cfg):
+    for s in range(int(cfg.param("seeds", 1))):
+      groups = [[d] for d in depths] if task == "passkey" else [depths]
+      for ds in groups:
+        e = tasks.generate(task, tok.encode, n, ds, seed=cfg.seed + s, template=template,
+                           hops=int(cfg.param("vt_hops", 1)))
+        out.append(((task, s, tuple(ds), template.name), e))
+  return out
+
+
+def _capacity(cfg, mcfg) -> int:
+  """Cache slots: the model's whole window unless `params.capacity` says otherwise, the same
+  for every context so each setting's programs compile once (attention reads only the
+  live length)."""
+  return max(int(cfg.param("capacity", 0)) or mcfg.model.max_seq_len, _context(cfg))
+
+
+def _prefixes(spec: str, cfg, mcfg, params, tok):
+  """Examples of this context with their prefix's fp32 K/V, computed once per context."""
+  key = (spec, _context(cfg), tuple(cfg.param("depths", (0.5,))), tuple(_task_list(cfg)),
+         int(cfg.param("seeds", 1)), cfg.param("template", "plain"), cfg.seed,
+         int(cfg.param("chunk", 512)), int(cfg.param("vt_hops", 1)))
+  if key not in _KV:
+    _KV.clear()  # one context's prefixes at a time (about 0.4 GB per 8k prefix of SmolLM2)
+    ref = evaluate.reference_config(dataclasses.replace(mcfg, seed=cfg.seed))
+    made = {}
+    for k, e in _examples(cfg, tok):
+      c = tasks.prefill(ref, params, tok.encode(e.prefix), _capacity(cfg, mcfg),
+                        int(cfg.param("chunk", 512)))
+      made[k] = (e, tasks.prefix_kv(c))
+    _KV[key] = made
+  return _KV[key]
+
+
+def run_cell(cfg) -> list[dict]:
+  rows = []
+  gen_len, tail_pad = int(cfg.param("gen_len", 12)), int(cfg.param("tail_pad", 64))
+  for spec in _models(cfg):
+    src, mcfg, params, tok = _load(spec)
+    tcfg = cell_config(cfg, mcfg)
+    c = tcfg.cache
+    var = ex.variant(tcfg, k_axis=c.k_axis, group_size=c.group_size, residual=c.residual,
+                     setting=cfg.param("setting", ""), model=src.name)
+    bpt = ex.bytes_per_token(tcfg)
+    for (task, s, _, template), (e, kv) in _prefixes(spec, cfg, mcfg, params, tok).items():
+      cache = tasks.encode_prefix(tcfg, kv, _capacity(cfg, mcfg))
+      for q in e.queries:
+        tail = tok.encode(q.tail)
+        if len(tail) > tail_pad:
+          raise KvjaxError(f"a {task} question takes {len(tail)} tokens, more than "
+                           f"params.tail_pad={tail_pad}; raise params.tail_pad")
+        out = tok.decode(tasks.answer_through_cache(tcfg, params, cache, tail, gen_len,
+                                                    tail_pad))
+        rows.append({"variant": var,
+                     "workload": {"task": task, "context": _context(cfg),
+                                  "prompt_tokens": e.n_tokens,
+                                  "depth": q.depth,
+                                  "fact_depth": q.fact_token / e.prefix_tokens,
+                                  "fact_token": q.fact_token, "seed": e.seed, "key": q.key,
+                                  "n_facts": len(e.queries), "template": template,
+                                  "gen_len": gen_len},
+                     "metrics": {"accuracy": tasks.score(out, q.answer),
+                                 "bytes_per_token": bpt, "answer": q.answer, "output": out}})
+  return rows
+
+
+def summary(rows: list[dict]) -> list[dict]:
+  """Accuracy per setting and context, over tasks, depths and seeds."""
+  acc: dict = {}
+  for r in rows:
+    v, w = r["variant"], r["workload"]
+    k = (v.get("model"), v.get("setting") or v["codec"], w["task"], w["context"])
+    acc.setdefault(k, [0.0, 0, r["metrics"]["bytes_per_token"]])
+    acc[k][0] += r["metrics"]["accuracy"]
+    acc[k][1] += 1
+  return [{"model": m, "setting": s, "task": t, "context": n, "accuracy": a / c, "n": c,
+           "bytes_per_token": b} for (m, s, t, n), (a, c, b) in acc.items()]

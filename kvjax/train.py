@@ -94,15 +94,8 @@ def validation_loss(cfg: Config, params, corpus: data.Corpus, n_windows: int | N
 
 
 def _check(cfg: Config) -> None:
+  """Cross-field limits of training (each field's own range is checked by config.validate)."""
   t = cfg.train
-  for name in ("steps", "batch", "seq_len", "eval_every", "eval_batches", "checkpoint_every",
-               "log_every"):
-    if getattr(t, name) <= 0:
-      raise KvjaxError(f"train.{name} must be positive, got {getattr(t, name)}")
-  if t.lr <= 0 or t.grad_clip <= 0:
-    raise KvjaxError("train.lr and train.grad_clip must be positive")
-  if not 0.0 <= t.recall_mix <= 1.0:
-    raise KvjaxError(f"train.recall_mix must be in [0, 1], got {t.recall_mix}")
   if t.seq_len > cfg.model.max_seq_len:
     raise KvjaxError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len="
                      f"{cfg.model.max_seq_len}; lower one or raise the other")

@@ -250,6 +250,35 @@ def test_old_style_config_fields():
   assert hf.sliding_window({**qwen, "layer_types": ["full_attention"] * 2}) is None
 
 
+_GOOD_HF = dict(model_type="llama", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                intermediate_size=96, vocab_size=V, max_position_embeddings=128)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("hidden_size", 0), ("hidden_size", -64), ("hidden_size", "64"), ("num_attention_heads", 0),
+    ("num_attention_heads", "four"), ("num_hidden_layers", -2), ("intermediate_size", 9.5),
+    ("vocab_size", 0), ("max_position_embeddings", "128"), ("num_key_value_heads", -1),
+    ("head_dim", "16"), ("rms_norm_eps", 0), ("rms_norm_eps", -1e-6), ("rms_norm_eps", "tiny"),
+    ("rope_theta", 0), ("rope_theta", "1e4"), ("sliding_window", "64"), ("sliding_window", -8),
+    ("num_hidden_layers", True),
+])
+def test_cli_hf_config_with_bad_numbers_is_one_line(tmp_path, capsys, field, value):
+  """Zero, negative or string numeric fields in config.json: exit 2 and one line naming the
+  field (they raised ZeroDivisionError / TypeError inside the importer before)."""
+  (tmp_path / "config.json").write_text(json.dumps({**_GOOD_HF, field: value}))
+  assert cli.main(["size", "--hf", str(tmp_path), "--seq-len", "8"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and f"'{field}'" in err and repr(value) in err, err
+
+
+def test_cli_hf_config_with_bad_llama3_factor_is_one_line(tmp_path, capsys):
+  scaling = {**LLAMA3, "factor": "eight"}
+  (tmp_path / "config.json").write_text(json.dumps({**_GOOD_HF, "rope_scaling": scaling}))
+  assert cli.main(["size", "--hf", str(tmp_path), "--seq-len", "8"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "'factor'" in err
+
+
 # -- CLI ----------------------------------------------------------------------------------
 def test_cli_size_hf(case, capsys):
   _, folder, cfg, _ = case

@@ -25,7 +25,10 @@ from kvjax import config as config_lib
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
 
-logging.getLogger("absl").setLevel(logging.ERROR)  # orbax logs every save at INFO
+# orbax logs every save at INFO and a damaged-but-readable step's metadata at ERROR (then
+# loads it); kvjax reports what matters as one KvjaxError line. KVJAX_DEBUG=1 keeps them.
+if not os.environ.get("KVJAX_DEBUG"):
+  logging.getLogger("absl").setLevel(logging.CRITICAL)
 
 
 def _ocp():

@@ -133,6 +133,8 @@ def load(ckpt_dir: str | Path, overrides: dict | None = None) -> tuple[Config, A
   from kvjax import model
 
   cfg = read_config(ckpt_dir, overrides)
+  from kvjax import memory
+  memory.check_params(cfg, f"the weights of {ckpt_dir}")
   abstract = jax.eval_shape(lambda: model.init_params(cfg.model, cfg.seed))
   got = restore(ckpt_dir)["params"]
   want_shapes = jax.tree.map(lambda x: tuple(x.shape), abstract)

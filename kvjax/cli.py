@@ -134,7 +134,8 @@ def _load_model(args):
     cfg, params = checkpoint.load(args.checkpoint, overrides=over)
     return cfg, params, None
   cfg = config_lib.load(args.config, over)
-  from kvjax import sharding
+  from kvjax import memory, sharding
+  memory.check_params(cfg)
   if sharding.is_sharded(cfg):  # created already split: never whole on one device
     return cfg, sharding.init_params(cfg, sharding.make_mesh(cfg)), None
   return cfg, model.init_params(cfg.model, cfg.seed), None
@@ -158,6 +159,10 @@ def cmd_generate(args) -> dict:
         raise KvjaxError(f"--prompt-ids expects comma-separated integers, got '{item}'") from None
   else:
     raise KvjaxError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3")
+  if prompts and all(prompts) and args.max_new_tokens > 0:  # else generate names the problem
+    from kvjax import memory
+    capacity = cfg.cache.capacity or max(map(len, prompts)) + args.max_new_tokens
+    memory.check(cfg, len(prompts), capacity, max(map(len, prompts)), what="this generate")
   # --seed seeds sampling only; the weights of a --config model come from its `seed` key.
   out = decode.generate(cfg, params, prompts, args.max_new_tokens, seed=args.seed)
   result = {"tokens": out["tokens"]}

@@ -283,6 +283,8 @@ def read_params(folder: str | Path, cfg: Config) -> dict:
 def load(folder: str | Path, overrides: dict | None = None) -> tuple[Config, dict]:
   """(Config, params as jax arrays) for a Hugging Face checkpoint folder."""
   cfg = load_config(folder, overrides)
+  from kvjax import memory
+  memory.check_params(cfg, f"the weights of {folder}")
   params = read_params(folder, cfg)
   _check_tree(cfg, params)
   return cfg, jax.tree_util.tree_map(jnp.asarray, params)

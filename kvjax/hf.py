@@ -286,11 +286,11 @@ def load(folder: str | Path, overrides: dict | None = None) -> tuple[Config, dic
   from kvjax import memory
   memory.check_params(cfg, f"the weights of {folder}")
   params = read_params(folder, cfg)
-  _check_tree(cfg, params)
+  check_tree(cfg, params)
   return cfg, jax.tree_util.tree_map(jnp.asarray, params)
 
 
-def _check_tree(cfg: Config, params: dict) -> None:
+def check_tree(cfg: Config, params: dict) -> None:
   """The imported tree must be exactly what the model initialises (names, shapes)."""
   from kvjax.model import Transformer
 

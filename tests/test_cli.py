@@ -225,3 +225,14 @@ def test_error_with_a_live_progress_bar_is_on_its_own_line(capsys, monkeypatch):
   assert rc == 2 and err.endswith("kvjax: error: boom\n")
   assert err.split("\n")[-2].split("\r")[-1] == "kvjax: error: boom"
   assert "work:  30%" in err  # the bar's final state is kept above the error
+
+
+def test_generate_on_random_weights_says_so_in_human_mode_only(capsys):
+  argv = ["generate", "--config", "configs/quickstart.yaml", *QUICK, "--prompt", "hi",
+          "--max-new-tokens", "2"]
+  rc, out, err = run_cli(capsys, *argv)
+  assert rc == 0 and out.startswith("[0]")
+  lines = err.strip().splitlines()
+  assert len(lines) == 1 and "random weights" in lines[0] and "--checkpoint" in lines[0]
+  rc, out, err = run_cli(capsys, *argv, "--json")
+  assert rc == 0 and json.loads(out)["random_weights"] is True and "random weights" not in err

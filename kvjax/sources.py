@@ -88,8 +88,12 @@ def load(src: Source, overrides: dict | None = None):
   from kvjax import tokenizer
 
   if src.kind == "gguf":
-    from kvjax import gguf, zoo
-    cfg, params = gguf.load(zoo.resolve_gguf(src.ref), overrides)
+    from kvjax import gguf, memory, zoo
+    path = zoo.resolve_gguf(src.ref)
+    # weights are dequantized to model.param_dtype: refuse before reading them when they
+    # cannot fit (hf and checkpoint loads check the same inside their own load)
+    memory.check_params(gguf.load_config(path, overrides), f"the weights of {src.ref}")
+    cfg, params = gguf.load(path, overrides)
     folder = None
   elif src.kind == "hf":
     from kvjax import hf

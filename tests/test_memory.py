@@ -134,3 +134,26 @@ def test_numpy_memory_error_is_a_memory_error():
   """What numpy raises for an impossible array is caught by the MemoryError branch."""
   with pytest.raises(MemoryError):
     np.empty((2**44,), np.float32)  # 64 TiB
+
+
+def test_every_model_source_refuses_weights_before_reading_them(tmp_path, monkeypatch, capsys):
+  """checkpoint:, hf: and gguf: sources check the weights' bytes against the limit before
+  reading a tensor (a --config model before creating one: test above)."""
+  pytest.importorskip("gguf")
+  from test_gguf import _source, write_gguf
+
+  from kvjax import checkpoint
+  cfg, params = _source(False)
+  checkpoint.save(tmp_path / "ckpt", cfg, params, step=0)
+  write_gguf(tmp_path / "m.gguf", cfg, params)
+  need = memory.param_bytes(cfg.model)
+  monkeypatch.setenv("KVJAX_MEMORY_LIMIT", str(need - 1))
+  for flag, ref in (("--checkpoint", tmp_path / "ckpt"), ("--gguf", tmp_path / "m.gguf")):
+    rc = cli.main(["generate", flag, str(ref), "--prompt-ids", "1,2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and f"the weights of {ref}" in err, err
+    assert memory.human(need) in err
+  monkeypatch.setenv("KVJAX_MEMORY_LIMIT", str(need))  # the weights fit, the cache does not
+  assert cli.main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt-ids", "1,2",
+                   "--max-new-tokens", "2"]) == 2
+  assert "not enough memory for this generate" in capsys.readouterr().err

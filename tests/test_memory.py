@@ -153,7 +153,6 @@ def test_every_model_source_refuses_weights_before_reading_them(tmp_path, monkey
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and f"the weights of {ref}" in err, err
     assert memory.human(need) in err
-  monkeypatch.setenv("KVJAX_MEMORY_LIMIT", str(need))  # the weights fit, the cache does not
+  monkeypatch.setenv("KVJAX_MEMORY_LIMIT", str(need))  # exactly the weights' bytes: loads
   assert cli.main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt-ids", "1,2",
-                   "--max-new-tokens", "2"]) == 2
-  assert "not enough memory for this generate" in capsys.readouterr().err
+                   "--max-new-tokens", "2", "--json"]) == 0

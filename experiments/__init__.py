@@ -74,3 +74,10 @@ def check_context(cfg: config_lib.Config, tokens: int) -> None:
   if tokens > cfg.model.max_seq_len:
     raise KvjaxError(f"{tokens} tokens exceed model.max_seq_len={cfg.model.max_seq_len}; "
                      "raise model.max_seq_len or shorten the context")
+
+
+def check_memory(cfg: config_lib.Config, batch: int, capacity: int, tokens: int) -> None:
+  """A cell's weights + cache + temporaries must fit the device (kvjax.memory), checked
+  for every cell before any runs rather than failing in XLA halfway through a sweep."""
+  from kvjax import memory
+  memory.check(cfg, batch, capacity, tokens, params=True, what="this cell")

@@ -29,11 +29,13 @@ def check(cfg: config_lib.Config) -> None:
   layouts = cfg.param("layouts", ["none", "contiguous"])
   if "none" not in layouts or len(layouts) < 2:
     raise KvjaxError("params.layouts must list `none` and at least one cached layout")
-  for layout in layouts:
-    config_lib.apply_overrides(cfg, {"cache.layout": layout})
   if _steps(cfg) < 1:
     raise KvjaxError(f"params.steps must be >= 1, got {_steps(cfg)}")
-  ex.check_context(cfg, cfg.workload.prompt_len + _steps(cfg) + 1)
+  S = cfg.workload.prompt_len + _steps(cfg) + 1
+  ex.check_context(cfg, S)
+  for layout in layouts:
+    lcfg = config_lib.apply_overrides(cfg, {"cache.layout": layout})
+    ex.check_memory(lcfg, cfg.workload.batch, S, cfg.workload.prompt_len)
 
 
 def run_cell(cfg: config_lib.Config) -> list[dict]:

@@ -24,6 +24,7 @@ def capacity(cfg: config_lib.Config) -> int:
 
 def check(cfg: config_lib.Config) -> None:
   ex.check_context(cfg, capacity(cfg))
+  ex.check_memory(cfg, cfg.workload.batch, capacity(cfg), cfg.workload.prompt_len)
 
 
 def run_cell(cfg: config_lib.Config) -> list[dict]:

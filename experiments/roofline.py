@@ -39,6 +39,7 @@ def capacity(cfg: config_lib.Config) -> int:
 
 def check(cfg: config_lib.Config) -> None:
   ex.check_context(cfg, capacity(cfg))
+  ex.check_memory(cfg, cfg.workload.batch, capacity(cfg), cfg.workload.prompt_len)
   mib = cfg.param("bandwidth_mib", 512)
   if not isinstance(mib, int) or isinstance(mib, bool) or mib < 1:
     raise KvjaxError(f"params.bandwidth_mib must be a whole number of MiB >= 1, got {mib!r}; "

@@ -25,7 +25,10 @@ from kvjax import config as config_lib
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
 
-logging.getLogger("absl").setLevel(logging.ERROR)  # orbax logs every save at INFO
+# orbax logs every save at INFO and a damaged-but-readable step's metadata at ERROR (then
+# loads it); kvjax reports what matters as one KvjaxError line. KVJAX_DEBUG=1 keeps them.
+if not os.environ.get("KVJAX_DEBUG"):
+  logging.getLogger("absl").setLevel(logging.CRITICAL)
 
 
 def _ocp():
@@ -130,6 +133,8 @@ def load(ckpt_dir: str | Path, overrides: dict | None = None) -> tuple[Config, A
   from kvjax import model
 
   cfg = read_config(ckpt_dir, overrides)
+  from kvjax import memory
+  memory.check_params(cfg, f"the weights of {ckpt_dir}")
   abstract = jax.eval_shape(lambda: model.init_params(cfg.model, cfg.seed))
   got = restore(ckpt_dir)["params"]
   want_shapes = jax.tree.map(lambda x: tuple(x.shape), abstract)

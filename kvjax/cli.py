@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 
 from kvjax import config as config_lib
@@ -182,6 +184,10 @@ def cmd_generate(args) -> dict:
         raise KvjaxError(f"--prompt-ids expects comma-separated integers, got '{item}'") from None
   else:
     raise KvjaxError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3")
+  if prompts and all(prompts) and args.max_new_tokens > 0:  # else generate names the problem
+    from kvjax import memory
+    capacity = cfg.cache.capacity or max(map(len, prompts)) + args.max_new_tokens
+    memory.check(cfg, len(prompts), capacity, max(map(len, prompts)), what="this generate")
   # --seed seeds sampling only; the weights of a --config model come from its `seed` key.
   out = decode.generate(cfg, params, prompts, args.max_new_tokens, seed=args.seed)
   result = {"tokens": out["tokens"]}
@@ -440,8 +446,55 @@ def _is_lead_process() -> bool:
   return jax.process_index() == 0
 
 
+def _quiet_libraries() -> None:
+  """Library logs (absl/orbax at ERROR for a damaged but readable checkpoint, XLA's C++
+  logging, jax's backend fallback warning) would print around the one line a user error
+  gets; KVJAX_DEBUG=1 keeps them."""
+  if os.environ.get("KVJAX_DEBUG"):
+    return
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # XLA C++ logs (read when jax loads)
+  for name in ("absl", "orbax", "jax._src.xla_bridge"):
+    logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _close_bars() -> None:
+  """Close any live tqdm bar (innermost first) so the error line that follows starts a line
+  of its own instead of being glued onto the bar."""
+  tqdm_mod = sys.modules.get("tqdm")
+  bars = list(getattr(getattr(tqdm_mod, "tqdm", None), "_instances", ()) or ())
+  for bar in sorted(bars, key=lambda b: -abs(getattr(b, "pos", 0))):
+    bar.close()
+
+
+def _attach_prompt_ids(argv: list[str]) -> list[str]:
+  """`--prompt-ids -1,2` -> `--prompt-ids=-1,2`: argparse reads a value that starts with
+  '-' as a flag, so the bad id would never reach the check that names it."""
+  out, i = [], 0
+  while i < len(argv):
+    if argv[i] == "--prompt-ids" and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+      out.append(f"--prompt-ids={argv[i + 1]}")
+      i += 2
+    else:
+      out.append(argv[i])
+      i += 1
+  return out
+
+
+def _out_of_memory(e: BaseException) -> bool:
+  """numpy's MemoryError or XLA's RESOURCE_EXHAUSTED (host or device allocation)."""
+  return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e)[:2000]
+
+
+def _fail(message: str) -> int:
+  _close_bars()
+  print(f"kvjax: error: {message}", file=sys.stderr)
+  return 2
+
+
 def main(argv: list[str] | None = None) -> int:
+  _quiet_libraries()
   try:
+    argv = _attach_prompt_ids(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     if hasattr(args, "distributed"):
       from kvjax import sharding
@@ -458,19 +511,24 @@ def main(argv: list[str] | None = None) -> int:
         _print_human(args.command, result)
     return 0
   except KvjaxError as e:
-    print(f"kvjax: error: {e}", file=sys.stderr)
-    return 2
+    return _fail(str(e))
   except BrokenPipeError:  # `kvjax size ... | head -1`: the reader left; nothing to report
     _silence_stdout()
     return 0
-  except OSError as e:  # an --out that is a file, a read-only folder, a vanished path...
+  except OSError as e:  # an --out that is a file, a read-only folder, a full disk...
     where = f": {e.filename}" if e.filename else ""
-    print(f"kvjax: error: {e.strerror or e}{where}; check the path or choose another --out",
-          file=sys.stderr)
-    return 2
+    return _fail(f"{e.strerror or e}{where}; check the path or free space, or choose another "
+                 "--out (rows already written are kept)")
   except KeyboardInterrupt:
+    _close_bars()
     print("kvjax: interrupted; rows already written are kept", file=sys.stderr)
     return 130
+  except Exception as e:  # noqa: BLE001  (allocation failures only; anything else is a bug)
+    if not _out_of_memory(e):
+      raise
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    return _fail(f"out of memory ({first}); lower the batch, cache.capacity or "
+                 "--max-new-tokens, or use a smaller codec")
 
 
 if __name__ == "__main__":

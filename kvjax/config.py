@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import types
 import typing
 from pathlib import Path
@@ -325,17 +326,103 @@ def resolve(cfg: Config) -> Config:
   return dataclasses.replace(cfg, cache=cache)
 
 
+# Allowed range of every numeric field: (low, low included, high, high included); None is
+# unbounded. Integer fields must hold ints, float fields finite numbers (no NaN / inf).
+_POS, _NONNEG = (0, False, None, False), (0, True, None, False)
+_RANGES = {
+    "seed": (0, True, 2**63 - 1, True),
+    "model.vocab_size": _POS, "model.d_model": _POS, "model.n_layers": _POS,
+    "model.n_heads": _POS, "model.n_kv_heads": _POS, "model.head_dim": _NONNEG,
+    "model.d_ff": _NONNEG, "model.rope_theta": _POS, "model.norm_eps": _POS,
+    "model.scan_unroll": _POS, "model.max_seq_len": _POS,
+    "cache.capacity": _NONNEG, "cache.group_size": _NONNEG, "cache.residual": _NONNEG,
+    "cache.page_size": _POS, "cache.num_pages": _NONNEG,
+    "workload.batch": _POS, "workload.prompt_len": _POS, "workload.gen_len": _NONNEG,
+    "workload.temperature": _NONNEG, "workload.top_k": _NONNEG,
+    "workload.top_p": (0, False, 1, True), "workload.eos_id": (-1, True, None, False),
+    "workload.repeats": _POS,
+    "mesh.data": _POS, "mesh.model": _POS,
+    "train.steps": _POS, "train.batch": _POS, "train.seq_len": _POS, "train.lr": _POS,
+    "train.min_lr_ratio": (0, True, 1, True), "train.warmup": _NONNEG,
+    "train.weight_decay": _NONNEG, "train.b1": (0, True, 1, False),
+    "train.b2": (0, True, 1, False), "train.grad_clip": _POS, "train.eval_every": _POS,
+    "train.eval_batches": _POS, "train.checkpoint_every": _POS, "train.log_every": _POS,
+    "train.recall_mix": (0, True, 1, True), "train.recall_pairs": _POS,
+}
+# What a zero or negative value of a field usually meant, for the message.
+_DEFAULT_HINT = {"model.head_dim": " (0 picks d_model // n_heads)",
+                 "model.d_ff": " (0 picks the Llama rule)",
+                 "cache.capacity": " (0 means prompt + new tokens)",
+                 "workload.temperature": " (0 means greedy)",
+                 "workload.top_k": " (0 means no top-k cut)",
+                 "workload.eos_id": " (-1 means no stop token)"}
+
+
+def _interval(rng: tuple) -> str:
+  lo, lo_in, hi, hi_in = rng
+  if hi is None:
+    return f"{'>=' if lo_in else '>'} {lo}"
+  return f"in {'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}"
+
+
+def check_number(key: str, value: Any, rng: tuple, integer: bool) -> None:
+  """Raise a one-line KvjaxError unless `value` is a finite int/float inside `rng`."""
+  kind = "an integer" if integer else "a finite number"
+  ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+  if isinstance(value, bool) or not ok_type or not math.isfinite(value):
+    raise KvjaxError(f"{key} must be {kind} {_interval(rng)}, got {value!r}; "
+                     f"set {key} to such a value")
+  lo, lo_in, hi, hi_in = rng
+  if (lo is not None and (value < lo or (value == lo and not lo_in))) or \
+      (hi is not None and (value > hi or (value == hi and not hi_in))):
+    hint = _DEFAULT_HINT.get(key, "")
+    raise KvjaxError(f"{key} must be {kind} {_interval(rng)}{hint}, got {value!r}; "
+                     f"set {key} to such a value")
+
+
+def _check_numbers(cfg: Config) -> None:
+  for key, rng in _RANGES.items():
+    if "." in key:
+      sec, name = key.split(".")
+      value, cls = getattr(getattr(cfg, sec), name), _SECTIONS[sec]
+    else:
+      name, value, cls = key, getattr(cfg, key), Config
+    check_number(key, value, rng, _field_type(cls, name) is int)
+  m, c, w = cfg.model, cfg.cache, cfg.workload
+  scaling = dict(m.rope_scaling)
+  for key, value in scaling.items():
+    if key not in ("rope_type", "type"):
+      check_number(f"model.rope_scaling.{key}", value, _POS, False)
+  if scaling.get("rope_type", scaling.get("type")) == "llama3":
+    low, high = scaling.get("low_freq_factor"), scaling.get("high_freq_factor")
+    if low is None or high is None or scaling.get("factor") is None \
+        or scaling.get("original_max_position_embeddings") is None:
+      raise KvjaxError("model.rope_scaling of type llama3 needs factor, low_freq_factor, "
+                       "high_freq_factor and original_max_position_embeddings")
+    if high <= low:
+      raise KvjaxError(f"model.rope_scaling.high_freq_factor={high} must exceed "
+                       f"low_freq_factor={low}; fix the rope scaling")
+  if w.eos_id >= m.vocab_size:
+    raise KvjaxError(f"workload.eos_id={w.eos_id} is outside the vocabulary [0, "
+                     f"{m.vocab_size}); use a token id below model.vocab_size or -1 for none")
+  if w.top_k > m.vocab_size:
+    raise KvjaxError(f"workload.top_k={w.top_k} exceeds model.vocab_size={m.vocab_size}; "
+                     "use at most the vocabulary size (0 means no cut)")
+  if c.capacity and c.residual > c.capacity:
+    raise KvjaxError(f"cache.residual={c.residual} exceeds cache.capacity={c.capacity}; "
+                     f"use a window of at most {c.capacity} tokens or raise the capacity")
+
+
 def validate(cfg: Config) -> Config:
-  """Host-side checks with one-line messages that name the fix."""
+  """Host-side checks with one-line messages that name the key, the value and the fix.
+
+  Every numeric field is checked against `_RANGES` (type, finiteness, range) whatever
+  built the config: YAML, `--set`, a checkpoint's config.yaml or an imported checkpoint's
+  metadata, since all of them come through `apply_overrides`."""
   from kvjax import attention, cache, codecs  # registries live with their code
 
-  m, c, w = cfg.model, cfg.cache, cfg.workload
-  for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "max_seq_len",
-               "scan_unroll"):
-    if getattr(m, name) <= 0:
-      raise KvjaxError(f"model.{name} must be positive, got {getattr(m, name)}")
-  if m.head_dim < 0 or m.d_ff < 0:
-    raise KvjaxError("model.head_dim and model.d_ff must be >= 0 (0 picks the default)")
+  m, c = cfg.model, cfg.cache
+  _check_numbers(cfg)
   if m.n_heads % m.n_kv_heads:
     raise KvjaxError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads="
                      f"{m.n_kv_heads}; choose n_kv_heads among the divisors of n_heads")
@@ -357,18 +444,6 @@ def validate(cfg: Config) -> Config:
                        f"known: {', '.join(codecs.CODECS)}")
   if c.k_axis not in ("token", "channel"):
     raise KvjaxError(f"unknown cache.k_axis '{c.k_axis}'; use token or channel")
-  for name in ("capacity", "group_size", "residual", "num_pages"):
-    if getattr(c, name) < 0:
-      raise KvjaxError(f"cache.{name} must be >= 0, got {getattr(c, name)}")
-  if c.page_size <= 0:
-    raise KvjaxError(f"cache.page_size must be positive, got {c.page_size}")
-  for name in ("batch", "prompt_len", "repeats"):
-    if getattr(w, name) <= 0:
-      raise KvjaxError(f"workload.{name} must be positive, got {getattr(w, name)}")
-  if w.gen_len < 0 or w.top_k < 0 or w.temperature < 0 or not 0 < w.top_p <= 1:
-    raise KvjaxError("workload: gen_len, top_k, temperature must be >= 0 and top_p in (0, 1]")
-  if cfg.mesh.data <= 0 or cfg.mesh.model <= 0:
-    raise KvjaxError("mesh.data and mesh.model must be positive")
   codecs.check_cache_config(c, m)
   return cfg
 

@@ -20,6 +20,7 @@ when i - j >= window), and `decode.check_request` rejects longer requests on the
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import jax
@@ -55,12 +56,28 @@ def read_hf_config(folder: str | Path) -> dict:
   return data
 
 
+def _number(key: str, value, integer: bool = True, minimum: float = 1):
+  """A config.json numeric field, checked before any arithmetic: an int (or finite float)
+  >= `minimum` (> 0 for floats with minimum 0), else one line naming the field."""
+  kind = "an integer" if integer else "a finite number"
+  bound = f">= {minimum}" if integer else "> 0"
+  ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+  if ok and integer:
+    ok = float(value).is_integer() and value >= minimum
+  elif ok:
+    ok = value > 0
+  if not ok:
+    raise KvjaxError(f"config.json field '{key}' must be {kind} {bound}, got {value!r}; "
+                     "fix config.json (the folder's config does not describe a usable model)")
+  return int(value) if integer else float(value)
+
+
 def _rope(hf: dict) -> tuple[float, tuple]:
   """(rope_theta, kvjax rope_scaling pairs) from either the old (`rope_theta` +
   `rope_scaling`) or the transformers-5 (`rope_parameters`) form of config.json."""
   params = dict(hf.get("rope_scaling") or {})
   params.update(hf.get("rope_parameters") or {})
-  theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+  theta = _number("rope_theta", params.pop("rope_theta", hf.get("rope_theta", 10000.0)), False)
   kind = params.get("rope_type", params.get("type", "default"))
   if params.get("partial_rotary_factor", 1.0) != 1.0 or hf.get("partial_rotary_factor", 1.0) != 1.0:
     raise KvjaxError("partial_rotary_factor != 1 is not supported by kvjax's RoPE")
@@ -73,7 +90,7 @@ def _rope(hf: dict) -> tuple[float, tuple]:
   missing = [k for k in _LLAMA3_KEYS if params.get(k) is None]
   if missing:
     raise KvjaxError(f"llama3 rope scaling in config.json lacks {', '.join(missing)}")
-  pairs = [("rope_type", "llama3")] + [(k, float(params[k])) for k in _LLAMA3_KEYS]
+  pairs = [("rope_type", "llama3")] + [(k, _number(k, params[k], False)) for k in _LLAMA3_KEYS]
   return theta, tuple(sorted(pairs))
 
 
@@ -82,21 +99,27 @@ def sliding_window(hf: dict) -> int | None:
   window = hf.get("sliding_window")
   if not window:
     return None
+  window = _number("sliding_window", window)
   if hf.get("model_type") == "qwen2":
     types = hf.get("layer_types")
     if types is not None:
-      return int(window) if "sliding_attention" in types else None
+      return window if "sliding_attention" in types else None
     if not hf.get("use_sliding_window", False):
       return None
-    n, first = hf["num_hidden_layers"], hf.get("max_window_layers", 0)
-    return int(window) if first < n else None
-  return int(window)
+    n = _number("num_hidden_layers", _need(hf, "num_hidden_layers"))
+    first = _number("max_window_layers", hf.get("max_window_layers") or 0, minimum=0)
+    return window if first < n else None
+  return window
 
 
 def _need(hf: dict, key: str):
   if hf.get(key) is None:
     raise KvjaxError(f"config.json lacks '{key}'; the checkpoint folder is incomplete")
   return hf[key]
+
+
+def _need_int(hf: dict, key: str) -> int:
+  return _number(key, _need(hf, key))
 
 
 def config_overrides(hf: dict) -> dict:
@@ -113,23 +136,23 @@ def config_overrides(hf: dict) -> dict:
     raise KvjaxError("mlp_bias=true is not supported; kvjax's MLP has no bias")
   if hf.get("pretraining_tp", 1) not in (1, None):
     raise KvjaxError(f"pretraining_tp={hf['pretraining_tp']} is not supported; set it to 1")
-  E, H = _need(hf, "hidden_size"), _need(hf, "num_attention_heads")
+  E, H = _need_int(hf, "hidden_size"), _need_int(hf, "num_attention_heads")
   theta, scaling = _rope(hf)
-  max_len = int(_need(hf, "max_position_embeddings"))
+  max_len = _need_int(hf, "max_position_embeddings")
   window = sliding_window(hf)
   if window is not None:
     max_len = min(max_len, window)
   return {
-      "model.vocab_size": _need(hf, "vocab_size"),
+      "model.vocab_size": _need_int(hf, "vocab_size"),
       "model.d_model": E,
-      "model.n_layers": _need(hf, "num_hidden_layers"),
+      "model.n_layers": _need_int(hf, "num_hidden_layers"),
       "model.n_heads": H,
-      "model.n_kv_heads": hf.get("num_key_value_heads") or H,
-      "model.head_dim": hf.get("head_dim") or E // H,
-      "model.d_ff": _need(hf, "intermediate_size"),
+      "model.n_kv_heads": _number("num_key_value_heads", hf.get("num_key_value_heads") or H),
+      "model.head_dim": _number("head_dim", hf.get("head_dim") or max(E // H, 1)),
+      "model.d_ff": _need_int(hf, "intermediate_size"),
       "model.rope_theta": theta,
       "model.rope_scaling": dict(scaling),
-      "model.norm_eps": hf.get("rms_norm_eps", 1e-6),
+      "model.norm_eps": _number("rms_norm_eps", hf.get("rms_norm_eps", 1e-6), False),
       "model.qkv_bias": kind == "qwen2",
       "model.tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
       "model.max_seq_len": max_len,
@@ -260,6 +283,8 @@ def read_params(folder: str | Path, cfg: Config) -> dict:
 def load(folder: str | Path, overrides: dict | None = None) -> tuple[Config, dict]:
   """(Config, params as jax arrays) for a Hugging Face checkpoint folder."""
   cfg = load_config(folder, overrides)
+  from kvjax import memory
+  memory.check_params(cfg, f"the weights of {folder}")
   params = read_params(folder, cfg)
   check_tree(cfg, params)
   return cfg, jax.tree_util.tree_map(jnp.asarray, params)

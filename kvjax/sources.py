@@ -88,8 +88,12 @@ def load(src: Source, overrides: dict | None = None):
   from kvjax import tokenizer
 
   if src.kind == "gguf":
-    from kvjax import gguf, zoo
-    cfg, params = gguf.load(zoo.resolve_gguf(src.ref), overrides)
+    from kvjax import gguf, memory, zoo
+    path = zoo.resolve_gguf(src.ref)
+    # weights are dequantized to model.param_dtype: refuse before reading them when they
+    # cannot fit (hf and checkpoint loads check the same inside their own load)
+    memory.check_params(gguf.load_config(path, overrides), f"the weights of {src.ref}")
+    cfg, params = gguf.load(path, overrides)
     folder = None
   elif src.kind == "hf":
     from kvjax import hf
@@ -100,8 +104,9 @@ def load(src: Source, overrides: dict | None = None):
     cfg, params = checkpoint.load(src.ref, overrides=overrides)
     folder = None
   else:
-    from kvjax import model, sharding
+    from kvjax import memory, model, sharding
     cfg = config_lib.load(src.ref or None, overrides)
+    memory.check_params(cfg)  # refuse weights that cannot fit before creating them
     if sharding.is_sharded(cfg):  # created already split: never whole on one device
       params = sharding.init_params(cfg, sharding.make_mesh(cfg))
     else:

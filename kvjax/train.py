@@ -5,7 +5,8 @@ to `lr * min_lr_ratio`, global-norm gradient clipping, and one jit-compiled step
 batch for step s is drawn from an RNG seeded by (seed, s), so a resumed run sees exactly
 the batches an uninterrupted one would have. Checkpoints (kvjax.checkpoint) are saved
 every `checkpoint_every` steps and at the end; rerunning the same command resumes from
-the latest one. `log.jsonl` gets one row per log/eval point and `summary.json` the final
+the latest one (a run killed at any point loses only the steps after its last checkpoint,
+and their log rows are dropped, so every step is trained and logged exactly once). `log.jsonl` gets one row per log/eval point and `summary.json` the final
 validation loss next to the validation unigram entropy (the bar a model must clear).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -94,15 +96,8 @@ def validation_loss(cfg: Config, params, corpus: data.Corpus, n_windows: int | N
 
 
 def _check(cfg: Config) -> None:
+  """Cross-field limits of training (each field's own range is checked by config.validate)."""
   t = cfg.train
-  for name in ("steps", "batch", "seq_len", "eval_every", "eval_batches", "checkpoint_every",
-               "log_every"):
-    if getattr(t, name) <= 0:
-      raise KvjaxError(f"train.{name} must be positive, got {getattr(t, name)}")
-  if t.lr <= 0 or t.grad_clip <= 0:
-    raise KvjaxError("train.lr and train.grad_clip must be positive")
-  if not 0.0 <= t.recall_mix <= 1.0:
-    raise KvjaxError(f"train.recall_mix must be in [0, 1], got {t.recall_mix}")
   if t.seq_len > cfg.model.max_seq_len:
     raise KvjaxError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len="
                      f"{cfg.model.max_seq_len}; lower one or raise the other")
@@ -113,6 +108,25 @@ def _check(cfg: Config) -> None:
 def _log(out_dir: Path, row: dict) -> None:
   with open(out_dir / "log.jsonl", "a") as f:
     f.write(json.dumps(row) + "\n")
+
+
+def _trim_log(out_dir: Path, step: int) -> None:
+  """On resume from `step`, drop log rows of later steps (and a torn last line): a killed
+  run logged steps past its last checkpoint, which the resumed run trains and logs again."""
+  path = out_dir / "log.jsonl"
+  if not path.is_file():
+    return
+  keep = []
+  for line in path.read_text().splitlines():
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+      keep.append(line + "\n")
+  tmp = path.with_suffix(".jsonl.tmp")
+  tmp.write_text("".join(keep))
+  os.replace(tmp, path)  # atomic: a kill here leaves the old log or the trimmed one
 
 
 # Keys a resumed run may change: how long it runs and how often it reports/saves.
@@ -154,6 +168,7 @@ def train(cfg: Config, out_dir: str | Path, params: Any = None, progress: bool =
     params, start = got["params"], int(got["meta"]["step"])
     # a converted checkpoint holds weights only: its optimizer starts fresh
     opt_state = got["opt_state"] if has_opt else opt.init(params)
+    _trim_log(out_dir, start)
   else:
     params = init_params(cfg.model, cfg.seed) if params is None else params
     params = jax.tree.map(jnp.array, params)  # own copies: the step donates them

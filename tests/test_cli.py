@@ -117,6 +117,116 @@ def test_console_script_bad_yaml_no_traceback(tmp_path):
   assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
+# -- bad inputs that used to run silently or with a traceback ----------------------------
+@pytest.mark.parametrize("argv, needle", [
+    (["--prompt-ids", "-1,2"], "token id -1 is outside the vocabulary"),
+    (["--prompt-ids", "1,2", "--prompt-ids", "-5"], "token id -5"),
+    (["--prompt-ids", "1", "--temperature", "nan"], "workload.temperature must be a finite"),
+    (["--prompt-ids", "1", "--temperature", "-1"], "workload.temperature must be"),
+    (["--prompt-ids", "1", "--top-p", "0"], "workload.top_p must be a finite number in (0, 1]"),
+    (["--prompt-ids", "1", "--top-p", "inf"], "workload.top_p"),
+    (["--prompt-ids", "1", "--top-k", "-3"], "workload.top_k must be an integer >= 0"),
+    (["--prompt-ids", "1", "--set", "model.norm_eps=nan"], "model.norm_eps must be a finite"),
+    (["--prompt-ids", "1", "--set", "model.norm_eps=0"], "model.norm_eps must be"),
+    (["--prompt-ids", "1", "--set", "model.rope_theta=-10000"], "model.rope_theta must be"),
+    (["--prompt-ids", "1", "--set", "cache.capacity=8", "--set", "cache.residual=16"],
+     "cache.residual=16 exceeds cache.capacity=8"),
+    (["--prompt-ids", "1", "--set", "model.d_model=0"], "model.d_model must be an integer > 0"),
+])
+def test_bad_numbers_are_one_line_not_garbage(capsys, argv, needle):
+  rc, out, err = run_cli(capsys, "generate", *QUICK, *argv)
+  assert rc == 2 and out == ""
+  lines = err.strip().splitlines()
+  assert len(lines) == 1 and needle in lines[0], err
+
+
+def test_prompt_ids_value_forms_still_parse(capsys):
+  for argv in (["--prompt-ids=3,4"], ["--prompt-ids", "3,4"]):
+    rc, out, _ = run_cli(capsys, "generate", *argv, "--max-new-tokens", "2", "--json", *QUICK)
+    assert rc == 0 and json.loads(out)["batch"] == 1
+
+
+def test_console_script_out_of_memory_is_exactly_one_line(tmp_path):
+  """Through the real entry point (XLA and absl logging as a user gets them)."""
+  proc = subprocess.run([sys.executable, "-m", "kvjax.cli", "generate", "--prompt-ids", "1",
+                         *QUICK, "--set", "cache.capacity=2000000000",
+                         "--set", "model.max_seq_len=2000000000"],
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2 and proc.stdout == ""
+  assert proc.stderr.count("\n") == 1 and "not enough memory" in proc.stderr
+
+
+def test_train_through_the_cli(tmp_path, capsys):
+  text = tmp_path / "text.txt"
+  text.write_text("def f(x):\n    return x + 1\n" * 300)
+  yaml_path = tmp_path / "t.yaml"
+  yaml_path.write_text(
+      "model: {d_model: 32, n_layers: 1, n_heads: 4, n_kv_heads: 2, max_seq_len: 64}\n"
+      f"train: {{data: {text}, batch: 4, seq_len: 32, steps: 6, warmup: 1, eval_every: 6,\n"
+      "        eval_batches: 1, checkpoint_every: 3, log_every: 3}\n")
+  out = tmp_path / "ckpt"
+  rc, stdout, _ = run_cli(capsys, "train", str(yaml_path), "--out", str(out),
+                          "--set", "train.lr=0.01")
+  assert rc == 0 and "GQA-2: val_loss" in stdout and str(out) in stdout
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["steps"] == 6 and summary["resumed_from"] == 0 and summary["variant"] == "GQA-2"
+  logged = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
+  assert logged == [3, 6]
+  from kvjax import checkpoint
+  assert checkpoint.latest_step(out) == 6 and checkpoint.read_config(out).train.lr == 0.01
+  rc, stdout, _ = run_cli(capsys, "generate", "--checkpoint", str(out), "--prompt", "def",
+                          "--max-new-tokens", "3", "--json")
+  assert rc == 0 and len(json.loads(stdout)["tokens"][0]) == 3
+  # bad training input: one line, the finished checkpoint untouched
+  rc, _, err = run_cli(capsys, "train", str(yaml_path), "--out", str(out), "--set", "train.lr=nan")
+  assert rc == 2 and err.count("\n") == 1 and "train.lr must be a finite number > 0" in err
+  assert checkpoint.latest_step(out) == 6
+
+
+def test_keyboard_interrupt_mid_run_keeps_rows_and_exits_130(tmp_path, capsys, monkeypatch):
+  from experiments import latency
+
+  grid = tmp_path / "g.yaml"
+  grid.write_text("experiment: latency\nmodel: {d_model: 32, n_layers: 1, n_heads: 4}\n"
+                  "workload: {batch: 1, prompt_len: 8, gen_len: 3, repeats: 1}\n"
+                  "grid:\n  model.n_kv_heads: [4, 2, 1]\n")
+  real, calls = latency.run_cell, []
+
+  def interrupted(cfg):
+    calls.append(cfg)
+    if len(calls) == 2:
+      raise KeyboardInterrupt
+    return real(cfg)
+  monkeypatch.setattr(latency, "run_cell", interrupted)
+  rc, _, err = run_cli(capsys, "run", str(grid), "--out", str(tmp_path / "res"))
+  assert rc == 130
+  last = err.replace("\r", "\n").strip().splitlines()[-1]
+  assert last == "kvjax: interrupted; rows already written are kept"
+  from kvjax import runner
+  assert len(runner.read_rows(tmp_path / "res" / "latency.jsonl")) == 1
+
+
+def test_error_with_a_live_progress_bar_is_on_its_own_line(capsys, monkeypatch):
+  """A command fails while a progress bar is still open (referenced, so nothing closes it on
+  the way out): main closes it before printing, so the error is its own last line of stderr
+  rather than glued onto the bar."""
+  from tqdm import tqdm
+
+  from kvjax import decode
+  from kvjax.errors import KvjaxError
+  live = []
+
+  def fails(*a, **k):
+    live.append(tqdm(total=10, desc="work", file=sys.stderr))
+    live[-1].update(3)
+    raise KvjaxError("boom")
+  monkeypatch.setattr(decode, "generate", fails)
+  rc, _, err = run_cli(capsys, "generate", "--prompt-ids", "1", *QUICK)
+  assert rc == 2 and err.endswith("kvjax: error: boom\n")
+  assert err.split("\n")[-2].split("\r")[-1] == "kvjax: error: boom"
+  assert "work:  30%" in err  # the bar's final state is kept above the error
+
+
 def test_generate_on_random_weights_says_so_in_human_mode_only(capsys):
   argv = ["generate", "--config", "configs/quickstart.yaml", *QUICK, "--prompt", "hi",
           "--max-new-tokens", "2"]

@@ -250,6 +250,35 @@ def test_old_style_config_fields():
   assert hf.sliding_window({**qwen, "layer_types": ["full_attention"] * 2}) is None
 
 
+_GOOD_HF = dict(model_type="llama", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                intermediate_size=96, vocab_size=V, max_position_embeddings=128)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("hidden_size", 0), ("hidden_size", -64), ("hidden_size", "64"), ("num_attention_heads", 0),
+    ("num_attention_heads", "four"), ("num_hidden_layers", -2), ("intermediate_size", 9.5),
+    ("vocab_size", 0), ("max_position_embeddings", "128"), ("num_key_value_heads", -1),
+    ("head_dim", "16"), ("rms_norm_eps", 0), ("rms_norm_eps", -1e-6), ("rms_norm_eps", "tiny"),
+    ("rope_theta", 0), ("rope_theta", "1e4"), ("sliding_window", "64"), ("sliding_window", -8),
+    ("num_hidden_layers", True),
+])
+def test_cli_hf_config_with_bad_numbers_is_one_line(tmp_path, capsys, field, value):
+  """Zero, negative or string numeric fields in config.json: exit 2 and one line naming the
+  field (they raised ZeroDivisionError / TypeError inside the importer before)."""
+  (tmp_path / "config.json").write_text(json.dumps({**_GOOD_HF, field: value}))
+  assert cli.main(["size", "--hf", str(tmp_path), "--seq-len", "8"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and f"'{field}'" in err and repr(value) in err, err
+
+
+def test_cli_hf_config_with_bad_llama3_factor_is_one_line(tmp_path, capsys):
+  scaling = {**LLAMA3, "factor": "eight"}
+  (tmp_path / "config.json").write_text(json.dumps({**_GOOD_HF, "rope_scaling": scaling}))
+  assert cli.main(["size", "--hf", str(tmp_path), "--seq-len", "8"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "'factor'" in err
+
+
 # -- CLI ----------------------------------------------------------------------------------
 def test_cli_size_hf(case, capsys):
   _, folder, cfg, _ = case
@@ -258,7 +287,7 @@ def test_cli_size_hf(case, capsys):
   m = cfg.model
   assert out["bytes_per_token"] == 2 * m.n_layers * m.n_kv_heads * m.D * 2  # bf16 default
   assert out["kv_heads"] == m.n_kv_heads and out["head_dim"] == m.D
-  assert out["total_bytes"] >= 2 * 64 * out["bytes_per_token"]
+  assert out["total_bytes"] == 2 * 64 * out["bytes_per_token"] + 4 * 2  # + int32 lengths
 
 
 def test_cli_generate_hf_ragged_batch_json(llama, capsys):
@@ -276,7 +305,9 @@ def test_cli_generate_hf_ragged_batch_json(llama, capsys):
     argv += ["--prompt-ids", ",".join(map(str, p))]
   assert cli.main(argv) == 0
   out = json.loads(capsys.readouterr().out)
-  assert out["tokens"] == ref and out["cache_bytes"] > 0 and out["batch"] == 3
+  m = hf.load_config(folder).model  # fp32 cache of 9 + 12 slots for 3 sequences, + lengths
+  assert out["tokens"] == ref and out["batch"] == 3 and out["capacity"] == 21
+  assert out["cache_bytes"] == 2 * m.n_layers * m.n_kv_heads * m.D * 4 * 21 * 3 + 4 * 3
 
 
 def test_cli_prompt_text_uses_tokenizer_json(llama, tmp_path, capsys):
@@ -292,6 +323,36 @@ def test_cli_prompt_text_uses_tokenizer_json(llama, tmp_path, capsys):
                    "--max-new-tokens", "1", "--greedy", "--json"]) == 0
   out = json.loads(capsys.readouterr().out)
   assert len(out["tokens"][0]) == 1 and isinstance(out["text"][0], str)
+
+
+def test_cli_convert_hf_mean_pools_and_generates(llama, tmp_path, capsys):
+  """`kvjax convert --hf` (GQA-2 -> MQA): the saved checkpoint holds the mean of the HF
+  k/v heads, loads with its config, and generates through the cache."""
+  from kvjax import checkpoint
+
+  m, folder = llama
+  out = tmp_path / "mqa"
+  assert cli.main(["convert", "--hf", str(folder), "--kv-heads", "1", "--out", str(out)]) == 0
+  assert "GQA-2 -> MQA" in capsys.readouterr().out
+  cfg, params = checkpoint.load(out)
+  assert cfg.model.n_kv_heads == 1 and cfg.model.n_heads == 4
+  D = cfg.model.D
+  for layer in range(L):
+    for name in ("k_proj", "v_proj"):
+      w = getattr(m.model.layers[layer].self_attn, name).weight.detach().numpy()  # [K*D, E]
+      want = w.reshape(2, D, E).mean(0).T
+      np.testing.assert_allclose(np.asarray(params["layers"][name]["kernel"][layer]), want,
+                                 rtol=1e-6, atol=1e-6)
+  q = m.model.layers[0].self_attn.q_proj.weight.detach().numpy().T
+  np.testing.assert_array_equal(np.asarray(params["layers"]["q_proj"]["kernel"][0]), q)
+  assert cli.main(["generate", "--checkpoint", str(out), "--prompt-ids", "1,2,3",
+                   "--max-new-tokens", "4", "--json"]) == 0
+  assert len(json.loads(capsys.readouterr().out)["tokens"][0]) == 4
+  # a target that does not divide the KV heads: one line, nothing written
+  assert cli.main(["convert", "--hf", str(folder), "--kv-heads", "3", "--out",
+                   str(tmp_path / "bad")]) == 2
+  assert "--kv-heads must divide 2" in capsys.readouterr().err
+  assert not (tmp_path / "bad").exists()
 
 
 def test_cli_bad_folder_exits_with_one_line(tmp_path, capsys):

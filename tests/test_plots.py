@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -121,8 +122,17 @@ def test_plot_all_on_an_empty_folder_is_a_one_line_error(tmp_path):
 def test_variant_colours_are_fixed_by_name():
   load_plot_all()
   from plots import variant_color
-  assert variant_color("MHA") != variant_color("MQA") != variant_color("GQA-2")
-  assert variant_color("GQA-3") == variant_color("GQA-3")
+  assert len({variant_color(v) for v in ("MHA", "GQA-2", "GQA-4", "MQA")}) == 4
+  # a variant without a fixed colour gets the same one in every process (not hash())
+  import subprocess
+  import sys
+  code = ("import sys; sys.path.insert(0, 'scripts'); from plots import variant_color; "
+          "print(variant_color('GQA-3'), variant_color('GQA-5'))")
+  seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONHASHSEED": seed}, check=True,
+                         cwd=Path(__file__).resolve().parent.parent).stdout
+          for seed in ("1", "2", "3")}
+  assert seen == {f"{variant_color('GQA-3')} {variant_color('GQA-5')}\n"}
 
 
 def test_points_are_keyed_by_the_whole_cache_variant(results, tmp_path):

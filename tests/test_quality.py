@@ -36,7 +36,9 @@ def test_streaming_fp32_equals_full_forward(setup, layout, chunk):
   ppl_stream = np.exp(evaluate.nll(lp, tokens))
   ppl_full = np.exp(evaluate.nll(full, tokens))
   assert ppl_stream == pytest.approx(ppl_full, rel=1e-5)
-  assert nbytes > 0
+  from kvjax import cache as cache_lib  # the filled cache's bytes, exactly (23 tokens, B=3)
+  spec = cache_lib.CacheSpec.from_config(cfg, 3, 23)
+  assert nbytes == cache_lib.LAYOUTS[layout].closed_form_bytes(spec)
 
 
 def test_compare_metrics(setup):
@@ -66,12 +68,32 @@ def test_recall_set_is_fixed_and_accuracy_is_scored_on_answers(setup):
   assert all(np.array_equal(x, y) for x, y in zip(a, b))
   acc = evaluate.recall_accuracy(cfg, params, *a)
   assert 0.0 <= acc <= 1.0
-  # scoring counts exactly the masked positions: a model that always predicts the answer
-  seqs, mask = a
-  lp = np.full(seqs.shape + (260,), -50.0, np.float32)
-  lp[:, :-1][np.arange(4)[:, None], np.arange(39)[None], seqs[:, 1:]] = 0.0
-  pred = lp[:, :-1].argmax(-1)
-  assert (pred == seqs[:, 1:])[mask[:, 1:]].mean() == 1.0
+
+
+def test_recall_accuracy_scores_exactly_the_masked_answers(setup, monkeypatch):
+  """recall_accuracy on crafted log-probabilities (its model call replaced): predictions
+  are scored at the masked answer positions only, and nowhere else."""
+  cfg, params, _ = setup
+  filler = np.arange(1000, dtype=np.int32) % 100 + 20
+  seqs, mask = evaluate.recall_set(0, 4, 40, 3, filler)
+  B, N = seqs.shape
+  answers = mask[:, 1:]
+  assert 0 < answers.sum() < answers.size
+
+  def crafted(right_at):  # predicts the next token where right_at is True, else token 0
+    lp = np.full((B, N, 260), -50.0, np.float32)
+    nxt = np.where(right_at, seqs[:, 1:], 0)
+    lp[np.arange(B)[:, None], np.arange(N - 1)[None], nxt] = 0.0
+    return lp
+
+  def score(lp):
+    monkeypatch.setattr(evaluate, "stream_logprobs", lambda *a, **k: (lp, 0))
+    return evaluate.recall_accuracy(cfg, params, seqs, mask)
+
+  assert score(crafted(np.ones_like(answers))) == 1.0
+  assert score(crafted(~answers)) == 0.0  # right everywhere except at the answers
+  half = answers & (np.cumsum(answers, 1) % 2 == 1)  # every other answer of each row
+  assert score(crafted(half)) == pytest.approx(half.sum() / answers.sum())
 
 
 def test_quality_run_cell_rows(tmp_path, setup):
@@ -96,7 +118,8 @@ def test_quality_run_cell_rows(tmp_path, setup):
   assert text_row["variant"]["k_codec"] == "bf16" and text_row["variant"]["kv_heads"] == 2
   for key in ("ppl", "ppl_ref", "kl", "agreement", "gen_agreement", "cache_bytes"):
     assert key in text_row["metrics"]
-  assert text_row["metrics"]["cache_bytes"] < text_row["metrics"]["cache_bytes_ref"]
+  # bf16 stores half the fp32 payload; both carry the same int32 lengths (4 bytes x 2 seqs)
+  assert text_row["metrics"]["cache_bytes"] - 8 == (text_row["metrics"]["cache_bytes_ref"] - 8) // 2
   assert [r["workload"]["context"] for r in rows[1:]] == [24, 40]
   # the fp32 setting reproduces its own reference exactly
   ref_rows = quality.run_cell(runner.compose(items, {"params.setting": "fp32"}, {}))

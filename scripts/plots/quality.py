@@ -5,8 +5,9 @@
     cut at 5 %, larger values printed beside an arrow.
   quality_kl: mean KL vs the fp32 cache per setting (log scale), bars per model; the fp32
     reference itself (KL 0) is not drawn.
-  quality_recall: associative-recall accuracy vs context, one panel per model, one line
-    per setting (dashed grey: the same model through the fp32 cache).
+  quality_recall (only when the rows hold recall, i.e. params.recall_contexts): recall
+    accuracy vs context, one panel per model, one line per setting (dashed grey: the same
+    model through the fp32 cache). configs/quality.yaml measures no recall.
 """
 
 from __future__ import annotations

@@ -1,0 +1,147 @@
+"""Memory before allocation: what a command will allocate, checked against what the device has.
+
+    memory.check_params(cfg)                        # before weights are created or read
+    memory.check(cfg, batch, capacity, tokens)      # before a cache and programs are built
+
+The estimate is a closed form, host-side, before anything is traced:
+
+- params: every weight of the model at `model.param_dtype` (twice with `model.unrolled`,
+  which splits the stacked weights into a second per-layer copy);
+- cache: the layout's `closed_form_bytes` for `batch` x `capacity`, counted twice (a fresh
+  cache is built for each timed run while the previous one is still referenced);
+- temporaries of the widest call: the float32 logits [B, T, V], one layer's activations
+  and one block of attention logits, where T is the prompt (the whole capacity for the
+  `none` layout, which recomputes the prefix).
+
+The limit is what the device has free now: `memory_stats()` (bytes_limit - bytes_in_use)
+on a GPU/TPU, MemAvailable from /proc/meminfo (else `os.sysconf`) for the CPU backend,
+or `KVJAX_MEMORY_LIMIT` (bytes, or with a KiB/MiB/GiB/TiB suffix) when set. With a mesh
+the estimate is spread evenly over its devices (an ideal lower bound). An estimate above
+the limit is a one-line `KvjaxError` with both numbers; allocation failures that still
+happen are caught by `kvjax.cli.main` as one line too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from kvjax.config import Config, ModelConfig
+from kvjax.errors import KvjaxError
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KIB": 2**10, "M": 2**20, "MIB": 2**20, "G": 2**30,
+          "GIB": 2**30, "T": 2**40, "TIB": 2**40}
+_FIX = "lower the batch, cache.capacity or --max-new-tokens, or choose a smaller codec"
+
+
+def human(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if abs(n) < 1024 or unit == "TiB":
+      return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  return str(n)
+
+
+def param_count(m: ModelConfig) -> int:
+  """Weights of the Llama-style model (`kvjax.model`), from the config alone."""
+  E, F, V, H, K, D = m.d_model, m.F, m.vocab_size, m.n_heads, m.n_kv_heads, m.D
+  layer = E * H * D + 2 * E * K * D + H * D * E + 3 * E * F + 2 * E
+  if m.qkv_bias:
+    layer += H * D + 2 * K * D
+  return m.n_layers * layer + V * E * (1 if m.tie_embeddings else 2) + E
+
+
+def param_bytes(m: ModelConfig) -> int:
+  n = param_count(m) * _ITEMSIZE[m.param_dtype]
+  return 2 * n if m.scan_unroll >= m.n_layers > 1 else n
+
+
+def cache_bytes(cfg: Config, batch: int, capacity: int) -> int:
+  from kvjax import cache
+  spec = cache.CacheSpec.from_config(cfg, batch, capacity)
+  return cache.LAYOUTS[cfg.cache.layout].closed_form_bytes(spec)
+
+
+def temp_bytes(cfg: Config, batch: int, tokens: int, capacity: int) -> int:
+  """The widest call's temporaries (float32): logits, one layer's activations, one block
+  of attention logits."""
+  from kvjax import codecs
+  m = cfg.model
+  T = capacity if cfg.cache.layout == "none" else tokens  # `none` recomputes the prefix
+  logits = batch * tokens * m.vocab_size
+  acts = batch * T * (4 * m.d_model + 3 * m.F + 2 * m.n_heads * m.D)
+  scores = 2 * batch * m.n_heads * T * min(capacity, codecs.READ_CHUNK)
+  return 4 * (logits + acts + scores)
+
+
+def available_bytes() -> tuple[int | None, str]:
+  """(free bytes, what they are) of the first device, or (None, why) when unknown."""
+  env = os.environ.get("KVJAX_MEMORY_LIMIT", "").strip()
+  if env:
+    got = re.fullmatch(r"([0-9.]+)\s*([A-Za-z]*)", env)
+    if not got or got.group(2).upper() not in _UNITS:
+      raise KvjaxError(f"KVJAX_MEMORY_LIMIT={env!r} is not a size; use bytes or e.g. 16GiB")
+    return int(float(got.group(1)) * _UNITS[got.group(2).upper()]), "KVJAX_MEMORY_LIMIT"
+  import jax
+  dev = jax.devices()[0]
+  if dev.platform != "cpu":
+    stats = dev.memory_stats() or {}
+    if "bytes_limit" in stats:
+      return stats["bytes_limit"] - stats.get("bytes_in_use", 0), f"free on {dev.device_kind}"
+    return None, "device reports no memory_stats"
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024, "host RAM available"
+  except OSError:
+    pass
+  try:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "host RAM free"
+  except (ValueError, OSError, AttributeError):
+    return None, "host RAM unknown"
+
+
+def _devices(cfg: Config) -> int:
+  return cfg.mesh.data * cfg.mesh.model
+
+
+def _refuse(what: str, parts: dict, limit: int, source: str, fix: str = _FIX) -> None:
+  total = sum(parts.values())
+  detail = " + ".join(f"{k} {human(v)}" for k, v in parts.items() if v)
+  raise KvjaxError(f"not enough memory for {what}: about {human(total)} needed ({detail}), "
+                   f"{human(limit)} available ({source}); {fix}")
+
+
+def check_params(cfg: Config, what: str = "the model's weights") -> int:
+  """Refuse before weights are created or read when they cannot fit; returns the bytes."""
+  need = param_bytes(cfg.model) // max(cfg.mesh.model, 1)
+  limit, source = available_bytes()
+  if limit is not None and need > limit:
+    _refuse(what, {"params": need}, limit, source,
+            "choose a smaller model, a 16-bit model.param_dtype or more devices (mesh.model)")
+  return need
+
+
+def estimate(cfg: Config, batch: int, capacity: int, tokens: int,
+             params: bool = False) -> dict:
+  """Bytes per device by part: params (when not yet allocated), cache (x2), temporaries."""
+  n = _devices(cfg)
+  parts = {"params": param_bytes(cfg.model) // max(cfg.mesh.model, 1) if params else 0,
+           "cache x2": 2 * cache_bytes(cfg, batch, capacity) // n,
+           "temporaries": temp_bytes(cfg, batch, tokens, capacity) // n}
+  return parts
+
+
+def check(cfg: Config, batch: int, capacity: int, tokens: int, params: bool = False,
+          what: str = "this request") -> int:
+  """Refuse, in one line with the estimate and the limit, a request that cannot fit.
+
+  `params=False` when the weights are already allocated (the free memory excludes them).
+  Returns the estimate in bytes."""
+  parts = estimate(cfg, batch, capacity, tokens, params)
+  limit, source = available_bytes()
+  if limit is not None and sum(parts.values()) > limit:
+    _refuse(what, parts, limit, source)
+  return sum(parts.values())

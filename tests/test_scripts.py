@@ -1,0 +1,83 @@
+"""The scripts under scripts/: every one answers --help, and the benchmarks run at tiny
+size (one context, one repeat) and write the rows they promise. Timings are never asserted.
+bench_axis_order (fixed multi-MiB shapes) and bench_accelerator (a multi-minute driver of
+the others) are covered by --help only."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py"))
+TINY = ["--set", "model.d_model=32", "--set", "model.n_layers=1", "--set", "model.n_heads=4",
+        "--set", "model.n_kv_heads=2"]
+
+
+def _run(*argv, timeout=240):
+  env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+  return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=timeout)
+
+
+def test_every_script_is_listed():
+  assert {"bench_accelerator.py", "bench_axis_order.py", "bench_codecs.py", "bench_decode.py",
+          "bench_pallas.py", "bench_sharding.py", "plot_all.py"} <= set(SCRIPTS)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help(script):
+  proc = _run(f"scripts/{script}", "--help", timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.startswith("usage:") and "--help" in proc.stdout and proc.stderr == ""
+
+
+def _rows(path: Path) -> list[dict]:
+  return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_bench_codecs_tiny(tmp_path):
+  out = tmp_path / "rows.jsonl"
+  proc = _run("scripts/bench_codecs.py", "--contexts", "32", "--variants", "bf16,int8",
+              "--steps", "2", "--repeats", "1", *TINY, "--json", str(out))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = _rows(out)
+  assert [r["variant"]["name"] for r in rows] == ["bf16", "int8"]
+  assert all(r["workload"]["context"] == 32 for r in rows)
+  assert rows[0]["metrics"]["tpot_vs_bf16"] == 1.0
+  assert rows[1]["metrics"]["cache_bytes"] < rows[0]["metrics"]["cache_bytes"]
+
+
+def test_bench_decode_tiny(tmp_path):
+  out = tmp_path / "rows.jsonl"
+  proc = _run("scripts/bench_decode.py", "--contexts", "16", "--batches", "1", "--steps", "2",
+              "--repeats", "1", "--set", "model.n_layers=2", *TINY[:2], *TINY[4:],
+              "--out", str(out))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = _rows(out)
+  assert [r["bench"] for r in rows] == ["cache_vs_none", "scan_vs_unrolled"]
+  assert rows[0]["batch"] == 1 and rows[0]["context"] == 16 and rows[1]["layers"] == 2
+
+
+def test_bench_sharding_tiny(tmp_path):
+  out = tmp_path / "rows.jsonl"
+  proc = _run("scripts/bench_sharding.py", "--devices", "2", "--meshes", "1x1,1x2",
+              "--repeats", "1", *TINY, "--set", "workload.prompt_len=8",
+              "--set", "workload.gen_len=3", "--set", "workload.batch=2", "--json", str(out))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = _rows(out)
+  assert [r["mesh"] for r in rows] == ["1x1", "1x2"]
+  assert all(r["same_tokens_as_first"] for r in rows)
+  assert rows[1]["cache_bytes_per_device"] < rows[0]["cache_bytes_per_device"]
+
+
+def test_bench_pallas_smoke(tmp_path):
+  out = tmp_path / "rows.jsonl"
+  proc = _run("scripts/bench_pallas.py", str(out), "--contexts", "32", "--batches", "1",
+              "--codecs", "bf16", "--repeats", "1", "--budget", "120")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = _rows(out)
+  assert rows and all(r["smoke"] for r in rows)  # CPU: interpret mode, flagged as a smoke run

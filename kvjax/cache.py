@@ -319,3 +319,4 @@ def init_cache(cfg: Config, batch: int, capacity: int):
 
 
 from kvjax import paged  # noqa: E402,F401  registers the "paged" layout
+from kvjax import compact  # noqa: E402,F401  registers "compacted" and the cache.policy checks

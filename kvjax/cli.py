@@ -125,8 +125,12 @@ def cmd_size(args) -> dict:
   if (args.hf or args.config or args.gguf) and args.seq_len > m.max_seq_len:
     warnings.append(f"--seq-len {args.seq_len} exceeds this model's max_seq_len "
                     f"{m.max_seq_len}: sized anyway, but the model is not meant for it")
-  spec = cache.CacheSpec.from_config(cfg, args.batch, args.seq_len)
+  from kvjax import compact  # a cache.policy holds at most its budget (compacted layout)
+  held = compact.held_tokens(cfg.cache, args.seq_len)
+  spec = cache.CacheSpec.from_config(cfg, args.batch, held)
   layout = cache.LAYOUTS["contiguous" if cfg.cache.layout == "none" else cfg.cache.layout]
+  if cfg.cache.policy != "full":
+    layout = cache.LAYOUTS["compacted"]
   per_token = m.n_layers * (spec.kc.bytes_per_token(m.n_kv_heads, m.D, cfg.cache)
                             + spec.vc.bytes_per_token(m.n_kv_heads, m.D, cfg.cache))
   from kvjax import sharding  # bytes per device under mesh.data x mesh.model (no devices needed)
@@ -139,7 +143,8 @@ def cmd_size(args) -> dict:
       "k_codec": cfg.cache.k_codec, "v_codec": cfg.cache.v_codec, "layout": layout.name,
       "k_axis": cfg.cache.k_axis, "group_size": cfg.cache.group_size,
       "residual": cfg.cache.residual, "notes": notes, "warnings": warnings,
-      **sharding.size_report(cfg, args.batch, args.seq_len,
+      "policy": cfg.cache.policy, "held_tokens": held,
+      **sharding.size_report(cfg, args.batch, held,
                              with_params=bool(args.hf or args.config or args.gguf)),
   }
   if param_dtype:
@@ -150,7 +155,7 @@ def cmd_size(args) -> dict:
                        "model yourself) to size a single device")
     budget, unit = sizing.parse_bytes(args.budget)
     out["budget"] = {"text": args.budget, "unit": unit,
-                     **sizing.budget_report(cfg, args.seq_len, args.batch, budget,
+                     **sizing.budget_report(cfg, held, args.batch, budget,
                                             out.get("param_bytes"))}
   return out
 

@@ -80,6 +80,11 @@ class CacheConfig:
   residual: int = 0              # full-precision window of recent tokens (KIVI's R)
   page_size: int = 16
   num_pages: int = 0             # paged pool size; 0 means enough for batch * capacity
+  policy: str = "full"           # token eviction policy (kvjax.policies.POLICIES)
+  budget: int = 0                # tokens kept per sequence (per layer and KV head); 0: unset
+  ratio: float = 0.0             # alternative to budget: fraction of each prompt kept, (0, 1]
+  sinks: int = 4                 # first tokens always kept by policy `sinks`
+  window: int = 0                # recent (window/sinks/h2o) or observation (snapkv) window; 0: default
 
 
 @dataclasses.dataclass(frozen=True)

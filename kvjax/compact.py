@@ -152,12 +152,16 @@ def compress(cache, lengths_B, room: int, q_LBTHD=None, T: int | None = None) ->
   new_spec = dataclasses.replace(spec, layout="compacted", capacity=cap)
   fresh = cache_lib.LAYOUTS["compacted"].init(new_spec)
 
-  def place(store, kept):
+  held_B = policies.held(lengths_B, budget_B)
+  used_BS = jnp.arange(Sk)[None, :] < held_B[:, None]
+
+  def place(store, kept):  # unused slots stay zero, as in a fresh cache
+    kept = jnp.where(used_BS[None, :, None, :, None], kept, jnp.zeros((), kept.dtype))
     return store.at[:, :, :, :Sk].set(kept)
   k = jax.tree.map(place, fresh.k, jax.tree.map(_gather_tokens(pos_LBKS), cache.k))
   v = jax.tree.map(place, fresh.v, jax.tree.map(_gather_tokens(pos_LBKS), cache.v))
-  return EvictedCache(k=k, v=v, lengths=cache.lengths, held=policies.held(lengths_B, budget_B),
-                      budget=budget_B, spec=new_spec)
+  return EvictedCache(k=k, v=v, lengths=cache.lengths, held=held_B, budget=budget_B,
+                      spec=new_spec)
 
 
 def _is_q_proj(mdl, method_name) -> bool:

@@ -330,12 +330,15 @@ def build_parser() -> argparse.ArgumentParser:
   _add_set(t)
   t.set_defaults(func=cmd_train)
 
-  c = sub.add_parser("convert", help="mean-pool an MHA checkpoint's K/V heads into GQA/MQA")
+  c = sub.add_parser("convert", help="mean-pool an MHA checkpoint's K/V heads into GQA/MQA, or "
+                     "factor K/V to a rank-R latent (--latent-rank)")
   csrc = c.add_mutually_exclusive_group(required=True)
   csrc.add_argument("--checkpoint", metavar="DIR")
   csrc.add_argument("--hf", metavar="DIR")
   csrc.add_argument("--gguf", metavar="FILE|NAME")
-  c.add_argument("--kv-heads", type=int, required=True)
+  c.add_argument("--kv-heads", type=int)
+  c.add_argument("--latent-rank", type=int, metavar="R",
+                 help="factor K/V projections to rank R for the latent (MLA-style) cache")
   c.add_argument("--out", metavar="DIR", required=True)
   _add_set(c)
   c.set_defaults(func=cmd_convert)

@@ -43,6 +43,7 @@ class ModelConfig:
   scan_unroll: int = 1           # layers are scanned; >= n_layers: prefill, decode and serve
                                  # run them unrolled over per-layer weights (model.unrolled)
   max_seq_len: int = 4096        # longest position the model is meant for (RoPE tables, checks)
+  latent_rank: int = 0           # > 0: K/V projections of this rank, cacheable as latents (kvjax.latent)
 
   @property
   def D(self) -> int:

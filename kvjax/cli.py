@@ -133,6 +133,8 @@ def cmd_size(args) -> dict:
     layout = cache.LAYOUTS["compacted"]
   per_token = m.n_layers * (spec.kc.bytes_per_token(m.n_kv_heads, m.D, cfg.cache)
                             + spec.vc.bytes_per_token(m.n_kv_heads, m.D, cfg.cache))
+  if cfg.cache.layout == "latent":  # one rank-r latent per token and layer (kvjax.latent)
+    per_token = m.n_layers * spec.kc.bytes_per_token(1, m.latent_rank, cfg.cache)
   from kvjax import sharding  # bytes per device under mesh.data x mesh.model (no devices needed)
   out = {
       "bytes_per_token": per_token,

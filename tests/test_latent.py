@@ -1,5 +1,7 @@
 """The latent (MLA-style) cache (kvjax/latent.py) and `kvjax convert --latent-rank`."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -46,6 +48,15 @@ def test_latent_bytes_per_token_formula(codec, bytes_per):
   assert cache_lib.tree_bytes(c) == latent.Latent().closed_form_bytes(c.spec)
   dense = cache_lib.init_cache(tiny_config(**{"cache.codec": codec}), 3, 20)
   assert cache_lib.tree_bytes(dense) == L * B * S * 2 * 4 * 8 * bytes_per + 4 * B  # 2·K·D vs r
+
+
+def test_size_reports_latent_bytes_per_token(capsys):
+  rc = cli.main(["size", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
+                 "--seq-len", "100", "--codec", "fp32", "--set", "model.latent_rank=8",
+                 "--set", "cache.layout=latent", "--json"])
+  res = json.loads(capsys.readouterr().out)
+  assert rc == 0 and res["bytes_per_token"] == 2 * 8 * 4
+  assert res["total_bytes"] == 100 * res["bytes_per_token"] + 4
 
 
 @pytest.mark.parametrize("over,needle", [

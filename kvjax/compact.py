@@ -224,3 +224,35 @@ def prefill_program(cfg, default):
 
 
 codecs.CACHE_CHECKS.append(policies.check_config)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _continue(params, cache, cont_BM, *, cfg):
+  """Feed cont_BM one token per step through the cache; log-probabilities [B, M, V]."""
+  from kvjax import decode
+  model, p = decode.network(cfg, params)
+
+  def step(c, tok_B):
+    logits, c = c.layout.forward(model, p, tok_B[:, None], c.lengths[:, None], c)
+    return c, jax.nn.log_softmax(logits[:, 0], axis=-1)
+
+  cache, lp_MBV = jax.lax.scan(step, cache, cont_BM.T)
+  return jnp.swapaxes(lp_MBV, 0, 1), cache
+
+
+def continuation_logprobs(cfg, params, context_BT, cont_BM):
+  """Quality through eviction: prefill the context (compacted by `cache.policy`), then
+  teacher-force the continuation token by token. Returns (log-probabilities [B, M, V] where
+  row i predicts cont[:, i], the cache bytes held at the end)."""
+  from kvjax import decode
+  context_BT, cont_BM = np.asarray(context_BT, np.int32), np.asarray(cont_BM, np.int32)
+  (B, T), M = context_BT.shape, cont_BM.shape[1]
+  lengths_B = np.full((B,), T, np.int32)
+  cache = cache_lib.init_cache(cfg, B, T + M)
+  key = jax.random.PRNGKey(0)
+  pre = prefill_program(cfg, decode.prefill).lower(params, context_BT, lengths_B, cache, key,
+                                                   cfg=cfg, sampler=decode.Sampler()).compile()
+  _, last_BV, cache = pre(params, context_BT, lengths_B, cache, key)
+  lp_BMV, cache = _continue(params, cache, cont_BM[:, :-1], cfg=cfg)
+  first = jax.nn.log_softmax(last_BV, axis=-1)[:, None]
+  return jnp.concatenate([first, lp_BMV], axis=1), cache_lib.tree_bytes(cache)

@@ -308,3 +308,21 @@ def test_ratio_too_small_for_the_window_is_refused_before_jit():
   cfg = tiny_config(**{"cache.policy": "h2o", "cache.ratio": 0.5, "cache.window": 3})
   with pytest.raises(KvjaxError, match="raise the ratio"):
     decode.generate(cfg, tiny_params(cfg), PROMPTS, 2, timed=False)
+
+
+def test_continuation_logprobs_full_and_unbudgeted_equal_the_full_forward():
+  cfg = tiny_config()
+  params = tiny_params(cfg)
+  rng = np.random.default_rng(0)
+  toks = rng.integers(0, 64, (2, 16)).astype(np.int32)
+  logits, _ = model_lib.Transformer(cfg.model).apply({"params": params}, jnp.asarray(toks),
+                                                      jnp.arange(16)[None].repeat(2, 0))
+  want = jax.nn.log_softmax(logits[:, 9:15], axis=-1)  # predictions of tokens 10..15
+  got, _ = compact.continuation_logprobs(cfg, params, toks[:, :10], toks[:, 10:])
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  kcfg = tiny_config(**{"cache.policy": "knorm", "cache.budget": 10})
+  got_k, nbytes = compact.continuation_logprobs(kcfg, params, toks[:, :10], toks[:, 10:])
+  np.testing.assert_allclose(got_k, want, atol=1e-5)
+  wcfg = tiny_config(**{"cache.policy": "window", "cache.budget": 4})
+  got_w, nbytes_w = compact.continuation_logprobs(wcfg, params, toks[:, :10], toks[:, 10:])
+  assert nbytes_w < nbytes and np.max(np.abs(np.asarray(got_w - want))) > 1e-4

@@ -198,6 +198,7 @@ def cmd_generate(args) -> dict:
                                      "compile_s", "capacity")})
   result["mesh"] = {"data": cfg.mesh.data, "model": cfg.mesh.model}
   result.update({"variant": cfg.model.variant, "layout": cfg.cache.layout,
+                 "policy": cfg.cache.policy,
                  "k_codec": cfg.cache.k_codec, "v_codec": cfg.cache.v_codec,
                  "batch": len(prompts), "random_weights": not (args.hf or args.checkpoint)})
   return result

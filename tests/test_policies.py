@@ -283,6 +283,10 @@ def test_ratio_budgets_per_ragged_row():
     ({"cache.policy": "window", "cache.budget": 8, "cache.ratio": 0.5}, "not both"),
     ({"cache.policy": "snapkv", "cache.budget": 8, "cache.window": 8}, "must exceed"),
     ({"cache.policy": "knorm", "cache.budget": 8, "cache.residual": 4}, "cache.residual=0"),
+    ({"cache.policy": "sinks", "cache.ratio": 0.5, "cache.window": 8}, "drop cache.window"),
+    ({"cache.policy": "sinks", "cache.budget": 10, "cache.window": 8, "cache.sinks": 4},
+     "disagrees"),
+    ({"cache.layout": "compacted"}, "what a policy builds"),
 ])
 def test_bad_policy_settings_are_one_line_errors(over, needle):
   with pytest.raises(KvjaxError, match=None) as e:

@@ -166,6 +166,9 @@ def check_config(c, m=None) -> None:
     raise KvjaxError(f"cache.policy={c.policy} needs cache.budget (tokens kept per sequence) "
                      "or cache.ratio (fraction kept)")
   budget = effective_budget(c)
+  if pol.decode_evicts and c.window and c.ratio:
+    raise KvjaxError(f"cache.policy={c.policy} with cache.ratio sizes its window from the ratio; "
+                     "drop cache.window")
   if budget and c.window and pol.decode_evicts and c.budget and \
       c.budget != pol.sinks(c) + c.window:
     raise KvjaxError(f"cache.budget={c.budget} disagrees with cache.sinks + cache.window = "

@@ -22,7 +22,8 @@ class H2O(Policy):
     T = ctx.q_LBTHD.shape[2]
     S = ctx.k_LBKSD.shape[3]
     n_B1 = ctx.lengths_B[:, None]
-    mass = attention_mass(ctx.q_LBTHD, ctx.k_LBKSD, ctx.lengths_B, jnp.arange(T)[None, :] < n_B1)
+    t_BT = jnp.broadcast_to(jnp.arange(T)[None, :], (n_B1.shape[0], T))
+    mass = attention_mass(ctx.q_LBTHD, ctx.k_LBKSD, ctx.lengths_B, jnp.where(t_BT < n_B1, t_BT, -1))
     j_S = jnp.arange(S)[None, :]
     recent = ((j_S >= n_B1 - w) & (j_S < n_B1))[None, :, None]
     return jnp.where(recent, KEEP, mass)

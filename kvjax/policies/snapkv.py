@@ -31,11 +31,11 @@ class SnapKV(Policy):
 
   def scores(self, ctx):
     w = self.window(ctx.cache_cfg)
-    T = ctx.q_LBTHD.shape[2]
     S = ctx.k_LBKSD.shape[3]
     n_B1 = ctx.lengths_B[:, None]
-    t_T = jnp.arange(T)[None, :]
-    mass = attention_mass(ctx.q_LBTHD, ctx.k_LBKSD, ctx.lengths_B, (t_T >= n_B1 - w) & (t_T < n_B1))
+    qpos_BW = n_B1 - w + jnp.arange(w)[None, :]  # the observation window
+    qpos_BW = jnp.where(qpos_BW >= 0, qpos_BW, -1)
+    mass = attention_mass(ctx.q_LBTHD, ctx.k_LBKSD, ctx.lengths_B, qpos_BW)
     j_S = jnp.arange(S)[None, :]
     before_BS = j_S < n_B1 - w  # candidates: the prompt before the window
     pooled = max_pool(jnp.where(before_BS[None, :, None], mass, -jnp.inf), POOL)

@@ -5,8 +5,6 @@ Acts at prefill only (one ranking by the final prompt token); decode appends wit
 evicting (the original method re-ranks at every step; that is not built).
 """
 
-import jax.numpy as jnp
-
 from kvjax.policies import Policy, register
 from kvjax.policies.attn import attention_mass
 
@@ -16,9 +14,7 @@ class TOVA(Policy):
   needs_queries = True
 
   def scores(self, ctx):
-    T = ctx.q_LBTHD.shape[2]
-    last_BT = jnp.arange(T)[None, :] == ctx.lengths_B[:, None] - 1
-    return attention_mass(ctx.q_LBTHD, ctx.k_LBKSD, ctx.lengths_B, last_BT)
+    return attention_mass(ctx.q_LBTHD, ctx.k_LBKSD, ctx.lengths_B, ctx.lengths_B[:, None] - 1)
 
 
 register(TOVA())

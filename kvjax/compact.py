@@ -66,7 +66,8 @@ class Compacted(cache_lib.Layout):
     shape = (L, B, K, spec.capacity, D)
     zeros = jnp.zeros((B,), jnp.int32)
     return EvictedCache(k=spec.kc.init(shape, spec.cache_cfg),
-                        v=spec.vc.init(shape, spec.cache_cfg), lengths=zeros, held=zeros, budget=zeros + spec.capacity, spec=spec)
+                        v=spec.vc.init(shape, spec.cache_cfg), lengths=zeros, held=zeros,
+                        budget=zeros + spec.capacity, spec=spec)
 
   def forward(self, model, params, tokens_BT, positions_BT, cache):
     return model.apply({"params": params}, tokens_BT, positions_BT, cache)

@@ -310,8 +310,12 @@ def test_cli_bad_policy_exits_2_and_size_shows_the_budget(capsys):
   assert res["total_bytes"] == 2 * 24 * (2 * 2 * 8 * 4) + 12
 
 
-def test_ratio_too_small_for_the_window_is_refused_before_jit():
-  cfg = tiny_config(**{"cache.policy": "h2o", "cache.ratio": 0.5, "cache.window": 3})
+@pytest.mark.parametrize("over", [
+    {"cache.policy": "h2o", "cache.ratio": 0.5, "cache.window": 3},  # keeps 3 of 5 = window
+    {"cache.policy": "sinks", "cache.ratio": 1.0, "cache.sinks": 5},  # ring of 5 = the sinks
+])
+def test_ratio_too_small_for_the_window_or_sinks_is_refused_before_jit(over):
+  cfg = tiny_config(**over)
   with pytest.raises(KvjaxError, match="raise the ratio"):
     decode.generate(cfg, tiny_params(cfg), PROMPTS, 2, timed=False)
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax.errors import KvjaxError
 
@@ -131,7 +132,7 @@ def effective_budget(c) -> int:
 
 def budgets(c, lengths_B) -> Any:
   """Per-sequence budgets [B] (jax or numpy, like `lengths_B`)."""
-  xp = jnp if isinstance(lengths_B, jax.Array) else __import__("numpy")
+  xp = jnp if isinstance(lengths_B, jax.Array) else np
   if c.ratio:
     return xp.maximum(1, xp.ceil(c.ratio * lengths_B)).astype(xp.int32)
   return xp.full(lengths_B.shape, effective_budget(c), xp.int32)
@@ -184,11 +185,11 @@ def check_config(c, m=None) -> None:
 
 def check_lengths(c, lengths) -> None:
   """Host-side checks that need the prompt lengths (per-sequence budgets from a ratio)."""
-  import numpy as np
   pol = get(c.policy)
   lengths = np.asarray(lengths)
   b = budgets(c, lengths)
-  short = lengths > b  # only sequences that are actually compressed
+  # Sequences compressed at prefill; a ring (window/sinks) also evicts from the others.
+  short = lengths > b if not pol.decode_evicts else np.ones(lengths.shape, bool)
   floor = pol.sinks(c) if pol.decode_evicts else pol.window(c)
   if np.any(short & (b <= floor)):
     i = int(np.argmax(short & (b <= floor)))

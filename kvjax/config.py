@@ -85,7 +85,7 @@ class CacheConfig:
   budget: int = 0                # tokens kept per sequence (per layer and KV head); 0: unset
   ratio: float = 0.0             # alternative to budget: fraction of each prompt kept, (0, 1]
   sinks: int = 4                 # first tokens always kept by policy `sinks`
-  window: int = 0                # recent (window/sinks/h2o) or snapkv observation window; 0: default
+  window: int = 0                # recent (window/sinks/h2o) or snapkv observation window
 
 
 @dataclasses.dataclass(frozen=True)

@@ -64,7 +64,7 @@ def _sampling_overrides(args) -> dict:
 # Names listed in --help (tests hold them equal to codecs.CODECS and cache.LAYOUTS; the
 # registries themselves would import JAX just to print help).
 CODEC_NAMES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2")
-LAYOUT_NAMES = ("none", "contiguous", "paged")
+LAYOUT_NAMES = ("none", "contiguous", "paged", "latent")
 DEFAULT_CODEC = "bf16"  # the common serving dtype, for every way of naming the model
 
 

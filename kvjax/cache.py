@@ -45,6 +45,7 @@ class CacheSpec:
   head_dim: int      # D
   dtype: str         # compute dtype of the model reading the cache
   cache_cfg: Any = None  # the CacheConfig (axis, groups, residual, pages)
+  model_cfg: Any = None  # the ModelConfig (the latent layout's rank and RoPE)
 
   @property
   def kc(self) -> codecs.Codec:
@@ -87,7 +88,7 @@ class CacheSpec:
     m, c = cfg.model, cfg.cache
     return cls(layout=c.layout, k_codec=c.k_codec, v_codec=c.v_codec, batch=batch,
                capacity=capacity, n_layers=m.n_layers, n_kv_heads=m.n_kv_heads,
-               head_dim=m.D, dtype=m.dtype, cache_cfg=c)
+               head_dim=m.D, dtype=m.dtype, cache_cfg=c, model_cfg=m)
 
 
 @struct.dataclass
@@ -319,3 +320,5 @@ def init_cache(cfg: Config, batch: int, capacity: int):
 
 
 from kvjax import paged  # noqa: E402,F401  registers the "paged" layout
+from kvjax import compact  # noqa: E402,F401  registers "compacted" and the cache.policy checks
+from kvjax import latent  # noqa: E402,F401  registers the "latent" layout (MLA-style)

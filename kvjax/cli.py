@@ -66,7 +66,7 @@ def _sampling_overrides(args) -> dict:
 # Names listed in --help (tests hold them equal to codecs.CODECS and cache.LAYOUTS; the
 # registries themselves would import JAX just to print help).
 CODEC_NAMES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2")
-LAYOUT_NAMES = ("none", "contiguous", "paged")
+LAYOUT_NAMES = ("none", "contiguous", "paged", "latent")
 DEFAULT_CODEC = "bf16"  # the common serving dtype, for every way of naming the model
 
 
@@ -127,10 +127,16 @@ def cmd_size(args) -> dict:
   if (args.hf or args.config or args.gguf) and args.seq_len > m.max_seq_len:
     warnings.append(f"--seq-len {args.seq_len} exceeds this model's max_seq_len "
                     f"{m.max_seq_len}: sized anyway, but the model is not meant for it")
-  spec = cache.CacheSpec.from_config(cfg, args.batch, args.seq_len)
+  from kvjax import compact  # a cache.policy holds at most its budget (compacted layout)
+  held = compact.held_tokens(cfg.cache, args.seq_len)
+  spec = cache.CacheSpec.from_config(cfg, args.batch, held)
   layout = cache.LAYOUTS["contiguous" if cfg.cache.layout == "none" else cfg.cache.layout]
+  if cfg.cache.policy != "full":
+    layout = cache.LAYOUTS["compacted"]
   per_token = m.n_layers * (spec.kc.bytes_per_token(m.n_kv_heads, m.D, cfg.cache)
                             + spec.vc.bytes_per_token(m.n_kv_heads, m.D, cfg.cache))
+  if cfg.cache.layout == "latent":  # one rank-r latent per token and layer (kvjax.latent)
+    per_token = m.n_layers * spec.kc.bytes_per_token(1, m.latent_rank, cfg.cache)
   from kvjax import sharding  # bytes per device under mesh.data x mesh.model (no devices needed)
   out = {
       "bytes_per_token": per_token,
@@ -141,7 +147,8 @@ def cmd_size(args) -> dict:
       "k_codec": cfg.cache.k_codec, "v_codec": cfg.cache.v_codec, "layout": layout.name,
       "k_axis": cfg.cache.k_axis, "group_size": cfg.cache.group_size,
       "residual": cfg.cache.residual, "notes": notes, "warnings": warnings,
-      **sharding.size_report(cfg, args.batch, args.seq_len,
+      "policy": cfg.cache.policy, "held_tokens": held,
+      **sharding.size_report(cfg, args.batch, held,
                              with_params=bool(args.hf or args.config or args.gguf)),
   }
   if param_dtype:
@@ -152,7 +159,7 @@ def cmd_size(args) -> dict:
                        "model yourself) to size a single device")
     budget, unit = sizing.parse_bytes(args.budget)
     out["budget"] = {"text": args.budget, "unit": unit,
-                     **sizing.budget_report(cfg, args.seq_len, args.batch, budget,
+                     **sizing.budget_report(cfg, held, args.batch, budget,
                                             out.get("param_bytes"))}
   return out
 
@@ -197,6 +204,7 @@ def cmd_generate(args) -> dict:
                                      "compile_s", "capacity")})
   result["mesh"] = {"data": cfg.mesh.data, "model": cfg.mesh.model}
   result.update({"variant": cfg.model.variant, "layout": cfg.cache.layout,
+                 "policy": cfg.cache.policy,
                  "k_codec": cfg.cache.k_codec, "v_codec": cfg.cache.v_codec,
                  "batch": len(prompts), "random_weights": not (args.hf or args.checkpoint)})
   return result
@@ -331,12 +339,15 @@ def build_parser() -> argparse.ArgumentParser:
   _add_set(t)
   t.set_defaults(func=cmd_train)
 
-  c = sub.add_parser("convert", help="mean-pool an MHA checkpoint's K/V heads into GQA/MQA")
+  c = sub.add_parser("convert", help="mean-pool an MHA checkpoint's K/V heads into GQA/MQA, or "
+                     "factor K/V to a rank-R latent (--latent-rank)")
   csrc = c.add_mutually_exclusive_group(required=True)
   csrc.add_argument("--checkpoint", metavar="DIR")
   csrc.add_argument("--hf", metavar="DIR")
   csrc.add_argument("--gguf", metavar="FILE|NAME")
-  c.add_argument("--kv-heads", type=int, required=True)
+  c.add_argument("--kv-heads", type=int)
+  c.add_argument("--latent-rank", type=int, metavar="R",
+                 help="factor K/V projections to rank R for the latent (MLA-style) cache")
   c.add_argument("--out", metavar="DIR", required=True)
   _add_set(c)
   c.set_defaults(func=cmd_convert)

@@ -44,6 +44,7 @@ class ModelConfig:
   scan_unroll: int = 1           # layers are scanned; >= n_layers: prefill, decode and serve
                                  # run them unrolled over per-layer weights (model.unrolled)
   max_seq_len: int = 4096        # longest position the model is meant for (RoPE tables, checks)
+  latent_rank: int = 0           # > 0: rank-r K/V projections, cacheable as latents (kvjax.latent)
 
   @property
   def D(self) -> int:
@@ -81,6 +82,11 @@ class CacheConfig:
   residual: int = 0              # full-precision window of recent tokens (KIVI's R)
   page_size: int = 16
   num_pages: int = 0             # paged pool size; 0 means enough for batch * capacity
+  policy: str = "full"           # token eviction policy (kvjax.policies.POLICIES)
+  budget: int = 0                # tokens kept per sequence (per layer and KV head); 0: unset
+  ratio: float = 0.0             # alternative to budget: fraction of each prompt kept, (0, 1]
+  sinks: int = 4                 # first tokens always kept by policy `sinks`
+  window: int = 0                # recent (window/sinks/h2o) or snapkv observation window
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,9 @@ i will serve; averaging their K and V projections (kernels and biases) is the GQ
 paper's best initialisation, and with P = 1 it is the identity. Queries, outputs and the
 MLP are unchanged. The converted model is then usually uptrained for a few percent of
 its original steps (experiments/uptrain.py).
+
+`--latent-rank R` instead factors each layer's K/V projections to rank R for the latent
+cache (`kvjax.latent.factor`).
 """
 
 from __future__ import annotations
@@ -60,14 +63,23 @@ def convert_cli(args) -> dict:
   from kvjax import checkpoint, sources
 
   src = sources.from_args(args)
+  rank = getattr(args, "latent_rank", None)
+  if (args.kv_heads is None) == (rank is None):
+    raise KvjaxError("convert needs exactly one of --kv-heads K or --latent-rank R")
   cfg, params, _ = sources.load(src, config_lib.parse_set(getattr(args, "set", None)))
   before = cfg.model.variant
-  new_cfg, new_params = mean_pool(cfg, params, args.kv_heads)
+  if rank is not None:
+    from kvjax import latent
+    new_cfg, new_params = latent.factor(cfg, params, rank)
+    method, what = f"latent_rank_{rank}", f"rank-{rank} latent K/V (SVD per layer)"
+  else:
+    new_cfg, new_params = mean_pool(cfg, params, args.kv_heads)
+    method, what = "mean_pool", "mean-pooled K/V heads"
   out = Path(args.out)
   if checkpoint.latest_step(out) is not None:
     raise KvjaxError(f"{out} already holds a checkpoint; choose a new --out folder")
   checkpoint.save(out, new_cfg, new_params, step=0,
-                  meta={"converted_from": str(src), "method": "mean_pool"})
-  print(f"converted {before} -> {new_cfg.model.variant} (mean-pooled K/V heads); "
-        f"checkpoint in {out}")
-  return {"from": before, "to": new_cfg.model.variant, "out": str(out)}
+                  meta={"converted_from": str(src), "method": method})
+  print(f"converted {before} -> {new_cfg.model.variant} ({what}); checkpoint in {out}")
+  return {"from": before, "to": new_cfg.model.variant, "out": str(out),
+          "latent_rank": new_cfg.model.latent_rank}

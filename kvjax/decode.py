@@ -21,6 +21,7 @@ import numpy as np
 from flax import struct
 
 from kvjax import cache as cache_lib
+from kvjax import compact
 from kvjax import model as model_lib
 from kvjax import sharding
 from kvjax.config import Config
@@ -186,7 +187,9 @@ def generate(cfg: Config, params, prompts: list[list[int]], max_new_tokens: int,
 
   t0 = time.perf_counter()
   c0 = fresh()
-  pre = prefill.lower(params, tokens, lengths, c0, k_prefill, cfg=cfg, sampler=sampler).compile()
+  # cache.policy other than full: prefill, then compact to the budget (kvjax.compact)
+  program = compact.prefill_program(cfg, prefill)
+  pre = program.lower(params, tokens, lengths, c0, k_prefill, cfg=cfg, sampler=sampler).compile()
   tok0, _, c1 = pre(params, tokens, lengths, c0, k_prefill)
   dec = decode.lower(params, c1, tok0, k_decode, cfg=cfg, sampler=sampler,
                      steps=max(steps, 0)).compile() if steps > 0 else None

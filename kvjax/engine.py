@@ -163,6 +163,9 @@ class Engine:
     if cfg.cache.layout not in ("paged", "contiguous"):
       raise KvjaxError(f"the serving engine needs cache.layout=paged or contiguous, got "
                        f"'{cfg.cache.layout}'")
+    if cfg.cache.policy != "full":
+      raise KvjaxError(f"the serving engine does not evict tokens (cache.policy="
+                       f"{cfg.cache.policy}); set cache.policy=full")
     if min(slots, max_len, chunk, prefill_rows) <= 0:
       raise KvjaxError("engine slots, max_len, chunk and prefill_rows must be positive")
     if cfg.cache.residual:

@@ -74,6 +74,9 @@ def stream_segments(cfg: Config, params, tokens_BN, chunk: int = 1, segment: int
   B, N = tokens_BN.shape
   if chunk <= 0:
     raise KvjaxError(f"chunk must be positive, got {chunk}")
+  if cfg.cache.policy != "full":
+    raise KvjaxError(f"streaming evaluation keeps every token; cache.policy={cfg.cache.policy} "
+                     "acts after a prefill (kvjax generate); set cache.policy=full here")
   if N > cfg.model.max_seq_len:
     raise KvjaxError(f"{N} tokens exceed model.max_seq_len={cfg.model.max_seq_len}; "
                      "evaluate a shorter context")

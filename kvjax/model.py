@@ -102,6 +102,8 @@ class Block(nn.Module):
     q_BTHD = _dense(cfg, H * D, "q_proj", cfg.qkv_bias)(h).reshape(B, T, H, D)
     k_BTKD = _dense(cfg, K * D, "k_proj", cfg.qkv_bias)(h).reshape(B, T, K, D)
     v_BTKD = _dense(cfg, K * D, "v_proj", cfg.qkv_bias)(h).reshape(B, T, K, D)
+    if cfg.latent_rank:  # the latent cache's up-projection (read by kvjax.latent, not here)
+      self.param("latent_up", nn.initializers.zeros, (cfg.latent_rank, 2 * K * D), pdtype)
     q_BTHD, k_BTKD = apply_rope(q_BTHD, cos, sin), apply_rope(k_BTKD, cos, sin)
 
     if self.spec is None:

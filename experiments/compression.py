@@ -1,0 +1,94 @@
+"""compression: token eviction, latent caches and quantization on one bytes axis.
+
+A cell is one paired setting (`params.setting`, a name from `params.settings`): a cache
+policy with its budget or ratio (`cache.policy`, `cache.ratio`, `cache.window`, ...), a
+codec, or a latent rank (`params.latent_rank`: the model's K/V projections factored by
+`kvjax.latent.factor`, read through `cache.layout: latent`). For each model of
+`params.models` and each of `eval_seqs` text windows of `context + continuation` tokens
+(`params.text`, as in the quality experiment), the context is prefilled (and compacted by
+the policy), then the continuation is teacher-forced token by token through the cache
+(`kvjax.compact.continuation_logprobs`).
+
+Row metrics: `ppl` of the continuation through this cache, `ppl_ref` through the
+uncompressed fp32 cache of the original model, `dppl_rel` = ppl / ppl_ref - 1,
+`agreement` (argmax equal to the reference's), `cache_bytes` held at the end (batch of
+all windows), `bytes_per_token` = cache_bytes / (windows x (context + continuation))
+(so eviction, codecs and latents compare per token seen), `kept` = that over the
+uncompressed fp32 cache's bytes per token.
+
+Not measured here: the long-context retrieval tasks (passkey, needle, variable tracking)
+do not exist in kvjax yet, and nothing is timed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import experiments as ex
+from experiments import quality
+from kvjax import compact, data, evaluate, latent
+from kvjax import config as config_lib
+from kvjax.errors import KvjaxError
+
+_REF: dict = {}
+
+
+def check(cfg) -> None:
+  quality.check(cfg)
+  if int(cfg.param("context", 512)) < 2 or int(cfg.param("continuation", 64)) < 2:
+    raise KvjaxError("params.context and params.continuation must be >= 2")
+
+
+def _tokens(cfg, mcfg, tok):
+  n = int(cfg.param("context", 512)) + int(cfg.param("continuation", 64))
+  text = data.eval_text(str(cfg.param("text", "stdlib")))
+  return evaluate.text_windows(tok, text, n, int(cfg.param("eval_seqs", 2)))
+
+
+def _reference(src, cfg, mcfg, params, tok):
+  key = (str(src), cfg.param("context", 512), cfg.param("continuation", 64),
+         cfg.param("eval_seqs", 2), cfg.param("text", "stdlib"))
+  if key not in _REF:
+    _REF.clear()
+    ref_cfg = evaluate.reference_config(quality.cell_config(cfg, mcfg))
+    toks = _tokens(cfg, mcfg, tok)
+    T = int(cfg.param("context", 512))
+    lp, nbytes = compact.continuation_logprobs(ref_cfg, params, toks[:, :T], toks[:, T:])
+    _REF[key] = (toks, np.asarray(lp), nbytes)
+  return _REF[key]
+
+
+def _nll(lp_BMV, cont_BM) -> float:
+  return float(-np.mean(np.take_along_axis(np.asarray(lp_BMV), cont_BM[..., None], -1)))
+
+
+def run_cell(cfg) -> list[dict]:
+  rows = []
+  T = int(cfg.param("context", 512))
+  for src in quality._models(cfg):
+    mcfg, params, tok = quality._load(src)
+    toks, ref_lp, ref_bytes = _reference(src, cfg, mcfg, params, tok)
+    rank = int(cfg.param("latent_rank", 0))
+    if rank:
+      mcfg, params = latent.factor(mcfg, params, rank)
+    tcfg = quality.cell_config(cfg, mcfg)
+    if rank:
+      tcfg = config_lib.replace(tcfg, **{"cache.layout": "latent"})
+    cont = toks[:, T:]
+    lp, nbytes = compact.continuation_logprobs(tcfg, params, toks[:, :T], cont)
+    lp = np.asarray(lp)
+    ppl, ppl_ref = np.exp(_nll(lp, cont)), np.exp(_nll(ref_lp, cont))
+    B, N = toks.shape
+    c = tcfg.cache
+    var = ex.variant(tcfg, setting=cfg.param("setting", ""), model=src.name, policy=c.policy,
+                     budget=c.budget, ratio=c.ratio, window=c.window, sinks=c.sinks,
+                     latent_rank=rank)
+    rows.append({"variant": var,
+                 "workload": {"task": "text", "batch": B, "context": T,
+                              "continuation": N - T, "data": str(cfg.param("text", "stdlib"))},
+                 "metrics": {"ppl": ppl, "ppl_ref": ppl_ref, "dppl_rel": ppl / ppl_ref - 1,
+                             "agreement": float(np.mean(lp.argmax(-1) == ref_lp.argmax(-1))),
+                             "cache_bytes": nbytes, "cache_bytes_ref": ref_bytes,
+                             "bytes_per_token": nbytes / (B * N),
+                             "kept": nbytes / ref_bytes}})
+  return rows

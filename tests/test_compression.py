@@ -1,0 +1,38 @@
+"""experiments/compression.py: rows of eviction, latent and codec settings on one bytes axis."""
+
+import pytest
+from conftest import tiny_config, tiny_params
+
+from kvjax import checkpoint
+from kvjax import config as config_lib
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+  cfg = tiny_config(**{"model.vocab_size": 260})
+  path = tmp_path_factory.mktemp("ckpt") / "tiny"
+  checkpoint.save(path, cfg, tiny_params(cfg), step=0)
+  return path
+
+
+def cell(ckpt, **cache):
+  return config_lib.from_dict({
+      "experiment": "compression", "model": {"vocab_size": 260},
+      "cache": cache.pop("cache", {}),
+      "params": {"checkpoints": [str(ckpt)], "context": 24, "continuation": 6,
+                 "eval_seqs": 2, **cache}})
+
+
+def test_full_is_the_reference_and_eviction_holds_fewer_bytes(ckpt):
+  from experiments import compression
+  full = compression.run_cell(cell(ckpt))[0]["metrics"]
+  assert full["dppl_rel"] == pytest.approx(0, abs=1e-6) and full["kept"] == 1
+  # L · (K + V) · heads · D · fp32, plus 4 bytes of lengths per sequence over 30 tokens
+  assert full["bytes_per_token"] == pytest.approx(2 * 2 * 4 * 8 * 4 + 4 / 30)
+  row = compression.run_cell(cell(ckpt, cache={"policy": "sinks", "ratio": 0.5, "sinks": 2}))[0]
+  m = row["metrics"]
+  assert row["variant"]["policy"] == "sinks" and m["kept"] < 0.6
+  assert m["cache_bytes"] < full["cache_bytes"] and m["ppl_ref"] == full["ppl_ref"]
+  lat = compression.run_cell(cell(ckpt, latent_rank=8))[0]
+  assert lat["variant"]["latent_rank"] == 8 and lat["variant"]["layout"] == "latent"
+  assert lat["metrics"]["bytes_per_token"] < full["bytes_per_token"] / 3

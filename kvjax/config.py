@@ -146,11 +146,29 @@ class Config:
     return _to_plain(self)
 
   def hash(self) -> str:
-    blob = json.dumps(self.to_dict(), sort_keys=True, default=str).encode()
+    """12 hex digits identifying what runs: the config with every field that holds its
+    default left out, so adding a new option (with a default that changes nothing) keeps
+    the hash of every config, and every committed results row, as it was."""
+    blob = json.dumps(_non_default(self), sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 
   def param(self, key: str, default: Any = None) -> Any:
     return dict(self.params).get(key, default)
+
+
+def _non_default(obj: Any) -> dict:
+  """`to_dict` without the fields equal to their dataclass default (recursively)."""
+  out = {}
+  for f in dataclasses.fields(obj):
+    val = getattr(obj, f.name)
+    if dataclasses.is_dataclass(val):
+      sub = _non_default(val)
+      if sub:
+        out[f.name] = sub
+    elif val != f.default:
+      out[f.name] = _to_plain(val) if f.name not in ("grid", "params", "rope_scaling") \
+          else {k: _to_plain(v) for k, v in val}
+  return out
 
 
 def _to_plain(obj: Any) -> Any:

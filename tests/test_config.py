@@ -146,3 +146,17 @@ def test_malformed_and_missing_yaml(tmp_path):
   bad.write_text("model: 3\n")
   with pytest.raises(KvjaxError, match="must be a mapping"):
     config_lib.load(bad)
+
+
+def test_hash_ignores_fields_at_their_default():
+  """A new option with a default that changes nothing must not change any config's hash
+  (every committed results row is identified by it): the hash covers non-default fields."""
+  import hashlib
+  import json
+  base = config_lib.Config()
+  assert base.hash() == hashlib.sha256(json.dumps({}).encode()).hexdigest()[:12]
+  moved = config_lib.apply_overrides(base, {"cache.codec": "int8"})
+  assert moved.hash() != base.hash()
+  back = config_lib.apply_overrides(moved, {"cache.k_codec": "fp32", "cache.v_codec": "fp32",
+                                            "cache.codec": ""})
+  assert back.hash() == base.hash()

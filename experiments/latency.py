@@ -65,7 +65,7 @@ def summary(rows: list[dict]) -> list[dict]:
   out = []
   for r in rows:
     v, w, m = r["variant"], r["workload"], r["metrics"]
-    out.append({"variant": v["variant"], "codec": v["codec"], "layout": v["layout"],
+    out.append({"variant": v["variant"], "codec": ex.cache_name(v), "layout": v["layout"],
                 "batch": w["batch"], "context": w["context"],
                 "bytes_per_token": m["bytes_per_token"], "cache_bytes": m["cache_bytes"],
                 "ttft_s": m["ttft_s"], "tpot_s": m["tpot_s"], "tpot_iqr_s": m["tpot_s_iqr"],

@@ -105,7 +105,7 @@ def summary(rows: list[dict]) -> dict[str, list[dict]]:
   for r in sized:
     v, w, m = r["variant"], r["workload"], r["metrics"]
     rec = cells.setdefault(r["config_hash"], {
-        "variant": v["variant"], "codec": v["codec"], "bytes_per_token": m["bytes_per_token"],
+        "variant": v["variant"], "codec": ex.cache_name(v), "bytes_per_token": m["bytes_per_token"],
         "context": 0, "matches_closed_form": "yes", "allocated_up_to": 0})
     if m["cache_bytes"] != m["closed_form_bytes"]:
       rec["matches_closed_form"] = "NO"
@@ -125,7 +125,7 @@ def summary(rows: list[dict]) -> dict[str, list[dict]]:
       if w["context"] == ctx:
         rec = shapes.setdefault((v["model"], v["variant"]), {
             "model": v["model"], "variant": v["variant"], "weight_bytes": m["weight_bytes"]})
-        rec[v["codec"]] = m["max_concurrency"]
+        rec[ex.cache_name(v)] = m["max_concurrency"]
     title = (f"max concurrent sequences of {ctx} tokens in {fits[0]['workload']['budget_gib']:g}"
              " GiB (per-shape budgets in params), by cache codec (closed form)")
     tables[title] = sorted(shapes.values(), key=lambda rec: rec["model"])

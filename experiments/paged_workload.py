@@ -146,7 +146,7 @@ def summary(rows: list[dict]) -> list[dict]:
   out = []
   for r in rows:
     v, m = r["variant"], r["metrics"]
-    out.append({"variant": v["variant"], "codec": v["codec"], "layout": v["layout"],
+    out.append({"variant": v["variant"], "codec": ex.cache_name(v), "layout": v["layout"],
                 "prefix": v.get("prefix_cache", False), "slots": m["slots"],
                 "token_capacity": m["token_capacity"],
                 "memory_utilization": m["memory_utilization"],

@@ -1,8 +1,12 @@
 """quality: what each cache setting costs in output quality, measured through the cache.
 
 A cell is one cache setting (`params.setting`, a name from `params.settings`: a mapping
-of cache overrides such as codec, k_axis, group_size, residual) on one layout. For each
-trained checkpoint in `params.checkpoints` (MHA, GQA, MQA comparison models) it returns:
+of cache overrides such as codec, k_axis, group_size, residual) on one layout. Models come
+from `params.models`, a list of sources (`gguf:smollm2-135m`, `hf:DIR`, `checkpoint:DIR`,
+or a bare path; see kvjax.sources), or `params.checkpoints` (kvjax checkpoint folders: the
+trained MHA, GQA, MQA comparison models). A setting may also set `params.kv_heads`: the
+model's K/V projections are then mean-pooled into that many heads (kvjax.convert, no
+uptraining) and measured against the unconverted model's fp32 cache. For each model:
 
   - a `task: text` row: validation text streamed token by token (`params.chunk`) through
     the cache; `ppl`, `ppl_ref` (same model, fp32 cache), `dppl_rel`, `kl`, `agreement`
@@ -11,8 +15,19 @@ trained checkpoint in `params.checkpoints` (MHA, GQA, MQA comparison models) it 
   - `task: recall` rows, one per context in `params.recall_contexts`: associative-recall
     accuracy through this cache (`recall`) and through the fp32 cache (`recall_ref`).
 
-The cell's own `model:` section is ignored: each checkpoint brings its config.
-References are computed once per checkpoint and reused by every cell of a run.
+Text: byte-level models read windows of their training corpus' validation split
+(`train.data`); models with their own tokenizer read `params.text` (default `stdlib`: the
+validation documents of Python's own sources and docs, kvjax.data.eval_text), tokenized
+and cut into `eval_seqs` evenly spaced windows of `eval_tokens`.
+
+Peers: `params.peers` (e.g. `[quanto_int4, quanto_int2]`) adds rows for transformers'
+`QuantizedCache` (quanto backend, that many bits, residual `params.peer_residual`, its
+other options at their defaults) on the same model (transformers' own GGUF loader) and the
+same tokens and chunking, with transformers' unquantized cache as that row's reference;
+they are emitted by the cell whose setting is `params.peer_setting` (default `fp32`).
+
+The cell's own `model:` section is ignored: each model brings its config.
+References are computed once per model and reused by every cell of a run.
 """
 
 from __future__ import annotations
@@ -22,67 +37,77 @@ import functools
 from pathlib import Path
 
 import experiments as ex
-from kvjax import checkpoint, data, evaluate
+import numpy as np
+
+from kvjax import cache as cache_lib
+from kvjax import convert, data, evaluate, sources
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
 
 _REF: dict = {}
 
 
-def _settings(cfg) -> dict:
-  return {k: dict(v) for k, v in dict(cfg.param("settings", ())).items()}
-
-
-def _checkpoints(cfg) -> list[str]:
-  paths = cfg.param("checkpoints", ())
-  if isinstance(paths, str):
-    paths = (paths,)
-  if not paths:
-    raise KvjaxError("quality needs params.checkpoints: a list of folders written by "
-                     "`kvjax train configs/train_mha.yaml --out checkpoints/mha`")
-  return list(paths)
+def _models(cfg) -> list[sources.Source]:
+  """`params.models` (any source) followed by `params.checkpoints` (kvjax folders)."""
+  models, paths = cfg.param("models", ()), cfg.param("checkpoints", ())
+  models = (models,) if isinstance(models, str) else tuple(models)
+  paths = (paths,) if isinstance(paths, str) else tuple(paths)
+  out = [sources.parse(m) for m in models] + [sources.Source("checkpoint", p) for p in paths]
+  if not out:
+    raise KvjaxError("quality needs params.models (e.g. [gguf:smollm2-135m]) or "
+                     "params.checkpoints (folders written by `kvjax train ... --out DIR`)")
+  return out
 
 
 def check(cfg) -> None:
-  name = cfg.param("setting", "")
-  settings = _settings(cfg)
-  if name and name not in settings:
-    raise KvjaxError(f"unknown params.setting '{name}'; known: {', '.join(settings)}")
-  for path in _checkpoints(cfg):
-    if not (Path(path) / "config.yaml").is_file():
-      raise KvjaxError(f"checkpoint {path} not found; train it first, e.g. "
-                       f"`kvjax train configs/train_mha.yaml --out {path}`")
+  for src in _models(cfg):
+    if src.kind == "checkpoint" and not (Path(src.ref) / "config.yaml").is_file():
+      raise KvjaxError(f"checkpoint {src.ref} not found; train it first, e.g. "
+                       f"`kvjax train configs/train_mha.yaml --out {src.ref}`")
+    if src.kind == "gguf":
+      from kvjax import zoo
+      zoo.resolve_gguf(src.ref)
+  for peer in _peers(cfg):
+    if not peer.startswith("quanto_int") or peer[len("quanto_int"):] not in ("2", "4"):
+      raise KvjaxError(f"unknown peer '{peer}' in params.peers; use quanto_int4 or quanto_int2")
 
 
-@functools.lru_cache(maxsize=8)
-def _load(path: str):
-  return checkpoint.load(path)
+@functools.lru_cache(maxsize=4)
+def _load(src: sources.Source):
+  return sources.load(src)
 
 
 def cell_config(cfg, model_cfg: config_lib.Config) -> config_lib.Config:
-  """The checkpoint's model and data with this cell's cache, workload and setting."""
+  """The model and data with this cell's cache and workload (the runner has
+  already applied the cell's `params.setting`)."""
   merged = dataclasses.replace(model_cfg, cache=cfg.cache, workload=cfg.workload, seed=cfg.seed)
-  over = _settings(cfg).get(cfg.param("setting", ""), {})
-  return config_lib.apply_overrides(merged, over) if over else \
-      config_lib.validate(config_lib.resolve(merged))
+  return config_lib.validate(config_lib.resolve(merged))
 
 
-def _text(cfg, model_cfg: config_lib.Config):
+def _windows(cfg, model_cfg: config_lib.Config, tok):
+  """(token windows [B, N], byte corpus or None) for this model."""
   n, seqs = int(cfg.param("eval_tokens", 512)), int(cfg.param("eval_seqs", 4))
-  corpus = data.load_corpus(model_cfg.train.data)
-  return data.eval_windows(corpus.validation, seqs, n - 1), corpus
+  if tok is None or model_cfg.tokenizer == "bytes":
+    corpus = data.load_corpus(model_cfg.train.data)
+    return data.eval_windows(corpus.validation, seqs, n - 1), corpus
+  text = data.eval_text(str(cfg.param("text", "stdlib")))
+  return evaluate.text_windows(tok, text, n, seqs), None
 
 
-def _reference(path: str, cfg, mcfg, params) -> dict:
-  key = (path, cfg.param("eval_tokens", 512), cfg.param("eval_seqs", 4), cfg.param("chunk", 1),
+def _reference(src: sources.Source, cfg, mcfg, params, tok) -> dict:
+  key = (str(src), cfg.param("eval_tokens", 512), cfg.param("eval_seqs", 4),
+         cfg.param("chunk", 1), cfg.param("text", "stdlib"),
          tuple(cfg.param("recall_contexts", ())), cfg.param("recall_seqs", 32), cfg.seed,
          cfg.workload.prompt_len, cfg.workload.gen_len)
   if key not in _REF:
+    _REF.clear()  # one model's reference at a time: a real model's is gigabytes
     ref_cfg = evaluate.reference_config(cell_config(cfg, mcfg))
-    tokens, corpus = _text(cfg, mcfg)
-    lp, nbytes = evaluate.stream_logprobs(ref_cfg, params, tokens, int(cfg.param("chunk", 1)))
+    tokens, corpus = _windows(cfg, mcfg, tok)
+    lp = evaluate.reference_logprobs(ref_cfg, params, tokens, int(cfg.param("chunk", 1)))
+    nbytes = cache_lib.LAYOUTS["contiguous"].closed_form_bytes(
+        cache_lib.CacheSpec.from_config(ref_cfg, *tokens.shape))
     recall = {}
-    for L in cfg.param("recall_contexts", ()):
+    for L in (cfg.param("recall_contexts", ()) if corpus is not None else ()):
       seqs, mask = evaluate.recall_set(cfg.seed, int(cfg.param("recall_seqs", 32)), int(L),
                                        mcfg.train.recall_pairs, corpus.validation)
       recall[int(L)] = (seqs, mask, evaluate.recall_accuracy(ref_cfg, params, seqs, mask,
@@ -99,15 +124,18 @@ def _reference(path: str, cfg, mcfg, params) -> dict:
 def run_cell(cfg) -> list[dict]:
   rows = []
   chunk = int(cfg.param("chunk", 1))
-  for path in _checkpoints(cfg):
-    mcfg, params = _load(path)
+  for src in _models(cfg):
+    mcfg, params, tok = _load(src)
     tcfg = cell_config(cfg, mcfg)
-    ref = _reference(path, cfg, mcfg, params)
+    ref = _reference(src, cfg, mcfg, params, tok)
+    kv_heads = int(cfg.param("kv_heads", 0))
+    if kv_heads and kv_heads != mcfg.model.n_kv_heads:  # fewer KV heads, mean-pooled
+      pooled_cfg, params = convert.mean_pool(mcfg, params, kv_heads)
+      tcfg = cell_config(cfg, pooled_cfg)
     c = tcfg.cache
     var = ex.variant(tcfg, k_axis=c.k_axis, group_size=c.group_size, residual=c.residual,
-                     setting=cfg.param("setting", ""), model=Path(path).name)
-    lp, nbytes = evaluate.stream_logprobs(tcfg, params, ref["tokens"], chunk)
-    metrics = evaluate.compare(lp, ref["lp"], ref["tokens"])
+                     setting=cfg.param("setting", ""), model=src.name)
+    metrics, nbytes = evaluate.compare_streamed(tcfg, params, ref["tokens"], ref["lp"], chunk)
     B, N = ref["tokens"].shape
     metrics.update(cache_bytes=nbytes, cache_bytes_ref=ref["bytes"],
                    bytes_per_token=ex.bytes_per_token(tcfg),
@@ -116,9 +144,12 @@ def run_cell(cfg) -> list[dict]:
       prompts, ref_gen = ref["gen"]
       got = evaluate.greedy_tokens(tcfg, params, prompts, tcfg.workload.gen_len)
       metrics["gen_agreement"] = evaluate.generation_agreement(got, ref_gen)
+    text = mcfg.train.data if mcfg.tokenizer == "bytes" else str(cfg.param("text", "stdlib"))
     rows.append({"variant": var, "workload": {"task": "text", "batch": B, "context": N,
-                                              "chunk": chunk, "data": mcfg.train.data},
+                                              "chunk": chunk, "data": text},
                  "metrics": metrics})
+    if cfg.param("setting", "") == cfg.param("peer_setting", "fp32"):
+      rows += [_peer_row(cfg, src, peer, ref["tokens"], chunk, text) for peer in _peers(cfg)]
     for L, (seqs, mask, acc_ref) in ref["recall"].items():
       acc = evaluate.recall_accuracy(tcfg, params, seqs, mask, chunk)
       rows.append({"variant": var, "workload": {"task": "recall", "context": L,
@@ -126,6 +157,87 @@ def run_cell(cfg) -> list[dict]:
                                                 "n_pairs": mcfg.train.recall_pairs},
                    "metrics": {"recall": acc, "recall_ref": acc_ref}})
   return rows
+
+
+# -- transformers' quantized cache on the same model and tokens ------------------------------
+def _peers(cfg) -> list[str]:
+  peers = cfg.param("peers", ())
+  return [peers] if isinstance(peers, str) else list(peers)
+
+
+@functools.lru_cache(maxsize=1)
+def _hf_model(src: sources.Source):
+  """The same weights in transformers: its own GGUF loader, or the HF folder."""
+  from transformers import AutoModelForCausalLM
+  if src.kind == "gguf":
+    from kvjax import zoo
+    path = zoo.resolve_gguf(src.ref)
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                dtype="float32").eval()
+  if src.kind == "hf":
+    return AutoModelForCausalLM.from_pretrained(src.ref, dtype="float32").eval()
+  raise KvjaxError(f"params.peers needs a gguf: or hf: model, not {src}")
+
+
+def _hf_logprobs(model, tokens_BN, chunk: int, cache):
+  """Log-probabilities [B, N, V] fed `chunk` tokens per forward through `cache`."""
+  import torch
+  ids = torch.tensor(np.asarray(tokens_BN), dtype=torch.long)
+  out = []
+  with torch.inference_mode():
+    for s in range(0, ids.shape[1], chunk):
+      logits = model(ids[:, s:s + chunk], past_key_values=cache, use_cache=True).logits
+      out.append(torch.log_softmax(logits.float(), -1).numpy())
+  return np.concatenate(out, axis=1)
+
+
+def _quanto_bytes(cache) -> int:
+  """Bytes the quantized cache holds: every tensor in its layers (codes, scales, shifts,
+  the full-precision residual)."""
+  import torch
+  seen, total = set(), 0
+
+  def walk(obj):
+    nonlocal total
+    if isinstance(obj, torch.Tensor):
+      if id(obj) not in seen:
+        seen.add(id(obj))
+        inner = getattr(obj, "__tensor_flatten__", None)
+        if inner is not None:  # a quanto tensor subclass: count its parts
+          for name in inner()[0]:
+            walk(getattr(obj, name))
+        else:
+          total += obj.numel() * obj.element_size()
+    elif isinstance(obj, (list, tuple)):
+      for x in obj:
+        walk(x)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+      for x in vars(obj).values():
+        walk(x)
+  walk(cache.layers)
+  return total
+
+
+def _peer_row(cfg, src, peer: str, tokens_BN, chunk: int, text: str) -> dict:
+  from transformers import DynamicCache, QuantizedCache
+  model = _hf_model(src)
+  bits, residual = int(peer[len("quanto_int"):]), int(cfg.param("peer_residual", 128))
+  ref = _hf_logprobs(model, tokens_BN, chunk, DynamicCache(config=model.config))
+  cache = QuantizedCache(backend="quanto", config=model.config, nbits=bits,
+                         residual_length=residual)
+  lp = _hf_logprobs(model, tokens_BN, chunk, cache)
+  metrics = evaluate.compare(lp, ref, tokens_BN)
+  B, N = np.asarray(tokens_BN).shape
+  nbytes = _quanto_bytes(cache)
+  metrics.update(cache_bytes=nbytes, cache_bytes_per_token=nbytes / (B * N),
+                 bytes_per_token=nbytes / (B * N))
+  m = model.config
+  var = {"variant": "transformers", "peer": "quanto", "codec": f"quanto-int{bits}",
+         "k_codec": f"quanto-int{bits}", "v_codec": f"quanto-int{bits}", "residual": residual,
+         "setting": peer, "model": src.name, "kv_heads": m.num_key_value_heads,
+         "heads": m.num_attention_heads, "layout": "QuantizedCache"}
+  return {"variant": var, "workload": {"task": "text", "batch": B, "context": N,
+                                       "chunk": chunk, "data": text}, "metrics": metrics}
 
 
 def summary(rows: list[dict]) -> list[dict]:

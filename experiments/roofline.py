@@ -139,7 +139,7 @@ def summary(rows: list[dict]) -> list[dict]:
   for r in rows:
     v, w, m = r["variant"], r["workload"], r["metrics"]
     base = ref.get((v["variant"], w["batch"], w["context"]))
-    out.append({"variant": v["variant"], "codec": v["codec"], "batch": w["batch"],
+    out.append({"variant": v["variant"], "codec": ex.cache_name(v), "batch": w["batch"],
                 "context": w["context"], "tpot_ms": m["tpot_s"] * 1e3,
                 "roofline_fraction": m["roofline_fraction"],
                 "achieved_GBps": m["achieved_Bps"] / 1e9,

@@ -220,13 +220,14 @@ def _known_keys() -> list[str]:
   return keys
 
 
-def from_dict(data: dict, check: bool = True) -> Config:
-  """Build a Config from nested dicts (as read from YAML); unknown keys are errors."""
+def flat(data: dict | None) -> dict[str, Any]:
+  """A YAML mapping of sections as {dotted key: value} (`model: {d_model: 64}` ->
+  `model.d_model`); top-level keys (seed, params, grid, ...) stay as they are."""
   if data is None:
-    data = {}
+    return {}
   if not isinstance(data, dict):
     raise KvjaxError("config must be a YAML mapping of sections (model:, cache:, ...)")
-  flat: dict[str, Any] = {}
+  out: dict[str, Any] = {}
   for key, value in data.items():
     if key in _SECTIONS:
       if value is None:
@@ -234,18 +235,37 @@ def from_dict(data: dict, check: bool = True) -> Config:
       if not isinstance(value, dict):
         raise KvjaxError(f"config section '{key}' must be a mapping")
       for sub, subval in value.items():
-        flat[f"{key}.{sub}"] = subval
+        out[f"{key}.{sub}"] = subval
     else:
-      flat[str(key)] = value
-  return apply_overrides(Config(), flat, check)
+      out[str(key)] = value
+  return out
+
+
+def from_dict(data: dict, check: bool = True) -> Config:
+  """Build a Config from nested dicts (as read from YAML); unknown keys are errors."""
+  return apply_overrides(Config(), flat(data), check)
+
+
+def expand_codec(items: dict[str, Any]) -> dict[str, Any]:
+  """The one codec precedence rule: `cache.codec` fills `cache.k_codec` and `cache.v_codec`
+  only where they are not given explicitly in the same set of overrides (explicit K/V beat
+  `cache.codec`). `load` and `kvjax run` merge every layer (YAML, grid, setting, --set) into
+  one set first, so the rule holds across layers too."""
+  if not items.get("cache.codec"):
+    return dict(items)
+  out = {k: v for k, v in items.items() if k != "cache.codec"}
+  for key in ("cache.k_codec", "cache.v_codec"):
+    out.setdefault(key, items["cache.codec"])
+  return out
 
 
 def apply_overrides(cfg: Config, overrides: dict[str, Any], check: bool = True) -> Config:
   """Apply {dotted key: value} overrides with type coercion, then resolve and validate
-  (`check=False` defers validation: a grid's base may be valid only per cell)."""
+  (`check=False` defers validation: a grid's base may be valid only per cell). Explicit
+  `cache.k_codec`/`cache.v_codec` beat `cache.codec` given with them (`expand_codec`)."""
   sections = {name: {} for name in _SECTIONS}
   top: dict[str, Any] = {}
-  for key, value in overrides.items():
+  for key, value in expand_codec(overrides).items():
     parts = key.split(".")
     if len(parts) == 1 and parts[0] in [f.name for f in dataclasses.fields(Config)] \
         and parts[0] not in _SECTIONS:
@@ -277,7 +297,9 @@ def parse_set(items: list[str] | None) -> dict[str, Any]:
 
 def load(path: str | Path | None, overrides: list[str] | dict | None = None,
          check: bool = True) -> Config:
-  """Load a YAML config file (or defaults when path is None) and apply --set overrides."""
+  """Load a YAML config file (or defaults when path is None) and apply --set overrides
+  (a --set key replaces the file's; `cache.k_codec`/`v_codec` from either beat
+  `cache.codec` from either)."""
   data: dict = {}
   if path is not None:
     path = Path(path)
@@ -289,11 +311,10 @@ def load(path: str | Path | None, overrides: list[str] | dict | None = None,
       mark = getattr(e, "problem_mark", None)
       where = f" at line {mark.line + 1}" if mark else ""
       raise KvjaxError(f"malformed YAML in {path}{where}: fix the syntax") from None
-  cfg = from_dict(data, check=check and not overrides)
-  if overrides:
-    items = overrides if isinstance(overrides, dict) else parse_set(overrides)
-    cfg = apply_overrides(cfg, items, check)
-  return cfg
+  items = overrides if isinstance(overrides, dict) else parse_set(overrides)
+  # One set of overrides: the file's keys, then --set; explicit K/V codecs beat cache.codec
+  # wherever each comes from.
+  return apply_overrides(Config(), {**flat(data), **(items or {})}, check)
 
 
 def resolve(cfg: Config) -> Config:

@@ -52,27 +52,22 @@ def mean_pool(cfg: Config, params: Any, kv_heads: int) -> tuple[Config, Any]:
   return new_cfg, new_params
 
 
-def _load_source(args) -> tuple[Config, Any]:
-  over = config_lib.parse_set(getattr(args, "set", None))
-  if args.checkpoint:
-    from kvjax import checkpoint
-    return checkpoint.load(args.checkpoint, overrides=over)
-  from kvjax import hf
-  return hf.load(args.hf, overrides=over)
-
-
 def convert_cli(args) -> dict:
-  """`kvjax convert (--checkpoint DIR | --hf DIR) --kv-heads K --out DIR`."""
-  from kvjax import checkpoint
+  """`kvjax convert (--checkpoint DIR | --hf DIR | --gguf FILE) --kv-heads K --out DIR`.
 
-  cfg, params = _load_source(args)
+  The converted checkpoint keeps the source's tokenizer reference (a GGUF source's
+  `gguf:FILE`), so `kvjax generate --checkpoint OUT --prompt ...` still reads text."""
+  from kvjax import checkpoint, sources
+
+  src = sources.from_args(args)
+  cfg, params, _ = sources.load(src, config_lib.parse_set(getattr(args, "set", None)))
   before = cfg.model.variant
   new_cfg, new_params = mean_pool(cfg, params, args.kv_heads)
   out = Path(args.out)
   if checkpoint.latest_step(out) is not None:
     raise KvjaxError(f"{out} already holds a checkpoint; choose a new --out folder")
   checkpoint.save(out, new_cfg, new_params, step=0,
-                  meta={"converted_from": str(args.checkpoint or args.hf), "method": "mean_pool"})
+                  meta={"converted_from": str(src), "method": "mean_pool"})
   print(f"converted {before} -> {new_cfg.model.variant} (mean-pooled K/V heads); "
         f"checkpoint in {out}")
   return {"from": before, "to": new_cfg.model.variant, "out": str(out)}

@@ -99,6 +99,24 @@ def _stream(docs: list[bytes]) -> np.ndarray:
   return np.concatenate(parts)
 
 
+@functools.lru_cache(maxsize=2)
+def eval_text(source: str = "stdlib", val_fraction: float = 0.05) -> str:
+  """Evaluation text for a model with its own tokenizer: the validation documents of the
+  stdlib corpus (the same split `load_corpus` holds out), joined by blank lines; or a
+  text file's whole content."""
+  if source == "stdlib":
+    docs = stdlib_documents()
+    names = [n for n in docs if is_validation(n, val_fraction)]
+    return "\n\n".join(docs[n].decode("utf-8", errors="replace") for n in names)
+  path = Path(source).expanduser()
+  if path.is_dir():
+    docs = folder_documents(path)
+    return "\n\n".join(d.decode("utf-8", errors="replace") for d in docs.values())
+  if not path.is_file():
+    raise KvjaxError(f"--text '{source}' is neither 'stdlib' nor an existing file or folder")
+  return path.read_text(encoding="utf-8", errors="replace")
+
+
 @functools.lru_cache(maxsize=4)
 def load_corpus(source: str = "stdlib", val_fraction: float = 0.05) -> Corpus:
   """The corpus named by `train.data`: `stdlib`, a text file, or a folder of text files.

@@ -60,11 +60,15 @@ def _stream(params, tokens_BN, valid_BN, cache, *, model_cfg, chunk: int):
   return lp.swapaxes(0, 1).reshape(B, N, -1), c
 
 
-def stream_logprobs(cfg: Config, params, tokens_BN, chunk: int = 1):
-  """Log-probabilities [B, N, V] of each next token, computed through the cache.
+def stream_segments(cfg: Config, params, tokens_BN, chunk: int = 1, segment: int = 256,
+                    progress=None):
+  """Yield (start, log-probabilities [B, n, V]) of consecutive segments of the sequence,
+  computed through one cache that persists across segments; then (None, cache bytes).
 
-  Returns (logprobs, cache bytes of the filled cache). Sequences are right-padded to a
-  multiple of `chunk` with position -1 (never stored, never attended).
+  Each segment is one compiled `lax.scan` over `segment // chunk` steps (the same program
+  for every segment), so long windows show progress (`progress` is a tqdm bar or None)
+  and the caller never holds more than one segment of test log-probabilities.
+  Sequences are right-padded with position -1 (never stored, never attended).
   """
   tokens_BN = np.asarray(tokens_BN, np.int32)
   B, N = tokens_BN.shape
@@ -73,13 +77,80 @@ def stream_logprobs(cfg: Config, params, tokens_BN, chunk: int = 1):
   if N > cfg.model.max_seq_len:
     raise KvjaxError(f"{N} tokens exceed model.max_seq_len={cfg.model.max_seq_len}; "
                      "evaluate a shorter context")
-  pad = (-N) % chunk
-  tok = np.pad(tokens_BN, ((0, 0), (0, pad)))
-  valid = np.arange(N + pad)[None, :].repeat(B, 0) < N
-  capacity = max(cfg.cache.capacity, N)
-  c = cache_lib.init_cache(cfg, B, capacity)
-  lp, c = _stream(params, tok, valid, c, model_cfg=cfg.model, chunk=chunk)
-  return lp[:, :N], cache_lib.tree_bytes(c)
+  seg = chunk * -(-min(segment, N) // chunk)  # a multiple of chunk covering the segment
+  total = seg * -(-N // seg)
+  tok = np.pad(tokens_BN, ((0, 0), (0, total - N)))
+  valid = np.arange(total)[None, :].repeat(B, 0) < N
+  c = cache_lib.init_cache(cfg, B, max(cfg.cache.capacity, N))
+  for start in range(0, total, seg):
+    lp, c = _stream(params, tok[:, start:start + seg], valid[:, start:start + seg], c,
+                    model_cfg=cfg.model, chunk=chunk)
+    if progress is not None:
+      progress.update(min(seg, N - start) * B)
+    yield start, lp[:, :max(0, min(seg, N - start))]
+  yield None, cache_lib.tree_bytes(c)
+
+
+def stream_logprobs(cfg: Config, params, tokens_BN, chunk: int = 1):
+  """Log-probabilities [B, N, V] of each next token, computed through the cache.
+
+  Returns (logprobs, cache bytes of the filled cache); see `stream_segments`.
+  """
+  parts, nbytes = [], 0
+  for start, out in stream_segments(cfg, params, tokens_BN, chunk, segment=1 << 30):
+    if start is None:
+      nbytes = out
+    else:
+      parts.append(out)
+  return jnp.concatenate(parts, axis=1), nbytes
+
+
+class Comparison:
+  """`compare` accumulated segment by segment against a stored fp32-cache reference, so a
+  long evaluation never holds the test log-probabilities whole."""
+
+  def __init__(self, ref_BNV, tokens_BN):
+    self.ref, self.tokens = ref_BNV, np.asarray(tokens_BN)
+    self.nll = self.nll_ref = self.kl = self.agree = 0.0
+    self.n_pred = self.n_pos = 0
+
+  def add(self, start: int, lp_BnV) -> None:
+    n = lp_BnV.shape[1]
+    ref = jnp.asarray(self.ref[:, start:start + n])
+    nxt = self.tokens[:, start + 1:start + n + 1]  # targets; the window's last position has none
+    m = nxt.shape[1]
+    if m:
+      idx = jnp.asarray(nxt)[..., None]
+      self.nll -= float(jnp.sum(jnp.take_along_axis(lp_BnV[:, :m], idx, -1)))
+      self.nll_ref -= float(jnp.sum(jnp.take_along_axis(ref[:, :m], idx, -1)))
+      self.n_pred += nxt.size
+    self.kl += float(jnp.sum(jnp.exp(ref) * (ref - lp_BnV)))
+    self.agree += float(jnp.sum(jnp.argmax(lp_BnV, -1) == jnp.argmax(ref, -1)))
+    self.n_pos += n * lp_BnV.shape[0]
+
+  def result(self) -> dict:
+    ppl, ppl_ref = float(np.exp(self.nll / self.n_pred)), float(np.exp(self.nll_ref / self.n_pred))
+    return {"ppl": ppl, "ppl_ref": ppl_ref, "dppl_rel": ppl / ppl_ref - 1.0,
+            "kl": max(self.kl / self.n_pos, 0.0), "agreement": self.agree / self.n_pos}
+
+
+def compare_streamed(cfg: Config, params, tokens_BN, ref_BNV, chunk: int = 1,
+                     progress=None) -> tuple[dict, int]:
+  """(`compare` metrics, cache bytes) of `cfg`'s cache against stored reference logprobs."""
+  acc, nbytes = Comparison(ref_BNV, tokens_BN), 0
+  for start, out in stream_segments(cfg, params, tokens_BN, chunk, progress=progress):
+    if start is None:
+      nbytes = out
+    else:
+      acc.add(start, out)
+  return acc.result(), nbytes
+
+
+def reference_logprobs(cfg: Config, params, tokens_BN, chunk: int = 1, progress=None):
+  """Log-probabilities through the fp32 contiguous cache, as a host array [B, N, V]."""
+  parts = [np.asarray(out) for start, out in stream_segments(
+      reference_config(cfg), params, tokens_BN, chunk, progress=progress) if start is not None]
+  return np.concatenate(parts, axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("model_cfg",))
@@ -133,3 +204,56 @@ def generation_agreement(tokens: list, ref_tokens: list) -> float:
   """Fraction of generated tokens equal, position by position, to the fp32 cache's."""
   same = [np.mean(np.array(a) == np.array(b)) for a, b in zip(tokens, ref_tokens)]
   return float(np.mean(same))
+
+
+# -- kvjax eval ---------------------------------------------------------------------------
+def text_windows(tok, text: str, n_tokens: int, seqs: int) -> np.ndarray:
+  """[seqs, n_tokens] token windows of `text`: the first n_tokens when seqs == 1, else
+  `seqs` evenly spaced windows (the same every call)."""
+  if n_tokens < 2 or seqs < 1:
+    raise KvjaxError(f"--tokens must be >= 2 and --seqs >= 1, got {n_tokens} and {seqs}")
+  # tokenize only as much text as the windows need (BPE runs about 4 characters a token)
+  need = n_tokens * seqs * 6 + 1024
+  ids = np.asarray(tok.encode(text[:need] if seqs == 1 else text), np.int32)
+  if len(ids) < n_tokens:
+    ids = np.asarray(tok.encode(text), np.int32)
+  if len(ids) < n_tokens:
+    raise KvjaxError(f"the text holds {len(ids)} tokens, fewer than --tokens {n_tokens}; "
+                     "lower --tokens or pass a longer --text")
+  if seqs == 1:
+    return ids[None, :n_tokens]
+  return data.eval_windows(ids, seqs, n_tokens - 1)
+
+
+def eval_cli(src, overrides: dict, text: str = "stdlib", tokens: int = 512, seqs: int = 1,
+             chunk: int = 1, progress: bool = True) -> dict:
+  """`kvjax eval`: the configured cache against an fp32 contiguous cache, same tokens."""
+  from tqdm import tqdm
+
+  from kvjax import sources
+
+  if chunk <= 0:
+    raise KvjaxError(f"--chunk must be positive, got {chunk}")
+  cfg, params, tok = sources.load(src, overrides)
+  if tok is None:
+    raise KvjaxError("this model has no tokenizer, so it cannot read --text; use a model "
+                     "with one (--gguf, --hf, or a config with tokenizer: bytes)")
+  if tokens > cfg.model.max_seq_len:
+    raise KvjaxError(f"--tokens {tokens} exceeds model.max_seq_len={cfg.model.max_seq_len}; "
+                     "lower --tokens")
+  windows = text_windows(tok, data.eval_text(text), tokens, seqs)
+  B, N = windows.shape
+  with tqdm(total=2 * B * N, desc="eval", unit="tok", disable=None if progress else True,
+            leave=False) as bar:
+    ref = reference_logprobs(cfg, params, windows, chunk, progress=bar)
+    metrics, nbytes = compare_streamed(cfg, params, windows, ref, chunk, progress=bar)
+  c = cfg.cache
+  from kvjax import codecs
+  k, v = codecs.for_role(c.k_codec, c, "k"), codecs.for_role(c.v_codec, c, "v")
+  m = cfg.model
+  per_token = m.n_layers * (k.bytes_per_token(m.n_kv_heads, m.D, c)
+                            + v.bytes_per_token(m.n_kv_heads, m.D, c))
+  return {**metrics, "bytes_per_token": per_token, "cache_bytes": nbytes, "tokens": N,
+          "seqs": B, "chunk": chunk, "text": text, "source": str(src),
+          "variant": m.variant, "layout": c.layout, "k_codec": c.k_codec, "v_codec": c.v_codec,
+          "k_axis": c.k_axis, "group_size": c.group_size, "residual": c.residual}

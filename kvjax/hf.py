@@ -261,11 +261,11 @@ def load(folder: str | Path, overrides: dict | None = None) -> tuple[Config, dic
   """(Config, params as jax arrays) for a Hugging Face checkpoint folder."""
   cfg = load_config(folder, overrides)
   params = read_params(folder, cfg)
-  _check_tree(cfg, params)
+  check_tree(cfg, params)
   return cfg, jax.tree_util.tree_map(jnp.asarray, params)
 
 
-def _check_tree(cfg: Config, params: dict) -> None:
+def check_tree(cfg: Config, params: dict) -> None:
   """The imported tree must be exactly what the model initialises (names, shapes)."""
   from kvjax.model import Transformer
 

@@ -7,6 +7,15 @@ any config key (`model.n_kv_heads`, `cache.codec`, `workload.batch`, ...) or
 with no code change. `--set key=value` overrides the base config; `--set` on a key the
 grid sweeps pins it, and `--set grid.KEY=[a,b]` replaces (or adds) an axis.
 
+Paired settings, for every experiment: `params.settings` maps a name to a bundle of
+overrides (`k8v4: {cache.k_codec: int8, cache.v_codec: int4}`), and `params.setting`
+(usually a grid axis) selects one per cell, so unlike settings sweep side by side instead of
+as a cartesian product. A cell's config is composed from its layers (`compose`): the file
+< grid coordinates < the selected setting < `--set`, merged into one set, so explicit
+`cache.k_codec`/`cache.v_codec` from any layer beat `cache.codec` from any layer. Rows
+record the composed config (what ran) and the setting's name in `variant.setting`.
+`kvjax run FILE --dry-run` lists the cells with their resolved cache settings.
+
 Results go to OUT/<experiment>.jsonl, one JSON row per line, flushed as written. A cell
 is identified by the hash of its resolved config (grid removed) and counts as done only
 when all of its rows are in the file, so a rerun skips finished cells, and a run killed
@@ -101,15 +110,64 @@ def _grid_axes(raw: dict, overrides: dict) -> tuple[dict, dict]:
   return axes, plain
 
 
-def _with(cfg: config_lib.Config, items: dict, check: bool = True) -> config_lib.Config:
-  """Apply dotted overrides, `params.X` keys merged into the params mapping."""
-  params = {k[7:]: v for k, v in items.items() if k.startswith("params.")}
-  plain = {k: v for k, v in items.items() if not k.startswith("params.")}
-  if params:
-    plain["params"] = {**dict(cfg.params), **params}
-  if not plain:
-    return config_lib.validate(cfg) if check else cfg
-  return config_lib.apply_overrides(cfg, plain, check)
+def _params_of(items: dict) -> dict:
+  """The params mapping of a merged set of overrides (`params:` and `params.X` keys)."""
+  params = items.get("params") or {}
+  if not isinstance(params, dict):
+    raise KvjaxError("params: must be a mapping of experiment options (name: value)")
+  params = dict(params)
+  params.update({k[7:]: v for k, v in items.items() if k.startswith("params.")})
+  return params
+
+
+def setting_overrides(params: dict) -> dict:
+  """The overrides of the selected paired setting: `params.setting` names one entry of
+  `params.settings` (name -> {dotted key: value}: cache/model/workload keys, or an
+  experiment option `params.X` other than the setting itself); {} when none."""
+  name = params.get("setting") or ""
+  settings = params.get("settings") or {}
+  if not name:
+    return {}
+  if not isinstance(settings, dict) or name not in settings:
+    known = ", ".join(settings) if isinstance(settings, dict) and settings else "none defined"
+    raise KvjaxError(f"unknown params.setting '{name}'; add it under params.settings "
+                     f"(known: {known})")
+  over = settings[name]
+  if not isinstance(over, dict) or any(
+      str(k) in ("params", "params.setting", "params.settings")
+      or str(k).startswith(("grid", "experiment")) for k in over):
+    raise KvjaxError(f"params.settings.{name} must map config keys to values, e.g. "
+                     "{cache.k_codec: int8, cache.v_codec: int4}")
+  return {str(k): v for k, v in over.items()}
+
+
+def _merge(file_items: dict, coords: dict, pinned: dict) -> dict:
+  """One cell's layers as one set of overrides (see `compose`), settings table dropped."""
+  setting = setting_overrides(_params_of({**file_items, **coords, **pinned}))
+  merged = {**file_items, **coords, **setting, **pinned}
+  params = _params_of(merged)
+  params.pop("settings", None)
+  items = {k: v for k, v in merged.items() if not k.startswith("params.") and k != "grid"}
+  items["params"] = params
+  return items
+
+
+def compose(file_items: dict, coords: dict, pinned: dict, check: bool = True
+            ) -> config_lib.Config:
+  """One cell's config from its layers, in this precedence (later wins on the same key):
+  the file < the grid coordinates < the selected paired setting < --set (pinned). All layers
+  are merged into one set before they are applied, so an explicit `cache.k_codec`/`v_codec`
+  from any layer beats `cache.codec` from any layer. The settings table itself is dropped
+  from the cell's params (the setting's name stays): the config is exactly what runs."""
+  return config_lib.apply_overrides(config_lib.Config(), _merge(file_items, coords, pinned),
+                                    check)
+
+
+def _effective(coords: dict, items: dict) -> dict:
+  """Coordinates minus a `cache.codec` value that explicit K and V codecs override."""
+  if "cache.codec" in coords and {"cache.k_codec", "cache.v_codec"} <= set(items):
+    return {k: v for k, v in coords.items() if k != "cache.codec"}
+  return coords
 
 
 def expand(path: str | Path, overrides: list[str] | dict | None = None
@@ -117,23 +175,28 @@ def expand(path: str | Path, overrides: list[str] | dict | None = None
   """Read a config file and return (base config, validated cells), nothing run yet."""
   # File-level errors (missing, malformed, unknown keys) come from here, one line each;
   # shape checks wait for the cells: a base may be valid only with each cell's values.
-  base = config_lib.load(path, check=False)
+  config_lib.load(path, check=False)
   raw = yaml.safe_load(Path(path).read_text()) or {}
   over = overrides if isinstance(overrides, dict) else config_lib.parse_set(overrides)
   axes, plain = _grid_axes(raw, over or {})
-  base = _with(dataclasses.replace(base, grid=()), plain, check=False)
+  file_items = config_lib.flat(raw)
+  base = compose(file_items, {}, plain, check=False)
   cells, seen = [], set()
   keys = list(axes)
   for combo in itertools.product(*(axes[k] for k in keys)):
     coords = dict(zip(keys, combo))
     try:
-      cfg = _with(base, coords)
+      cfg = compose(file_items, coords, plain)
+      coords = _effective(coords, _merge(file_items, coords, plain))
     except KvjaxError as e:
       raise KvjaxError(f"grid cell {_coords_str(coords)}: {e}") from None
     cell = Cell(len(cells), coords, cfg)
     if cell.hash not in seen:  # a value listed twice is one cell
       seen.add(cell.hash)
       cells.append(cell)
+  if "cache.codec" in axes and all("cache.codec" not in c.coords for c in cells):
+    print("kvjax run: note: the grid's cache.codec axis has no effect here: explicit "
+          "cache.k_codec and cache.v_codec beat cache.codec", file=sys.stderr)
   return base, cells
 
 
@@ -225,6 +288,42 @@ def _check_rows(name: str, rows: Any) -> list[dict]:
 
 
 # -- run ---------------------------------------------------------------------------------------
+CELL_CACHE_KEYS = ("k_codec", "v_codec", "k_axis", "group_size", "residual", "layout")
+
+
+def cell_record(cell: Cell) -> dict:
+  """What `--dry-run` lists for a cell: its grid coordinates, setting and resolved cache."""
+  c, m = cell.cfg.cache, cell.cfg.model
+  rec = {"cell": cell.index}
+  rec.update({k.split(".")[-1]: v for k, v in cell.coords.items()})
+  if cell.cfg.param("setting", ""):
+    rec["setting"] = cell.cfg.param("setting")
+  rec["variant"] = m.variant
+  rec.update({k: getattr(c, k) for k in CELL_CACHE_KEYS})
+  return rec
+
+
+def _out_path(base: config_lib.Config, out_dir) -> Path:
+  out = Path(out_dir) if out_dir else Path("results") / (base.name or base.experiment)
+  return out / f"{base.experiment}.jsonl"
+
+
+def dry_run(path: str | Path, overrides: list[str] | dict | None = None,
+            out_dir: str | Path | None = None) -> dict:
+  """List the cells `run_file` would run, with their resolved cache settings; run nothing
+  (nor the experiment's own checks, which may need checkpoints), write nothing."""
+  base, cells = expand(path, overrides)
+  load_experiment(base.experiment)
+  path_out = _out_path(base, out_dir)
+  done = complete_rows(read_rows(path_out))[1]
+  recs = [{**cell_record(c), "status": "done" if c.hash in done else "to run"} for c in cells]
+  print(f"kvjax run --dry-run: {base.experiment}: {len(cells)} cells "
+        f"({sum(r['status'] == 'done' for r in recs)} already in {path_out}); nothing run")
+  print(format_table(recs))
+  return {"experiment": base.experiment, "path": str(path_out), "cells": len(cells),
+          "ran": 0, "records": recs}
+
+
 def run_file(path: str | Path, overrides: list[str] | dict | None = None,
              out_dir: str | Path | None = None, progress: bool = True) -> dict:
   """Run every unfinished cell of a config; print a summary table; return a short report."""
@@ -244,9 +343,8 @@ def run_file(path: str | Path, overrides: list[str] | dict | None = None,
         check(cell.cfg)
       except KvjaxError as e:
         raise KvjaxError(f"grid cell {_coords_str(cell.coords)}: {e}") from None
-  out = Path(out_dir) if out_dir else Path("results") / (base.name or name)
-  out.mkdir(parents=True, exist_ok=True)
-  path_out = out / f"{name}.jsonl"
+  path_out = _out_path(base, out_dir)
+  path_out.parent.mkdir(parents=True, exist_ok=True)
   done = _repair(path_out)
   todo = [c for c in cells if c.hash not in done]
   print(f"kvjax run: {name}: {len(cells)} cells, {len(cells) - len(todo)} already done, "
@@ -261,11 +359,13 @@ def run_file(path: str | Path, overrides: list[str] | dict | None = None,
       except KvjaxError as e:
         raise KvjaxError(f"grid cell {_coords_str(cell.coords)}: {e}") from None
       env = metrics.environment()
+      setting = cell.cfg.param("setting", "")
       for j, row in enumerate(rows):
+        variant = {**row["variant"], "setting": setting} if setting else row["variant"]
         full = {"experiment": name, "config_hash": cell.hash,
                 "cell": {"index": cell.index, "of": len(cells), "row": j, "rows": len(rows),
                          "grid": cell.coords},
-                "variant": row["variant"], "workload": row["workload"],
+                "variant": variant, "workload": row["workload"],
                 "metrics": row["metrics"], "config": cell.cfg.to_dict(), "env": env}
         f.write(json.dumps(_clean(full), default=_json_default) + "\n")
         f.flush()
@@ -285,16 +385,22 @@ def run_file(path: str | Path, overrides: list[str] | dict | None = None,
 
 
 # -- summary table -----------------------------------------------------------------------------
-def flatten(row: dict) -> dict:
-  """Variant and workload fields, then the known metrics, as one flat record."""
+def flatten(row: dict, all_metrics: bool = False) -> dict:
+  """Variant and workload fields, then the known metrics (`TABLE_METRICS`), as one flat
+  record; with `all_metrics`, every other scalar metric after them (`kvjax results`)."""
   rec = {}
   for section in ("variant", "workload"):
     for k, v in row.get(section, {}).items():
       if not isinstance(v, (dict, list)):
         rec[k] = v
+  metrics = row.get("metrics", {})
   for k in TABLE_METRICS:
-    if row.get("metrics", {}).get(k) is not None:
-      rec[k] = row["metrics"][k]
+    if metrics.get(k) is not None:
+      rec[k] = metrics[k]
+  if all_metrics:
+    for k, v in metrics.items():
+      if k not in rec and not isinstance(v, (dict, list)):
+        rec[k] = v
   return rec
 
 

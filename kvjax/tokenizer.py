@@ -1,5 +1,6 @@
-"""Tokenizers: byte-level (vocab 256 + specials, no files needed) or a Hugging Face
-`tokenizer.json` through the `tokenizers` library when a checkpoint ships one."""
+"""Tokenizers: byte-level (vocab 256 + specials, no files needed), a Hugging Face
+`tokenizer.json` through the `tokenizers` library when a checkpoint ships one, or the
+byte-level BPE a GGUF file describes in its metadata (`gguf:PATH`, built by kvjax.gguf)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,13 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-  def __init__(self, path: str | Path):
+  """A `tokenizers.Tokenizer` from a tokenizer.json file (or an already built one)."""
+
+  def __init__(self, path: str | Path | None = None, *, built=None, bos_id: int | None = None):
+    self.bos_id = bos_id  # prepended by encode() when the model's tokenizer asks for it
+    if built is not None:
+      self._tok = built
+      return
     try:
       from tokenizers import Tokenizer
     except ImportError:
@@ -35,20 +42,26 @@ class HFTokenizer:
       raise KvjaxError(f"cannot read tokenizer {path}: {str(e).splitlines()[0]}") from None
 
   def encode(self, text: str) -> list[int]:
-    return self._tok.encode(text).ids
+    ids = self._tok.encode(text).ids
+    return [self.bos_id, *ids] if self.bos_id is not None else ids
 
   def decode(self, ids) -> str:
     return self._tok.decode([int(i) for i in ids])
 
 
 def get_tokenizer(name: str, folder: str | Path | None = None):
-  """`bytes`, `none`, or a path to tokenizer.json; a checkpoint folder's tokenizer wins."""
+  """`bytes`, `none`, `gguf:PATH` or a path to tokenizer.json; a checkpoint folder's
+  tokenizer.json wins."""
   if folder is not None and (Path(folder) / "tokenizer.json").is_file():
     return HFTokenizer(Path(folder) / "tokenizer.json")
+  if name.startswith("gguf:"):
+    from kvjax import gguf
+    built, add_bos, bos = gguf.tokenizer_json(name[len("gguf:"):])
+    return HFTokenizer(built=built, bos_id=bos if add_bos else None)
   if name == "bytes":
     return ByteTokenizer()
   if name in ("", "none"):
     return None
   if Path(name).is_file():
     return HFTokenizer(name)
-  raise KvjaxError(f"unknown tokenizer '{name}'; use bytes, none or a path to tokenizer.json")
+  raise KvjaxError(f"unknown tokenizer '{name}'; use bytes, none, gguf:FILE or a path to tokenizer.json")

@@ -4,7 +4,9 @@
 
 Reads every *.jsonl under RESULTS_DIR (results rows only, nothing else), groups rows by
 their `experiment`, and calls `scripts/plots/<experiment>.py:plot(rows, out_dir)` for
-each experiment that has a plot module. Writes PNG and SVG files into DIR.
+each experiment that has a plot module. Writes PNG and SVG files into DIR. Whatever it
+does not draw (a benchmark's own rows, torn lines, an experiment without a plot module,
+rows that give a module nothing to draw) is reported on stderr, one line each, with why.
 """
 
 from __future__ import annotations
@@ -16,14 +18,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from plots import load_rows  # noqa: E402
+from plots import scan_rows  # noqa: E402
 
 
 def plot_all(results_dir: str | Path, out_dir: str | Path) -> list[Path]:
   results_dir, out_dir = Path(results_dir), Path(out_dir)
   if not results_dir.is_dir():
     raise SystemExit(f"plot_all: error: no results folder {results_dir}; run `kvjax run` first")
-  groups = load_rows(results_dir)
+  groups, skipped = scan_rows(results_dir)
+  for line in skipped:
+    print(f"plot_all: skipped {line}", file=sys.stderr)
   if not groups:
     raise SystemExit(f"plot_all: error: no results rows under {results_dir}")
   written = []
@@ -33,8 +37,8 @@ def plot_all(results_dir: str | Path, out_dir: str | Path) -> list[Path]:
     except ModuleNotFoundError as e:
       if e.name != f"plots.{name}":  # the module exists but one of its imports is missing
         raise
-      print(f"plot_all: no plot module for experiment '{name}' (scripts/plots/{name}.py); "
-            "skipped", file=sys.stderr)
+      print(f"plot_all: skipped experiment '{name}' ({len(rows)} rows): no plot module "
+            f"scripts/plots/{name}.py", file=sys.stderr)
       continue
     # Runs of different configs (say quickstart and latency) are never mixed in one plot:
     # when an experiment has rows from several configs, each gets its own subfolder.
@@ -44,6 +48,10 @@ def plot_all(results_dir: str | Path, out_dir: str | Path) -> list[Path]:
     for config_name, sub in sorted(by_config.items()):
       where = out_dir / config_name if len(by_config) > 1 else out_dir
       paths = module.plot(sub, where)
+      if not paths:
+        print(f"plot_all: skipped {name} ({config_name}): its {len(sub)} rows give "
+              f"scripts/plots/{name}.py nothing to draw", file=sys.stderr)
+        continue
       print(f"{name} ({config_name}): {len(sub)} rows -> {where}/: "
             + ", ".join(p.name for p in paths if p.suffix == ".png"))
       written += paths

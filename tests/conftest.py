@@ -33,3 +33,29 @@ def tiny_params(cfg: config_lib.Config):
 def variant_cfg(request):
   """The tiny model as MHA, GQA and MQA (fp32 cache)."""
   return tiny_config(**{"model.n_kv_heads": KV_HEADS[request.param]})
+
+
+def smollm2_path():
+  """The installed SmolLM2 GGUF (`make models`); CI must have it, a laptop may skip."""
+  from kvjax import zoo
+  path = zoo.path_of("smollm2-135m")
+  if not path.is_file():
+    if os.environ.get("CI"):
+      pytest.fail("SmolLM2 is not installed; .ci/run must run `make models` first")
+    pytest.skip("SmolLM2 not installed: run `make models`")
+  return path
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+  """(cfg, params, tokenizer, transformers tokenizer, transformers model) for SmolLM2-135M,
+  both sides loaded from the same GGUF file, once per test session."""
+  path = smollm2_path()
+  from transformers import AutoModelForCausalLM, AutoTokenizer
+
+  from kvjax import sources
+  kw = {"gguf_file": path.name}
+  ref_tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)
+  ref_model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype="float32", **kw)
+  cfg, params, tok = sources.load(sources.parse("gguf:smollm2-135m"))
+  return cfg, params, tok, ref_tok, ref_model

@@ -115,3 +115,14 @@ def test_console_script_bad_yaml_no_traceback(tmp_path):
                          "--prompt-ids", "1"], capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2 and "malformed YAML" in proc.stderr
   assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_generate_on_random_weights_says_so_in_human_mode_only(capsys):
+  argv = ["generate", "--config", "configs/quickstart.yaml", *QUICK, "--prompt", "hi",
+          "--max-new-tokens", "2"]
+  rc, out, err = run_cli(capsys, *argv)
+  assert rc == 0 and out.startswith("[0]")
+  lines = err.strip().splitlines()
+  assert len(lines) == 1 and "random weights" in lines[0] and "--checkpoint" in lines[0]
+  rc, out, err = run_cli(capsys, *argv, "--json")
+  assert rc == 0 and json.loads(out)["random_weights"] is True and "random weights" not in err

@@ -123,3 +123,84 @@ def test_variant_colours_are_fixed_by_name():
   from plots import variant_color
   assert variant_color("MHA") != variant_color("MQA") != variant_color("GQA-2")
   assert variant_color("GQA-3") == variant_color("GQA-3")
+
+
+def test_points_are_keyed_by_the_whole_cache_variant(results, tmp_path):
+  """Two settings of one codec (int4 whole-head vs int4 groups of 8, or two named settings)
+  are two lines/bars, not one overwriting the other."""
+  load_plot_all()
+  from plots import cache_label, latency
+
+  rows = [r for r in runner.read_rows(results / "timing" / "rows.jsonl")
+          if r["experiment"] == "latency" and r["variant"]["codec"] == "int8"]
+  grouped = copy.deepcopy(rows)
+  for r in grouped:
+    r["config"]["cache"] = {"k_axis": "channel", "group_size": 8, "residual": 32}
+    r["metrics"]["tpot_s"] *= 3
+  named = copy.deepcopy(rows)
+  for r in named:
+    r["variant"]["setting"] = "kivi"
+  labels = {cache_label(r) for r in rows + grouped + named}
+  assert labels == {"int8", "int8 Kch g8 R32", "kivi"}
+  _, codecs, _ = latency._lines(rows + grouped + named)
+  assert sorted(codecs) == sorted(labels)
+  paths = latency.plot(rows + grouped + named, tmp_path)
+  assert any(p.name == "latency_variants.png" for p in paths)
+
+
+def test_plot_all_says_what_it_skipped_and_why(tmp_path, capsys):
+  folder = tmp_path / "res"
+  folder.mkdir()
+  good = timing_row("latency", "MHA", "bf16", "contiguous",
+                    {"batch": 1, "prompt_len": 16, "gen_len": 16, "context": 32}, 1e-3)
+  nomod = {**good, "experiment": "no_such_plot"}
+  (folder / "rows.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(nomod) + "\n"
+                                     + '{"torn": \n')
+  (folder / "bench.jsonl").write_text('{"bench": "x", "speedup": 2}\n' * 3)
+  paths = load_plot_all().plot_all(folder, tmp_path / "plots")
+  err = capsys.readouterr().err.splitlines()
+  assert any(p.name == "latency_variants.png" for p in paths)
+  assert any("bench.jsonl: 3 rows that are not `kvjax run` results rows" in line for line in err)
+  assert any("rows.jsonl: 1 unreadable lines" in line for line in err)
+  assert any("experiment 'no_such_plot' (1 rows): no plot module" in line for line in err)
+  assert len(err) == 3
+
+
+def test_titles_do_not_repeat_the_device():
+  load_plot_all()
+  from plots import subtitle
+  row = {"config": {"model": {"n_layers": 1, "d_model": 8, "n_heads": 2}},
+         "env": {"backend": "cpu", "device_kind": "cpu"}}
+  assert "cpu: cpu" not in subtitle([row]) and subtitle([row]).endswith("cpu")
+  row["env"] = {"backend": "gpu", "device_kind": "NVIDIA H100"}
+  assert subtitle([row]).endswith("gpu: NVIDIA H100")
+
+
+def test_every_docs_image_is_redrawable_or_names_its_command(tmp_path):
+  """docs/img/README.md lists every image; a `rows` image is drawn from its committed rows."""
+  import shutil
+
+  img = ROOT / "docs" / "img"
+  table = {}
+  for line in (img / "README.md").read_text().splitlines():
+    if line.startswith("| `"):
+      name, source, how = [c.strip() for c in line.strip("|").split("|")]
+      table[name.strip("`")] = (source, how)
+  assert set(table) == {p.name for p in img.glob("*.png")}
+  by_rows: dict = {}
+  for name, (source, how) in table.items():
+    assert source in ("rows", "command"), name
+    if source == "command":
+      assert "kvjax run configs/" in how or how == "as above", name
+    else:
+      by_rows.setdefault(how.strip("`"), []).append(name)
+  assert by_rows
+  plot_all = load_plot_all()
+  for rows_file, names in by_rows.items():
+    src = ROOT / rows_file
+    assert src.is_file(), rows_file
+    folder = tmp_path / src.stem
+    folder.mkdir()
+    shutil.copy(src, folder / src.name)
+    drawn = {p.name for p in plot_all.plot_all(folder, tmp_path / "out" / src.stem)}
+    assert set(names) <= drawn, (rows_file, names, drawn)

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from kvjax import checkpoint, evaluate
+from kvjax import checkpoint, evaluate, runner
 from kvjax import config as config_lib
 from kvjax.model import init_params
 
@@ -83,11 +83,12 @@ def test_quality_run_cell_rows(tmp_path, setup):
   mcfg = config_lib.apply_overrides(cfg, {"train.data": str(text), "train.recall_pairs": 3})
   checkpoint.save(tmp_path / "m", mcfg, params, step=0)
   settings = {"fp32": {"cache.codec": "fp32"}, "bf16": {"cache.codec": "bf16"}}
-  ecfg = config_lib.apply_overrides(config_lib.Config(), {
+  items = {  # the runner applies the selected setting (runner.compose)
       "experiment": "quality", "workload.prompt_len": 8, "workload.gen_len": 4,
       "params": {"checkpoints": [str(tmp_path / "m")], "settings": settings, "setting": "bf16",
                  "eval_tokens": 32, "eval_seqs": 2, "recall_contexts": [24, 40],
-                 "recall_seqs": 4, "gen_prompts": 2}})
+                 "recall_seqs": 4, "gen_prompts": 2}}
+  ecfg = runner.compose(items, {}, {})
   quality.check(ecfg)
   rows = quality.run_cell(ecfg)
   assert [r["workload"]["task"] for r in rows] == ["text", "recall", "recall"]
@@ -98,8 +99,7 @@ def test_quality_run_cell_rows(tmp_path, setup):
   assert text_row["metrics"]["cache_bytes"] < text_row["metrics"]["cache_bytes_ref"]
   assert [r["workload"]["context"] for r in rows[1:]] == [24, 40]
   # the fp32 setting reproduces its own reference exactly
-  ref_rows = quality.run_cell(config_lib.apply_overrides(ecfg, {"params": {
-      **dict(ecfg.params), "setting": "fp32"}}))
+  ref_rows = quality.run_cell(runner.compose(items, {"params.setting": "fp32"}, {}))
   m = ref_rows[0]["metrics"]
   assert m["kl"] == pytest.approx(0.0, abs=1e-6) and m["agreement"] == 1.0
   assert m["gen_agreement"] == 1.0

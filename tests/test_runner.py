@@ -245,3 +245,129 @@ def test_every_shipped_config_expands():
     for path in (root / f"{name}.yaml", root / "accel" / f"{name}.yaml"):
       base, cells = runner.expand(path)
       assert cells and base.experiment in runner.available_experiments()
+
+
+# -- one codec precedence rule; rows record what ran; --dry-run; paired settings ------------
+def kv(cells) -> set:
+  return {(c.cfg.cache.k_codec, c.cfg.cache.v_codec) for c in cells}
+
+
+@pytest.mark.parametrize("grid,sets,want", [
+    # --set K/V beat a grid codec axis (the axis collapses: one cell per kv head)
+    ("grid:\n  model.n_kv_heads: [2, 1]\n  cache.codec: [bf16, int8]\n",
+     ["cache.k_codec=int8", "cache.v_codec=int4"], {("int8", "int4")}),
+    # a grid K axis beats a grid codec axis: K int8, V from the codec axis
+    ("grid:\n  cache.codec: [bf16, fp16]\n  cache.k_codec: [int8]\n", [],
+     {("int8", "bf16"), ("int8", "fp16")}),
+    # a YAML K codec beats a --set codec
+    ("cache: {k_codec: int4}\n", ["cache.codec=int8"], {("int4", "int8")}),
+    # a --set codec on a swept codec key pins it
+    ("grid:\n  cache.codec: [bf16, int8]\n", ["cache.codec=fp16"], {("fp16", "fp16")}),
+])
+def test_explicit_kv_codecs_beat_codec_from_any_layer(tmp_path, grid, sets, want):
+  _, cells = runner.expand(write_cfg(tmp_path, grid), sets)
+  assert kv(cells) == want
+  for c in cells:  # the recorded coordinates never name a codec that did not run
+    if "cache.codec" in c.coords:
+      assert c.coords["cache.codec"] in (c.cfg.cache.k_codec, c.cfg.cache.v_codec)
+
+
+def test_config_load_and_cli_follow_the_same_rule(tmp_path, capsys):
+  path = tmp_path / "c.yaml"
+  path.write_text("cache: {codec: bf16, v_codec: int8}\n")
+  cfg = config.load(path)
+  assert (cfg.cache.k_codec, cfg.cache.v_codec) == ("bf16", "int8")
+  cfg = config.load(path, ["cache.codec=fp16", "cache.k_codec=int4"])
+  assert (cfg.cache.k_codec, cfg.cache.v_codec) == ("int4", "int8")
+  rc = cli.main(["size", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+                 "--seq-len", "8", "--set", "cache.k_codec=int8", "--codec", "int4", "--json"])
+  import json
+  res = json.loads(capsys.readouterr().out)
+  assert rc == 0 and (res["k_codec"], res["v_codec"]) == ("int8", "int4")
+
+
+def test_a_rows_config_rebuilds_the_cache_spec_that_ran(tmp_path, monkeypatch):
+  """Run cells through the runner, capture the config each experiment call received, and
+  rebuild the config from each written row: same cache spec, same config."""
+  import experiments.memory as memory
+
+  from kvjax import cache as cache_lib
+  seen = {}
+  real = memory.run_cell
+
+  def spy(cfg):
+    seen[cfg.hash()] = cfg
+    return real(cfg)
+
+  monkeypatch.setattr(memory, "run_cell", spy)
+  out = tmp_path / "out"
+  path = write_cfg(tmp_path, "grid:\n  cache.codec: [bf16, int8]\n  params.setting: [plain, k4]\n"
+                   "  model.n_kv_heads: [2]\n")
+  path.write_text(path.read_text().replace(
+      "params: {contexts: [4, 8]}",
+      "params: {contexts: [4, 8], settings: {plain: {}, k4: {cache.k_codec: int4}}}"))
+  runner.run_file(path, ["cache.v_codec=fp16"], out_dir=out, progress=False)
+  rows = runner.read_rows(out / "memory.jsonl")
+  # k4 overrides K and --set V: its two codec coordinates are one cell, recorded without one
+  assert len(seen) == 3 and len(rows) == 6
+  for row in rows:
+    ran = seen[row["config_hash"]]
+    rebuilt = config.from_dict(row["config"])
+    assert rebuilt == ran
+    spec = lambda c: cache_lib.CacheSpec.from_config(c, 2, 8)  # noqa: E731
+    assert spec(rebuilt) == spec(ran)
+    if row["variant"]["setting"] == "k4":
+      want_k = "int4"
+      assert "cache.codec" not in row["cell"]["grid"]
+    else:
+      want_k = row["cell"]["grid"]["cache.codec"]
+    assert (ran.cache.k_codec, ran.cache.v_codec) == (want_k, "fp16")
+    assert row["variant"]["k_codec"] == want_k and row["variant"]["v_codec"] == "fp16"
+
+
+def test_paired_settings_work_for_any_experiment(tmp_path, capsys):
+  path = write_cfg(tmp_path, "grid:\n  params.setting: [k8v4, kivi]\n")
+  path.write_text(path.read_text().replace(
+      "params: {contexts: [4, 8]}",
+      "params:\n  contexts: [8]\n  settings:\n"
+      "    k8v4: {cache.k_codec: int8, cache.v_codec: int4}\n"
+      "    kivi: {cache.codec: int2, cache.k_axis: channel, cache.group_size: 4,"
+      " cache.residual: 4}\n"))
+  _, cells = runner.expand(path)
+  got = {c.cfg.param("setting"): c.cfg.cache for c in cells}
+  assert (got["k8v4"].k_codec, got["k8v4"].v_codec) == ("int8", "int4")
+  assert (got["kivi"].k_codec, got["kivi"].k_axis, got["kivi"].residual) == ("int2", "channel", 4)
+  assert all(c.cfg.param("settings") is None for c in cells)  # the table is not in the row
+  _, cells = runner.expand(path, ["cache.residual=8"])  # --set pins over a setting
+  assert next(c for c in cells if c.cfg.param("setting") == "kivi").cfg.cache.residual == 8
+  out = tmp_path / "out"
+  capsys.readouterr()
+  runner.run_file(path, out_dir=out, progress=False)
+  assert {r["variant"]["setting"] for r in runner.read_rows(out / "memory.jsonl")} == \
+      {"k8v4", "kivi"}
+  table = capsys.readouterr().out  # the summary names the setting, not just its codec
+  assert "k8v4" in table and "kivi" in table
+  with pytest.raises(KvjaxError, match="unknown params.setting 'nope'.*known: k8v4, kivi"):
+    runner.expand(path, ["grid.params.setting=[nope]"])
+
+
+def test_dry_run_lists_resolved_cells_and_runs_nothing(tmp_path, capsys):
+  path = write_cfg(tmp_path, "grid:\n  model.n_kv_heads: [2, 1]\n  cache.codec: [bf16, int8]\n")
+  out = tmp_path / "out"
+  rc = cli.main(["run", str(path), "--out", str(out), "--dry-run", "--set", "cache.k_codec=int8",
+                 "--set", "cache.v_codec=int4", "--set", "cache.layout=paged"])
+  text, err = capsys.readouterr()
+  assert rc == 0 and not out.exists()
+  lines_ = text.strip().splitlines()
+  assert "2 cells" in lines_[0] and "nothing run" in lines_[0]
+  head = lines_[1].split()
+  for col in ("k_codec", "v_codec", "k_axis", "group_size", "residual", "layout", "status"):
+    assert col in head
+  body = [dict(zip(head, line.split())) for line in lines_[3:]]
+  assert [(b["variant"], b["k_codec"], b["v_codec"], b["layout"]) for b in body] == \
+      [("GQA-2", "int8", "int4", "paged"), ("MQA", "int8", "int4", "paged")]
+  assert "cache.codec axis has no effect" in err
+  runner.run_file(path, out_dir=out, progress=False)  # a finished cell is listed as done
+  cli.main(["run", str(path), "--out", str(out), "--dry-run"])
+  text = capsys.readouterr().out
+  assert "4 cells (4 already in" in text and "to run" not in text

@@ -33,8 +33,35 @@ def variant_color(name: str) -> str:
   return _SPARE[zlib.crc32(name.encode()) % len(_SPARE)]
 
 
+def _base_codec(label: str) -> str:
+  """The codec a cache label starts with ("int4 g8 R64" -> int4, "Kint8/Vint4" -> int8)."""
+  text = label[1:] if label.startswith("K") else label
+  for name in sorted(CODEC_STYLES, key=len, reverse=True):
+    if text.startswith(name):
+      return name
+  return ""
+
+
 def codec_style(name: str) -> tuple:
-  return CODEC_STYLES.get(name, ("-", "."))
+  return CODEC_STYLES.get(name) or CODEC_STYLES.get(_base_codec(name), ("-", "."))
+
+
+def cache_label(row: dict) -> str:
+  """The whole cache variant of a row as one label, so two settings of one codec never share
+  a line, bar or point: the paired setting's name when the row has one, else the codec with
+  its per-channel keys, group size and residual window (from the variant or the config)."""
+  v = row.get("variant", {})
+  if v.get("setting"):
+    return str(v["setting"])
+  c = row.get("config", {}).get("cache", {})
+  parts = [str(v.get("codec") or c.get("k_codec", "?"))]
+  if v.get("k_axis", c.get("k_axis")) == "channel":
+    parts.append("Kch")
+  if v.get("group_size", c.get("group_size")):
+    parts.append(f"g{v.get('group_size', c.get('group_size'))}")
+  if v.get("residual", c.get("residual")):
+    parts.append(f"R{v.get('residual', c.get('residual'))}")
+  return " ".join(parts)
 
 
 def variant_order(name: str) -> tuple:
@@ -46,23 +73,44 @@ def variant_order(name: str) -> tuple:
   return (2, 0) if name == "MQA" else (3, name)
 
 
-def codec_order(name: str) -> int:
+def codec_order(name: str) -> tuple:
   order = list(CODEC_STYLES)
-  return order.index(name) if name in order else len(order)
+  base = name if name in order else _base_codec(name)
+  return (order.index(base) if base in order else len(order), name)
+
+
+def scan_rows(results_dir: str | Path) -> tuple[dict[str, list[dict]], list[str]]:
+  """(rows of every *.jsonl under a folder grouped by experiment, what was skipped and why)."""
+  out: dict[str, list[dict]] = {}
+  skipped = []
+  root = Path(results_dir)
+  for path in sorted(root.rglob("*.jsonl")):
+    torn = foreign = 0
+    for line in path.read_text().splitlines():
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:
+        torn += 1
+        continue
+      if isinstance(row, dict) and "experiment" in row and "metrics" in row:
+        out.setdefault(row["experiment"], []).append(row)
+      else:
+        foreign += 1
+    where = path.relative_to(root) if path != root else path
+    if foreign:
+      skipped.append(f"{where}: {foreign} rows that are not `kvjax run` results rows (no "
+                     "experiment/metrics fields; a benchmark script's own output, shown as a "
+                     "table in the docs, not plotted)")
+    if torn:
+      skipped.append(f"{where}: {torn} unreadable lines (torn or not JSON)")
+  return out, skipped
 
 
 def load_rows(results_dir: str | Path) -> dict[str, list[dict]]:
   """Rows of every *.jsonl under a folder, grouped by experiment (torn lines skipped)."""
-  out: dict[str, list[dict]] = {}
-  for path in sorted(Path(results_dir).rglob("*.jsonl")):
-    for line in path.read_text().splitlines():
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError:
-        continue
-      if isinstance(row, dict) and "experiment" in row and "metrics" in row:
-        out.setdefault(row["experiment"], []).append(row)
-  return out
+  return scan_rows(results_dir)[0]
 
 
 def human_bytes(n: float, _pos=None) -> str:
@@ -75,6 +123,8 @@ def human_bytes(n: float, _pos=None) -> str:
 
 BYTES = FuncFormatter(human_bytes)
 PLAIN = FuncFormatter(lambda y, _pos=None: f"{y:g}")
+# Minor ticks of a log axis labelled at 2, 3 and 5 x 10^k only, so they do not crowd.
+SPARSE = FuncFormatter(lambda y, _pos=None: f"{y:g}" if f"{y:.0e}"[0] in "235" else "")
 TOKENS = FuncFormatter(lambda n, _pos=None: f"{n / 1024:g}k" if n >= 1024 else f"{n:g}")
 
 
@@ -108,7 +158,9 @@ def subtitle(rows: list[dict]) -> str:
   m = r.get("config", {}).get("model", {})
   env = r.get("env", {})
   shape = f"L={m.get('n_layers')} E={m.get('d_model')} H={m.get('n_heads')}" if m else ""
-  return f"{shape}  {env.get('backend', '?')}: {env.get('device_kind', '?')}"
+  backend, kind = env.get("backend", "?"), env.get("device_kind", "?")
+  device = backend if kind == backend else f"{backend}: {kind}"
+  return f"{shape}  {device}"
 
 
 def save(fig, out_dir: Path, stem: str) -> list[Path]:

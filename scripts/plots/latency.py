@@ -7,8 +7,8 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from plots import (BYTES, PLAIN, TOKENS, codec_order, codec_style, legends, log2_axis, save,
-                   subtitle, variant_color, variant_order)
+from plots import (BYTES, PLAIN, TOKENS, cache_label, codec_order, codec_style, legends,
+                   log2_axis, save, subtitle, variant_color, variant_order)
 
 
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
@@ -24,7 +24,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
 
 def _lines(rows):
   variants = sorted({r["variant"]["variant"] for r in rows}, key=variant_order)
-  codecs = sorted({r["variant"]["codec"] for r in rows}, key=codec_order)
+  codecs = sorted({cache_label(r) for r in rows}, key=codec_order)
   layouts = sorted({r["variant"]["layout"] for r in rows})
   return variants, codecs, layouts
 
@@ -39,7 +39,7 @@ def _vs_context(rows, out_dir, metric, ylabel, what):
         for lay in layouts:
           pts = sorted((r["workload"]["context"], r["metrics"][metric] * 1e3,
                         r["metrics"].get(metric + "_iqr", 0) * 1e3) for r in rows
-                       if r["variant"]["variant"] == v and r["variant"]["codec"] == c
+                       if r["variant"]["variant"] == v and cache_label(r) == c
                        and r["workload"]["batch"] == b and r["variant"]["layout"] == lay)
           if not pts:
             continue
@@ -68,7 +68,7 @@ def _vs_batch(rows, out_dir):
   for v in variants:
     for c in codecs:
       pts = sorted((r["workload"]["batch"], r["metrics"]["tokens_per_s"]) for r in sub
-                   if r["variant"]["variant"] == v and r["variant"]["codec"] == c)
+                   if r["variant"]["variant"] == v and cache_label(r) == c)
       if pts:
         ls, mk = codec_style(c)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, marker=mk,
@@ -90,10 +90,10 @@ def _bars(rows, out_dir):
   variants, codecs, _ = _lines(rows)
   ctx = max(r["workload"]["context"] for r in rows)
   b = max(r["workload"]["batch"] for r in rows if r["workload"]["context"] == ctx)
-  sub = {(r["variant"]["variant"], r["variant"]["codec"]): r["metrics"] for r in rows
+  sub = {(r["variant"]["variant"], cache_label(r)): r["metrics"] for r in rows
          if r["workload"]["context"] == ctx and r["workload"]["batch"] == b
          and r["variant"]["layout"] == "contiguous"} or \
-      {(r["variant"]["variant"], r["variant"]["codec"]): r["metrics"] for r in rows
+      {(r["variant"]["variant"], cache_label(r)): r["metrics"] for r in rows
        if r["workload"]["context"] == ctx and r["workload"]["batch"] == b}
   ref_key = ("MHA", "bf16") if ("MHA", "bf16") in sub else next(iter(sub))
   ref = sub[ref_key]["tpot_s"]

@@ -8,13 +8,13 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
 
-from plots import (BYTES, TOKENS, codec_order, codec_style, legend_handles, legends, log2_axis,
+from plots import (BYTES, TOKENS, cache_label, codec_order, codec_style, legends, log2_axis,
                    save, subtitle, variant_color, variant_order)
 
 
 def _keys(rows):
   variants = sorted({r["variant"]["variant"] for r in rows}, key=variant_order)
-  codecs = sorted({r["variant"]["codec"] for r in rows}, key=codec_order)
+  codecs = sorted({cache_label(r) for r in rows}, key=codec_order)
   return variants, codecs
 
 
@@ -37,7 +37,7 @@ def _bytes_vs_context(rows, out_dir):
     for c in codecs:
       pts = sorted((r["workload"]["context"], r["metrics"]["closed_form_bytes"],
                     r["metrics"]["cache_bytes"], r["workload"]["measured"]) for r in rows
-                   if r["variant"]["variant"] == v and r["variant"]["codec"] == c)
+                   if r["variant"]["variant"] == v and cache_label(r) == c)
       if not pts:
         continue
       ls, mk = codec_style(c)
@@ -62,7 +62,7 @@ def _bytes_vs_context(rows, out_dir):
 
 def _bytes_per_token(rows, out_dir):
   variants, codecs = _keys(rows)
-  per = {(r["variant"]["variant"], r["variant"]["codec"]): r["metrics"]["bytes_per_token"]
+  per = {(r["variant"]["variant"], cache_label(r)): r["metrics"]["bytes_per_token"]
          for r in rows}
   fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(codecs) + 2), 4.5))
   width = 0.8 / len(variants)
@@ -82,39 +82,59 @@ def _bytes_per_token(rows, out_dir):
 
 
 def _concurrency(rows, out_dir):
+  """A heatmap per real model shape: rows = attention variant x cache codec, columns =
+  context, each cell the number of sequences that fit (printed; colour on a log scale)."""
+  import numpy as np
+  from matplotlib.colors import LogNorm
+
   shapes = list(dict.fromkeys(r["variant"]["model"] for r in rows))
+  variants, codecs = _keys(rows)
+  contexts = sorted({r["workload"]["context"] for r in rows})
+  per_shape = {shape: [(v, c) for v in variants for c in codecs
+                       if any(r["variant"]["model"] == shape and r["variant"]["variant"] == v
+                              and cache_label(r) == c for r in rows)] for shape in shapes}
+  n_lines = max(len(lines) for lines in per_shape.values())
   ncol = min(len(shapes), 2)
   nrow = (len(shapes) + ncol - 1) // ncol
-  fig, axes = plt.subplots(nrow, ncol, figsize=(5.2 * ncol + 1.6, 3.6 * nrow + 0.6),
-                           squeeze=False, sharey=True)
-  variants, codecs = _keys(rows)
+  fig, axes = plt.subplots(nrow, ncol, squeeze=False,
+                           figsize=(0.75 * len(contexts) * ncol + 3.2,
+                                    0.24 * n_lines * nrow + 1.4 * nrow + 0.4))
+  top = max(max(r["metrics"]["max_concurrency"] for r in rows), 2)
+  norm = LogNorm(vmin=1, vmax=top)
+  cmap = plt.get_cmap("viridis").with_extremes(bad="#dddddd")
   for ax, shape in zip(axes.flat, shapes):
-    sub = [r for r in rows if r["variant"]["model"] == shape]
-    for v in variants:
-      for c in codecs:
-        pts = sorted({(r["workload"]["context"], r["metrics"]["max_concurrency"]) for r in sub
-                      if r["variant"]["variant"] == v and r["variant"]["codec"] == c})
-        if not pts:
-          continue
-        ls, mk = codec_style(c)
-        ax.plot([p[0] for p in pts], [max(p[1], 0.5) for p in pts], ls=ls, marker=mk, ms=4,
-                color=variant_color(v))
-    r0 = sub[0]
-    weights = min(r["metrics"]["weight_bytes"] for r in sub) / 2 ** 30
-    ax.set_title(f"{shape}: {r0['workload']['budget_gib']:.0f} GiB budget, "
-                 f"~{weights:.0f} GiB weights", fontsize=9)
-    log2_axis(ax.xaxis, TOKENS)
-    log2_axis(ax.yaxis, every=2)
-    ax.axhline(1, color="gray", lw=0.8)
-    ax.grid(True, alpha=0.3)
+    lines = per_shape[shape]
+    sub = {(r["variant"]["variant"], cache_label(r), r["workload"]["context"]):
+           r["metrics"]["max_concurrency"] for r in rows if r["variant"]["model"] == shape}
+    grid = np.array([[sub.get((v, c, ctx), np.nan) for ctx in contexts] for v, c in lines],
+                    dtype=float)
+    ax.imshow(np.ma.masked_less(grid, 1), cmap=cmap, norm=norm, aspect="auto")
+    for i in range(len(lines)):
+      for j in range(len(contexts)):
+        n = grid[i, j]
+        if not np.isnan(n):
+          light = n >= 1 and norm(n) < 0.6
+          ax.text(j, i, f"{int(n):,}", ha="center", va="center", fontsize=7,
+                  color="white" if light else "black")
+    for i in range(1, len(lines)):  # a rule between attention variants
+      if lines[i][0] != lines[i - 1][0]:
+        ax.axhline(i - 0.5, color="white", lw=2)
+    ax.set_xticks(range(len(contexts)), [TOKENS(c) for c in contexts], fontsize=8)
+    ax.set_yticks(range(len(lines)), [f"{v}  {c}" for v, c in lines], fontsize=7)
+    for tick, (v, _) in zip(ax.get_yticklabels(), lines):
+      tick.set_color(variant_color(v))
+    r0 = next(r for r in rows if r["variant"]["model"] == shape)
+    weights = sorted({r["metrics"]["weight_bytes"] / 2 ** 30 for r in rows
+                      if r["variant"]["model"] == shape})
+    span = f"{weights[0]:.1f}" if f"{weights[0]:.1f}" == f"{weights[-1]:.1f}" else \
+        f"{weights[0]:.1f}-{weights[-1]:.1f}"
+    ax.set_title(f"{shape}: {r0['workload']['budget_gib']:g} GiB budget, "
+                 f"{span} GiB weights", fontsize=9)
+    ax.set_xlabel("context (tokens per sequence)", fontsize=8)
   for ax in axes.flat[len(shapes):]:
     ax.set_visible(False)
-  for ax in axes[-1]:
-    ax.set_xlabel("context length (tokens per sequence)")
-  for ax in axes[:, 0]:
-    ax.set_ylabel("max concurrent sequences\n(0.5 = none fit)")
-  fig.legend(handles=legend_handles(variants, codecs), loc="center right", fontsize=8)
-  fig.suptitle("Sequences that fit: (budget - weights) / cache bytes per sequence "
-               "(closed form; MHA / native GQA / MQA per shape)", fontsize=10)
-  fig.tight_layout(rect=(0, 0, 1 - 1.4 / fig.get_figwidth(), 1))
+  fig.suptitle("Concurrent sequences that fit: floor((budget - weights) / cache bytes per "
+               "sequence)\nclosed form; grey = none fits; MHA / the shape's own GQA / MQA; "
+               "weights by variant", fontsize=10)
+  fig.tight_layout()
   return save(fig, out_dir, "memory_max_concurrency")

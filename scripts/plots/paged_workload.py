@@ -10,7 +10,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from plots import LAYOUT_COLORS, codec_order, save, subtitle, variant_order
+from plots import LAYOUT_COLORS, cache_label, codec_order, save, subtitle, variant_order
 
 SERVERS = [("contiguous", False, "contiguous (reserve max length)", LAYOUT_COLORS["contiguous"]),
            ("paged", False, "paged", "#98df8a"),
@@ -18,14 +18,14 @@ SERVERS = [("contiguous", False, "contiguous (reserve max length)", LAYOUT_COLOR
 
 
 def _groups(rows):
-  keys = {(r["variant"]["variant"], r["variant"]["codec"]) for r in rows}
+  keys = {(r["variant"]["variant"], cache_label(r)) for r in rows}
   return sorted(keys, key=lambda k: (variant_order(k[0]), codec_order(k[1])))
 
 
 def _find(rows, group, layout, prefix):
   for r in rows:
     v = r["variant"]
-    if (v["variant"], v["codec"]) == group and v["layout"] == layout and \
+    if (v["variant"], cache_label(r)) == group and v["layout"] == layout and \
         bool(v.get("prefix_cache", False)) == prefix:
       return r["metrics"]
   return None

@@ -14,7 +14,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from plots import save, subtitle
+from plots import PLAIN, SPARSE, save, subtitle
 
 PEER_ORDER = ("kvjax", "kvjax_unrolled", "dynamic", "static", "quanto")
 PEER_COLORS = {"kvjax": "#1f77b4", "kvjax_unrolled": "#17becf", "dynamic": "#ff7f0e",
@@ -61,6 +61,8 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
             if q:
               ax.text(x, (y + e) * 1.04, f"{q:.1f}x", ha="center", va="bottom", fontsize=7)
       ax.set_yscale("log")
+      ax.yaxis.set_major_formatter(PLAIN)  # 6 and 0.4, not 6x10^0 and 4x10^-1
+      ax.yaxis.set_minor_formatter(SPARSE)
       ax.set_xticks(np.arange(len(batches)), [f"batch {b}" for b in batches])
       ax.set_ylabel(ylabel)
       w = sub[0]["workload"]

@@ -1,9 +1,10 @@
 """Plots of the `quality` experiment: the cost of each cache setting against its bytes.
 
-  quality_dppl_vs_bytes: Δppl (%) vs measured cache bytes per token, one point per setting and
-    model (colour = attention variant), labelled with the setting name; the good
-    settings sit low and to the left.
-  quality_kl: mean KL vs the fp32 cache per setting (log scale), bars per model.
+  quality_dppl_vs_bytes: Δppl (%) per setting, settings ordered by measured cache bytes per
+    token (in their labels), one dot per model (colour = attention variant); a linear axis
+    cut at 5 %, larger values printed beside an arrow.
+  quality_kl: mean KL vs the fp32 cache per setting (log scale), bars per model; the fp32
+    reference itself (KL 0) is not drawn.
   quality_recall: associative-recall accuracy vs context, one panel per model, one line
     per setting (dashed grey: the same model through the fp32 cache).
 """
@@ -15,11 +16,11 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from plots import save, variant_color, variant_order
+from plots import cache_label, save, variant_color, variant_order
 
 
 def _setting(r) -> str:
-  return r["variant"].get("setting") or r["variant"].get("codec", "?")
+  return cache_label(r)
 
 
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
@@ -46,36 +47,62 @@ def _bpt(r) -> float:
   return m["bytes_per_token"]
 
 
+CAP = 5.0  # Δppl (%) axis limit; larger values are drawn at the edge with their value
+
+
 def _dppl(rows, out_dir):
-  fig, ax = plt.subplots(figsize=(8, 5.5))
-  for v in _variants(rows):
-    pts = [(_bpt(r), 100 * r["metrics"]["dppl_rel"], _setting(r))
-           for r in rows if r["variant"]["variant"] == v]
-    ax.scatter([p[0] for p in pts], [p[1] for p in pts], color=variant_color(v), label=v, s=30)
-    for x, y, name in pts:
-      ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-  ax.set_xscale("log", base=2)
-  ax.set_yscale("symlog", linthresh=0.1)
-  ax.axhline(0, color="black", lw=0.8)
-  for target, label in ((0.1, "int8 target 0.1%"), (1.0, "int4 target 1%"), (5.0, "int2 5%")):
-    ax.axhline(target, color="gray", lw=0.6, ls=":")
-    ax.text(ax.get_xlim()[1], target, label, fontsize=7, color="gray", ha="right", va="bottom")
-  ax.set_xlabel(f"measured cache bytes per token at context {rows[0]['workload'].get('context')}"
-                " (all layers, K+V, scales and residual window included)")
-  ax.set_ylabel("Δ perplexity vs fp32 cache (%)")
+  """One line per setting (sorted by bytes per token, bytes in the label), one dot per
+  model: names never collide, and the axis is linear (no symlog bend at 0)."""
+  variants = _variants(rows)
+  settings = sorted({_setting(r) for r in rows},
+                    key=lambda s: (-max(_bpt(r) for r in rows if _setting(r) == s), s))
+  fig, ax = plt.subplots(figsize=(9.5, 0.5 * len(settings) + 1.6))
+  offsets = {v: (i - (len(variants) - 1) / 2) * 0.3 for i, v in enumerate(variants)}
+  for y, s in enumerate(settings):
+    for r in rows:
+      if _setting(r) != s:
+        continue
+      v, val = r["variant"]["variant"], 100 * r["metrics"]["dppl_rel"]
+      x = min(val, CAP)
+      ax.plot(x, y + offsets[v], marker=">" if val > CAP else "o", ms=6, ls="none",
+              color=variant_color(v))
+      if val > CAP:
+        ax.annotate(f"{val:+.1f}", (CAP, y + offsets[v]), xytext=(-8, 0),
+                    textcoords="offset points", fontsize=7, ha="right", va="center",
+                    color=variant_color(v))
+  labels = []
+  for s in settings:
+    bpt = {r["variant"]["variant"]: round(_bpt(r)) for r in rows if _setting(r) == s}
+    labels.append(f"{s}  ({'/'.join(str(bpt[v]) if v in bpt else '-' for v in variants)} "
+                  "B/token)")
+  ax.set_yticks(range(len(settings)), labels, fontsize=8)
+  ax.invert_yaxis()
+  lo = min(-0.5, min(100 * r["metrics"]["dppl_rel"] for r in rows) - 0.2)
+  ax.set_xlim(lo, CAP + 0.3)
+  ax.axvline(0, color="black", lw=0.8)
+  ax.axvline(1.0, color="gray", lw=0.8, ls=":")
+  ax.text(1.0, 0.005, " 1 %", fontsize=7, color="gray", ha="left", va="bottom",
+          transform=ax.get_xaxis_transform())
   n = rows[0]["workload"]
-  ax.set_title(f"Quality vs cache size, tokens fed one at a time through the cache\n"
-               f"{n.get('batch')}×{n.get('context')} validation tokens, chunk {n.get('chunk')}",
-               fontsize=10)
-  ax.grid(True, alpha=0.3)
-  ax.legend(fontsize=8)
+  ax.set_xlabel(f"Δ perplexity vs the fp32 cache (%), axis cut at {CAP:g} % (values beside "
+                "the arrows)")
+  ax.set_title(f"Quality vs cache size: settings from most to fewest measured bytes per token\n"
+               f"(per model: {'/'.join(variants)}); {n.get('batch')}×{n.get('context')} "
+               f"validation tokens per model, fed {n.get('chunk')} at a time", fontsize=9)
+  ax.grid(True, axis="x", alpha=0.3)
+  from matplotlib.lines import Line2D
+  ax.legend(handles=[Line2D([], [], marker="o", ls="none", color=variant_color(v), label=v)
+                     for v in variants], fontsize=8, loc="upper left",
+            bbox_to_anchor=(1.01, 1.0))
   return save(fig, out_dir, "quality_dppl_vs_bytes")
 
 
 def _kl(rows, out_dir):
+  """KL per setting and model on a log axis; the fp32 cache is the reference (KL exactly 0)
+  and has no bar."""
   variants = _variants(rows)
-  settings = list(dict.fromkeys(_setting(r) for r in sorted(
-      rows, key=lambda r: -_bpt(r))))
+  settings = [s for s in dict.fromkeys(_setting(r) for r in sorted(rows, key=lambda r: -_bpt(r)))
+              if any(r["metrics"]["kl"] > 0 for r in rows if _setting(r) == s)]
   fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(settings) + 2), 4.5))
   width = 0.8 / len(variants)
   x = np.arange(len(settings))
@@ -83,12 +110,13 @@ def _kl(rows, out_dir):
     vals = []
     for s in settings:
       m = [r["metrics"]["kl"] for r in rows if r["variant"]["variant"] == v and _setting(r) == s]
-      vals.append(max(m[0], 1e-9) if m else np.nan)
+      vals.append(m[0] if m and m[0] > 0 else np.nan)
     ax.bar(x + i * width - 0.4 + width / 2, vals, width, color=variant_color(v), label=v)
   ax.set_yscale("log")
   ax.set_xticks(x, settings, rotation=45, ha="right", fontsize=8)
   ax.set_ylabel("mean KL(fp32 cache ‖ this cache), nats")
-  ax.set_title("Next-token KL divergence from the fp32 cache", fontsize=10)
+  ax.set_title("Next-token KL divergence from the fp32 cache (the reference, KL 0, not drawn;"
+               " no bar: setting not run on that model)", fontsize=9)
   ax.grid(True, axis="y", alpha=0.3)
   ax.legend(fontsize=8)
   return save(fig, out_dir, "quality_kl")

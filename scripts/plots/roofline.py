@@ -8,8 +8,8 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from plots import (PLAIN, TOKENS, codec_order, codec_style, legends, log2_axis, save, subtitle,
-                   variant_color, variant_order)
+from plots import (PLAIN, TOKENS, cache_label, codec_order, codec_style, legends, log2_axis,
+                   save, subtitle, variant_color, variant_order)
 
 
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
@@ -22,13 +22,13 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
 
 def _figure(rows, out_dir, batch):
   variants = sorted({r["variant"]["variant"] for r in rows}, key=variant_order)
-  codecs = sorted({r["variant"]["codec"] for r in rows}, key=codec_order)
+  codecs = sorted({cache_label(r) for r in rows}, key=codec_order)
   fig, (a_frac, a_tpot) = plt.subplots(1, 2, figsize=(11, 4.4))
   for v in variants:
     for c in codecs:
       pts = sorted((r["workload"]["context"], r["metrics"]["roofline_fraction"],
                     r["metrics"]["tpot_s"] * 1e3) for r in rows
-                   if r["variant"]["variant"] == v and r["variant"]["codec"] == c)
+                   if r["variant"]["variant"] == v and cache_label(r) == c)
       if not pts:
         continue
       ls, mk = codec_style(c)

@@ -1,0 +1,276 @@
+"""GGUF import: llama-architecture GGUF files into a kvjax Config, params and tokenizer.
+
+    cfg = gguf.load_config("model.gguf")            # metadata only (kvjax size --gguf)
+    cfg, params = gguf.load("model.gguf", {...})    # plus dequantized tensors (generate --gguf)
+    tok = gguf.tokenizer("model.gguf")              # a `tokenizers` BPE built from the metadata
+
+The file is read with the `gguf` package (ggml's own reader, memory-mapped) and every
+tensor type that package can dequantize (F32, F16, BF16, Q8_0, Q4_0, Q4_1, the K-quants,
+...) becomes the model's `param_dtype`. GGUF stores tensors in ggml's order, which numpy
+reads as torch's [out, in]; Dense kernels are the transpose. The converter that writes
+llama GGUF files permutes the rows of the Q and K projections so that ggml's RoPE (which
+rotates adjacent pairs) matches the checkpoint's rotate-half RoPE; kvjax rotates halves
+like Hugging Face, so `unpermute` undoes that permutation per head.
+
+What kvjax does not implement fails with one line naming what was found: another
+architecture, RoPE scaling, partial rotary, a tensor type the reader cannot dequantize, a
+missing key or tensor, a truncated file.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from kvjax import config as config_lib
+from kvjax.config import Config
+from kvjax.errors import KvjaxError
+
+ARCHITECTURES = ("llama",)
+_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+# GGUF tensor name (per layer) -> (kvjax leaf, kvjax sub-key); shapes come from the config.
+_LAYER_TENSORS = {
+    "attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
+    "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj",
+}
+_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+@functools.lru_cache(maxsize=4)
+def _open(path: str):
+  """The memory-mapped reader for a GGUF file (cached: metadata and tensors share it)."""
+  try:
+    from gguf import GGUFReader
+  except ImportError:
+    raise KvjaxError("reading GGUF files needs the `gguf` package: pip install gguf") from None
+  p = Path(path)
+  if not p.is_file():
+    raise KvjaxError(f"GGUF file not found: {p}; pass a .gguf file or a known model name "
+                     "(kvjax models lists them)")
+  try:
+    return GGUFReader(str(p))
+  except Exception as e:  # noqa: BLE001  the reader raises ValueError/IndexError/... on bad bytes
+    first = (str(e).splitlines() or [type(e).__name__])[0]
+    raise KvjaxError(f"cannot read GGUF file {p}: {first} (truncated or not a GGUF file?)") from None
+
+
+def metadata(path: str | Path) -> dict:
+  """Scalar and string metadata of the file (arrays other than tokenizer lists omitted)."""
+  reader = _open(str(path))
+  out = {}
+  for key, field in reader.fields.items():
+    if key.startswith("GGUF."):
+      continue
+    if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+               "tokenizer.ggml.scores"):
+      continue
+    try:
+      out[key] = field.contents()
+    except Exception:  # noqa: BLE001  an exotic field type: not one kvjax reads
+      continue
+  return out
+
+
+def _need(meta: dict, key: str, path) -> object:
+  if key not in meta:
+    raise KvjaxError(f"GGUF file {path} lacks metadata key '{key}'; the file is incomplete or "
+                     "not a llama-architecture model")
+  return meta[key]
+
+
+def config_overrides(meta: dict, path="the file") -> dict:
+  """Dotted kvjax config keys for a GGUF file's metadata (raises on anything unsupported)."""
+  arch = _need(meta, "general.architecture", path)
+  if arch not in ARCHITECTURES:
+    raise KvjaxError(f"GGUF architecture '{arch}' is not supported; kvjax imports "
+                     f"{', '.join(ARCHITECTURES)}")
+  a = f"{arch}."
+  E = int(_need(meta, a + "embedding_length", path))
+  H = int(_need(meta, a + "attention.head_count", path))
+  K = int(meta.get(a + "attention.head_count_kv", H))
+  D = int(meta.get(a + "attention.key_length", E // H if H else 0))
+  rot = meta.get(a + "rope.dimension_count", D)
+  if int(rot) != D:
+    raise KvjaxError(f"GGUF rope.dimension_count={rot} != head dim {D} (partial rotary) is not "
+                     "supported by kvjax's RoPE")
+  scaling = meta.get(a + "rope.scaling.type", "none")
+  if scaling not in ("none", None, "") or meta.get(a + "rope.scaling.factor", 1.0) not in (0.0, 1.0):
+    raise KvjaxError(f"GGUF RoPE scaling '{scaling}' is not supported; kvjax reads unscaled "
+                     "RoPE from GGUF files")
+  vocab = meta.get(a + "vocab_size")
+  if vocab is None:
+    vocab = _vocab_len(path)
+  return {
+      "model.vocab_size": int(vocab),
+      "model.d_model": E,
+      "model.n_layers": int(_need(meta, a + "block_count", path)),
+      "model.n_heads": H,
+      "model.n_kv_heads": K,
+      "model.head_dim": D,
+      "model.d_ff": int(_need(meta, a + "feed_forward_length", path)),
+      "model.rope_theta": _f32(meta.get(a + "rope.freq_base", 10000.0)),
+      "model.rope_scaling": {},
+      "model.norm_eps": _f32(meta.get(a + "attention.layer_norm_rms_epsilon", 1e-5)),
+      "model.qkv_bias": False,
+      "model.tie_embeddings": not _has_tensor(path, "output.weight"),
+      "model.max_seq_len": int(_need(meta, a + "context_length", path)),
+      "model.dtype": "float32",
+      "model.param_dtype": "float32",
+  }
+
+
+def _f32(x) -> float:
+  """A float32 metadata value as the shortest decimal that rounds to it (1e-05, not
+  9.999999747378752e-06), so configs read as the checkpoint's authors wrote them."""
+  return float(np.format_float_positional(np.float32(x), unique=True, trim="-"))
+
+
+def _vocab_len(path) -> int:
+  field = _open(str(path)).fields.get("tokenizer.ggml.tokens")
+  if field is None:
+    raise KvjaxError(f"GGUF file {path} states no vocab_size and has no tokenizer tokens")
+  return len(field.data)
+
+
+def _has_tensor(path, name: str) -> bool:
+  return any(t.name == name for t in _open(str(path)).tensors)
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> Config:
+  """A kvjax Config for the GGUF file (fp32 compute unless overridden)."""
+  path = Path(path)
+  meta = metadata(path)
+  tok = f"gguf:{path}" if "tokenizer.ggml.model" in meta else "none"
+  base = {**config_overrides(meta, path), "tokenizer": tok, "name": f"gguf-{path.stem}"}
+  if "rope_freqs.weight" in {t.name for t in _open(str(path)).tensors}:
+    raise KvjaxError(f"{path} carries rope_freqs.weight (llama3-style RoPE scaling), which "
+                     "kvjax does not read from GGUF; import the Hugging Face folder instead")
+  cfg = config_lib.apply_overrides(Config(), base)
+  return config_lib.apply_overrides(cfg, overrides) if overrides else cfg
+
+
+# -- tensors ------------------------------------------------------------------------------
+def unpermute(w_OI: np.ndarray, n_heads: int) -> np.ndarray:
+  """Undo the GGUF converter's per-head Q/K row permutation ([out, in], out = heads * D).
+
+  The converter groups each head's rows as (D/2, 2) pairs interleaved from (2, D/2) halves;
+  this restores the halves order that rotate-half RoPE expects.
+  """
+  out, rest = w_OI.shape[0], w_OI.shape[1:]
+  half = out // n_heads // 2
+  return w_OI.reshape(n_heads, half, 2, *rest).swapaxes(1, 2).reshape(w_OI.shape)
+
+
+def permute(w_OI: np.ndarray, n_heads: int) -> np.ndarray:
+  """The converter's permutation (inverse of `unpermute`); used to write test files."""
+  out, rest = w_OI.shape[0], w_OI.shape[1:]
+  half = out // n_heads // 2
+  return w_OI.reshape(n_heads, 2, half, *rest).swapaxes(1, 2).reshape(w_OI.shape)
+
+
+def _dequantize(t, path) -> np.ndarray:
+  from gguf import GGMLQuantizationType, quants
+
+  try:
+    arr = quants.dequantize(t.data, t.tensor_type)
+  except NotImplementedError:
+    raise KvjaxError(f"tensor '{t.name}' in {path} has type {t.tensor_type.name}, which the gguf "
+                     "package cannot dequantize; use a file with another quantization") from None
+  except Exception as e:  # noqa: BLE001  short or corrupt data
+    raise KvjaxError(f"cannot dequantize tensor '{t.name}' ({GGMLQuantizationType(t.tensor_type).name}) "
+                     f"in {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+  return np.asarray(arr, np.float32)
+
+
+def read_params(path: str | Path, cfg: Config) -> dict:
+  """Params in the layout of `kvjax.model.Transformer`, cast to `model.param_dtype`."""
+  m = cfg.model
+  tensors = {t.name: t for t in _open(str(path)).tensors}
+  dtype = _DTYPES[m.param_dtype]
+  E, H, K, D, F, V = m.d_model, m.n_heads, m.n_kv_heads, m.D, m.F, m.vocab_size
+  shapes = {"attn_q": (H * D, E), "attn_k": (K * D, E), "attn_v": (K * D, E),
+            "attn_output": (E, H * D), "ffn_gate": (F, E), "ffn_up": (F, E), "ffn_down": (E, F)}
+  used = set()
+
+  def get(name: str, shape: tuple) -> np.ndarray:
+    if name not in tensors:
+      raise KvjaxError(f"tensor '{name}' is missing from {path}; the file is incomplete or its "
+                       "metadata does not match its tensors")
+    used.add(name)
+    arr = _dequantize(tensors[name], path)
+    if tuple(arr.shape) != shape:
+      raise KvjaxError(f"tensor '{name}' in {path} has shape {list(arr.shape)} but the metadata "
+                       f"implies {list(shape)}")
+    return arr
+
+  layers: dict = {leaf: {"kernel": []} for leaf in _LAYER_TENSORS.values()}
+  layers.update({leaf: {"weight": []} for leaf in _NORMS.values()})
+  for i in range(m.n_layers):
+    for g, leaf in _LAYER_TENSORS.items():
+      w = get(f"blk.{i}.{g}.weight", shapes[g])
+      if g in ("attn_q", "attn_k"):
+        w = unpermute(w, H if g == "attn_q" else K)
+      layers[leaf]["kernel"].append(w.T.astype(dtype))
+    for g, leaf in _NORMS.items():
+      layers[leaf]["weight"].append(get(f"blk.{i}.{g}.weight", (E,)).astype(dtype))
+  layers = {leaf: {k: np.stack(v) for k, v in d.items()} for leaf, d in layers.items()}
+  params = {"embed_tokens": {"embedding": get("token_embd.weight", (V, E)).astype(dtype)},
+            "layers": layers, "norm": {"weight": get("output_norm.weight", (E,)).astype(dtype)}}
+  if not m.tie_embeddings:
+    params["lm_head"] = {"kernel": get("output.weight", (V, E)).T.astype(dtype)}
+  leftover = sorted(set(tensors) - used)
+  if leftover:
+    raise KvjaxError(f"GGUF tensor '{leftover[0]}' (and {len(leftover) - 1} more) has no place in "
+                     "kvjax's model; an unsupported feature (bias, extra layer)?")
+  return params
+
+
+def load(path: str | Path, overrides: dict | None = None) -> tuple[Config, dict]:
+  """(Config, params as jax arrays) for a llama-architecture GGUF file."""
+  from kvjax import hf
+
+  cfg = load_config(path, overrides)
+  params = read_params(path, cfg)
+  hf.check_tree(cfg, params)
+  return cfg, jax.tree_util.tree_map(jnp.asarray, params)
+
+
+# -- tokenizer ----------------------------------------------------------------------------
+def tokenizer_json(path: str | Path):
+  """A `tokenizers.Tokenizer` for the file's byte-level BPE vocabulary.
+
+  Built as transformers' GGUF loader builds it: BPE over the stored vocab and merges,
+  GPT-2 byte-level pre-tokenizer and decoder, no prefix space, control tokens (type 3) as
+  special added tokens that are never split. No BOS is added unless the file asks.
+  """
+  from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+  reader = _open(str(path))
+  meta = metadata(path)
+  kind = meta.get("tokenizer.ggml.model")
+  if kind != "gpt2":
+    raise KvjaxError(f"GGUF tokenizer model '{kind}' is not supported; kvjax builds byte-level "
+                     "BPE (gpt2) tokenizers from GGUF metadata")
+  tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
+  merges = reader.fields.get("tokenizer.ggml.merges")
+  if merges is None:
+    raise KvjaxError(f"GGUF file {path} has a BPE tokenizer without merges")
+  pairs = [tuple(m.split(" ", 1)) for m in merges.contents()]
+  tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=pairs,
+                             continuing_subword_prefix="", end_of_word_suffix="",
+                             fuse_unk=False))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  types = reader.fields.get("tokenizer.ggml.token_type")
+  if types is not None:
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    control = [AddedToken(t, special=True, normalized=False)
+               for t, ty in zip(tokens, types.contents()) if ty == 3 and set(t) <= alphabet]
+    tok.add_special_tokens(control)
+  return tok, bool(meta.get("tokenizer.ggml.add_bos_token", False)), \
+      meta.get("tokenizer.ggml.bos_token_id")

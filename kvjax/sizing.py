@@ -1,0 +1,88 @@
+"""`kvjax size --budget`: how many sequences fit in a memory budget, in closed form.
+
+    sequences = floor((budget - weight bytes) / cache bytes of one sequence)
+
+Weights count at the dtype they are stored in (`model.param_dtype`; for a Hugging Face
+folder, config.json's `torch_dtype`/`dtype`). A sequence's cache is the contiguous
+reservation of `seq_len` tokens with the chosen K/V codecs, scales and metadata included
+(`cache.LAYOUTS["contiguous"].closed_form_bytes`). Not counted: activations and
+temporaries (a long prefill's attention and MLP buffers are large), logits, the paged
+layout's slack, and the runtime's own overhead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from kvjax import config as config_lib
+from kvjax.errors import KvjaxError
+
+UNITS = {"b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+         "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+# Whole-head codecs compared next to the chosen one.
+COMPARE = ("fp32", "bf16", "fp8_e4m3", "int8", "int4", "int2")
+NOT_COUNTED = ("activations and temporaries (a long prefill's are large), logits, "
+               "allocator/runtime overhead")
+HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+             "torch.float32": "float32", "torch.bfloat16": "bfloat16",
+             "torch.float16": "float16"}
+
+
+def parse_bytes(text: str) -> tuple[int, str]:
+  """'80GiB' -> (85899345920, 'GiB = 2^30 bytes'); GB/MB/KB/TB are powers of 1000."""
+  m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", str(text))
+  unit = m and m.group(2).lower()
+  if not m or unit not in UNITS:
+    raise KvjaxError(f"--budget '{text}' needs a number and a unit, e.g. 80GiB or 80GB "
+                     "(units: B, KB, MB, GB, TB = powers of 1000; KiB, MiB, GiB, TiB = of 1024)")
+  n = int(float(m.group(1)) * UNITS[unit])
+  if n <= 0:
+    raise KvjaxError(f"--budget must be positive, got '{text}'")
+  name = {k.lower(): k for k in ("B", "KB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB")}[unit]
+  power = "2^" + str({"kib": 10, "mib": 20, "gib": 30, "tib": 40}[unit]) if unit.endswith("ib") \
+      else "10^" + str({"b": 0, "kb": 3, "mb": 6, "gb": 9, "tb": 12}[unit])
+  return n, f"{name} = {power} bytes"
+
+
+def hf_param_dtype(hf: dict) -> tuple[str, str]:
+  """(stored dtype, where it was read) of a Hugging Face config.json dict."""
+  for key in ("torch_dtype", "dtype"):
+    if hf.get(key) in HF_DTYPES:
+      return HF_DTYPES[hf[key]], f"config.json {key}"
+  return "float32", "float32 assumed: config.json names no torch_dtype"
+
+
+def seq_bytes(cfg: config_lib.Config, seq_len: int) -> int:
+  """Closed-form cache bytes of one sequence of `seq_len` tokens (contiguous reservation)."""
+  from kvjax import cache
+  spec = cache.CacheSpec.from_config(cfg, 1, seq_len)
+  return cache.LAYOUTS["contiguous"].closed_form_bytes(spec)
+
+
+def fit(budget: int, weight_bytes: int, per_seq: int) -> int:
+  free = budget - weight_bytes
+  return int(free // per_seq) if free > 0 else 0
+
+
+def budget_report(cfg: config_lib.Config, seq_len: int, batch: int, budget: int,
+                  weight_bytes: int | None) -> dict:
+  """Sequences of `seq_len` tokens that fit in `budget` bytes after the weights."""
+  weights = weight_bytes or 0
+  per_seq = seq_bytes(cfg, seq_len)
+  others = {}
+  for name in COMPARE:
+    c = dataclasses.replace(cfg.cache, codec="", k_codec=name, v_codec=name, k_axis="token",
+                            group_size=0, residual=0)
+    others[name] = fit(budget, weights, seq_bytes(dataclasses.replace(cfg, cache=c), seq_len))
+  need = weights + batch * per_seq
+  return {
+      "budget_bytes": budget, "weight_bytes": weight_bytes, "seq_bytes": per_seq,
+      "free_bytes": budget - weights, "max_sequences": fit(budget, weights, per_seq),
+      "max_sequences_by_codec": others, "batch_bytes": need, "batch_fits": need <= budget,
+      "counted": ("weights at their stored dtype, " if weight_bytes is not None else "")
+      + f"the KV cache reserved for all {seq_len} tokens of each sequence (codec scales and "
+      "metadata included)",
+      "not_counted": NOT_COUNTED + ("" if weight_bytes is not None else
+                                    "; weights (no model given: use --config or --hf)"),
+  }

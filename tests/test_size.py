@@ -1,0 +1,148 @@
+"""`kvjax size`: one answer per model whatever its description, --budget against the closed
+form, max_seq_len warnings, --help contents, and a quiet exit into a closed pipe."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvjax import cli, sizing
+from kvjax.errors import KvjaxError
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA3 = ROOT / "configs" / "models" / "llama3-8b.yaml"
+L, H, K, D, E, F, V = 32, 32, 8, 128, 4096, 14336, 128256
+PARAMS = 2 * V * E + L * (E * H * D + 2 * E * K * D + H * D * E + 3 * E * F + 2 * E) + E
+
+
+def size(capsys, *argv):
+  rc = cli.main(["size", *argv, "--json"])
+  out, err = capsys.readouterr()
+  assert rc == 0, err
+  return json.loads(out), err
+
+
+@pytest.fixture
+def hf_llama3(tmp_path) -> Path:
+  (tmp_path / "config.json").write_text(json.dumps({
+      "model_type": "llama", "hidden_size": E, "num_attention_heads": H,
+      "num_key_value_heads": K, "num_hidden_layers": L, "intermediate_size": F,
+      "vocab_size": V, "max_position_embeddings": 8192, "rope_theta": 500000.0,
+      "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "tie_word_embeddings": False}))
+  return tmp_path
+
+
+def test_one_model_one_answer_whatever_its_description(capsys, hf_llama3):
+  shape, _ = size(capsys, "--layers", "32", "--heads", "32", "--kv-heads", "8", "--head-dim",
+                  "128", "--seq-len", "4096", "--batch", "8")
+  conf, _ = size(capsys, "--config", str(LLAMA3), "--seq-len", "4096", "--batch", "8")
+  hf, _ = size(capsys, "--hf", str(hf_llama3), "--seq-len", "4096", "--batch", "8")
+  for res in (shape, conf, hf):
+    assert (res["k_codec"], res["v_codec"]) == ("bf16", "bf16")
+    assert res["bytes_per_token"] == 2 * L * K * D * 2
+    assert res["total_bytes"] == shape["total_bytes"]
+    assert any("bf16 cache assumed" in n for n in res["notes"])
+  # parameters in the stored dtype (bf16: 2 bytes each), the same from YAML and config.json
+  assert conf["param_bytes"] == hf["param_bytes"] == 2 * PARAMS
+  assert "bfloat16" in hf["param_dtype"] and "torch_dtype" in hf["param_dtype"]
+  coded, _ = size(capsys, "--config", str(LLAMA3), "--seq-len", "4096", "--dtype", "float32")
+  assert coded["bytes_per_token"] == 2 * L * K * D * 4 and not coded["notes"]
+
+
+def test_seq_len_past_max_seq_len_warns_in_one_line(capsys):
+  res, err = size(capsys, "--config", str(LLAMA3), "--seq-len", "32768")
+  assert res["warnings"] and res["max_seq_len"] == 8192
+  lines = err.strip().splitlines()
+  assert len(lines) == 1 and "exceeds this model's max_seq_len 8192" in lines[0]
+  _, err = size(capsys, "--config", str(LLAMA3), "--seq-len", "8192")
+  assert err == ""
+
+
+@pytest.mark.parametrize("text,n", [("80GiB", 80 * 2 ** 30), ("80GB", 80 * 10 ** 9),
+                                    ("1.5 TiB", int(1.5 * 2 ** 40)), ("512MB", 512 * 10 ** 6),
+                                    ("64kib", 64 * 1024), ("7TB", 7 * 10 ** 12)])
+def test_budget_units(text, n):
+  got, unit = sizing.parse_bytes(text)
+  assert got == n and ("2^" in unit) == ("i" in text.lower())
+
+
+@pytest.mark.parametrize("text", ["80", "80 gigs", "-1GB", "0GiB", "GiB"])
+def test_bad_budgets_are_one_line_errors(text, capsys):
+  with pytest.raises(KvjaxError, match="--budget"):
+    sizing.parse_bytes(text)
+  rc = cli.main(["size", "--config", str(LLAMA3), "--seq-len", "1024", "--budget", text])
+  err = capsys.readouterr().err.strip()
+  assert rc == 2 and len(err.splitlines()) == 1 and "--budget" in err
+
+
+@pytest.mark.parametrize("budget,seq,codec,bpe", [("80GiB", 32768, "bf16", 2),
+                                                  ("80GB", 8192, "fp32", 4),
+                                                  ("40GiB", 131072, "bf16", 2)])
+def test_budget_matches_the_closed_form(capsys, budget, seq, codec, bpe):
+  res, _ = size(capsys, "--config", str(LLAMA3), "--seq-len", str(seq), "--batch", "8",
+                "--codec", codec, "--budget", budget)
+  b = res["budget"]
+  total = sizing.parse_bytes(budget)[0]
+  per_seq = 2 * L * K * D * seq * bpe + 4  # K and V, all layers; + the int32 length
+  assert b["weight_bytes"] == 2 * PARAMS and b["seq_bytes"] == per_seq
+  assert b["max_sequences"] == max((total - 2 * PARAMS) // per_seq, 0)
+  assert b["batch_fits"] == (2 * PARAMS + 8 * per_seq <= total)
+  assert b["max_sequences_by_codec"][codec] == b["max_sequences"]
+  assert b["max_sequences_by_codec"]["int4"] > b["max_sequences_by_codec"]["int8"] \
+      >= b["max_sequences_by_codec"]["bf16"]
+  assert "activations" in b["not_counted"]
+
+
+def test_budget_human_output_states_unit_and_what_is_counted(capsys):
+  rc = cli.main(["size", "--config", str(LLAMA3), "--seq-len", "32768", "--batch", "8",
+                 "--budget", "80GiB"])
+  out = capsys.readouterr().out
+  assert rc == 0
+  assert "85,899,345,920 bytes (GiB = 2^30 bytes" in out
+  assert "fits 16 concurrent sequences of 32768 tokens" in out  # (80 - 14.96) GiB / 4 GiB
+  assert "not counted: activations" in out
+  rc = cli.main(["size", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+                 "--seq-len", "64", "--budget", "1MB", "--json"])
+  b = json.loads(capsys.readouterr().out)["budget"]
+  assert b["weight_bytes"] is None and "weights (no model given" in b["not_counted"]
+  assert b["max_sequences"] == 10 ** 6 // (2 * 2 * 2 * 16 * 64 * 2 + 4)
+
+
+def test_help_describes_every_flag_and_lists_codecs_and_layouts(capsys):
+  from kvjax import cache, codecs
+  import kvjax.paged  # noqa: F401  (registers the paged layout)
+  assert set(cli.CODEC_NAMES) == set(codecs.CODECS)
+  assert set(cli.LAYOUT_NAMES) == set(cache.LAYOUTS)
+  parser = cli.build_parser()
+  size_parser = parser._subparsers._group_actions[0].choices["size"]
+  for action in size_parser._actions:
+    assert action.help, action.option_strings
+  with pytest.raises(SystemExit):
+    cli.build_parser().parse_args(["size", "--help"])
+  text = " ".join(capsys.readouterr().out.split())
+  for name in cli.CODEC_NAMES + cli.LAYOUT_NAMES:
+    assert name in text
+
+
+def test_size_into_a_closed_pipe_exits_quietly():
+  """`kvjax size ... | head -1`: a reader that has gone is not an error (deterministic: the
+  read end is closed before the command writes)."""
+  import os
+  r, w = os.pipe()
+  os.close(r)
+  proc = subprocess.Popen([sys.executable, "-m", "kvjax.cli", "size", "--config", str(LLAMA3),
+                           "--seq-len", "1024", "--budget", "80GiB"], stdout=w,
+                          stderr=subprocess.PIPE, text=True, cwd=ROOT)
+  os.close(w)
+  err = proc.communicate(timeout=120)[1]
+  assert "Broken pipe" not in err and "Traceback" not in err and "--out" not in err, err
+  assert proc.returncode == 0
+
+
+def test_budget_on_a_mesh_is_refused_in_one_line(capsys):
+  rc = cli.main(["size", "--config", str(LLAMA3), "--seq-len", "1024", "--budget", "80GiB",
+                 "--set", "mesh.model=8"])
+  err = capsys.readouterr().err.strip()
+  assert rc == 2 and len(err.splitlines()) == 1 and "--budget sizes one device" in err

@@ -3,7 +3,8 @@
 One cell = one model shape x batch. A random Llama checkpoint of the config's shape is
 built with transformers, saved as safetensors to a temporary folder and imported into
 kvjax with `kvjax.hf.load`, so both sides run the very same weights (the import path is
-part of what is measured). Peers, timed interleaved in one process (round-robin repeats,
+part of what is measured). With `params.gguf: FILE` both sides load that file's real
+weights instead (kvjax.gguf and transformers' GGUF reader, float32). Peers, timed interleaved in one process (round-robin repeats,
 medians; `kvjax.metrics.bench_interleaved`):
 
   kvjax       compiled prefill + `lax.scan` decode, contiguous cache (`cache.codec`), the
@@ -41,10 +42,12 @@ check that the same function was computed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import tempfile
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 
@@ -120,14 +123,48 @@ def build_checkpoint(cfg: config_lib.Config, folder: str):
   return model
 
 
+@functools.lru_cache(maxsize=1)
+def _gguf_models(path: str):
+  """A GGUF file's weights on both sides, loaded once per process (cells share them):
+  kvjax through `kvjax.gguf.load`, transformers through its own GGUF reader
+  (`from_pretrained(gguf_file=)`), each dequantizing to float32."""
+  import transformers
+
+  from kvjax import gguf
+
+  loaded, params = gguf.load(path)
+  p = Path(path)
+  model = transformers.AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name)
+  model.eval()
+  model.generation_config.eos_token_id = None
+  model.generation_config.pad_token_id = 0
+  return loaded, params, model
+
+
+def _models(cfg: config_lib.Config, folder: str):
+  """(transformers model, kvjax config, kvjax params): the real weights of `params.gguf`
+  when given, else a random checkpoint of cfg.model's shape (`build_checkpoint`)."""
+  path = cfg.param("gguf", "")
+  if not path:
+    hf_model = build_checkpoint(cfg, folder)
+    return (hf_model, *_kvjax_config(cfg, folder))
+  loaded, params, hf_model = _gguf_models(str(Path(path).expanduser()))
+  return hf_model, _with_model(cfg, loaded.model), params
+
+
+def _with_model(cfg: config_lib.Config, loaded: config_lib.ModelConfig) -> config_lib.Config:
+  """The experiment's config with an imported model's shape (its compute settings kept)."""
+  model = dataclasses.replace(loaded, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
+                              scan_unroll=cfg.model.scan_unroll)
+  return config_lib.validate(dataclasses.replace(cfg, model=model))
+
+
 def _kvjax_config(cfg: config_lib.Config, folder: str) -> tuple[config_lib.Config, dict]:
   """The imported model under the experiment's cache/workload settings."""
   from kvjax import hf
 
   loaded, params = hf.load(folder)
-  model = dataclasses.replace(loaded.model, dtype=cfg.model.dtype,
-                              param_dtype=cfg.model.param_dtype, scan_unroll=cfg.model.scan_unroll)
-  return config_lib.validate(dataclasses.replace(cfg, model=model)), params
+  return _with_model(cfg, loaded.model), params
 
 
 # -- timers ---------------------------------------------------------------------------------
@@ -315,8 +352,7 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
   peers = _peers(cfg)
   tokens, lengths = ex.prompts(cfg, w.batch, w.prompt_len)
   with tempfile.TemporaryDirectory() as folder, same_threads(int(cfg.param("threads", 0))) as n:
-    hf_model = build_checkpoint(cfg, folder)
-    kcfg, params = _kvjax_config(cfg, folder)
+    hf_model, kcfg, params = _models(cfg, folder)
     timers, cfgs = {}, {}
     filled = _filled(cfg)
     for peer in peers:

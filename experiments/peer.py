@@ -4,8 +4,8 @@ One cell = one model shape x batch. A random Llama checkpoint of the config's sh
 built with transformers, saved as safetensors to a temporary folder and imported into
 kvjax with `kvjax.hf.load`, so both sides run the very same weights (the import path is
 part of what is measured). With `params.gguf: FILE` both sides load that file's real
-weights instead (kvjax.gguf and transformers' GGUF reader, float32). Peers, timed interleaved in one process (round-robin repeats,
-medians; `kvjax.metrics.bench_interleaved`):
+weights instead (kvjax.gguf and transformers' GGUF reader, float32). Peers, timed
+interleaved in one process (round-robin repeats, medians; `kvjax.metrics.bench_interleaved`):
 
   kvjax       compiled prefill + `lax.scan` decode, contiguous cache (`cache.codec`), the
               default program: layers as one scan over per-layer weights, no weight

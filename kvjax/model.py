@@ -264,8 +264,8 @@ def unrolled(cfg: ModelConfig) -> bool:
 
 def split_layers(params):
   """The scanned layers' stacked weights as one tree per layer (`layers_0`, `layers_1`,
-  ...), the params `Transformer(layer_loop="switch" | "unrolled")` reads; params already split come back as
-  they are. A second copy of the layer weights: `decode.prepare_params` makes it once per
+  ...), the params `Transformer(layer_loop="switch" | "unrolled")` reads; params already
+  split come back as they are. A second copy of the layer weights: `decode.prepare_params` makes it once per
   model, where the nn.scan program slices (copies) its weights on every step."""
   if "layers" not in params:
     return params

@@ -3,17 +3,31 @@
 One cell = one model shape x batch. A random Llama checkpoint of the config's shape is
 built with transformers, saved as safetensors to a temporary folder and imported into
 kvjax with `kvjax.hf.load`, so both sides run the very same weights (the import path is
-part of what is measured). Peers, timed interleaved in one process (round-robin repeats,
-medians; `kvjax.metrics.bench_interleaved`):
+part of what is measured). With `params.gguf: FILE` both sides load that file's real
+weights instead (kvjax.gguf and transformers' GGUF reader, float32). Peers, timed
+interleaved in one process (round-robin repeats, medians; `kvjax.metrics.bench_interleaved`):
 
-  kvjax       compiled prefill + `lax.scan` decode, contiguous cache (`cache.codec`);
+  kvjax       compiled prefill + `lax.scan` decode, contiguous cache (`cache.codec`), the
+              default program: layers as one scan over per-layer weights, no weight
+              copied per step (`model.switched_layers`);
+  kvjax_nnscan  the same on stacked params: the nn.scan program that was the default
+              before, which copies every weight matrix out of the stack each step;
   kvjax_unrolled  the same with `model.scan_unroll = n_layers`: a Python layer loop over
-              weights split per layer once (faster at batch 1 while the weights stay in
-              the last-level cache, slower at batch 8; docs/architecture.md);
+              weights split per layer once (compile time grows with depth;
+              docs/architecture.md);
   dynamic     `model.generate` with transformers' DynamicCache (its default);
   static      `generate` with a preallocated StaticCache (reset outside the timed region);
   quanto      `generate` with QuantizedCache(backend="quanto", int4, residual 128), when
               optimum-quanto is installed (transformers' KIVI-style quantized cache).
+
+In cells whose `workload.prompt_len` is at least `params.fill_from` (the long-context rows;
+0 = never) no prompt is run: every peer starts from a cache that already holds
+`workload.prompt_len` tokens per sequence (zeros: speed does not
+depend on values; kvjax sets the cache's lengths as `experiments/roofline.py` does,
+transformers' DynamicCache/StaticCache get zero K/V through their `update`), and each peer
+decodes `gen_len - 1` greedy tokens from there. A prefill of 8 x 4k tokens would take
+minutes a repeat on a CPU. TTFT is then not measured (NaN), and quanto is left out of such
+cells (its cache cannot be filled that way).
 
 TTFT is the prefill plus the first greedy token; TPOT is the rest of the `gen_len` tokens
 divided by `gen_len - 1`. For transformers both come from one `generate` call: a
@@ -28,10 +42,12 @@ check that the same function was computed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import tempfile
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 
@@ -41,7 +57,7 @@ from kvjax import metrics
 from kvjax import model as model_lib
 from kvjax.errors import KvjaxError
 
-PEERS = ("kvjax", "kvjax_unrolled", "dynamic", "static", "quanto")
+PEERS = ("kvjax", "kvjax_nnscan", "kvjax_unrolled", "dynamic", "static", "quanto")
 
 
 def _peers(cfg: config_lib.Config) -> list[str]:
@@ -49,7 +65,13 @@ def _peers(cfg: config_lib.Config) -> list[str]:
   bad = [p for p in peers if p not in PEERS]
   if bad:
     raise KvjaxError(f"unknown peer '{bad[0]}' in params.peers; known: {', '.join(PEERS)}")
-  return peers
+  return [p for p in peers if not (p == "quanto" and _filled(cfg))]  # no way to fill it
+
+
+def _filled(cfg: config_lib.Config) -> bool:
+  """Start from a cache already holding the prompt's length of tokens (no prefill)?"""
+  fill_from = int(cfg.param("fill_from", 0))
+  return 0 < fill_from <= cfg.workload.prompt_len
 
 
 def check(cfg: config_lib.Config) -> None:
@@ -101,14 +123,48 @@ def build_checkpoint(cfg: config_lib.Config, folder: str):
   return model
 
 
+@functools.lru_cache(maxsize=1)
+def _gguf_models(path: str):
+  """A GGUF file's weights on both sides, loaded once per process (cells share them):
+  kvjax through `kvjax.gguf.load`, transformers through its own GGUF reader
+  (`from_pretrained(gguf_file=)`), each dequantizing to float32."""
+  import transformers
+
+  from kvjax import gguf
+
+  loaded, params = gguf.load(path)
+  p = Path(path)
+  model = transformers.AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name)
+  model.eval()
+  model.generation_config.eos_token_id = None
+  model.generation_config.pad_token_id = 0
+  return loaded, params, model
+
+
+def _models(cfg: config_lib.Config, folder: str):
+  """(transformers model, kvjax config, kvjax params): the real weights of `params.gguf`
+  when given, else a random checkpoint of cfg.model's shape (`build_checkpoint`)."""
+  path = cfg.param("gguf", "")
+  if not path:
+    hf_model = build_checkpoint(cfg, folder)
+    return (hf_model, *_kvjax_config(cfg, folder))
+  loaded, params, hf_model = _gguf_models(str(Path(path).expanduser()))
+  return hf_model, _with_model(cfg, loaded.model), params
+
+
+def _with_model(cfg: config_lib.Config, loaded: config_lib.ModelConfig) -> config_lib.Config:
+  """The experiment's config with an imported model's shape (its compute settings kept)."""
+  model = dataclasses.replace(loaded, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
+                              scan_unroll=cfg.model.scan_unroll)
+  return config_lib.validate(dataclasses.replace(cfg, model=model))
+
+
 def _kvjax_config(cfg: config_lib.Config, folder: str) -> tuple[config_lib.Config, dict]:
   """The imported model under the experiment's cache/workload settings."""
   from kvjax import hf
 
   loaded, params = hf.load(folder)
-  model = dataclasses.replace(loaded.model, dtype=cfg.model.dtype,
-                              param_dtype=cfg.model.param_dtype, scan_unroll=cfg.model.scan_unroll)
-  return config_lib.validate(dataclasses.replace(cfg, model=model)), params
+  return _with_model(cfg, loaded.model), params
 
 
 # -- timers ---------------------------------------------------------------------------------
@@ -197,6 +253,80 @@ def _torch_cache_bytes(cache) -> int | None:
   return total or None
 
 
+class KvjaxFilledTimer:
+  """Decode of `steps` greedy tokens from a cache already holding `context` tokens per
+  sequence (roofline.FilledDecode), with the `once()` interface: (nan, tpot_s)."""
+
+  def __init__(self, cfg, params, batch: int, context: int, steps: int, prepare: bool = True):
+    from experiments import roofline
+
+    t0 = time.perf_counter()
+    self._dec = roofline.FilledDecode(cfg, params, batch, context, steps, context + steps + 1,
+                                      prepare=prepare)
+    self.compile_s = time.perf_counter() - t0
+    self.cache_bytes = None
+
+  def once(self) -> tuple[float, float]:
+    return float("nan"), self._dec.once()
+
+  def greedy_tokens(self) -> np.ndarray:
+    d = self._dec
+    toks, _ = d._dec(d.params, d._fresh(), d._tok, d._key)
+    return np.concatenate([np.zeros((d.B, 1), np.int32), np.asarray(toks)], axis=1)
+
+
+class HFFilledTimer:
+  """transformers' decode loop (`model(...)` with `past_key_values`, greedy, one token a
+  step, as `generate` runs it) from a DynamicCache or StaticCache already holding `context`
+  zero tokens per sequence: (nan, tpot_s). The first input token is 0, as kvjax's."""
+
+  def __init__(self, model, batch: int, context: int, steps: int, kind: str):
+    import torch
+    from transformers import DynamicCache, StaticCache
+
+    self.model, self.B, self.context, self.steps, self.kind = model, batch, context, steps, kind
+    c = model.config
+    self._kv = torch.zeros(batch, c.num_key_value_heads, context, c.head_dim)
+    if kind == "dynamic":
+      self.cache = DynamicCache(config=c)
+    else:
+      self.cache = StaticCache(config=c, max_cache_len=context + steps + 1)
+    self._fill()
+    self.cache_bytes = None
+    self.tokens = None
+    t0 = time.perf_counter()
+    self.once()
+    self.compile_s = time.perf_counter() - t0
+
+  def _fill(self):
+    for layer in range(self.model.config.num_hidden_layers):
+      self.cache.update(self._kv, self._kv, layer)
+
+  def once(self) -> tuple[float, float]:
+    import torch
+
+    # Back to the filled context, outside the timed region.
+    extra = self.cache.get_seq_length() - self.context
+    if self.kind == "dynamic" and extra > 0:
+      self.cache.crop(-extra)
+    elif extra > 0:
+      self.cache.reset()
+      self._fill()
+    tok = torch.zeros(self.B, 1, dtype=torch.long)
+    out = [tok]
+    with torch.inference_mode():
+      t0 = time.perf_counter()
+      for i in range(self.steps):
+        pos = torch.tensor([self.context + i])
+        logits = self.model(tok, past_key_values=self.cache, cache_position=pos,
+                            use_cache=True).logits
+        tok = logits[:, -1].argmax(-1, keepdim=True)
+        out.append(tok)
+      t1 = time.perf_counter()
+    self.tokens = torch.cat(out, 1).numpy()
+    return float("nan"), (t1 - t0) / self.steps
+
+
 # -- threads ---------------------------------------------------------------------------------
 @contextmanager
 def same_threads(n: int):
@@ -222,20 +352,27 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
   peers = _peers(cfg)
   tokens, lengths = ex.prompts(cfg, w.batch, w.prompt_len)
   with tempfile.TemporaryDirectory() as folder, same_threads(int(cfg.param("threads", 0))) as n:
-    hf_model = build_checkpoint(cfg, folder)
-    kcfg, params = _kvjax_config(cfg, folder)
+    hf_model, kcfg, params = _models(cfg, folder)
     timers, cfgs = {}, {}
+    filled = _filled(cfg)
     for peer in peers:
       if peer.startswith("kvjax"):
-        pcfg = kcfg if peer == "kvjax" else config_lib.replace(
+        pcfg = kcfg if peer != "kvjax_unrolled" else config_lib.replace(
             kcfg, **{"model.scan_unroll": kcfg.model.n_layers})
         cfgs[peer] = pcfg
-        timers[peer] = KvjaxTimer(pcfg, params, tokens, lengths, steps=w.gen_len - 1,
-                                  capacity=w.prompt_len + w.gen_len)
+        prepare = peer != "kvjax_nnscan"  # stacked params run the nn.scan program
+        timers[peer] = (KvjaxFilledTimer(pcfg, params, w.batch, w.prompt_len, w.gen_len - 1,
+                                         prepare=prepare)
+                        if filled else
+                        KvjaxTimer(pcfg, params, tokens, lengths, steps=w.gen_len - 1,
+                                   capacity=w.prompt_len + w.gen_len, prepare=prepare))
+      elif filled:
+        timers[peer] = HFFilledTimer(hf_model, w.batch, w.prompt_len, w.gen_len - 1, peer)
       else:
         timers[peer] = HFTimer(hf_model, tokens, w.gen_len, peer)
     results = metrics.bench_interleaved(timers, repeats=w.repeats)
     ours = (timers["kvjax"] if "kvjax" in timers else
+            KvjaxFilledTimer(kcfg, params, w.batch, w.prompt_len, w.gen_len - 1) if filled else
             KvjaxTimer(kcfg, params, tokens, lengths, steps=w.gen_len - 1)).greedy_tokens()
     theirs = {p: (t.greedy_tokens() if p.startswith("kvjax") else t.tokens)
               for p, t in timers.items() if p != "kvjax"}
@@ -248,15 +385,15 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
     m["tokens_per_s"] = w.batch / m["tpot_s"]
     if base:
       m["tpot_vs_kvjax"] = m["tpot_s"] / base
-      m["ttft_vs_kvjax"] = m["ttft_s"] / results["kvjax"]["ttft_s"]
+      m["ttft_vs_kvjax"] = m["ttft_s"] / results["kvjax"]["ttft_s"]  # NaN when filled
     if peer != "kvjax":
       m["agreement"] = float(np.mean(theirs[peer] == ours))
       m["first_mismatch"] = _first_mismatch(theirs[peer], ours)
     rows.append({
         "variant": ex.variant(cfgs.get(peer, kcfg), peer=peer, cache_kind=_cache_kind(peer, kcfg),
-                              **_impl(cfgs.get(peer))),
+                              **_impl(cfgs.get(peer), peer == "kvjax_nnscan")),
         "workload": {"batch": w.batch, "prompt_len": w.prompt_len, "gen_len": w.gen_len,
-                     "context": w.prompt_len + w.gen_len, "threads": n,
+                     "context": w.prompt_len + w.gen_len, "threads": n, "filled": filled,
                      "torch_threads": torch_threads, "params_m": _param_count(hf_model) / 1e6},
         "metrics": m,
     })
@@ -278,12 +415,14 @@ def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int:
   return int(diff[0]) if diff.size else int(a.shape[1])
 
 
-def _impl(kvjax_cfg: config_lib.Config | None) -> dict:
-  """Which framework ran a row, and for kvjax whether its layers were scanned or unrolled."""
+def _impl(kvjax_cfg: config_lib.Config | None, nnscan: bool = False) -> dict:
+  """Which framework ran a row, and for kvjax how its layers ran: the switched scan (the
+  default), nn.scan over stacked params, or unrolled."""
   if kvjax_cfg is None:
     return {"impl": "transformers"}
-  return {"impl": "kvjax",
-          "layers": "unrolled" if model_lib.unrolled(kvjax_cfg.model) else "scanned"}
+  if model_lib.unrolled(kvjax_cfg.model):
+    return {"impl": "kvjax", "layers": "unrolled"}
+  return {"impl": "kvjax", "layers": "nn.scan" if nnscan else "switched"}
 
 
 def _cache_kind(peer: str, cfg: config_lib.Config) -> str:

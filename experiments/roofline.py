@@ -74,8 +74,11 @@ def step_bytes(cfg: config_lib.Config, params, batch: int, live: float) -> dict:
 class FilledDecode:
   """Compiled decode of `steps` tokens from a cache that already holds `context` tokens."""
 
-  def __init__(self, cfg, params, batch: int, context: int, steps: int, cap: int):
-    self.cfg, self.params, self.steps = cfg, decode.prepare_params(cfg, params), steps
+  def __init__(self, cfg, params, batch: int, context: int, steps: int, cap: int,
+               prepare: bool = True):
+    """`prepare=False` runs the params as given (stacked: the nn.scan program)."""
+    self.cfg, self.steps = cfg, steps
+    self.params = decode.prepare_params(cfg, params) if prepare else params
     self.B, self.context, self.cap = batch, context, cap
     self._key = jax.random.PRNGKey(cfg.seed)
     self._tok = jnp.zeros((batch,), jnp.int32)

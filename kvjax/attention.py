@@ -93,6 +93,25 @@ def _attend_segment(q_BKGTD, seg, state):
   return jax.lax.fori_loop(0, n, block, state)
 
 
+# Queries of a prompt attended together to the prompt's own tokens. Keys beyond a block's
+# last query are skipped, which assumes that within one call the valid positions of a row
+# increase with the token index (prefill, engine chunks, recompute and training all place
+# token t at position start + t, padding at -1). The [B, K, G, T, T] logits of a whole
+# prompt, and the several passes over them (mask, max, exp, sum), were the bulk of prefill:
+# 67 MB per intermediate at batch 8 x 512 tokens, GQA-2 (docs/architecture.md).
+NEW_BLOCK = 128
+
+
+def _new_tokens(q_BKGTD, k_BKUD, v_BKUD, pos_q_BT, pos_k_BU):
+  """Logits, mask and value read of queries against this call's own keys (causal)."""
+  f32 = jnp.float32
+  l_new = jnp.einsum("bkgtd,bkud->bkgtu", q_BKGTD, k_BKUD, preferred_element_type=f32)
+  causal_BTU = (pos_k_BU[:, None, :] <= pos_q_BT[:, :, None]) & (pos_k_BU[:, None, :] >= 0)
+  pv_new = lambda p: jnp.einsum("bkgtu,bkud->bkgtd", p.astype(v_BKUD.dtype), v_BKUD,  # noqa
+                                preferred_element_type=f32)
+  return l_new, causal_BTU[:, None, None], pv_new
+
+
 def grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments,
             attend_segment=None) -> jax.Array:
   """Grouped-query attention over stored segments + the new tokens. Returns [B, T, H, D].
@@ -110,15 +129,18 @@ def grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments,
            jnp.zeros((B, K, G, T, D), f32))
   for seg in segments:
     state = (attend_segment or _attend_segment)(q_BKGTD, seg, state)
-  # The new tokens: causal by position; padding (position -1) is never a key.
-  l_new = jnp.einsum("bkgtd,bkud->bkgtu", q_BKGTD, k_BKTD, preferred_element_type=f32)
-  causal_BTU = (positions_BT[:, None, :] <= positions_BT[:, :, None]) & \
-      (positions_BT[:, None, :] >= 0)
-  pv_new = lambda p: jnp.einsum("bkgtu,bkud->bkgtd", p.astype(v_BKTD.dtype), v_BKTD,  # noqa
-                                preferred_element_type=f32)
-  _, s, acc = _update(state, l_new, causal_BTU[:, None, None], pv_new)
-  # Padding queries see no key at all (s = 0): they read 0, never NaN.
-  out_BKGTD = acc / jnp.where(s > 0, s, 1.0)[..., None]
+  # The new tokens: causal by position; padding (position -1) is never a key. A prompt is
+  # read NEW_BLOCK queries at a time, each block against the keys up to its own end only.
+  outs = []
+  for t0 in range(0, T, NEW_BLOCK):
+    t1 = min(T, t0 + NEW_BLOCK)
+    st = jax.tree.map(lambda a: a[:, :, :, t0:t1], state)  # noqa: B023
+    _, s, acc = _update(st, *_new_tokens(q_BKGTD[:, :, :, t0:t1], k_BKTD[:, :, :t1],
+                                         v_BKTD[:, :, :t1], positions_BT[:, t0:t1],
+                                         positions_BT[:, :t1]))
+    # Padding queries see no key at all (s = 0): they read 0, never NaN.
+    outs.append(acc / jnp.where(s > 0, s, 1.0)[..., None])
+  out_BKGTD = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
   return out_BKGTD.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(q_BTHD.dtype)
 
 

@@ -68,16 +68,32 @@ class LoopState:
 
 
 def prepare_params(cfg: Config, params):
-  """Params as the compiled programs want them: split per layer once, here, when the
-  layers run unrolled (`model.unrolled`), so no call pays for the split."""
-  return jax.jit(model_lib.split_layers)(params) if model_lib.unrolled(cfg.model) else params
+  """Params as the compiled programs want them: split per layer once, here
+  (`model.split_layers`), so that no call pays for the split and no step copies a weight
+  (`model.switched_layers`, or the unrolled loop when `model.unrolled`), and stored in
+  `model.param_dtype` whatever their source (an imported checkpoint keeps its own dtype
+  until here). A second copy of the layer weights for as long as the caller also keeps
+  the stacked ones; params already split and in that dtype come back as they are."""
+  dtype = jnp.dtype(cfg.model.param_dtype)
+
+  def cast(a):
+    return a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a
+
+  if "layers" not in params and all(a.dtype == dtype for a in jax.tree.leaves(params)
+                                    if jnp.issubdtype(a.dtype, jnp.floating)):
+    return params
+  return jax.jit(lambda p: jax.tree.map(cast, model_lib.split_layers(p)))(params)
 
 
 def network(cfg: Config, params, **kw) -> tuple[Transformer, Any]:
-  """The network for these params: split ones (no stacked `layers`) run the unrolled layer
-  loop; stacked ones are split here, inside the program, when `model.unrolled`."""
-  if "layers" not in params or model_lib.unrolled(cfg.model):
-    return Transformer(cfg.model, unstacked=True, **kw), model_lib.split_layers(params)
+  """The network for these params. Split ones (`prepare_params`) run the switched layer
+  scan (the default) or, when `model.unrolled`, the unrolled loop. Stacked ones run the
+  nn.scan program, which copies every weight matrix on every step (kept as the reference
+  the others are tested against), or are split here, inside the program, when unrolled."""
+  if model_lib.unrolled(cfg.model):
+    return Transformer(cfg.model, layer_loop="unrolled", **kw), model_lib.split_layers(params)
+  if "layers" not in params:
+    return Transformer(cfg.model, layer_loop="switch", **kw), params
   return Transformer(cfg.model, **kw), params
 
 

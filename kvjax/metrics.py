@@ -92,7 +92,8 @@ class DecodeTimer:
   turn (`bench_interleaved`) so that A-vs-B ratios share the same machine noise.
   """
 
-  def __init__(self, cfg, params, tokens_BT, lengths_B, steps: int, capacity: int = 0):
+  def __init__(self, cfg, params, tokens_BT, lengths_B, steps: int, capacity: int = 0,
+               prepare: bool = True):
     from kvjax import cache as cache_lib, decode  # decode imports the model; keep it lazy
 
     self.steps = max(int(steps), 1)
@@ -108,7 +109,8 @@ class DecodeTimer:
       tokens_BT, lengths_B = sharding.put_batch(tokens_BT, mesh), sharding.put_batch(lengths_B, mesh)
       self._fresh = lambda: jax.block_until_ready(
           sharding.init_cache(cfg, B, self.capacity, mesh))
-    params = decode.prepare_params(cfg, params)
+    if prepare:  # False: the params as given (stacked ones run the nn.scan program)
+      params = decode.prepare_params(cfg, params)
     self._args = (params, tokens_BT, lengths_B)
     t0 = time.perf_counter()
     self._pre = decode.prefill.lower(params, tokens_BT, lengths_B, self._fresh(), self._key,

@@ -104,8 +104,9 @@ def test_unrolled_decode_writes_the_cache_in_place(case):
 
 
 def test_split_params_run_either_way():
-  """Params already split per layer (`decode.prepare_params`) run the unrolled program
-  whatever `model.scan_unroll` says, and splitting twice changes nothing."""
+  """Params already split per layer (`decode.prepare_params`, whatever `model.scan_unroll`
+  says) run the default switched scan to the same tokens, and splitting twice changes
+  nothing."""
   cfg = tiny_config(**{"model.n_kv_heads": 2})
   params = tiny_params(cfg)
   split = decode.prepare_params(config_lib.replace(cfg, **{"model.scan_unroll": 2}), params)

@@ -59,6 +59,36 @@ def test_blockwise_attention_equals_reference(H, K, codec, monkeypatch):
       assert np.all(np.isfinite(np.asarray(got)))  # padding queries read 0, never NaN
 
 
+@pytest.mark.parametrize("T", [11, 12])
+def test_prompt_query_blocks_equal_reference(T, monkeypatch):
+  """A prompt read in query blocks of 4 (the last one short when T = 11), each against the
+  keys up to its own end, after a stored segment, ragged rows (right padding): the plain
+  attention's output. And the whole model's prompt logits equal one block's."""
+  monkeypatch.setattr(attention, "NEW_BLOCK", 4)
+  rng = np.random.default_rng(T)
+  B, H, K, D, S = 3, 4, 2, 8, 10
+  lengths_B = jnp.asarray([0, 7, 10], jnp.int32)
+  k, v = (jnp.asarray(rng.standard_normal((B, K, S, D)), jnp.float32) for _ in range(2))
+  q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32) * 3
+  kn, vn = (jnp.asarray(rng.standard_normal((B, T, K, D)), jnp.float32) for _ in range(2))
+  t = jnp.arange(T)[None]
+  pos = jnp.where(t < jnp.array([T, 5, 1])[:, None], lengths_B[:, None] + t, -1)
+  seg = segment("bf16", k, v, lengths_B)
+  got = jax.jit(lambda q, kn, vn, pos, k, v, n: attention.grouped(
+      q, kn, vn, pos, [segment("bf16", k, v, n)]))(q, kn, vn, pos, k, v, lengths_B)
+  want = attention.reference(q, kn, vn, pos, [seg])
+  valid = np.asarray(pos >= 0)[:, :, None, None]
+  np.testing.assert_allclose(np.where(valid, got, 0), np.where(valid, want, 0), atol=2e-5,
+                             rtol=1e-5)
+  cfg, params = tiny(2, "fp32")
+  tokens = jnp.asarray(rng.integers(0, 260, (B, T)), jnp.int32)
+  blocked, _ = model.Transformer(cfg.model).apply({"params": params}, tokens, pos)
+  monkeypatch.setattr(attention, "NEW_BLOCK", T)
+  whole, _ = model.Transformer(cfg.model).apply({"params": params}, tokens, pos)
+  np.testing.assert_allclose(np.where(valid[..., 0], blocked, 0), np.where(valid[..., 0], whole, 0),
+                             atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("codec, planes", [("int4", 2), ("int2", 4), ("int4", 1)])
 def test_plane_wise_packed_reads_equal_reference(codec, planes, monkeypatch):
   """Packed codes read one bit plane at a time (`PLANE_MIN` lowered so the tiny head_dim
@@ -244,3 +274,109 @@ def test_roofline_refuses_a_bad_bandwidth_size(mib):
   with pytest.raises(KvjaxError, match="bandwidth_mib") as err:
     roofline.check(cfg)
   assert "\n" not in str(err.value)
+
+
+# -- the default layer loop: no weight copied per step ------------------------------------------
+NOCOPY = {"model.vocab_size": 96, "model.d_model": 48, "model.n_heads": 4, "model.head_dim": 12,
+          "model.n_layers": 3, "model.d_ff": 80}
+
+
+def _program(cfg, params, B=2, S=24):
+  """Compiled decode (4 steps) for these params: its HLO text and temporary bytes."""
+  cache = cache_lib.init_cache(cfg, B, S)
+  comp = decode.decode.lower(params, cache, jnp.zeros((B,), jnp.int32), jax.random.PRNGKey(0),
+                             cfg=cfg, sampler=decode.Sampler(), steps=4).compile()
+  return comp.as_text(), comp.memory_analysis().temp_size_in_bytes
+
+
+def _weight_copies(hlo: str, params) -> list[str]:
+  """Instructions whose result has the shape of one layer's weight matrix: a dot reads its
+  weight where the params lie, so any such buffer is a copy (a slice out of the stack)."""
+  shapes = {"f32[" + ",".join(map(str, a.shape[1:])) + "]"
+            for a in jax.tree.leaves(params["layers"]) if a.ndim == 3}
+  return [ln for ln in hlo.splitlines()
+          if "=" in ln and ln.split("=", 1)[1].split()[0].split("{")[0] in shapes
+          and not any(op in ln for op in (" parameter(", " get-tuple-element(", " tuple("))]
+
+
+@pytest.mark.parametrize("over", [{"model.n_kv_heads": 2},
+                                  {"model.n_kv_heads": 1, "cache.codec": "int8"},
+                                  {"model.n_kv_heads": 4, "cache.layout": "paged",
+                                   "cache.page_size": 8, "cache.codec": "bf16"}],
+                         ids=["gqa-fp32", "mqa-int8", "mha-paged-bf16"])
+def test_default_decode_step_copies_no_weight(over):
+  """The compiled default decode (params from `decode.prepare_params`) holds no buffer of a
+  weight matrix's shape and fewer temporary bytes than one layer's weights; the nn.scan
+  program on stacked params copies every matrix each step (the check's positive control)."""
+  cfg = config.load(None, {**NOCOPY, **over})
+  params = model.init_params(cfg.model, 0)
+  layer_bytes = sum(a[0].nbytes for a in jax.tree.leaves(params["layers"]) if a.ndim == 3)
+  hlo, temp = _program(cfg, decode.prepare_params(cfg, params))
+  assert _weight_copies(hlo, params) == [] and temp < layer_bytes
+  assert " conditional(" in hlo  # the switched layer loop
+  old_hlo, old_temp = _program(cfg, params)
+  assert len(_weight_copies(old_hlo, params)) >= 7 and old_temp > layer_bytes
+
+
+PROGRAM_CASES = {
+    "mha-fp32": {"model.n_kv_heads": 4},
+    "gqa-bf16": {"model.n_kv_heads": 2, "cache.codec": "bf16"},
+    "mqa-int8": {"model.n_kv_heads": 1, "cache.codec": "int8"},
+    "gqa-int4": {"model.n_kv_heads": 2, "cache.codec": "int4"},
+    "gqa-fp8": {"model.n_kv_heads": 2, "cache.codec": "fp8_e4m3"},
+    "gqa-k8v4": {"model.n_kv_heads": 2, "cache.k_codec": "int8", "cache.v_codec": "int4"},
+    "gqa-kivi-window": {"model.n_kv_heads": 2, "cache.codec": "int4", "cache.k_axis": "channel",
+                        "cache.group_size": 4, "cache.residual": 4},
+    "mqa-paged-int4": {"model.n_kv_heads": 1, "cache.layout": "paged", "cache.page_size": 4,
+                       "cache.codec": "int4"},
+    "mha-paged-bf16": {"model.n_kv_heads": 4, "cache.layout": "paged", "cache.page_size": 8,
+                       "cache.codec": "bf16"},
+    "gqa-none": {"model.n_kv_heads": 2, "cache.layout": "none"},
+}
+
+
+def _tokens_and_cache(cfg, params, prompts, n):
+  """Prefill + decode through the compiled programs with these params as given."""
+  tokens, lengths = decode.pad_prompts(prompts)
+  sampler, key = decode.Sampler(), jax.random.PRNGKey(0)
+  cache = cache_lib.init_cache(cfg, len(prompts), tokens.shape[1] + n)
+  tok, _, cache = decode.prefill(params, tokens, lengths, cache, key, cfg=cfg, sampler=sampler)
+  rest, cache = decode.decode(params, cache, tok, key, cfg=cfg, sampler=sampler, steps=n - 1)
+  return np.concatenate([np.asarray(tok)[:, None], np.asarray(rest)], 1), cache
+
+
+@pytest.mark.parametrize("case", sorted(PROGRAM_CASES))
+def test_default_program_equals_previous_program(case):
+  """The switched layer loop (split params, the default) gives the nn.scan program's greedy
+  tokens and final cache, for MHA/GQA/MQA x codecs x layouts; and the none layout's tokens
+  (the full forward pass over the prefix at every step)."""
+  cfg = config.load(None, {**NOCOPY, **PROGRAM_CASES[case]})
+  params = model.init_params(cfg.model, 1)
+  prompts = [[3, 14, 15, 9, 2, 6, 5, 3, 5], [5, 35]]
+  new, c_new = _tokens_and_cache(cfg, decode.prepare_params(cfg, params), prompts, 10)
+  old, c_old = _tokens_and_cache(cfg, params, prompts, 10)
+  np.testing.assert_array_equal(new, old)
+  for x, y in zip(jax.tree.leaves(c_new), jax.tree.leaves(c_old), strict=True):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    else:
+      np.testing.assert_array_equal(x, y)
+  if cfg.cache.k_codec == cfg.cache.v_codec == "fp32":
+    ref, _ = _tokens_and_cache(config.replace(cfg, **{"cache.layout": "none"}), params,
+                               prompts, 10)
+    np.testing.assert_array_equal(new, ref)
+
+
+def test_bf16_weights_from_fp32_params_end_to_end():
+  """`model.param_dtype: bfloat16` holds for params from any source: `prepare_params` casts
+  fp32 ones (an imported checkpoint) once, the switched program reads bf16 weights, and its
+  tokens equal the full forward pass over the same bf16 weights (layout none)."""
+  cfg = config.load(None, {**NOCOPY, "model.n_kv_heads": 2, "model.param_dtype": "bfloat16"})
+  fp32 = model.init_params(config.replace(cfg, **{"model.param_dtype": "float32"}).model, 2)
+  prepared = decode.prepare_params(cfg, fp32)
+  assert {a.dtype for a in jax.tree.leaves(prepared)} == {jnp.dtype(jnp.bfloat16)}
+  assert decode.prepare_params(cfg, prepared) is prepared
+  prompts = [[3, 14, 15, 9, 2, 6], [5, 35]]
+  got = decode.generate(cfg, fp32, prompts, 8, timed=False)["tokens"]
+  ref_cfg = config.replace(cfg, **{"cache.layout": "none"})
+  assert got == decode.generate(ref_cfg, fp32, prompts, 8, timed=False)["tokens"]

@@ -1,0 +1,112 @@
+"""Decode step time and compile time of the three layer loops at one shape, in one process,
+interleaved (medians over repeats; compile excluded from the step times):
+
+  switched  the default: per-layer weights, projections picked by lax.switch (no copy);
+  nnscan    nn.scan over stacked params (the default before issue 16: copies every
+            weight matrix each step);
+  unrolled  a Python layer loop (model.scan_unroll = n_layers).
+
+The cache is filled to `--context` tokens by length (zeros: speed does not depend on
+values), so no prefill is timed. Each program's compiled temporary bytes are reported
+too (the copies show there). Extra `--set key=value` overrides apply to every program
+(e.g. model.param_dtype=bfloat16); `--variant label:key=value,...` adds a switched
+program with its own overrides.
+
+    python scripts/bench_layer_loop.py [--config configs/models/smollm2-135m.yaml]
+        [--batch 1] [--context 128] [--steps 16] [--repeats 7] [--programs switched,nnscan,unrolled]
+        [--set KEY=VALUE ...] [--variant LABEL:KEY=VALUE,...] [--out FILE.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import cache as cache_lib
+from kvjax import config as config_lib
+from kvjax import decode, metrics, model
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--config", default="configs/models/smollm2-135m.yaml")
+  ap.add_argument("--batch", type=int, default=1)
+  ap.add_argument("--context", type=int, default=128)
+  ap.add_argument("--steps", type=int, default=16)
+  ap.add_argument("--repeats", type=int, default=7)
+  ap.add_argument("--programs", default="switched,nnscan,unrolled")
+  ap.add_argument("--set", action="append", default=[], dest="overrides")
+  ap.add_argument("--variant", action="append", default=[])
+  ap.add_argument("--out", default="")
+  a = ap.parse_args()
+  base = config_lib.load(a.config, a.overrides)
+  B, steps = a.batch, a.steps
+  sampler, key, tok = decode.Sampler(), jax.random.PRNGKey(0), jnp.zeros((B,), jnp.int32)
+
+  plans = [(p, p, {}) for p in a.programs.split(",") if p]
+  for v in a.variant:
+    label, _, over = v.partition(":")
+    plans.append((label, "switched", dict(kv.split("=", 1) for kv in over.split(",") if kv)))
+
+  params_by_dtype, progs = {}, {}
+  for label, kind, over in plans:
+    if kind == "unrolled":
+      over = {**over, "model.scan_unroll": base.model.n_layers}
+    cfg = config_lib.apply_overrides(base, over) if over else base
+    if cfg.model not in params_by_dtype:
+      params_by_dtype[cfg.model] = model.init_params(cfg.model, 0)
+    stacked = params_by_dtype[cfg.model]
+    params = stacked if kind == "nnscan" else decode.prepare_params(cfg, stacked)
+
+    def fresh(cfg=cfg):
+      c = cache_lib.init_cache(cfg, B, a.context + steps + 1)
+      return jax.block_until_ready(
+          dataclasses.replace(c, lengths=jnp.full((B,), a.context, jnp.int32)))
+
+    t0 = time.perf_counter()
+    comp = decode.decode.lower(params, fresh(), tok, key, cfg=cfg, sampler=sampler,
+                               steps=steps).compile()
+    compile_s = time.perf_counter() - t0
+    temp = comp.memory_analysis().temp_size_in_bytes
+    first = np.asarray(comp(params, fresh(), tok, key)[0])
+    progs[label] = (comp, params, fresh, compile_s, temp, first)
+
+  times = {label: [] for label in progs}
+  for _ in range(a.repeats):
+    for label, (comp, params, fresh, *_rest) in progs.items():
+      c = fresh()
+      t0 = time.perf_counter()
+      jax.block_until_ready(comp(params, c, tok, key))
+      times[label].append((time.perf_counter() - t0) / steps)
+
+  first_label = next(iter(progs))
+  ref = float(np.median(times[first_label]))
+  env = metrics.environment()
+  rows = []
+  for label, (_, _, _, compile_s, temp, first) in progs.items():
+    t = metrics.summarize(times[label])
+    row = {"bench": "layer_loop", "program": label, "config": a.config,
+           "overrides": a.overrides, "batch": B, "context": a.context, "steps": steps,
+           "tpot_s": t["median"], "tpot_s_iqr": t["iqr"], "repeats": t["n"],
+           "vs_first": t["median"] / ref, "compile_s": compile_s, "temp_bytes": temp,
+           "same_tokens_as_first": bool((first == progs[first_label][5]).all()),
+           "cores": len(os.sched_getaffinity(0)), "env": env}
+    rows.append(row)
+    print(f"{label:>10}  {t['median'] * 1e3:8.2f} ms/step (IQR {t['iqr'] * 1e3:.2f})  "
+          f"x{row['vs_first']:.2f}  compile {compile_s:5.1f} s  temp {temp / 1e6:7.2f} MB  "
+          f"same tokens: {row['same_tokens_as_first']}")
+  if a.out:
+    with open(a.out, "a") as f:
+      for row in rows:
+        f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+  main()

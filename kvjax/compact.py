@@ -186,7 +186,7 @@ def prefill(params, tokens_BT, lengths_B, cache, key, *, cfg, sampler):
   positions_BT = jnp.where(t < lengths_B[:, None], cache.lengths[:, None] + t, -1)
   m = cfg.model
   if pol.needs_queries or "layers" not in params or model_lib.unrolled(m):
-    model, p = Transformer(m, logits_last=True, unstacked=True), model_lib.split_layers(params)
+    model, p = Transformer(m, logits_last=True, layer_loop="unrolled"), model_lib.split_layers(params)
   else:
     model, p = Transformer(m, logits_last=True), params
   q_LBTHD = None

@@ -170,7 +170,7 @@ def masked_reference(cfg, params, keep, prompts=PROMPTS, cont=CONT):
   attention.ATTENTIONS["test_masked"] = attn
   try:
     ref_cfg = tiny_config(**{"model.n_kv_heads": K, "model.attention": "test_masked"})
-    model = model_lib.Transformer(ref_cfg.model, unstacked=True)
+    model = model_lib.Transformer(ref_cfg.model, layer_loop="unrolled")
     logits, _ = model.apply({"params": model_lib.split_layers(params)}, jnp.asarray(tokens),
                             jnp.asarray(positions))
   finally:

@@ -358,7 +358,9 @@ _RANGES = {
     "model.vocab_size": _POS, "model.d_model": _POS, "model.n_layers": _POS,
     "model.n_heads": _POS, "model.n_kv_heads": _POS, "model.head_dim": _NONNEG,
     "model.d_ff": _NONNEG, "model.rope_theta": _POS, "model.norm_eps": _POS,
-    "model.scan_unroll": _POS, "model.max_seq_len": _POS,
+    "model.scan_unroll": _POS, "model.max_seq_len": _POS, "model.latent_rank": _NONNEG,
+    "cache.budget": _NONNEG, "cache.ratio": (0, True, 1, True), "cache.sinks": _NONNEG,
+    "cache.window": _NONNEG,
     "cache.capacity": _NONNEG, "cache.group_size": _NONNEG, "cache.residual": _NONNEG,
     "cache.page_size": _POS, "cache.num_pages": _NONNEG,
     "workload.batch": _POS, "workload.prompt_len": _POS, "workload.gen_len": _NONNEG,
@@ -377,6 +379,10 @@ _RANGES = {
 _DEFAULT_HINT = {"model.head_dim": " (0 picks d_model // n_heads)",
                  "model.d_ff": " (0 picks the Llama rule)",
                  "cache.capacity": " (0 means prompt + new tokens)",
+                 "cache.ratio": " (the fraction of each prompt a policy keeps; 0 means "
+                                "cache.budget sizes the cache)",
+                 "cache.budget": " (0 means cache.ratio or no eviction)",
+                 "model.latent_rank": " (0 means no latent cache)",
                  "workload.temperature": " (0 means greedy)",
                  "workload.top_k": " (0 means no top-k cut)",
                  "workload.eos_id": " (-1 means no stop token)"}

@@ -273,8 +273,8 @@ def test_ratio_budgets_per_ragged_row():
 # -- bad input -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("over,needle", [
     ({"cache.policy": "sinks", "cache.budget": 4, "cache.sinks": 4}, "must exceed cache.sinks"),
-    ({"cache.policy": "window", "cache.ratio": 1.5}, "outside (0, 1]"),
-    ({"cache.policy": "window", "cache.ratio": -0.5}, "outside (0, 1]"),
+    ({"cache.policy": "window", "cache.ratio": 1.5}, "cache.ratio must be a finite number in [0, 1]"),
+    ({"cache.policy": "window", "cache.ratio": -0.5}, "cache.ratio must be a finite number in [0, 1]"),
     ({"cache.policy": "knorm", "cache.budget": 8, "cache.layout": "paged"},
      "cache.layout=contiguous"),
     ({"cache.policy": "knorm", "cache.budget": 8, "cache.layout": "none"},

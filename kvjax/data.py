@@ -4,7 +4,7 @@ The built-in corpus (`stdlib`) is text that ships with every Python install, so 
 no download: the standard library's own `.py` sources (tests excluded) plus the bundled
 documentation topics (`pydoc_data.topics`). Documents are split into train/validation
 *by document*, with a hash of the document name, so the split is deterministic, disjoint
-and stable when files are added or removed. Tokens are bytes (`kvjax.tokenizer`,
+and stable when files are added or removed. Tokens are bytes (`kvjax.io.tokenizer`,
 vocab 256 + specials); each document starts with BOS.
 
 The associative-recall task (multi-query, after Zoology's MQAR) puts key-value pairs at
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from kvjax.errors import KvjaxError
-from kvjax.tokenizer import BOS
+from kvjax.io.tokenizer import BOS
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".yaml", ".yml", ".toml", ".cfg",
                  ".html", ".c", ".h", ".csv", ".tex", ".js", ".ts", ".rs", ".go", ".java")

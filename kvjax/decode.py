@@ -21,7 +21,7 @@ import numpy as np
 from flax import struct
 
 from kvjax import cache as cache_lib
-from kvjax import compact
+from kvjax.cache import compact
 from kvjax import model as model_lib
 from kvjax import sharding
 from kvjax.config import Config
@@ -203,7 +203,7 @@ def generate(cfg: Config, params, prompts: list[list[int]], max_new_tokens: int,
 
   t0 = time.perf_counter()
   c0 = fresh()
-  # cache.policy other than full: prefill, then compact to the budget (kvjax.compact)
+  # cache.policy other than full: prefill, then compact to the budget (kvjax.cache.compact)
   program = compact.prefill_program(cfg, prefill)
   pre = program.lower(params, tokens, lengths, c0, k_prefill, cfg=cfg, sampler=sampler).compile()
   tok0, _, c1 = pre(params, tokens, lengths, c0, k_prefill)

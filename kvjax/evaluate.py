@@ -233,7 +233,7 @@ def eval_cli(src, overrides: dict, text: str = "stdlib", tokens: int = 512, seqs
   """`kvjax eval`: the configured cache against an fp32 contiguous cache, same tokens."""
   from tqdm import tqdm
 
-  from kvjax import sources
+  from kvjax.io import sources
 
   if chunk <= 0:
     raise KvjaxError(f"--chunk must be positive, got {chunk}")

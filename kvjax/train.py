@@ -3,7 +3,7 @@
 optax AdamW (decoupled weight decay on matrices only) with linear warmup and cosine decay
 to `lr * min_lr_ratio`, global-norm gradient clipping, and one jit-compiled step. The
 batch for step s is drawn from an RNG seeded by (seed, s), so a resumed run sees exactly
-the batches an uninterrupted one would have. Checkpoints (kvjax.checkpoint) are saved
+the batches an uninterrupted one would have. Checkpoints (kvjax.io.checkpoint) are saved
 every `checkpoint_every` steps and at the end; rerunning the same command resumes from
 the latest one (a run killed at any point loses only the steps after its last checkpoint,
 and their log rows are dropped, so every step is trained and logged exactly once). `log.jsonl` gets one row per log/eval point and `summary.json` the final
@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kvjax import checkpoint, data
+from kvjax import data
+from kvjax.io import checkpoint
 from kvjax import config as config_lib
 from kvjax.config import Config, ModelConfig
 from kvjax.errors import KvjaxError

@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Llama-3-8B's shape (configs/models/llama3-8b.yaml) in bf16, random weights.
+# Llama-3-8B's shape (kvjax/shapes/llama3-8b.yaml) in bf16, random weights.
 LLAMA3_8B = {"model.vocab_size": 128256, "model.d_model": 4096, "model.n_layers": 32,
              "model.n_heads": 32, "model.n_kv_heads": 8, "model.head_dim": 128,
              "model.d_ff": 14336, "model.rope_theta": 500000.0, "model.dtype": "bfloat16",
@@ -99,7 +99,7 @@ def _config_path(name: str, accel: bool) -> Path | None:
 
 
 def _experiment_exists(name: str) -> bool:
-  return (ROOT / "experiments" / f"{name}.py").is_file()
+  return (ROOT / "kvjax" / "experiments" / f"{name}.py").is_file()
 
 
 def _set_args(items: dict) -> list[str]:
@@ -130,7 +130,7 @@ def _command(stage: dict, results: Path, accel: bool, dev: dict) -> tuple[list[s
     heads = stage["set"]["model.n_heads"]
     m = max(d for d in range(1, n + 1) if heads % d == 0 and n % d == 0)
     ids = ",".join(str(i % 250 + 1) for i in range(stage["prompt"]))
-    return py + ["generate", "--config", str(ROOT / "configs/models/llama3-8b.yaml"),
+    return py + ["generate", "--config", str(ROOT / "kvjax/shapes/llama3-8b.yaml"),
                  *_set_args({**stage["set"], "mesh.model": m, "mesh.data": n // m}),
                  *sum((["--prompt-ids", ids] for _ in range(stage["batch"])), []),
                  "--max-new-tokens", str(stage["new"]), "--greedy", "--json"], ""

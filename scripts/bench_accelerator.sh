@@ -11,7 +11,7 @@
 #   latency-codecs    the same at GQA-8 for int8 / int4 / fp8_e4m3 caches
 #   latency-32k       GQA-8 bf16 / int8, batch 4, context 32k
 #   latency-batch64   GQA-8 bf16 / int8, batch 64, context 2k
-#   roofline          if configs/roofline.yaml and experiments/roofline.py exist
+#   roofline          if configs/roofline.yaml and kvjax/experiments/roofline.py exist
 #   quality           codec quality, if the trained checkpoints it names exist
 #   peer              kvjax vs transformers on the same weights (configs/peer.yaml, trimmed)
 #   sharded-generate  kvjax generate on all devices (data x model mesh), if more than one

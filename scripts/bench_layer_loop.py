@@ -12,7 +12,7 @@ too (the copies show there). Extra `--set key=value` overrides apply to every pr
 (e.g. model.param_dtype=bfloat16); `--variant label:key=value,...` adds a switched
 program with its own overrides.
 
-    python scripts/bench_layer_loop.py [--config configs/models/smollm2-135m.yaml]
+    python scripts/bench_layer_loop.py [--config smollm2-135m]
         [--batch 1] [--context 128] [--steps 16] [--repeats 7] [--programs switched,nnscan,unrolled]
         [--set KEY=VALUE ...] [--variant LABEL:KEY=VALUE,...] [--out FILE.jsonl]
 """
@@ -36,7 +36,7 @@ from kvjax import decode, metrics, model
 
 def main() -> None:
   ap = argparse.ArgumentParser()
-  ap.add_argument("--config", default="configs/models/smollm2-135m.yaml")
+  ap.add_argument("--config", default="kvjax/shapes/smollm2-135m.yaml")
   ap.add_argument("--batch", type=int, default=1)
   ap.add_argument("--context", type=int, default=128)
   ap.add_argument("--steps", type=int, default=16)

@@ -37,7 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from kvjax import attention, codecs  # noqa: E402
 from kvjax import cache as cache_lib  # noqa: E402
-from kvjax import pallas_attention as pa  # noqa: E402
+from kvjax.attention import pallas as pa  # noqa: E402
 
 GPU = {"heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bfloat16",
        "contexts": "4096,8192,16384,32768", "batches": "1,8", "repeats": 20}
@@ -139,7 +139,7 @@ def jax_paged_inputs(codec, q_B1HD, k_enc, v_enc, page: int):
     return jnp.swapaxes(a, 0, 1).reshape(K, B * n, page, *a.shape[3:])
 
   if isinstance(k_enc, dict):  # int8: codes + per-token scales, in their stored bf16
-    from kvjax import quant
+    from kvjax.codecs import quant
     kp, vp = pages(k_enc["codes"]), pages(v_enc["codes"])
     ks, vs = (pages(codecs.load_bits(e["scale"], quant.SCALE_DTYPE))[..., 0]
               for e in (k_enc, v_enc))

@@ -37,7 +37,7 @@ def variant_cfg(request):
 
 def smollm2_path():
   """The installed SmolLM2 GGUF (`make models`); CI must have it, a laptop may skip."""
-  from kvjax import zoo
+  from kvjax.io import zoo
   path = zoo.path_of("smollm2-135m")
   if not path.is_file():
     if os.environ.get("CI"):
@@ -53,7 +53,7 @@ def smollm2():
   path = smollm2_path()
   from transformers import AutoModelForCausalLM, AutoTokenizer
 
-  from kvjax import sources
+  from kvjax.io import sources
   kw = {"gguf_file": path.name}
   ref_tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)
   ref_model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype="float32", **kw)

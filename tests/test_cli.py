@@ -172,7 +172,7 @@ def test_train_through_the_cli(tmp_path, capsys):
   assert summary["steps"] == 6 and summary["resumed_from"] == 0 and summary["variant"] == "GQA-2"
   logged = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
   assert logged == [3, 6]
-  from kvjax import checkpoint
+  from kvjax.io import checkpoint
   assert checkpoint.latest_step(out) == 6 and checkpoint.read_config(out).train.lr == 0.01
   rc, stdout, _ = run_cli(capsys, "generate", "--checkpoint", str(out), "--prompt", "def",
                           "--max-new-tokens", "3", "--json")
@@ -184,7 +184,7 @@ def test_train_through_the_cli(tmp_path, capsys):
 
 
 def test_keyboard_interrupt_mid_run_keeps_rows_and_exits_130(tmp_path, capsys, monkeypatch):
-  from experiments import latency
+  from kvjax.experiments import latency
 
   grid = tmp_path / "g.yaml"
   grid.write_text("experiment: latency\nmodel: {d_model: 32, n_layers: 1, n_heads: 4}\n"

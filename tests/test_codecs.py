@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from kvjax import codecs, config, quant
-from kvjax.cache import tree_bytes
+from kvjax import codecs, config
+from kvjax.codecs import quant
 from kvjax.errors import KvjaxError
 
 QUANT = ["int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2"]

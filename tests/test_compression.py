@@ -1,9 +1,9 @@
-"""experiments/compression.py: rows of eviction, latent and codec settings on one bytes axis."""
+"""kvjax/experiments/compression.py: rows of eviction, latent and codec settings on one bytes axis."""
 
 import pytest
 from conftest import tiny_config, tiny_params
 
-from kvjax import checkpoint
+from kvjax.io import checkpoint
 from kvjax import config as config_lib
 
 
@@ -24,7 +24,7 @@ def cell(ckpt, **cache):
 
 
 def test_full_is_the_reference_and_eviction_holds_fewer_bytes(ckpt):
-  from experiments import compression
+  from kvjax.experiments import compression
   full = compression.run_cell(cell(ckpt))[0]["metrics"]
   assert full["dppl_rel"] == pytest.approx(0, abs=1e-6) and full["kept"] == 1
   # L · (K + V) · heads · D · fp32, plus 4 bytes of lengths per sequence over 30 tokens

@@ -5,7 +5,7 @@ import pytest
 
 from kvjax import data
 from kvjax.errors import KvjaxError
-from kvjax.tokenizer import BOS, ByteTokenizer
+from kvjax.io.tokenizer import BOS, ByteTokenizer
 
 
 def _folder(tmp_path, n=40):

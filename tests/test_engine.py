@@ -15,7 +15,9 @@ from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvjax import config as config_lib
-from kvjax import decode, engine, paged
+from kvjax import decode
+from kvjax.serve import engine
+from kvjax.cache import paged
 from kvjax.errors import KvjaxError
 
 V = 64
@@ -283,7 +285,7 @@ def test_contiguous_reservation_engine_matches_generate(served, unroll):
 
 
 def test_workload_stream_is_seeded_skewed_and_shares_system_prompts():
-  from experiments import paged_workload
+  from kvjax.experiments import paged_workload
 
   cfg = config_lib.load("configs/paged_workload.yaml")
   a, b = paged_workload.stream(cfg), paged_workload.stream(cfg)

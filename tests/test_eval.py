@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from kvjax import config as config_lib
-from kvjax import evaluate, sources
-from kvjax.model import init_params
+from kvjax import evaluate
+from kvjax.io import sources
 
 TINY = {"model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
                   "max_seq_len": 256}, "tokenizer": "bytes", "seed": 3}

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-from kvjax import checkpoint, cli, config, evaluate, model, train
+from kvjax import cli, config, evaluate, model, train
+from kvjax.io import checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 

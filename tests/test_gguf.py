@@ -12,7 +12,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, quants
 
 from kvjax import config as config_lib
-from kvjax import gguf, model, zoo
+from kvjax import model
+from kvjax.io import gguf
+from kvjax.io import zoo
 from kvjax.errors import KvjaxError
 
 SHAPE = {"model.vocab_size": 96, "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4,
@@ -226,7 +228,9 @@ def test_smollm2_logits_and_greedy_tokens_match_transformers(smollm2):
 
 
 def test_convert_gguf_to_mqa_checkpoint(tmp_path):
-  from kvjax import checkpoint, cli, convert
+  from kvjax import cli
+  from kvjax.io import checkpoint
+  from kvjax.io import convert
   cfg, params = _source(True)
   path = write_gguf(tmp_path / "m.gguf", cfg, params)
   out = tmp_path / "mqa"

@@ -10,7 +10,6 @@ import json
 import os
 from pathlib import Path
 
-import pytest
 
 from conftest import tiny_config, tiny_params
 from kvjax import decode

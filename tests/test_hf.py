@@ -21,7 +21,8 @@ import safetensors.numpy as stnp
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kvjax import cli, decode, hf, model  # noqa: E402
+from kvjax import cli, decode, model
+from kvjax.io import hf  # noqa: E402
 from kvjax.errors import KvjaxError  # noqa: E402
 
 V, E, L = 128, 64, 2
@@ -328,7 +329,7 @@ def test_cli_prompt_text_uses_tokenizer_json(llama, tmp_path, capsys):
 def test_cli_convert_hf_mean_pools_and_generates(llama, tmp_path, capsys):
   """`kvjax convert --hf` (GQA-2 -> MQA): the saved checkpoint holds the mean of the HF
   k/v heads, loads with its config, and generates through the cache."""
-  from kvjax import checkpoint
+  from kvjax.io import checkpoint
 
   m, folder = llama
   out = tmp_path / "mqa"
@@ -368,7 +369,7 @@ def test_peer_experiment_rows_and_plot(tmp_path):
   import sys
   from pathlib import Path
 
-  from experiments import peer
+  from kvjax.experiments import peer
   from kvjax import config as config_lib
 
   cfg = config_lib.load(None, {"model.vocab_size": V, "model.d_model": E, "model.n_layers": 2,

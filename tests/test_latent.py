@@ -8,7 +8,9 @@ import pytest
 from conftest import tiny_config, tiny_params
 from test_policies import run_cached
 
-from kvjax import cache as cache_lib, checkpoint, cli, latent
+from kvjax import cache as cache_lib, cli
+from kvjax.io import checkpoint
+from kvjax.cache import latent
 from kvjax.errors import KvjaxError
 
 

@@ -142,7 +142,7 @@ def test_every_model_source_refuses_weights_before_reading_them(tmp_path, monkey
   pytest.importorskip("gguf")
   from test_gguf import _source, write_gguf
 
-  from kvjax import checkpoint
+  from kvjax.io import checkpoint
   cfg, params = _source(False)
   checkpoint.save(tmp_path / "ckpt", cfg, params, step=0)
   write_gguf(tmp_path / "m.gguf", cfg, params)

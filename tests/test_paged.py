@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from conftest import tiny_config, tiny_params
 
-from kvjax import attention, cli, codecs, decode, paged
+from kvjax import attention, cli, codecs, decode
+from kvjax.cache import paged
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError

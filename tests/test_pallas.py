@@ -12,7 +12,7 @@ from conftest import tiny_config, tiny_params
 from kvjax import attention, decode
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
-from kvjax import pallas_attention as pa
+from kvjax.attention import pallas as pa
 from kvjax.errors import KvjaxError
 
 B, H, D = 3, 4, 8

@@ -93,7 +93,7 @@ def test_prompt_query_blocks_equal_reference(T, monkeypatch):
 def test_plane_wise_packed_reads_equal_reference(codec, planes, monkeypatch):
   """Packed codes read one bit plane at a time (`PLANE_MIN` lowered so the tiny head_dim
   qualifies; planes=1: the unpacked fallback) == every slot dequantized, across blocks."""
-  from kvjax import quant
+  from kvjax.codecs import quant
   monkeypatch.setattr(codecs, "READ_CHUNK", 8)
   D, S, B, H, K = 8, 21, 3, 4, 2
   monkeypatch.setattr(quant, "PLANE_MIN", 1 if planes > 1 else D)
@@ -229,7 +229,7 @@ def test_roofline_experiment_rows_and_plot(tmp_path):
   plot writes PNG + SVG."""
   import sys
   from pathlib import Path
-  from experiments import roofline
+  from kvjax.experiments import roofline
   cfg = config.load(None, {"model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2,
                            "model.head_dim": 8, "model.n_layers": 2, "cache.codec": "int8",
                            "workload.prompt_len": 40, "workload.gen_len": 3,
@@ -250,7 +250,7 @@ def test_roofline_pairs_bandwidth_with_each_repeat(monkeypatch):
   """The fraction is the median of per-repeat ratios, each repeat's step time against the
   bandwidth measured just before it: a slow phase that slows both keeps its ratio (repeat
   1 here), where the median bandwidth over the median time mixes repeats and doubles it."""
-  from experiments import roofline
+  from kvjax.experiments import roofline
   bws, tps = iter([4e9, 1e9, 1e9]), iter([0.0, 1.0, 4.0, 2.0])  # decode: warm-up first
   monkeypatch.setattr(roofline.Bandwidth, "__init__", lambda self, mib: None)
   monkeypatch.setattr(roofline.Bandwidth, "measure", lambda self, passes=3: next(bws))
@@ -269,7 +269,7 @@ def test_roofline_pairs_bandwidth_with_each_repeat(monkeypatch):
 def test_roofline_refuses_a_bad_bandwidth_size(mib):
   """A bandwidth pass over 0 MiB would divide by zero after the cell's decode ran; the
   host-side check refuses it first, in one line."""
-  from experiments import roofline
+  from kvjax.experiments import roofline
   cfg = config.load(None, {"params": {"bandwidth_mib": mib}})
   with pytest.raises(KvjaxError, match="bandwidth_mib") as err:
     roofline.check(cfg)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from conftest import tiny_config, tiny_params
 
-from kvjax import attention, cache as cache_lib, cli, compact, decode, policies
+from kvjax import attention, cache as cache_lib, cli, decode, policies
+from kvjax.cache import compact
 from kvjax import model as model_lib
 from kvjax.errors import KvjaxError
 

@@ -4,7 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from kvjax import checkpoint, evaluate, runner
+from kvjax import evaluate, runner
+from kvjax.io import checkpoint
 from kvjax import config as config_lib
 from kvjax.model import init_params
 
@@ -97,7 +98,7 @@ def test_recall_accuracy_scores_exactly_the_masked_answers(setup, monkeypatch):
 
 
 def test_quality_run_cell_rows(tmp_path, setup):
-  from experiments import quality
+  from kvjax.experiments import quality
 
   text = tmp_path / "text.txt"
   text.write_text("for i in range(10):\n    print(i)\n" * 200)

@@ -12,7 +12,7 @@ from kvjax import cli, sizing
 from kvjax.errors import KvjaxError
 
 ROOT = Path(__file__).resolve().parent.parent
-LLAMA3 = ROOT / "configs" / "models" / "llama3-8b.yaml"
+LLAMA3 = ROOT / "kvjax" / "shapes" / "llama3-8b.yaml"
 L, H, K, D, E, F, V = 32, 32, 8, 128, 4096, 14336, 128256
 PARAMS = 2 * V * E + L * (E * H * D + 2 * E * K * D + H * D * E + 3 * E * F + 2 * E) + E
 
@@ -112,7 +112,7 @@ def test_budget_human_output_states_unit_and_what_is_counted(capsys):
 
 def test_help_describes_every_flag_and_lists_codecs_and_layouts(capsys):
   from kvjax import cache, codecs
-  import kvjax.paged  # noqa: F401  (registers the paged layout)
+  import kvjax.cache.paged  # noqa: F401  (registers the paged layout)
   assert set(cli.CODEC_NAMES) == set(codecs.CODECS)
   # "compacted" is what a cache.policy builds, not a cache.layout one chooses
   assert set(cli.LAYOUT_NAMES) == {n for n, lay in cache.LAYOUTS.items()

@@ -9,7 +9,7 @@ from kvjax import cache as cache_lib
 from kvjax import config as config_lib
 from kvjax import evaluate, tasks
 from kvjax.errors import KvjaxError
-from kvjax.tokenizer import ByteTokenizer
+from kvjax.io.tokenizer import ByteTokenizer
 
 ENC = ByteTokenizer().encode
 
@@ -244,7 +244,7 @@ def _experiment_cfg(tmp_path, **params):
 @pytest.fixture(scope="module")
 def cell_rows(tmp_path_factory):
   """Rows of two cells (int4 KIVI-style and fp32) of the experiment on the tiny model."""
-  from experiments import long_context
+  from kvjax.experiments import long_context
 
   tmp = tmp_path_factory.mktemp("lc")
   kivi = _experiment_cfg(tmp)
@@ -253,7 +253,7 @@ def cell_rows(tmp_path_factory):
 
 
 def test_run_cell_end_to_end(cell_rows):
-  from experiments import long_context
+  from kvjax.experiments import long_context
 
   rows, fp32 = cell_rows
   # passkey: one example per depth; niah and vt: one example, one query per depth
@@ -304,7 +304,7 @@ def test_plots_from_rows(cell_rows, tmp_path):
     ({"template": "alpaca"}, "unknown params.template"),
 ])
 def test_experiment_check_one_line(tmp_path, params, match):
-  from experiments import long_context
+  from kvjax.experiments import long_context
 
   with pytest.raises(KvjaxError, match=match) as e:
     long_context.check(_experiment_cfg(tmp_path, **params))

@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import checkpoint, cli, convert, decode, train
+from kvjax import cli, decode, train
+from kvjax.io import checkpoint
+from kvjax.io import convert
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer, init_params

@@ -1,7 +1,7 @@
 """Token eviction policies (`cache.policy`): which prompt tokens a cache keeps.
 
 A policy picks, for every layer, sequence and KV head, which of the prompt's tokens stay
-in the cache; `kvjax.compact` then copies those tokens into a cache whose capacity is the
+in the cache; `kvjax.cache.compact` then copies those tokens into a cache whose capacity is the
 budget (plus room for the decode tokens), so the memory is really freed. Keys are stored
 already rotated at their own positions, so a kept token needs no position of its own: the
 new query is rotated at its true position (`cache.lengths` counts every token seen, not

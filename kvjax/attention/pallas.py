@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kvjax import attention, codecs, quant
+from kvjax import attention, codecs
+from kvjax.codecs import quant
 from kvjax.errors import KvjaxError
 
 BLOCK = 64        # contiguous storage: stored tokens per kernel step (a power of two)

@@ -1,6 +1,6 @@
 """Tokenizers: byte-level (vocab 256 + specials, no files needed), a Hugging Face
 `tokenizer.json` through the `tokenizers` library when a checkpoint ships one, or the
-byte-level BPE a GGUF file describes in its metadata (`gguf:PATH`, built by kvjax.gguf)."""
+byte-level BPE a GGUF file describes in its metadata (`gguf:PATH`, built by kvjax.io.gguf)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def get_tokenizer(name: str, folder: str | Path | None = None):
   if folder is not None and (Path(folder) / "tokenizer.json").is_file():
     return HFTokenizer(Path(folder) / "tokenizer.json")
   if name.startswith("gguf:"):
-    from kvjax import gguf
+    from kvjax.io import gguf
     built, add_bos, bos = gguf.tokenizer_json(name[len("gguf:"):])
     return HFTokenizer(built=built, bos_id=bos if add_bos else None)
   if name == "bytes":

@@ -2,7 +2,7 @@
 
 A cell is one context length (`params.context`, tokens) and one cache setting
 (`params.setting`, a name from `params.settings`: a mapping of cache overrides). For each
-model in `params.models` (any source `kvjax.sources.parse` takes: `gguf:smollm2-135m`,
+model in `params.models` (any source `kvjax.io.sources.parse` takes: `gguf:smollm2-135m`,
 `checkpoint:DIR`, `hf:DIR`, `config:FILE.yaml`) and each task in `params.tasks`
 (kvjax.tasks: passkey, niah, vt) it generates `params.seeds` examples whose prompt and
 `params.gen_len` answer tokens fit that context length (and the model's window), facts at `params.depths` (passkey: one example per depth; niah and vt: one
@@ -27,7 +27,8 @@ import functools
 
 import experiments as ex
 from kvjax import config as config_lib
-from kvjax import evaluate, sources, tasks
+from kvjax import evaluate, tasks
+from kvjax.io import sources
 from kvjax.errors import KvjaxError
 
 _KV: dict = {}  # (model, context) -> {example key: (Example, fp32 K/V)}

@@ -84,7 +84,7 @@ def cmd_size(args) -> dict:
   over, file_items, notes = {}, {}, []
   param_dtype = None
   if args.hf:
-    from kvjax import hf
+    from kvjax.io import hf
     param_dtype, source = sizing.hf_param_dtype(hf.read_hf_config(args.hf))
     cfg = hf.load_config(args.hf, {"model.param_dtype": param_dtype})
     param_dtype = f"{param_dtype} ({source})"
@@ -97,7 +97,7 @@ def cmd_size(args) -> dict:
       file_items = {}
     param_dtype = f"{cfg.model.param_dtype} (model.param_dtype)"
   elif args.gguf:
-    from kvjax import sources
+    from kvjax.io import sources
     cfg = sources.load_config(sources.Source("gguf", args.gguf))
     param_dtype = f"{cfg.model.param_dtype} (dequantized from the GGUF file)"
   else:
@@ -127,7 +127,7 @@ def cmd_size(args) -> dict:
   if (args.hf or args.config or args.gguf) and args.seq_len > m.max_seq_len:
     warnings.append(f"--seq-len {args.seq_len} exceeds this model's max_seq_len "
                     f"{m.max_seq_len}: sized anyway, but the model is not meant for it")
-  from kvjax import compact  # a cache.policy holds at most its budget (compacted layout)
+  from kvjax.cache import compact  # a cache.policy holds at most its budget (compacted layout)
   held = compact.held_tokens(cfg.cache, args.seq_len)
   spec = cache.CacheSpec.from_config(cfg, args.batch, held)
   layout = cache.LAYOUTS["contiguous" if cfg.cache.layout == "none" else cfg.cache.layout]
@@ -135,7 +135,7 @@ def cmd_size(args) -> dict:
     layout = cache.LAYOUTS["compacted"]
   per_token = m.n_layers * (spec.kc.bytes_per_token(m.n_kv_heads, m.D, cfg.cache)
                             + spec.vc.bytes_per_token(m.n_kv_heads, m.D, cfg.cache))
-  if cfg.cache.layout == "latent":  # one rank-r latent per token and layer (kvjax.latent)
+  if cfg.cache.layout == "latent":  # one rank-r latent per token and layer (kvjax.cache.latent)
     per_token = m.n_layers * spec.kc.bytes_per_token(1, m.latent_rank, cfg.cache)
   from kvjax import sharding  # bytes per device under mesh.data x mesh.model (no devices needed)
   out = {
@@ -174,7 +174,8 @@ def _human(n: float) -> str:
 
 # -- generate -----------------------------------------------------------------------------
 def cmd_generate(args) -> dict:
-  from kvjax import decode, sources
+  from kvjax import decode
+  from kvjax.io import sources
 
   over = _cache_overrides(args, _sampling_overrides(args))
   cfg, params, tok = sources.load(sources.from_args(args), over)
@@ -219,7 +220,7 @@ def cmd_run(args):
 
 
 def cmd_results(args):
-  from kvjax import results
+  from kvjax.runner import results
   sys.stdout.write(results.table(args.path, args.format, args.experiment))
   return {}
 
@@ -230,12 +231,13 @@ def cmd_train(args):
 
 
 def cmd_convert(args):
-  from kvjax import convert
+  from kvjax.io import convert
   return convert.convert_cli(args)
 
 
 def cmd_eval(args) -> dict:
-  from kvjax import evaluate, sources
+  from kvjax import evaluate
+  from kvjax.io import sources
 
   over = _cache_overrides(args, {})
   return evaluate.eval_cli(sources.from_args(args), over, text=args.text, tokens=args.tokens,
@@ -243,7 +245,7 @@ def cmd_eval(args) -> dict:
 
 
 def cmd_models(args) -> dict:
-  from kvjax import zoo
+  from kvjax.io import zoo
 
   if args.action == "fetch":
     for name in (args.names or list(zoo.MODELS)):
@@ -274,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--gguf", metavar="FILE|NAME", help="read the shape from a GGUF file's "
                  "metadata, or a model `kvjax models` lists (parameters dequantized to fp32)")
   s.add_argument("--config", metavar="FILE.yaml", help="read the shape from a kvjax config, "
-                 "e.g. configs/models/llama3-8b.yaml (parameters in model.param_dtype)")
+                 "or a packaged model shape by name, e.g. llama3-8b (parameters in model.param_dtype)")
   s.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
   s.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
   s.add_argument("--dtype", help="float32 | bfloat16 | float16: the same as --codec "
@@ -541,6 +543,3 @@ def main(argv: list[str] | None = None) -> int:
     return _fail(f"out of memory ({first}); lower the batch, cache.capacity or "
                  "--max-new-tokens, or use a smaller codec")
 
-
-if __name__ == "__main__":
-  sys.exit(main())

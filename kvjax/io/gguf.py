@@ -232,7 +232,7 @@ def read_params(path: str | Path, cfg: Config) -> dict:
 
 def load(path: str | Path, overrides: dict | None = None) -> tuple[Config, dict]:
   """(Config, params as jax arrays) for a llama-architecture GGUF file."""
-  from kvjax import hf
+  from kvjax.io import hf
 
   cfg = load_config(path, overrides)
   params = read_params(path, cfg)

@@ -7,7 +7,7 @@ Per cell (an attention variant x codec of the config's model):
     Caches up to `params.alloc_limit_mib` are really allocated; larger ones are measured
     on the abstract pytree (`jax.eval_shape`: same leaves, no memory), marked `abstract`.
   - `part: max_concurrency` rows for each real model shape in `params.shapes`
-    (configs/models/*.yaml), closed form only: how many sequences of each context in
+    (kvjax/shapes/*.yaml), closed form only: how many sequences of each context in
     `params.concurrency_contexts` fit in `params.budget_gib` after the weights, with the
     cell's codec and the cell's kind of attention mapped onto the shape (MHA: all heads
     keep K/V; GQA: the shape's own kv heads; MQA: one kv head).

@@ -3,9 +3,9 @@
 A cell is one cache setting (`params.setting`, a name from `params.settings`: a mapping
 of cache overrides such as codec, k_axis, group_size, residual) on one layout. Models come
 from `params.models`, a list of sources (`gguf:smollm2-135m`, `hf:DIR`, `checkpoint:DIR`,
-or a bare path; see kvjax.sources), or `params.checkpoints` (kvjax checkpoint folders: the
+or a bare path; see kvjax.io.sources), or `params.checkpoints` (kvjax checkpoint folders: the
 trained MHA, GQA, MQA comparison models). A setting may also set `params.kv_heads`: the
-model's K/V projections are then mean-pooled into that many heads (kvjax.convert, no
+model's K/V projections are then mean-pooled into that many heads (kvjax.io.convert, no
 uptraining) and measured against the unconverted model's fp32 cache. For each model:
 
   - a `task: text` row: validation text streamed token by token (`params.chunk`) through
@@ -40,7 +40,9 @@ import experiments as ex
 import numpy as np
 
 from kvjax import cache as cache_lib
-from kvjax import convert, data, evaluate, sources
+from kvjax import data, evaluate
+from kvjax.io import convert
+from kvjax.io import sources
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
 
@@ -65,7 +67,7 @@ def check(cfg) -> None:
       raise KvjaxError(f"checkpoint {src.ref} not found; train it first, e.g. "
                        f"`kvjax train configs/train_mha.yaml --out {src.ref}`")
     if src.kind == "gguf":
-      from kvjax import zoo
+      from kvjax.io import zoo
       zoo.resolve_gguf(src.ref)
   peer = cfg.param("peer", "")
   if peer and (not peer.startswith("quanto_int") or peer[len("quanto_int"):] not in ("2", "4")):
@@ -168,7 +170,7 @@ def _hf_model(src: sources.Source):
   """The same weights in transformers: its own GGUF loader, or the HF folder."""
   from transformers import AutoModelForCausalLM
   if src.kind == "gguf":
-    from kvjax import zoo
+    from kvjax.io import zoo
     path = zoo.resolve_gguf(src.ref)
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                 dtype="float32").eval()

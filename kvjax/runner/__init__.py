@@ -64,7 +64,7 @@ class Cell:
 
 # -- experiments ---------------------------------------------------------------------------
 def available_experiments() -> list[str]:
-  import experiments
+  from kvjax import experiments
   return sorted(m.name for m in pkgutil.iter_modules(experiments.__path__)
                 if not m.name.startswith("_"))
 
@@ -75,7 +75,7 @@ def load_experiment(name: str):
     raise KvjaxError(f"the config names no experiment; add `experiment: NAME` ({', '.join(known)})")
   if name not in known:
     raise KvjaxError(f"unknown experiment '{name}'; available: {', '.join(known)}")
-  return importlib.import_module(f"experiments.{name}")
+  return importlib.import_module(f"kvjax.experiments.{name}")
 
 
 # -- grid ------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ written into another sequence's page.
 
 Host side: `PageAllocator` keeps the free list, reference counts and the prefix cache
 (full pages keyed by a chained digest of all tokens up to the page's end, vLLM style),
-with least-recently-used eviction of unreferenced cached pages. `kvjax.engine` drives it.
+with least-recently-used eviction of unreferenced cached pages. `kvjax.serve.engine` drives it.
 
 Not supported yet, refused with a one-line error: the full-precision residual window
 (`cache.residual`) and per-channel key scales (`cache.k_axis=channel`), whose token

@@ -3,11 +3,11 @@
 A cell is one paired setting (`params.setting`, a name from `params.settings`): a cache
 policy with its budget or ratio (`cache.policy`, `cache.ratio`, `cache.window`, ...), a
 codec, or a latent rank (`params.latent_rank`: the model's K/V projections factored by
-`kvjax.latent.factor`, read through `cache.layout: latent`). For each model of
+`kvjax.cache.latent.factor`, read through `cache.layout: latent`). For each model of
 `params.models` and each of `eval_seqs` text windows of `context + continuation` tokens
 (`params.text`, as in the quality experiment), the context is prefilled (and compacted by
 the policy), then the continuation is teacher-forced token by token through the cache
-(`kvjax.compact.continuation_logprobs`).
+(`kvjax.cache.compact.continuation_logprobs`).
 
 Row metrics: `ppl` of the continuation through this cache, `ppl_ref` through the
 uncompressed fp32 cache of the original model, `dppl_rel` = ppl / ppl_ref - 1,
@@ -25,8 +25,10 @@ from __future__ import annotations
 import numpy as np
 
 import experiments as ex
-from experiments import quality
-from kvjax import compact, data, evaluate, latent
+from kvjax.experiments import quality
+from kvjax import data, evaluate
+from kvjax.cache import compact
+from kvjax.cache import latent
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
 

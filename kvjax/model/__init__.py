@@ -144,7 +144,7 @@ class Block(nn.Module):
     dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     dense = lambda h, outs: [_dense(cfg, f, n, b)(h) for n, f, b in outs]  # noqa: E731
     norm = lambda name, x: RMSNorm(cfg.norm_eps, dtype, pdtype, name=name)(x)  # noqa: E731
-    if cfg.latent_rank:  # the latent cache's up-projection (read by kvjax.latent, not here)
+    if cfg.latent_rank:  # the latent cache's up-projection (read by kvjax.cache.latent, not here)
       self.param("latent_up", nn.initializers.zeros,
                  (cfg.latent_rank, 2 * cfg.n_kv_heads * cfg.D), pdtype)
     return block_forward(cfg, self.spec, dense, norm, x_BTE, xs, ctx)

@@ -2,9 +2,9 @@
 
 One cell = one model shape x batch. A random Llama checkpoint of the config's shape is
 built with transformers, saved as safetensors to a temporary folder and imported into
-kvjax with `kvjax.hf.load`, so both sides run the very same weights (the import path is
+kvjax with `kvjax.io.hf.load`, so both sides run the very same weights (the import path is
 part of what is measured). With `params.gguf: FILE` both sides load that file's real
-weights instead (kvjax.gguf and transformers' GGUF reader, float32). Peers, timed
+weights instead (kvjax.io.gguf and transformers' GGUF reader, float32). Peers, timed
 interleaved in one process (round-robin repeats, medians; `kvjax.metrics.bench_interleaved`):
 
   kvjax       compiled prefill + `lax.scan` decode, contiguous cache (`cache.codec`), the
@@ -23,7 +23,7 @@ interleaved in one process (round-robin repeats, medians; `kvjax.metrics.bench_i
 In cells whose `workload.prompt_len` is at least `params.fill_from` (the long-context rows;
 0 = never) no prompt is run: every peer starts from a cache that already holds
 `workload.prompt_len` tokens per sequence (zeros: speed does not
-depend on values; kvjax sets the cache's lengths as `experiments/roofline.py` does,
+depend on values; kvjax sets the cache's lengths as `kvjax/experiments/roofline.py` does,
 transformers' DynamicCache/StaticCache get zero K/V through their `update`), and each peer
 decodes `gen_len - 1` greedy tokens from there. A prefill of 8 x 4k tokens would take
 minutes a repeat on a CPU. TTFT is then not measured (NaN), and quanto is left out of such
@@ -126,11 +126,11 @@ def build_checkpoint(cfg: config_lib.Config, folder: str):
 @functools.lru_cache(maxsize=1)
 def _gguf_models(path: str):
   """A GGUF file's weights on both sides, loaded once per process (cells share them):
-  kvjax through `kvjax.gguf.load`, transformers through its own GGUF reader
+  kvjax through `kvjax.io.gguf.load`, transformers through its own GGUF reader
   (`from_pretrained(gguf_file=)`), each dequantizing to float32."""
   import transformers
 
-  from kvjax import gguf
+  from kvjax.io import gguf
 
   loaded, params = gguf.load(path)
   p = Path(path)
@@ -161,7 +161,7 @@ def _with_model(cfg: config_lib.Config, loaded: config_lib.ModelConfig) -> confi
 
 def _kvjax_config(cfg: config_lib.Config, folder: str) -> tuple[config_lib.Config, dict]:
   """The imported model under the experiment's cache/workload settings."""
-  from kvjax import hf
+  from kvjax.io import hf
 
   loaded, params = hf.load(folder)
   return _with_model(cfg, loaded.model), params
@@ -258,7 +258,7 @@ class KvjaxFilledTimer:
   sequence (roofline.FilledDecode), with the `once()` interface: (nan, tpot_s)."""
 
   def __init__(self, cfg, params, batch: int, context: int, steps: int, prepare: bool = True):
-    from experiments import roofline
+    from kvjax.experiments import roofline
 
     t0 = time.perf_counter()
     self._dec = roofline.FilledDecode(cfg, params, batch, context, steps, context + steps + 1,

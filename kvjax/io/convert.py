@@ -5,10 +5,10 @@ heads i*P .. i*P+P-1 (P = K_old // K_new) serve exactly the query heads that new
 i will serve; averaging their K and V projections (kernels and biases) is the GQA
 paper's best initialisation, and with P = 1 it is the identity. Queries, outputs and the
 MLP are unchanged. The converted model is then usually uptrained for a few percent of
-its original steps (experiments/uptrain.py).
+its original steps (kvjax/experiments/uptrain.py).
 
 `--latent-rank R` instead factors each layer's K/V projections to rank R for the latent
-cache (`kvjax.latent.factor`).
+cache (`kvjax.cache.latent.factor`).
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def convert_cli(args) -> dict:
 
   The converted checkpoint keeps the source's tokenizer reference (a GGUF source's
   `gguf:FILE`), so `kvjax generate --checkpoint OUT --prompt ...` still reads text."""
-  from kvjax import checkpoint, sources
+  from kvjax.io import checkpoint
+  from kvjax.io import sources
 
   src = sources.from_args(args)
   rank = getattr(args, "latent_rank", None)
@@ -69,7 +70,7 @@ def convert_cli(args) -> dict:
   cfg, params, _ = sources.load(src, config_lib.parse_set(getattr(args, "set", None)))
   before = cfg.model.variant
   if rank is not None:
-    from kvjax import latent
+    from kvjax.cache import latent
     new_cfg, new_params = latent.factor(cfg, params, rank)
     method, what = f"latent_rank_{rank}", f"rank-{rank} latent K/V (SVD per layer)"
   else:

@@ -4,20 +4,18 @@ Each module defines `run_cell(cfg) -> list[dict]` (rows with `variant`, `workloa
 `metrics` dicts; the runner adds the rest) and may define `check(cfg)`, host-side limits
 checked for every cell before any cell runs, and `summary(rows) -> list[dict]`, the
 flat records of the table printed at the end. The helpers below are what several
-experiments share; the library (`kvjax/`) never imports this package.
+experiments share; the experiment runner (`kvjax.runner`) finds them by name.
 """
 
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import numpy as np
 
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
 
-MODELS_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
 
 
 @functools.lru_cache(maxsize=2)
@@ -62,10 +60,11 @@ def bytes_per_token(cfg: config_lib.Config) -> float:
 
 
 def load_shape(name: str) -> config_lib.Config:
-  """A real model shape: `configs/models/<name>.yaml`, or a path to such a file."""
-  path = Path(name) if name.endswith((".yaml", ".yml")) else MODELS_DIR / f"{name}.yaml"
+  """A real model shape: a packaged one by name (`kvjax/shapes/<name>.yaml`), or a path to
+  such a file."""
+  path = config_lib.shape_path(name)
   if not path.is_file():
-    known = ", ".join(sorted(p.stem for p in MODELS_DIR.glob("*.yaml")))
+    known = ", ".join(config_lib.shape_names())
     raise KvjaxError(f"unknown model shape '{name}'; use one of {known} or a path to a YAML file")
   return config_lib.load(path)
 

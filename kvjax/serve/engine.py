@@ -48,7 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
-from kvjax import decode, paged
+from kvjax import decode
+from kvjax.cache import paged
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
 

@@ -15,7 +15,7 @@ grow. Only one block of codes is ever widened at a time (XLA:CPU materializes th
 converted operand of a dot), so no full-precision copy of the cache exists.
 
 Adding a variant = one function with the `grouped` signature + one `ATTENTIONS` entry.
-`pallas` (kvjax.pallas_attention) is `grouped` with each segment read by a Pallas kernel.
+`pallas` (kvjax.attention.pallas) is `grouped` with each segment read by a Pallas kernel.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments,
             attend_segment=None) -> jax.Array:
   """Grouped-query attention over stored segments + the new tokens. Returns [B, T, H, D].
   `attend_segment(q_BKGTD, seg, state) -> state` reads one stored segment (default: the
-  XLA blockwise read; `kvjax.pallas_attention` plugs in its kernel)."""
+  XLA blockwise read; `kvjax.attention.pallas` plugs in its kernel)."""
   B, T, H, D = q_BTHD.shape
   K = k_BTKD.shape[2]
   G = H // K
@@ -168,4 +168,4 @@ def reference(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments) -> jax.Array:
 
 ATTENTIONS = {"grouped": grouped, "reference": reference}
 
-from kvjax import pallas_attention  # noqa: E402,F401  registers "pallas" (after ATTENTIONS)
+from kvjax.attention import pallas as pallas_attention  # noqa: E402,F401  registers "pallas" (after ATTENTIONS)

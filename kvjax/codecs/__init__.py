@@ -7,7 +7,7 @@ quantized codec can fold its scales into the logits and probabilities instead of
 materialising a full-precision copy of the cache.
 
 Adding a codec = one class here (or in its own module) + one `register()` call. The
-quantized codecs (int8/int4/int2, fp8_e4m3/fp8_e5m2) live in `kvjax.quant`, imported at the
+quantized codecs (int8/int4/int2, fp8_e4m3/fp8_e5m2) live in `kvjax.codecs.quant`, imported at the
 bottom of this module so the registry is always complete.
 
 Registry codecs are generic; `for_role(name, cache_cfg, "k"|"v")` returns the instance a
@@ -226,4 +226,4 @@ def check_cache_config(cache_cfg, model_cfg) -> None:
     check(cache_cfg, model_cfg)
 
 
-from kvjax import quant  # noqa: E402,F401  (registers the quantized codecs and their checks)
+from kvjax.codecs import quant  # noqa: E402,F401  (registers the quantized codecs and their checks)

@@ -26,7 +26,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  vocab_size: int = 260          # V: 256 bytes + specials (kvjax.tokenizer.BYTE_VOCAB)
+  vocab_size: int = 260          # V: 256 bytes + specials (kvjax.io.tokenizer.BYTE_VOCAB)
   d_model: int = 64              # E
   n_layers: int = 2              # L
   n_heads: int = 4               # H
@@ -44,7 +44,7 @@ class ModelConfig:
   scan_unroll: int = 1           # layers are scanned; >= n_layers: prefill, decode and serve
                                  # run them unrolled over per-layer weights (model.unrolled)
   max_seq_len: int = 4096        # longest position the model is meant for (RoPE tables, checks)
-  latent_rank: int = 0           # > 0: rank-r K/V projections, cacheable as latents (kvjax.latent)
+  latent_rank: int = 0           # > 0: rank-r K/V projections, cacheable as latents (kvjax.cache.latent)
 
   @property
   def D(self) -> int:
@@ -320,6 +320,23 @@ def parse_set(items: list[str] | None) -> dict[str, Any]:
   return out
 
 
+SHAPES_DIR = Path(__file__).resolve().parent.parent / "shapes"  # package data
+
+
+def shape_names() -> list[str]:
+  """Real model shapes shipped inside the package (`kvjax/shapes/<name>.yaml`)."""
+  return sorted(p.stem for p in SHAPES_DIR.glob("*.yaml"))
+
+
+def shape_path(ref: str | Path) -> Path:
+  """A config file path, or the packaged shape a bare name (`llama3-8b`) stands for."""
+  path = Path(ref)
+  if not path.is_file() and path.suffix == "" and path.name == str(ref) \
+      and (SHAPES_DIR / f"{ref}.yaml").is_file():
+    return SHAPES_DIR / f"{ref}.yaml"
+  return path
+
+
 def load(path: str | Path | None, overrides: list[str] | dict | None = None,
          check: bool = True) -> Config:
   """Load a YAML config file (or defaults when path is None) and apply --set overrides
@@ -327,9 +344,10 @@ def load(path: str | Path | None, overrides: list[str] | dict | None = None,
   `cache.codec` from either)."""
   data: dict = {}
   if path is not None:
-    path = Path(path)
+    path = shape_path(path)
     if not path.is_file():
-      raise KvjaxError(f"config file not found: {path}")
+      raise KvjaxError(f"config file not found: {path}; name a YAML file or a packaged "
+                       f"model shape ({', '.join(shape_names())})")
     try:
       data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:

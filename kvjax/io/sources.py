@@ -38,7 +38,7 @@ class Source:
 
 def parse(spec: str) -> Source:
   """`KIND:REF`, or a bare path / model name whose kind is inferred."""
-  from kvjax import zoo
+  from kvjax.io import zoo
 
   spec = str(spec)
   kind, sep, ref = spec.partition(":")
@@ -72,23 +72,26 @@ def from_args(args) -> Source:
 def load_config(src: Source, overrides: dict | None = None) -> config_lib.Config:
   """The model's Config without reading weights (what `kvjax size` needs)."""
   if src.kind == "gguf":
-    from kvjax import gguf, zoo
+    from kvjax.io import gguf
+    from kvjax.io import zoo
     return gguf.load_config(zoo.resolve_gguf(src.ref), overrides)
   if src.kind == "hf":
-    from kvjax import hf
+    from kvjax.io import hf
     return hf.load_config(src.ref, overrides)
   if src.kind == "checkpoint":
-    from kvjax import checkpoint
+    from kvjax.io import checkpoint
     return checkpoint.read_config(src.ref, overrides)
   return config_lib.load(src.ref or None, overrides)
 
 
 def load(src: Source, overrides: dict | None = None):
   """(Config, params, tokenizer or None) for a source; `overrides` are dotted config keys."""
-  from kvjax import tokenizer
+  from kvjax.io import tokenizer
 
   if src.kind == "gguf":
-    from kvjax import gguf, memory, zoo
+    from kvjax import memory
+    from kvjax.io import gguf
+    from kvjax.io import zoo
     path = zoo.resolve_gguf(src.ref)
     # weights are dequantized to model.param_dtype: refuse before reading them when they
     # cannot fit (hf and checkpoint loads check the same inside their own load)
@@ -96,11 +99,11 @@ def load(src: Source, overrides: dict | None = None):
     cfg, params = gguf.load(path, overrides)
     folder = None
   elif src.kind == "hf":
-    from kvjax import hf
+    from kvjax.io import hf
     cfg, params = hf.load(src.ref, overrides=overrides)
     folder = src.ref
   elif src.kind == "checkpoint":
-    from kvjax import checkpoint
+    from kvjax.io import checkpoint
     cfg, params = checkpoint.load(src.ref, overrides=overrides)
     folder = None
   else:

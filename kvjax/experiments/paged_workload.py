@@ -2,7 +2,7 @@
 
 One cell = one attention variant x codec x layout at a fixed cache memory budget
 (`params.budget_kib`, the same bytes for every codec, so smaller codecs hold more tokens).
-A seeded synthetic stream (`stream`) is served to completion by `kvjax.engine.Engine`:
+A seeded synthetic stream (`stream`) is served to completion by `kvjax.serve.engine.Engine`:
 
   - `contiguous`: every admitted request reserves `cache.capacity` token slots (max-length
     reservation), so the budget fixes the number of slots;
@@ -29,7 +29,8 @@ import numpy as np
 
 import experiments as ex
 from kvjax import config as config_lib
-from kvjax import engine, metrics
+from kvjax import metrics
+from kvjax.serve import engine
 from kvjax.errors import KvjaxError
 
 

@@ -1,0 +1,1 @@
+"""Serving: the continuous-batching engine (host scheduler, page allocator) and its device step."""

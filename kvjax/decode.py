@@ -1,11 +1,13 @@
 """Prefill and the decode loop: jit-compiled, cache donated, one compile per shape.
 
-    prefill(params, tokens_BT, lengths_B, cache, key)  -> first token_B, cache
-    decode(params, cache, token_B, key, steps)         -> tokens_BN, cache  (lax.scan)
+    prefill(params, tokens_BT, lengths_B, cache, key, spec=, sampler=)  -> token_B, logits, cache
+    decode(params, cache, token_B, key, spec=, sampler=, steps=)         -> tokens_BN, cache
 
-Both go through the cache layout's `forward`, so `none` (recompute) and `contiguous`
-(and later layouts) share this loop. The loop state is a small dataclass, as in Gemma's
-sampler. Lengths vary as data, never as shapes, so N steps never retrace.
+Both make one model call per step through `forward`: the model reads and writes the cache
+through its layout (`kvjax.cache`), or, for layout `none`, `forward` recomputes the whole
+prefix (the recompute mode). What jit hashes is `Static` (model, cache and mesh configs,
+eos) and the `Sampler`, never the experiment Config. The loop state is a small dataclass,
+as in Gemma's sampler. Lengths vary as data, never as shapes, so N steps never retrace.
 """
 
 from __future__ import annotations
@@ -21,14 +23,30 @@ import numpy as np
 from flax import struct
 
 from kvjax import cache as cache_lib
-from kvjax.cache import compact
+from kvjax import evict
 from kvjax import model as model_lib
 from kvjax import sharding
-from kvjax.config import Config
+from kvjax.config import CacheConfig, Config, MeshConfig, ModelConfig
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
 
 TRACES = {"prefill": 0, "decode": 0}  # incremented at trace time; tests count compilations
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """What the compiled programs depend on, and all that jit hashes besides the sampler:
+  the model, the cache config (layout, codecs, policy), the mesh and the eos id. A change
+  to anything else in an experiment's Config (train, grid, params, name) never retraces."""
+
+  model: ModelConfig
+  cache: CacheConfig
+  mesh: MeshConfig
+  eos_id: int = -1
+
+  @classmethod
+  def of(cls, cfg: Config) -> "Static":
+    return cls(cfg.model, cfg.cache, cfg.mesh, cfg.workload.eos_id)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +103,8 @@ def prepare_params(cfg: Config, params):
   return jax.jit(lambda p: jax.tree.map(cast, model_lib.split_layers(p)))(params)
 
 
-def network(cfg: Config, params, **kw) -> tuple[Transformer, Any]:
-  """The network for these params. Split ones (`prepare_params`) run the switched layer
+def network(cfg: Config | Static, params, **kw) -> tuple[Transformer, Any]:
+  """The network of `cfg.model` for these params. Split ones (`prepare_params`) run the switched layer
   scan (the default) or, when `model.unrolled`, the unrolled loop. Stacked ones run the
   nn.scan program, which copies every weight matrix on every step (kept as the reference
   the others are tested against), or are split here, inside the program, when unrolled."""
@@ -97,35 +115,49 @@ def network(cfg: Config, params, **kw) -> tuple[Transformer, Any]:
   return Transformer(cfg.model, **kw), params
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampler"), donate_argnames=("cache",))
-def prefill(params, tokens_BT, lengths_B, cache, key, *, cfg: Config, sampler: Sampler):
-  """Run the (right-padded, ragged) prompts; return the first sampled token and the cache."""
+def forward(model: Transformer, params, tokens_BT, positions_BT, cache):
+  """One model call that reads and writes `cache`: `(logits, cache)`. With layout `none`
+  (a `TokenBuffer`) this is the recompute mode: the ids are appended and the whole prefix
+  runs again, logits kept only where wanted (each row's last token with `logits_last`,
+  else this call's T positions), never at all S recomputed positions."""
+  if cache.spec.layout != "none":
+    return model.apply({"params": params}, tokens_BT, positions_BT, cache)
+  buf = cache_lib.get("none").write(cache, tokens_BT, positions_BT)
+  S = buf.tokens.shape[1]
+  pos_S = jnp.arange(S, dtype=jnp.int32)
+  pos_BS = jnp.where(pos_S[None, :] < buf.lengths[:, None], pos_S[None, :], -1)
+  at = None if model.logits_last else jnp.clip(positions_BT, 0, S - 1)
+  logits_BTV, _ = model.apply({"params": params}, buf.tokens, pos_BS, None, logits_at=at)
+  return logits_BTV, buf
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "sampler"), donate_argnames=("cache",))
+def prefill(params, tokens_BT, lengths_B, cache, key, *, spec: Static, sampler: Sampler):
+  """Run the (right-padded, ragged) prompts; return the first sampled token, its logits
+  and the cache."""
   TRACES["prefill"] += 1
   T = tokens_BT.shape[1]
   t = jnp.arange(T, dtype=jnp.int32)[None, :]
   positions_BT = jnp.where(t < lengths_B[:, None], cache.lengths[:, None] + t, -1)
-  model, params = network(cfg, params, logits_last=True)  # lm_head on each row's last token
-  layout = cache_lib.LAYOUTS[cache.spec.layout]
-  logits_B1V, cache = layout.forward(model, params, tokens_BT, positions_BT, cache)
-  cache = sharding.constrain_cache(cache, cfg)  # keep the mesh layout (no-op on one device)
+  model, params = network(spec, params, logits_last=True)  # lm_head on each row's last token
+  logits_B1V, cache = forward(model, params, tokens_BT, positions_BT, cache)
+  cache = sharding.constrain_cache(cache, spec)  # keep the mesh layout (no-op on one device)
   last_BV = logits_B1V[:, 0]
   return sampler(last_BV, key), last_BV, cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampler", "steps"),
+@functools.partial(jax.jit, static_argnames=("spec", "sampler", "steps"),
                    donate_argnames=("cache",))
-def decode(params, cache, token_B, key, *, cfg: Config, sampler: Sampler, steps: int):
+def decode(params, cache, token_B, key, *, spec: Static, sampler: Sampler, steps: int):
   """`steps` decode steps in one `lax.scan`; returns the sampled tokens [B, steps]."""
   TRACES["decode"] += 1
-  model, params = network(cfg, params)
-  layout = cache_lib.LAYOUTS[cache.spec.layout]
-  eos = cfg.workload.eos_id
+  model, params = network(spec, params)
+  eos = spec.eos_id
 
   def step(state: LoopState, _):
     positions_B1 = state.cache.lengths[:, None]
-    logits, new_cache = layout.forward(model, params, state.token[:, None], positions_B1,
-                                       state.cache)
-    new_cache = sharding.constrain_cache(new_cache, cfg)
+    logits, new_cache = forward(model, params, state.token[:, None], positions_B1, state.cache)
+    new_cache = sharding.constrain_cache(new_cache, spec)
     key, sub = jax.random.split(state.key)
     nxt = sampler(logits[:, 0], sub)
     if eos >= 0:
@@ -203,11 +235,11 @@ def generate(cfg: Config, params, prompts: list[list[int]], max_new_tokens: int,
 
   t0 = time.perf_counter()
   c0 = fresh()
-  # cache.policy other than full: prefill, then compact to the budget (kvjax.cache.compact)
-  program = compact.prefill_program(cfg, prefill)
-  pre = program.lower(params, tokens, lengths, c0, k_prefill, cfg=cfg, sampler=sampler).compile()
+  # cache.policy other than full: prefill, then compact to the budget (kvjax.evict)
+  program, spec = evict.prefill_program(cfg, prefill), Static.of(cfg)
+  pre = program.lower(params, tokens, lengths, c0, k_prefill, spec=spec, sampler=sampler).compile()
   tok0, _, c1 = pre(params, tokens, lengths, c0, k_prefill)
-  dec = decode.lower(params, c1, tok0, k_decode, cfg=cfg, sampler=sampler,
+  dec = decode.lower(params, c1, tok0, k_decode, spec=spec, sampler=sampler,
                      steps=max(steps, 0)).compile() if steps > 0 else None
   compile_s = time.perf_counter() - t0
   _block(c1)

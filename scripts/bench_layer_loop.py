@@ -71,7 +71,7 @@ def main() -> None:
           dataclasses.replace(c, lengths=jnp.full((B,), a.context, jnp.int32)))
 
     t0 = time.perf_counter()
-    comp = decode.decode.lower(params, fresh(), tok, key, cfg=cfg, sampler=sampler,
+    comp = decode.decode.lower(params, fresh(), tok, key, spec=decode.Static.of(cfg), sampler=sampler,
                                steps=steps).compile()
     compile_s = time.perf_counter() - t0
     temp = comp.memory_analysis().temp_size_in_bytes

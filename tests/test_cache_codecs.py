@@ -34,12 +34,12 @@ def teacher_forced(params, cache):
   """Prefill the ragged prompts, then feed TOKS one at a time: logits [B, N, V] per step."""
   m = model.Transformer(tiny()[0].model)
   t = jnp.arange(P)[None]
-  _, cache = cache.layout.forward(m, params, TOKS[:, :P], jnp.where(t < LENS[:, None], t, -1),
+  _, cache = decode.forward(m, params, TOKS[:, :P], jnp.where(t < LENS[:, None], t, -1),
                                   cache)
 
   def step(c, _):
     tok = jnp.take_along_axis(jnp.asarray(TOKS), c.lengths[:, None], axis=1)
-    logits, c = c.layout.forward(m, params, tok, c.lengths[:, None], c)
+    logits, c = decode.forward(m, params, tok, c.lengths[:, None], c)
     return c, logits[:, 0]
 
   _, logits = jax.lax.scan(step, cache, None, length=N)
@@ -155,7 +155,7 @@ class FakeQuant(cache_lib.Contiguous):
 
   def write(self, cache, k_LBTKD, v_LBTKD, positions_BT):
     slots = jnp.where(positions_BT >= 0, positions_BT, cache.spec.capacity)
-    put = lambda s, new: cache_lib._scatter(slots)(s, jnp.swapaxes(new, 2, 3))  # noqa: E731
+    put = lambda s, new: cache_lib.scatter(slots)(s, jnp.swapaxes(new, 2, 3))  # noqa: E731
     return dataclasses.replace(cache, k=put(cache.k, k_LBTKD), v=put(cache.v, v_LBTKD),
                                lengths=cache.lengths + jnp.sum(positions_BT >= 0, 1))
 
@@ -246,7 +246,7 @@ def test_decode_step_never_materializes_a_dequantized_cache(name):
   net = model.Transformer(m)
 
   def step(params, tok, c):
-    return c.layout.forward(net, params, tok, c.lengths[:, None], c)
+    return decode.forward(net, params, tok, c.lengths[:, None], c)
 
   compiled = jax.jit(step, donate_argnums=2).lower(
       params, jax.ShapeDtypeStruct((1, 1), jnp.int32), cache).compile()

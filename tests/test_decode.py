@@ -82,10 +82,10 @@ def _cache_copies(cfg, B=2, S=24):
   params = tiny_params(cfg)
   cache, key, sampler = cache_lib.init_cache(cfg, B, S), jax.random.PRNGKey(0), decode.Sampler()
   tok_B = jnp.zeros((B,), jnp.int32)
-  hlo = decode.decode.lower(params, cache, tok_B, key, cfg=cfg, sampler=sampler,
+  hlo = decode.decode.lower(params, cache, tok_B, key, spec=decode.Static.of(cfg), sampler=sampler,
                             steps=3).compile().as_text() + \
       decode.prefill.lower(params, jnp.zeros((B, 5), jnp.int32), tok_B + 5, cache, key,
-                           cfg=cfg, sampler=sampler).compile().as_text()
+                           spec=decode.Static.of(cfg), sampler=sampler).compile().as_text()
   shapes = {f"[{','.join(map(str, a.shape))}]" for a in jax.tree.leaves(cache) if a.ndim == 5}
   return [ln for ln in hlo.splitlines()
           if " copy(" in ln and any(sh in ln.split(" copy(")[0] for sh in shapes)]

@@ -33,7 +33,7 @@ def _writes(K, seed=0):
 
 
 def _attend(cache, q_BTHD, k_BTKD, v_BTKD, positions_BT, layer):
-  segs = cache.layout.segments(cache.spec, cache.layer_stores(), cache.lengths, layer=layer)
+  segs = cache_lib.segments(cache, layer)
   return attention.grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segs)
 
 
@@ -81,9 +81,9 @@ def _model_logits(params, tokens_BT, lengths_B, *, cfg):
   cache = cache_lib.init_cache(cfg, tokens_BT.shape[0], 16)
   t = jnp.arange(tokens_BT.shape[1])[None]
   positions = jnp.where(t < lengths_B[:, None], t, -1)
-  pre_BTV, cache = cache.layout.forward(model, params, tokens_BT, positions, cache)
+  pre_BTV, cache = decode.forward(model, params, tokens_BT, positions, cache)
   nxt_B1 = jnp.argmax(pre_BTV[jnp.arange(tokens_BT.shape[0]), lengths_B - 1], -1)[:, None]
-  step_B1V, _ = cache.layout.forward(model, params, nxt_B1, lengths_B[:, None], cache)
+  step_B1V, _ = decode.forward(model, params, nxt_B1, lengths_B[:, None], cache)
   return jnp.where(positions[..., None] >= 0, pre_BTV, 0), step_B1V
 
 

@@ -165,12 +165,12 @@ def teacher_forced(cfg, params, tokens_BN, lens_B, capacity):
   @jax.jit
   def run(params, cache):
     t = jnp.arange(P)[None]
-    _, c = cache.layout.forward(net, params, tokens_BN[:, :P],
+    _, c = decode.forward(net, params, tokens_BN[:, :P],
                                 jnp.where(t < lens_B[:, None], t, -1), cache)
 
     def step(c, _):
       tok = jnp.take_along_axis(tokens_BN, c.lengths[:, None], axis=1)
-      logits, c = c.layout.forward(net, params, tok, c.lengths[:, None], c)
+      logits, c = decode.forward(net, params, tok, c.lengths[:, None], c)
       return c, logits[:, 0]
 
     return jax.lax.scan(step, c, None, length=tokens_BN.shape[1] - P - 1)[1]
@@ -285,7 +285,7 @@ def _program(cfg, params, B=2, S=24):
   """Compiled decode (4 steps) for these params: its HLO text and temporary bytes."""
   cache = cache_lib.init_cache(cfg, B, S)
   comp = decode.decode.lower(params, cache, jnp.zeros((B,), jnp.int32), jax.random.PRNGKey(0),
-                             cfg=cfg, sampler=decode.Sampler(), steps=4).compile()
+                             spec=decode.Static.of(cfg), sampler=decode.Sampler(), steps=4).compile()
   return comp.as_text(), comp.memory_analysis().temp_size_in_bytes
 
 
@@ -340,8 +340,8 @@ def _tokens_and_cache(cfg, params, prompts, n):
   tokens, lengths = decode.pad_prompts(prompts)
   sampler, key = decode.Sampler(), jax.random.PRNGKey(0)
   cache = cache_lib.init_cache(cfg, len(prompts), tokens.shape[1] + n)
-  tok, _, cache = decode.prefill(params, tokens, lengths, cache, key, cfg=cfg, sampler=sampler)
-  rest, cache = decode.decode(params, cache, tok, key, cfg=cfg, sampler=sampler, steps=n - 1)
+  tok, _, cache = decode.prefill(params, tokens, lengths, cache, key, spec=decode.Static.of(cfg), sampler=sampler)
+  rest, cache = decode.decode(params, cache, tok, key, spec=decode.Static.of(cfg), sampler=sampler, steps=n - 1)
   return np.concatenate([np.asarray(tok)[:, None], np.asarray(rest)], 1), cache
 
 

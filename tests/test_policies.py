@@ -1,4 +1,4 @@
-"""Token eviction policies and compaction (kvjax/policies, kvjax/compact.py).
+"""Token eviction policies and compaction (kvjax/policies, kvjax/cache/compact.py, kvjax/evict.py).
 
 Selection is checked on hand-made keys and queries whose kept set follows from each
 policy's definition; decoding from a compacted cache is checked against a full forward
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import tiny_config, tiny_params
 
-from kvjax import attention, cache as cache_lib, cli, decode, policies
+from kvjax import attention, cache as cache_lib, cli, decode, evict, policies
 from kvjax.cache import compact
 from kvjax import model as model_lib
 from kvjax.errors import KvjaxError
@@ -125,13 +125,13 @@ def run_cached(cfg, params, prompts=PROMPTS, cont=CONT):
   Returns the logits [B, 1 + len(cont), V] (prefill's last, then one per step) and caches."""
   tokens, lengths = decode.pad_prompts(prompts)
   c0 = cache_lib.init_cache(cfg, len(prompts), tokens.shape[1] + len(cont[0]))
-  program = compact.prefill_program(cfg, decode.prefill)
+  program = evict.prefill_program(cfg, decode.prefill)
   sampler = decode.Sampler()
   key = jax.random.PRNGKey(0)
-  _, last, cache = program.lower(params, tokens, lengths, c0, key, cfg=cfg,
+  _, last, cache = program.lower(params, tokens, lengths, c0, key, spec=decode.Static.of(cfg),
                                  sampler=sampler).compile()(params, tokens, lengths, c0, key)
   model, p = decode.network(cfg, params)
-  step = jax.jit(lambda c, t: c.layout.forward(model, p, t, c.lengths[:, None], c))
+  step = jax.jit(lambda c, t: decode.forward(model, p, t, c.lengths[:, None], c))
   out, caches = [last], [cache]
   for i in range(len(cont[0])):
     logits, cache = step(cache, jnp.array([[c[i]] for c in cont], jnp.int32))
@@ -329,11 +329,11 @@ def test_continuation_logprobs_full_and_unbudgeted_equal_the_full_forward():
   logits, _ = model_lib.Transformer(cfg.model).apply({"params": params}, jnp.asarray(toks),
                                                       jnp.arange(16)[None].repeat(2, 0))
   want = jax.nn.log_softmax(logits[:, 9:15], axis=-1)  # predictions of tokens 10..15
-  got, _ = compact.continuation_logprobs(cfg, params, toks[:, :10], toks[:, 10:])
+  got, _ = evict.continuation_logprobs(cfg, params, toks[:, :10], toks[:, 10:])
   np.testing.assert_allclose(got, want, atol=1e-5)
   kcfg = tiny_config(**{"cache.policy": "knorm", "cache.budget": 10})
-  got_k, nbytes = compact.continuation_logprobs(kcfg, params, toks[:, :10], toks[:, 10:])
+  got_k, nbytes = evict.continuation_logprobs(kcfg, params, toks[:, :10], toks[:, 10:])
   np.testing.assert_allclose(got_k, want, atol=1e-5)
   wcfg = tiny_config(**{"cache.policy": "window", "cache.budget": 4})
-  got_w, nbytes_w = compact.continuation_logprobs(wcfg, params, toks[:, :10], toks[:, 10:])
+  got_w, nbytes_w = evict.continuation_logprobs(wcfg, params, toks[:, :10], toks[:, 10:])
   assert nbytes_w < nbytes and np.max(np.abs(np.asarray(got_w - want))) > 1e-4

@@ -13,11 +13,11 @@ Grid: (batch, kv head, query-row tile, split of the token axis). Each split runs
 softmax over its blocks up to its row's last valid slot (at most the live length: a loop
 with a data-dependent trip count, so nothing retraces as the cache fills and a short row
 of a ragged batch stops early) and writes a partial (m, l, acc); the splits, the
-other segments and the new tokens are merged in XLA by `attention.grouped` ("flash
+other segments and the new tokens are merged in XLA by `xla.grouped` ("flash
 decoding"). Query rows are the G query heads x T new tokens of one kv head, padded to a
 power of two; below 16 rows (decode) the kernel multiply-reduces instead of `dot`.
 
-Falls back to the XLA read (`attention._attend_segment`) for segments it does not take:
+Falls back to the XLA read (`xla.attend_segment`) for segments it does not take:
 per-channel key scales (`cache.k_axis=channel`, whose scales span token blocks).
 Off GPU the kernel runs in Pallas interpret mode (slow, for tests and smoke runs).
 Shape limits (checked on the host, one-line `KvjaxError`): head_dim and the page size must
@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kvjax import attention, codecs
-from kvjax.codecs import quant
+from kvjax.attention import base, xla
+from kvjax.codecs import base as codec_base, packing, quant
 from kvjax.errors import KvjaxError
 
 BLOCK = 64        # contiguous storage: stored tokens per kernel step (a power of two)
@@ -59,13 +59,9 @@ def check_shapes(head_dim: int, page_size: int = 0) -> None:
                      f"{page_size}; set cache.page_size=16 (or use model.attention=grouped)")
 
 
-def _check_config(c, m) -> None:
-  """Config-time hook (`codecs.CACHE_CHECKS`): the same limits, before anything is traced."""
-  if m is not None and m.attention == "pallas":
-    check_shapes(m.D, c.page_size if c.layout == "paged" else 0)
-
-
-codecs.CACHE_CHECKS.append(_check_config)
+def check_config(c, m) -> None:
+  """The registry's config check (`attention.check`): the same limits, before tracing."""
+  check_shapes(m.D, c.page_size if c.layout == "paged" else 0)
 
 
 def _kernel_reads(codec) -> bool:
@@ -88,12 +84,12 @@ def _dequant(codec, load, chunk):
   reads that leaf's columns for the block's tokens."""
   _, cs, off, shift, j = chunk
   if not isinstance(codec, quant.ScaledCodec):
-    return codecs.load_bits(load("x", 0, cs), codec.dtype).astype(jnp.float32)
-  raw, s = load("codes", off, cs), quant._meta(load("scale", j, 1))
+    return codec_base.load_bits(load("x", 0, cs), codec.dtype).astype(jnp.float32)
+  raw, s = load("codes", off, cs), packing.load_meta(load("scale", j, 1))
   if codec.asym:
     c = ((raw >> shift) & (2 ** codec.bits - 1)).astype(jnp.float32)
-    return quant._meta(load("zero", j, 1)) + (c - codec.half) * s
-  return codecs.load_bits(raw, codec.dtype).astype(jnp.float32) * s
+    return packing.load_meta(load("zero", j, 1)) + (c - codec.half) * s
+  return codec_base.load_bits(raw, codec.dtype).astype(jnp.float32) * s
 
 
 def _mm(a, b, contract_b: int, dt):
@@ -136,7 +132,7 @@ def _kernel(meta_ref, q_ref, mask_ref, bt_ref, *refs, names, kc, vc, S, C, per_s
     for ch in k_chunks:
       q = q_ref[:, pl.ds(ch[0], ch[1])].astype(f32)
       logits += _mm(q, _dequant(kc, load_from(k_refs), ch), 1, q_ref.dtype)
-    logits = jnp.where(valid[None, :], logits, attention.MASKED)
+    logits = jnp.where(valid[None, :], logits, base.MASKED)
     m_new = jnp.maximum(m, jnp.max(logits, axis=1))
     p = jnp.where(valid[None, :], jnp.exp(logits - m_new[:, None]), 0.0)
     corr = jnp.exp(m - m_new)
@@ -147,7 +143,7 @@ def _kernel(meta_ref, q_ref, mask_ref, bt_ref, *refs, names, kc, vc, S, C, per_s
   s = pl.program_id(3)
   lo = s * per_split
   hi = jnp.minimum(lo + per_split, (end + C - 1) // C)
-  init = (jnp.full((Rb,), attention.MASKED, f32), jnp.zeros((Rb,), f32),
+  init = (jnp.full((Rb,), base.MASKED, f32), jnp.zeros((Rb,), f32),
           tuple(jnp.zeros((Rb, ch[1]), f32) for ch in v_chunks))
   m, l, accs = jax.lax.fori_loop(lo, hi, block, init)
   m_ref[...] = m
@@ -222,7 +218,7 @@ def segment_state(q_BKGTD, seg):
 
 def merge(state, m_BKXGT, l_BKXGT, acc_BKXGTD):
   """Fold the splits' partial states into the running (m, l, acc) (the online-softmax
-  rescaling of `attention._update`, with a partial state in place of a block of logits)."""
+  rescaling of `base.update`, with a partial state in place of a block of logits)."""
   m0, l0, acc0 = state
   m = jnp.maximum(m0, jnp.max(m_BKXGT, axis=2))
   c0, c = jnp.exp(m0 - m), jnp.exp(m_BKXGT - m[:, :, None])
@@ -231,18 +227,17 @@ def merge(state, m_BKXGT, l_BKXGT, acc_BKXGTD):
 
 
 def attend_segment(q_BKGTD, seg, state):
-  """`attention._attend_segment` with the kernel's read, or the XLA read where it has none."""
+  """`xla.attend_segment` with the kernel's read, or the XLA read where it has none."""
   if seg.mask_BS.shape[1] == 0:
     return state
   if not (_kernel_reads(seg.k_codec) and _kernel_reads(seg.v_codec)):
-    return attention._attend_segment(q_BKGTD, seg, state)
+    return xla.attend_segment(q_BKGTD, seg, state)
   return merge(state, *segment_state(q_BKGTD, seg))
 
 
 def pallas(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments) -> jax.Array:
-  """`attention.grouped` with every stored segment read by the Pallas kernel."""
-  return attention.grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments,
-                           attend_segment=attend_segment)
+  """`xla.grouped` with every stored segment read by the Pallas kernel."""
+  return xla.grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, read=attend_segment)
 
 
-attention.ATTENTIONS["pallas"] = pallas
+base.register("pallas", pallas, check=check_config)

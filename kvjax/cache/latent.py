@@ -36,8 +36,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax import cache as cache_lib
 from kvjax import codecs
+from kvjax.cache import base
+from kvjax.model.rope import apply_rope, rope_cos_sin
 from kvjax.errors import KvjaxError
 
 
@@ -47,7 +48,7 @@ def full_rank(m) -> int:
 
 
 def check_config(c, m) -> None:
-  """Host-side checks (hooked into `config.validate`)."""
+  """Host-side checks (`Latent.check`): the rank of any model, and what the layout needs."""
   if m.latent_rank < 0 or m.latent_rank > full_rank(m):
     raise KvjaxError(f"model.latent_rank={m.latent_rank} must be in [0, {full_rank(m)}] "
                      "(0: dense K/V; at most min(d_model, 2 * n_kv_heads * head_dim))")
@@ -61,23 +62,15 @@ def check_config(c, m) -> None:
                      "cache.k_axis=token")
 
 
-codecs.CACHE_CHECKS.append(check_config)
-
 
 @struct.dataclass
 class LatentCache:
   c: Any                 # K codec storage of the latents, leaves [L, B, 1, S, r]
   lengths: jax.Array     # [B] int32: tokens held per sequence
-  spec: cache_lib.CacheSpec = struct.field(pytree_node=False)
+  spec: base.CacheSpec = struct.field(pytree_node=False)
   up: Any = None         # [L, r, 2·K·D] and [L, 2·K·D]: the model's up-projection and K/V
-  bias: Any = None       # bias, attached by `forward` for one call only (weights, not cache)
-
-  @property
-  def layout(self) -> "Latent":
-    return cache_lib.LAYOUTS["latent"]
-
-  def layer_stores(self) -> Any:
-    return (self.c, self.up, self.bias)
+  bias: Any = None       # bias, attached for one model call only (`Latent.attach`; weights,
+                         # not cache: `write` detaches them)
 
 
 def weights(params, m) -> tuple[jax.Array, jax.Array]:
@@ -99,26 +92,29 @@ def weights(params, m) -> tuple[jax.Array, jax.Array]:
   return up.astype(jnp.float32), bias.astype(jnp.float32)
 
 
-class Latent(cache_lib.Layout):
+class Latent(base.Layout):
   """`capacity` slots per sequence of one rank-r latent per layer; position p in slot p."""
 
   name = "latent"
 
-  def init(self, spec: cache_lib.CacheSpec) -> LatentCache:
+  def check(self, cache_cfg, model_cfg) -> None:
+    check_config(cache_cfg, model_cfg)
+
+  def init(self, spec: base.CacheSpec) -> LatentCache:
     m = spec.model_cfg
     shape = (spec.n_layers, spec.batch, 1, spec.capacity, m.latent_rank)
-    return LatentCache(c=spec.kc.init(shape, spec.cache_cfg),
+    return LatentCache(c=spec.kc.init(shape),
                        lengths=jnp.zeros((spec.batch,), jnp.int32), spec=spec)
 
-  def forward(self, model, params, tokens_BT, positions_BT, cache: LatentCache):
+  def attach(self, cache: LatentCache, params) -> LatentCache:
     up, bias = weights(params, cache.spec.model_cfg)
-    logits, cache = model.apply({"params": params}, tokens_BT, positions_BT,
-                                dataclasses.replace(cache, up=up, bias=bias))
-    return logits, dataclasses.replace(cache, up=None, bias=None)
+    return dataclasses.replace(cache, up=up, bias=bias)
 
-  def segments(self, spec, layer_store, lengths_B, layer=None):
-    from kvjax.model import apply_rope, rope_cos_sin
-    c, up, bias = layer_store
+  def store(self, cache: LatentCache) -> Any:
+    return (cache.c, cache.up, cache.bias)
+
+  def read(self, spec, store, lengths_B, layer):
+    c, up, bias = store
     m = spec.model_cfg
     B, S, K, D = spec.batch, spec.capacity, spec.n_kv_heads, spec.head_dim
     c_B1SR = jax.tree.map(lambda a: a[layer], c)
@@ -130,13 +126,10 @@ class Latent(cache_lib.Layout):
     k_BSKD = apply_rope(k_BSKD, cos, sin)  # RoPE after the up-projection, at slot = position
     mask_BS = jnp.arange(S)[None, :] < lengths_B[:, None]
     f32 = codecs.get("fp32")
-    return [cache_lib.Segment(k_BSKD.transpose(0, 2, 1, 3), v_BSKD.transpose(0, 2, 1, 3), mask_BS,
-                              f32, f32, live=jnp.max(lengths_B))]
-
-  segments.stacked = True  # the store rides whole; `segments` takes its layer itself
+    return [base.Segment(k_BSKD.transpose(0, 2, 1, 3), v_BSKD.transpose(0, 2, 1, 3), mask_BS,
+                         f32, f32, live=jnp.max(lengths_B))]
 
   def write(self, cache: LatentCache, k_LBTKD, v_LBTKD, positions_BT) -> LatentCache:
-    from kvjax.model import apply_rope, rope_cos_sin
     spec = cache.spec
     L, B, T, K, D = k_LBTKD.shape
     cos, sin = rope_cos_sin(positions_BT, spec.model_cfg)
@@ -147,17 +140,17 @@ class Latent(cache_lib.Layout):
                                v_LBTKD.astype(jnp.float32).reshape(L, B, T, K * D)], axis=-1)
     c_LBTR = jnp.einsum("lbtx,lrx->lbtr", kv_LBTX - cache.bias[:, None, None], cache.up)
     slots_BT = jnp.where(positions_BT >= 0, positions_BT, spec.capacity)  # padding: dropped
-    new = spec.kc.encode(c_LBTR[:, :, None], spec.cache_cfg)
-    c = jax.tree.map(cache_lib._scatter(slots_BT), cache.c, new)
+    new = spec.kc.encode(c_LBTR[:, :, None])
+    c = jax.tree.map(base.scatter(slots_BT), cache.c, new)
     lengths = cache.lengths + jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
-    return dataclasses.replace(cache, c=c, lengths=lengths)
+    return dataclasses.replace(cache, c=c, lengths=lengths, up=None, bias=None)
 
-  def closed_form_bytes(self, spec: cache_lib.CacheSpec) -> int:
-    per_token = spec.kc.bytes_per_token(1, spec.model_cfg.latent_rank, spec.cache_cfg)
+  def closed_form_bytes(self, spec: base.CacheSpec) -> int:
+    per_token = spec.kc.bytes_per_token(1, spec.model_cfg.latent_rank)
     return int(round(spec.n_layers * spec.batch * spec.capacity * per_token)) + 4 * spec.batch
 
 
-cache_lib.LAYOUTS["latent"] = Latent()
+base.register(Latent())
 
 
 def factor(cfg, params, rank: int):

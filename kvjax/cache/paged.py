@@ -34,29 +34,26 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax import cache as cache_lib
-from kvjax import codecs
+from kvjax.cache import base
 from kvjax.errors import KvjaxError
 
 
-def page_size(spec: cache_lib.CacheSpec) -> int:
+def page_size(spec: base.CacheSpec) -> int:
   return spec.cache_cfg.page_size
 
 
-def pages_per_seq(spec: cache_lib.CacheSpec) -> int:
+def pages_per_seq(spec: base.CacheSpec) -> int:
   """N: block-table width, enough pages for `capacity` tokens."""
   return -(-spec.capacity // page_size(spec))
 
 
-def num_pages(spec: cache_lib.CacheSpec) -> int:
+def num_pages(spec: base.CacheSpec) -> int:
   """P: pool size (`cache.num_pages`, or 0 for every sequence's full capacity)."""
   return spec.cache_cfg.num_pages or spec.batch * pages_per_seq(spec)
 
 
-def check_config(c, m) -> None:
-  """Cache-config checks for paging (hooked into `config.validate`)."""
-  if c.layout != "paged":
-    return
+def check_config(c, m=None) -> None:
+  """What paging cannot hold yet, refused on the host (`Paged.check`)."""
   if c.residual:
     raise KvjaxError(f"cache.layout=paged does not support the residual window (cache.residual="
                      f"{c.residual}); set cache.residual=0 or use cache.layout=contiguous")
@@ -65,8 +62,6 @@ def check_config(c, m) -> None:
                      "cache.k_axis=token or use cache.layout=contiguous")
 
 
-codecs.CACHE_CHECKS.append(check_config)
-
 
 @struct.dataclass
 class PagedCache:
@@ -74,23 +69,19 @@ class PagedCache:
   v: Any                  # V codec storage, leaves [L, P, K, page_size, ...]
   block_table: jax.Array  # [B, N] int32 physical page of each logical page; P = unallocated
   lengths: jax.Array      # [B] int32 tokens held per sequence
-  spec: cache_lib.CacheSpec = struct.field(pytree_node=False)
-
-  @property
-  def layout(self) -> "Paged":
-    return cache_lib.LAYOUTS["paged"]
-
-  def layer_stores(self) -> Any:
-    """The whole stacked pools and the block table: the attention reads (layer, page) itself."""
-    return (self.k, self.v, self.block_table)
+  spec: base.CacheSpec = struct.field(pytree_node=False)
 
 
-class Paged(cache_lib.Layout):
+class Paged(base.Layout):
   """Pages of `cache.page_size` tokens from a shared pool, found through a block table."""
 
   name = "paged"
 
-  def init(self, spec: cache_lib.CacheSpec) -> PagedCache:
+  def check(self, cache_cfg, model_cfg) -> None:
+    if cache_cfg.layout == self.name:
+      check_config(cache_cfg)
+
+  def init(self, spec: base.CacheSpec) -> PagedCache:
     """A pool with every sequence's pages allocated up front (what `decode.generate` needs:
     page j of sequence b is physical page b * N + j). The engine uses `init_pool`."""
     B, N, P = spec.batch, pages_per_seq(spec), num_pages(spec)
@@ -101,20 +92,18 @@ class Paged(cache_lib.Layout):
     cache = init_pool(spec)
     return dataclasses.replace(cache, block_table=jnp.arange(B * N, dtype=jnp.int32).reshape(B, N))
 
-  def forward(self, model, params, tokens_BT, positions_BT, cache: PagedCache):
-    return model.apply({"params": params}, tokens_BT, positions_BT, cache)
+  def store(self, cache: PagedCache) -> Any:
+    """The whole stacked pools and the block table: a read gathers (layer, page) itself."""
+    return (cache.k, cache.v, cache.block_table)
 
-  def segments(self, spec, layer_store, lengths_B, layer=None):
-    """`layer_store` = (k pools, v pools, block table); with `layer` the pools are stacked
-    [L, P, ...]. The segment spans the table's N * page_size slots (a narrower table reads
-    less); the attention gathers only the pages of the blocks it reads, up to the live length."""
-    k, v, bt_BN = layer_store
+  def read(self, spec, store, lengths_B, layer):
+    """The segment spans the table's N * page_size slots (a narrower table reads less); the
+    attention gathers only the pages of the blocks it reads, up to the live length."""
+    k, v, bt_BN = store
     S = bt_BN.shape[1] * page_size(spec)
     mask_BS = jnp.arange(S)[None, :] < jnp.minimum(lengths_B, spec.capacity)[:, None]
-    return [cache_lib.Segment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(lengths_B),
+    return [base.PagedSegment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(lengths_B),
                               layer=layer, pages=bt_BN, page_size=page_size(spec))]
-
-  segments.stacked = True  # see `Contiguous.segments`
 
   def write(self, cache: PagedCache, k_LBTKD, v_LBTKD, positions_BT) -> PagedCache:
     spec = cache.spec
@@ -128,27 +117,30 @@ class Paged(cache_lib.Layout):
       return store.at[:, page_BT, :, slot_BT].set(jnp.moveaxis(new, (1, 3), (0, 1)), mode="drop")
 
     k_LBKTD, v_LBKTD = jnp.swapaxes(k_LBTKD, 2, 3), jnp.swapaxes(v_LBTKD, 2, 3)
-    k = jax.tree.map(put, cache.k, spec.kc.encode(k_LBKTD, spec.cache_cfg))
-    v = jax.tree.map(put, cache.v, spec.vc.encode(v_LBKTD, spec.cache_cfg))
+    k = jax.tree.map(put, cache.k, spec.kc.encode(k_LBKTD))
+    v = jax.tree.map(put, cache.v, spec.vc.encode(v_LBKTD))
     lengths = cache.lengths + jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
     return dataclasses.replace(cache, k=k, v=v, lengths=lengths)
 
-  def closed_form_bytes(self, spec: cache_lib.CacheSpec) -> int:
-    K, D, c = spec.n_kv_heads, spec.head_dim, spec.cache_cfg
-    per_token = spec.kc.bytes_per_token(K, D, c) + spec.vc.bytes_per_token(K, D, c)
+  def closed_form_bytes(self, spec: base.CacheSpec) -> int:
+    K, D = spec.n_kv_heads, spec.head_dim
+    per_token = spec.kc.bytes_per_token(K, D) + spec.vc.bytes_per_token(K, D)
     pool = spec.n_layers * num_pages(spec) * page_size(spec) * per_token
     return int(round(pool)) + 4 * spec.batch * pages_per_seq(spec) + 4 * spec.batch
 
 
-def init_pool(spec: cache_lib.CacheSpec) -> PagedCache:
+def init_pool(spec: base.CacheSpec) -> PagedCache:
   """A zeroed pool with an empty block table (every entry = P, nothing allocated)."""
   check_config(spec.cache_cfg, None)
   L, B, K, D = spec.n_layers, spec.batch, spec.n_kv_heads, spec.head_dim
   P, N = num_pages(spec), pages_per_seq(spec)
   shape = (L, P, K, page_size(spec), D)
-  return PagedCache(k=spec.kc.init(shape, spec.cache_cfg), v=spec.vc.init(shape, spec.cache_cfg),
+  return PagedCache(k=spec.kc.init(shape), v=spec.vc.init(shape),
                     block_table=jnp.full((B, N), P, jnp.int32),
                     lengths=jnp.zeros((B,), jnp.int32), spec=spec)
+
+
+base.register(Paged())
 
 
 # -- host-side allocator --------------------------------------------------------------------
@@ -241,5 +233,3 @@ class PageAllocator:
       assert (p in free) <= (p not in self.key_of), f"free page {p} still has a key"
     assert {self.by_key[k]: k for k in self.by_key} == self.key_of, "key maps disagree"
 
-
-cache_lib.LAYOUTS["paged"] = Paged()

@@ -467,7 +467,7 @@ def validate(cfg: Config) -> Config:
   Every numeric field is checked against `_RANGES` (type, finiteness, range) whatever
   built the config: YAML, `--set`, a checkpoint's config.yaml or an imported checkpoint's
   metadata, since all of them come through `apply_overrides`."""
-  from kvjax import attention, cache, codecs  # registries live with their code
+  from kvjax import attention, cache, codecs, policies  # registries check their own config
 
   m, c = cfg.model, cfg.cache
   _check_numbers(cfg)
@@ -492,7 +492,8 @@ def validate(cfg: Config) -> Config:
                        f"known: {', '.join(codecs.CODECS)}")
   if c.k_axis not in ("token", "channel"):
     raise KvjaxError(f"unknown cache.k_axis '{c.k_axis}'; use token or channel")
-  codecs.check_cache_config(c, m)
+  for registry in (codecs, cache, attention, policies):
+    registry.check(c, m)
   return cfg
 
 

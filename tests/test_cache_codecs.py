@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax.cache import contiguous
 from kvjax import cache as cache_lib
 from kvjax import cli, codecs, config, decode, model
 
@@ -66,7 +67,7 @@ def test_cache_bytes_equal_closed_form(name, over, tag):
   cfg = config.apply_overrides(tiny()[0], {"cache.codec": name, **over})
   for capacity in (1, 8, 37):
     cache = cache_lib.init_cache(cfg, 3, capacity)
-    assert cache_lib.tree_bytes(cache) == cache.layout.closed_form_bytes(cache.spec)
+    assert cache_lib.tree_bytes(cache) == cache_lib.layout_of(cache).closed_form_bytes(cache.spec)
 
 
 def test_packed_payload_is_a_quarter_and_an_eighth_of_bf16():
@@ -142,7 +143,7 @@ def test_int8_greedy_tokens_equal_fp32():
   assert all(len(set(seq)) > 4 for seq in outs[0])  # not a degenerate constant output
 
 
-class FakeQuant(cache_lib.Contiguous):
+class FakeQuant(contiguous.Contiguous):
   """Reference: keep every token in fp32; on each read, encode+decode the whole history
   (positions < q(n)) from scratch and attend over plain fp32 arrays."""
 
@@ -159,7 +160,10 @@ class FakeQuant(cache_lib.Contiguous):
     return dataclasses.replace(cache, k=put(cache.k, k_LBTKD), v=put(cache.v, v_LBTKD),
                                lengths=cache.lengths + jnp.sum(positions_BT >= 0, 1))
 
-  def segments(self, spec, layer_store, lengths_B):
+  def store(self, cache):
+    return (cache.k, cache.v)
+
+  def read(self, spec, store, lengths_B, layer):
     H = spec.history
     old = (jnp.arange(spec.capacity)[None] < spec.quantized_len(lengths_B)[:, None])[:, None, :,
                                                                                      None]
@@ -168,7 +172,7 @@ class FakeQuant(cache_lib.Contiguous):
       hist = codec.decode(codec.encode(x[..., :H, :]))
       return jnp.where(old, jnp.concatenate([hist, x[..., H:, :]], axis=-2), x)
 
-    k, v = layer_store
+    k, v = (a[layer] for a in store)
     fp32 = codecs.get("fp32")
     mask = jnp.arange(spec.capacity)[None] < lengths_B[:, None]
     return [cache_lib.Segment(fake(spec.kc, k), fake(spec.vc, v), mask, fp32, fp32)]
@@ -195,7 +199,7 @@ def test_window_writes_encode_each_block_once_and_exactly():
                                            **KIVI})
   L, K, D = 2, 2, 8
   cache = cache_lib.init_cache(cfg, B, 40)
-  spec, layout = cache.spec, cache.layout
+  spec, layout = cache.spec, cache_lib.layout_of(cache)
   rng = np.random.default_rng(3)
   full_k = rng.standard_normal((L, B, 40, K, D)).astype(np.float32) * 2
   full_v = rng.standard_normal((L, B, 40, K, D)).astype(np.float32)

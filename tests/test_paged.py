@@ -65,7 +65,7 @@ def test_paged_attention_equals_contiguous(codec, page, K):
       out[lay] = []
       for (k_LBTKD, v_LBTKD, positions_BT), q in zip(writes, qs):
         out[lay].append(_attend(c, q, k_LBTKD[1], v_LBTKD[1], positions_BT, 1))
-        c = c.layout.write(c, k_LBTKD, v_LBTKD, positions_BT)
+        c = cache_lib.layout_of(c).write(c, k_LBTKD, v_LBTKD, positions_BT)
       out[lay].append(c.lengths)
     return out
 

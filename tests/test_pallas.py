@@ -3,6 +3,8 @@ dequantized cache: every codec, MHA/GQA/MQA, contiguous (stacked by layer), page
 a permuted block table, the residual window, live lengths across block and split edges,
 prefill and decode; the whole model greedy-decodes the same tokens without retracing."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,11 +58,11 @@ def _attend_all(cfg, S, K, table=None, seed=0):
       c = c.replace(block_table=table)
     out = {name: [] for name in ("grouped", "pallas", "reference")}
     for i, (k, v, q, pos) in enumerate(writes):
-      segs = c.layout.segments(c.spec, c.layer_stores(), c.lengths, layer=layer)
+      segs = cache_lib.segments(c, layer)
       for name in out if i == len(writes) - 1 else ("grouped", "pallas"):
         got = attention.ATTENTIONS[name](q, k[1], v[1], pos, segs)
         out[name].append(jnp.where((pos >= 0)[:, :, None, None], got, 0.0))
-      c = c.layout.write(c, k, v, pos)
+      c = cache_lib.layout_of(c).write(c, k, v, pos)
     return out
 
   return run(writes, table, jnp.int32(1))
@@ -163,7 +165,7 @@ def test_kernel_lowers_to_triton_without_a_gpu(codec, layout, T, monkeypatch):
 
   def step(q, kv, pos):
     c = cache_lib.init_cache(cfg, B, 40)
-    segs = c.layout.segments(c.spec, c.layer_stores(), c.lengths + 20, layer=jnp.int32(1))
+    segs = cache_lib.segments(dataclasses.replace(c, lengths=c.lengths + 20), jnp.int32(1))
     return pa.pallas(q, kv, kv, pos, segs)
 
   shapes = [jax.ShapeDtypeStruct(s, d) for s, d in [((B, T, H, 16), jnp.bfloat16),

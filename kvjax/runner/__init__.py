@@ -98,7 +98,7 @@ def _grid_axes(raw: dict, overrides: dict) -> tuple[dict, dict]:
       plain[key] = value
     else:
       plain[key] = value
-  known = set(config_lib._known_keys())
+  known = set(config_lib.known_keys())
   for key, values in axes.items():
     if key not in known and not (key.startswith("params.") and len(key) > 7):
       raise KvjaxError(f"unknown grid key '{key}'; use a dotted config key (model.n_kv_heads, "

@@ -91,9 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = _attach_prompt_ids(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     if hasattr(args, "distributed"):
-      from kvjax import sharding
-      sharding.initialize_distributed(args.coordinator, args.num_processes, args.process_id,
-                                      args.distributed)
+      from kvjax import distributed
+      distributed.initialize_distributed(args.coordinator, args.num_processes, args.process_id,
+                                         args.distributed)
     result = args.func(args)
     if args.command == "size":
       for w in result["warnings"]:

@@ -1,6 +1,7 @@
 """What each `kvjax` subcommand does (`cmd_size`, `cmd_generate`, ...): flags and --set
-items to one set of config overrides, then the library call; each returns the result the
-command prints (kvjax.cli.show) or {} when it printed its own output.
+items to one set of config overrides, then the library call. `size`, `generate` and `eval`
+return the result `main` prints (kvjax.cli.show, or one JSON object with --json); the
+other commands print their own output.
 """
 
 from __future__ import annotations

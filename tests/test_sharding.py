@@ -254,14 +254,16 @@ def test_cli_size_reports_bytes_per_device(capsys):
 
 
 def test_distributed_flags_must_come_together(monkeypatch):
-  for name in sharding.ENV.values():
+  from kvjax import distributed
+  assert sharding.initialize_distributed is distributed.initialize_distributed  # old home
+  for name in distributed.ENV.values():
     monkeypatch.delenv(name, raising=False)
-  assert sharding.initialize_distributed() is False   # one process: nothing to do
+  assert distributed.initialize_distributed() is False   # one process: nothing to do
   with pytest.raises(KvjaxError, match="together"):
-    sharding.initialize_distributed(coordinator="10.0.0.1:1234")
+    distributed.initialize_distributed(coordinator="10.0.0.1:1234")
   monkeypatch.setenv("KVJAX_NUM_PROCESSES", "two")
   with pytest.raises(KvjaxError, match="KVJAX_NUM_PROCESSES must be an integer"):
-    sharding.initialize_distributed()
+    distributed.initialize_distributed()
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["child"]:

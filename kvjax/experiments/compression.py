@@ -67,8 +67,8 @@ def _nll(lp_BMV, cont_BM) -> float:
 def run_cell(cfg) -> list[dict]:
   rows = []
   T = int(cfg.param("context", 512))
-  for src in quality._models(cfg):
-    mcfg, params, tok = quality._load(src)
+  for src in quality.models(cfg):
+    mcfg, params, tok = quality.load_model(src)
     toks, ref_lp, ref_bytes = _reference(src, cfg, mcfg, params, tok)
     rank = int(cfg.param("latent_rank", 0))
     if rank:

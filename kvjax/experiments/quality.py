@@ -49,12 +49,12 @@ from kvjax.errors import KvjaxError
 _REF: dict = {}
 
 
-def _models(cfg) -> list[sources.Source]:
+def models(cfg) -> list[sources.Source]:
   """`params.models` (any source) followed by `params.checkpoints` (kvjax folders)."""
-  models, paths = cfg.param("models", ()), cfg.param("checkpoints", ())
-  models = (models,) if isinstance(models, str) else tuple(models)
+  names, paths = cfg.param("models", ()), cfg.param("checkpoints", ())
+  names = (names,) if isinstance(names, str) else tuple(names)
   paths = (paths,) if isinstance(paths, str) else tuple(paths)
-  out = [sources.parse(m) for m in models] + [sources.Source("checkpoint", p) for p in paths]
+  out = [sources.parse(m) for m in names] + [sources.Source("checkpoint", p) for p in paths]
   if not out:
     raise KvjaxError("quality needs params.models (e.g. [gguf:smollm2-135m]) or "
                      "params.checkpoints (folders written by `kvjax train ... --out DIR`)")
@@ -62,7 +62,7 @@ def _models(cfg) -> list[sources.Source]:
 
 
 def check(cfg) -> None:
-  for src in _models(cfg):
+  for src in models(cfg):
     if src.kind == "checkpoint" and not (Path(src.ref) / "config.yaml").is_file():
       raise KvjaxError(f"checkpoint {src.ref} not found; train it first, e.g. "
                        f"`kvjax train configs/train_mha.yaml --out {src.ref}`")
@@ -75,7 +75,9 @@ def check(cfg) -> None:
 
 
 @functools.lru_cache(maxsize=4)
-def _load(src: sources.Source):
+def load_model(src: sources.Source):
+  """(config, params, tokenizer) of a model source, cached: shared by the experiments that
+  read the same models (quality, compression)."""
   return sources.load(src)
 
 
@@ -127,8 +129,8 @@ def _reference(src: sources.Source, cfg, mcfg, params, tok) -> dict:
 def run_cell(cfg) -> list[dict]:
   rows = []
   chunk = int(cfg.param("chunk", 1))
-  for src in _models(cfg):
-    mcfg, params, tok = _load(src)
+  for src in models(cfg):
+    mcfg, params, tok = load_model(src)
     tcfg = cell_config(cfg, mcfg)
     ref = _reference(src, cfg, mcfg, params, tok)
     if cfg.param("peer", ""):

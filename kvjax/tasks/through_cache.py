@@ -1,0 +1,107 @@
+"""Answering a task's queries through a cache: prefill the prefix, or store its
+full-precision K/V through a codec (`encode_prefix`), then feed each tail as its own call
+and decode greedily, so every tail and answer token reads the prefix through the cache.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.errors import KvjaxError
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _forward(params, tokens_BT, lengths_B, cache, *, cfg):
+  """One call through the cache (not donated: a prefix cache serves several tails).
+  Returns the last valid token's logits [B, V] and the new cache."""
+  from kvjax import cache as cache_lib
+  from kvjax import decode
+
+  T = tokens_BT.shape[1]
+  t = jnp.arange(T, dtype=jnp.int32)[None, :]
+  positions = jnp.where(t < lengths_B[:, None], cache.lengths[:, None] + t, -1)
+  model, params = decode.network(cfg, params, logits_last=True)  # lm_head on the last token
+  logits_B1V, cache = cache_lib.LAYOUTS[cache.spec.layout].forward(model, params, tokens_BT,
+                                                                   positions, cache)
+  return logits_B1V[:, 0], cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "steps"))
+def _greedy(params, cache, logits_BV, *, cfg, steps: int):
+  from kvjax import cache as cache_lib
+  from kvjax import decode
+
+  model, params = decode.network(cfg, params)
+  layout = cache_lib.LAYOUTS[cache.spec.layout]
+
+  def step(carry, _):
+    c, tok = carry
+    logits, c = layout.forward(model, params, tok[:, None], c.lengths[:, None], c)
+    nxt = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
+    return (c, nxt), nxt
+
+  first = jnp.argmax(logits_BV, -1).astype(jnp.int32)
+  _, rest = jax.lax.scan(step, (cache, first), None, length=steps - 1)
+  return jnp.concatenate([first[:, None], rest.T], axis=1)
+
+
+def _pad(ids, size: int) -> tuple[np.ndarray, np.ndarray]:
+  out = np.zeros((1, size), np.int32)
+  out[0, :len(ids)] = ids
+  return out, np.array([len(ids)], np.int32)
+
+
+def prefill(cfg, params, ids, capacity: int, chunk: int = 512):
+  """The prefix through `cfg`'s cache, `chunk` tokens per call (the last call padded, so one
+  program serves every length). Returns the filled cache."""
+  from kvjax import cache as cache_lib
+
+  if len(ids) > capacity:
+    raise KvjaxError(f"prefix of {len(ids)} tokens exceeds the cache capacity {capacity}")
+  c = cache_lib.init_cache(cfg, 1, capacity)
+  for s in range(0, len(ids), chunk):
+    tok, n = _pad(ids[s:s + chunk], chunk)
+    _, c = _forward(params, tok, n, c, cfg=cfg)
+  return c
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "capacity"))
+def _reencode(k_LKND, v_LKND, n, *, cfg, capacity: int):
+  from kvjax import cache as cache_lib
+
+  c = cache_lib.init_cache(cfg, 1, capacity)
+  k = jnp.swapaxes(k_LKND, 1, 2)[:, None]  # [L, 1, N, K, D]
+  v = jnp.swapaxes(v_LKND, 1, 2)[:, None]
+  pos = jnp.where(jnp.arange(k.shape[2]) < n, jnp.arange(k.shape[2]), -1)[None, :]
+  return cache_lib.LAYOUTS[c.spec.layout].write(c, k, v, pos.astype(jnp.int32))
+
+
+def prefix_kv(fp32_cache) -> tuple:
+  """(K, V, n): the full-precision K/V [L, K, n, D] of a one-sequence fp32 contiguous cache
+  without a residual window (the output of `prefill` with `evaluate.reference_config`)."""
+  spec = fp32_cache.spec
+  if (spec.layout, spec.k_codec, spec.v_codec, spec.residual) != ("contiguous", "fp32",
+                                                                   "fp32", 0):
+    raise KvjaxError("prefix_kv needs an fp32 contiguous cache without a residual window")
+  n = int(fp32_cache.lengths[0])
+  return fp32_cache.k[:, 0], fp32_cache.v[:, 0], n
+
+
+def encode_prefix(cfg, kv, capacity: int):
+  """A fresh `cfg` cache holding the prefix's full-precision K/V stored through its codec
+  and layout: the same `write` a prefill with this cache makes after computing them."""
+  k, v, n = kv
+  return _reencode(k, v, jnp.int32(n), cfg=cfg, capacity=capacity)
+
+
+def answer_through_cache(cfg, params, cache, tail_ids, steps: int, tail_pad: int = 0):
+  """Greedy tokens [steps] after feeding `tail_ids` as one call through `cache` (a cache
+  holding the prefix; not consumed). Every tail and answer token reads the prefix's
+  encoded K/V. `tail_pad` pads the tail so one program serves tails of any length."""
+  tok, n = _pad(tail_ids, max(tail_pad, len(tail_ids)))
+  last, c = _forward(params, tok, n, cache, cfg=cfg)
+  return [int(t) for t in np.asarray(_greedy(params, c, last, cfg=cfg, steps=steps))[0]]

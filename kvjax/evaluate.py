@@ -27,7 +27,7 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
-from kvjax import data
+from kvjax import data, decode
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
@@ -45,7 +45,6 @@ def _stream(params, tokens_BN, valid_BN, cache, *, model_cfg, chunk: int):
   """Compiled per model and chunk; the cache's static spec carries codec and layout."""
   B, N = tokens_BN.shape
   model = Transformer(model_cfg)
-  layout = cache_lib.LAYOUTS[cache.spec.layout]
   toks = tokens_BN.reshape(B, N // chunk, chunk).swapaxes(0, 1)
   valid = valid_BN.reshape(B, N // chunk, chunk).swapaxes(0, 1)
   offs = jnp.arange(chunk, dtype=jnp.int32)
@@ -53,7 +52,7 @@ def _stream(params, tokens_BN, valid_BN, cache, *, model_cfg, chunk: int):
   def step(c, xs):
     tok_BC, valid_BC = xs
     positions = jnp.where(valid_BC, c.lengths[:, None] + offs, -1)
-    logits, c = layout.forward(model, params, tok_BC, positions, c)
+    logits, c = decode.forward(model, params, tok_BC, positions, c)
     return c, jax.nn.log_softmax(logits, axis=-1)
 
   c, lp = jax.lax.scan(step, cache, (toks, valid))
@@ -197,7 +196,6 @@ def recall_set(seed: int, n: int, context: int, n_pairs: int, filler: np.ndarray
 
 def greedy_tokens(cfg: Config, params, prompts: list[list[int]], gen_len: int) -> list:
   """Free-running greedy decode through `cfg`'s cache (no eos: fixed length)."""
-  from kvjax import decode
 
   greedy = config_lib.apply_overrides(cfg, {"workload.temperature": 0.0, "workload.eos_id": -1})
   return decode.generate(greedy, params, prompts, gen_len, timed=False)["tokens"]

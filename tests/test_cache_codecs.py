@@ -72,7 +72,7 @@ def test_cache_bytes_equal_closed_form(name, over, tag):
 
 def test_packed_payload_is_a_quarter_and_an_eighth_of_bf16():
   cfg = tiny()[0]
-  L, K, D, S = cfg.model.n_layers, cfg.model.n_kv_heads, cfg.model.D, 64
+  L, K, S = cfg.model.n_layers, cfg.model.n_kv_heads, 64
   caches = {n: cache_lib.init_cache(config.apply_overrides(cfg, {"cache.codec": n}), 1, S)
             for n in ("bf16", "int4", "int2")}
   payload = lambda c: c.k["codes"].nbytes + c.v["codes"].nbytes  # noqa: E731

@@ -14,33 +14,34 @@ import numpy as np
 from kvjax.errors import KvjaxError
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _forward(params, tokens_BT, lengths_B, cache, *, cfg):
+def _static(cfg):
+  from kvjax import decode
+  return decode.Static.of(cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _forward(params, tokens_BT, lengths_B, cache, *, spec):
   """One call through the cache (not donated: a prefix cache serves several tails).
   Returns the last valid token's logits [B, V] and the new cache."""
-  from kvjax import cache as cache_lib
   from kvjax import decode
 
   T = tokens_BT.shape[1]
   t = jnp.arange(T, dtype=jnp.int32)[None, :]
   positions = jnp.where(t < lengths_B[:, None], cache.lengths[:, None] + t, -1)
-  model, params = decode.network(cfg, params, logits_last=True)  # lm_head on the last token
-  logits_B1V, cache = cache_lib.LAYOUTS[cache.spec.layout].forward(model, params, tokens_BT,
-                                                                   positions, cache)
+  model, params = decode.network(spec, params, logits_last=True)  # lm_head on the last token
+  logits_B1V, cache = decode.forward(model, params, tokens_BT, positions, cache)
   return logits_B1V[:, 0], cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "steps"))
-def _greedy(params, cache, logits_BV, *, cfg, steps: int):
-  from kvjax import cache as cache_lib
+@functools.partial(jax.jit, static_argnames=("spec", "steps"))
+def _greedy(params, cache, logits_BV, *, spec, steps: int):
   from kvjax import decode
 
-  model, params = decode.network(cfg, params)
-  layout = cache_lib.LAYOUTS[cache.spec.layout]
+  model, params = decode.network(spec, params)
 
   def step(carry, _):
     c, tok = carry
-    logits, c = layout.forward(model, params, tok[:, None], c.lengths[:, None], c)
+    logits, c = decode.forward(model, params, tok[:, None], c.lengths[:, None], c)
     nxt = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
     return (c, nxt), nxt
 
@@ -65,19 +66,19 @@ def prefill(cfg, params, ids, capacity: int, chunk: int = 512):
   c = cache_lib.init_cache(cfg, 1, capacity)
   for s in range(0, len(ids), chunk):
     tok, n = _pad(ids[s:s + chunk], chunk)
-    _, c = _forward(params, tok, n, c, cfg=cfg)
+    _, c = _forward(params, tok, n, c, spec=_static(cfg))
   return c
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "capacity"))
-def _reencode(k_LKND, v_LKND, n, *, cfg, capacity: int):
+@functools.partial(jax.jit, static_argnames=("spec", "capacity"))
+def _reencode(k_LKND, v_LKND, n, *, spec, capacity: int):
   from kvjax import cache as cache_lib
 
-  c = cache_lib.init_cache(cfg, 1, capacity)
+  c = cache_lib.init_cache(spec, 1, capacity)
   k = jnp.swapaxes(k_LKND, 1, 2)[:, None]  # [L, 1, N, K, D]
   v = jnp.swapaxes(v_LKND, 1, 2)[:, None]
   pos = jnp.where(jnp.arange(k.shape[2]) < n, jnp.arange(k.shape[2]), -1)[None, :]
-  return cache_lib.LAYOUTS[c.spec.layout].write(c, k, v, pos.astype(jnp.int32))
+  return cache_lib.layout_of(c).write(c, k, v, pos.astype(jnp.int32))
 
 
 def prefix_kv(fp32_cache) -> tuple:
@@ -95,7 +96,7 @@ def encode_prefix(cfg, kv, capacity: int):
   """A fresh `cfg` cache holding the prefix's full-precision K/V stored through its codec
   and layout: the same `write` a prefill with this cache makes after computing them."""
   k, v, n = kv
-  return _reencode(k, v, jnp.int32(n), cfg=cfg, capacity=capacity)
+  return _reencode(k, v, jnp.int32(n), spec=_static(cfg), capacity=capacity)
 
 
 def answer_through_cache(cfg, params, cache, tail_ids, steps: int, tail_pad: int = 0):
@@ -103,5 +104,6 @@ def answer_through_cache(cfg, params, cache, tail_ids, steps: int, tail_pad: int
   holding the prefix; not consumed). Every tail and answer token reads the prefix's
   encoded K/V. `tail_pad` pads the tail so one program serves tails of any length."""
   tok, n = _pad(tail_ids, max(tail_pad, len(tail_ids)))
-  last, c = _forward(params, tok, n, cache, cfg=cfg)
-  return [int(t) for t in np.asarray(_greedy(params, c, last, cfg=cfg, steps=steps))[0]]
+  spec = _static(cfg)
+  last, c = _forward(params, tok, n, cache, spec=spec)
+  return [int(t) for t in np.asarray(_greedy(params, c, last, spec=spec, steps=steps))[0]]

@@ -175,7 +175,8 @@ def cache_leaf_spec(path: list[str], ndim: int, paged: bool = False) -> P:
 
 
 def cache_specs(cache: Any) -> Any:
-  paged = hasattr(cache, "block_table")
+  """The PartitionSpec of every leaf of a cache (any layout: its spec names it)."""
+  paged = cache.spec.layout == "paged"
   return jax.tree_util.tree_map_with_path(
       lambda path, x: cache_leaf_spec(_names(path), x.ndim, paged), cache)
 

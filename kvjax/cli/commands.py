@@ -68,7 +68,8 @@ def cmd_size(args) -> dict:
     import yaml
     cfg = config_lib.load(args.config)
     try:
-      file_items = config_lib.flat(yaml.safe_load(open(args.config).read()) or {})
+      text = config_lib.shape_path(args.config).read_text()  # a file, or a packaged shape
+      file_items = config_lib.flat(yaml.safe_load(text) or {})
     except (yaml.YAMLError, KvjaxError):
       file_items = {}
     param_dtype = f"{cfg.model.param_dtype} (model.param_dtype)"

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from kvjax import codecs, config
-from kvjax.codecs import quant
+from kvjax.codecs import packing, quant
 from kvjax.errors import KvjaxError
 
 QUANT = ["int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2"]
@@ -35,7 +35,7 @@ def roundtrip(name, mode):
 
 def widen(codec, enc, key):
   """A stored scale / zero broadcast to every element it applies to (numpy, float64)."""
-  a = np.asarray(quant._meta(enc[key]), np.float64)
+  a = np.asarray(packing.load_meta(enc[key]), np.float64)
   if codec.axis == "channel":
     return np.repeat(a, codec.group, axis=-2)
   return np.repeat(a, SHAPE[-1] // a.shape[-1], axis=-1)

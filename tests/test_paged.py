@@ -125,13 +125,13 @@ def test_paged_blockwise_read_equals_reference_across_page_and_block_edges(codec
   for lengths in ([0, 5, 6], [7, 12, 18], [13, 1, 17]):
     lengths_B = jnp.asarray(lengths, jnp.int32)
     mask_BS = jnp.arange(N * ps)[None] < lengths_B[:, None]
-    seg = cache_lib.Segment(k_pool, v_pool, mask_BS, kc, vc, live=jnp.max(lengths_B),
-                            layer=layer, pages=table_BN, page_size=ps)
+    seg = cache_lib.PagedSegment(k_pool, v_pool, mask_BS, kc, vc, live=jnp.max(lengths_B),
+                                 layer=layer, pages=table_BN, page_size=ps)
     q = jnp.asarray(rng.normal(size=(B, 1, H, D)), jnp.float32) * 3
     kn, vn = (jnp.asarray(rng.normal(size=(B, 1, K, D)), jnp.float32) for _ in range(2))
     got = jax.jit(lambda q, kn, vn, n: attention.grouped(q, kn, vn, n[:, None], [
-        cache_lib.Segment(k_pool, v_pool, jnp.arange(N * ps)[None] < n[:, None], kc, vc,
-                          live=jnp.max(n), layer=layer, pages=table_BN, page_size=ps)]))(
+        cache_lib.PagedSegment(k_pool, v_pool, jnp.arange(N * ps)[None] < n[:, None], kc, vc,
+                               live=jnp.max(n), layer=layer, pages=table_BN, page_size=ps)]))(
         q, kn, vn, lengths_B)
     want = attention.reference(q, kn, vn, lengths_B[:, None], [seg])
     # The reference reads the same pages, so also check against the unpaged tokens.

@@ -10,6 +10,7 @@ from kvjax import cache as cache_lib
 from kvjax import config as config_lib
 from kvjax import decode
 from kvjax import model as model_lib
+from kvjax import program
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
 
@@ -82,10 +83,10 @@ def _cache_copies(cfg, B=2, S=24):
   params = tiny_params(cfg)
   cache, key, sampler = cache_lib.init_cache(cfg, B, S), jax.random.PRNGKey(0), decode.Sampler()
   tok_B = jnp.zeros((B,), jnp.int32)
-  hlo = decode.decode.lower(params, cache, tok_B, key, cfg=cfg, sampler=sampler,
-                            steps=3).compile().as_text() + \
+  hlo = decode.decode.lower(params, cache, tok_B, key,
+                            **program.statics(cfg, sampler, steps=3)).compile().as_text() + \
       decode.prefill.lower(params, jnp.zeros((B, 5), jnp.int32), tok_B + 5, cache, key,
-                           cfg=cfg, sampler=sampler).compile().as_text()
+                           **program.statics(cfg, sampler)).compile().as_text()
   shapes = {f"[{','.join(map(str, a.shape))}]" for a in jax.tree.leaves(cache) if a.ndim == 5}
   return [ln for ln in hlo.splitlines()
           if " copy(" in ln and any(sh in ln.split(" copy(")[0] for sh in shapes)]

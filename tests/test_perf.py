@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import attention, codecs, config, decode, model
+from kvjax import attention, codecs, config, decode, model, program
 from kvjax import cache as cache_lib
 from kvjax.errors import KvjaxError
 
@@ -285,7 +285,7 @@ def _program(cfg, params, B=2, S=24):
   """Compiled decode (4 steps) for these params: its HLO text and temporary bytes."""
   cache = cache_lib.init_cache(cfg, B, S)
   comp = decode.decode.lower(params, cache, jnp.zeros((B,), jnp.int32), jax.random.PRNGKey(0),
-                             cfg=cfg, sampler=decode.Sampler(), steps=4).compile()
+                             **program.statics(cfg, decode.Sampler(), steps=4)).compile()
   return comp.as_text(), comp.memory_analysis().temp_size_in_bytes
 
 
@@ -340,8 +340,9 @@ def _tokens_and_cache(cfg, params, prompts, n):
   tokens, lengths = decode.pad_prompts(prompts)
   sampler, key = decode.Sampler(), jax.random.PRNGKey(0)
   cache = cache_lib.init_cache(cfg, len(prompts), tokens.shape[1] + n)
-  tok, _, cache = decode.prefill(params, tokens, lengths, cache, key, cfg=cfg, sampler=sampler)
-  rest, cache = decode.decode(params, cache, tok, key, cfg=cfg, sampler=sampler, steps=n - 1)
+  tok, _, cache = decode.prefill(params, tokens, lengths, cache, key,
+                                 **program.statics(cfg, sampler))
+  rest, cache = decode.decode(params, cache, tok, key, **program.statics(cfg, sampler, steps=n - 1))
   return np.concatenate([np.asarray(tok)[:, None], np.asarray(rest)], 1), cache
 
 

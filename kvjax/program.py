@@ -12,7 +12,7 @@ engine through `statics` and `Placement`):
              prepared once (`decode.prepare_params`);
   compile    prefill (through the compaction of `cache.policy` when it is not `full`,
              kvjax.cache.compact) and `steps` decode steps, ahead of time: `compile_s`
-             (both programs and the one prefill run that decode is lowered on),
+             (both programs, and the one prefill run whose cache decode is lowered on),
              `peak_bytes` (metrics.program_bytes);
   run        a fresh cache every time, allocated before the clock starts (both programs
              donate it); prefill, then decode, each blocked on and timed.
@@ -140,9 +140,10 @@ class Program:
     if s.width:
       self.prompts = (self.place.batch(tokens_BT), self.place.batch(lengths_B))
       prefill = compact.prefill_program(cfg, decode.prefill)
-      c0 = self.fresh()
-      self.pre = prefill.lower(self.params, *self.prompts, c0, self.keys[0], **kw).compile()
-      self.token, _, cache = self.pre(self.params, *self.prompts, c0, self.keys[0])
+      cache = self.fresh()
+      self.pre = prefill.lower(self.params, *self.prompts, cache, self.keys[0], **kw).compile()
+      if s.steps > 0:  # decode is lowered on what prefill returns (compaction reshapes it)
+        self.token, _, cache = self.pre(self.params, *self.prompts, cache, self.keys[0])
     else:
       self.token, cache = self.place.full(s.batch, 0), self.fresh()
     if s.steps > 0:

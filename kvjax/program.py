@@ -161,7 +161,7 @@ class Program:
     """Prefill (the compiled prompts unless others of the same shape are given) and decode
     once, on a fresh cache allocated before the clock starts."""
     if self.pre is None and self.dec is None:
-      raise KvjaxError("Program.run before Program.compile")
+      raise RuntimeError("Program.run before Program.compile")
     prompts = self.prompts if tokens_BT is None else (self.place.batch(tokens_BT),
                                                        self.place.batch(lengths_B))
     c = self.fresh()

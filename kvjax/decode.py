@@ -14,20 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from kvjax import cache as cache_lib
-from kvjax import evict
 from kvjax import model as model_lib
 from kvjax import sharding
 from kvjax.config import CacheConfig, Config, MeshConfig, ModelConfig
-from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
 
 TRACES = {"prefill": 0, "decode": 0}  # incremented at trace time; tests count compilations
@@ -168,112 +164,3 @@ def decode(params, cache, token_B, key, *, spec: Static, sampler: Sampler, steps
   done0 = token_B == eos if eos >= 0 else jnp.zeros_like(token_B, dtype=bool)
   state, toks_NB = jax.lax.scan(step, LoopState(token_B, done0, cache, key), None, length=steps)
   return toks_NB.T, state.cache
-
-
-def pad_prompts(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-  """Right-pad ragged prompts into [B, T] ids and [B] lengths."""
-  if not prompts or any(len(p) == 0 for p in prompts):
-    raise KvjaxError("every prompt needs at least one token")
-  T = max(len(p) for p in prompts)
-  tokens = np.zeros((len(prompts), T), np.int32)
-  for i, p in enumerate(prompts):
-    tokens[i, :len(p)] = p
-  return tokens, np.array([len(p) for p in prompts], np.int32)
-
-
-def check_request(cfg: Config, prompts: list[list[int]], max_new_tokens: int,
-                  capacity: int) -> None:
-  """Shape-level limits, checked on the host before anything is traced."""
-  if max_new_tokens < 1:
-    raise KvjaxError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-  V = cfg.model.vocab_size
-  for p in prompts:
-    bad = [t for t in p if not 0 <= t < V]
-    if bad:
-      raise KvjaxError(f"token id {bad[0]} is outside the vocabulary [0, {V}); "
-                       "fix the prompt ids or model.vocab_size")
-  need = max(len(p) for p in prompts) + max_new_tokens
-  if need > capacity:
-    raise KvjaxError(f"prompt ({max(len(p) for p in prompts)} tokens) + max_new_tokens "
-                     f"({max_new_tokens}) = {need} exceeds the cache capacity {capacity}; "
-                     "raise cache.capacity or shorten the request")
-  if need > cfg.model.max_seq_len:
-    raise KvjaxError(f"{need} tokens exceed model.max_seq_len={cfg.model.max_seq_len}; "
-                     "shorten the request")
-
-
-def _block(x):
-  return jax.block_until_ready(x)
-
-
-def generate(cfg: Config, params, prompts: list[list[int]], max_new_tokens: int,
-             seed: int | None = None, timed: bool = True, return_cache: bool = False) -> dict:
-  """Prefill + decode for a batch of ragged prompts.
-
-  Both programs are compiled ahead of time (reported as `compile_s`), run once to warm
-  up, then timed: `ttft_s` is prefill + first sample, `tpot_s` the decode loop time per
-  token. Returns new tokens per sequence (cut after eos), cache bytes and timings (and the
-  final cache under "cache" with `return_cache`). With more than one device in `cfg.mesh`
-  the parameters, prompts and cache are laid out on the mesh first (kvjax.sharding).
-  """
-  capacity = cfg.cache.capacity or max(len(p) for p in prompts) + max_new_tokens
-  check_request(cfg, prompts, max_new_tokens, capacity)
-  tokens, lengths = pad_prompts(prompts)
-  sampler = Sampler.from_config(cfg)
-  key = jax.random.PRNGKey(cfg.seed if seed is None else seed)
-  k_prefill, k_decode = jax.random.split(key)
-  steps = max_new_tokens - 1
-  B = len(prompts)
-  fresh = lambda: cache_lib.init_cache(cfg, B, capacity)  # noqa: E731
-  if sharding.is_sharded(cfg):  # params, prompts and cache laid out on the mesh; jit follows
-    mesh = sharding.make_mesh(cfg)
-    sharding.check_batch(cfg, B)
-    params = sharding.shard_params(params, cfg, mesh)
-    tokens, lengths = sharding.put_batch(tokens, mesh), sharding.put_batch(lengths, mesh)
-    fresh = lambda: sharding.init_cache(cfg, B, capacity, mesh)  # noqa: E731
-  params = prepare_params(cfg, params)
-
-  t0 = time.perf_counter()
-  c0 = fresh()
-  # cache.policy other than full: prefill, then compact to the budget (kvjax.evict)
-  program, spec = evict.prefill_program(cfg, prefill), Static.of(cfg)
-  pre = program.lower(params, tokens, lengths, c0, k_prefill, spec=spec, sampler=sampler).compile()
-  tok0, _, c1 = pre(params, tokens, lengths, c0, k_prefill)
-  dec = decode.lower(params, c1, tok0, k_decode, spec=spec, sampler=sampler,
-                     steps=max(steps, 0)).compile() if steps > 0 else None
-  compile_s = time.perf_counter() - t0
-  _block(c1)
-
-  def run():
-    c = _block(fresh())
-    ta = time.perf_counter()
-    tok, _, c = pre(params, tokens, lengths, c, k_prefill)
-    _block(tok)
-    tb = time.perf_counter()
-    rest = np.zeros((B, 0), np.int32)
-    if dec is not None:
-      rest, c = dec(params, c, tok, k_decode)
-      _block(rest)
-    tc = time.perf_counter()
-    return (np.concatenate([sharding.to_host(tok)[:, None], sharding.to_host(rest)], 1), c,
-            tb - ta, tc - tb)
-
-  if timed:
-    run()  # warm-up: first executions pay one-time costs
-  out, final_cache, ttft, decode_s = run()
-  seqs = []
-  for row in out.tolist():
-    if cfg.workload.eos_id >= 0 and cfg.workload.eos_id in row:
-      row = row[:row.index(cfg.workload.eos_id) + 1]
-    seqs.append(row)
-  extra = {"cache": final_cache} if return_cache else {}
-  return {
-      **extra,
-      "tokens": seqs,
-      "cache_bytes": cache_lib.tree_bytes(final_cache),
-      "cache_bytes_per_device": sharding.measured_device_bytes(final_cache),
-      "ttft_s": ttft,
-      "tpot_s": decode_s / steps if steps > 0 else 0.0,
-      "compile_s": compile_s,
-      "capacity": capacity,
-  }

@@ -27,7 +27,7 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
-from kvjax import data, decode
+from kvjax import data, decode, program
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
@@ -198,7 +198,7 @@ def greedy_tokens(cfg: Config, params, prompts: list[list[int]], gen_len: int) -
   """Free-running greedy decode through `cfg`'s cache (no eos: fixed length)."""
 
   greedy = config_lib.apply_overrides(cfg, {"workload.temperature": 0.0, "workload.eos_id": -1})
-  return decode.generate(greedy, params, prompts, gen_len, timed=False)["tokens"]
+  return program.generate(greedy, params, prompts, gen_len, timed=False)["tokens"]
 
 
 def generation_agreement(tokens: list, ref_tokens: list) -> float:

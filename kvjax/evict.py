@@ -76,7 +76,7 @@ class Program:
 
 
 def prefill_program(cfg, default):
-  """The prefill program `decode.generate` lowers: `default` for `full`, else compaction."""
+  """The prefill program `program.generate` lowers: `default` for `full`, else compaction."""
   return default if cfg.cache.policy == "full" else Program()
 
 

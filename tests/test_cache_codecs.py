@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax import program
 from kvjax.cache import contiguous
 from kvjax import cache as cache_lib
 from kvjax import cli, codecs, config, decode, model
@@ -137,7 +138,7 @@ def test_int8_greedy_tokens_equal_fp32():
   # the fp32 trajectory; free-running greedy generation must then agree token for token.
   assert (top2[..., 1] - top2[..., 0]).min() > 2 * err
   prompts = [TOKS[0, :14].tolist(), TOKS[1, :5].tolist()]
-  outs = [decode.generate(config.apply_overrides(tiny()[0], {"cache.codec": c}), params, prompts,
+  outs = [program.generate(config.apply_overrides(tiny()[0], {"cache.codec": c}), params, prompts,
                           16, timed=False)["tokens"] for c in ("fp32", "int8")]
   assert outs[0] == outs[1]
   assert all(len(set(seq)) > 4 for seq in outs[0])  # not a degenerate constant output
@@ -232,9 +233,9 @@ def test_window_writes_encode_each_block_once_and_exactly():
 def test_no_retrace_across_ragged_lengths_with_window():
   cfg = config.apply_overrides(tiny()[0], {"cache.codec": "int2", **KIVI})
   params = tiny()[1]
-  decode.generate(cfg, params, [[1, 2, 3, 4, 5, 6], [7, 8]], 10, timed=False)
+  program.generate(cfg, params, [[1, 2, 3, 4, 5, 6], [7, 8]], 10, timed=False)
   before = dict(decode.TRACES)
-  decode.generate(cfg, params, [[9, 8], [1, 2, 3, 4, 5, 6]], 10, timed=False)
+  program.generate(cfg, params, [[9, 8], [1, 2, 3, 4, 5, 6]], 10, timed=False)
   assert decode.TRACES == before
 
 

@@ -11,6 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, quants
 
+from kvjax import program
 from kvjax import config as config_lib
 from kvjax import model
 from kvjax.io import gguf
@@ -212,7 +213,6 @@ def test_smollm2_tokenizer_ids_equal_transformers(smollm2):
 def test_smollm2_logits_and_greedy_tokens_match_transformers(smollm2):
   import torch
 
-  from kvjax import decode
   cfg, params, tok, _, ref_model = smollm2
   ids = tok.encode("The three primary colors are red, yellow and")
   with torch.no_grad():
@@ -220,7 +220,7 @@ def test_smollm2_logits_and_greedy_tokens_match_transformers(smollm2):
   got = _logits(cfg, params, jnp.array([ids]))[0]
   assert np.abs(got - ref).max() < 2e-3 * np.abs(ref).max()
   greedy = config_lib.apply_overrides(cfg, {"workload.temperature": 0.0, "workload.eos_id": -1})
-  out = decode.generate(greedy, params, [ids], 32, timed=False)["tokens"][0]
+  out = program.generate(greedy, params, [ids], 32, timed=False)["tokens"][0]
   with torch.no_grad():
     want = ref_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
                               min_new_tokens=32)[0, len(ids):].tolist()

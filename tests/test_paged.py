@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from conftest import tiny_config, tiny_params
 
+from kvjax import program
 from kvjax import attention, cli, codecs, decode
 from kvjax.cache import paged
 from kvjax import cache as cache_lib
@@ -94,7 +95,7 @@ def test_model_logits_paged_equal_contiguous(kv_heads, codec, page):
   programs differently, so bits may differ in the last place)."""
   cfg = tiny_config(**{"model.n_kv_heads": kv_heads, "cache.codec": codec,
                        "cache.page_size": page})
-  tokens, lengths = decode.pad_prompts([[3, 14, 15, 9, 2, 6, 5], [5, 35], [8, 9, 7, 9]])
+  tokens, lengths = program.pad_prompts([[3, 14, 15, 9, 2, 6, 5], [5, 35], [8, 9, 7, 9]])
   got = [_model_logits(tiny_params(cfg), tokens, lengths,
                        cfg=config_lib.replace(cfg, **{"cache.layout": lay}))
          for lay in ("contiguous", "paged")]
@@ -183,5 +184,5 @@ def test_cli_generate_paged_gives_the_contiguous_tokens(capsys):
   assert cli.main(args) == 0
   out = json.loads(capsys.readouterr().out)
   cfg = tiny_config()  # the same model the CLI built: defaults + the three overrides
-  ref = decode.generate(cfg, tiny_params(cfg), prompts, 6, timed=False)["tokens"]
+  ref = program.generate(cfg, tiny_params(cfg), prompts, 6, timed=False)["tokens"]
   assert out["layout"] == "paged" and out["tokens"] == ref

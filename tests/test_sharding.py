@@ -16,6 +16,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from kvjax import program
 from kvjax import cli, sharding
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
@@ -53,16 +54,16 @@ def _leaf_report(cache) -> list[dict]:
 
 
 def child() -> dict:
-  from kvjax import decode, model
+  from kvjax import model
 
   res: dict = {"devices": len(jax.devices()), "runs": [], "errors": {}}
   for name, K, codec in CASES:
     cfg = _cfg(**{"model.n_kv_heads": K, "cache.codec": codec})
     params = model.init_params(cfg.model, 0)
-    ref = decode.generate(cfg, params, PROMPTS, NEW, timed=False)
+    ref = program.generate(cfg, params, PROMPTS, NEW, timed=False)
     for d, m in MESHES:
       c = config_lib.apply_overrides(cfg, {"mesh.data": d, "mesh.model": m})
-      out = decode.generate(c, params, PROMPTS, NEW, timed=False, return_cache=True)
+      out = program.generate(c, params, PROMPTS, NEW, timed=False, return_cache=True)
       res["runs"].append({"case": name, "K": K, "mesh": [d, m], "same": out["tokens"] == ref["tokens"],
                           "bytes": out["cache_bytes"], "per_device": out["cache_bytes_per_device"],
                           "leaves": _leaf_report(out["cache"])})
@@ -71,7 +72,7 @@ def child() -> dict:
         over = {"model.scan_unroll": cfg.model.n_layers} if layout == "unrolled" else \
             {"cache.layout": layout, "cache.page_size": 4}
         c = config_lib.apply_overrides(cfg, {"mesh.data": 2, "mesh.model": 2, **over})
-        out = decode.generate(c, params, PROMPTS, NEW, timed=False, return_cache=True)
+        out = program.generate(c, params, PROMPTS, NEW, timed=False, return_cache=True)
         res[f"{layout}_same"] = out["tokens"] == ref["tokens"]
         if layout == "paged":
           res["paged_leaves"] = _leaf_report(out["cache"])
@@ -79,7 +80,7 @@ def child() -> dict:
   for label, c, prompts in (("batch", cfg, PROMPTS[:3]),
                             ("devices", _cfg(**{"mesh.data": 4, "mesh.model": 2}), PROMPTS)):
     try:
-      decode.generate(c, model.init_params(c.model, 0), prompts, 2, timed=False)
+      program.generate(c, model.init_params(c.model, 0), prompts, 2, timed=False)
       res["errors"][label] = None
     except KvjaxError as e:
       res["errors"][label] = str(e)

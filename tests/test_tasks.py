@@ -216,7 +216,7 @@ def test_prefix_kv_refuses_a_lossy_cache():
 
 
 def test_answer_matches_generate_with_fp32():
-  """The split path decodes what `decode.generate` decodes from the whole prompt (fp32)."""
+  """The split path decodes what `program.generate` decodes from the whole prompt (fp32)."""
   cfg = _tiny()
   params = tiny_params(cfg)
   rng = np.random.default_rng(2)

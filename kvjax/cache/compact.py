@@ -1,6 +1,6 @@
 """Compaction: the tokens a policy keeps, copied into a cache whose capacity is the budget.
 
-`decode.generate` with `cache.policy` other than `full` prefills into an ordinary
+`program.generate` with `cache.policy` other than `full` prefills into an ordinary
 contiguous cache (the whole prompt, as every prompt pass needs its own keys anyway),
 asks the policy which tokens to keep (`kvjax.policies`), and copies them into an
 `EvictedCache` (layout `compacted`) of

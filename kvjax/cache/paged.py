@@ -1,4 +1,4 @@
-"""The `paged` layout (PagedAttention) and its host-side page allocator.
+"""The `paged` layout (PagedAttention): the device side of paging.
 
 Device side: one pool of fixed-size pages per layer holds codec-encoded K/V (every leaf
 `[L, P, K, page_size, ...]`, token axis still at -2, so any token-axis codec works
@@ -13,9 +13,8 @@ are masked exactly as in the contiguous layout. New tokens are scattered to (pag
 positions whose page is unallocated (table entry = P, the sentinel) are dropped, never
 written into another sequence's page.
 
-Host side: `PageAllocator` keeps the free list, reference counts and the prefix cache
-(full pages keyed by a chained digest of all tokens up to the page's end, vLLM style),
-with least-recently-used eviction of unreferenced cached pages. `kvjax.serve.engine` drives it.
+The host side, which pages a sequence owns, shares or frees, is the serving engine's page
+allocator (kvjax/serve/allocator.py), which fills the block table between steps.
 
 Not supported yet, refused with a one-line error: the full-precision residual window
 (`cache.residual`) and per-channel key scales (`cache.k_axis=channel`), whose token
@@ -24,14 +23,11 @@ blocks straddle pages.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import hashlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from kvjax.cache import base
@@ -82,7 +78,7 @@ class Paged(base.Layout):
       check_config(cache_cfg)
 
   def init(self, spec: base.CacheSpec) -> PagedCache:
-    """A pool with every sequence's pages allocated up front (what `decode.generate` needs:
+    """A pool with every sequence's pages allocated up front (what `program.generate` needs:
     page j of sequence b is physical page b * N + j). The engine uses `init_pool`."""
     B, N, P = spec.batch, pages_per_seq(spec), num_pages(spec)
     if P < B * N:
@@ -141,95 +137,3 @@ def init_pool(spec: base.CacheSpec) -> PagedCache:
 
 
 base.register(Paged())
-
-
-# -- host-side allocator --------------------------------------------------------------------
-def page_keys(tokens: list[int], page: int, n_pages: int, start: bytes = b"") -> list[bytes]:
-  """Chained digests of the first `n_pages` full pages: key i covers tokens [0, (i+1) * page),
-  so equal keys mean equal prefixes (a 128-bit digest; vLLM chains Python hashes)."""
-  keys, parent = [], start
-  for i in range(n_pages):
-    chunk = np.asarray(tokens[i * page:(i + 1) * page], np.int64).tobytes()
-    parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()
-    keys.append(parent)
-  return keys
-
-
-class PageAllocator:
-  """Free list, reference counts and a prefix cache of full pages, all on the host.
-
-  Every page is in exactly one state: free (refs 0, no key), cached-idle (refs 0, keyed,
-  in the LRU, still holding its tokens for a later hit) or in use (refs > 0, keyed or
-  not). `allocate` takes a free page, else evicts the least recently used idle page.
-  """
-
-  def __init__(self, num_pages: int):
-    self.num_pages = num_pages
-    self.free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
-    self.refs = [0] * num_pages
-    self.by_key: dict[bytes, int] = {}
-    self.key_of: dict[int, bytes] = {}
-    self.idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
-    self.evictions = 0
-
-  def available(self) -> int:
-    return len(self.free) + len(self.idle)
-
-  def allocate(self) -> int | None:
-    if self.free:
-      page = self.free.pop()
-    elif self.idle:
-      page, _ = self.idle.popitem(last=False)
-      del self.by_key[self.key_of.pop(page)]
-      self.evictions += 1
-    else:
-      return None
-    self.refs[page] = 1
-    return page
-
-  def release(self, page: int) -> None:
-    if self.refs[page] <= 0:
-      raise AssertionError(f"page {page} released with refcount {self.refs[page]}")
-    self.refs[page] -= 1
-    if self.refs[page] == 0:
-      if page in self.key_of:
-        self.idle[page] = None
-      else:
-        self.free.append(page)
-
-  def peek(self, key: bytes) -> int | None:
-    return self.by_key.get(key)
-
-  def share(self, key: bytes) -> int | None:
-    """Take a reference to the cached page holding `key`'s tokens, if any."""
-    page = self.by_key.get(key)
-    if page is not None:
-      if self.refs[page] == 0:
-        del self.idle[page]
-      self.refs[page] += 1
-    return page
-
-  def register(self, page: int, key: bytes) -> None:
-    """Offer a full, in-use page to the prefix cache (a duplicate of a cached key stays private)."""
-    if key not in self.by_key and page not in self.key_of:
-      self.by_key[key] = page
-      self.key_of[page] = key
-
-  def writable(self, page: int) -> bool:
-    """Only a page its one owner is still filling may be written: never a shared or cached one."""
-    return self.refs[page] == 1 and page not in self.key_of
-
-  def check(self) -> None:
-    """Assert the invariants (tests call this after every operation)."""
-    free, idle = set(self.free), set(self.idle)
-    assert len(free) == len(self.free), "a page is on the free list twice"
-    assert not free & idle, "a page is both free and cached"
-    assert all(r >= 0 for r in self.refs), "negative refcount"
-    for p in range(self.num_pages):
-      in_use = self.refs[p] > 0
-      states = in_use + (p in free) + (p in idle)
-      assert states == 1, f"page {p} is in {states} states (in use / free / cached idle)"
-      assert (p in idle) <= (p in self.key_of), f"idle page {p} has no key"
-      assert (p in free) <= (p not in self.key_of), f"free page {p} still has a key"
-    assert {self.by_key[k]: k for k in self.by_key} == self.key_of, "key maps disagree"
-

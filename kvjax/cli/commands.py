@@ -143,7 +143,7 @@ def cmd_size(args) -> dict:
 
 # -- generate -----------------------------------------------------------------------------
 def cmd_generate(args) -> dict:
-  from kvjax import decode
+  from kvjax import program
   from kvjax.io import sources
 
   over = _cache_overrides(args, _sampling_overrides(args))
@@ -166,7 +166,7 @@ def cmd_generate(args) -> dict:
     capacity = cfg.cache.capacity or max(map(len, prompts)) + args.max_new_tokens
     memory.check(cfg, len(prompts), capacity, max(map(len, prompts)), what="this generate")
   # --seed seeds sampling only; the weights of a --config model come from its `seed` key.
-  out = decode.generate(cfg, params, prompts, args.max_new_tokens, seed=args.seed)
+  out = program.generate(cfg, params, prompts, args.max_new_tokens, seed=args.seed)
   result = {"tokens": out["tokens"]}
   if tok is not None:
     result["text"] = [tok.decode(t) for t in out["tokens"]]

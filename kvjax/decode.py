@@ -6,8 +6,9 @@
 Both make one model call per step through `forward`: the model reads and writes the cache
 through its layout (`kvjax.cache`), or, for layout `none`, `forward` recomputes the whole
 prefix (the recompute mode). What jit hashes is `Static` (model, cache and mesh configs,
-eos) and the `Sampler`, never the experiment Config. The loop state is a small dataclass,
-as in Gemma's sampler. Lengths vary as data, never as shapes, so N steps never retrace.
+eos) and the `Sampler`, never the experiment Config. The loop state is a small dataclass.
+Lengths vary as data, never as shapes, so N steps never retrace. `kvjax.program` places,
+compiles and runs these two for every driver (generate, the timers, the experiments).
 """
 
 from __future__ import annotations

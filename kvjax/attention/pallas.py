@@ -163,7 +163,10 @@ def segment_state(q_BKGTD, seg):
   (X = splits, not yet merged)."""
   B, K, G, T, D = q_BKGTD.shape
   S = seg.mask_BS.shape[1]
-  paged = seg.pages is not None
+  # Segment kinds (kvjax.cache.base): a PagedSegment has a block table, a LayerSegment
+  # (and so a PagedSegment) the stacked store and a layer index, a plain Segment neither.
+  pages, layer = getattr(seg, "pages", None), getattr(seg, "layer", None)
+  paged = pages is not None
   check_shapes(D, seg.page_size if paged else 0)
   C = seg.page_size if paged else min(BLOCK, 1 << (S.bit_length() - 1))  # <= S, a power of 2
   n_blocks = -(-S // C)
@@ -174,13 +177,14 @@ def segment_state(q_BKGTD, seg):
   Rb = min(Rp, ROW_BLOCK)
   q = jnp.pad(q_BKGTD.reshape(B, K, R, D), ((0, 0), (0, 0), (0, Rp - R), (0, 0)))
   live = S if seg.live is None else seg.live
-  layer = 0 if seg.layer is None else seg.layer
+  stacked = layer is not None
+  layer = 0 if layer is None else layer
   # Per row: the layer and where its reads end (past its last valid slot, at most `live`).
   end_B = jnp.minimum(jnp.max(jnp.where(seg.mask_BS, jnp.arange(1, S + 1), 0), axis=1), live)
   meta = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (B,)),
                     end_B.astype(jnp.int32)], axis=1)
-  ks, vs = _leaves(seg.k, seg.layer is not None), _leaves(seg.v, seg.layer is not None)
-  bt = seg.pages.astype(jnp.int32) if paged else jnp.zeros((B, 1), jnp.int32)
+  ks, vs = _leaves(seg.k, stacked), _leaves(seg.v, stacked)
+  bt = pages.astype(jnp.int32) if paged else jnp.zeros((B, 1), jnp.int32)
 
   def store_spec(a):  # the whole stored sequence of (b, h); the kernel slices the blocks
     if paged:

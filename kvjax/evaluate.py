@@ -252,8 +252,8 @@ def eval_cli(src, overrides: dict, text: str = "stdlib", tokens: int = 512, seqs
   from kvjax import codecs
   k, v = codecs.for_role(c.k_codec, c, "k"), codecs.for_role(c.v_codec, c, "v")
   m = cfg.model
-  per_token = m.n_layers * (k.bytes_per_token(m.n_kv_heads, m.D, c)
-                            + v.bytes_per_token(m.n_kv_heads, m.D, c))
+  per_token = m.n_layers * (k.bytes_per_token(m.n_kv_heads, m.D)
+                            + v.bytes_per_token(m.n_kv_heads, m.D))
   return {**metrics, "bytes_per_token": per_token, "cache_bytes": nbytes, "tokens": N,
           "seqs": B, "chunk": chunk, "text": text, "source": str(src),
           "variant": m.variant, "layout": c.layout, "k_codec": c.k_codec, "v_codec": c.v_codec,

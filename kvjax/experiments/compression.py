@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-import experiments as ex
+from kvjax import experiments as ex
 from kvjax.experiments import quality
 from kvjax import data, evaluate
 from kvjax import evict

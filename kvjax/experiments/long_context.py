@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import experiments as ex
+from kvjax import experiments as ex
 from kvjax import config as config_lib
 from kvjax import evaluate, tasks
 from kvjax.io import sources

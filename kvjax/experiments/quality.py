@@ -36,7 +36,7 @@ import dataclasses
 import functools
 from pathlib import Path
 
-import experiments as ex
+from kvjax import experiments as ex
 import numpy as np
 
 from kvjax import cache as cache_lib

@@ -161,7 +161,7 @@ def param_specs(params: Any, cfg: Config) -> Any:
 
 def cache_leaf_spec(path: list[str], ndim: int, paged: bool = False) -> P:
   """KV leaves [L, B, K, S, ...] split batch over `data` and KV heads over `kv`;
-  `lengths` [B], block tables [B, N] and the `none` layout's tokens [B, S] split the batch.
+  `lengths` [B], block tables [B, Q] and the `none` layout's tokens [B, S] split the batch.
 
   A paged pool [L, P, K, page, ...] splits KV heads only: any sequence may own (or share,
   with prefix caching) any page, so pages are replicated over `data`; each data shard

@@ -66,14 +66,15 @@ def attend_segment(q_BKGTD, seg, state):
 NEW_BLOCK = 128
 
 
-def _new_tokens(q_BKGTD, k_BKUD, v_BKUD, pos_q_BT, pos_k_BU):
-  """Logits, mask and value read of queries against this call's own keys (causal)."""
+def _new_tokens(q_BKGTD, k_BKID, v_BKID, pos_q_BT, pos_k_BI):
+  """Logits, mask and value read of a block of queries against this call's own keys, the
+  I tokens up to the block's end (causal)."""
   f32 = jnp.float32
-  l_new = jnp.einsum("bkgtd,bkud->bkgtu", q_BKGTD, k_BKUD, preferred_element_type=f32)
-  causal_BTU = (pos_k_BU[:, None, :] <= pos_q_BT[:, :, None]) & (pos_k_BU[:, None, :] >= 0)
-  pv_new = lambda p: jnp.einsum("bkgtu,bkud->bkgtd", p.astype(v_BKUD.dtype), v_BKUD,  # noqa
+  l_new = jnp.einsum("bkgtd,bkid->bkgti", q_BKGTD, k_BKID, preferred_element_type=f32)
+  causal_BTI = (pos_k_BI[:, None, :] <= pos_q_BT[:, :, None]) & (pos_k_BI[:, None, :] >= 0)
+  pv_new = lambda p: jnp.einsum("bkgti,bkid->bkgtd", p.astype(v_BKID.dtype), v_BKID,  # noqa
                                 preferred_element_type=f32)
-  return l_new, causal_BTU[:, None, None], pv_new
+  return l_new, causal_BTI[:, None, None], pv_new
 
 
 def grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments,
@@ -118,10 +119,10 @@ def reference(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments) -> jax.Array:
       [k_BTKD.transpose(0, 2, 1, 3).astype(jnp.float32)]
   vs = [seg.v_codec.decode(whole(seg, seg.v), jnp.float32) for seg in segments] + \
       [v_BTKD.transpose(0, 2, 1, 3).astype(jnp.float32)]
-  causal_BTU = (positions_BT[:, None, :] <= positions_BT[:, :, None]) & \
+  causal_BTI = (positions_BT[:, None, :] <= positions_BT[:, :, None]) & \
       (positions_BT[:, None, :] >= 0)
   masks = [jnp.broadcast_to(seg.mask_BS[:, None, :], (B, T, seg.mask_BS.shape[1]))
-           for seg in segments] + [causal_BTU]
+           for seg in segments] + [causal_BTI]
   k, v, mask = (jnp.concatenate(ks, axis=2), jnp.concatenate(vs, axis=2),
                 jnp.concatenate(masks, axis=2))
   logits = jnp.einsum("bkgtd,bksd->bkgts", q_BKGTD.astype(jnp.float32), k)

@@ -146,7 +146,7 @@ class LayerSegment(Segment):
 @dataclasses.dataclass(frozen=True)
 class PagedSegment(LayerSegment):
   """Leaves are page pools [L, P, K, page_size, ...] found through the block table `pages`
-  [B, N] (physical page of each logical page): a block gathers only its own pages."""
+  [B, Q] (physical page of each logical page): a block gathers only its own pages."""
 
   pages: Any = None
   page_size: int = 1
@@ -157,12 +157,12 @@ class PagedSegment(LayerSegment):
 
   def cut(self, enc: Any, start, size: int) -> Any:
     ps = self.page_size
-    pg_Bn = jax.lax.dynamic_slice_in_dim(self.pages, start // ps, size // ps, axis=1)
+    pg_Bq = jax.lax.dynamic_slice_in_dim(self.pages, start // ps, size // ps, axis=1)
 
     def leaf(a):  # a: [L, P, K, ps, ...] -> [B, K, size, ...]
-      g = a.at[self.layer, pg_Bn].get(mode="clip")
-      B, n, K, p = g.shape[:4]
-      return jnp.swapaxes(g, 1, 2).reshape(B, K, n * p, *g.shape[4:])
+      g = a.at[self.layer, pg_Bq].get(mode="clip")
+      B, q, K, p = g.shape[:4]
+      return jnp.swapaxes(g, 1, 2).reshape(B, K, q * p, *g.shape[4:])
     return jax.tree.map(leaf, enc)
 
 

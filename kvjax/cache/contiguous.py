@@ -88,12 +88,13 @@ class Contiguous(base.Layout):
     n0, n1 = cache.lengths, lengths
     q0, q1 = spec.quantized_len(n0), spec.quantized_len(n1)
     T = positions_BT.shape[1]
-    n_blocks = -(-T // U)  # q1 - q0 < T + U, so at most ceil(T / U) blocks leave per call
-    # Positions leaving the window, gathered from (old window ++ new tokens) in full precision.
-    p_BP = q0[:, None] + jnp.arange(n_blocks * U)[None, :]
-    src_BP = jnp.clip(jnp.where(p_BP < n0[:, None], p_BP % R, R + p_BP - n0[:, None]), 0, R + T - 1)
-    blk = q0[:, None] // U + jnp.arange(n_blocks)[None, :]
-    blk_BN = jnp.where((jnp.arange(n_blocks)[None, :] + 1) * U <= (q1 - q0)[:, None], blk,
+    J = -(-T // U)  # q1 - q0 < T + U, so at most J = ceil(T / U) blocks leave per call
+    # The O = J * U positions leaving the window, gathered from (old window ++ new tokens)
+    # in full precision.
+    p_BO = q0[:, None] + jnp.arange(J * U)[None, :]
+    src_BO = jnp.clip(jnp.where(p_BO < n0[:, None], p_BO % R, R + p_BO - n0[:, None]), 0, R + T - 1)
+    blk = q0[:, None] // U + jnp.arange(J)[None, :]
+    blk_BJ = jnp.where((jnp.arange(J)[None, :] + 1) * U <= (q1 - q0)[:, None], blk,
                        spec.history // U)  # beyond the history: dropped
     # New tokens that stay in the window go to slot p mod R (the rest never enter it).
     stay = (positions_BT >= 0) & (positions_BT >= q1[:, None])
@@ -101,8 +102,8 @@ class Contiguous(base.Layout):
 
     def update(codec, hist, win, new_LBKTD):
       src = jnp.concatenate([win, new_LBKTD.astype(win.dtype)], axis=3)
-      out_LBKPD = jnp.take_along_axis(src, src_BP[None, :, None, :, None], axis=3)
-      hist = jax.tree.map(scatter_blocks(blk_BN), hist, codec.encode(out_LBKPD))
+      out_LBKOD = jnp.take_along_axis(src, src_BO[None, :, None, :, None], axis=3)
+      hist = jax.tree.map(scatter_blocks(blk_BJ), hist, codec.encode(out_LBKOD))
       win = base.scatter(wslot_BT)(win, spec.window_codec.encode(new_LBKTD))
       return hist, win
 
@@ -118,15 +119,15 @@ class Contiguous(base.Layout):
         + 4 * spec.batch
 
 
-def scatter_blocks(blk_BN):
-  """Like `base.scatter`, for leaves holding N encoded blocks: block j goes to block blk_BN[b, j]."""
+def scatter_blocks(blk_BJ):
+  """Like `base.scatter`, for leaves holding J encoded blocks: block j goes to block blk_BJ[b, j]."""
   def put(store, new):
-    N = blk_BN.shape[1]
+    J = blk_BJ.shape[1]
     L, B, K, rows = new.shape[:4]
-    r = rows // N  # leaf rows per block (U codes rows, or 1 scale row for a channel codec)
+    r = rows // J  # leaf rows per block (U codes rows, or 1 scale row for a channel codec)
     store5 = store.reshape(L, B, K, store.shape[3] // r, r, *store.shape[4:])
-    new5 = new.reshape(L, B, K, N, r, *new.shape[4:])
-    out = base.scatter(blk_BN)(store5, new5)
+    new5 = new.reshape(L, B, K, J, r, *new.shape[4:])
+    out = base.scatter(blk_BJ)(store5, new5)
     return out.reshape(store.shape)
   return put
 

@@ -1,30 +1,30 @@
-"""Latent (MLA-style) KV cache: one rank-r vector per token and layer instead of K and V.
+"""Latent (MLA-style) KV cache: one rank-A vector per token and layer instead of K and V.
 
-A model with `model.latent_rank = r` has K/V projections of rank r: for each layer,
+A model with `model.latent_rank = A` has K/V projections of rank A: for each layer,
 
-    [k_pre | v] = h @ W + b,   W = A @ U   (A: [E, r], U = `latent_up`: [r, 2·K·D], rows
-                                            orthonormal)
+    [k_pre | v] = h @ W + b,   W = W_down @ U   (W_down: [E, A], U = `latent_up`: [A, Y],
+                                                 Y = 2·K·D, rows orthonormal)
 
-so the r numbers c = ([k_pre | v] - b) @ Uᵀ = h @ A determine the token's K and V. The
-`latent` layout stores c (through the K codec, as an [L, B, 1, S, r] store: one "head"
-of width r) and reads K and V back as c @ U + b.
+so the A numbers c = ([k_pre | v] - b) @ Uᵀ = h @ W_down determine the token's K and V.
+The `latent` layout stores c (through the K codec, as an [L, B, 1, S, A] store: one "head"
+of width A) and reads K and V back as c @ U + b.
 
 RoPE: applied after the up-projection, at read time. The model hands the layout keys
 already rotated at their positions; `write` rotates them back (RoPE at -θ), projects onto
-the latent, and `segments` up-projects every slot and rotates its key again at the slot's
+the latent, and `read` up-projects every slot and rotates its key again at the slot's
 position (slot = position, as in `contiguous`). No decoupled RoPE part is cached.
 
 Read cost: each layer up-projects its whole store to a float32 [B, K, S, D] K and V on
 every call (folding U into the query and output projections is not built), so the
 latent saves memory held, not time.
 
-Bytes per token: L · (K codec bytes of one r-wide vector) — L · r · 4 with fp32, against
+Bytes per token: L · (K codec bytes of one A-wide vector) — L · A · 4 with fp32, against
 2 · L · K · D · 4 for the dense cache.
 
-`kvjax convert --latent-rank r` builds such a model from a dense one (`factor`): per
-layer, the SVD of [W_k | W_v] ([E, 2·K·D]) gives U = the top r right singular vectors and
-W ← W Uᵀ U (the best rank-r approximation). At r = min(E, 2·K·D) nothing is lost and
-the logits equal the dense model's (tests/test_latent.py).
+`kvjax convert --latent-rank A` builds such a model from a dense one (`factor`): per
+layer, the SVD of [W_k | W_v] ([E, Y]) gives U = the top A right singular vectors and
+W ← W Uᵀ U (the best rank-A approximation). At A = min(E, Y) nothing is lost and the
+logits equal the dense model's (tests/test_latent.py).
 """
 
 from __future__ import annotations
@@ -65,16 +65,16 @@ def check_config(c, m) -> None:
 
 @struct.dataclass
 class LatentCache:
-  c: Any                 # K codec storage of the latents, leaves [L, B, 1, S, r]
+  c: Any                 # K codec storage of the latents, leaves [L, B, 1, S, A]
   lengths: jax.Array     # [B] int32: tokens held per sequence
   spec: base.CacheSpec = struct.field(pytree_node=False)
-  up: Any = None         # [L, r, 2·K·D] and [L, 2·K·D]: the model's up-projection and K/V
+  up: Any = None         # [L, A, Y] and [L, Y] (Y = 2·K·D): the model's up-projection and K/V
   bias: Any = None       # bias, attached for one model call only (`Latent.attach`; weights,
                          # not cache: `write` detaches them)
 
 
 def weights(params, m) -> tuple[jax.Array, jax.Array]:
-  """(up [L, r, 2KD], bias [L, 2KD]) from stacked (`layers`) or split (`layers_i`) params."""
+  """(up [L, A, Y], bias [L, Y]) from stacked (`layers`) or split (`layers_i`) params."""
   def stacked(name, leaf):
     if "layers" in params:
       return params["layers"][name][leaf]
@@ -93,7 +93,7 @@ def weights(params, m) -> tuple[jax.Array, jax.Array]:
 
 
 class Latent(base.Layout):
-  """`capacity` slots per sequence of one rank-r latent per layer; position p in slot p."""
+  """`capacity` slots per sequence of one rank-A latent per layer; position p in slot p."""
 
   name = "latent"
 
@@ -117,11 +117,11 @@ class Latent(base.Layout):
     c, up, bias = store
     m = spec.model_cfg
     B, S, K, D = spec.batch, spec.capacity, spec.n_kv_heads, spec.head_dim
-    c_B1SR = jax.tree.map(lambda a: a[layer], c)
-    x_BSR = spec.kc.decode(c_B1SR, jnp.float32)[:, 0]
-    kv_BSX = jnp.einsum("bsr,rx->bsx", x_BSR, up[layer]) + bias[layer]
-    k_BSKD = kv_BSX[..., :K * D].reshape(B, S, K, D)
-    v_BSKD = kv_BSX[..., K * D:].reshape(B, S, K, D)
+    c_B1SA = jax.tree.map(lambda a: a[layer], c)
+    lat_BSA = spec.kc.decode(c_B1SA, jnp.float32)[:, 0]
+    kv_BSY = jnp.einsum("bsa,ay->bsy", lat_BSA, up[layer]) + bias[layer]
+    k_BSKD = kv_BSY[..., :K * D].reshape(B, S, K, D)
+    v_BSKD = kv_BSY[..., K * D:].reshape(B, S, K, D)
     cos, sin = rope_cos_sin(jnp.arange(S, dtype=jnp.int32)[None, :], m)
     k_BSKD = apply_rope(k_BSKD, cos, sin)  # RoPE after the up-projection, at slot = position
     mask_BS = jnp.arange(S)[None, :] < lengths_B[:, None]
@@ -134,13 +134,13 @@ class Latent(base.Layout):
     L, B, T, K, D = k_LBTKD.shape
     cos, sin = rope_cos_sin(positions_BT, spec.model_cfg)
     # Undo RoPE (rotation by -θ): the latent holds the unrotated key.
-    k_BTXD = jnp.moveaxis(k_LBTKD.astype(jnp.float32), 0, 2).reshape(B, T, L * K, D)
-    k_pre = jnp.moveaxis(apply_rope(k_BTXD, cos, -sin).reshape(B, T, L, K, D), 2, 0)
-    kv_LBTX = jnp.concatenate([k_pre.reshape(L, B, T, K * D),
+    k_flat = jnp.moveaxis(k_LBTKD.astype(jnp.float32), 0, 2).reshape(B, T, L * K, D)  # L·K heads
+    k_pre = jnp.moveaxis(apply_rope(k_flat, cos, -sin).reshape(B, T, L, K, D), 2, 0)
+    kv_LBTY = jnp.concatenate([k_pre.reshape(L, B, T, K * D),
                                v_LBTKD.astype(jnp.float32).reshape(L, B, T, K * D)], axis=-1)
-    c_LBTR = jnp.einsum("lbtx,lrx->lbtr", kv_LBTX - cache.bias[:, None, None], cache.up)
+    c_LBTA = jnp.einsum("lbty,lay->lbta", kv_LBTY - cache.bias[:, None, None], cache.up)
     slots_BT = jnp.where(positions_BT >= 0, positions_BT, spec.capacity)  # padding: dropped
-    new = spec.kc.encode(c_LBTR[:, :, None])
+    new = spec.kc.encode(c_LBTA[:, :, None])
     c = jax.tree.map(base.scatter(slots_BT), cache.c, new)
     lengths = cache.lengths + jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
     return dataclasses.replace(cache, c=c, lengths=lengths, up=None, bias=None)
@@ -167,8 +167,8 @@ def factor(cfg, params, rank: int):
   Wk, Wv = layers["k_proj"]["kernel"], layers["v_proj"]["kernel"]  # [L, E, K·D]
   W = jnp.concatenate([Wk, Wv], axis=-1).astype(jnp.float32)
   _, _, Vt = jnp.linalg.svd(W, full_matrices=False)
-  up = Vt[:, :rank]  # [L, r, 2KD], orthonormal rows
-  W_r = jnp.einsum("lex,lrx,lry->ley", W, up, up)
+  up = Vt[:, :rank]  # [L, A, Y], orthonormal rows
+  W_r = jnp.einsum("lex,lax,lay->ley", W, up, up)
   KD = Wk.shape[-1]
   layers["k_proj"] = {**layers["k_proj"], "kernel": W_r[..., :KD].astype(Wk.dtype)}
   layers["v_proj"] = {**layers["v_proj"], "kernel": W_r[..., KD:].astype(Wv.dtype)}

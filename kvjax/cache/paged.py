@@ -2,12 +2,12 @@
 
 Device side: one pool of fixed-size pages per layer holds codec-encoded K/V (every leaf
 `[L, P, K, page_size, ...]`, token axis still at -2, so any token-axis codec works
-unchanged), and a block table `[B, N]` (N = ceil(capacity / page_size), or fewer: a narrower table
+unchanged), and a block table `[B, Q]` (Q = ceil(capacity / page_size), or fewer: a narrower table
 reads fewer tokens, as the engine does for short requests) maps each sequence's logical
 page i to a physical page. The block table is data in the cache
 pytree: the engine rewrites it between steps and nothing retraces. A layer's attention
 reads its sequences block by block: each block gathers only its pages, through the block
-table, from the stacked pool (`Segment.pages`), and reads stop at the live length, so a
+table, from the stacked pool (`PagedSegment.pages`), and reads stop at the live length, so a
 step reads the pages in use, never the whole pool or a layer-sized copy. Invalid slots
 are masked exactly as in the contiguous layout. New tokens are scattered to (page, slot);
 positions whose page is unallocated (table entry = P, the sentinel) are dropped, never
@@ -39,7 +39,7 @@ def page_size(spec: base.CacheSpec) -> int:
 
 
 def pages_per_seq(spec: base.CacheSpec) -> int:
-  """N: block-table width, enough pages for `capacity` tokens."""
+  """Q: block-table width, enough pages for `capacity` tokens."""
   return -(-spec.capacity // page_size(spec))
 
 
@@ -63,7 +63,7 @@ def check_config(c, m=None) -> None:
 class PagedCache:
   k: Any                  # K codec storage, leaves [L, P, K, page_size, ...]
   v: Any                  # V codec storage, leaves [L, P, K, page_size, ...]
-  block_table: jax.Array  # [B, N] int32 physical page of each logical page; P = unallocated
+  block_table: jax.Array  # [B, Q] int32 physical page of each logical page; P = unallocated
   lengths: jax.Array      # [B] int32 tokens held per sequence
   spec: base.CacheSpec = struct.field(pytree_node=False)
 
@@ -79,33 +79,33 @@ class Paged(base.Layout):
 
   def init(self, spec: base.CacheSpec) -> PagedCache:
     """A pool with every sequence's pages allocated up front (what `program.generate` needs:
-    page j of sequence b is physical page b * N + j). The engine uses `init_pool`."""
-    B, N, P = spec.batch, pages_per_seq(spec), num_pages(spec)
-    if P < B * N:
-      raise KvjaxError(f"cache.num_pages={P} is smaller than the {B * N} pages that batch {B} x "
+    page j of sequence b is physical page b * Q + j). The engine uses `init_pool`."""
+    B, Q, P = spec.batch, pages_per_seq(spec), num_pages(spec)
+    if P < B * Q:
+      raise KvjaxError(f"cache.num_pages={P} is smaller than the {B * Q} pages that batch {B} x "
                        f"capacity {spec.capacity} needs up front; raise cache.num_pages or set it "
                        "to 0 (the serving engine allocates on demand)")
     cache = init_pool(spec)
-    return dataclasses.replace(cache, block_table=jnp.arange(B * N, dtype=jnp.int32).reshape(B, N))
+    return dataclasses.replace(cache, block_table=jnp.arange(B * Q, dtype=jnp.int32).reshape(B, Q))
 
   def store(self, cache: PagedCache) -> Any:
     """The whole stacked pools and the block table: a read gathers (layer, page) itself."""
     return (cache.k, cache.v, cache.block_table)
 
   def read(self, spec, store, lengths_B, layer):
-    """The segment spans the table's N * page_size slots (a narrower table reads less); the
+    """The segment spans the table's Q * page_size slots (a narrower table reads less); the
     attention gathers only the pages of the blocks it reads, up to the live length."""
-    k, v, bt_BN = store
-    S = bt_BN.shape[1] * page_size(spec)
+    k, v, bt_BQ = store
+    S = bt_BQ.shape[1] * page_size(spec)
     mask_BS = jnp.arange(S)[None, :] < jnp.minimum(lengths_B, spec.capacity)[:, None]
     return [base.PagedSegment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(lengths_B),
-                              layer=layer, pages=bt_BN, page_size=page_size(spec))]
+                              layer=layer, pages=bt_BQ, page_size=page_size(spec))]
 
   def write(self, cache: PagedCache, k_LBTKD, v_LBTKD, positions_BT) -> PagedCache:
     spec = cache.spec
-    ps, N, P = page_size(spec), cache.block_table.shape[1], num_pages(spec)
-    valid = (positions_BT >= 0) & (positions_BT < N * ps)
-    logical_BT = jnp.clip(positions_BT // ps, 0, N - 1)
+    ps, Q, P = page_size(spec), cache.block_table.shape[1], num_pages(spec)
+    valid = (positions_BT >= 0) & (positions_BT < Q * ps)
+    logical_BT = jnp.clip(positions_BT // ps, 0, Q - 1)
     page_BT = jnp.where(valid, jnp.take_along_axis(cache.block_table, logical_BT, axis=1), P)
     slot_BT = jnp.where(valid, positions_BT % ps, 0)
 
@@ -129,10 +129,10 @@ def init_pool(spec: base.CacheSpec) -> PagedCache:
   """A zeroed pool with an empty block table (every entry = P, nothing allocated)."""
   check_config(spec.cache_cfg, None)
   L, B, K, D = spec.n_layers, spec.batch, spec.n_kv_heads, spec.head_dim
-  P, N = num_pages(spec), pages_per_seq(spec)
+  P, Q = num_pages(spec), pages_per_seq(spec)
   shape = (L, P, K, page_size(spec), D)
   return PagedCache(k=spec.kc.init(shape), v=spec.vc.init(shape),
-                    block_table=jnp.full((B, N), P, jnp.int32),
+                    block_table=jnp.full((B, Q), P, jnp.int32),
                     lengths=jnp.zeros((B,), jnp.int32), spec=spec)
 
 

@@ -84,16 +84,16 @@ class Codec:
                        f"fp8_e4m3, fp8_e5m2), got '{self.name}'; or set cache.k_axis=token")
 
   # -- storage -------------------------------------------------------------------------
-  def init(self, shape_XSD: tuple[int, ...]) -> Any:
-    """Zeroed storage for `shape[..., S, D]` tokens."""
-    return store_bits(jnp.zeros(shape_XSD, self.dtype))
+  def init(self, shape: tuple[int, ...]) -> Any:
+    """Zeroed storage for `shape` = [..., S, D]: S tokens of D values."""
+    return store_bits(jnp.zeros(shape, self.dtype))
 
-  def encode(self, x_XTD: jax.Array) -> Any:
-    """Encode a block of vectors; the result has the same pytree structure as `init`."""
+  def encode(self, x_TD: jax.Array) -> Any:
+    """Encode T vectors [..., T, D]; the result has the same pytree structure as `init`."""
     if jnp.dtype(self.dtype) == jnp.float32:
-      return x_XTD.astype(self.dtype)
+      return x_TD.astype(self.dtype)
     fmax = float(jnp.finfo(self.dtype).max)
-    x = x_XTD.astype(jnp.float32)
+    x = x_TD.astype(jnp.float32)
     return store_bits(jnp.where(jnp.isfinite(x), jnp.clip(x, -fmax, fmax), x).astype(self.dtype))
 
   def decode(self, enc: Any, dtype=jnp.float32) -> jax.Array:
@@ -107,24 +107,24 @@ class Codec:
 
   # -- the attention's reads -----------------------------------------------------------
   def qk_block(self, q_BKGTD: jax.Array, k_enc: Any) -> jax.Array:
-    """Logits over a block of stored tokens in one go (the blockwise attention's read:
+    """Logits [B, K, G, T, C] over a block of C stored tokens in one go (the blockwise read:
     the caller keeps blocks small, so whatever is widened here is block-sized)."""
     return self._qk_block(q_BKGTD, k_enc)
 
-  def pv_block(self, p_BKGTS: jax.Array, v_enc: Any) -> jax.Array:
-    """Probability-weighted values of a block of stored tokens in one go."""
-    return self._pv_block(p_BKGTS, v_enc)
+  def pv_block(self, p_BKGTC: jax.Array, v_enc: Any) -> jax.Array:
+    """Probability-weighted values of a block of C stored tokens in one go."""
+    return self._pv_block(p_BKGTC, v_enc)
 
   def _qk_block(self, q_BKGTD, k_enc):
     return dot_qk(q_BKGTD, self.decode(k_enc, q_BKGTD.dtype))
 
-  def _pv_block(self, p_BKGTS, v_enc):
-    return dot_pv(p_BKGTS, self.decode(v_enc, p_BKGTS.dtype))
+  def _pv_block(self, p_BKGTC, v_enc):
+    return dot_pv(p_BKGTC, self.decode(v_enc, p_BKGTC.dtype))
 
 
 def per_head(G: int, D: int) -> bool:
   """Split the G query heads sharing a KV head into G batched matvecs? CPU only: XLA:CPU ran
-  the [G*T, D] x [D, S] GEMM 1.3-1.8x slower than G matvecs for G = 2-4 at head_dim 32-128
+  the [G*T, D] x [D, C] GEMM 1.3-1.8x slower than G matvecs for G = 2-4 at head_dim 32-128
   (it transposes the block for the GEMM or takes a slow path). Each matvec is one more
   operation per block, though, and that overhead won for G = 8 (7-80% slower split) and
   for G = 4 at head_dim 16 (5-14%); G = 2 at head_dim 16 still gained 15-20% (decode,
@@ -132,26 +132,26 @@ def per_head(G: int, D: int) -> bool:
   return jax.default_backend() == "cpu" and 1 < G <= min(4, D // 8)
 
 
-def _grouped_einsum(spec: str, a_BKG: jax.Array, b_BKSD: jax.Array) -> jax.Array:
+def _grouped_einsum(spec: str, a_BKG: jax.Array, b_BKCD: jax.Array) -> jax.Array:
   """`jnp.einsum(spec)` in float32 of per-query-head operands [B, K, G, ...] against a
-  (widened) block [B, K, S, D]: one einsum, or G of them where `per_head` says so."""
+  (widened) block [B, K, C, D]: one einsum, or G of them where `per_head` says so."""
   f32 = jnp.float32
   G = a_BKG.shape[2]
-  if not per_head(G, b_BKSD.shape[-1]):
-    return jnp.einsum(spec, a_BKG, b_BKSD, preferred_element_type=f32)
+  if not per_head(G, b_BKCD.shape[-1]):
+    return jnp.einsum(spec, a_BKG, b_BKCD, preferred_element_type=f32)
   head = spec.replace("g", "")
-  return jnp.stack([jnp.einsum(head, a_BKG[:, :, g], b_BKSD, preferred_element_type=f32)
+  return jnp.stack([jnp.einsum(head, a_BKG[:, :, g], b_BKCD, preferred_element_type=f32)
                     for g in range(G)], axis=2)
 
 
-def dot_qk(q_BKGTD: jax.Array, k_BKSD: jax.Array) -> jax.Array:
-  """Logits of the queries against a (widened) block of keys: [B, K, G, T, S] float32."""
-  return _grouped_einsum("bkgtd,bksd->bkgts", q_BKGTD, k_BKSD)
+def dot_qk(q_BKGTD: jax.Array, k_BKCD: jax.Array) -> jax.Array:
+  """Logits of the queries against a (widened) block of C keys: [B, K, G, T, C] float32."""
+  return _grouped_einsum("bkgtd,bkcd->bkgtc", q_BKGTD, k_BKCD)
 
 
-def dot_pv(p_BKGTS: jax.Array, v_BKSD: jax.Array) -> jax.Array:
-  """Probability-weighted sum of a (widened) block of values: [B, K, G, T, D] float32."""
-  return _grouped_einsum("bkgts,bksd->bkgtd", p_BKGTS, v_BKSD)
+def dot_pv(p_BKGTC: jax.Array, v_BKCD: jax.Array) -> jax.Array:
+  """Probability-weighted sum of a (widened) block of C values: [B, K, G, T, D] float32."""
+  return _grouped_einsum("bkgtc,bkcd->bkgtd", p_BKGTC, v_BKCD)
 
 
 DTYPE_TO_CODEC = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

@@ -34,9 +34,9 @@ Decisions, and why:
 
 Reading never dequantizes the cache: per-token scales are folded into the logits (K) and
 the probabilities (V); channel scales are folded into the query (K). Codes are widened
-only `READ_CHUNK` tokens at a time (a loop over the token axis), because XLA:CPU
-materializes a converted operand of a dot: without chunking the widened codes would be a
-full-precision copy of the layer's cache.
+only one block of C stored tokens at a time (`qk_block`/`pv_block`, called by the
+attention's blockwise read), because XLA:CPU materializes a converted operand of a dot:
+without blocks the widened codes would be a full-precision copy of the layer's cache.
 """
 
 from __future__ import annotations
@@ -110,12 +110,12 @@ class ScaledCodec(base.Codec):
                        f"{max(g, c.residual // g * g)}")
 
   # -- storage -------------------------------------------------------------------------
-  def init(self, shape_XSD):
-    shapes = jax.eval_shape(self.encode, jax.ShapeDtypeStruct(tuple(shape_XSD), jnp.float32))
+  def init(self, shape):
+    shapes = jax.eval_shape(self.encode, jax.ShapeDtypeStruct(tuple(shape), jnp.float32))
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
-  def encode(self, x_XTD: jax.Array) -> dict:
-    x = x_XTD.astype(jnp.float32)
+  def encode(self, x_TD: jax.Array) -> dict:
+    x = x_TD.astype(jnp.float32)
     *lead, T, D = x.shape
     finite = jnp.isfinite(x)
     x = jnp.where(finite, x, 0.0)
@@ -230,18 +230,18 @@ class ScaledCodec(base.Codec):
       # measured faster for them at batch 1 (int8 0.78x -> 0.57x bf16, head_dim 64, 4k) and
       # the same at batch 4; unpacked int4/int2 keys were faster in this one.
       planes = self._planes(enc, q_BKGTD.dtype)
-      W = D // len(planes)
-      l = sum(base.dot_qk(q_BKGTD[..., i * W:(i + 1) * W], c) for i, c in enumerate(planes))
+      pw = D // len(planes)  # plane width
+      l = sum(base.dot_qk(q_BKGTD[..., i * pw:(i + 1) * pw], c) for i, c in enumerate(planes))
       l = l * s[:, :, None, None, :, 0]
       if off is not None:
         l = l + jnp.sum(q_BKGTD.astype(f32), -1)[..., None] * off[:, :, None, None, :, 0]
       return l
     qn = q_BKGTD.reshape(B, K, G, T, n, D // n)
-    l = jnp.einsum("bkgtnd,bksnd->bkgtsn", qn, c_BKCD.reshape(B, K, C, n, D // n),
+    l = jnp.einsum("bkgtnd,bkcnd->bkgtcn", qn, c_BKCD.reshape(B, K, C, n, D // n),
                    preferred_element_type=f32)
-    l = jnp.einsum("bkgtsn,bksn->bkgts", l, s)
+    l = jnp.einsum("bkgtcn,bkcn->bkgtc", l, s)
     if off is not None:
-      l = l + jnp.einsum("bkgtn,bksn->bkgts", jnp.sum(qn.astype(f32), -1), off)
+      l = l + jnp.einsum("bkgtn,bkcn->bkgtc", jnp.sum(qn.astype(f32), -1), off)
     return l
 
   def _pv_block(self, p_BKGTC, enc):
@@ -268,12 +268,12 @@ class ScaledCodec(base.Codec):
       out = jnp.concatenate([base.dot_pv(ps, c) for c in self._planes(enc, jnp.float32)],
                             axis=-1)
       if off is not None:
-        out = out + jnp.einsum("bkgts,bks->bkgt", p, off[..., 0])[..., None]
+        out = out + jnp.einsum("bkgtc,bkc->bkgt", p, off[..., 0])[..., None]
       return out
     ps = p[..., None] * s[:, :, None, None]  # [B, K, G, T, C, n]
-    out = jnp.einsum("bkgtsn,bksnd->bkgtnd", ps, c_BKCD.reshape(B, K, C, n, D // n))
+    out = jnp.einsum("bkgtcn,bkcnd->bkgtnd", ps, c_BKCD.reshape(B, K, C, n, D // n))
     if off is not None:
-      out = out + jnp.einsum("bkgts,bksn->bkgtn", p, off)[..., None]
+      out = out + jnp.einsum("bkgtc,bkcn->bkgtn", p, off)[..., None]
     return out.reshape(B, K, G, T, D)
 
 

@@ -1,9 +1,13 @@
 """Configuration: frozen dataclasses, YAML loading, dotted overrides, host-side validation.
 
 Every setting that changes a compiled shape or a code path lives here, so a config is
-hashable and can be passed to `jax.jit` as a static argument. Shape letters used across
-kvjax: B batch, T new tokens, S cache capacity, L layers, H query heads, K kv heads,
-G = H // K query heads per kv head, D head_dim, E d_model, F d_ff, V vocab.
+hashable and can be passed to `jax.jit` as a static argument. Shape letters, one meaning
+each across kvjax (the glossary, with the naming rules, is in docs/architecture.md):
+B batch, T tokens this call, S cache slots, L layers, H query heads, K KV heads, G = H / K,
+D head_dim, E d_model, F d_ff, V vocab, N decode steps, M teacher-forced tokens, C tokens
+per attention read block, U tokens per codec block, J codec blocks, R residual-window
+slots, O tokens leaving the window, P pool pages, Q pages per sequence, A latent rank,
+Y = 2·K·D, W policy window, X codec storage width, Z Pallas splits, I a call's own keys.
 
 This package face re-exports the public names of its modules: `schema` (the dataclasses
 and their keys), `loader` (YAML, `--set`, overrides, packaged shapes) and `checks` (ranges

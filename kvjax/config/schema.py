@@ -35,7 +35,7 @@ class ModelConfig:
   scan_unroll: int = 1           # layers are scanned; >= n_layers: prefill, decode and serve
                                  # run them unrolled over per-layer weights (model.unrolled)
   max_seq_len: int = 4096        # longest position the model is meant for (RoPE tables, checks)
-  latent_rank: int = 0           # > 0: rank-r K/V projections, cacheable as latents (kvjax.cache.latent)
+  latent_rank: int = 0           # A > 0: rank-A K/V projections, cacheable as latents (kvjax.cache.latent)
 
   @property
   def D(self) -> int:
@@ -63,7 +63,7 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-  layout: str = "contiguous"     # none | contiguous | paged (kvjax.cache.LAYOUTS)
+  layout: str = "contiguous"     # none | contiguous | paged | latent (kvjax.cache.LAYOUTS)
   codec: str = ""                # sets k_codec and v_codec when given
   k_codec: str = "fp32"
   v_codec: str = "fp32"

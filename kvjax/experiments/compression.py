@@ -80,17 +80,17 @@ def run_cell(cfg) -> list[dict]:
     lp, nbytes = evict.continuation_logprobs(tcfg, params, toks[:, :T], cont)
     lp = np.asarray(lp)
     ppl, ppl_ref = np.exp(_nll(lp, cont)), np.exp(_nll(ref_lp, cont))
-    B, N = toks.shape
+    B, M = cont.shape  # M continuation tokens after the T of context
     c = tcfg.cache
     var = ex.variant(tcfg, setting=cfg.param("setting", ""), model=src.name, policy=c.policy,
                      budget=c.budget, ratio=c.ratio, window=c.window, sinks=c.sinks,
                      latent_rank=rank)
     rows.append({"variant": var,
                  "workload": {"task": "text", "batch": B, "context": T,
-                              "continuation": N - T, "data": str(cfg.param("text", "stdlib"))},
+                              "continuation": M, "data": str(cfg.param("text", "stdlib"))},
                  "metrics": {"ppl": ppl, "ppl_ref": ppl_ref, "dppl_rel": ppl / ppl_ref - 1,
                              "agreement": float(np.mean(lp.argmax(-1) == ref_lp.argmax(-1))),
                              "cache_bytes": nbytes, "cache_bytes_ref": ref_bytes,
-                             "bytes_per_token": nbytes / (B * N),
+                             "bytes_per_token": nbytes / (B * (T + M)),
                              "kept": nbytes / ref_bytes}})
   return rows

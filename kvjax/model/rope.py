@@ -37,9 +37,12 @@ def rope_cos_sin(positions_BT: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, 
   return jnp.cos(emb), jnp.sin(emb)
 
 
-def apply_rope(x_BTND: jax.Array, cos_BTD: jax.Array, sin_BTD: jax.Array) -> jax.Array:
-  x = x_BTND.astype(jnp.float32)
+def apply_rope(x: jax.Array, cos_BTD: jax.Array, sin_BTD: jax.Array) -> jax.Array:
+  """x [B, T, heads, D] (H query heads, K KV heads, or any number) rotated at the positions
+  of the tables."""
+  dtype = x.dtype
+  x = x.astype(jnp.float32)
   half = x.shape[-1] // 2
   rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
   out = x * cos_BTD[:, :, None, :] + rotated * sin_BTD[:, :, None, :]
-  return out.astype(x_BTND.dtype)
+  return out.astype(dtype)

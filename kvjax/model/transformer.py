@@ -49,8 +49,8 @@ def switched_layers(cfg: ModelConfig, layers: list, x_BTE, inp: LayerInput):
 
   def body(x_BTE, layer):
     def dense(h, outs):
-      def branch(i, h_ME):
-        return tuple(linear(h_ME, layers[i][n], dtype) for n, _, _ in outs)
+      def branch(i, h):  # h: [B·T, E], the rows of this call flattened
+        return tuple(linear(h, layers[i][n], dtype) for n, _, _ in outs)
       ys = jax.lax.switch(layer, [functools.partial(branch, i) for i in range(len(layers))],
                           h.reshape(-1, h.shape[-1]))
       return [y.reshape(*h.shape[:-1], y.shape[-1]) for y in ys]
@@ -76,8 +76,8 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, tokens_BT, positions_BT, cache=None, logits_at=None):
-    """`logits_at` [B, N] (optional): the token indices (into T) whose logits are needed;
-    the final norm and lm_head run on those rows only."""
+    """`logits_at` [B, n] (optional): for each row, the n token indices (into this call's
+    tokens) whose logits are needed; the final norm and lm_head run on those rows only."""
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype,

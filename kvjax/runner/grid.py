@@ -80,7 +80,7 @@ def _grid_axes(raw: dict, overrides: dict) -> tuple[dict, dict]:
 
 
 def _params_of(items: dict) -> dict:
-  """The params mapping of a merged set of overrides (`params:` and `params.X` keys)."""
+  """The params mapping of a merged set of overrides (`params:` and `params.NAME` keys)."""
   params = items.get("params") or {}
   if not isinstance(params, dict):
     raise KvjaxError("params: must be a mapping of experiment options (name: value)")
@@ -92,7 +92,7 @@ def _params_of(items: dict) -> dict:
 def setting_overrides(params: dict) -> dict:
   """The overrides of the selected paired setting: `params.setting` names one entry of
   `params.settings` (name -> {dotted key: value}: cache/model/workload keys, or an
-  experiment option `params.X` other than the setting itself); {} when none."""
+  experiment option `params.NAME` other than the setting itself); {} when none."""
   name = params.get("setting") or ""
   settings = params.get("settings") or {}
   if not name:

@@ -71,12 +71,12 @@ def prefill(cfg, params, ids, capacity: int, chunk: int = 512):
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "capacity"))
-def _reencode(k_LKND, v_LKND, n, *, spec, capacity: int):
+def _reencode(k_LKSD, v_LKSD, n, *, spec, capacity: int):
   from kvjax import cache as cache_lib
 
   c = cache_lib.init_cache(spec, 1, capacity)
-  k = jnp.swapaxes(k_LKND, 1, 2)[:, None]  # [L, 1, N, K, D]
-  v = jnp.swapaxes(v_LKND, 1, 2)[:, None]
+  k = jnp.swapaxes(k_LKSD, 1, 2)[:, None]  # [L, 1, S, K, D]: the S slots fed as T new tokens
+  v = jnp.swapaxes(v_LKSD, 1, 2)[:, None]
   pos = jnp.where(jnp.arange(k.shape[2]) < n, jnp.arange(k.shape[2]), -1)[None, :]
   return cache_lib.layout_of(c).write(c, k, v, pos.astype(jnp.int32))
 

@@ -2,7 +2,7 @@
 interleaved (medians over repeats; compile excluded from the step times):
 
   switched  the default: per-layer weights, projections picked by lax.switch (no copy);
-  nnscan    nn.scan over stacked params (the default before issue 16: copies every
+  nnscan    nn.scan over stacked params (the default before the switched loop: copies every
             weight matrix each step);
   unrolled  a Python layer loop (model.scan_unroll = n_layers).
 

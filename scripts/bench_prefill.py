@@ -1,7 +1,7 @@
 """Prefill (TTFT without sampling overhead) of kvjax against transformers' forward pass on
 the same shape, in one process, interleaved (medians; compile excluded): kvjax with the
 prompt read in query blocks (`attention.NEW_BLOCK`, the default) and as one block (the
-program before issue 16), and torch's `model(ids, logits_to_keep=1)` with `--threads`
+program before the switched layer loop), and torch's `model(ids, logits_to_keep=1)` with `--threads`
 threads (XLA is pinned to as many cores). Random weights: speed does not depend on them.
 
     python scripts/bench_prefill.py [--config configs/peer.yaml] [--set model.vocab_size=32000]

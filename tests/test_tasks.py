@@ -395,6 +395,27 @@ def test_policy_cell_answers_through_the_compacted_cache(tmp_path, cell_rows):
   assert {"policy", "held_tokens"}.isdisjoint(fp32[0]["variant"] | fp32[0]["metrics"])
 
 
+def test_mean_pooled_kv_heads_setting(tmp_path, cell_rows):
+  """`params.kv_heads` in a setting: the model's K/V heads mean-pooled (GQA-2 -> MQA here),
+  its own prefill, half the bytes per token; with a policy on top, both apply."""
+  from kvjax.experiments import long_context
+
+  settings = {"mqa": {"params.kv_heads": 1},
+              "mqa_win": {"params.kv_heads": 1, "cache.policy": "window", "cache.ratio": 0.5}}
+  for name in settings:
+    cfg = _experiment_cfg(tmp_path, setting=name, settings=settings, tasks=["passkey"],
+                          depths=[0.5])
+    long_context.check(cfg)
+    (row,) = long_context.run_cell(cfg)
+    assert row["variant"]["kv_heads"] == 1 and row["variant"]["variant"] == "MQA"
+    kept = row["metrics"].get("kept", 1.0)
+    assert row["metrics"]["bytes_per_token"] == pytest.approx(2 * 2 * 1 * 8 * 4 * kept)
+    assert kept == 1.0 if name == "mqa" else kept < 0.51
+  with pytest.raises(KvjaxError, match="cannot pool 2 KV heads into 3"):
+    long_context.check(_experiment_cfg(tmp_path, setting="bad",
+                                       settings={"bad": {"params.kv_heads": 3}}))
+
+
 @pytest.mark.parametrize("setting,match", [
     ({"cache.policy": "snapkv", "cache.ratio": 0.5, "cache.codec": "int4",
       "cache.k_axis": "channel", "cache.group_size": 8, "cache.residual": 16},

@@ -33,6 +33,11 @@ a context, like the fp32 one of the codec settings. Such rows also carry `held_t
 compacted cache as allocated, question and answer room included) and `bytes_per_token` =
 the codec's bytes per token x kept: the prefix's bytes per prefix token, on the same axis
 as the codec settings' closed form. A `ratio` is a fraction of the prefix.
+
+A setting may also set `params.kv_heads`: the model's K/V projections are then mean-pooled
+into that many heads (`kvjax.io.convert.mean_pool`, no uptraining: GQA-3 -> MQA for
+SmolLM2), and its prefixes are prefilled through that model (list such settings last
+among a context's settings: the prefills kept are one model's).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from kvjax import experiments as ex
 from kvjax import config as config_lib
 from kvjax import cache as cache_lib
 from kvjax import evaluate, policies, tasks
-from kvjax.io import sources
+from kvjax.io import convert, sources
 from kvjax.errors import KvjaxError
 
 _KV: dict = {}  # (model, context) -> {example key: (Example, fp32 K/V)}
@@ -93,6 +98,8 @@ def check(cfg) -> None:
   for spec in _models(cfg):
     _, mcfg, _, tok = _load(spec)
     ex.check_context(mcfg, _context(cfg))
+    if _kv_heads(cfg):
+      convert.check_target(mcfg.model, _kv_heads(cfg))
     made = _examples(cfg, tok)  # a context too short for the question fails here
     tcfg = cell_config(cfg, mcfg)  # the setting's cache (a policy the layout cannot do)
     if tcfg.cache.policy != "full":  # a ratio whose budget does not exceed its window
@@ -108,11 +115,34 @@ def _load(spec: str):
   return src, mcfg, params, tok
 
 
+def _kv_heads(cfg) -> int:
+  """`params.kv_heads` of the cell, or of its setting when the runner left the settings
+  table to the experiment."""
+  over = _settings(cfg).get(cfg.param("setting", ""), {})
+  return int(over.get("params.kv_heads", cfg.param("kv_heads", 0)))
+
+
+def _model(spec: str, cfg):
+  """`_load`, with the K/V heads mean-pooled to `params.kv_heads` when the setting asks."""
+  src, mcfg, params, tok = _load(spec)
+  kv = _kv_heads(cfg)
+  if kv and kv != mcfg.model.n_kv_heads:
+    mcfg, params = _pooled(spec, kv)
+  return src, mcfg, params, tok
+
+
+@functools.lru_cache(maxsize=1)
+def _pooled(spec: str, kv_heads: int):
+  _, mcfg, params, _ = _load(spec)
+  return convert.mean_pool(mcfg, params, kv_heads)
+
+
 def cell_config(cfg, model_cfg: config_lib.Config) -> config_lib.Config:
   """The model with this cell's cache and seed, plus the setting's overrides when the
   runner left them to the experiment (`params.settings` still in the cell's params)."""
   merged = dataclasses.replace(model_cfg, cache=cfg.cache, seed=cfg.seed)
-  over = _settings(cfg).get(cfg.param("setting", ""), {})
+  over = {k: v for k, v in _settings(cfg).get(cfg.param("setting", ""), {}).items()
+          if not str(k).startswith("params.")}  # experiment options: read where used
   return config_lib.apply_overrides(merged, over) if over else \
       config_lib.validate(config_lib.resolve(merged))
 
@@ -157,7 +187,7 @@ def _prefixes(spec: str, cfg, mcfg, params, tok):
   """Examples of this context with their prefix's fp32 K/V, computed once per context."""
   key = (spec, _context(cfg), tuple(cfg.param("depths", (0.5,))), tuple(_task_list(cfg)),
          int(cfg.param("seeds", 1)), cfg.param("template", "plain"), cfg.seed,
-         int(cfg.param("chunk", 512)), int(cfg.param("vt_hops", 1)))
+         int(cfg.param("chunk", 512)), int(cfg.param("vt_hops", 1)), _kv_heads(cfg))
   if key not in _KV:
     _KV.clear()  # one context's prefixes at a time (about 0.4 GB per 8k prefix of SmolLM2)
     ref = evaluate.reference_config(dataclasses.replace(mcfg, seed=cfg.seed))
@@ -176,7 +206,7 @@ def _query_prefixes(spec: str, cfg, mcfg, params, tok):
   policy setting."""
   key = (spec, _context(cfg), tuple(cfg.param("depths", (0.5,))), tuple(_task_list(cfg)),
          int(cfg.param("seeds", 1)), cfg.param("template", "plain"), cfg.seed,
-         int(cfg.param("vt_hops", 1)))
+         int(cfg.param("vt_hops", 1)), _kv_heads(cfg))
   if key not in _Q:
     _Q.clear()  # one context at a time (K/V and queries: about 0.25 GB per 2k prefix)
     ref = evaluate.reference_config(dataclasses.replace(mcfg, seed=cfg.seed))
@@ -189,7 +219,7 @@ def run_cell(cfg) -> list[dict]:
   rows = []
   gen_len, tail_pad = int(cfg.param("gen_len", 12)), int(cfg.param("tail_pad", 64))
   for spec in _models(cfg):
-    src, mcfg, params, tok = _load(spec)
+    src, mcfg, params, tok = _model(spec, cfg)
     tcfg = cell_config(cfg, mcfg)
     c = tcfg.cache
     evicts = c.policy != "full"

@@ -450,6 +450,40 @@ def test_bad_policy_setting_is_one_line_before_any_cell(tmp_path, setting, match
       not (tmp_path / "out" / "long_context.jsonl").read_text()
 
 
+def test_eviction_rows_get_their_own_plots(cell_rows, tmp_path):
+  """Rows with a policy draw accuracy vs bytes per method, vs context at a fixed budget and
+  by depth, not the codec plots (whose names docs/img already holds)."""
+  import copy
+  import importlib.util
+  import json
+  from pathlib import Path
+
+  root = Path(__file__).resolve().parent.parent
+  spec = importlib.util.spec_from_file_location("plot_all", root / "scripts" / "plot_all.py")
+  plot_all = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(plot_all)
+  rows = []
+  for ctx in (700, 1400):
+    for r in cell_rows[1]:  # fp32, then each policy at two ratios
+      base = copy.deepcopy(r)
+      base["workload"]["context"] = ctx
+      rows.append(base)
+      for pol in ("window", "snapkv"):
+        for ratio in (0.5, 0.25):
+          e = copy.deepcopy(base)
+          e["variant"].update(policy=pol, ratio=ratio, setting=f"{pol}_{ratio}")
+          e["metrics"].update(held_tokens=int(ratio * ctx), kept=ratio,
+                              bytes_per_token=ratio * e["metrics"]["bytes_per_token"])
+          rows.append(e)
+  res = tmp_path / "res"
+  res.mkdir()
+  (res / "long_context.jsonl").write_text("".join(
+      json.dumps({"experiment": "long_context", **r}) + "\n" for r in rows))
+  names = sorted(p.name for p in plot_all.plot_all(res, tmp_path / "plots") if p.suffix == ".png")
+  assert names == ["long_context_evict_accuracy_vs_bytes.png",
+                   "long_context_evict_accuracy_vs_context.png", "long_context_evict_depth.png"]
+
+
 @pytest.mark.parametrize("params,match", [
     ({"context": 20}, "ask for a longer context"),
     ({"depths": [1.5]}, r"outside \[0, 1\]"),

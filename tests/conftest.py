@@ -3,6 +3,14 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Cheaper XLA:CPU compiles for the whole run and every subprocess it starts (they inherit the
+# environment): the suite is compile-bound (tiny shapes), and these two flags cut its CPU time
+# by about a third; the real-model tests (matmuls in library calls) run no slower. Both sides
+# of every comparison run under the same flags. A flag already in XLA_FLAGS is left alone.
+_FAST_XLA = {"--xla_backend_optimization_level": "0", "--xla_llvm_disable_expensive_passes": "true"}
+_flags = os.environ.get("XLA_FLAGS", "")
+os.environ["XLA_FLAGS"] = " ".join([_flags] + [f"{k}={v}" for k, v in _FAST_XLA.items()
+                                               if k not in _flags]).strip()
 
 import pytest  # noqa: E402
 

@@ -27,6 +27,15 @@ def segment(codec_name, k_BKSD, v_BKSD, lengths_B, cache_cfg=None):
                            live=jnp.max(lengths_B))
 
 
+def programs(codec_name, cache_cfg=None):
+  """(blockwise, reference) attention over one segment of raw K/V, each one jitted program
+  of (q, k_new, v_new, positions, k, v, lengths): the segment is built inside, so the live
+  length is traced data (a dynamic trip count), and the reference is not run op by op."""
+  return tuple(jax.jit(lambda q, kn, vn, pos, k, v, n, f=f: f(
+      q, kn, vn, pos, [segment(codec_name, k, v, n, cache_cfg)]))
+      for f in (attention.grouped, attention.reference))
+
+
 # MHA/GQA/MQA on int8, every other codec on GQA. (MQA bf16 takes GQA bf16's one-einsum form
 # at head_dim 8, and its G-matvec form is test_grouped_query_heads_split_or_not_equal_
 # reference's; MHA int4 takes GQA int4's packed-plane einsum: neither adds a path.)
@@ -38,10 +47,7 @@ def test_blockwise_attention_equals_reference(H, K, codec, monkeypatch):
   monkeypatch.setattr(codecs, "READ_CHUNK", 8)
   rng = np.random.default_rng(H * 10 + K)
   D, S = 8, 21
-  # Built inside jit, so the live length is traced data (a dynamic trip count); the
-  # reference is jitted too (one program rather than an eager compile per op).
-  fast, ref = (jax.jit(lambda q, kn, vn, pos, k, v, n, f=f: f(
-      q, kn, vn, pos, [segment(codec, k, v, n)])) for f in (attention.grouped, attention.reference))
+  fast, ref = programs(codec)
   for lengths in ([0, 7, 8], [9, 16, 17], [21, 3, 0]):
     B = len(lengths)
     lengths_B = jnp.asarray(lengths, jnp.int32)
@@ -75,11 +81,8 @@ def test_prompt_query_blocks_equal_reference(T, monkeypatch):
   kn, vn = (jnp.asarray(rng.standard_normal((B, T, K, D)), jnp.float32) for _ in range(2))
   t = jnp.arange(T)[None]
   pos = jnp.where(t < jnp.array([T, 5, 1])[:, None], lengths_B[:, None] + t, -1)
-  # Each side is one jitted program (traced while NEW_BLOCK holds the value it tests):
-  # run eagerly, every op would compile on its own.
-  got, want = (jax.jit(lambda q, kn, vn, pos, k, v, n, f=f: f(
-      q, kn, vn, pos, [segment("bf16", k, v, n)]))(q, kn, vn, pos, k, v, lengths_B)
-      for f in (attention.grouped, attention.reference))
+  # Each side is one jitted program, traced while NEW_BLOCK holds the value it tests.
+  got, want = (f(q, kn, vn, pos, k, v, lengths_B) for f in programs("bf16"))
   valid = np.asarray(pos >= 0)[:, :, None, None]
   np.testing.assert_allclose(np.where(valid, got, 0), np.where(valid, want, 0), atol=2e-5,
                              rtol=1e-5)
@@ -109,9 +112,7 @@ def test_plane_wise_packed_reads_equal_reference(codec, planes, monkeypatch):
   kn, vn = (jnp.asarray(rng.standard_normal((B, 1, K, D)), jnp.float32) for _ in range(2))
   kc = codecs.for_role(codec)
   assert len(kc._planes(kc.encode(k), jnp.float32)) == planes
-  got = jax.jit(lambda q, kn, vn, k, v, n: attention.grouped(
-      q, kn, vn, n[:, None], [segment(codec, k, v, n)]))(q, kn, vn, k, v, lengths_B)
-  want = attention.reference(q, kn, vn, lengths_B[:, None], [segment(codec, k, v, lengths_B)])
+  got, want = (f(q, kn, vn, lengths_B[:, None], k, v, lengths_B) for f in programs(codec))
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
@@ -128,9 +129,7 @@ def test_grouped_query_heads_split_or_not_equal_reference(codec, per_head, monke
   k, v = (jnp.asarray(rng.standard_normal((B, K, S, D)), jnp.float32) for _ in range(2))
   q = jnp.asarray(rng.standard_normal((B, 1, H, D)), jnp.float32) * 3
   kn, vn = (jnp.asarray(rng.standard_normal((B, 1, K, D)), jnp.float32) for _ in range(2))
-  got = jax.jit(lambda q, kn, vn, k, v, n: attention.grouped(
-      q, kn, vn, n[:, None], [segment(codec, k, v, n)]))(q, kn, vn, k, v, lengths_B)
-  want = attention.reference(q, kn, vn, lengths_B[:, None], [segment(codec, k, v, lengths_B)])
+  got, want = (f(q, kn, vn, lengths_B[:, None], k, v, lengths_B) for f in programs(codec))
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
@@ -144,13 +143,11 @@ def test_blockwise_attention_channel_keys_equal_reference(monkeypatch):
   lengths_B = jnp.asarray([12, 17], jnp.int32)
   k = jnp.asarray(rng.standard_normal((B, K, S, D)), jnp.float32)
   v = jnp.asarray(rng.standard_normal((B, K, S, D)), jnp.float32)
-  seg = segment("int4", k, v, lengths_B, cfg.cache)
   q = jnp.asarray(rng.standard_normal((B, 1, H, D)), jnp.float32)
   kn = jnp.asarray(rng.standard_normal((B, 1, K, D)), jnp.float32)
-  pos = lengths_B[:, None]
-  got = jax.jit(lambda q, kn, k, v, n: attention.grouped(
-      q, kn, kn, n[:, None], [segment("int4", k, v, n, cfg.cache)]))(q, kn, k, v, lengths_B)
-  np.testing.assert_allclose(got, attention.reference(q, kn, kn, pos, [seg]), atol=2e-5)
+  got, want = (f(q, kn, kn, lengths_B[:, None], k, v, lengths_B)
+               for f in programs("int4", cfg.cache))
+  np.testing.assert_allclose(got, want, atol=2e-5)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,8 +1,21 @@
 """Shared fixtures: tiny configs and parameters, built once per session."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# A JAX persistent compilation cache private to this run (a fresh temp dir, removed at exit,
+# so nothing carries over to the next run and a program that no longer compiles fails):
+# identical programs compiled again through a new jit object (model.init_params on every
+# call, the CLI and experiments loading a model per command, the same program in a child
+# process, which inherits these variables) are read back instead of compiled again.
+_JAX_CACHE = tempfile.mkdtemp(prefix="kvjax-tests-jax-cache-")
+atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
+os.environ.update({"JAX_COMPILATION_CACHE_DIR": _JAX_CACHE,
+                   "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"})
 # Cheaper XLA:CPU compiles for the whole run and every subprocess it starts (they inherit the
 # environment): the suite is compile-bound (tiny shapes), and these two flags cut its CPU time
 # by about a third; the real-model tests (matmuls in library calls) run no slower. Both sides
@@ -16,6 +29,14 @@ import pytest  # noqa: E402
 
 from kvjax import config as config_lib  # noqa: E402
 from kvjax import model  # noqa: E402
+
+import jax  # noqa: E402
+
+# The variables above are read when jax is first imported; set them again in case a plugin
+# imported it before this file.
+jax.config.update("jax_compilation_cache_dir", _JAX_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 TINY = {"model.vocab_size": 64, "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4,
         "model.n_kv_heads": 4, "model.d_ff": 48}

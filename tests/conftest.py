@@ -1,6 +1,7 @@
 """Shared fixtures: tiny configs and parameters, built once per session."""
 
 import atexit
+import functools
 import os
 import shutil
 import tempfile
@@ -80,11 +81,32 @@ def smollm2():
   """(cfg, params, tokenizer, transformers tokenizer, transformers model) for SmolLM2-135M,
   both sides loaded from the same GGUF file, once per test session."""
   path = smollm2_path()
+  import gguf
   from transformers import AutoModelForCausalLM, AutoTokenizer
 
   from kvjax.io import sources
-  kw = {"gguf_file": path.name}
-  ref_tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)
-  ref_model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype="float32", **kw)
-  cfg, params, tok = sources.load(sources.parse("gguf:smollm2-135m"))
+  # Both loaders read the file through gguf-py, whose slow parts are pure and read-only: the
+  # GGUFReader's parse of the metadata (49k-token vocabulary and merges; transformers parses
+  # the file once for the tokenizer and once for the model, kvjax once more) and the tensor
+  # name map (transformers builds it afresh for each of ~400 modules). Here the three loads
+  # share one parse and one map per architecture; how each side converts what it reads
+  # stays its own.
+  real_reader, real_map, readers = gguf.GGUFReader, gguf.get_tensor_name_map, {}
+
+  def shared_reader(file, *args, **kwargs):
+    key = (os.path.realpath(file), args, tuple(sorted(kwargs.items())))
+    if key not in readers:
+      readers[key] = real_reader(file, *args, **kwargs)
+    return readers[key]
+
+  gguf.GGUFReader = shared_reader
+  gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(real_map)
+  try:
+    kw = {"gguf_file": path.name}
+    ref_tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)
+    ref_model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype="float32", **kw)
+    cfg, params, tok = sources.load(sources.parse("gguf:smollm2-135m"))
+  finally:
+    gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+  assert len(readers) == 1  # all three went through the shared parse
   return cfg, params, tok, ref_tok, ref_model

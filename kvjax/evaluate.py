@@ -27,7 +27,7 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
-from kvjax import data
+from kvjax import data, decode, program
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
@@ -41,28 +41,27 @@ def reference_config(cfg: Config) -> Config:
 
 
 @functools.partial(jax.jit, static_argnames=("model_cfg", "chunk"))
-def _stream(params, tokens_BN, valid_BN, cache, *, model_cfg, chunk: int):
+def _stream(params, tokens_BM, valid_BM, cache, *, model_cfg, chunk: int):
   """Compiled per model and chunk; the cache's static spec carries codec and layout."""
-  B, N = tokens_BN.shape
+  B, M = tokens_BM.shape
   model = Transformer(model_cfg)
-  layout = cache_lib.LAYOUTS[cache.spec.layout]
-  toks = tokens_BN.reshape(B, N // chunk, chunk).swapaxes(0, 1)
-  valid = valid_BN.reshape(B, N // chunk, chunk).swapaxes(0, 1)
+  toks = tokens_BM.reshape(B, M // chunk, chunk).swapaxes(0, 1)
+  valid = valid_BM.reshape(B, M // chunk, chunk).swapaxes(0, 1)
   offs = jnp.arange(chunk, dtype=jnp.int32)
 
   def step(c, xs):
-    tok_BC, valid_BC = xs
-    positions = jnp.where(valid_BC, c.lengths[:, None] + offs, -1)
-    logits, c = layout.forward(model, params, tok_BC, positions, c)
+    tok_BT, valid_BT = xs
+    positions = jnp.where(valid_BT, c.lengths[:, None] + offs, -1)
+    logits, c = decode.forward(model, params, tok_BT, positions, c)
     return c, jax.nn.log_softmax(logits, axis=-1)
 
   c, lp = jax.lax.scan(step, cache, (toks, valid))
-  return lp.swapaxes(0, 1).reshape(B, N, -1), c
+  return lp.swapaxes(0, 1).reshape(B, M, -1), c
 
 
-def stream_segments(cfg: Config, params, tokens_BN, chunk: int = 1, segment: int = 256,
+def stream_segments(cfg: Config, params, tokens_BM, chunk: int = 1, segment: int = 256,
                     progress=None):
-  """Yield (start, log-probabilities [B, n, V]) of consecutive segments of the sequence,
+  """Yield (start, log-probabilities [B, m, V]) of consecutive segments of the sequence,
   computed through one cache that persists across segments; then (None, cache bytes).
 
   Each segment is one compiled `lax.scan` over `segment // chunk` steps (the same program
@@ -70,37 +69,37 @@ def stream_segments(cfg: Config, params, tokens_BN, chunk: int = 1, segment: int
   and the caller never holds more than one segment of test log-probabilities.
   Sequences are right-padded with position -1 (never stored, never attended).
   """
-  tokens_BN = np.asarray(tokens_BN, np.int32)
-  B, N = tokens_BN.shape
+  tokens_BM = np.asarray(tokens_BM, np.int32)
+  B, M = tokens_BM.shape
   if chunk <= 0:
     raise KvjaxError(f"chunk must be positive, got {chunk}")
   if cfg.cache.policy != "full":
     raise KvjaxError(f"streaming evaluation keeps every token; cache.policy={cfg.cache.policy} "
                      "acts after a prefill (kvjax generate); set cache.policy=full here")
-  if N > cfg.model.max_seq_len:
-    raise KvjaxError(f"{N} tokens exceed model.max_seq_len={cfg.model.max_seq_len}; "
+  if M > cfg.model.max_seq_len:
+    raise KvjaxError(f"{M} tokens exceed model.max_seq_len={cfg.model.max_seq_len}; "
                      "evaluate a shorter context")
-  seg = chunk * -(-min(segment, N) // chunk)  # a multiple of chunk covering the segment
-  total = seg * -(-N // seg)
-  tok = np.pad(tokens_BN, ((0, 0), (0, total - N)))
-  valid = np.arange(total)[None, :].repeat(B, 0) < N
-  c = cache_lib.init_cache(cfg, B, max(cfg.cache.capacity, N))
+  seg = chunk * -(-min(segment, M) // chunk)  # a multiple of chunk covering the segment
+  total = seg * -(-M // seg)
+  tok = np.pad(tokens_BM, ((0, 0), (0, total - M)))
+  valid = np.arange(total)[None, :].repeat(B, 0) < M
+  c = cache_lib.init_cache(cfg, B, max(cfg.cache.capacity, M))
   for start in range(0, total, seg):
     lp, c = _stream(params, tok[:, start:start + seg], valid[:, start:start + seg], c,
                     model_cfg=cfg.model, chunk=chunk)
     if progress is not None:
-      progress.update(min(seg, N - start) * B)
-    yield start, lp[:, :max(0, min(seg, N - start))]
+      progress.update(min(seg, M - start) * B)
+    yield start, lp[:, :max(0, min(seg, M - start))]
   yield None, cache_lib.tree_bytes(c)
 
 
-def stream_logprobs(cfg: Config, params, tokens_BN, chunk: int = 1):
-  """Log-probabilities [B, N, V] of each next token, computed through the cache.
+def stream_logprobs(cfg: Config, params, tokens_BM, chunk: int = 1):
+  """Log-probabilities [B, M, V] of each next token, computed through the cache.
 
   Returns (logprobs, cache bytes of the filled cache); see `stream_segments`.
   """
   parts, nbytes = [], 0
-  for start, out in stream_segments(cfg, params, tokens_BN, chunk, segment=1 << 30):
+  for start, out in stream_segments(cfg, params, tokens_BM, chunk, segment=1 << 30):
     if start is None:
       nbytes = out
     else:
@@ -112,24 +111,25 @@ class Comparison:
   """`compare` accumulated segment by segment against a stored fp32-cache reference, so a
   long evaluation never holds the test log-probabilities whole."""
 
-  def __init__(self, ref_BNV, tokens_BN):
-    self.ref, self.tokens = ref_BNV, np.asarray(tokens_BN)
+  def __init__(self, ref_BMV, tokens_BM):
+    self.ref, self.tokens = ref_BMV, np.asarray(tokens_BM)
     self.nll = self.nll_ref = self.kl = self.agree = 0.0
     self.n_pred = self.n_pos = 0
 
-  def add(self, start: int, lp_BnV) -> None:
-    n = lp_BnV.shape[1]
-    ref = jnp.asarray(self.ref[:, start:start + n])
-    nxt = self.tokens[:, start + 1:start + n + 1]  # targets; the window's last position has none
-    m = nxt.shape[1]
-    if m:
+  def add(self, start: int, lp_BmV) -> None:
+    """One segment: the log-probabilities of m of the M positions, from `start`."""
+    m = lp_BmV.shape[1]
+    ref = jnp.asarray(self.ref[:, start:start + m])
+    nxt = self.tokens[:, start + 1:start + m + 1]  # targets; the window's last position has none
+    n_nxt = nxt.shape[1]
+    if n_nxt:
       idx = jnp.asarray(nxt)[..., None]
-      self.nll -= float(jnp.sum(jnp.take_along_axis(lp_BnV[:, :m], idx, -1)))
-      self.nll_ref -= float(jnp.sum(jnp.take_along_axis(ref[:, :m], idx, -1)))
+      self.nll -= float(jnp.sum(jnp.take_along_axis(lp_BmV[:, :n_nxt], idx, -1)))
+      self.nll_ref -= float(jnp.sum(jnp.take_along_axis(ref[:, :n_nxt], idx, -1)))
       self.n_pred += nxt.size
-    self.kl += float(jnp.sum(jnp.exp(ref) * (ref - lp_BnV)))
-    self.agree += float(jnp.sum(jnp.argmax(lp_BnV, -1) == jnp.argmax(ref, -1)))
-    self.n_pos += n * lp_BnV.shape[0]
+    self.kl += float(jnp.sum(jnp.exp(ref) * (ref - lp_BmV)))
+    self.agree += float(jnp.sum(jnp.argmax(lp_BmV, -1) == jnp.argmax(ref, -1)))
+    self.n_pos += m * lp_BmV.shape[0]
 
   def result(self) -> dict:
     ppl, ppl_ref = float(np.exp(self.nll / self.n_pred)), float(np.exp(self.nll_ref / self.n_pred))
@@ -137,11 +137,11 @@ class Comparison:
             "kl": max(self.kl / self.n_pos, 0.0), "agreement": self.agree / self.n_pos}
 
 
-def compare_streamed(cfg: Config, params, tokens_BN, ref_BNV, chunk: int = 1,
+def compare_streamed(cfg: Config, params, tokens_BM, ref_BMV, chunk: int = 1,
                      progress=None) -> tuple[dict, int]:
   """(`compare` metrics, cache bytes) of `cfg`'s cache against stored reference logprobs."""
-  acc, nbytes = Comparison(ref_BNV, tokens_BN), 0
-  for start, out in stream_segments(cfg, params, tokens_BN, chunk, progress=progress):
+  acc, nbytes = Comparison(ref_BMV, tokens_BM), 0
+  for start, out in stream_segments(cfg, params, tokens_BM, chunk, progress=progress):
     if start is None:
       nbytes = out
     else:
@@ -149,43 +149,43 @@ def compare_streamed(cfg: Config, params, tokens_BN, ref_BNV, chunk: int = 1,
   return acc.result(), nbytes
 
 
-def reference_logprobs(cfg: Config, params, tokens_BN, chunk: int = 1, progress=None):
-  """Log-probabilities through the fp32 contiguous cache, as a host array [B, N, V]."""
+def reference_logprobs(cfg: Config, params, tokens_BM, chunk: int = 1, progress=None):
+  """Log-probabilities through the fp32 contiguous cache, as a host array [B, M, V]."""
   parts = [np.asarray(out) for start, out in stream_segments(
-      reference_config(cfg), params, tokens_BN, chunk, progress=progress) if start is not None]
+      reference_config(cfg), params, tokens_BM, chunk, progress=progress) if start is not None]
   return np.concatenate(parts, axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("model_cfg",))
-def full_logprobs(params, tokens_BN, *, model_cfg):
+def full_logprobs(params, tokens_BM, *, model_cfg):
   """Teacher-forced full forward pass (no cache): the exactness reference."""
-  B, N = tokens_BN.shape
-  pos = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N))
-  logits, _ = Transformer(model_cfg).apply({"params": params}, tokens_BN, pos, None)
+  B, M = tokens_BM.shape
+  pos = jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), (B, M))
+  logits, _ = Transformer(model_cfg).apply({"params": params}, tokens_BM, pos, None)
   return jax.nn.log_softmax(logits, axis=-1)
 
 
-def nll(logprobs_BNV, tokens_BN) -> float:
+def nll(logprobs_BMV, tokens_BM) -> float:
   """Mean next-token NLL: prediction at t scores token t+1."""
-  lp = jnp.take_along_axis(logprobs_BNV[:, :-1], jnp.asarray(tokens_BN)[:, 1:, None], axis=-1)
+  lp = jnp.take_along_axis(logprobs_BMV[:, :-1], jnp.asarray(tokens_BM)[:, 1:, None], axis=-1)
   return float(-jnp.mean(lp))
 
 
-def compare(lp_BNV, ref_BNV, tokens_BN) -> dict:
+def compare(lp_BMV, ref_BMV, tokens_BM) -> dict:
   """ppl, ppl_ref, kl (mean KL(ref || test)), agreement, and the relative Δppl."""
-  ppl, ppl_ref = float(np.exp(nll(lp_BNV, tokens_BN))), float(np.exp(nll(ref_BNV, tokens_BN)))
-  kl = float(jnp.mean(jnp.sum(jnp.exp(ref_BNV) * (ref_BNV - lp_BNV), axis=-1)))
-  agree = float(jnp.mean(jnp.argmax(lp_BNV, -1) == jnp.argmax(ref_BNV, -1)))
+  ppl, ppl_ref = float(np.exp(nll(lp_BMV, tokens_BM))), float(np.exp(nll(ref_BMV, tokens_BM)))
+  kl = float(jnp.mean(jnp.sum(jnp.exp(ref_BMV) * (ref_BMV - lp_BMV), axis=-1)))
+  agree = float(jnp.mean(jnp.argmax(lp_BMV, -1) == jnp.argmax(ref_BMV, -1)))
   return {"ppl": ppl, "ppl_ref": ppl_ref, "dppl_rel": ppl / ppl_ref - 1.0, "kl": max(kl, 0.0),
           "agreement": agree}
 
 
-def recall_accuracy(cfg: Config, params, batch_BN, mask_BN, chunk: int = 1) -> float:
+def recall_accuracy(cfg: Config, params, batch_BM, mask_BM, chunk: int = 1) -> float:
   """Fraction of recall answers the model predicts (argmax) reading the cache."""
-  lp, _ = stream_logprobs(cfg, params, batch_BN, chunk)
+  lp, _ = stream_logprobs(cfg, params, batch_BM, chunk)
   pred = np.asarray(jnp.argmax(lp[:, :-1], -1))
-  hit = pred == np.asarray(batch_BN)[:, 1:]
-  m = np.asarray(mask_BN)[:, 1:]
+  hit = pred == np.asarray(batch_BM)[:, 1:]
+  m = np.asarray(mask_BM)[:, 1:]
   return float(hit[m].mean())
 
 
@@ -197,10 +197,9 @@ def recall_set(seed: int, n: int, context: int, n_pairs: int, filler: np.ndarray
 
 def greedy_tokens(cfg: Config, params, prompts: list[list[int]], gen_len: int) -> list:
   """Free-running greedy decode through `cfg`'s cache (no eos: fixed length)."""
-  from kvjax import decode
 
   greedy = config_lib.apply_overrides(cfg, {"workload.temperature": 0.0, "workload.eos_id": -1})
-  return decode.generate(greedy, params, prompts, gen_len, timed=False)["tokens"]
+  return program.generate(greedy, params, prompts, gen_len, timed=False)["tokens"]
 
 
 def generation_agreement(tokens: list, ref_tokens: list) -> float:
@@ -245,8 +244,8 @@ def eval_cli(src, overrides: dict, text: str = "stdlib", tokens: int = 512, seqs
     raise KvjaxError(f"--tokens {tokens} exceeds model.max_seq_len={cfg.model.max_seq_len}; "
                      "lower --tokens")
   windows = text_windows(tok, data.eval_text(text), tokens, seqs)
-  B, N = windows.shape
-  with tqdm(total=2 * B * N, desc="eval", unit="tok", disable=None if progress else True,
+  B, M = windows.shape
+  with tqdm(total=2 * B * M, desc="eval", unit="tok", disable=None if progress else True,
             leave=False) as bar:
     ref = reference_logprobs(cfg, params, windows, chunk, progress=bar)
     metrics, nbytes = compare_streamed(cfg, params, windows, ref, chunk, progress=bar)
@@ -254,9 +253,9 @@ def eval_cli(src, overrides: dict, text: str = "stdlib", tokens: int = 512, seqs
   from kvjax import codecs
   k, v = codecs.for_role(c.k_codec, c, "k"), codecs.for_role(c.v_codec, c, "v")
   m = cfg.model
-  per_token = m.n_layers * (k.bytes_per_token(m.n_kv_heads, m.D, c)
-                            + v.bytes_per_token(m.n_kv_heads, m.D, c))
-  return {**metrics, "bytes_per_token": per_token, "cache_bytes": nbytes, "tokens": N,
+  per_token = m.n_layers * (k.bytes_per_token(m.n_kv_heads, m.D)
+                            + v.bytes_per_token(m.n_kv_heads, m.D))
+  return {**metrics, "bytes_per_token": per_token, "cache_bytes": nbytes, "tokens": M,
           "seqs": B, "chunk": chunk, "text": text, "source": str(src),
           "variant": m.variant, "layout": c.layout, "k_codec": c.k_codec, "v_codec": c.v_codec,
           "k_axis": c.k_axis, "group_size": c.group_size, "residual": c.residual}

@@ -85,7 +85,8 @@ def program_bytes(*compiled) -> int | None:
 
 
 class DecodeTimer:
-  """Compiled prefill + decode for one config and shape, timed one repeat at a time.
+  """Compiled prefill + decode for one config and shape (a `kvjax.program.Program`), timed
+  one repeat at a time.
 
   Both programs donate the cache, so every repeat allocates a fresh cache *outside* the
   timed region. `once()` returns (ttft_s, decode_s); several timers can be called in
@@ -94,46 +95,23 @@ class DecodeTimer:
 
   def __init__(self, cfg, params, tokens_BT, lengths_B, steps: int, capacity: int = 0,
                prepare: bool = True):
-    from kvjax import cache as cache_lib, decode  # decode imports the model; keep it lazy
+    from kvjax import program  # the program imports the model; keep it lazy
 
     self.steps = max(int(steps), 1)
     B, T = tokens_BT.shape
     self.capacity = capacity or T + self.steps + 1
-    sampler = decode.Sampler.from_config(cfg)
-    self._key = jax.random.PRNGKey(cfg.seed)
-    self._fresh = lambda: jax.block_until_ready(cache_lib.init_cache(cfg, B, self.capacity))
-    from kvjax import sharding
-    if sharding.is_sharded(cfg):  # --set mesh.data/mesh.model: lay everything out on the mesh
-      mesh = sharding.make_mesh(cfg)
-      params = sharding.shard_params(params, cfg, mesh)
-      tokens_BT, lengths_B = sharding.put_batch(tokens_BT, mesh), sharding.put_batch(lengths_B, mesh)
-      self._fresh = lambda: jax.block_until_ready(
-          sharding.init_cache(cfg, B, self.capacity, mesh))
-    if prepare:  # False: the params as given (stacked ones run the nn.scan program)
-      params = decode.prepare_params(cfg, params)
-    self._args = (params, tokens_BT, lengths_B)
-    t0 = time.perf_counter()
-    self._pre = decode.prefill.lower(params, tokens_BT, lengths_B, self._fresh(), self._key,
-                                     cfg=cfg, sampler=sampler).compile()
-    tok, _, c = self._pre(params, tokens_BT, lengths_B, self._fresh(), self._key)
-    self._dec = decode.decode.lower(params, c, tok, self._key, cfg=cfg, sampler=sampler,
-                                    steps=self.steps).compile()
-    self.compile_s = time.perf_counter() - t0
+    shape = program.Shape(B, T, self.capacity, self.steps)
+    # prepare=False: the params as given (stacked ones run the nn.scan program)
+    self.program = program.Program(cfg, params, shape, prepare=prepare).compile(tokens_BT,
+                                                                                lengths_B)
+    self.compile_s = self.program.compile_s
     self.cache_bytes = None
-    self.peak_bytes = program_bytes(self._pre, self._dec)
+    self.peak_bytes = self.program.peak_bytes
 
   def once(self) -> tuple[float, float]:
-    params, tokens_BT, lengths_B = self._args
-    c = self._fresh()
-    t0 = time.perf_counter()
-    tok, _, c = self._pre(params, tokens_BT, lengths_B, c, self._key)
-    jax.block_until_ready((tok, c))
-    t1 = time.perf_counter()
-    toks, c = self._dec(params, c, tok, self._key)
-    jax.block_until_ready((toks, c))
-    t2 = time.perf_counter()
-    self.cache_bytes = tree_bytes(c)
-    return t1 - t0, (t2 - t1) / self.steps
+    run = self.program.run()
+    self.cache_bytes = tree_bytes(run.cache)
+    return run.prefill_s, run.decode_s / self.steps
 
 
 def bench_interleaved(timers: dict, repeats: int = 5, warmup: int = 1) -> dict:

@@ -26,6 +26,8 @@ the batch, so they are replicated over `data`); its block table splits the batch
 Divisibility: heads that do not divide -> one-line KvjaxError (a head is never split);
 a batch that `data` does not divide -> KvjaxError; d_ff or vocab that `TP` does not
 divide -> that weight is replicated (pinned by tests/test_sharding.py).
+
+Starting the processes of a multi-host run (`jax.distributed`) is kvjax.distributed's.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from typing import Any
 
 import jax
@@ -41,6 +42,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from kvjax.config import Config
+from kvjax.distributed import ENV, initialize_distributed  # noqa: F401  (their old home)
 from kvjax.errors import KvjaxError
 
 AXES = ("data", "kv", "rep")
@@ -159,7 +161,7 @@ def param_specs(params: Any, cfg: Config) -> Any:
 
 def cache_leaf_spec(path: list[str], ndim: int, paged: bool = False) -> P:
   """KV leaves [L, B, K, S, ...] split batch over `data` and KV heads over `kv`;
-  `lengths` [B], block tables [B, N] and the `none` layout's tokens [B, S] split the batch.
+  `lengths` [B], block tables [B, Q] and the `none` layout's tokens [B, S] split the batch.
 
   A paged pool [L, P, K, page, ...] splits KV heads only: any sequence may own (or share,
   with prefix caching) any page, so pages are replicated over `data`; each data shard
@@ -173,7 +175,8 @@ def cache_leaf_spec(path: list[str], ndim: int, paged: bool = False) -> P:
 
 
 def cache_specs(cache: Any) -> Any:
-  paged = hasattr(cache, "block_table")
+  """The PartitionSpec of every leaf of a cache (any layout: its spec names it)."""
+  paged = cache.spec.layout == "paged"
   return jax.tree_util.tree_map_with_path(
       lambda path, x: cache_leaf_spec(_names(path), x.ndim, paged), cache)
 
@@ -278,47 +281,3 @@ def size_report(cfg: Config, batch: int, capacity: int, with_params: bool) -> di
     out["param_bytes"] = bytes_per_device(w, specs, Plan(1, 1, 1))
     out["param_bytes_per_device"] = bytes_per_device(w, specs, p)
   return out
-
-
-# -- multi-host -------------------------------------------------------------------------------
-ENV = {"coordinator": "KVJAX_COORDINATOR", "num_processes": "KVJAX_NUM_PROCESSES",
-       "process_id": "KVJAX_PROCESS_ID", "distributed": "KVJAX_DISTRIBUTED"}
-
-
-def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
-                           process_id: int | None = None, auto: bool = False) -> bool:
-  """`jax.distributed.initialize` from flags or KVJAX_* environment variables.
-
-  With nothing given (and KVJAX_DISTRIBUTED unset) this does nothing: one process. `auto`
-  (or KVJAX_DISTRIBUTED=1) lets JAX detect the cluster (Cloud TPU, SLURM, Open MPI);
-  otherwise coordinator, process count and id must all be given. Returns whether it ran.
-  """
-  coordinator = coordinator or os.environ.get(ENV["coordinator"]) or None
-  num_processes = num_processes if num_processes is not None else \
-      _env_int(ENV["num_processes"])
-  process_id = process_id if process_id is not None else _env_int(ENV["process_id"])
-  auto = auto or os.environ.get(ENV["distributed"], "") not in ("", "0")
-  explicit = [v is not None for v in (coordinator, num_processes, process_id)]
-  if not auto and not any(explicit):
-    return False
-  if any(explicit) and not all(explicit):
-    raise KvjaxError("multi-host needs --coordinator HOST:PORT, --num-processes N and "
-                     "--process-id I together (or KVJAX_COORDINATOR/..._NUM_PROCESSES/"
-                     "..._PROCESS_ID), or --distributed alone for TPU/SLURM/MPI auto-detection")
-  try:
-    jax.distributed.initialize(coordinator, num_processes, process_id)
-  except (RuntimeError, ValueError) as e:
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    raise KvjaxError(f"jax.distributed.initialize failed: {msg}; check the coordinator "
-                     "address and that every process was started") from None
-  return True
-
-
-def _env_int(name: str) -> int | None:
-  raw = os.environ.get(name, "")
-  if not raw:
-    return None
-  try:
-    return int(raw)
-  except ValueError:
-    raise KvjaxError(f"{name} must be an integer, got '{raw}'") from None

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import decode
 from kvjax import cache as cache_lib
 from kvjax import config, metrics, model
 
@@ -43,7 +44,7 @@ def decode_loop(cfg, steps):
   def run(params, cache, token_B):
     def step(carry, _):
       c, tok = carry
-      logits, c = c.layout.forward(net, params, tok[:, None], c.lengths[:, None], c)
+      logits, c = decode.forward(net, params, tok[:, None], c.lengths[:, None], c)
       nxt = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
       return (c, nxt), nxt
     (cache, tok), _ = jax.lax.scan(step, (cache, token_B), None, length=steps)

@@ -10,41 +10,24 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from kvjax import cache as cache_lib
 from kvjax import config as config_lib
-from kvjax import decode, metrics, model
+from kvjax import metrics, model, program
 
 
 def _programs(cfg, params, B, ctx, steps):
-  """AOT-compiled prefill and decode for one shape; returns (run, compile_s)."""
-  sampler = decode.Sampler()
+  """AOT-compiled prefill and decode for one shape (a kvjax.program.Program on the params as
+  given: stacked ones run the nn.scan program); returns (decode seconds of one run, compile_s)."""
   tokens = np.random.default_rng(0).integers(0, 256, (B, ctx)).astype(np.int32)
   lengths = np.full((B,), ctx, np.int32)
-  key = jax.random.PRNGKey(0)
-  capacity = ctx + steps + 1
   jax.clear_caches()  # compile_s must not be a cache hit on an identical earlier program
-  t0 = time.perf_counter()
-  c = cache_lib.init_cache(cfg, B, capacity)
-  pre = decode.prefill.lower(params, tokens, lengths, c, key, cfg=cfg, sampler=sampler).compile()
-  tok, _, c = pre(params, tokens, lengths, c, key)
-  dec = decode.decode.lower(params, c, tok, key, cfg=cfg, sampler=sampler, steps=steps).compile()
-  compile_s = time.perf_counter() - t0
-
-  def run_decode():
-    tok, _, c = pre(params, tokens, lengths, cache_lib.init_cache(cfg, B, capacity), key)
-    jax.block_until_ready(c)
-    t = time.perf_counter()
-    out, c = dec(params, c, tok, key)
-    jax.block_until_ready(out)
-    return time.perf_counter() - t
-
-  return run_decode, compile_s
+  shape = program.Shape(B, ctx, ctx + steps + 1, steps)
+  prog = program.Program(cfg, params, shape, prepare=False).compile(tokens, lengths)
+  return (lambda: prog.run().decode_s), prog.compile_s
 
 
 def main(argv=None) -> int:

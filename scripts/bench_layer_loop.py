@@ -2,7 +2,7 @@
 interleaved (medians over repeats; compile excluded from the step times):
 
   switched  the default: per-layer weights, projections picked by lax.switch (no copy);
-  nnscan    nn.scan over stacked params (the default before issue 16: copies every
+  nnscan    nn.scan over stacked params (the default before the switched loop: copies every
             weight matrix each step);
   unrolled  a Python layer loop (model.scan_unroll = n_layers).
 
@@ -20,18 +20,13 @@ program with its own overrides.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from kvjax import cache as cache_lib
 from kvjax import config as config_lib
-from kvjax import decode, metrics, model
+from kvjax import metrics, model, program
 
 
 def main() -> None:
@@ -48,7 +43,8 @@ def main() -> None:
   a = ap.parse_args()
   base = config_lib.load(a.config, a.overrides)
   B, steps = a.batch, a.steps
-  sampler, key, tok = decode.Sampler(), jax.random.PRNGKey(0), jnp.zeros((B,), jnp.int32)
+  # decode only, from a cache filled to `--context` tokens by length: a program of width 0
+  shape = program.Shape(B, 0, a.context + steps + 1, steps, context=a.context)
 
   plans = [(p, p, {}) for p in a.programs.split(",") if p]
   for v in a.variant:
@@ -62,41 +58,28 @@ def main() -> None:
     cfg = config_lib.apply_overrides(base, over) if over else base
     if cfg.model not in params_by_dtype:
       params_by_dtype[cfg.model] = model.init_params(cfg.model, 0)
-    stacked = params_by_dtype[cfg.model]
-    params = stacked if kind == "nnscan" else decode.prepare_params(cfg, stacked)
-
-    def fresh(cfg=cfg):
-      c = cache_lib.init_cache(cfg, B, a.context + steps + 1)
-      return jax.block_until_ready(
-          dataclasses.replace(c, lengths=jnp.full((B,), a.context, jnp.int32)))
-
-    t0 = time.perf_counter()
-    comp = decode.decode.lower(params, fresh(), tok, key, cfg=cfg, sampler=sampler,
-                               steps=steps).compile()
-    compile_s = time.perf_counter() - t0
-    temp = comp.memory_analysis().temp_size_in_bytes
-    first = np.asarray(comp(params, fresh(), tok, key)[0])
-    progs[label] = (comp, params, fresh, compile_s, temp, first)
+    # nnscan: the stacked params as they are; the others are prepared (split per layer once)
+    prog = program.Program(cfg, params_by_dtype[cfg.model], shape, prepare=kind != "nnscan")
+    progs[label] = prog.compile()
+  first = {label: prog.run().tokens() for label, prog in progs.items()}
 
   times = {label: [] for label in progs}
   for _ in range(a.repeats):
-    for label, (comp, params, fresh, *_rest) in progs.items():
-      c = fresh()
-      t0 = time.perf_counter()
-      jax.block_until_ready(comp(params, c, tok, key))
-      times[label].append((time.perf_counter() - t0) / steps)
+    for label, prog in progs.items():
+      times[label].append(prog.run().decode_s / steps)
 
   first_label = next(iter(progs))
   ref = float(np.median(times[first_label]))
   env = metrics.environment()
   rows = []
-  for label, (_, _, _, compile_s, temp, first) in progs.items():
+  for label, prog in progs.items():
     t = metrics.summarize(times[label])
+    compile_s, temp = prog.compile_s, prog.dec.memory_analysis().temp_size_in_bytes
     row = {"bench": "layer_loop", "program": label, "config": a.config,
            "overrides": a.overrides, "batch": B, "context": a.context, "steps": steps,
            "tpot_s": t["median"], "tpot_s_iqr": t["iqr"], "repeats": t["n"],
            "vs_first": t["median"] / ref, "compile_s": compile_s, "temp_bytes": temp,
-           "same_tokens_as_first": bool((first == progs[first_label][5]).all()),
+           "same_tokens_as_first": bool((first[label] == first[first_label]).all()),
            "cores": len(os.sched_getaffinity(0)), "env": env}
     rows.append(row)
     print(f"{label:>10}  {t['median'] * 1e3:8.2f} ms/step (IQR {t['iqr'] * 1e3:.2f})  "

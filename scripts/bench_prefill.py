@@ -1,7 +1,7 @@
 """Prefill (TTFT without sampling overhead) of kvjax against transformers' forward pass on
 the same shape, in one process, interleaved (medians; compile excluded): kvjax with the
 prompt read in query blocks (`attention.NEW_BLOCK`, the default) and as one block (the
-program before issue 16), and torch's `model(ids, logits_to_keep=1)` with `--threads`
+program before the switched layer loop), and torch's `model(ids, logits_to_keep=1)` with `--threads`
 threads (XLA is pinned to as many cores). Random weights: speed does not depend on them.
 
     python scripts/bench_prefill.py [--config configs/peer.yaml] [--set model.vocab_size=32000]
@@ -15,12 +15,10 @@ import json
 import os
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import attention, decode, metrics, model
-from kvjax import cache as cache_lib
+from kvjax import attention, decode, metrics, model, program
 from kvjax import config as config_lib
 
 
@@ -44,20 +42,13 @@ def main() -> None:
   m, B, T = cfg.model, a.batch, a.tokens
   params = decode.prepare_params(cfg, model.init_params(m, 0))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, m.vocab_size, (B, T)), jnp.int32)
-  lengths, key = jnp.full((B,), T, jnp.int32), jax.random.PRNGKey(0)
+  lengths = jnp.full((B,), T, jnp.int32)
 
   progs, default_block = {}, attention.NEW_BLOCK
   for label, block in (("blocked", default_block), ("one_block", T)):
-    attention.NEW_BLOCK = block
+    attention.NEW_BLOCK = block  # read when the program is traced, inside compile()
     c = config_lib.replace(cfg, seed=block)  # a config of its own: traced afresh
-
-    def fresh(c=c):
-      return jax.block_until_ready(cache_lib.init_cache(c, B, T + 8))
-
-    t0 = time.perf_counter()
-    comp = decode.prefill.lower(params, tokens, lengths, fresh(), key, cfg=c,
-                                sampler=decode.Sampler()).compile()
-    progs[label] = (comp, fresh, time.perf_counter() - t0)
+    progs[label] = program.Program(c, params, program.Shape(B, T, T + 8)).compile(tokens, lengths)
   attention.NEW_BLOCK = default_block
 
   hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -75,12 +66,10 @@ def main() -> None:
   torch_prefill()
   times, firsts = {k: [] for k in [*progs, "torch"]}, {}
   for _ in range(a.repeats):
-    for label, (comp, fresh, _) in progs.items():
-      c = fresh()
-      t0 = time.perf_counter()
-      out = jax.block_until_ready(comp(params, tokens, lengths, c, key))
-      times[label].append(time.perf_counter() - t0)
-      firsts[label] = np.asarray(out[0])
+    for label, prog in progs.items():
+      run = prog.run()  # a fresh cache outside the timed region; prefill only (no decode steps)
+      times[label].append(run.prefill_s)
+      firsts[label] = np.asarray(run.first)
     t0 = time.perf_counter()
     torch_prefill()
     times["torch"].append(time.perf_counter() - t0)
@@ -93,7 +82,7 @@ def main() -> None:
     row = {"bench": "prefill", "program": label, "config": a.config, "overrides": a.overrides,
            "batch": B, "tokens": T, "threads": len(cores), "prefill_s": t["median"],
            "prefill_s_iqr": t["iqr"], "repeats": t["n"], "vs_torch": t["median"] / ref,
-           "compile_s": progs[label][2] if label in progs else None,
+           "compile_s": progs[label].compile_s if label in progs else None,
            "same_first_tokens": same, "env": metrics.environment()}
     rows.append(row)
     print(f"{label:>10}  {t['median'] * 1e3:9.1f} ms (IQR {t['iqr'] * 1e3:.1f})  "

@@ -3,12 +3,13 @@
     python scripts/bench_sharding.py [--devices 4] [--meshes 1x1,1x4,2x2,4x1] [--json OUT]
                                      [--set key=value ...]
 
-Forces `--devices` host CPU devices (XLA_FLAGS, before JAX starts), lays params, prompts
-and cache out on each mesh (kvjax.sharding), compiles prefill + decode once per mesh, then
-round-robins the timed repeats over the meshes so they share the machine's noise
-(the timing protocol of kvjax.metrics). Ratios to 1x1 are what to read: forced CPU devices share the same
-cores, so a mesh only adds partitioning and collective overhead here; on real devices
-the same program splits the work. Prints one JSON row per mesh.
+Forces `--devices` host CPU devices (XLA_FLAGS, before JAX starts); per mesh, one
+kvjax.program.Program lays params, prompts and cache out on it (kvjax.sharding) and compiles
+the default prefill + decode once; the timed repeats then round-robin over the meshes so
+they share the machine's noise (the timing protocol of kvjax.metrics). Ratios to 1x1 are
+what to read: forced CPU devices share the same cores, so a mesh only adds partitioning and
+collective overhead here; on real devices the same program splits the work. Prints one
+JSON row per mesh; `same_tokens_as_first` compares every greedy token with the first mesh's.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 
 def main() -> None:
@@ -31,12 +31,10 @@ def main() -> None:
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              f" --xla_force_host_platform_device_count={args.devices}")
 
-  import jax
   import numpy as np
 
-  from kvjax import cache as cache_lib
   from kvjax import config as config_lib
-  from kvjax import decode, metrics, model, sharding
+  from kvjax import metrics, model, program, sharding
 
   base = {"model.d_model": 256, "model.n_layers": 4, "model.n_heads": 8, "model.n_kv_heads": 8,
           "cache.codec": "bf16", "workload.batch": 4, "workload.prompt_len": 128,
@@ -48,44 +46,24 @@ def main() -> None:
   lengths = np.full((w.batch,), w.prompt_len, np.int32)
   params0 = model.init_params(cfg.model, cfg.seed)
   steps, S = w.gen_len - 1, w.prompt_len + w.gen_len
-  sampler = decode.Sampler.from_config(cfg)
-  key = jax.random.PRNGKey(0)
+  shape = program.Shape(w.batch, w.prompt_len, S, steps)
 
   runs = {}
   for item in args.meshes.split(","):
     d, m = (int(x) for x in item.lower().split("x"))
     c = config_lib.apply_overrides(cfg, {"mesh.data": d, "mesh.model": m})
-    if sharding.is_sharded(c):
-      mesh = sharding.make_mesh(c)
-      p = sharding.shard_params(params0, c, mesh)
-      t, l = sharding.put_batch(tokens, mesh), sharding.put_batch(lengths, mesh)
-      fresh = lambda c=c, mesh=mesh: sharding.init_cache(c, w.batch, S, mesh)  # noqa: E731
-    else:
-      p, t, l = params0, tokens, lengths
-      fresh = lambda c=c: cache_lib.init_cache(c, w.batch, S)  # noqa: E731
-    t0 = time.perf_counter()
-    pre = decode.prefill.lower(p, t, l, fresh(), key, cfg=c, sampler=sampler).compile()
-    tok, _, c1 = pre(p, t, l, fresh(), key)
-    dec = decode.decode.lower(p, c1, tok, key, cfg=c, sampler=sampler, steps=steps).compile()
-    runs[item] = {"cfg": c, "args": (p, t, l), "fresh": fresh, "pre": pre, "dec": dec,
-                  "compile_s": time.perf_counter() - t0, "ttft": [], "tpot": [], "tokens": None}
+    # params, prompts and every cache laid out on the mesh (kvjax.sharding), programs compiled
+    prog = program.Program(c, params0, shape).compile(tokens, lengths)
+    runs[item] = {"cfg": c, "prog": prog, "ttft": [], "tpot": [], "tokens": None}
 
   for i in range(args.repeats + 1):  # first round is the warm-up
     for name, r in runs.items():
-      p, t, l = r["args"]
-      cache = jax.block_until_ready(r["fresh"]())
-      ta = time.perf_counter()
-      tok, _, cache = r["pre"](p, t, l, cache, key)
-      jax.block_until_ready((tok, cache))
-      tb = time.perf_counter()
-      toks, cache = r["dec"](p, cache, tok, key)
-      jax.block_until_ready((toks, cache))
-      tc = time.perf_counter()
+      run = r["prog"].run()
       if i:
-        r["ttft"].append(tb - ta)
-        r["tpot"].append((tc - tb) / steps)
-      r["tokens"] = np.asarray(toks).tolist()
-      r["per_device"] = sharding.measured_device_bytes(cache)
+        r["ttft"].append(run.prefill_s)
+        r["tpot"].append(run.decode_s / steps)
+      r["tokens"] = run.tokens().tolist()
+      r["per_device"] = sharding.measured_device_bytes(run.cache)
 
   ref = next(iter(runs.values()))
   rows = []
@@ -96,7 +74,7 @@ def main() -> None:
                  "tpot_s": tpot["median"], "tpot_s_iqr": tpot["iqr"],
                  "ttft_vs_first": ttft["median"] / metrics.summarize(ref["ttft"])["median"],
                  "tpot_vs_first": tpot["median"] / metrics.summarize(ref["tpot"])["median"],
-                 "compile_s": r["compile_s"], "cache_bytes_per_device": r["per_device"],
+                 "compile_s": r["prog"].compile_s, "cache_bytes_per_device": r["per_device"],
                  "same_tokens_as_first": r["tokens"] == ref["tokens"],
                  "env": metrics.environment()})
   for row in rows:

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax import program
+from kvjax.cache import contiguous
 from kvjax import cache as cache_lib
 from kvjax import cli, codecs, config, decode, model
 
@@ -34,12 +36,12 @@ def teacher_forced(params, cache):
   """Prefill the ragged prompts, then feed TOKS one at a time: logits [B, N, V] per step."""
   m = model.Transformer(tiny()[0].model)
   t = jnp.arange(P)[None]
-  _, cache = cache.layout.forward(m, params, TOKS[:, :P], jnp.where(t < LENS[:, None], t, -1),
+  _, cache = decode.forward(m, params, TOKS[:, :P], jnp.where(t < LENS[:, None], t, -1),
                                   cache)
 
   def step(c, _):
     tok = jnp.take_along_axis(jnp.asarray(TOKS), c.lengths[:, None], axis=1)
-    logits, c = c.layout.forward(m, params, tok, c.lengths[:, None], c)
+    logits, c = decode.forward(m, params, tok, c.lengths[:, None], c)
     return c, logits[:, 0]
 
   _, logits = jax.lax.scan(step, cache, None, length=N)
@@ -66,12 +68,12 @@ def test_cache_bytes_equal_closed_form(name, over, tag):
   cfg = config.apply_overrides(tiny()[0], {"cache.codec": name, **over})
   for capacity in (1, 8, 37):
     cache = cache_lib.init_cache(cfg, 3, capacity)
-    assert cache_lib.tree_bytes(cache) == cache.layout.closed_form_bytes(cache.spec)
+    assert cache_lib.tree_bytes(cache) == cache_lib.layout_of(cache).closed_form_bytes(cache.spec)
 
 
 def test_packed_payload_is_a_quarter_and_an_eighth_of_bf16():
   cfg = tiny()[0]
-  L, K, D, S = cfg.model.n_layers, cfg.model.n_kv_heads, cfg.model.D, 64
+  L, K, S = cfg.model.n_layers, cfg.model.n_kv_heads, 64
   caches = {n: cache_lib.init_cache(config.apply_overrides(cfg, {"cache.codec": n}), 1, S)
             for n in ("bf16", "int4", "int2")}
   payload = lambda c: c.k["codes"].nbytes + c.v["codes"].nbytes  # noqa: E731
@@ -136,13 +138,13 @@ def test_int8_greedy_tokens_equal_fp32():
   # the fp32 trajectory; free-running greedy generation must then agree token for token.
   assert (top2[..., 1] - top2[..., 0]).min() > 2 * err
   prompts = [TOKS[0, :14].tolist(), TOKS[1, :5].tolist()]
-  outs = [decode.generate(config.apply_overrides(tiny()[0], {"cache.codec": c}), params, prompts,
+  outs = [program.generate(config.apply_overrides(tiny()[0], {"cache.codec": c}), params, prompts,
                           16, timed=False)["tokens"] for c in ("fp32", "int8")]
   assert outs[0] == outs[1]
   assert all(len(set(seq)) > 4 for seq in outs[0])  # not a degenerate constant output
 
 
-class FakeQuant(cache_lib.Contiguous):
+class FakeQuant(contiguous.Contiguous):
   """Reference: keep every token in fp32; on each read, encode+decode the whole history
   (positions < q(n)) from scratch and attend over plain fp32 arrays."""
 
@@ -155,11 +157,14 @@ class FakeQuant(cache_lib.Contiguous):
 
   def write(self, cache, k_LBTKD, v_LBTKD, positions_BT):
     slots = jnp.where(positions_BT >= 0, positions_BT, cache.spec.capacity)
-    put = lambda s, new: cache_lib._scatter(slots)(s, jnp.swapaxes(new, 2, 3))  # noqa: E731
+    put = lambda s, new: cache_lib.scatter(slots)(s, jnp.swapaxes(new, 2, 3))  # noqa: E731
     return dataclasses.replace(cache, k=put(cache.k, k_LBTKD), v=put(cache.v, v_LBTKD),
                                lengths=cache.lengths + jnp.sum(positions_BT >= 0, 1))
 
-  def segments(self, spec, layer_store, lengths_B):
+  def store(self, cache):
+    return (cache.k, cache.v)
+
+  def read(self, spec, store, lengths_B, layer):
     H = spec.history
     old = (jnp.arange(spec.capacity)[None] < spec.quantized_len(lengths_B)[:, None])[:, None, :,
                                                                                      None]
@@ -168,7 +173,7 @@ class FakeQuant(cache_lib.Contiguous):
       hist = codec.decode(codec.encode(x[..., :H, :]))
       return jnp.where(old, jnp.concatenate([hist, x[..., H:, :]], axis=-2), x)
 
-    k, v = layer_store
+    k, v = (a[layer] for a in store)
     fp32 = codecs.get("fp32")
     mask = jnp.arange(spec.capacity)[None] < lengths_B[:, None]
     return [cache_lib.Segment(fake(spec.kc, k), fake(spec.vc, v), mask, fp32, fp32)]
@@ -195,7 +200,7 @@ def test_window_writes_encode_each_block_once_and_exactly():
                                            **KIVI})
   L, K, D = 2, 2, 8
   cache = cache_lib.init_cache(cfg, B, 40)
-  spec, layout = cache.spec, cache.layout
+  spec, layout = cache.spec, cache_lib.layout_of(cache)
   rng = np.random.default_rng(3)
   full_k = rng.standard_normal((L, B, 40, K, D)).astype(np.float32) * 2
   full_v = rng.standard_normal((L, B, 40, K, D)).astype(np.float32)
@@ -228,9 +233,9 @@ def test_window_writes_encode_each_block_once_and_exactly():
 def test_no_retrace_across_ragged_lengths_with_window():
   cfg = config.apply_overrides(tiny()[0], {"cache.codec": "int2", **KIVI})
   params = tiny()[1]
-  decode.generate(cfg, params, [[1, 2, 3, 4, 5, 6], [7, 8]], 10, timed=False)
+  program.generate(cfg, params, [[1, 2, 3, 4, 5, 6], [7, 8]], 10, timed=False)
   before = dict(decode.TRACES)
-  decode.generate(cfg, params, [[9, 8], [1, 2, 3, 4, 5, 6]], 10, timed=False)
+  program.generate(cfg, params, [[9, 8], [1, 2, 3, 4, 5, 6]], 10, timed=False)
   assert decode.TRACES == before
 
 
@@ -246,7 +251,7 @@ def test_decode_step_never_materializes_a_dequantized_cache(name):
   net = model.Transformer(m)
 
   def step(params, tok, c):
-    return c.layout.forward(net, params, tok, c.lengths[:, None], c)
+    return decode.forward(net, params, tok, c.lengths[:, None], c)
 
   compiled = jax.jit(step, donate_argnums=2).lower(
       params, jax.ShapeDtypeStruct((1, 1), jnp.int32), cache).compile()

@@ -212,7 +212,7 @@ def test_error_with_a_live_progress_bar_is_on_its_own_line(capsys, monkeypatch):
   rather than glued onto the bar."""
   from tqdm import tqdm
 
-  from kvjax import decode
+  from kvjax import program
   from kvjax.errors import KvjaxError
   live = []
 
@@ -220,7 +220,7 @@ def test_error_with_a_live_progress_bar_is_on_its_own_line(capsys, monkeypatch):
     live.append(tqdm(total=10, desc="work", file=sys.stderr))
     live[-1].update(3)
     raise KvjaxError("boom")
-  monkeypatch.setattr(decode, "generate", fails)
+  monkeypatch.setattr(program, "generate", fails)
   rc, _, err = run_cli(capsys, "generate", "--prompt-ids", "1", *QUICK)
   assert rc == 2 and err.endswith("kvjax: error: boom\n")
   assert err.split("\n")[-2].split("\r")[-1] == "kvjax: error: boom"

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from kvjax import codecs, config
-from kvjax.codecs import quant
+from kvjax.codecs import packing, quant
 from kvjax.errors import KvjaxError
 
 QUANT = ["int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2"]
@@ -35,7 +35,7 @@ def roundtrip(name, mode):
 
 def widen(codec, enc, key):
   """A stored scale / zero broadcast to every element it applies to (numpy, float64)."""
-  a = np.asarray(quant._meta(enc[key]), np.float64)
+  a = np.asarray(packing.load_meta(enc[key]), np.float64)
   if codec.axis == "channel":
     return np.repeat(a, codec.group, axis=-2)
   return np.repeat(a, SHAPE[-1] // a.shape[-1], axis=-1)
@@ -191,12 +191,12 @@ def test_bytes_per_token_is_what_encode_stores(name, mode):
 
 
 @pytest.mark.parametrize("name, mode", CODEC_MODES)
-def test_folded_reads_equal_dequantize_then_einsum(name, mode, monkeypatch):
-  """qk/pv fold scales (and zeros) instead of dequantizing; through the chunked loop (with a
-  tail chunk) they equal the reference einsum over `decode`."""
-  monkeypatch.setattr(codecs, "READ_CHUNK", 8)
+def test_folded_reads_equal_dequantize_then_einsum(name, mode):
+  """qk_block/pv_block fold scales (and zeros) instead of dequantizing; they equal the
+  reference einsum over `decode` (the attention's blockwise loop is held to the reference
+  in test_cache_codecs and test_pallas)."""
   codec = make(name, mode)
-  B, K, G, T, S, D = 2, 2, 3, 2, 28, 8  # S = 3 chunks of 8 + a tail of 4
+  B, K, G, T, S, D = 2, 2, 3, 2, 28, 8
 
   rng = np.random.default_rng(2)
   x = (rng.standard_normal((B, K, S, D)) * 3 + 1).astype(np.float32)
@@ -208,7 +208,7 @@ def test_folded_reads_equal_dequantize_then_einsum(name, mode, monkeypatch):
     enc = codec.encode(x)
     deq = codec.decode(enc)
     want = (jnp.einsum("bkgtd,bksd->bkgts", q, deq), jnp.einsum("bkgts,bksd->bkgtd", p, deq))
-    return (codec.qk(q, enc), codec.pv(p, enc)), want
+    return (codec.qk_block(q, enc), codec.pv_block(p, enc)), want
 
   got, want = both(x, q, p)
   for g, w in zip(got, want):

@@ -1,6 +1,7 @@
 import pytest
 
 from kvjax import config as config_lib
+from kvjax.config import checks as config_checks
 from kvjax.errors import KvjaxError
 
 
@@ -130,10 +131,10 @@ def test_limits_accept_their_edges():
 
 def test_every_numeric_field_has_a_range():
   import dataclasses
-  numeric = [f"{sec}.{f.name}" for sec, cls in config_lib._SECTIONS.items()
+  numeric = [f"{sec}.{f.name}" for sec, cls in config_lib.SECTIONS.items()
              for f in dataclasses.fields(cls)
-             if config_lib._field_type(cls, f.name) in (int, float)]
-  assert sorted(set(numeric) - set(config_lib._RANGES)) == []
+             if config_lib.field_type(cls, f.name) in (int, float)]
+  assert sorted(set(numeric) - set(config_checks._RANGES)) == []
 
 
 def test_malformed_and_missing_yaml(tmp_path):

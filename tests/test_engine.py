@@ -4,7 +4,7 @@ Bookkeeping is checked without a model: a fake backend keeps token ids in the pa
 instead of K/V, so each "prediction" is a function of the tokens read back through the
 block table. A wrong table, a shared page overwritten or a lost page changes what is
 read, hence the outputs. The real model then checks the numerics: every request gets the
-tokens it gets from `decode.generate`, with and without prefix sharing and preemption.
+tokens it gets from `program.generate`, with and without prefix sharing and preemption.
 """
 
 import hypothesis.strategies as st
@@ -15,10 +15,9 @@ from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvjax import config as config_lib
-from kvjax import decode
-from kvjax.serve import engine
-from kvjax.cache import paged
+from kvjax import metrics, program
 from kvjax.errors import KvjaxError
+from kvjax.serve import allocator, engine, step
 
 V = 64
 
@@ -131,7 +130,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
   @initialize(n_pages=st.integers(1, 12))
   def setup(self, n_pages):
-    self.alloc = paged.PageAllocator(n_pages)
+    self.alloc = allocator.PageAllocator(n_pages)
     self.live: dict[int, tuple[list[int], list[int]]] = {}  # id -> (tokens, pages)
     self.next_id = 0
 
@@ -145,7 +144,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
   def _register(self, tokens, pages):
     full = len(tokens) // PAGE
-    for page, key in zip(pages[:full], paged.page_keys(tokens, PAGE, full)):
+    for page, key in zip(pages[:full], allocator.page_keys(tokens, PAGE, full)):
       self.alloc.register(page, key)
 
   @rule(prefix=st.sampled_from([[1, 2, 3, 4], [1, 2, 5, 6], [9, 9]]),
@@ -153,7 +152,7 @@ class AllocatorMachine(RuleBasedStateMachine):
   def start(self, prefix, tail):
     tokens = prefix + tail
     pages = []
-    for key in paged.page_keys(tokens, PAGE, (len(tokens) - 1) // PAGE):
+    for key in allocator.page_keys(tokens, PAGE, (len(tokens) - 1) // PAGE):
       page = self.alloc.share(key)
       if page is None:
         break
@@ -229,10 +228,21 @@ def test_engine_refuses_the_none_layout():
     engine.Engine(tiny_config(**{"cache.layout": "none"}), slots=2, max_len=8)
 
 
+@pytest.mark.parametrize("mesh", [{"mesh.data": 2}, {"mesh.model": 2}])
+def test_engine_refuses_a_mesh_in_one_line(mesh):
+  """The engine places nothing on a mesh: `mesh.*` is refused before anything is built
+  (never silently run on one device), with the fake backend and the real one alike."""
+  cfg = tiny_config(**{"cache.layout": "paged", **mesh})
+  for backend in (FakeBackend(8, 4), None):
+    with pytest.raises(KvjaxError, match=r"one device; drop the mesh\.\* overrides") as err:
+      engine.Engine(cfg, slots=2, max_len=8, backend=backend)
+    assert "\n" not in str(err.value)
+
+
 # -- the real model ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def served():
-  """Ragged requests, half with a shared system prompt, and their `decode.generate` tokens."""
+  """Ragged requests, half with a shared system prompt, and their `program.generate` tokens."""
   cfg = tiny_config(**{"model.n_kv_heads": 2, "cache.page_size": 4})
   params = tiny_params(cfg)
   rng = np.random.default_rng(0)
@@ -240,7 +250,7 @@ def served():
   prompts = [(system if i % 2 == 0 else []) + [int(t) for t in rng.integers(0, V, 2 + i)]
              for i in range(7)]
   news = [int(n) for n in rng.integers(2, 12, len(prompts))]
-  ref = decode.generate(cfg, params, prompts, max(news), timed=False)["tokens"]
+  ref = program.generate(cfg, params, prompts, max(news), timed=False)["tokens"]
   return cfg, params, prompts, news, [r[:n] for r, n in zip(ref, news)]
 
 
@@ -255,12 +265,12 @@ def test_paged_engine_matches_generate_with_and_without_prefix_sharing(served):
   e = engine.Engine(pcfg, params, slots=4, max_len=32, chunk=8, widths=(16,))
   stats, out = _serve(e, prompts, news)
   assert out == ref and stats["prefix_hit_rate"] > 0
-  traces = dict(engine.STEP_TRACES)
+  traces = dict(step.STEP_TRACES)
   e2 = engine.Engine(pcfg, params, slots=4, max_len=32, chunk=8, widths=(16,), prefix_cache=False)
   stats2, out2 = _serve(e2, prompts, news)
   assert out2 == ref and stats2["prefix_hit_rate"] == 0
   # many steps, two runs, two engines: the step compiled once per shape (2 kinds x 2 widths)
-  assert stats["steps"] + stats2["steps"] > 20 and dict(engine.STEP_TRACES) == traces
+  assert stats["steps"] + stats2["steps"] > 20 and dict(step.STEP_TRACES) == traces
 
 
 @pytest.mark.parametrize("unroll", [1, 2], ids=["scanned", "unrolled"])
@@ -301,3 +311,27 @@ def test_workload_stream_is_seeded_skewed_and_shares_system_prompts():
                                             "params": {**dict(cfg.params), "budget_kib": 1}})
   with pytest.raises(KvjaxError, match="holds no 288-token reservation"):
     paged_workload.check(tiny_budget)
+
+
+def test_generate_timer_and_engine_share_the_program(served, monkeypatch):
+  """One driver: `program.generate`, `metrics.DecodeTimer` and the engine's step all build
+  their jitted calls' static arguments through `kvjax.program.statics`, and give the same
+  greedy tokens for one config."""
+  cfg, params, prompts, news, _ = served
+  calls = []
+  real = program.statics
+  monkeypatch.setattr(program, "statics", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+  prompt, n = prompts[1], 6
+
+  got = program.generate(cfg, params, [prompt], n, timed=False)["tokens"][0]
+  assert len(calls) == 2  # prefill and decode
+  tokens, lengths = np.array([prompt], np.int32), np.array([len(prompt)], np.int32)
+  timer = metrics.DecodeTimer(cfg, params, tokens, lengths, steps=n - 1)
+  assert len(calls) == 4 and isinstance(timer.program, program.Program)
+  assert timer.program.run().tokens()[0].tolist() == got
+
+  e = engine.Engine(cfg, params, slots=2, max_len=16, chunk=4)
+  r = engine.Request(prompt, n)
+  e.run([r])
+  assert r.output == got
+  assert len(calls) > 4 and {"width", "all_rows"} <= set(calls[-1])  # the contiguous step

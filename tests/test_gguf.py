@@ -8,6 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, quants
 
+from kvjax import program
 from kvjax import config as config_lib
 from kvjax import model
 from kvjax.io import gguf
@@ -210,7 +211,6 @@ def test_smollm2_tokenizer_ids_equal_transformers(smollm2):
 def test_smollm2_logits_and_greedy_tokens_match_transformers(smollm2):
   import torch
 
-  from kvjax import decode
   cfg, params, tok, _, ref_model = smollm2
   ids = tok.encode("The three primary colors are red, yellow and")
   with torch.no_grad():
@@ -219,7 +219,7 @@ def test_smollm2_logits_and_greedy_tokens_match_transformers(smollm2):
   assert np.abs(got - ref).max() < 2e-3 * np.abs(ref).max()
   greedy = config_lib.apply_overrides(cfg, {"workload.temperature": 0.0, "workload.eos_id": -1})
   n = 16  # greedy steps through the cache: a few short windows are enough on a real model
-  out = decode.generate(greedy, params, [ids], n, timed=False)["tokens"][0]
+  out = program.generate(greedy, params, [ids], n, timed=False)["tokens"][0]
   with torch.no_grad():
     want = ref_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
                               min_new_tokens=n)[0, len(ids):].tolist()

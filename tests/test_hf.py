@@ -21,7 +21,8 @@ import safetensors.numpy as stnp
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kvjax import cli, decode, model
+from kvjax import program
+from kvjax import cli, model
 from kvjax.io import hf  # noqa: E402
 from kvjax.errors import KvjaxError  # noqa: E402
 
@@ -127,7 +128,7 @@ def test_greedy_generation_matches_transformers(case):
   ref = out.sequences[:, 8:].tolist()
   top2 = torch.stack(out.scores).topk(2, dim=-1).values
   margin = float((top2[..., 0] - top2[..., 1]).min())
-  got = decode.generate(cfg, params, ids.tolist(), 32, timed=False)["tokens"]
+  got = program.generate(cfg, params, ids.tolist(), 32, timed=False)["tokens"]
   assert got == ref, f"greedy tokens differ (smallest transformers argmax margin {margin:.2e})"
 
 
@@ -232,7 +233,7 @@ def test_sliding_window_is_enforced_not_ignored(tmp_path):
   cfg, params = hf.load(tmp_path)
   assert cfg.model.max_seq_len == 16
   with pytest.raises(KvjaxError, match="max_seq_len"):
-    decode.generate(cfg, params, [[1, 2, 3, 4, 5, 6, 7, 8]], 12, timed=False)
+    program.generate(cfg, params, [[1, 2, 3, 4, 5, 6, 7, 8]], 12, timed=False)
   with pytest.raises(KvjaxError, match="sliding_window=16"):
     hf.load_config(tmp_path, {"model.max_seq_len": 64})
 

@@ -66,10 +66,6 @@ def test_the_installed_package_is_the_one_imported(installed, tmp_path):
   assert {"llama3-8b", "smollm2-135m"} <= set(names.split(","))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "library bug: cmd_size (kvjax/cli/__init__.py) re-reads --config with open(args.config), "
-    "so a packaged shape given by name ends in 'No such file or directory: llama3-8b'; "
-    "strict: this test fails once that is fixed, so drop the mark then"))
 def test_installed_size_finds_a_packaged_shape_by_name(installed, tmp_path):
   proc = _kvjax(installed, tmp_path, "size", "--config", "llama3-8b", "--seq-len", "1024",
                 "--json")

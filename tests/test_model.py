@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, tiny_params
+from kvjax import decode
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
 from kvjax.model import Transformer, apply_rope, rope_cos_sin
@@ -35,8 +36,7 @@ def _cached_forward(cfg, params, tokens, layout="contiguous"):
   B, T = tokens.shape
   t = jnp.arange(T, dtype=jnp.int32)[None]
   cache = cache_lib.init_cache(cfg, B, TOTAL)
-  layout_obj = cache_lib.LAYOUTS[layout]
-  fwd = jax.jit(lambda p, tok, pos, c: layout_obj.forward(model, p, tok, pos, c))
+  fwd = jax.jit(lambda p, tok, pos, c: decode.forward(model, p, tok, pos, c))
   prompt_pos = jnp.where(t < lengths[:, None], t, -1)
   logits, cache = fwd(params, tokens, prompt_pos, cache)
   out = np.zeros((B, TOTAL, cfg.model.vocab_size), np.float32)

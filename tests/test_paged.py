@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from conftest import tiny_config, tiny_params
 
+from kvjax import program
 from kvjax import attention, cli, codecs, decode
 from kvjax.cache import paged
 from kvjax import cache as cache_lib
@@ -33,7 +34,7 @@ def _writes(K, seed=0):
 
 
 def _attend(cache, q_BTHD, k_BTKD, v_BTKD, positions_BT, layer):
-  segs = cache.layout.segments(cache.spec, cache.layer_stores(), cache.lengths, layer=layer)
+  segs = cache_lib.segments(cache, layer)
   return attention.grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segs)
 
 
@@ -65,7 +66,7 @@ def test_paged_attention_equals_contiguous(codec, page, K):
       out[lay] = []
       for (k_LBTKD, v_LBTKD, positions_BT), q in zip(writes, qs):
         out[lay].append(_attend(c, q, k_LBTKD[1], v_LBTKD[1], positions_BT, 1))
-        c = c.layout.write(c, k_LBTKD, v_LBTKD, positions_BT)
+        c = cache_lib.layout_of(c).write(c, k_LBTKD, v_LBTKD, positions_BT)
       out[lay].append(c.lengths)
     return out
 
@@ -81,9 +82,9 @@ def _model_logits(params, tokens_BT, lengths_B, *, cfg):
   cache = cache_lib.init_cache(cfg, tokens_BT.shape[0], 16)
   t = jnp.arange(tokens_BT.shape[1])[None]
   positions = jnp.where(t < lengths_B[:, None], t, -1)
-  pre_BTV, cache = cache.layout.forward(model, params, tokens_BT, positions, cache)
+  pre_BTV, cache = decode.forward(model, params, tokens_BT, positions, cache)
   nxt_B1 = jnp.argmax(pre_BTV[jnp.arange(tokens_BT.shape[0]), lengths_B - 1], -1)[:, None]
-  step_B1V, _ = cache.layout.forward(model, params, nxt_B1, lengths_B[:, None], cache)
+  step_B1V, _ = decode.forward(model, params, nxt_B1, lengths_B[:, None], cache)
   return jnp.where(positions[..., None] >= 0, pre_BTV, 0), step_B1V
 
 
@@ -94,7 +95,7 @@ def test_model_logits_paged_equal_contiguous(kv_heads, codec, page):
   programs differently, so bits may differ in the last place)."""
   cfg = tiny_config(**{"model.n_kv_heads": kv_heads, "cache.codec": codec,
                        "cache.page_size": page})
-  tokens, lengths = decode.pad_prompts([[3, 14, 15, 9, 2, 6, 5], [5, 35], [8, 9, 7, 9]])
+  tokens, lengths = program.pad_prompts([[3, 14, 15, 9, 2, 6, 5], [5, 35], [8, 9, 7, 9]])
   got = [_model_logits(tiny_params(cfg), tokens, lengths,
                        cfg=config_lib.replace(cfg, **{"cache.layout": lay}))
          for lay in ("contiguous", "paged")]
@@ -124,8 +125,8 @@ def test_paged_blockwise_read_equals_reference_across_page_and_block_edges(codec
   k_pool, v_pool = pool(kc, kv_LBKSD[0]), pool(vc, kv_LBKSD[1])
 
   def paged_seg(n):
-    return cache_lib.Segment(k_pool, v_pool, jnp.arange(N * ps)[None] < n[:, None], kc, vc,
-                             live=jnp.max(n), layer=layer, pages=table_BN, page_size=ps)
+    return cache_lib.PagedSegment(k_pool, v_pool, jnp.arange(N * ps)[None] < n[:, None], kc,
+                                  vc, live=jnp.max(n), layer=layer, pages=table_BN, page_size=ps)
 
   # Three jitted programs (the references too: eagerly, every op would compile on its own):
   # the blockwise paged read, the reference over the same pages, and the reference over the
@@ -187,5 +188,5 @@ def test_cli_generate_paged_gives_the_contiguous_tokens(capsys):
   assert cli.main(args) == 0
   out = json.loads(capsys.readouterr().out)
   cfg = tiny_config()  # the same model the CLI built: defaults + the three overrides
-  ref = decode.generate(cfg, tiny_params(cfg), prompts, 6, timed=False)["tokens"]
+  ref = program.generate(cfg, tiny_params(cfg), prompts, 6, timed=False)["tokens"]
   assert out["layout"] == "paged" and out["tokens"] == ref

@@ -3,12 +3,15 @@ dequantized cache: every codec, MHA/GQA/MQA, contiguous (stacked by layer), page
 a permuted block table, the residual window, live lengths across block and split edges,
 prefill and decode; the whole model greedy-decodes the same tokens without retracing."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_config, tiny_params
 
+from kvjax import program
 from kvjax import attention, decode
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
@@ -56,11 +59,11 @@ def _attend_all(cfg, S, K, table=None, seed=0):
       c = c.replace(block_table=table)
     out = {name: [] for name in ("grouped", "pallas", "reference")}
     for i, (k, v, q, pos) in enumerate(writes):
-      segs = c.layout.segments(c.spec, c.layer_stores(), c.lengths, layer=layer)
+      segs = cache_lib.segments(c, layer)
       for name in out if i == len(writes) - 1 else ("grouped", "pallas"):
         got = attention.ATTENTIONS[name](q, k[1], v[1], pos, segs)
         out[name].append(jnp.where((pos >= 0)[:, :, None, None], got, 0.0))
-      c = c.layout.write(c, k, v, pos)
+      c = cache_lib.layout_of(c).write(c, k, v, pos)
     return out
 
   return run(writes, table, jnp.int32(1))
@@ -128,14 +131,14 @@ def test_greedy_tokens_equal_grouped_without_retrace():
   cfg = tiny_config(**{"model.n_kv_heads": 2, "cache.codec": "int8", "cache.layout": "paged",
                        "cache.page_size": 4})
   params = tiny_params(cfg)
-  want = decode.generate(cfg, params, prompts, 8, timed=False)["tokens"]
+  want = program.generate(cfg, params, prompts, 8, timed=False)["tokens"]
   pcfg = config_lib.replace(cfg, **{"model.attention": "pallas"})
   before = dict(decode.TRACES)
-  got = decode.generate(pcfg, params, prompts, 8, timed=False)["tokens"]
+  got = program.generate(pcfg, params, prompts, 8, timed=False)["tokens"]
   assert got == want
   assert decode.TRACES == {k: v + 1 for k, v in before.items()}  # one trace each, 7 steps
   other = [[t + 1 for t in p] for p in prompts]
-  decode.generate(pcfg, params, other, 8, timed=False)
+  program.generate(pcfg, params, other, 8, timed=False)
   assert decode.TRACES == {k: v + 1 for k, v in before.items()}
 
 
@@ -163,7 +166,7 @@ def test_kernel_lowers_to_triton_without_a_gpu(codec, layout, T, monkeypatch):
 
   def step(q, kv, pos):
     c = cache_lib.init_cache(cfg, B, 40)
-    segs = c.layout.segments(c.spec, c.layer_stores(), c.lengths + 20, layer=jnp.int32(1))
+    segs = cache_lib.segments(dataclasses.replace(c, lengths=c.lengths + 20), jnp.int32(1))
     return pa.pallas(q, kv, kv, pos, segs)
 
   shapes = [jax.ShapeDtypeStruct(s, d) for s, d in [((B, T, H, 16), jnp.bfloat16),

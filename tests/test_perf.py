@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import attention, codecs, config, decode, model
+from kvjax import attention, codecs, config, decode, model, program
 from kvjax import cache as cache_lib
 from kvjax.errors import KvjaxError
 
@@ -167,12 +167,12 @@ def teacher_forced(cfg, params, tokens_BN, lens_B, capacity):
   @jax.jit
   def run(params, cache):
     t = jnp.arange(P)[None]
-    _, c = cache.layout.forward(net, params, tokens_BN[:, :P],
+    _, c = decode.forward(net, params, tokens_BN[:, :P],
                                 jnp.where(t < lens_B[:, None], t, -1), cache)
 
     def step(c, _):
       tok = jnp.take_along_axis(tokens_BN, c.lengths[:, None], axis=1)
-      logits, c = c.layout.forward(net, params, tok, c.lengths[:, None], c)
+      logits, c = decode.forward(net, params, tok, c.lengths[:, None], c)
       return c, logits[:, 0]
 
     return jax.lax.scan(step, c, None, length=tokens_BN.shape[1] - P - 1)[1]
@@ -227,11 +227,11 @@ def test_generate_matches_no_cache_and_never_retraces(layout, monkeypatch):
                                      "cache.page_size": 8})
   base = config.apply_overrides(cfg, {"cache.layout": "none"})
   prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [1, 2]]
-  got = decode.generate(cfg, params, prompts, 20, timed=False)["tokens"]
-  assert got == decode.generate(base, params, prompts, 20, timed=False)["tokens"]
-  decode.generate(cfg, params, [[3, 4], [1, 2, 3, 4, 5, 6, 7, 8, 9]], 20, timed=False)
+  got = program.generate(cfg, params, prompts, 20, timed=False)["tokens"]
+  assert got == program.generate(base, params, prompts, 20, timed=False)["tokens"]
+  program.generate(cfg, params, [[3, 4], [1, 2, 3, 4, 5, 6, 7, 8, 9]], 20, timed=False)
   before = dict(decode.TRACES)
-  decode.generate(cfg, params, [[9, 9, 9], [1] * 9], 20, timed=False)  # same padded width
+  program.generate(cfg, params, [[9, 9, 9], [1] * 9], 20, timed=False)  # same padded width
   assert decode.TRACES == before
 
 
@@ -296,7 +296,7 @@ def _program(cfg, params, B=2, S=24):
   """Compiled decode (4 steps) for these params: its HLO text and temporary bytes."""
   cache = cache_lib.init_cache(cfg, B, S)
   comp = decode.decode.lower(params, cache, jnp.zeros((B,), jnp.int32), jax.random.PRNGKey(0),
-                             cfg=cfg, sampler=decode.Sampler(), steps=4).compile()
+                             **program.statics(cfg, decode.Sampler(), steps=4)).compile()
   return comp.as_text(), comp.memory_analysis().temp_size_in_bytes
 
 
@@ -347,11 +347,12 @@ PROGRAM_CASES = {
 
 def _tokens_and_cache(cfg, params, prompts, n):
   """Prefill + decode through the compiled programs with these params as given."""
-  tokens, lengths = decode.pad_prompts(prompts)
+  tokens, lengths = program.pad_prompts(prompts)
   sampler, key = decode.Sampler(), jax.random.PRNGKey(0)
   cache = cache_lib.init_cache(cfg, len(prompts), tokens.shape[1] + n)
-  tok, _, cache = decode.prefill(params, tokens, lengths, cache, key, cfg=cfg, sampler=sampler)
-  rest, cache = decode.decode(params, cache, tok, key, cfg=cfg, sampler=sampler, steps=n - 1)
+  tok, _, cache = decode.prefill(params, tokens, lengths, cache, key,
+                                 **program.statics(cfg, sampler))
+  rest, cache = decode.decode(params, cache, tok, key, **program.statics(cfg, sampler, steps=n - 1))
   return np.concatenate([np.asarray(tok)[:, None], np.asarray(rest)], 1), cache
 
 
@@ -387,6 +388,6 @@ def test_bf16_weights_from_fp32_params_end_to_end():
   assert {a.dtype for a in jax.tree.leaves(prepared)} == {jnp.dtype(jnp.bfloat16)}
   assert decode.prepare_params(cfg, prepared) is prepared
   prompts = [[3, 14, 15, 9, 2, 6], [5, 35]]
-  got = decode.generate(cfg, fp32, prompts, 8, timed=False)["tokens"]
+  got = program.generate(cfg, fp32, prompts, 8, timed=False)["tokens"]
   ref_cfg = config.replace(cfg, **{"cache.layout": "none"})
-  assert got == decode.generate(ref_cfg, fp32, prompts, 8, timed=False)["tokens"]
+  assert got == program.generate(ref_cfg, fp32, prompts, 8, timed=False)["tokens"]

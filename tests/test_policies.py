@@ -1,4 +1,4 @@
-"""Token eviction policies and compaction (kvjax/policies, kvjax/compact.py).
+"""Token eviction policies and compaction (kvjax/policies, kvjax/cache/compact.py, kvjax/evict.py).
 
 Selection is checked on hand-made keys and queries whose kept set follows from each
 policy's definition; decoding from a compacted cache is checked against a full forward
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from conftest import tiny_config, tiny_params
 
-from kvjax import attention, cache as cache_lib, cli, decode, policies
+from kvjax import program
+from kvjax import attention, cache as cache_lib, cli, decode, evict, policies
 from kvjax.cache import compact
 from kvjax import model as model_lib
 from kvjax.errors import KvjaxError
@@ -123,15 +124,15 @@ CONT = [[14, 2, 37, 9, 50], [22, 41, 3, 6, 17]]  # teacher-forced decode tokens
 def run_cached(cfg, params, prompts=PROMPTS, cont=CONT):
   """Prefill (with compaction when a policy is set), then feed `cont` one token at a time.
   Returns the logits [B, 1 + len(cont), V] (prefill's last, then one per step) and caches."""
-  tokens, lengths = decode.pad_prompts(prompts)
+  tokens, lengths = program.pad_prompts(prompts)
   c0 = cache_lib.init_cache(cfg, len(prompts), tokens.shape[1] + len(cont[0]))
-  program = compact.prefill_program(cfg, decode.prefill)
+  prefill = evict.prefill_program(cfg, decode.prefill)
   sampler = decode.Sampler()
   key = jax.random.PRNGKey(0)
-  _, last, cache = program.lower(params, tokens, lengths, c0, key, cfg=cfg,
+  _, last, cache = prefill.lower(params, tokens, lengths, c0, key, spec=decode.Static.of(cfg),
                                  sampler=sampler).compile()(params, tokens, lengths, c0, key)
   model, p = decode.network(cfg, params)
-  step = jax.jit(lambda c, t: c.layout.forward(model, p, t, c.lengths[:, None], c))
+  step = jax.jit(lambda c, t: decode.forward(model, p, t, c.lengths[:, None], c))
   out, caches = [last], [cache]
   for i in range(len(cont[0])):
     logits, cache = step(cache, jnp.array([[c[i]] for c in cont], jnp.int32))
@@ -145,7 +146,7 @@ def masked_reference(cfg, params, keep, prompts=PROMPTS, cont=CONT):
   p of sequence b sees key j of layer l, KV head k iff keep(l, b, k, j, p); prompt queries
   are plain causal. Returns logits at the same positions as `run_cached`."""
   seqs = [p + c for p, c in zip(prompts, cont)]
-  tokens, lengths = decode.pad_prompts(seqs)
+  tokens, lengths = program.pad_prompts(seqs)
   B, T = tokens.shape
   positions = np.where(np.arange(T)[None] < lengths[:, None], np.arange(T)[None], -1)
   L, K = cfg.model.n_layers, cfg.model.n_kv_heads
@@ -237,8 +238,8 @@ def test_budget_at_least_the_prompt_equals_full_cache(policy):
 def test_full_policy_is_todays_cache():
   cfg = tiny_config(**{"cache.policy": "full"})
   params = tiny_params(cfg)
-  a = decode.generate(cfg, params, PROMPTS, 4, timed=False, return_cache=True)
-  b = decode.generate(tiny_config(), params, PROMPTS, 4, timed=False, return_cache=True)
+  a = program.generate(cfg, params, PROMPTS, 4, timed=False, return_cache=True)
+  b = program.generate(tiny_config(), params, PROMPTS, 4, timed=False, return_cache=True)
   assert a["tokens"] == b["tokens"] and a["cache_bytes"] == b["cache_bytes"]
   assert type(a["cache"]) is cache_lib.KVCache
   for x, y in zip(jax.tree.leaves(a["cache"]), jax.tree.leaves(b["cache"])):
@@ -250,7 +251,7 @@ def test_generate_cache_bytes_equal_the_formula_at_the_budget(codec):
   cfg = tiny_config(**{"model.n_kv_heads": 2, "cache.policy": "knorm", "cache.budget": 5,
                        "cache.codec": codec})
   params = tiny_params(cfg)
-  out = decode.generate(cfg, params, PROMPTS, 4, timed=False, return_cache=True)
+  out = program.generate(cfg, params, PROMPTS, 4, timed=False, return_cache=True)
   spec = out["cache"].spec
   assert spec.layout == "compacted" and spec.capacity == 5 + 4
   assert out["cache_bytes"] == cache_lib.tree_bytes(out["cache"])
@@ -258,7 +259,7 @@ def test_generate_cache_bytes_equal_the_formula_at_the_budget(codec):
   L, B, K, D = 2, 2, 2, 8
   per_token = 2 * K * D * 4 if codec == "fp32" else 2 * K * (D + 2)  # int8 + one bf16 scale
   assert out["cache_bytes"] == L * B * (5 + 4) * per_token + 3 * 4 * B
-  full = decode.generate(tiny_config(**{"model.n_kv_heads": 2, "cache.codec": codec}),
+  full = program.generate(tiny_config(**{"model.n_kv_heads": 2, "cache.codec": codec}),
                          params, PROMPTS, 4, timed=False)
   assert out["cache_bytes"] < full["cache_bytes"]
 
@@ -318,7 +319,7 @@ def test_cli_bad_policy_exits_2_and_size_shows_the_budget(capsys):
 def test_ratio_too_small_for_the_window_or_sinks_is_refused_before_jit(over):
   cfg = tiny_config(**over)
   with pytest.raises(KvjaxError, match="raise the ratio"):
-    decode.generate(cfg, tiny_params(cfg), PROMPTS, 2, timed=False)
+    program.generate(cfg, tiny_params(cfg), PROMPTS, 2, timed=False)
 
 
 def test_continuation_logprobs_full_and_unbudgeted_equal_the_full_forward():
@@ -329,11 +330,11 @@ def test_continuation_logprobs_full_and_unbudgeted_equal_the_full_forward():
   logits, _ = model_lib.Transformer(cfg.model).apply({"params": params}, jnp.asarray(toks),
                                                       jnp.arange(16)[None].repeat(2, 0))
   want = jax.nn.log_softmax(logits[:, 9:15], axis=-1)  # predictions of tokens 10..15
-  got, _ = compact.continuation_logprobs(cfg, params, toks[:, :10], toks[:, 10:])
+  got, _ = evict.continuation_logprobs(cfg, params, toks[:, :10], toks[:, 10:])
   np.testing.assert_allclose(got, want, atol=1e-5)
   kcfg = tiny_config(**{"cache.policy": "knorm", "cache.budget": 10})
-  got_k, nbytes = compact.continuation_logprobs(kcfg, params, toks[:, :10], toks[:, 10:])
+  got_k, nbytes = evict.continuation_logprobs(kcfg, params, toks[:, :10], toks[:, 10:])
   np.testing.assert_allclose(got_k, want, atol=1e-5)
   wcfg = tiny_config(**{"cache.policy": "window", "cache.budget": 4})
-  got_w, nbytes_w = compact.continuation_logprobs(wcfg, params, toks[:, :10], toks[:, 10:])
+  got_w, nbytes_w = evict.continuation_logprobs(wcfg, params, toks[:, :10], toks[:, 10:])
   assert nbytes_w < nbytes and np.max(np.abs(np.asarray(got_w - want))) > 1e-4

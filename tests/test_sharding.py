@@ -16,6 +16,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from kvjax import program
 from kvjax import cli, sharding
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
@@ -57,16 +58,16 @@ def _leaf_report(cache) -> list[dict]:
 
 
 def child() -> dict:
-  from kvjax import decode, model
+  from kvjax import model
 
   res: dict = {"devices": len(jax.devices()), "runs": [], "errors": {}}
   for name, K, codec in CASES:
     cfg = _cfg(**{"model.n_kv_heads": K, "cache.codec": codec})
     params = model.init_params(cfg.model, 0)
-    ref = decode.generate(cfg, params, PROMPTS, NEW, timed=False)
+    ref = program.generate(cfg, params, PROMPTS, NEW, timed=False)
     for d, m in MESHES[name]:
       c = config_lib.apply_overrides(cfg, {"mesh.data": d, "mesh.model": m})
-      out = decode.generate(c, params, PROMPTS, NEW, timed=False, return_cache=True)
+      out = program.generate(c, params, PROMPTS, NEW, timed=False, return_cache=True)
       res["runs"].append({"case": name, "K": K, "mesh": [d, m], "same": out["tokens"] == ref["tokens"],
                           "bytes": out["cache_bytes"], "per_device": out["cache_bytes_per_device"],
                           "leaves": _leaf_report(out["cache"])})
@@ -75,7 +76,7 @@ def child() -> dict:
         over = {"model.scan_unroll": cfg.model.n_layers} if layout == "unrolled" else \
             {"cache.layout": layout, "cache.page_size": 4}
         c = config_lib.apply_overrides(cfg, {"mesh.data": 2, "mesh.model": 2, **over})
-        out = decode.generate(c, params, PROMPTS, NEW, timed=False, return_cache=True)
+        out = program.generate(c, params, PROMPTS, NEW, timed=False, return_cache=True)
         res[f"{layout}_same"] = out["tokens"] == ref["tokens"]
         if layout == "paged":
           res["paged_leaves"] = _leaf_report(out["cache"])
@@ -83,7 +84,7 @@ def child() -> dict:
   for label, c, prompts in (("batch", cfg, PROMPTS[:3]),
                             ("devices", _cfg(**{"mesh.data": 4, "mesh.model": 2}), PROMPTS)):
     try:
-      decode.generate(c, model.init_params(c.model, 0), prompts, 2, timed=False)
+      program.generate(c, model.init_params(c.model, 0), prompts, 2, timed=False)
       res["errors"][label] = None
     except KvjaxError as e:
       res["errors"][label] = str(e)
@@ -258,14 +259,16 @@ def test_cli_size_reports_bytes_per_device(capsys):
 
 
 def test_distributed_flags_must_come_together(monkeypatch):
-  for name in sharding.ENV.values():
+  from kvjax import distributed
+  assert sharding.initialize_distributed is distributed.initialize_distributed  # old home
+  for name in distributed.ENV.values():
     monkeypatch.delenv(name, raising=False)
-  assert sharding.initialize_distributed() is False   # one process: nothing to do
+  assert distributed.initialize_distributed() is False   # one process: nothing to do
   with pytest.raises(KvjaxError, match="together"):
-    sharding.initialize_distributed(coordinator="10.0.0.1:1234")
+    distributed.initialize_distributed(coordinator="10.0.0.1:1234")
   monkeypatch.setenv("KVJAX_NUM_PROCESSES", "two")
   with pytest.raises(KvjaxError, match="KVJAX_NUM_PROCESSES must be an integer"):
-    sharding.initialize_distributed()
+    distributed.initialize_distributed()
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["child"]:

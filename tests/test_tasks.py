@@ -10,6 +10,7 @@ from kvjax import config as config_lib
 from kvjax import evaluate, tasks
 from kvjax.errors import KvjaxError
 from kvjax.io.tokenizer import ByteTokenizer
+from kvjax.tasks import through_cache
 
 ENC = ByteTokenizer().encode
 
@@ -159,9 +160,10 @@ def _last_logits(cfg, params, prefix, tail, capacity=160):
   """(one-shot: prefix + tail in one call, split: prefix prefilled then tail as its own
   call) logits of the last tail token."""
   fresh = cache_lib.init_cache(cfg, 1, capacity)
-  shot, _ = tasks._forward(params, *tasks._pad(prefix + tail, capacity), fresh, cfg=cfg)
+  fwd, pad = through_cache._forward, through_cache._pad
+  shot, _ = fwd(params, *pad(prefix + tail, capacity), fresh, cfg=cfg)
   pre = tasks.prefill(cfg, params, prefix, capacity, chunk=64)
-  split, _ = tasks._forward(params, *tasks._pad(tail, 16), pre, cfg=cfg)
+  split, _ = fwd(params, *pad(tail, 16), pre, cfg=cfg)
   return np.asarray(shot), np.asarray(split)
 
 
@@ -214,7 +216,7 @@ def test_prefix_kv_refuses_a_lossy_cache():
 
 
 def test_answer_matches_generate_with_fp32():
-  """The split path decodes what `decode.generate` decodes from the whole prompt (fp32)."""
+  """The split path decodes what `program.generate` decodes from the whole prompt (fp32)."""
   cfg = _tiny()
   params = tiny_params(cfg)
   rng = np.random.default_rng(2)

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import cli, decode, train
+from kvjax import program
+from kvjax import cli, train
 from kvjax.io import checkpoint
 from kvjax.io import convert
 from kvjax import config as config_lib
@@ -140,7 +141,7 @@ def test_mean_pool_to_gqa_and_mqa(trained, tmp_path):
   assert mp["layers"]["q_proj"]["kernel"].shape == params["layers"]["q_proj"]["kernel"].shape
   logits = _logits(mcfg, mp, TOKENS)
   assert logits.shape == (1, 8, mcfg.model.vocab_size) and bool(jnp.isfinite(logits).all())
-  got = decode.generate(mcfg, mp, [[1, 2, 3]], 4, timed=False)
+  got = program.generate(mcfg, mp, [[1, 2, 3]], 4, timed=False)
   assert len(got["tokens"][0]) == 4
   with pytest.raises(KvjaxError, match="must divide"):
     convert.mean_pool(cfg, params, 3)

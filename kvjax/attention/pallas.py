@@ -13,11 +13,11 @@ Grid: (batch, kv head, query-row tile, split of the token axis). Each split runs
 softmax over its blocks up to its row's last valid slot (at most the live length: a loop
 with a data-dependent trip count, so nothing retraces as the cache fills and a short row
 of a ragged batch stops early) and writes a partial (m, l, acc); the splits, the
-other segments and the new tokens are merged in XLA by `attention.grouped` ("flash
+other segments and the new tokens are merged in XLA by `xla.grouped` ("flash
 decoding"). Query rows are the G query heads x T new tokens of one kv head, padded to a
 power of two; below 16 rows (decode) the kernel multiply-reduces instead of `dot`.
 
-Falls back to the XLA read (`attention._attend_segment`) for segments it does not take:
+Falls back to the XLA read (`xla.attend_segment`) for segments it does not take:
 per-channel key scales (`cache.k_axis=channel`, whose scales span token blocks).
 Off GPU the kernel runs in Pallas interpret mode (slow, for tests and smoke runs).
 Shape limits (checked on the host, one-line `KvjaxError`): head_dim and the page size must
@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kvjax import attention, codecs
-from kvjax.codecs import quant
+from kvjax.attention import base, xla
+from kvjax.codecs import base as codec_base, packing, quant
 from kvjax.errors import KvjaxError
 
 BLOCK = 64        # contiguous storage: stored tokens per kernel step (a power of two)
@@ -59,13 +59,9 @@ def check_shapes(head_dim: int, page_size: int = 0) -> None:
                      f"{page_size}; set cache.page_size=16 (or use model.attention=grouped)")
 
 
-def _check_config(c, m) -> None:
-  """Config-time hook (`codecs.CACHE_CHECKS`): the same limits, before anything is traced."""
-  if m is not None and m.attention == "pallas":
-    check_shapes(m.D, c.page_size if c.layout == "paged" else 0)
-
-
-codecs.CACHE_CHECKS.append(_check_config)
+def check_config(c, m) -> None:
+  """The registry's config check (`attention.check`): the same limits, before tracing."""
+  check_shapes(m.D, c.page_size if c.layout == "paged" else 0)
 
 
 def _kernel_reads(codec) -> bool:
@@ -78,9 +74,9 @@ def _chunks(codec, D: int):
   if not isinstance(codec, quant.ScaledCodec):
     return [(0, D, 0, 0, 0)]
   per = 8 // codec.bits if codec.asym else 1
-  W, g = D // per, codec.group or D
-  cs = min(W, g)
-  return [(e, cs, e % W, e // W * codec.bits, e // g) for e in range(0, D, cs)]
+  pw, g = D // per, codec.group or D
+  cs = min(pw, g)
+  return [(e, cs, e % pw, e // pw * codec.bits, e // g) for e in range(0, D, cs)]
 
 
 def _dequant(codec, load, chunk):
@@ -88,18 +84,18 @@ def _dequant(codec, load, chunk):
   reads that leaf's columns for the block's tokens."""
   _, cs, off, shift, j = chunk
   if not isinstance(codec, quant.ScaledCodec):
-    return codecs.load_bits(load("x", 0, cs), codec.dtype).astype(jnp.float32)
-  raw, s = load("codes", off, cs), quant._meta(load("scale", j, 1))
+    return codec_base.load_bits(load("x", 0, cs), codec.dtype).astype(jnp.float32)
+  raw, s = load("codes", off, cs), packing.load_meta(load("scale", j, 1))
   if codec.asym:
     c = ((raw >> shift) & (2 ** codec.bits - 1)).astype(jnp.float32)
-    return quant._meta(load("zero", j, 1)) + (c - codec.half) * s
-  return codecs.load_bits(raw, codec.dtype).astype(jnp.float32) * s
+    return packing.load_meta(load("zero", j, 1)) + (c - codec.half) * s
+  return codec_base.load_bits(raw, codec.dtype).astype(jnp.float32) * s
 
 
 def _mm(a, b, contract_b: int, dt):
-  """a [M, X] with b [N, X] (contract_b=1, -> [M, N]) or b [X, N] (contract_b=0), in
-  float32: `dot` on `dt` operands (the query's dtype: bf16 models use the tensor cores)
-  when every dim is big enough for Triton, else a float32 multiply-reduce."""
+  """a [rows, inner] with b [cols, inner] (contract_b=1, -> [rows, cols]) or b [inner, cols]
+  (contract_b=0), in float32: `dot` on `dt` operands (the query's dtype: bf16 models use the
+  tensor cores) when every dim is big enough for Triton, else a float32 multiply-reduce."""
   if min(*a.shape, *b.shape) >= DOT_MIN:
     return jax.lax.dot_general(a.astype(dt), b.astype(dt), (((1,), (contract_b,)), ((), ())),
                                preferred_element_type=jnp.float32)
@@ -115,7 +111,7 @@ def _kernel(meta_ref, q_ref, mask_ref, bt_ref, *refs, names, kc, vc, S, C, per_s
   v_refs = dict(zip(names[1], refs[nk:nk + len(names[1])]))
   m_ref, l_ref, acc_ref = refs[nk + len(names[1]):]
   layer, end = meta_ref[0], meta_ref[1]
-  Rb, D = q_ref.shape
+  tile, D = q_ref.shape
   f32 = jnp.float32
   k_chunks, v_chunks = _chunks(kc, D), _chunks(vc, D)
 
@@ -132,11 +128,11 @@ def _kernel(meta_ref, q_ref, mask_ref, bt_ref, *refs, names, kc, vc, S, C, per_s
       valid = (mask_ref[pl.ds(start, C)] != 0) & (idx >= i * C)
       tok = (pl.ds(start, C),)
     load_from = lambda refs: lambda n, col, w: refs[n][(layer, *tok, pl.ds(col, w))]  # noqa
-    logits = jnp.zeros((Rb, C), f32)
+    logits = jnp.zeros((tile, C), f32)
     for ch in k_chunks:
       q = q_ref[:, pl.ds(ch[0], ch[1])].astype(f32)
       logits += _mm(q, _dequant(kc, load_from(k_refs), ch), 1, q_ref.dtype)
-    logits = jnp.where(valid[None, :], logits, attention.MASKED)
+    logits = jnp.where(valid[None, :], logits, base.MASKED)
     m_new = jnp.maximum(m, jnp.max(logits, axis=1))
     p = jnp.where(valid[None, :], jnp.exp(logits - m_new[:, None]), 0.0)
     corr = jnp.exp(m - m_new)
@@ -147,8 +143,8 @@ def _kernel(meta_ref, q_ref, mask_ref, bt_ref, *refs, names, kc, vc, S, C, per_s
   s = pl.program_id(3)
   lo = s * per_split
   hi = jnp.minimum(lo + per_split, (end + C - 1) // C)
-  init = (jnp.full((Rb,), attention.MASKED, f32), jnp.zeros((Rb,), f32),
-          tuple(jnp.zeros((Rb, ch[1]), f32) for ch in v_chunks))
+  init = (jnp.full((tile,), base.MASKED, f32), jnp.zeros((tile,), f32),
+          tuple(jnp.zeros((tile, ch[1]), f32) for ch in v_chunks))
   m, l, accs = jax.lax.fori_loop(lo, hi, block, init)
   m_ref[...] = m
   l_ref[...] = l
@@ -163,28 +159,32 @@ def _leaves(enc, stacked: bool):
 
 
 def segment_state(q_BKGTD, seg):
-  """The kernel's partial state over one segment: m, l [B, K, X, G, T], acc [.., D]
-  (X = splits, not yet merged)."""
+  """The kernel's partial state over one segment: m, l [B, K, Z, G, T], acc [.., D]
+  (Z = splits of the token axis, not yet merged)."""
   B, K, G, T, D = q_BKGTD.shape
   S = seg.mask_BS.shape[1]
-  paged = seg.pages is not None
+  # Segment kinds (kvjax.cache.base): a PagedSegment has a block table, a LayerSegment
+  # (and so a PagedSegment) the stacked store and a layer index, a plain Segment neither.
+  pages, layer = getattr(seg, "pages", None), getattr(seg, "layer", None)
+  paged = pages is not None
   check_shapes(D, seg.page_size if paged else 0)
   C = seg.page_size if paged else min(BLOCK, 1 << (S.bit_length() - 1))  # <= S, a power of 2
   n_blocks = -(-S // C)
   per_split = -(-n_blocks // SPLITS)
-  X = -(-n_blocks // per_split)
-  R = G * T
-  Rp = max(1 << (R - 1).bit_length(), ROW_MIN)  # rows padded to a power of two
-  Rb = min(Rp, ROW_BLOCK)
-  q = jnp.pad(q_BKGTD.reshape(B, K, R, D), ((0, 0), (0, 0), (0, Rp - R), (0, 0)))
+  Z = -(-n_blocks // per_split)
+  n_rows = G * T
+  n_pad = max(1 << (n_rows - 1).bit_length(), ROW_MIN)  # rows padded to a power of two
+  tile = min(n_pad, ROW_BLOCK)
+  q = jnp.pad(q_BKGTD.reshape(B, K, n_rows, D), ((0, 0), (0, 0), (0, n_pad - n_rows), (0, 0)))
   live = S if seg.live is None else seg.live
-  layer = 0 if seg.layer is None else seg.layer
+  stacked = layer is not None
+  layer = 0 if layer is None else layer
   # Per row: the layer and where its reads end (past its last valid slot, at most `live`).
   end_B = jnp.minimum(jnp.max(jnp.where(seg.mask_BS, jnp.arange(1, S + 1), 0), axis=1), live)
   meta = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (B,)),
                     end_B.astype(jnp.int32)], axis=1)
-  ks, vs = _leaves(seg.k, seg.layer is not None), _leaves(seg.v, seg.layer is not None)
-  bt = seg.pages.astype(jnp.int32) if paged else jnp.zeros((B, 1), jnp.int32)
+  ks, vs = _leaves(seg.k, stacked), _leaves(seg.v, stacked)
+  bt = pages.astype(jnp.int32) if paged else jnp.zeros((B, 1), jnp.int32)
 
   def store_spec(a):  # the whole stored sequence of (b, h); the kernel slices the blocks
     if paged:
@@ -202,47 +202,46 @@ def segment_state(q_BKGTD, seg):
     extra["compiler_params"] = plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=2)
   f32 = jnp.float32
   m, l, acc = pl.pallas_call(
-      kernel, grid=(B, K, Rp // Rb, X),
+      kernel, grid=(B, K, n_pad // tile, Z),
       in_specs=[pl.BlockSpec((None, 2), lambda b, h, r, s: (b, 0)),
-                pl.BlockSpec((None, None, Rb, D), lambda b, h, r, s: (b, h, r, 0)),
+                pl.BlockSpec((None, None, tile, D), lambda b, h, r, s: (b, h, r, 0)),
                 pl.BlockSpec((None, S), lambda b, h, r, s: (b, 0)),
                 pl.BlockSpec((None, bt.shape[1]), lambda b, h, r, s: (b, 0))]
       + [store_spec(a) for a in (*ks.values(), *vs.values())],
-      out_specs=[pl.BlockSpec((None, None, None, Rb), row),
-                 pl.BlockSpec((None, None, None, Rb), row),
-                 pl.BlockSpec((None, None, None, Rb, D), lambda b, h, r, s: (b, h, s, r, 0))],
-      out_shape=[jax.ShapeDtypeStruct((B, K, X, Rp), f32),
-                 jax.ShapeDtypeStruct((B, K, X, Rp), f32),
-                 jax.ShapeDtypeStruct((B, K, X, Rp, D), f32)],
+      out_specs=[pl.BlockSpec((None, None, None, tile), row),
+                 pl.BlockSpec((None, None, None, tile), row),
+                 pl.BlockSpec((None, None, None, tile, D), lambda b, h, r, s: (b, h, s, r, 0))],
+      out_shape=[jax.ShapeDtypeStruct((B, K, Z, n_pad), f32),
+                 jax.ShapeDtypeStruct((B, K, Z, n_pad), f32),
+                 jax.ShapeDtypeStruct((B, K, Z, n_pad, D), f32)],
       interpret=interpret, name="kvjax_segment_attention", **extra,
   )(meta, q, seg.mask_BS.astype(jnp.int8), bt, *ks.values(), *vs.values())
-  rows = lambda a: a[:, :, :, :R].reshape(B, K, X, G, T, *a.shape[4:])  # noqa: E731
+  rows = lambda a: a[:, :, :, :n_rows].reshape(B, K, Z, G, T, *a.shape[4:])  # noqa: E731
   return rows(m), rows(l), rows(acc)
 
 
-def merge(state, m_BKXGT, l_BKXGT, acc_BKXGTD):
+def merge(state, m_BKZGT, l_BKZGT, acc_BKZGTD):
   """Fold the splits' partial states into the running (m, l, acc) (the online-softmax
-  rescaling of `attention._update`, with a partial state in place of a block of logits)."""
+  rescaling of `base.update`, with a partial state in place of a block of logits)."""
   m0, l0, acc0 = state
-  m = jnp.maximum(m0, jnp.max(m_BKXGT, axis=2))
-  c0, c = jnp.exp(m0 - m), jnp.exp(m_BKXGT - m[:, :, None])
-  return (m, l0 * c0 + jnp.sum(l_BKXGT * c, axis=2),
-          acc0 * c0[..., None] + jnp.sum(acc_BKXGTD * c[..., None], axis=2))
+  m = jnp.maximum(m0, jnp.max(m_BKZGT, axis=2))
+  c0, c = jnp.exp(m0 - m), jnp.exp(m_BKZGT - m[:, :, None])
+  return (m, l0 * c0 + jnp.sum(l_BKZGT * c, axis=2),
+          acc0 * c0[..., None] + jnp.sum(acc_BKZGTD * c[..., None], axis=2))
 
 
 def attend_segment(q_BKGTD, seg, state):
-  """`attention._attend_segment` with the kernel's read, or the XLA read where it has none."""
+  """`xla.attend_segment` with the kernel's read, or the XLA read where it has none."""
   if seg.mask_BS.shape[1] == 0:
     return state
   if not (_kernel_reads(seg.k_codec) and _kernel_reads(seg.v_codec)):
-    return attention._attend_segment(q_BKGTD, seg, state)
+    return xla.attend_segment(q_BKGTD, seg, state)
   return merge(state, *segment_state(q_BKGTD, seg))
 
 
 def pallas(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments) -> jax.Array:
-  """`attention.grouped` with every stored segment read by the Pallas kernel."""
-  return attention.grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments,
-                           attend_segment=attend_segment)
+  """`xla.grouped` with every stored segment read by the Pallas kernel."""
+  return xla.grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, read=attend_segment)
 
 
-attention.ATTENTIONS["pallas"] = pallas
+base.register("pallas", pallas, check=check_config)

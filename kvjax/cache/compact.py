@@ -1,6 +1,6 @@
 """Compaction: the tokens a policy keeps, copied into a cache whose capacity is the budget.
 
-`decode.generate` with `cache.policy` other than `full` prefills into an ordinary
+`program.generate` with `cache.policy` other than `full` prefills into an ordinary
 contiguous cache (the whole prompt, as every prompt pass needs its own keys anyway),
 asks the policy which tokens to keep (`kvjax.policies`), and copies them into an
 `EvictedCache` (layout `compacted`) of
@@ -23,17 +23,14 @@ token on its own: the residual window and per-channel (KIVI) keys are refused.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
-from kvjax import cache as cache_lib
-from kvjax import codecs, policies
+from kvjax import policies
+from kvjax.cache import base
 from kvjax.errors import KvjaxError
 
 
@@ -44,41 +41,33 @@ class EvictedCache:
   lengths: jax.Array     # [B] int32: tokens seen (= position of the next token)
   held: jax.Array        # [B] int32: slots holding a token (slots [0, held) are valid)
   budget: jax.Array      # [B] int32: tokens kept per sequence (ring size of window/sinks)
-  spec: cache_lib.CacheSpec = struct.field(pytree_node=False)
-
-  @property
-  def layout(self) -> "Compacted":
-    return cache_lib.LAYOUTS["compacted"]
-
-  def layer_stores(self) -> Any:
-    """The stacked stores and the held counts (the attention reads (layer, block) itself)."""
-    return (self.k, self.v, self.held)
+  spec: base.CacheSpec = struct.field(pytree_node=False)
 
 
-class Compacted(cache_lib.Layout):
+class Compacted(base.Layout):
   """The layout of a compacted cache: held tokens in slots [0, held), new tokens appended
   (slot held + i), or, for a policy that evicts during decode, written into its ring."""
 
   name = "compacted"
   internal = True  # built by a cache.policy, never chosen as cache.layout
 
-  def init(self, spec: cache_lib.CacheSpec) -> EvictedCache:
+  def init(self, spec: base.CacheSpec) -> EvictedCache:
     L, B, K, D = spec.n_layers, spec.batch, spec.n_kv_heads, spec.head_dim
     shape = (L, B, K, spec.capacity, D)
     zeros = jnp.zeros((B,), jnp.int32)
-    return EvictedCache(k=spec.kc.init(shape, spec.cache_cfg),
-                        v=spec.vc.init(shape, spec.cache_cfg), lengths=zeros, held=zeros,
+    return EvictedCache(k=spec.kc.init(shape),
+                        v=spec.vc.init(shape), lengths=zeros, held=zeros,
                         budget=zeros + spec.capacity, spec=spec)
 
-  def forward(self, model, params, tokens_BT, positions_BT, cache):
-    return model.apply({"params": params}, tokens_BT, positions_BT, cache)
+  def store(self, cache: EvictedCache) -> Any:
+    """The stacked stores and the held counts (a read slices (layer, block) itself)."""
+    return (cache.k, cache.v, cache.held)
 
-  def segments(self, spec, layer_store, lengths_B, layer=None):
-    k, v, held_B = layer_store
+  def read(self, spec, store, lengths_B, layer):
+    k, v, held_B = store
     mask_BS = jnp.arange(spec.capacity)[None, :] < held_B[:, None]
-    return [cache_lib.Segment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(held_B), layer=layer)]
-
-  segments.stacked = True  # see `Contiguous.segments`
+    return [base.LayerSegment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(held_B),
+                              layer=layer)]
 
   def write(self, cache: EvictedCache, k_LBTKD, v_LBTKD, positions_BT) -> EvictedCache:
     spec = cache.spec
@@ -98,17 +87,17 @@ class Compacted(cache_lib.Layout):
       held = cache.held + (n1 - n0)
     slot_BT = jnp.where(kept, slot_BT, S)  # evicted at once, or padding: dropped
     k_LBKTD, v_LBKTD = jnp.swapaxes(k_LBTKD, 2, 3), jnp.swapaxes(v_LBTKD, 2, 3)
-    k = jax.tree.map(cache_lib._scatter(slot_BT), cache.k, spec.kc.encode(k_LBKTD, spec.cache_cfg))
-    v = jax.tree.map(cache_lib._scatter(slot_BT), cache.v, spec.vc.encode(v_LBKTD, spec.cache_cfg))
+    k = jax.tree.map(base.scatter(slot_BT), cache.k, spec.kc.encode(k_LBKTD))
+    v = jax.tree.map(base.scatter(slot_BT), cache.v, spec.vc.encode(v_LBKTD))
     return dataclasses.replace(cache, k=k, v=v, lengths=n1, held=held)
 
-  def closed_form_bytes(self, spec: cache_lib.CacheSpec) -> int:
-    K, D, c = spec.n_kv_heads, spec.head_dim, spec.cache_cfg
-    per_token = spec.kc.bytes_per_token(K, D, c) + spec.vc.bytes_per_token(K, D, c)
+  def closed_form_bytes(self, spec: base.CacheSpec) -> int:
+    K, D = spec.n_kv_heads, spec.head_dim
+    per_token = spec.kc.bytes_per_token(K, D) + spec.vc.bytes_per_token(K, D)
     return int(round(spec.n_layers * spec.batch * spec.capacity * per_token)) + 3 * 4 * spec.batch
 
 
-cache_lib.LAYOUTS["compacted"] = Compacted()
+base.register(Compacted())
 
 
 def capacity(cache_cfg, T: int, room: int) -> int:
@@ -152,7 +141,7 @@ def compress(cache, lengths_B, room: int, q_LBTHD=None, T: int | None = None) ->
   pos_LBKS = pol.select(ctx, Sk)
 
   new_spec = dataclasses.replace(spec, layout="compacted", capacity=cap)
-  fresh = cache_lib.LAYOUTS["compacted"].init(new_spec)
+  fresh = Compacted().init(new_spec)
 
   held_B = policies.held(lengths_B, budget_B)
   used_BS = jnp.arange(Sk)[None, :] < held_B[:, None]
@@ -164,97 +153,3 @@ def compress(cache, lengths_B, room: int, q_LBTHD=None, T: int | None = None) ->
   v = jax.tree.map(place, fresh.v, jax.tree.map(_gather_tokens(pos_LBKS), cache.v))
   return EvictedCache(k=k, v=v, lengths=cache.lengths, held=held_B, budget=budget_B,
                       spec=new_spec)
-
-
-def _is_q_proj(mdl, method_name) -> bool:
-  return isinstance(mdl, nn.Dense) and mdl.name == "q_proj" and method_name == "__call__"
-
-
-# Not donated: the compacted cache has another shape, so XLA could not reuse the prompt's
-# buffers anyway; the caller drops them.
-@functools.partial(jax.jit, static_argnames=("cfg", "sampler"))
-def prefill(params, tokens_BT, lengths_B, cache, key, *, cfg, sampler):
-  """`decode.prefill` followed by compaction: returns the first token, its logits and the
-  compacted cache. Policies that read queries run the layers unrolled to capture each
-  layer's `q_proj` output (the scan does not carry intermediates)."""
-  from kvjax import model as model_lib
-  from kvjax.model import Transformer
-
-  pol = policies.get(cfg.cache.policy)
-  T = tokens_BT.shape[1]
-  t = jnp.arange(T, dtype=jnp.int32)[None, :]
-  positions_BT = jnp.where(t < lengths_B[:, None], cache.lengths[:, None] + t, -1)
-  m = cfg.model
-  if pol.needs_queries or "layers" not in params or model_lib.unrolled(m):
-    model, p = Transformer(m, logits_last=True, layer_loop="unrolled"), model_lib.split_layers(params)
-  else:
-    model, p = Transformer(m, logits_last=True), params
-  q_LBTHD = None
-  if pol.needs_queries:
-    (logits_B1V, cache), state = model.apply({"params": p}, tokens_BT, positions_BT, cache,
-                                             capture_intermediates=_is_q_proj,
-                                             mutable=["intermediates"])
-    inter = state["intermediates"]
-    B = tokens_BT.shape[0]
-    cos, sin = model_lib.rope_cos_sin(positions_BT, m)
-    q_LBTHD = jnp.stack([
-        model_lib.apply_rope(inter[f"layers_{i}"]["q_proj"]["__call__"][0]
-                             .reshape(B, T, m.n_heads, m.D), cos, sin)
-        for i in range(m.n_layers)])
-  else:
-    logits_B1V, cache = model.apply({"params": p}, tokens_BT, positions_BT, cache)
-  room = cache.spec.capacity - T
-  new_cache = compress(cache, lengths_B, room, q_LBTHD, T=T)
-  last_BV = logits_B1V[:, 0]
-  return sampler(last_BV, key), last_BV, new_cache
-
-
-class _Program:
-  """`prefill` with the host-side checks that need the prompt lengths, run at `lower`."""
-
-  def lower(self, params, tokens_BT, lengths_B, cache, key, *, cfg, sampler):
-    if cfg.mesh.data * cfg.mesh.model > 1:
-      raise KvjaxError(f"cache.policy={cfg.cache.policy} runs on one device; drop the mesh.* "
-                       "overrides")
-    policies.check_lengths(cfg.cache, np.asarray(lengths_B))
-    return prefill.lower(params, tokens_BT, lengths_B, cache, key, cfg=cfg, sampler=sampler)
-
-
-def prefill_program(cfg, default):
-  """The prefill program `decode.generate` lowers: `default` for `full`, else compaction."""
-  return default if cfg.cache.policy == "full" else _Program()
-
-
-codecs.CACHE_CHECKS.append(policies.check_config)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _continue(params, cache, cont_BM, *, cfg):
-  """Feed cont_BM one token per step through the cache; log-probabilities [B, M, V]."""
-  from kvjax import decode
-  model, p = decode.network(cfg, params)
-
-  def step(c, tok_B):
-    logits, c = c.layout.forward(model, p, tok_B[:, None], c.lengths[:, None], c)
-    return c, jax.nn.log_softmax(logits[:, 0], axis=-1)
-
-  cache, lp_MBV = jax.lax.scan(step, cache, cont_BM.T)
-  return jnp.swapaxes(lp_MBV, 0, 1), cache
-
-
-def continuation_logprobs(cfg, params, context_BT, cont_BM):
-  """Quality through eviction: prefill the context (compacted by `cache.policy`), then
-  teacher-force the continuation token by token. Returns (log-probabilities [B, M, V] where
-  row i predicts cont[:, i], the cache bytes held at the end)."""
-  from kvjax import decode
-  context_BT, cont_BM = np.asarray(context_BT, np.int32), np.asarray(cont_BM, np.int32)
-  (B, T), M = context_BT.shape, cont_BM.shape[1]
-  lengths_B = np.full((B,), T, np.int32)
-  cache = cache_lib.init_cache(cfg, B, T + M)
-  key = jax.random.PRNGKey(0)
-  pre = prefill_program(cfg, decode.prefill).lower(params, context_BT, lengths_B, cache, key,
-                                                   cfg=cfg, sampler=decode.Sampler()).compile()
-  _, last_BV, cache = pre(params, context_BT, lengths_B, cache, key)
-  lp_BMV, cache = _continue(params, cache, cont_BM[:, :-1], cfg=cfg)
-  first = jax.nn.log_softmax(last_BV, axis=-1)[:, None]
-  return jnp.concatenate([first, lp_BMV], axis=1), cache_lib.tree_bytes(cache)

@@ -1,30 +1,30 @@
-"""Latent (MLA-style) KV cache: one rank-r vector per token and layer instead of K and V.
+"""Latent (MLA-style) KV cache: one rank-A vector per token and layer instead of K and V.
 
-A model with `model.latent_rank = r` has K/V projections of rank r: for each layer,
+A model with `model.latent_rank = A` has K/V projections of rank A: for each layer,
 
-    [k_pre | v] = h @ W + b,   W = A @ U   (A: [E, r], U = `latent_up`: [r, 2·K·D], rows
-                                            orthonormal)
+    [k_pre | v] = h @ W + b,   W = W_down @ U   (W_down: [E, A], U = `latent_up`: [A, Y],
+                                                 Y = 2·K·D, rows orthonormal)
 
-so the r numbers c = ([k_pre | v] - b) @ Uᵀ = h @ A determine the token's K and V. The
-`latent` layout stores c (through the K codec, as an [L, B, 1, S, r] store: one "head"
-of width r) and reads K and V back as c @ U + b.
+so the A numbers c = ([k_pre | v] - b) @ Uᵀ = h @ W_down determine the token's K and V.
+The `latent` layout stores c (through the K codec, as an [L, B, 1, S, A] store: one "head"
+of width A) and reads K and V back as c @ U + b.
 
 RoPE: applied after the up-projection, at read time. The model hands the layout keys
 already rotated at their positions; `write` rotates them back (RoPE at -θ), projects onto
-the latent, and `segments` up-projects every slot and rotates its key again at the slot's
+the latent, and `read` up-projects every slot and rotates its key again at the slot's
 position (slot = position, as in `contiguous`). No decoupled RoPE part is cached.
 
 Read cost: each layer up-projects its whole store to a float32 [B, K, S, D] K and V on
 every call (folding U into the query and output projections is not built), so the
 latent saves memory held, not time.
 
-Bytes per token: L · (K codec bytes of one r-wide vector) — L · r · 4 with fp32, against
+Bytes per token: L · (K codec bytes of one A-wide vector) — L · A · 4 with fp32, against
 2 · L · K · D · 4 for the dense cache.
 
-`kvjax convert --latent-rank r` builds such a model from a dense one (`factor`): per
-layer, the SVD of [W_k | W_v] ([E, 2·K·D]) gives U = the top r right singular vectors and
-W ← W Uᵀ U (the best rank-r approximation). At r = min(E, 2·K·D) nothing is lost and
-the logits equal the dense model's (tests/test_latent.py).
+`kvjax convert --latent-rank A` builds such a model from a dense one (`factor`): per
+layer, the SVD of [W_k | W_v] ([E, Y]) gives U = the top A right singular vectors and
+W ← W Uᵀ U (the best rank-A approximation). At A = min(E, Y) nothing is lost and the
+logits equal the dense model's (tests/test_latent.py).
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax import cache as cache_lib
 from kvjax import codecs
+from kvjax.cache import base
+from kvjax.model.rope import apply_rope, rope_cos_sin
 from kvjax.errors import KvjaxError
 
 
@@ -47,7 +48,7 @@ def full_rank(m) -> int:
 
 
 def check_config(c, m) -> None:
-  """Host-side checks (hooked into `config.validate`)."""
+  """Host-side checks (`Latent.check`): the rank of any model, and what the layout needs."""
   if m.latent_rank < 0 or m.latent_rank > full_rank(m):
     raise KvjaxError(f"model.latent_rank={m.latent_rank} must be in [0, {full_rank(m)}] "
                      "(0: dense K/V; at most min(d_model, 2 * n_kv_heads * head_dim))")
@@ -61,27 +62,19 @@ def check_config(c, m) -> None:
                      "cache.k_axis=token")
 
 
-codecs.CACHE_CHECKS.append(check_config)
-
 
 @struct.dataclass
 class LatentCache:
-  c: Any                 # K codec storage of the latents, leaves [L, B, 1, S, r]
+  c: Any                 # K codec storage of the latents, leaves [L, B, 1, S, A]
   lengths: jax.Array     # [B] int32: tokens held per sequence
-  spec: cache_lib.CacheSpec = struct.field(pytree_node=False)
-  up: Any = None         # [L, r, 2·K·D] and [L, 2·K·D]: the model's up-projection and K/V
-  bias: Any = None       # bias, attached by `forward` for one call only (weights, not cache)
-
-  @property
-  def layout(self) -> "Latent":
-    return cache_lib.LAYOUTS["latent"]
-
-  def layer_stores(self) -> Any:
-    return (self.c, self.up, self.bias)
+  spec: base.CacheSpec = struct.field(pytree_node=False)
+  up: Any = None         # [L, A, Y] and [L, Y] (Y = 2·K·D): the model's up-projection and K/V
+  bias: Any = None       # bias, attached for one model call only (`Latent.attach`; weights,
+                         # not cache: `write` detaches them)
 
 
 def weights(params, m) -> tuple[jax.Array, jax.Array]:
-  """(up [L, r, 2KD], bias [L, 2KD]) from stacked (`layers`) or split (`layers_i`) params."""
+  """(up [L, A, Y], bias [L, Y]) from stacked (`layers`) or split (`layers_i`) params."""
   def stacked(name, leaf):
     if "layers" in params:
       return params["layers"][name][leaf]
@@ -99,65 +92,65 @@ def weights(params, m) -> tuple[jax.Array, jax.Array]:
   return up.astype(jnp.float32), bias.astype(jnp.float32)
 
 
-class Latent(cache_lib.Layout):
-  """`capacity` slots per sequence of one rank-r latent per layer; position p in slot p."""
+class Latent(base.Layout):
+  """`capacity` slots per sequence of one rank-A latent per layer; position p in slot p."""
 
   name = "latent"
 
-  def init(self, spec: cache_lib.CacheSpec) -> LatentCache:
+  def check(self, cache_cfg, model_cfg) -> None:
+    check_config(cache_cfg, model_cfg)
+
+  def init(self, spec: base.CacheSpec) -> LatentCache:
     m = spec.model_cfg
     shape = (spec.n_layers, spec.batch, 1, spec.capacity, m.latent_rank)
-    return LatentCache(c=spec.kc.init(shape, spec.cache_cfg),
+    return LatentCache(c=spec.kc.init(shape),
                        lengths=jnp.zeros((spec.batch,), jnp.int32), spec=spec)
 
-  def forward(self, model, params, tokens_BT, positions_BT, cache: LatentCache):
+  def attach(self, cache: LatentCache, params) -> LatentCache:
     up, bias = weights(params, cache.spec.model_cfg)
-    logits, cache = model.apply({"params": params}, tokens_BT, positions_BT,
-                                dataclasses.replace(cache, up=up, bias=bias))
-    return logits, dataclasses.replace(cache, up=None, bias=None)
+    return dataclasses.replace(cache, up=up, bias=bias)
 
-  def segments(self, spec, layer_store, lengths_B, layer=None):
-    from kvjax.model import apply_rope, rope_cos_sin
-    c, up, bias = layer_store
+  def store(self, cache: LatentCache) -> Any:
+    return (cache.c, cache.up, cache.bias)
+
+  def read(self, spec, store, lengths_B, layer):
+    c, up, bias = store
     m = spec.model_cfg
     B, S, K, D = spec.batch, spec.capacity, spec.n_kv_heads, spec.head_dim
-    c_B1SR = jax.tree.map(lambda a: a[layer], c)
-    x_BSR = spec.kc.decode(c_B1SR, jnp.float32)[:, 0]
-    kv_BSX = jnp.einsum("bsr,rx->bsx", x_BSR, up[layer]) + bias[layer]
-    k_BSKD = kv_BSX[..., :K * D].reshape(B, S, K, D)
-    v_BSKD = kv_BSX[..., K * D:].reshape(B, S, K, D)
+    c_B1SA = jax.tree.map(lambda a: a[layer], c)
+    lat_BSA = spec.kc.decode(c_B1SA, jnp.float32)[:, 0]
+    kv_BSY = jnp.einsum("bsa,ay->bsy", lat_BSA, up[layer]) + bias[layer]
+    k_BSKD = kv_BSY[..., :K * D].reshape(B, S, K, D)
+    v_BSKD = kv_BSY[..., K * D:].reshape(B, S, K, D)
     cos, sin = rope_cos_sin(jnp.arange(S, dtype=jnp.int32)[None, :], m)
     k_BSKD = apply_rope(k_BSKD, cos, sin)  # RoPE after the up-projection, at slot = position
     mask_BS = jnp.arange(S)[None, :] < lengths_B[:, None]
     f32 = codecs.get("fp32")
-    return [cache_lib.Segment(k_BSKD.transpose(0, 2, 1, 3), v_BSKD.transpose(0, 2, 1, 3), mask_BS,
-                              f32, f32, live=jnp.max(lengths_B))]
-
-  segments.stacked = True  # the store rides whole; `segments` takes its layer itself
+    return [base.Segment(k_BSKD.transpose(0, 2, 1, 3), v_BSKD.transpose(0, 2, 1, 3), mask_BS,
+                         f32, f32, live=jnp.max(lengths_B))]
 
   def write(self, cache: LatentCache, k_LBTKD, v_LBTKD, positions_BT) -> LatentCache:
-    from kvjax.model import apply_rope, rope_cos_sin
     spec = cache.spec
     L, B, T, K, D = k_LBTKD.shape
     cos, sin = rope_cos_sin(positions_BT, spec.model_cfg)
     # Undo RoPE (rotation by -θ): the latent holds the unrotated key.
-    k_BTXD = jnp.moveaxis(k_LBTKD.astype(jnp.float32), 0, 2).reshape(B, T, L * K, D)
-    k_pre = jnp.moveaxis(apply_rope(k_BTXD, cos, -sin).reshape(B, T, L, K, D), 2, 0)
-    kv_LBTX = jnp.concatenate([k_pre.reshape(L, B, T, K * D),
+    k_flat = jnp.moveaxis(k_LBTKD.astype(jnp.float32), 0, 2).reshape(B, T, L * K, D)  # L·K heads
+    k_pre = jnp.moveaxis(apply_rope(k_flat, cos, -sin).reshape(B, T, L, K, D), 2, 0)
+    kv_LBTY = jnp.concatenate([k_pre.reshape(L, B, T, K * D),
                                v_LBTKD.astype(jnp.float32).reshape(L, B, T, K * D)], axis=-1)
-    c_LBTR = jnp.einsum("lbtx,lrx->lbtr", kv_LBTX - cache.bias[:, None, None], cache.up)
+    c_LBTA = jnp.einsum("lbty,lay->lbta", kv_LBTY - cache.bias[:, None, None], cache.up)
     slots_BT = jnp.where(positions_BT >= 0, positions_BT, spec.capacity)  # padding: dropped
-    new = spec.kc.encode(c_LBTR[:, :, None], spec.cache_cfg)
-    c = jax.tree.map(cache_lib._scatter(slots_BT), cache.c, new)
+    new = spec.kc.encode(c_LBTA[:, :, None])
+    c = jax.tree.map(base.scatter(slots_BT), cache.c, new)
     lengths = cache.lengths + jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
-    return dataclasses.replace(cache, c=c, lengths=lengths)
+    return dataclasses.replace(cache, c=c, lengths=lengths, up=None, bias=None)
 
-  def closed_form_bytes(self, spec: cache_lib.CacheSpec) -> int:
-    per_token = spec.kc.bytes_per_token(1, spec.model_cfg.latent_rank, spec.cache_cfg)
+  def closed_form_bytes(self, spec: base.CacheSpec) -> int:
+    per_token = spec.kc.bytes_per_token(1, spec.model_cfg.latent_rank)
     return int(round(spec.n_layers * spec.batch * spec.capacity * per_token)) + 4 * spec.batch
 
 
-cache_lib.LAYOUTS["latent"] = Latent()
+base.register(Latent())
 
 
 def factor(cfg, params, rank: int):
@@ -174,8 +167,8 @@ def factor(cfg, params, rank: int):
   Wk, Wv = layers["k_proj"]["kernel"], layers["v_proj"]["kernel"]  # [L, E, K·D]
   W = jnp.concatenate([Wk, Wv], axis=-1).astype(jnp.float32)
   _, _, Vt = jnp.linalg.svd(W, full_matrices=False)
-  up = Vt[:, :rank]  # [L, r, 2KD], orthonormal rows
-  W_r = jnp.einsum("lex,lrx,lry->ley", W, up, up)
+  up = Vt[:, :rank]  # [L, A, Y], orthonormal rows
+  W_r = jnp.einsum("lex,lax,lay->ley", W, up, up)
   KD = Wk.shape[-1]
   layers["k_proj"] = {**layers["k_proj"], "kernel": W_r[..., :KD].astype(Wk.dtype)}
   layers["v_proj"] = {**layers["v_proj"], "kernel": W_r[..., KD:].astype(Wv.dtype)}

@@ -1,21 +1,20 @@
-"""The `paged` layout (PagedAttention) and its host-side page allocator.
+"""The `paged` layout (PagedAttention): the device side of paging.
 
 Device side: one pool of fixed-size pages per layer holds codec-encoded K/V (every leaf
 `[L, P, K, page_size, ...]`, token axis still at -2, so any token-axis codec works
-unchanged), and a block table `[B, N]` (N = ceil(capacity / page_size), or fewer: a narrower table
+unchanged), and a block table `[B, Q]` (Q = ceil(capacity / page_size), or fewer: a narrower table
 reads fewer tokens, as the engine does for short requests) maps each sequence's logical
 page i to a physical page. The block table is data in the cache
 pytree: the engine rewrites it between steps and nothing retraces. A layer's attention
 reads its sequences block by block: each block gathers only its pages, through the block
-table, from the stacked pool (`Segment.pages`), and reads stop at the live length, so a
+table, from the stacked pool (`PagedSegment.pages`), and reads stop at the live length, so a
 step reads the pages in use, never the whole pool or a layer-sized copy. Invalid slots
 are masked exactly as in the contiguous layout. New tokens are scattered to (page, slot);
 positions whose page is unallocated (table entry = P, the sentinel) are dropped, never
 written into another sequence's page.
 
-Host side: `PageAllocator` keeps the free list, reference counts and the prefix cache
-(full pages keyed by a chained digest of all tokens up to the page's end, vLLM style),
-with least-recently-used eviction of unreferenced cached pages. `kvjax.serve.engine` drives it.
+The host side, which pages a sequence owns, shares or frees, is the serving engine's page
+allocator (kvjax/serve/allocator.py), which fills the block table between steps.
 
 Not supported yet, refused with a one-line error: the full-precision residual window
 (`cache.residual`) and per-channel key scales (`cache.k_axis=channel`), whose token
@@ -24,39 +23,33 @@ blocks straddle pages.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import hashlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
-from kvjax import cache as cache_lib
-from kvjax import codecs
+from kvjax.cache import base
 from kvjax.errors import KvjaxError
 
 
-def page_size(spec: cache_lib.CacheSpec) -> int:
+def page_size(spec: base.CacheSpec) -> int:
   return spec.cache_cfg.page_size
 
 
-def pages_per_seq(spec: cache_lib.CacheSpec) -> int:
-  """N: block-table width, enough pages for `capacity` tokens."""
+def pages_per_seq(spec: base.CacheSpec) -> int:
+  """Q: block-table width, enough pages for `capacity` tokens."""
   return -(-spec.capacity // page_size(spec))
 
 
-def num_pages(spec: cache_lib.CacheSpec) -> int:
+def num_pages(spec: base.CacheSpec) -> int:
   """P: pool size (`cache.num_pages`, or 0 for every sequence's full capacity)."""
   return spec.cache_cfg.num_pages or spec.batch * pages_per_seq(spec)
 
 
-def check_config(c, m) -> None:
-  """Cache-config checks for paging (hooked into `config.validate`)."""
-  if c.layout != "paged":
-    return
+def check_config(c, m=None) -> None:
+  """What paging cannot hold yet, refused on the host (`Paged.check`)."""
   if c.residual:
     raise KvjaxError(f"cache.layout=paged does not support the residual window (cache.residual="
                      f"{c.residual}); set cache.residual=0 or use cache.layout=contiguous")
@@ -65,62 +58,54 @@ def check_config(c, m) -> None:
                      "cache.k_axis=token or use cache.layout=contiguous")
 
 
-codecs.CACHE_CHECKS.append(check_config)
-
 
 @struct.dataclass
 class PagedCache:
   k: Any                  # K codec storage, leaves [L, P, K, page_size, ...]
   v: Any                  # V codec storage, leaves [L, P, K, page_size, ...]
-  block_table: jax.Array  # [B, N] int32 physical page of each logical page; P = unallocated
+  block_table: jax.Array  # [B, Q] int32 physical page of each logical page; P = unallocated
   lengths: jax.Array      # [B] int32 tokens held per sequence
-  spec: cache_lib.CacheSpec = struct.field(pytree_node=False)
-
-  @property
-  def layout(self) -> "Paged":
-    return cache_lib.LAYOUTS["paged"]
-
-  def layer_stores(self) -> Any:
-    """The whole stacked pools and the block table: the attention reads (layer, page) itself."""
-    return (self.k, self.v, self.block_table)
+  spec: base.CacheSpec = struct.field(pytree_node=False)
 
 
-class Paged(cache_lib.Layout):
+class Paged(base.Layout):
   """Pages of `cache.page_size` tokens from a shared pool, found through a block table."""
 
   name = "paged"
 
-  def init(self, spec: cache_lib.CacheSpec) -> PagedCache:
-    """A pool with every sequence's pages allocated up front (what `decode.generate` needs:
-    page j of sequence b is physical page b * N + j). The engine uses `init_pool`."""
-    B, N, P = spec.batch, pages_per_seq(spec), num_pages(spec)
-    if P < B * N:
-      raise KvjaxError(f"cache.num_pages={P} is smaller than the {B * N} pages that batch {B} x "
+  def check(self, cache_cfg, model_cfg) -> None:
+    if cache_cfg.layout == self.name:
+      check_config(cache_cfg)
+
+  def init(self, spec: base.CacheSpec) -> PagedCache:
+    """A pool with every sequence's pages allocated up front (what `program.generate` needs:
+    page j of sequence b is physical page b * Q + j). The engine uses `init_pool`."""
+    B, Q, P = spec.batch, pages_per_seq(spec), num_pages(spec)
+    if P < B * Q:
+      raise KvjaxError(f"cache.num_pages={P} is smaller than the {B * Q} pages that batch {B} x "
                        f"capacity {spec.capacity} needs up front; raise cache.num_pages or set it "
                        "to 0 (the serving engine allocates on demand)")
     cache = init_pool(spec)
-    return dataclasses.replace(cache, block_table=jnp.arange(B * N, dtype=jnp.int32).reshape(B, N))
+    return dataclasses.replace(cache, block_table=jnp.arange(B * Q, dtype=jnp.int32).reshape(B, Q))
 
-  def forward(self, model, params, tokens_BT, positions_BT, cache: PagedCache):
-    return model.apply({"params": params}, tokens_BT, positions_BT, cache)
+  def store(self, cache: PagedCache) -> Any:
+    """The whole stacked pools and the block table: a read gathers (layer, page) itself."""
+    return (cache.k, cache.v, cache.block_table)
 
-  def segments(self, spec, layer_store, lengths_B, layer=None):
-    """`layer_store` = (k pools, v pools, block table); with `layer` the pools are stacked
-    [L, P, ...]. The segment spans the table's N * page_size slots (a narrower table reads
-    less); the attention gathers only the pages of the blocks it reads, up to the live length."""
-    k, v, bt_BN = layer_store
-    S = bt_BN.shape[1] * page_size(spec)
+  def read(self, spec, store, lengths_B, layer):
+    """The segment spans the table's Q * page_size slots (a narrower table reads less); the
+    attention gathers only the pages of the blocks it reads, up to the live length."""
+    k, v, bt_BQ = store
+    S = bt_BQ.shape[1] * page_size(spec)
     mask_BS = jnp.arange(S)[None, :] < jnp.minimum(lengths_B, spec.capacity)[:, None]
-    return [cache_lib.Segment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(lengths_B),
-                              layer=layer, pages=bt_BN, page_size=page_size(spec))]
-
-  segments.stacked = True  # see `Contiguous.segments`
+    return [base.PagedSegment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(lengths_B),
+                              layer=layer, pages=bt_BQ, page_size=page_size(spec))]
 
   def write(self, cache: PagedCache, k_LBTKD, v_LBTKD, positions_BT) -> PagedCache:
     spec = cache.spec
-    ps, N, P = page_size(spec), cache.block_table.shape[1], num_pages(spec)
-    valid = (positions_BT >= 0) & (positions_BT < N * ps)
-    logical_BT = jnp.clip(positions_BT // ps, 0, N - 1)
+    ps, Q, P = page_size(spec), cache.block_table.shape[1], num_pages(spec)
+    valid = (positions_BT >= 0) & (positions_BT < Q * ps)
+    logical_BT = jnp.clip(positions_BT // ps, 0, Q - 1)
     page_BT = jnp.where(valid, jnp.take_along_axis(cache.block_table, logical_BT, axis=1), P)
     slot_BT = jnp.where(valid, positions_BT % ps, 0)
 
@@ -128,118 +113,27 @@ class Paged(cache_lib.Layout):
       return store.at[:, page_BT, :, slot_BT].set(jnp.moveaxis(new, (1, 3), (0, 1)), mode="drop")
 
     k_LBKTD, v_LBKTD = jnp.swapaxes(k_LBTKD, 2, 3), jnp.swapaxes(v_LBTKD, 2, 3)
-    k = jax.tree.map(put, cache.k, spec.kc.encode(k_LBKTD, spec.cache_cfg))
-    v = jax.tree.map(put, cache.v, spec.vc.encode(v_LBKTD, spec.cache_cfg))
+    k = jax.tree.map(put, cache.k, spec.kc.encode(k_LBKTD))
+    v = jax.tree.map(put, cache.v, spec.vc.encode(v_LBKTD))
     lengths = cache.lengths + jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
     return dataclasses.replace(cache, k=k, v=v, lengths=lengths)
 
-  def closed_form_bytes(self, spec: cache_lib.CacheSpec) -> int:
-    K, D, c = spec.n_kv_heads, spec.head_dim, spec.cache_cfg
-    per_token = spec.kc.bytes_per_token(K, D, c) + spec.vc.bytes_per_token(K, D, c)
+  def closed_form_bytes(self, spec: base.CacheSpec) -> int:
+    K, D = spec.n_kv_heads, spec.head_dim
+    per_token = spec.kc.bytes_per_token(K, D) + spec.vc.bytes_per_token(K, D)
     pool = spec.n_layers * num_pages(spec) * page_size(spec) * per_token
     return int(round(pool)) + 4 * spec.batch * pages_per_seq(spec) + 4 * spec.batch
 
 
-def init_pool(spec: cache_lib.CacheSpec) -> PagedCache:
+def init_pool(spec: base.CacheSpec) -> PagedCache:
   """A zeroed pool with an empty block table (every entry = P, nothing allocated)."""
   check_config(spec.cache_cfg, None)
   L, B, K, D = spec.n_layers, spec.batch, spec.n_kv_heads, spec.head_dim
-  P, N = num_pages(spec), pages_per_seq(spec)
+  P, Q = num_pages(spec), pages_per_seq(spec)
   shape = (L, P, K, page_size(spec), D)
-  return PagedCache(k=spec.kc.init(shape, spec.cache_cfg), v=spec.vc.init(shape, spec.cache_cfg),
-                    block_table=jnp.full((B, N), P, jnp.int32),
+  return PagedCache(k=spec.kc.init(shape), v=spec.vc.init(shape),
+                    block_table=jnp.full((B, Q), P, jnp.int32),
                     lengths=jnp.zeros((B,), jnp.int32), spec=spec)
 
 
-# -- host-side allocator --------------------------------------------------------------------
-def page_keys(tokens: list[int], page: int, n_pages: int, start: bytes = b"") -> list[bytes]:
-  """Chained digests of the first `n_pages` full pages: key i covers tokens [0, (i+1) * page),
-  so equal keys mean equal prefixes (a 128-bit digest; vLLM chains Python hashes)."""
-  keys, parent = [], start
-  for i in range(n_pages):
-    chunk = np.asarray(tokens[i * page:(i + 1) * page], np.int64).tobytes()
-    parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()
-    keys.append(parent)
-  return keys
-
-
-class PageAllocator:
-  """Free list, reference counts and a prefix cache of full pages, all on the host.
-
-  Every page is in exactly one state: free (refs 0, no key), cached-idle (refs 0, keyed,
-  in the LRU, still holding its tokens for a later hit) or in use (refs > 0, keyed or
-  not). `allocate` takes a free page, else evicts the least recently used idle page.
-  """
-
-  def __init__(self, num_pages: int):
-    self.num_pages = num_pages
-    self.free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
-    self.refs = [0] * num_pages
-    self.by_key: dict[bytes, int] = {}
-    self.key_of: dict[int, bytes] = {}
-    self.idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
-    self.evictions = 0
-
-  def available(self) -> int:
-    return len(self.free) + len(self.idle)
-
-  def allocate(self) -> int | None:
-    if self.free:
-      page = self.free.pop()
-    elif self.idle:
-      page, _ = self.idle.popitem(last=False)
-      del self.by_key[self.key_of.pop(page)]
-      self.evictions += 1
-    else:
-      return None
-    self.refs[page] = 1
-    return page
-
-  def release(self, page: int) -> None:
-    if self.refs[page] <= 0:
-      raise AssertionError(f"page {page} released with refcount {self.refs[page]}")
-    self.refs[page] -= 1
-    if self.refs[page] == 0:
-      if page in self.key_of:
-        self.idle[page] = None
-      else:
-        self.free.append(page)
-
-  def peek(self, key: bytes) -> int | None:
-    return self.by_key.get(key)
-
-  def share(self, key: bytes) -> int | None:
-    """Take a reference to the cached page holding `key`'s tokens, if any."""
-    page = self.by_key.get(key)
-    if page is not None:
-      if self.refs[page] == 0:
-        del self.idle[page]
-      self.refs[page] += 1
-    return page
-
-  def register(self, page: int, key: bytes) -> None:
-    """Offer a full, in-use page to the prefix cache (a duplicate of a cached key stays private)."""
-    if key not in self.by_key and page not in self.key_of:
-      self.by_key[key] = page
-      self.key_of[page] = key
-
-  def writable(self, page: int) -> bool:
-    """Only a page its one owner is still filling may be written: never a shared or cached one."""
-    return self.refs[page] == 1 and page not in self.key_of
-
-  def check(self) -> None:
-    """Assert the invariants (tests call this after every operation)."""
-    free, idle = set(self.free), set(self.idle)
-    assert len(free) == len(self.free), "a page is on the free list twice"
-    assert not free & idle, "a page is both free and cached"
-    assert all(r >= 0 for r in self.refs), "negative refcount"
-    for p in range(self.num_pages):
-      in_use = self.refs[p] > 0
-      states = in_use + (p in free) + (p in idle)
-      assert states == 1, f"page {p} is in {states} states (in use / free / cached idle)"
-      assert (p in idle) <= (p in self.key_of), f"idle page {p} has no key"
-      assert (p in free) <= (p not in self.key_of), f"free page {p} still has a key"
-    assert {self.by_key[k]: k for k in self.by_key} == self.key_of, "key maps disagree"
-
-
-cache_lib.LAYOUTS["paged"] = Paged()
+base.register(Paged())

@@ -34,9 +34,9 @@ Decisions, and why:
 
 Reading never dequantizes the cache: per-token scales are folded into the logits (K) and
 the probabilities (V); channel scales are folded into the query (K). Codes are widened
-only `READ_CHUNK` tokens at a time (a loop over the token axis), because XLA:CPU
-materializes a converted operand of a dot: without chunking the widened codes would be a
-full-precision copy of the layer's cache.
+only one block of C stored tokens at a time (`qk_block`/`pv_block`, called by the
+attention's blockwise read), because XLA:CPU materializes a converted operand of a dot:
+without blocks the widened codes would be a full-precision copy of the layer's cache.
 """
 
 from __future__ import annotations
@@ -46,74 +46,19 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvjax import codecs
+from kvjax.codecs import base, packing
+from kvjax.codecs.packing import SCALE_BYTES, SCALE_DTYPE, pack, unpack  # noqa: F401 (the face)
 from kvjax.errors import KvjaxError
 
-SCALE_DTYPE = jnp.bfloat16
-SCALE_BYTES = 2
-TINY = float(jnp.finfo(jnp.float32).tiny)         # smallest normal float32: the scale floor
 # Plane-wise reads (`ScaledCodec._planes`) only for planes at least this wide. Measured
 # (bench_codecs, 4k context, int4/int2 vs bf16): 64-wide planes (int4, head_dim 128) were
 # 1.4x faster at batch 1 and 2.5x at batch 4 than unpacking; 32-wide planes (int4 at
 # head_dim 64, int2 at 128) were 1.2-1.6x slower (dots too short for XLA:CPU).
 PLANE_MIN = 64
-_UP = 1.0 + 2.0 ** -7                             # bf16 rounds within 2^-8: this rounds up
-_BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
-
-
-def pack(codes: jax.Array, bits: int) -> jax.Array:
-  """Pack codes < 2**bits along the last axis into uint8 in planes: byte j holds the codes
-  of elements j, j + D/p, j + 2D/p, ... (p = 8 / bits), so unpacking is a concatenation."""
-  per = 8 // bits
-  codes = codes.astype(jnp.uint8)
-  if per == 1:
-    return codes
-  *lead, D = codes.shape
-  planes = codes.reshape(*lead, per, D // per)
-  shifts = (jnp.arange(per, dtype=jnp.uint8) * bits)[:, None]
-  return jnp.sum(planes << shifts, axis=-2, dtype=jnp.uint8)  # disjoint bits: sum == or
-
-
-def unpack(packed: jax.Array, bits: int) -> jax.Array:
-  """Inverse of `pack`: uint8 [..., D * bits / 8] -> uint8 codes [..., D]."""
-  per = 8 // bits
-  if per == 1:
-    return packed
-  # (A concatenation of constant-shifted int32 planes measured 1.6-3x slower here on the
-  # grouped reads; the whole-head reads avoid unpacking altogether, see `_planes`.)
-  *lead, W = packed.shape
-  shifts = (jnp.arange(per, dtype=jnp.uint8) * bits)[:, None]
-  planes = (packed[..., None, :] >> shifts) & jnp.uint8(2 ** bits - 1)
-  return planes.reshape(*lead, per * W)
-
-
-def _meta(a: jax.Array) -> jax.Array:
-  """A stored scale / zero (bf16 kept as uint16 bits, see `codecs.store_bits`) as float32."""
-  return codecs.load_bits(a, SCALE_DTYPE).astype(jnp.float32)
-
-
-def _pow2(k: jax.Array) -> jax.Array:
-  """Exactly 2**k as float32 for integer k in [-126, 127] (built from the exponent bits)."""
-  return jax.lax.bitcast_convert_type((k + 127) << 23, jnp.float32)
-
-
-def _div(x: jax.Array, s: jax.Array) -> jax.Array:
-  """x / s for a normal s > 0. XLA rewrites a division by a broadcast into a product with
-  the reciprocal, and 1/s is subnormal (flushed to zero on CPU) once s > 2^126; scaling
-  both by the same exact power of two first keeps every intermediate normal."""
-  e = (jax.lax.bitcast_convert_type(s, jnp.int32) >> 23) - 127  # s = m * 2^e, m in [1, 2)
-  a = -(e // 2)
-  fa, fb = _pow2(a), _pow2(-e - a)
-  return (x * fa * fb) / (s * fa * fb)
-
-
-def _round_up_bf16(s: jax.Array) -> jax.Array:
-  """A bfloat16 value >= s (s >= 0, finite): bf16's round-to-nearest loses < 2^-8."""
-  return jnp.minimum(s * _UP, _BF16_MAX).astype(SCALE_DTYPE)
 
 
 @dataclasses.dataclass(frozen=True)
-class ScaledCodec(codecs.Codec):
+class ScaledCodec(base.Codec):
   """Codes plus per-group scales (and zeros). `dtype` is the stored code type."""
 
   kind: str = "int"      # int: symmetric | uint: asymmetric, packed | fp8
@@ -138,13 +83,39 @@ class ScaledCodec(codecs.Codec):
     axis = cache_cfg.k_axis if role == "k" else "token"
     return dataclasses.replace(self, group=cache_cfg.group_size, axis=axis)
 
+  def check(self, cache_cfg, model_cfg, role: str) -> None:
+    """Group sizes that divide head_dim, packing that fits it, and what per-channel (KIVI)
+    keys need: a group size and a residual window of whole groups."""
+    c, D, g = cache_cfg, model_cfg.D, cache_cfg.group_size
+    axis = c.k_axis if role == "k" else "token"
+    if axis == "token" and g and D % g:
+      raise KvjaxError(f"cache.group_size={g} does not divide head_dim={D} (cache.{role}_codec="
+                       f"{self.name} groups along head_dim); use a divisor of {D}, or 0 for "
+                       "whole heads")
+    per = 8 // self.bits
+    if D % per:
+      raise KvjaxError(f"{self.name} packs {per} values per byte but head_dim={D} is not a "
+                       f"multiple of {per}; choose another codec")
+    if axis != "channel":
+      return
+    if not g:
+      raise KvjaxError("cache.k_axis=channel needs cache.group_size (tokens per key-scale "
+                       "group, e.g. 32)")
+    if not c.residual:
+      raise KvjaxError(f"cache.k_axis=channel needs a full-precision residual window: set "
+                       f"cache.residual to a multiple of cache.group_size={g} (e.g. {2 * g})")
+    if c.residual % g:
+      raise KvjaxError(f"cache.residual={c.residual} must be a multiple of cache.group_size={g} "
+                       f"with cache.k_axis=channel; e.g. cache.residual="
+                       f"{max(g, c.residual // g * g)}")
+
   # -- storage -------------------------------------------------------------------------
-  def init(self, shape_XSD, cache_cfg=None):
-    shapes = jax.eval_shape(self.encode, jax.ShapeDtypeStruct(tuple(shape_XSD), jnp.float32))
+  def init(self, shape):
+    shapes = jax.eval_shape(self.encode, jax.ShapeDtypeStruct(tuple(shape), jnp.float32))
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
-  def encode(self, x_XTD: jax.Array, cache_cfg=None) -> dict:
-    x = x_XTD.astype(jnp.float32)
+  def encode(self, x_TD: jax.Array) -> dict:
+    x = x_TD.astype(jnp.float32)
     *lead, T, D = x.shape
     finite = jnp.isfinite(x)
     x = jnp.where(finite, x, 0.0)
@@ -159,45 +130,46 @@ class ScaledCodec(codecs.Codec):
     xg = x.reshape(grouped)
     ok = jnp.all(finite.reshape(grouped), axis=red, keepdims=True)
     codes, scale, zero = self._quantize(xg, red)
-    nan = jnp.array(jnp.nan, SCALE_DTYPE)
-    meta = lambda a: codecs.store_bits(jnp.squeeze(jnp.where(ok, a, nan), red))  # noqa: E731
+    nan = jnp.array(jnp.nan, packing.SCALE_DTYPE)
+    meta = lambda a: base.store_bits(jnp.squeeze(jnp.where(ok, a, nan), red))  # noqa: E731
     out = {"codes": codes.reshape(*lead, T, D), "scale": meta(scale)}
     if self.kind == "uint":
-      out["codes"] = pack(out["codes"], self.bits)
+      out["codes"] = packing.pack(out["codes"], self.bits)
       out["zero"] = meta(zero)
     return out
 
   def _quantize(self, xg, red):
     if self.asym:
       mx, mn = jnp.max(xg, red, keepdims=True), jnp.min(xg, red, keepdims=True)
-      zero = jnp.clip(mx / 2 + mn / 2, -_BF16_MAX, _BF16_MAX).astype(SCALE_DTYPE)
+      zero = jnp.clip(mx / 2 + mn / 2, -packing.BF16_MAX, packing.BF16_MAX).astype(packing.SCALE_DTYPE)
       zf = zero.astype(jnp.float32)
       reach = jnp.maximum(mx - zf, zf - mn)
-      scale = _round_up_bf16(jnp.maximum(reach / self.half, TINY))
-      c = jnp.round(_div(xg - zf, scale.astype(jnp.float32)) + self.half)
+      scale = packing.round_up_bf16(jnp.maximum(reach / self.half, packing.TINY))
+      c = jnp.round(packing.div(xg - zf, scale.astype(jnp.float32)) + self.half)
       return jnp.clip(c, 0, 2 * self.half).astype(jnp.uint8), scale, zero
     qmax = 127.0 if self.kind == "int" else float(jnp.finfo(self.dtype).max)
     amax = jnp.max(jnp.abs(xg), red, keepdims=True)
-    scale = _round_up_bf16(jnp.maximum(amax / qmax, TINY))
-    y = jnp.clip(_div(xg, scale.astype(jnp.float32)), -qmax, qmax)
+    scale = packing.round_up_bf16(jnp.maximum(amax / qmax, packing.TINY))
+    y = jnp.clip(packing.div(xg, scale.astype(jnp.float32)), -qmax, qmax)
     codes = jnp.round(y).astype(jnp.int8) if self.kind == "int" else \
-        codecs.store_bits(y.astype(self.dtype))
+        base.store_bits(y.astype(self.dtype))
     return codes, scale, None
 
   def codes(self, enc: dict, dtype=jnp.float32) -> jax.Array:
     """The integer / fp8 code of every element, widened to `dtype`: [..., T, D]."""
     raw = enc["codes"]
     if self.asym:
-      return unpack(raw, self.bits).astype(dtype)
-    return codecs.load_bits(raw, self.dtype).astype(dtype)
+      return packing.unpack(raw, self.bits).astype(dtype)
+    return base.load_bits(raw, self.dtype).astype(dtype)
 
   def decode(self, enc: dict, dtype=jnp.float32) -> jax.Array:
-    """Dequantize everything (reference and tests only; the attention uses qk/pv)."""
+    """Dequantize everything (reference and tests only; the attention reads through
+    qk_block/pv_block)."""
     c = self.codes(enc)
     T, D = c.shape[-2:]
     rep, ax = (T // enc["scale"].shape[-2], -2) if self.axis == "channel" else \
         (D // enc["scale"].shape[-1], -1)
-    widen = lambda a: jnp.repeat(_meta(a), rep, axis=ax)  # noqa: E731
+    widen = lambda a: jnp.repeat(packing.load_meta(a), rep, axis=ax)  # noqa: E731
     if self.asym:
       x = widen(enc["zero"]) + (c - self.half) * widen(enc["scale"])
     else:
@@ -207,27 +179,19 @@ class ScaledCodec(codecs.Codec):
     fmax = float(jnp.finfo(jnp.float32).max)
     return jnp.clip(x, -fmax, fmax).astype(dtype)
 
-  def bytes_per_token(self, n_kv_heads: int, head_dim: int, cache_cfg=None) -> float:
-    meta = SCALE_BYTES * (2 if self.asym else 1)
+  def bytes_per_token(self, n_kv_heads: int, head_dim: int) -> float:
+    meta = packing.SCALE_BYTES * (2 if self.asym else 1)
     if self.axis == "channel":
       meta_per_token = meta * head_dim / self.group
     else:
       meta_per_token = meta * head_dim // (self.group or head_dim)
     return n_kv_heads * (head_dim * self.bits / 8 + meta_per_token)
 
-  # -- the attention's reads -----------------------------------------------------------
-  def qk(self, q_BKGTD, k_enc):
-    return codecs.read_qk(self._qk_block, q_BKGTD, k_enc, self.token_block,
-                          codecs.READ_CHUNK)
-
-  def pv(self, p_BKGTS, v_enc):
-    return codecs.read_pv(self._pv_block, p_BKGTS, v_enc, self.token_block,
-                          codecs.READ_CHUNK)
-
+  # -- the attention's reads (one block of stored tokens at a time) -------------------
   def _parts(self, enc, dtype):
     """Codes widened to `dtype`, scale and the asymmetric offset z - h*s (float32)."""
-    scale = _meta(enc["scale"])
-    off = _meta(enc["zero"]) - self.half * scale if self.asym else None
+    scale = packing.load_meta(enc["scale"])
+    off = packing.load_meta(enc["zero"]) - self.half * scale if self.asym else None
     return self.codes(enc, dtype), scale, off
 
   def _planes(self, enc, dtype) -> list:
@@ -260,24 +224,24 @@ class ScaledCodec(codecs.Codec):
         l = l + jnp.einsum("bkgtd,bkjd->bkgtj", q_BKGTD.astype(f32), off)[..., None]
       return l.reshape(B, K, G, T, C)
     n = s.shape[-1]  # per-token scales [B, K, C, n]: fold into the logits per group
-    if n == 1 and (self.asym or codecs._per_head(G, D)):
+    if n == 1 and (self.asym or base.per_head(G, D)):
       # Whole-head scales: the plain einsum, one per bit plane of packed codes (q's matching
       # columns), or G matvecs. int8/fp8 keys otherwise take the grouped form below, which
       # measured faster for them at batch 1 (int8 0.78x -> 0.57x bf16, head_dim 64, 4k) and
       # the same at batch 4; unpacked int4/int2 keys were faster in this one.
       planes = self._planes(enc, q_BKGTD.dtype)
-      W = D // len(planes)
-      l = sum(codecs.dot_qk(q_BKGTD[..., i * W:(i + 1) * W], c) for i, c in enumerate(planes))
+      pw = D // len(planes)  # plane width
+      l = sum(base.dot_qk(q_BKGTD[..., i * pw:(i + 1) * pw], c) for i, c in enumerate(planes))
       l = l * s[:, :, None, None, :, 0]
       if off is not None:
         l = l + jnp.sum(q_BKGTD.astype(f32), -1)[..., None] * off[:, :, None, None, :, 0]
       return l
     qn = q_BKGTD.reshape(B, K, G, T, n, D // n)
-    l = jnp.einsum("bkgtnd,bksnd->bkgtsn", qn, c_BKCD.reshape(B, K, C, n, D // n),
+    l = jnp.einsum("bkgtnd,bkcnd->bkgtcn", qn, c_BKCD.reshape(B, K, C, n, D // n),
                    preferred_element_type=f32)
-    l = jnp.einsum("bkgtsn,bksn->bkgts", l, s)
+    l = jnp.einsum("bkgtcn,bkcn->bkgtc", l, s)
     if off is not None:
-      l = l + jnp.einsum("bkgtn,bksn->bkgts", jnp.sum(qn.astype(f32), -1), off)
+      l = l + jnp.einsum("bkgtn,bkcn->bkgtc", jnp.sum(qn.astype(f32), -1), off)
     return l
 
   def _pv_block(self, p_BKGTC, enc):
@@ -301,54 +265,20 @@ class ScaledCodec(codecs.Codec):
       # second strided copy per block, as costly as the widening itself); for unpacked
       # int4/int2 codes it measured faster than the plain form, so those stay below.
       ps = p * s[:, :, None, None, :, 0]
-      out = jnp.concatenate([codecs.dot_pv(ps, c) for c in self._planes(enc, jnp.float32)],
+      out = jnp.concatenate([base.dot_pv(ps, c) for c in self._planes(enc, jnp.float32)],
                             axis=-1)
       if off is not None:
-        out = out + jnp.einsum("bkgts,bks->bkgt", p, off[..., 0])[..., None]
+        out = out + jnp.einsum("bkgtc,bkc->bkgt", p, off[..., 0])[..., None]
       return out
     ps = p[..., None] * s[:, :, None, None]  # [B, K, G, T, C, n]
-    out = jnp.einsum("bkgtsn,bksnd->bkgtnd", ps, c_BKCD.reshape(B, K, C, n, D // n))
+    out = jnp.einsum("bkgtcn,bkcnd->bkgtnd", ps, c_BKCD.reshape(B, K, C, n, D // n))
     if off is not None:
-      out = out + jnp.einsum("bkgts,bksn->bkgtn", p, off)[..., None]
+      out = out + jnp.einsum("bkgtc,bkcn->bkgtn", p, off)[..., None]
     return out.reshape(B, K, G, T, D)
 
 
-codecs.register(ScaledCodec("int8", jnp.int8, kind="int", bits=8))
-codecs.register(ScaledCodec("int4", jnp.uint8, kind="uint", bits=4))
-codecs.register(ScaledCodec("int2", jnp.uint8, kind="uint", bits=2))
-codecs.register(ScaledCodec("fp8_e4m3", jnp.float8_e4m3fn, kind="fp8", bits=8))
-codecs.register(ScaledCodec("fp8_e5m2", jnp.float8_e5m2, kind="fp8", bits=8))
-
-
-def check_cache(c, m) -> None:
-  """Config checks for the quantized codecs (hooked into `config.validate`)."""
-  D, g = m.D, c.group_size
-  for role in ("k", "v"):
-    name = getattr(c, f"{role}_codec")
-    codec = codecs.CODECS.get(name)
-    if not isinstance(codec, ScaledCodec):
-      continue
-    axis = c.k_axis if role == "k" else "token"
-    if axis == "token" and g and D % g:
-      raise KvjaxError(f"cache.group_size={g} does not divide head_dim={D} (cache.{role}_codec="
-                       f"{name} groups along head_dim); use a divisor of {D}, or 0 for whole heads")
-    per = 8 // codec.bits
-    if D % per:
-      raise KvjaxError(f"{name} packs {per} values per byte but head_dim={D} is not a multiple "
-                       f"of {per}; choose another codec")
-  if c.k_axis == "channel":
-    if not isinstance(codecs.CODECS.get(c.k_codec), ScaledCodec):
-      raise KvjaxError(f"cache.k_axis=channel needs a quantized cache.k_codec (int8, int4, int2, "
-                       f"fp8_e4m3, fp8_e5m2), got '{c.k_codec}'; or set cache.k_axis=token")
-    if not g:
-      raise KvjaxError("cache.k_axis=channel needs cache.group_size (tokens per key-scale "
-                       "group, e.g. 32)")
-    if not c.residual:
-      raise KvjaxError(f"cache.k_axis=channel needs a full-precision residual window: set "
-                       f"cache.residual to a multiple of cache.group_size={g} (e.g. {2 * g})")
-  if c.residual and g and c.k_axis == "channel" and c.residual % g:
-    raise KvjaxError(f"cache.residual={c.residual} must be a multiple of cache.group_size={g} "
-                     f"with cache.k_axis=channel; e.g. cache.residual={max(g, c.residual // g * g)}")
-
-
-codecs.CACHE_CHECKS.append(check_cache)
+base.register(ScaledCodec("int8", jnp.int8, kind="int", bits=8))
+base.register(ScaledCodec("int4", jnp.uint8, kind="uint", bits=4))
+base.register(ScaledCodec("int2", jnp.uint8, kind="uint", bits=2))
+base.register(ScaledCodec("fp8_e4m3", jnp.float8_e4m3fn, kind="fp8", bits=8))
+base.register(ScaledCodec("fp8_e5m2", jnp.float8_e5m2, kind="fp8", bits=8))

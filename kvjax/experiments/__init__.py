@@ -55,8 +55,8 @@ def bytes_per_token(cfg: config_lib.Config) -> float:
   from kvjax import codecs
   m, c = cfg.model, cfg.cache
   k, v = codecs.for_role(c.k_codec, c, "k"), codecs.for_role(c.v_codec, c, "v")
-  return m.n_layers * (k.bytes_per_token(m.n_kv_heads, m.D, c)
-                       + v.bytes_per_token(m.n_kv_heads, m.D, c))
+  return m.n_layers * (k.bytes_per_token(m.n_kv_heads, m.D)
+                       + v.bytes_per_token(m.n_kv_heads, m.D))
 
 
 def load_shape(name: str) -> config_lib.Config:

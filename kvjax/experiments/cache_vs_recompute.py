@@ -15,8 +15,8 @@ cached rows) shares the machine's noise.
 
 from __future__ import annotations
 
-import experiments as ex
 from kvjax import config as config_lib
+from kvjax import experiments as ex
 from kvjax import metrics
 from kvjax.errors import KvjaxError
 

@@ -7,7 +7,7 @@ codec, or a latent rank (`params.latent_rank`: the model's K/V projections facto
 `params.models` and each of `eval_seqs` text windows of `context + continuation` tokens
 (`params.text`, as in the quality experiment), the context is prefilled (and compacted by
 the policy), then the continuation is teacher-forced token by token through the cache
-(`kvjax.cache.compact.continuation_logprobs`).
+(`kvjax.evict.continuation_logprobs`).
 
 Row metrics: `ppl` of the continuation through this cache, `ppl_ref` through the
 uncompressed fp32 cache of the original model, `dppl_rel` = ppl / ppl_ref - 1,
@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import numpy as np
 
-import experiments as ex
+from kvjax import experiments as ex
 from kvjax.experiments import quality
 from kvjax import data, evaluate
-from kvjax.cache import compact
+from kvjax import evict
 from kvjax.cache import latent
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
@@ -55,7 +55,7 @@ def _reference(src, cfg, mcfg, params, tok):
     ref_cfg = evaluate.reference_config(quality.cell_config(cfg, mcfg))
     toks = _tokens(cfg, mcfg, tok)
     T = int(cfg.param("context", 512))
-    lp, nbytes = compact.continuation_logprobs(ref_cfg, params, toks[:, :T], toks[:, T:])
+    lp, nbytes = evict.continuation_logprobs(ref_cfg, params, toks[:, :T], toks[:, T:])
     _REF[key] = (toks, np.asarray(lp), nbytes)
   return _REF[key]
 
@@ -67,8 +67,8 @@ def _nll(lp_BMV, cont_BM) -> float:
 def run_cell(cfg) -> list[dict]:
   rows = []
   T = int(cfg.param("context", 512))
-  for src in quality._models(cfg):
-    mcfg, params, tok = quality._load(src)
+  for src in quality.models(cfg):
+    mcfg, params, tok = quality.load_model(src)
     toks, ref_lp, ref_bytes = _reference(src, cfg, mcfg, params, tok)
     rank = int(cfg.param("latent_rank", 0))
     if rank:
@@ -77,20 +77,20 @@ def run_cell(cfg) -> list[dict]:
     if rank:
       tcfg = config_lib.replace(tcfg, **{"cache.layout": "latent"})
     cont = toks[:, T:]
-    lp, nbytes = compact.continuation_logprobs(tcfg, params, toks[:, :T], cont)
+    lp, nbytes = evict.continuation_logprobs(tcfg, params, toks[:, :T], cont)
     lp = np.asarray(lp)
     ppl, ppl_ref = np.exp(_nll(lp, cont)), np.exp(_nll(ref_lp, cont))
-    B, N = toks.shape
+    B, M = cont.shape  # M continuation tokens after the T of context
     c = tcfg.cache
     var = ex.variant(tcfg, setting=cfg.param("setting", ""), model=src.name, policy=c.policy,
                      budget=c.budget, ratio=c.ratio, window=c.window, sinks=c.sinks,
                      latent_rank=rank)
     rows.append({"variant": var,
                  "workload": {"task": "text", "batch": B, "context": T,
-                              "continuation": N - T, "data": str(cfg.param("text", "stdlib"))},
+                              "continuation": M, "data": str(cfg.param("text", "stdlib"))},
                  "metrics": {"ppl": ppl, "ppl_ref": ppl_ref, "dppl_rel": ppl / ppl_ref - 1,
                              "agreement": float(np.mean(lp.argmax(-1) == ref_lp.argmax(-1))),
                              "cache_bytes": nbytes, "cache_bytes_ref": ref_bytes,
-                             "bytes_per_token": nbytes / (B * N),
+                             "bytes_per_token": nbytes / (B * (T + M)),
                              "kept": nbytes / ref_bytes}})
   return rows

@@ -11,9 +11,9 @@ that context. Weights are random: speed does not depend on their values.
 
 from __future__ import annotations
 
-import experiments as ex
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
+from kvjax import experiments as ex
 from kvjax import metrics
 
 

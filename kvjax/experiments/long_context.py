@@ -10,7 +10,7 @@ example holding a fact per depth, each queried in turn) and returns one row per 
 `accuracy` (1.0 or 0.0, `tasks.score`), the greedy continuation, the depth and token
 position of the fact, and the closed-form `bytes_per_token` of the setting.
 
-How a query is answered (see kvjax/tasks.py): the prefix (instructions + haystack) is
+How a query is answered (see kvjax/tasks/): the prefix (instructions + haystack) is
 prefilled once through an fp32 cache, `params.chunk` tokens per call; its K/V are stored
 through the cell's codec and layout (the write a prefill with that cache makes), then the
 question tail is fed as its own call and `params.gen_len` tokens are decoded greedily, so
@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import experiments as ex
+from kvjax import experiments as ex
 from kvjax import config as config_lib
 from kvjax import evaluate, tasks
 from kvjax.io import sources

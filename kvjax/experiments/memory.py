@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import jax
 
-import experiments as ex
+from kvjax import experiments as ex
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError

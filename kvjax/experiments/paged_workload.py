@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-import experiments as ex
+from kvjax import experiments as ex
 from kvjax import config as config_lib
 from kvjax import metrics
 from kvjax.serve import engine

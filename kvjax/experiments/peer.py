@@ -42,19 +42,17 @@ check that the same function was computed.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
-import experiments as ex
 from kvjax import config as config_lib
-from kvjax import metrics
+from kvjax import experiments as ex
+from kvjax import metrics, program
 from kvjax import model as model_lib
+from kvjax.experiments import _hf_peers as hf_peers
 from kvjax.errors import KvjaxError
 
 PEERS = ("kvjax", "kvjax_nnscan", "kvjax_unrolled", "dynamic", "static", "quanto")
@@ -93,62 +91,15 @@ def check(cfg: config_lib.Config) -> None:
                        "or drop it from params.peers") from None
 
 
-# -- the shared checkpoint ------------------------------------------------------------------
-def build_checkpoint(cfg: config_lib.Config, folder: str):
-  """A random Llama of cfg.model's shape, saved as safetensors; returns the torch model.
-
-  Weights are normal(0, 1.6 / sqrt(d_model)) rather than HF's 0.02 so that logits are
-  spread out and greedy decoding does not sit on near-ties (agreement is then meaningful).
-  """
-  import torch
-  import transformers
-
-  m = cfg.model
-  hf_cfg = transformers.LlamaConfig(
-      vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.F,
-      num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
-      num_key_value_heads=m.n_kv_heads, head_dim=m.D, rms_norm_eps=m.norm_eps,
-      max_position_embeddings=m.max_seq_len, tie_word_embeddings=m.tie_embeddings,
-      rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
-      bos_token_id=None, eos_token_id=None, pad_token_id=None)
-  torch.manual_seed(cfg.seed)
-  model = transformers.LlamaForCausalLM(hf_cfg).eval()
-  with torch.no_grad():
-    for _, p in model.named_parameters():
-      if p.ndim > 1:
-        p.normal_(0.0, 1.6 / m.d_model ** 0.5)
-  model.generation_config.eos_token_id = None
-  model.generation_config.pad_token_id = 0
-  model.save_pretrained(folder)
-  return model
-
-
-@functools.lru_cache(maxsize=1)
-def _gguf_models(path: str):
-  """A GGUF file's weights on both sides, loaded once per process (cells share them):
-  kvjax through `kvjax.io.gguf.load`, transformers through its own GGUF reader
-  (`from_pretrained(gguf_file=)`), each dequantizing to float32."""
-  import transformers
-
-  from kvjax.io import gguf
-
-  loaded, params = gguf.load(path)
-  p = Path(path)
-  model = transformers.AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name)
-  model.eval()
-  model.generation_config.eos_token_id = None
-  model.generation_config.pad_token_id = 0
-  return loaded, params, model
-
-
+# -- the shared weights ------------------------------------------------------------------
 def _models(cfg: config_lib.Config, folder: str):
   """(transformers model, kvjax config, kvjax params): the real weights of `params.gguf`
-  when given, else a random checkpoint of cfg.model's shape (`build_checkpoint`)."""
+  when given, else a random checkpoint of cfg.model's shape (`_hf_peers.build_checkpoint`)."""
   path = cfg.param("gguf", "")
   if not path:
-    hf_model = build_checkpoint(cfg, folder)
+    hf_model = hf_peers.build_checkpoint(cfg, folder)
     return (hf_model, *_kvjax_config(cfg, folder))
-  loaded, params, hf_model = _gguf_models(str(Path(path).expanduser()))
+  loaded, params, hf_model = hf_peers.gguf_models(str(Path(path).expanduser()))
   return hf_model, _with_model(cfg, loaded.model), params
 
 
@@ -167,183 +118,32 @@ def _kvjax_config(cfg: config_lib.Config, folder: str) -> tuple[config_lib.Confi
   return _with_model(cfg, loaded.model), params
 
 
-# -- timers ---------------------------------------------------------------------------------
+# -- kvjax timers: one `kvjax.program.Program` each -------------------------------------------
 class KvjaxTimer(metrics.DecodeTimer):
-  """DecodeTimer that also hands back one run's greedy tokens, from the programs it
-  already compiled (a second `decode.generate` would compile them again)."""
+  """DecodeTimer that also hands back one run's greedy tokens, from the program it already
+  compiled (a second `program.generate` would compile it again)."""
 
   def greedy_tokens(self) -> np.ndarray:
-    params, tokens_BT, lengths_B = self._args
-    tok, _, c = self._pre(params, tokens_BT, lengths_B, self._fresh(), self._key)
-    rest, _ = self._dec(params, c, tok, self._key)
-    return np.concatenate([np.asarray(tok)[:, None], np.asarray(rest)], axis=1)
-
-
-# -- transformers timers ----------------------------------------------------------------------
-class HFTimer:
-  """`model.generate` for one cache implementation, with the same `once()` interface as
-  `kvjax.metrics.DecodeTimer`: returns (ttft_s, tpot_s)."""
-
-  def __init__(self, model, tokens_BT: np.ndarray, gen_len: int, kind: str):
-    import torch
-    from transformers import StoppingCriteria, StoppingCriteriaList
-
-    self.model, self.kind, self.gen_len = model, kind, gen_len
-    self.steps = gen_len - 1
-    self.ids = torch.tensor(tokens_BT, dtype=torch.long)
-    self.mask = torch.ones_like(self.ids)
-    timer = self
-
-    class FirstToken(StoppingCriteria):
-      def __call__(self, input_ids, scores, **kwargs):
-        if timer._t_first is None:
-          timer._t_first = time.perf_counter()
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
-
-    self._stop = StoppingCriteriaList([FirstToken()])
-    self._t_first = None
-    self._static = None
-    self.cache_bytes = None
-    self.tokens = None
-    t0 = time.perf_counter()
-    self.once()  # first call: lazy initialisation (and the static cache's allocation)
-    self.compile_s = time.perf_counter() - t0
-
-  def _kwargs(self) -> dict:
-    if self.kind == "dynamic":
-      return {"cache_implementation": "dynamic"}
-    if self.kind == "static":
-      from transformers import StaticCache
-      if self._static is None:
-        self._static = StaticCache(config=self.model.config,
-                                   max_cache_len=self.ids.shape[1] + self.gen_len)
-      else:
-        self._static.reset()
-      return {"cache": self._static}
-    return {"cache_implementation": "quantized",
-            "cache_config": {"backend": "quanto", "nbits": 4, "q_group_size": 32,
-                             "residual_length": 128}}
-
-  def once(self) -> tuple[float, float]:
-    import torch
-
-    with torch.inference_mode():
-      kwargs = self._kwargs()  # outside the timed region (static: reset of the cache)
-      self._t_first = None
-      t0 = time.perf_counter()
-      out = self.model.generate(self.ids, attention_mask=self.mask, max_new_tokens=self.gen_len,
-                                min_new_tokens=self.gen_len, do_sample=False,
-                                stopping_criteria=self._stop, return_dict_in_generate=True,
-                                **kwargs)
-      t2 = time.perf_counter()
-    self.tokens = out.sequences[:, self.ids.shape[1]:].numpy()
-    self.cache_bytes = _torch_cache_bytes(out.cache)
-    return self._t_first - t0, (t2 - self._t_first) / self.steps
-
-
-def _torch_cache_bytes(cache) -> int | None:
-  """Bytes of the plain tensors a transformers cache holds (None for quantized layers)."""
-  total = 0
-  for layer in getattr(cache, "layers", []):
-    if hasattr(layer, "_quantized_keys"):
-      return None
-    for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-      if t is not None and hasattr(t, "element_size"):
-        total += t.numel() * t.element_size()
-  return total or None
+    return self.program.run().tokens()
 
 
 class KvjaxFilledTimer:
   """Decode of `steps` greedy tokens from a cache already holding `context` tokens per
-  sequence (roofline.FilledDecode), with the `once()` interface: (nan, tpot_s)."""
+  sequence (a program of prompt width 0, as roofline.FilledDecode), with the `once()`
+  interface: (nan, tpot_s). Its tokens start with the input token 0."""
 
   def __init__(self, cfg, params, batch: int, context: int, steps: int, prepare: bool = True):
-    from kvjax.experiments import roofline
-
     t0 = time.perf_counter()
-    self._dec = roofline.FilledDecode(cfg, params, batch, context, steps, context + steps + 1,
-                                      prepare=prepare)
+    shape = program.Shape(batch, 0, context + steps + 1, steps, context=context)
+    self.program = program.Program(cfg, params, shape, prepare=prepare).compile()
     self.compile_s = time.perf_counter() - t0
-    self.cache_bytes = None
+    self.steps, self.cache_bytes = steps, None
 
   def once(self) -> tuple[float, float]:
-    return float("nan"), self._dec.once()
+    return float("nan"), self.program.run().decode_s / self.steps
 
   def greedy_tokens(self) -> np.ndarray:
-    d = self._dec
-    toks, _ = d._dec(d.params, d._fresh(), d._tok, d._key)
-    return np.concatenate([np.zeros((d.B, 1), np.int32), np.asarray(toks)], axis=1)
-
-
-class HFFilledTimer:
-  """transformers' decode loop (`model(...)` with `past_key_values`, greedy, one token a
-  step, as `generate` runs it) from a DynamicCache or StaticCache already holding `context`
-  zero tokens per sequence: (nan, tpot_s). The first input token is 0, as kvjax's."""
-
-  def __init__(self, model, batch: int, context: int, steps: int, kind: str):
-    import torch
-    from transformers import DynamicCache, StaticCache
-
-    self.model, self.B, self.context, self.steps, self.kind = model, batch, context, steps, kind
-    c = model.config
-    self._kv = torch.zeros(batch, c.num_key_value_heads, context, c.head_dim)
-    if kind == "dynamic":
-      self.cache = DynamicCache(config=c)
-    else:
-      self.cache = StaticCache(config=c, max_cache_len=context + steps + 1)
-    self._fill()
-    self.cache_bytes = None
-    self.tokens = None
-    t0 = time.perf_counter()
-    self.once()
-    self.compile_s = time.perf_counter() - t0
-
-  def _fill(self):
-    for layer in range(self.model.config.num_hidden_layers):
-      self.cache.update(self._kv, self._kv, layer)
-
-  def once(self) -> tuple[float, float]:
-    import torch
-
-    # Back to the filled context, outside the timed region.
-    extra = self.cache.get_seq_length() - self.context
-    if self.kind == "dynamic" and extra > 0:
-      self.cache.crop(-extra)
-    elif extra > 0:
-      self.cache.reset()
-      self._fill()
-    tok = torch.zeros(self.B, 1, dtype=torch.long)
-    out = [tok]
-    with torch.inference_mode():
-      t0 = time.perf_counter()
-      for i in range(self.steps):
-        pos = torch.tensor([self.context + i])
-        logits = self.model(tok, past_key_values=self.cache, cache_position=pos,
-                            use_cache=True).logits
-        tok = logits[:, -1].argmax(-1, keepdim=True)
-        out.append(tok)
-      t1 = time.perf_counter()
-    self.tokens = torch.cat(out, 1).numpy()
-    return float("nan"), (t1 - t0) / self.steps
-
-
-# -- threads ---------------------------------------------------------------------------------
-@contextmanager
-def same_threads(n: int):
-  """Give torch and XLA the same `n` cores: torch by thread count, XLA (whose pool is
-  sized at start-up) by pinning the process to n cores. 0 = all cores we may use."""
-  import torch
-
-  old_aff, old_threads = os.sched_getaffinity(0), torch.get_num_threads()
-  cores = sorted(old_aff)
-  n = min(n or len(cores), len(cores))
-  os.sched_setaffinity(0, cores[:n])
-  torch.set_num_threads(n)
-  try:
-    yield n
-  finally:
-    os.sched_setaffinity(0, old_aff)
-    torch.set_num_threads(old_threads)
+    return self.program.run().tokens()
 
 
 # -- the cell ----------------------------------------------------------------------------------
@@ -351,7 +151,8 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
   w = cfg.workload
   peers = _peers(cfg)
   tokens, lengths = ex.prompts(cfg, w.batch, w.prompt_len)
-  with tempfile.TemporaryDirectory() as folder, same_threads(int(cfg.param("threads", 0))) as n:
+  threads = int(cfg.param("threads", 0))
+  with tempfile.TemporaryDirectory() as folder, hf_peers.same_threads(threads) as n:
     hf_model, kcfg, params = _models(cfg, folder)
     timers, cfgs = {}, {}
     filled = _filled(cfg)
@@ -367,16 +168,17 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
                         KvjaxTimer(pcfg, params, tokens, lengths, steps=w.gen_len - 1,
                                    capacity=w.prompt_len + w.gen_len, prepare=prepare))
       elif filled:
-        timers[peer] = HFFilledTimer(hf_model, w.batch, w.prompt_len, w.gen_len - 1, peer)
+        timers[peer] = hf_peers.HFFilledTimer(hf_model, w.batch, w.prompt_len, w.gen_len - 1,
+                                              peer)
       else:
-        timers[peer] = HFTimer(hf_model, tokens, w.gen_len, peer)
+        timers[peer] = hf_peers.HFTimer(hf_model, tokens, w.gen_len, peer)
     results = metrics.bench_interleaved(timers, repeats=w.repeats)
     ours = (timers["kvjax"] if "kvjax" in timers else
             KvjaxFilledTimer(kcfg, params, w.batch, w.prompt_len, w.gen_len - 1) if filled else
             KvjaxTimer(kcfg, params, tokens, lengths, steps=w.gen_len - 1)).greedy_tokens()
     theirs = {p: (t.greedy_tokens() if p.startswith("kvjax") else t.tokens)
               for p, t in timers.items() if p != "kvjax"}
-    torch_threads = hf_model_threads()
+    torch_threads = hf_peers.hf_model_threads()
 
   base = results.get("kvjax", {}).get("tpot_s")
   rows = []
@@ -394,19 +196,11 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
                               **_impl(cfgs.get(peer), peer == "kvjax_nnscan")),
         "workload": {"batch": w.batch, "prompt_len": w.prompt_len, "gen_len": w.gen_len,
                      "context": w.prompt_len + w.gen_len, "threads": n, "filled": filled,
-                     "torch_threads": torch_threads, "params_m": _param_count(hf_model) / 1e6},
+                     "torch_threads": torch_threads,
+                     "params_m": hf_peers.param_count(hf_model) / 1e6},
         "metrics": m,
     })
   return rows
-
-
-def hf_model_threads() -> int:
-  import torch
-  return torch.get_num_threads()
-
-
-def _param_count(model) -> int:
-  return sum(p.numel() for p in model.parameters())
 
 
 def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int:

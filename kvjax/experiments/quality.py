@@ -36,7 +36,7 @@ import dataclasses
 import functools
 from pathlib import Path
 
-import experiments as ex
+from kvjax import experiments as ex
 import numpy as np
 
 from kvjax import cache as cache_lib
@@ -49,12 +49,12 @@ from kvjax.errors import KvjaxError
 _REF: dict = {}
 
 
-def _models(cfg) -> list[sources.Source]:
+def models(cfg) -> list[sources.Source]:
   """`params.models` (any source) followed by `params.checkpoints` (kvjax folders)."""
-  models, paths = cfg.param("models", ()), cfg.param("checkpoints", ())
-  models = (models,) if isinstance(models, str) else tuple(models)
+  names, paths = cfg.param("models", ()), cfg.param("checkpoints", ())
+  names = (names,) if isinstance(names, str) else tuple(names)
   paths = (paths,) if isinstance(paths, str) else tuple(paths)
-  out = [sources.parse(m) for m in models] + [sources.Source("checkpoint", p) for p in paths]
+  out = [sources.parse(m) for m in names] + [sources.Source("checkpoint", p) for p in paths]
   if not out:
     raise KvjaxError("quality needs params.models (e.g. [gguf:smollm2-135m]) or "
                      "params.checkpoints (folders written by `kvjax train ... --out DIR`)")
@@ -62,7 +62,7 @@ def _models(cfg) -> list[sources.Source]:
 
 
 def check(cfg) -> None:
-  for src in _models(cfg):
+  for src in models(cfg):
     if src.kind == "checkpoint" and not (Path(src.ref) / "config.yaml").is_file():
       raise KvjaxError(f"checkpoint {src.ref} not found; train it first, e.g. "
                        f"`kvjax train configs/train_mha.yaml --out {src.ref}`")
@@ -75,7 +75,9 @@ def check(cfg) -> None:
 
 
 @functools.lru_cache(maxsize=4)
-def _load(src: sources.Source):
+def load_model(src: sources.Source):
+  """(config, params, tokenizer) of a model source, cached: shared by the experiments that
+  read the same models (quality, compression)."""
   return sources.load(src)
 
 
@@ -87,7 +89,7 @@ def cell_config(cfg, model_cfg: config_lib.Config) -> config_lib.Config:
 
 
 def _windows(cfg, model_cfg: config_lib.Config, tok):
-  """(token windows [B, N], byte corpus or None) for this model."""
+  """(token windows [B, M], byte corpus or None) for this model."""
   n, seqs = int(cfg.param("eval_tokens", 512)), int(cfg.param("eval_seqs", 4))
   if tok is None or model_cfg.tokenizer == "bytes":
     corpus = data.load_corpus(model_cfg.train.data)
@@ -127,8 +129,8 @@ def _reference(src: sources.Source, cfg, mcfg, params, tok) -> dict:
 def run_cell(cfg) -> list[dict]:
   rows = []
   chunk = int(cfg.param("chunk", 1))
-  for src in _models(cfg):
-    mcfg, params, tok = _load(src)
+  for src in models(cfg):
+    mcfg, params, tok = load_model(src)
     tcfg = cell_config(cfg, mcfg)
     ref = _reference(src, cfg, mcfg, params, tok)
     if cfg.param("peer", ""):
@@ -143,16 +145,16 @@ def run_cell(cfg) -> list[dict]:
     var = ex.variant(tcfg, k_axis=c.k_axis, group_size=c.group_size, residual=c.residual,
                      setting=cfg.param("setting", ""), model=src.name)
     metrics, nbytes = evaluate.compare_streamed(tcfg, params, ref["tokens"], ref["lp"], chunk)
-    B, N = ref["tokens"].shape
+    B, M = ref["tokens"].shape
     metrics.update(cache_bytes=nbytes, cache_bytes_ref=ref["bytes"],
                    bytes_per_token=ex.bytes_per_token(tcfg),
-                   cache_bytes_per_token=nbytes / (B * N))
+                   cache_bytes_per_token=nbytes / (B * M))
     if ref["gen"] is not None:
       prompts, ref_gen = ref["gen"]
       got = evaluate.greedy_tokens(tcfg, params, prompts, tcfg.workload.gen_len)
       metrics["gen_agreement"] = evaluate.generation_agreement(got, ref_gen)
     text = mcfg.train.data if mcfg.tokenizer == "bytes" else str(cfg.param("text", "stdlib"))
-    rows.append({"variant": var, "workload": {"task": "text", "batch": B, "context": N,
+    rows.append({"variant": var, "workload": {"task": "text", "batch": B, "context": M,
                                               "chunk": chunk, "data": text},
                  "metrics": metrics})
     for L, (seqs, mask, acc_ref) in ref["recall"].items():
@@ -179,10 +181,10 @@ def _hf_model(src: sources.Source):
   raise KvjaxError(f"params.peers needs a gguf: or hf: model, not {src}")
 
 
-def _hf_logprobs(model, tokens_BN, chunk: int, cache):
-  """Log-probabilities [B, N, V] fed `chunk` tokens per forward through `cache`."""
+def _hf_logprobs(model, tokens_BM, chunk: int, cache):
+  """Log-probabilities [B, M, V] fed `chunk` tokens per forward through `cache`."""
   import torch
-  ids = torch.tensor(np.asarray(tokens_BN), dtype=torch.long)
+  ids = torch.tensor(np.asarray(tokens_BM), dtype=torch.long)
   out = []
   with torch.inference_mode():
     for s in range(0, ids.shape[1], chunk):
@@ -218,28 +220,28 @@ def _quanto_bytes(cache) -> int:
   return total
 
 
-def _peer_row(cfg, src, peer: str, tokens_BN, chunk: int, text: str) -> dict:
+def _peer_row(cfg, src, peer: str, tokens_BM, chunk: int, text: str) -> dict:
   from transformers import DynamicCache, QuantizedCache
   model = _hf_model(src)
   bits, residual = int(peer[len("quanto_int"):]), int(cfg.param("peer_residual", 128))
-  key = ("hf", str(src), np.asarray(tokens_BN).tobytes(), chunk)
+  key = ("hf", str(src), np.asarray(tokens_BM).tobytes(), chunk)
   if key not in _REF:
-    _REF[key] = _hf_logprobs(model, tokens_BN, chunk, DynamicCache(config=model.config))
+    _REF[key] = _hf_logprobs(model, tokens_BM, chunk, DynamicCache(config=model.config))
   ref = _REF[key]
   cache = QuantizedCache(backend="quanto", config=model.config, nbits=bits,
                          residual_length=residual)
-  lp = _hf_logprobs(model, tokens_BN, chunk, cache)
-  metrics = evaluate.compare(lp, ref, tokens_BN)
-  B, N = np.asarray(tokens_BN).shape
+  lp = _hf_logprobs(model, tokens_BM, chunk, cache)
+  metrics = evaluate.compare(lp, ref, tokens_BM)
+  B, M = np.asarray(tokens_BM).shape
   nbytes = _quanto_bytes(cache)
-  metrics.update(cache_bytes=nbytes, cache_bytes_per_token=nbytes / (B * N),
-                 bytes_per_token=nbytes / (B * N))
+  metrics.update(cache_bytes=nbytes, cache_bytes_per_token=nbytes / (B * M),
+                 bytes_per_token=nbytes / (B * M))
   m = model.config
   var = {"variant": "transformers", "peer": "quanto", "codec": f"quanto-int{bits}",
          "k_codec": f"quanto-int{bits}", "v_codec": f"quanto-int{bits}", "residual": residual,
          "setting": peer, "model": src.name, "kv_heads": m.num_key_value_heads,
          "heads": m.num_attention_heads, "layout": "QuantizedCache"}
-  return {"variant": var, "workload": {"task": "text", "batch": B, "context": N,
+  return {"variant": var, "workload": {"task": "text", "batch": B, "context": M,
                                        "chunk": chunk, "data": text}, "metrics": metrics}
 
 

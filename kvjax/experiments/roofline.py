@@ -17,18 +17,15 @@ counted (a step gathers B rows of it) unless it is tied to the lm_head.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import experiments as ex
-from kvjax import cache as cache_lib
 from kvjax import config as config_lib
-from kvjax import decode, metrics
+from kvjax import experiments as ex
+from kvjax import metrics, program
 from kvjax.errors import KvjaxError
 
 
@@ -72,30 +69,18 @@ def step_bytes(cfg: config_lib.Config, params, batch: int, live: float) -> dict:
 
 
 class FilledDecode:
-  """Compiled decode of `steps` tokens from a cache that already holds `context` tokens."""
+  """Compiled decode of `steps` tokens from a cache that already holds `context` tokens
+  (a `kvjax.program.Program` of prompt width 0)."""
 
   def __init__(self, cfg, params, batch: int, context: int, steps: int, cap: int,
                prepare: bool = True):
     """`prepare=False` runs the params as given (stacked: the nn.scan program)."""
-    self.cfg, self.steps = cfg, steps
-    self.params = decode.prepare_params(cfg, params) if prepare else params
-    self.B, self.context, self.cap = batch, context, cap
-    self._key = jax.random.PRNGKey(cfg.seed)
-    self._tok = jnp.zeros((batch,), jnp.int32)
-    sampler = decode.Sampler.from_config(cfg)
-    self._dec = decode.decode.lower(self.params, self._fresh(), self._tok, self._key, cfg=cfg,
-                                    sampler=sampler, steps=steps).compile()
-
-  def _fresh(self):
-    c = cache_lib.init_cache(self.cfg, self.B, self.cap)
-    return jax.block_until_ready(
-        dataclasses.replace(c, lengths=jnp.full((self.B,), self.context, jnp.int32)))
+    self.steps = steps
+    shape = program.Shape(batch, 0, cap, steps, context=context)
+    self.program = program.Program(cfg, params, shape, prepare=prepare).compile()
 
   def once(self) -> float:
-    c = self._fresh()
-    t0 = time.perf_counter()
-    jax.block_until_ready(self._dec(self.params, c, self._tok, self._key))
-    return (time.perf_counter() - t0) / self.steps
+    return self.program.run().decode_s / self.steps
 
 
 def run_cell(cfg: config_lib.Config) -> list[dict]:

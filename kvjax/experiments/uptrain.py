@@ -25,7 +25,7 @@ import math
 import time
 from pathlib import Path
 
-import experiments as ex
+from kvjax import experiments as ex
 from kvjax import data, evaluate, train
 from kvjax.io import checkpoint
 from kvjax.io import convert

@@ -155,22 +155,22 @@ def load_config(path: str | Path, overrides: dict | None = None) -> Config:
 
 
 # -- tensors ------------------------------------------------------------------------------
-def unpermute(w_OI: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
   """Undo the GGUF converter's per-head Q/K row permutation ([out, in], out = heads * D).
 
   The converter groups each head's rows as (D/2, 2) pairs interleaved from (2, D/2) halves;
   this restores the halves order that rotate-half RoPE expects.
   """
-  out, rest = w_OI.shape[0], w_OI.shape[1:]
+  out, rest = w.shape[0], w.shape[1:]
   half = out // n_heads // 2
-  return w_OI.reshape(n_heads, half, 2, *rest).swapaxes(1, 2).reshape(w_OI.shape)
+  return w.reshape(n_heads, half, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def permute(w_OI: np.ndarray, n_heads: int) -> np.ndarray:
+def permute(w: np.ndarray, n_heads: int) -> np.ndarray:
   """The converter's permutation (inverse of `unpermute`); used to write test files."""
-  out, rest = w_OI.shape[0], w_OI.shape[1:]
+  out, rest = w.shape[0], w.shape[1:]
   half = out // n_heads // 2
-  return w_OI.reshape(n_heads, 2, half, *rest).swapaxes(1, 2).reshape(w_OI.shape)
+  return w.reshape(n_heads, 2, half, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
 def _dequantize(t, path) -> np.ndarray:

@@ -1,6 +1,6 @@
 """`full`: keep every token (today's cache). Acts nowhere: prefill and decode store all."""
 
-from kvjax.policies import Policy, register
+from kvjax.policies.base import Policy, register
 
 
 class Full(Policy):

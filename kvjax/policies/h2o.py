@@ -8,7 +8,7 @@ Acts at prefill only, from the prompt's own queries; decode appends without evic
 
 import jax.numpy as jnp
 
-from kvjax.policies import KEEP, Policy, register
+from kvjax.policies.base import KEEP, Policy, register
 from kvjax.policies.attn import attention_mass
 
 

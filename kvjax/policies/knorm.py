@@ -6,7 +6,7 @@ Acts at prefill only (decode appends). RoPE rotates pairs of channels, so the st
 
 import jax.numpy as jnp
 
-from kvjax.policies import Policy, register
+from kvjax.policies.base import Policy, register
 
 
 class KNorm(Policy):

@@ -6,7 +6,7 @@ Prefill keeps those of the prompt; decode keeps evicting (`decode_evicts`): slot
 so a decode query at position p sees [0, sinks) and [p - (budget - sinks), p].
 """
 
-from kvjax.policies import register
+from kvjax.policies.base import register
 from kvjax.policies.window import Window
 
 

@@ -10,7 +10,7 @@ is the context: nothing treats a trailing question specially.
 
 import jax.numpy as jnp
 
-from kvjax.policies import KEEP, Policy, register
+from kvjax.policies.base import KEEP, Policy, register
 from kvjax.policies.attn import attention_mass
 
 POOL = 7  # max-pool width over tokens (odd: centred)

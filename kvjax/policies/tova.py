@@ -5,7 +5,7 @@ Acts at prefill only (one ranking by the final prompt token); decode appends wit
 evicting (the original method re-ranks at every step; that is not built).
 """
 
-from kvjax.policies import Policy, register
+from kvjax.policies.base import Policy, register
 from kvjax.policies.attn import attention_mass
 
 

@@ -7,7 +7,7 @@ position p sees exactly the tokens [p - budget, p] (itself included).
 
 import jax.numpy as jnp
 
-from kvjax.policies import Policy, register
+from kvjax.policies.base import Policy, register
 
 
 def ring_positions(lengths_B, budget_B, sinks: int, Sk: int):

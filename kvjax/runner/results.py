@@ -1,9 +1,9 @@
 """`kvjax results DIR|FILE --format csv|markdown`: results rows as a table to paste.
 
-Each row is flattened by `runner.flatten` (its variant and workload fields, the known
-metrics, then every other scalar metric), with its experiment first. CSV keeps raw values
-in SI units (seconds, bytes); markdown formats them as the run's summary table does (times
-in ms, bytes in KiB/MiB/GiB).
+Each row is flattened by `runner.flatten` (kvjax.runner.table: its variant and workload
+fields, the known metrics, then every other scalar metric), with its experiment first. CSV
+keeps raw values in SI units (seconds, bytes); markdown formats them as the run's summary
+table does (times in ms, bytes in KiB/MiB/GiB).
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import csv
 import io
 from pathlib import Path
 
-from kvjax import runner
 from kvjax.errors import KvjaxError
+from kvjax.runner.rows import read_rows
+from kvjax.runner.table import cell_text, flatten, is_seconds
 
 FORMATS = ("csv", "markdown")
 
@@ -27,7 +28,7 @@ def load(path: str | Path, experiment: str | None = None) -> list[dict]:
     files = [path]
   else:
     raise KvjaxError(f"no results file or folder {path}; pass what `kvjax run --out` wrote")
-  rows = [r for f in files for r in runner.read_rows(f)
+  rows = [r for f in files for r in read_rows(f)
           if isinstance(r.get("metrics"), dict) and "experiment" in r]
   if not rows:
     raise KvjaxError(f"no results rows in {path}; run `kvjax run CONFIG --out {path}` first")
@@ -41,7 +42,7 @@ def load(path: str | Path, experiment: str | None = None) -> list[dict]:
 
 
 def records(rows: list[dict]) -> list[dict]:
-  return [{"experiment": r["experiment"], **runner.flatten(r, all_metrics=True)} for r in rows]
+  return [{"experiment": r["experiment"], **flatten(r, all_metrics=True)} for r in rows]
 
 
 def _columns(recs: list[dict]) -> list[str]:
@@ -61,11 +62,11 @@ def to_csv(recs: list[dict]) -> str:
 
 def to_markdown(recs: list[dict]) -> str:
   keys = _columns(recs)
-  heads = [k[:-2] + "_ms" if runner._is_seconds(k) else k for k in keys]
+  heads = [k[:-2] + "_ms" if is_seconds(k) else k for k in keys]
   esc = lambda text: str(text).replace("|", "\\|")  # noqa: E731
   lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
   for rec in recs:
-    lines.append("| " + " | ".join(esc(runner._cell_text(k, rec.get(k))) for k in keys) + " |")
+    lines.append("| " + " | ".join(esc(cell_text(k, rec.get(k))) for k in keys) + " |")
   return "\n".join(lines) + "\n"
 
 

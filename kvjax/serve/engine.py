@@ -1,4 +1,6 @@
-"""Continuous batching over a paged KV cache (or, as the baseline, contiguous slots).
+"""Continuous batching over a paged KV cache (or, as the baseline, contiguous slots): the
+host scheduler. Its device step is kvjax/serve/step.py, its page allocator
+kvjax/serve/allocator.py; it runs on one device (`mesh.*` is refused, never ignored).
 
 A fixed number of decode slots share one cache. A request's state is just (tokens known,
 tokens cached), so prefill, decode and recompute after preemption are one loop: each
@@ -7,14 +9,7 @@ token after its last one. A step is at most two calls of two jit-compiled functi
   - chunked prefill: up to `prefill_rows` requests with more than one uncached token feed
     up to `chunk` tokens each, as a narrow [prefill_rows, chunk] batch;
   - decode: every slot at once, [slots, 1], for the requests with one uncached token.
-Keeping prefill narrow matters on compute-bound hardware: a [slots, chunk] step would pad
-every decode row to `chunk` tokens. Likewise a call reads only the smallest of a few
-bucket widths (64, 128, ... tokens, `bucket_widths`) that holds its longest request, not
-every slot's full capacity: for the paged cache that is a narrower block table, for the
-contiguous cache a window of its slots. Each (shape, width) compiles once, ever (`warmup`
-compiles them all up front; a test counts traces). The paged cache makes the narrow batch
-free (it is just other block-table rows); the contiguous cache gathers those slots' rows
-and writes them back.
+Each call reads the smallest bucket width that holds its longest row (step.py).
 
 With `cache.layout=paged` the host `PageAllocator` hands out pages on demand as a
 sequence crosses a page boundary; requests are admitted when a slot is free and the
@@ -40,67 +35,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
-from kvjax import decode
 from kvjax.cache import paged
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
-
-STEP_TRACES: collections.Counter = collections.Counter()  # per tokens shape, at trace time
-
-
-def _call(cfg, sampler, params, cache, tokens_BT, positions_BT, last_B, key):
-  STEP_TRACES[tokens_BT.shape] += 1
-  net, params = decode.network(cfg, params)
-  logits_BTV, cache = cache.layout.forward(net, params, tokens_BT, positions_BT, cache)
-  last_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
-  return sampler(last_BV, key), cache
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "sampler"), donate_argnames=("cache",))
-def serve_step(params, cache, tokens_BT, positions_BT, last_B, key, *, cfg: Config, sampler):
-  """One model call; returns the token sampled after each row's last token. The cache's
-  `lengths` (and block table) say which rows are which: a paged cache may hold any number."""
-  return _call(cfg, sampler, params, cache, tokens_BT, positions_BT, last_B, key)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "sampler", "width", "all_rows"),
-                   donate_argnames=("cache",))
-def serve_contiguous(params, cache, slots_R, tokens_RT, positions_RT, last_R, key, *,
-                     cfg: Config, sampler, width: int, all_rows: bool):
-  """`serve_step` on a contiguous cache's slots `slots_R` (all of them, in order, when
-  `all_rows`) and its first `width` token slots: a window gathered, run and written back,
-  so a step reads what the live requests can hold, not every reservation to its end."""
-  def window(a):  # leaves [L, B, K, S, X]
-    return (a if all_rows else jnp.take(a, slots_R, axis=1))[:, :, :, :width]
-
-  def put(full, part):
-    return full.at[:, :, :, :width].set(part) if all_rows else \
-        full.at[:, slots_R, :, :width].set(part)
-
-  sub = dataclasses.replace(cache, k=jax.tree.map(window, cache.k), v=jax.tree.map(window, cache.v),
-                            lengths=cache.lengths[slots_R],
-                            spec=dataclasses.replace(cache.spec, capacity=width))
-  nxt, sub = _call(cfg, sampler, params, sub, tokens_RT, positions_RT, last_R, key)
-  return nxt, dataclasses.replace(cache, k=jax.tree.map(put, cache.k, sub.k),
-                                  v=jax.tree.map(put, cache.v, sub.v))
-
-
-def bucket_widths(capacity: int, smallest: int = 64) -> tuple[int, ...]:
-  """Token widths a step may read: doubling from `smallest` up to `capacity` (a few compiles,
-  each step reads at most twice what its longest request holds)."""
-  widths, w = [], smallest
-  while w < capacity:
-    widths.append(w)
-    w *= 2
-  return tuple(widths) + (capacity,)
+from kvjax.serve import step as step_lib
+from kvjax.serve.allocator import PageAllocator, page_keys
 
 
 @dataclasses.dataclass(eq=False)
@@ -123,62 +67,22 @@ class Request:
     return self.prompt + self.output
 
 
-class ModelBackend:
-  """The device side: the cache pytree and the compiled step. Host state goes in as data."""
-
-  def __init__(self, cfg: Config, params, spec: cache_lib.CacheSpec):
-    self.cfg, self.spec = cfg, spec
-    self.params = decode.prepare_params(cfg, params)  # split once, here, when unrolled
-    self.paged = spec.layout == "paged"
-    self.cache = paged.init_pool(spec) if self.paged else cache_lib.LAYOUTS[spec.layout].init(spec)
-    self.sampler = decode.Sampler.from_config(cfg)
-    self.key = jax.random.PRNGKey(cfg.seed)
-
-  def step(self, tokens_RT, positions_RT, table_RN, lengths_R, last_R, slots_R,
-           width: int) -> np.ndarray:
-    """Run rows R (all slots, or the narrow prefill batch `slots_R`) reading `width` tokens
-    per row; host state goes in as data."""
-    self.key, sub = jax.random.split(self.key)
-    args = [jnp.asarray(a) for a in (tokens_RT, positions_RT, last_R)] + [sub]
-    kw = {"cfg": self.cfg, "sampler": self.sampler}
-    if self.paged:  # any rows, any width: it is all in the block table
-      cache = dataclasses.replace(self.cache, block_table=jnp.asarray(table_RN),
-                                  lengths=jnp.asarray(lengths_R))
-      nxt, self.cache = serve_step(self.params, cache, *args, **kw)
-    else:
-      lengths_B = np.zeros((self.spec.batch,), np.int32)  # rows outside slots_R are not read
-      lengths_B[slots_R] = lengths_R
-      cache = dataclasses.replace(self.cache, lengths=jnp.asarray(lengths_B))
-      all_rows = len(slots_R) == self.spec.batch and bool((np.diff(slots_R) == 1).all())
-      nxt, self.cache = serve_contiguous(self.params, cache, jnp.asarray(slots_R), *args,
-                                         width=width, all_rows=all_rows, **kw)
-    return np.asarray(nxt)
-
-
 class Engine:
   """Serve `Request`s to completion: `run(requests) -> stats` (outputs land in each request)."""
 
   def __init__(self, cfg: Config, params=None, *, slots: int, max_len: int, chunk: int = 32,
                prefill_rows: int = 2, prefix_cache: bool = True, watermark: float = 0.01,
                widths: tuple[int, ...] | None = None, backend=None):
-    if cfg.cache.layout not in ("paged", "contiguous"):
-      raise KvjaxError(f"the serving engine needs cache.layout=paged or contiguous, got "
-                       f"'{cfg.cache.layout}'")
-    if cfg.cache.policy != "full":
-      raise KvjaxError(f"the serving engine does not evict tokens (cache.policy="
-                       f"{cfg.cache.policy}); set cache.policy=full")
+    step_lib.check_config(cfg)  # layouts, no eviction, no residual window, one device
     if min(slots, max_len, chunk, prefill_rows) <= 0:
       raise KvjaxError("engine slots, max_len, chunk and prefill_rows must be positive")
-    if cfg.cache.residual:
-      raise KvjaxError("the serving engine does not support cache.residual yet; set "
-                       "cache.residual=0")
     if max_len > cfg.model.max_seq_len:
       raise KvjaxError(f"engine max_len={max_len} exceeds model.max_seq_len="
                        f"{cfg.model.max_seq_len}; lower it")
     self.cfg, self.slots, self.max_len, self.chunk = cfg, slots, max_len, chunk
     self.prefill_rows = min(prefill_rows, slots)
     self.widths = tuple(sorted({min(w, max_len) for w in widths or ()} | {max_len})) \
-        if widths else bucket_widths(max_len)
+        if widths else step_lib.bucket_widths(max_len)
     self.spec = cache_lib.CacheSpec.from_config(cfg, slots, max_len)
     self.paged = cfg.cache.layout == "paged"
     self.prefix_cache = prefix_cache and self.paged
@@ -186,7 +90,7 @@ class Engine:
       self.page = paged.page_size(self.spec)
       self.n_pages = paged.num_pages(self.spec)
       self.watermark = int(watermark * self.n_pages)
-    self.backend = backend or ModelBackend(cfg, params, self.spec)
+    self.backend = backend or step_lib.ModelBackend(cfg, params, self.spec)
 
   # -- checks and bookkeeping ---------------------------------------------------------------
   def _check(self, r: Request) -> None:
@@ -216,7 +120,7 @@ class Engine:
     """Chained keys of r's first n full pages (extending the ones already computed)."""
     if len(r.keys) < n:
       have = len(r.keys)
-      r.keys += paged.page_keys(r.seq[have * self.page:], self.page, n - have,
+      r.keys += page_keys(r.seq[have * self.page:], self.page, n - have,
                                 r.keys[-1] if r.keys else b"")
     return r.keys[:n]
 
@@ -281,7 +185,7 @@ class Engine:
   def run(self, requests: list[Request]) -> dict:
     for r in requests:
       self._check(r)
-    self.alloc = paged.PageAllocator(self.n_pages) if self.paged else None
+    self.alloc = PageAllocator(self.n_pages) if self.paged else None
     self.free_slots = list(range(self.slots - 1, -1, -1))
     self.running: list[Request] = []
     self.waiting: collections.deque = collections.deque()

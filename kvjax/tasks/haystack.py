@@ -1,53 +1,13 @@
-"""Long-context retrieval tasks, generated here (no downloads), and how to score them.
-
-Three synthetic tasks in the spirit of passkey retrieval and RULER; each builds a long
-*context* (instructions plus a haystack of repeated filler sentences with facts hidden
-in it) and one *query* per hidden fact:
-
-  passkey   one line "The pass key is 12345. Remember it." at one depth; the question
-            asks for the pass key. One query.
-  niah      RULER-style needles with distractors: one line "The special magic number for
-            WORD is: 1234567." per requested depth, each with its own key word and value;
-            one query per needle (the other needles are its distractors).
-  vt        variable tracking: per requested depth a chain `VAR A = 12345`, then (later in
-            the haystack) `hops` assignments `VAR B = VAR A`, ...; one query per chain,
-            "what is the value of" its last variable. Every chain holds a different number, so copying any
-            number from the context is right 1 / n_chains of the time (the chance level).
-            This is the form chosen for a 135M model: a value lookup one hop deep (default),
-            answered by copying digits (RULER's form, listing every variable that holds a
-            value, asks for names and is out of reach for such a model).
-
-Generators are tokenizer-agnostic: they take an `encode(text) -> ids` function only to fit
-the filler to a target token count, and return text plus the expected answer. The prompt
-is `prefix` (instructions + haystack) followed by a query's `tail` (question and the
-answer's opening words, e.g. "The pass key is"); `n_tokens` is len(encode(prefix)) +
-len(encode(tail)) for the longest tail, at most `target` and within one filler sentence of
-it. A `Template` wraps the prompt in a chat format (`CHATML` for SmolLM2-Instruct).
-
-What the cache sees. In kvjax a chunk of tokens fed in one call attends to its own fresh
-K/V; only *later* calls read K/V back through the cache codec. If prefix and question went
-in as one prefill, a lossy cache would never touch the first answer token. So
-`answer_through_cache` feeds the prefix first, then the query's tail as its own call, then
-decodes greedily: every token of the tail and of the answer reads the prefix's K/V through
-the codec (tests/test_tasks.py holds that this differs from a one-shot prefill under int2).
-The prefix itself is prefilled at full precision and then stored through the codec
-(`encode_prefix`), which is KIVI's protocol (full-precision prefill, compressed cache) and
-lets one fp32 prefill serve every cache setting: storing the fp32 K/V through a codec is
-the same write a prefill with that codec makes.
-
-Scoring (`score`): the first run of digits in the generated text must equal the answer
-exactly (so "123456" does not count for "12345").
+"""The task generators (passkey, niah, vt): a haystack of filler sentences fitted to a token
+budget with fact lines at the requested depths, one query per fact, and `score`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from typing import Callable
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kvjax.errors import KvjaxError
@@ -258,97 +218,3 @@ def score(generated: str, answer: str) -> float:
   """1.0 when the first run of digits in `generated` is exactly `answer`, else 0.0."""
   m = _DIGITS.search(generated)
   return float(m is not None and m.group(0) == answer)
-
-
-# -- answering through a cache -------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _forward(params, tokens_BT, lengths_B, cache, *, cfg):
-  """One call through the cache (not donated: a prefix cache serves several tails).
-  Returns the last valid token's logits [B, V] and the new cache."""
-  from kvjax import cache as cache_lib
-  from kvjax import decode
-
-  T = tokens_BT.shape[1]
-  t = jnp.arange(T, dtype=jnp.int32)[None, :]
-  positions = jnp.where(t < lengths_B[:, None], cache.lengths[:, None] + t, -1)
-  model, params = decode.network(cfg, params, logits_last=True)  # lm_head on the last token
-  logits_B1V, cache = cache_lib.LAYOUTS[cache.spec.layout].forward(model, params, tokens_BT,
-                                                                   positions, cache)
-  return logits_B1V[:, 0], cache
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "steps"))
-def _greedy(params, cache, logits_BV, *, cfg, steps: int):
-  from kvjax import cache as cache_lib
-  from kvjax import decode
-
-  model, params = decode.network(cfg, params)
-  layout = cache_lib.LAYOUTS[cache.spec.layout]
-
-  def step(carry, _):
-    c, tok = carry
-    logits, c = layout.forward(model, params, tok[:, None], c.lengths[:, None], c)
-    nxt = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
-    return (c, nxt), nxt
-
-  first = jnp.argmax(logits_BV, -1).astype(jnp.int32)
-  _, rest = jax.lax.scan(step, (cache, first), None, length=steps - 1)
-  return jnp.concatenate([first[:, None], rest.T], axis=1)
-
-
-def _pad(ids, size: int) -> tuple[np.ndarray, np.ndarray]:
-  out = np.zeros((1, size), np.int32)
-  out[0, :len(ids)] = ids
-  return out, np.array([len(ids)], np.int32)
-
-
-def prefill(cfg, params, ids, capacity: int, chunk: int = 512):
-  """The prefix through `cfg`'s cache, `chunk` tokens per call (the last call padded, so one
-  program serves every length). Returns the filled cache."""
-  from kvjax import cache as cache_lib
-
-  if len(ids) > capacity:
-    raise KvjaxError(f"prefix of {len(ids)} tokens exceeds the cache capacity {capacity}")
-  c = cache_lib.init_cache(cfg, 1, capacity)
-  for s in range(0, len(ids), chunk):
-    tok, n = _pad(ids[s:s + chunk], chunk)
-    _, c = _forward(params, tok, n, c, cfg=cfg)
-  return c
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "capacity"))
-def _reencode(k_LKND, v_LKND, n, *, cfg, capacity: int):
-  from kvjax import cache as cache_lib
-
-  c = cache_lib.init_cache(cfg, 1, capacity)
-  k = jnp.swapaxes(k_LKND, 1, 2)[:, None]  # [L, 1, N, K, D]
-  v = jnp.swapaxes(v_LKND, 1, 2)[:, None]
-  pos = jnp.where(jnp.arange(k.shape[2]) < n, jnp.arange(k.shape[2]), -1)[None, :]
-  return cache_lib.LAYOUTS[c.spec.layout].write(c, k, v, pos.astype(jnp.int32))
-
-
-def prefix_kv(fp32_cache) -> tuple:
-  """(K, V, n): the full-precision K/V [L, K, n, D] of a one-sequence fp32 contiguous cache
-  without a residual window (the output of `prefill` with `evaluate.reference_config`)."""
-  spec = fp32_cache.spec
-  if (spec.layout, spec.k_codec, spec.v_codec, spec.residual) != ("contiguous", "fp32",
-                                                                   "fp32", 0):
-    raise KvjaxError("prefix_kv needs an fp32 contiguous cache without a residual window")
-  n = int(fp32_cache.lengths[0])
-  return fp32_cache.k[:, 0], fp32_cache.v[:, 0], n
-
-
-def encode_prefix(cfg, kv, capacity: int):
-  """A fresh `cfg` cache holding the prefix's full-precision K/V stored through its codec
-  and layout: the same `write` a prefill with this cache makes after computing them."""
-  k, v, n = kv
-  return _reencode(k, v, jnp.int32(n), cfg=cfg, capacity=capacity)
-
-
-def answer_through_cache(cfg, params, cache, tail_ids, steps: int, tail_pad: int = 0):
-  """Greedy tokens [steps] after feeding `tail_ids` as one call through `cache` (a cache
-  holding the prefix; not consumed). Every tail and answer token reads the prefix's
-  encoded K/V. `tail_pad` pads the tail so one program serves tails of any length."""
-  tok, n = _pad(tail_ids, max(tail_pad, len(tail_ids)))
-  last, c = _forward(params, tok, n, cache, cfg=cfg)
-  return [int(t) for t in np.asarray(_greedy(params, c, last, cfg=cfg, steps=steps))[0]]

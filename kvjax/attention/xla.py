@@ -1,0 +1,135 @@
+"""Attention variants. MHA, GQA and MQA are one grouped computation.
+
+Queries are grouped as [B, K, G, T, D] (G = H // K query heads share one KV head), so
+MHA is G = 1 and MQA is K = 1, and the cache only ever holds K heads. A layer attends to
+the stored segments its cache layout hands it (read through each segment's codec, which
+folds quantization scales into the logits and probabilities) plus the T new tokens of
+this call, causally. All segments share one softmax.
+
+Reads are blockwise with an online softmax (running max, running sum, rescaled
+accumulator): a stored segment is read `codecs.READ_CHUNK` tokens at a time in a
+`lax.while_loop` whose trip count is the segment's *live* length (`Segment.live`, data,
+not shape), so a decode step reads the tokens the cache holds, not its allocated
+capacity, and prefill into an empty cache reads nothing. Nothing retraces as lengths
+grow. Only one block of codes is ever widened at a time (XLA:CPU materializes the
+converted operand of a dot), so no full-precision copy of the cache exists.
+
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import codecs
+from kvjax.attention import base
+
+def block_size(seg, S: int) -> int:
+  """Tokens per block: READ_CHUNK rounded to whole units of the segment (codec token
+  blocks, pages), at most S."""
+  U = seg.unit
+  return min(S, max(U, codecs.READ_CHUNK // U * U))
+
+
+def attend_segment(q_BKGTD, seg, state):
+  """Online softmax over the stored tokens [0, live) of one segment, block by block."""
+  S = seg.mask_BS.shape[1]
+  if S == 0:
+    return state
+  C = block_size(seg, S)
+  live = S if seg.live is None else seg.live
+
+  def block(i, st):
+    # The last block may overrun S: its start is pulled back to S - C (still a whole
+    # number of codec blocks) and the tokens already read are masked out.
+    start = jnp.minimum(i * C, S - C)
+    k, v = seg.cut(seg.k, start, C), seg.cut(seg.v, start, C)
+    idx_C = start + jnp.arange(C)
+    mask_BC = jax.lax.dynamic_slice_in_dim(seg.mask_BS, start, C, axis=1) & \
+        (idx_C >= i * C)[None, :]
+    mask = mask_BC[:, None, None, None, :]
+    l_BKGTC = seg.k_codec.qk_block(q_BKGTD, k)
+    return base.update(st, l_BKGTC, mask, lambda p: seg.v_codec.pv_block(p, v))
+
+  if C == S:  # one block: no loop
+    return block(0, state)
+  n = (jnp.asarray(live, jnp.int32) + C - 1) // C
+  return jax.lax.fori_loop(0, n, block, state)
+
+
+# Queries of a prompt attended together to the prompt's own tokens. Keys beyond a block's
+# last query are skipped, which assumes that within one call the valid positions of a row
+# increase with the token index (prefill, engine chunks, recompute and training all place
+# token t at position start + t, padding at -1). The [B, K, G, T, T] logits of a whole
+# prompt, and the several passes over them (mask, max, exp, sum), were the bulk of prefill:
+# 67 MB per intermediate at batch 8 x 512 tokens, GQA-2 (docs/architecture.md).
+NEW_BLOCK = 128
+
+
+def _new_tokens(q_BKGTD, k_BKID, v_BKID, pos_q_BT, pos_k_BI):
+  """Logits, mask and value read of a block of queries against this call's own keys, the
+  I tokens up to the block's end (causal)."""
+  f32 = jnp.float32
+  l_new = jnp.einsum("bkgtd,bkid->bkgti", q_BKGTD, k_BKID, preferred_element_type=f32)
+  causal_BTI = (pos_k_BI[:, None, :] <= pos_q_BT[:, :, None]) & (pos_k_BI[:, None, :] >= 0)
+  pv_new = lambda p: jnp.einsum("bkgti,bkid->bkgtd", p.astype(v_BKID.dtype), v_BKID,  # noqa
+                                preferred_element_type=f32)
+  return l_new, causal_BTI[:, None, None], pv_new
+
+
+def grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments,
+            read=None) -> jax.Array:
+  """Grouped-query attention over stored segments + the new tokens. Returns [B, T, H, D].
+  `read(q_BKGTD, seg, state) -> state` reads one stored segment (default: the
+  XLA blockwise read; `kvjax.attention.pallas` plugs in its kernel)."""
+  B, T, H, D = q_BTHD.shape
+  K = k_BTKD.shape[2]
+  G = H // K
+  q_BKGTD = (q_BTHD * (D ** -0.5)).reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4)
+  k_BKTD = k_BTKD.transpose(0, 2, 1, 3)
+  v_BKTD = v_BTKD.transpose(0, 2, 1, 3)
+
+  f32 = jnp.float32
+  state = (jnp.full((B, K, G, T), base.MASKED, f32), jnp.zeros((B, K, G, T), f32),
+           jnp.zeros((B, K, G, T, D), f32))
+  for seg in segments:
+    state = (read or attend_segment)(q_BKGTD, seg, state)
+  # The new tokens: causal by position; padding (position -1) is never a key. A prompt is
+  # read NEW_BLOCK queries at a time, each block against the keys up to its own end only.
+  outs = []
+  for t0 in range(0, T, NEW_BLOCK):
+    t1 = min(T, t0 + NEW_BLOCK)
+    st = jax.tree.map(lambda a: a[:, :, :, t0:t1], state)  # noqa: B023
+    _, s, acc = base.update(st, *_new_tokens(q_BKGTD[:, :, :, t0:t1], k_BKTD[:, :, :t1],
+                                         v_BKTD[:, :, :t1], positions_BT[:, t0:t1],
+                                         positions_BT[:, :t1]))
+    # Padding queries see no key at all (s = 0): they read 0, never NaN.
+    outs.append(acc / jnp.where(s > 0, s, 1.0)[..., None])
+  out_BKGTD = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
+  return out_BKGTD.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(q_BTHD.dtype)
+
+
+def reference(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments) -> jax.Array:
+  """The plain path (tests): every stored slot dequantized, one softmax over everything."""
+  B, T, H, D = q_BTHD.shape
+  K = k_BTKD.shape[2]
+  q_BKGTD = (q_BTHD * (D ** -0.5)).reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)
+  whole = lambda seg, enc: seg.cut(enc, 0, seg.mask_BS.shape[1])  # noqa: E731
+  ks = [seg.k_codec.decode(whole(seg, seg.k), jnp.float32) for seg in segments] + \
+      [k_BTKD.transpose(0, 2, 1, 3).astype(jnp.float32)]
+  vs = [seg.v_codec.decode(whole(seg, seg.v), jnp.float32) for seg in segments] + \
+      [v_BTKD.transpose(0, 2, 1, 3).astype(jnp.float32)]
+  causal_BTI = (positions_BT[:, None, :] <= positions_BT[:, :, None]) & \
+      (positions_BT[:, None, :] >= 0)
+  masks = [jnp.broadcast_to(seg.mask_BS[:, None, :], (B, T, seg.mask_BS.shape[1]))
+           for seg in segments] + [causal_BTI]
+  k, v, mask = (jnp.concatenate(ks, axis=2), jnp.concatenate(vs, axis=2),
+                jnp.concatenate(masks, axis=2))
+  logits = jnp.einsum("bkgtd,bksd->bkgts", q_BKGTD.astype(jnp.float32), k)
+  probs = jax.nn.softmax(jnp.where(mask[:, None, None], logits, base.MASKED), axis=-1)
+  out = jnp.einsum("bkgts,bksd->bkgtd", probs, v)
+  return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(q_BTHD.dtype)
+
+
+base.register("grouped", grouped)
+base.register("reference", reference)

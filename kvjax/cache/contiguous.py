@@ -1,0 +1,135 @@
+"""The `contiguous` layout: `capacity` preallocated slots per sequence, every leaf stacked
+over layers [L, B, K, S, ...] (K heads only, never the repeated query-group copies), with
+an optional full-precision window of recent tokens (`cache.residual`, KIVI's R)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax.cache import base
+
+
+@struct.dataclass
+class KVCache:
+  k: Any                 # K codec storage, leaves [L, B, K, S, ...]
+  v: Any                 # V codec storage, leaves [L, B, K, S, ...]
+  lengths: jax.Array     # [B] int32: tokens held per sequence
+  spec: base.CacheSpec = struct.field(pytree_node=False)
+  k_win: Any = None      # full-precision window [L, B, K, R, D] (cache.residual > 0), else None
+  v_win: Any = None
+
+
+class Contiguous(base.Layout):
+  """`capacity` preallocated slots per sequence; token at position p lives in slot p.
+
+  With a residual window (`cache.residual` = R > 0) the newest tokens stay in full
+  precision in a ring of R slots (position p in slot p mod R) and the quantized history
+  holds positions [0, q(n)) in slot p. When the window would overflow, its oldest block
+  of U tokens (U = the K codec's token block: 1, or the KIVI group) is encoded once and
+  appended to the history; history is never decoded or re-encoded. Everything is data-
+  driven by per-sequence lengths, so prefill and decode never retrace.
+  """
+
+  name = "contiguous"
+
+  def init(self, spec: base.CacheSpec) -> KVCache:
+    L, B, K, D, R = spec.n_layers, spec.batch, spec.n_kv_heads, spec.head_dim, spec.residual
+    shape = (L, B, K, spec.history, D)
+    cache = KVCache(k=spec.kc.init(shape), v=spec.vc.init(shape),
+                    lengths=jnp.zeros((B,), jnp.int32), spec=spec)
+    if R:
+      win = lambda: spec.window_codec.init((L, B, K, R, D))  # noqa: E731
+      cache = dataclasses.replace(cache, k_win=win(), v_win=win())
+    return cache
+
+  def store(self, cache: KVCache) -> Any:
+    if cache.k_win is None:
+      return (cache.k, cache.v)
+    return (cache.k, cache.v, cache.k_win, cache.v_win)
+
+  def read(self, spec, store, lengths_B, layer):
+    k, v = store[:2]
+    q_B = spec.quantized_len(lengths_B)
+    segs = []
+    if spec.history:
+      mask_BS = jnp.arange(spec.history)[None, :] < q_B[:, None]
+      segs.append(base.LayerSegment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(q_B),
+                                       layer=layer))
+    if spec.residual:
+      R = spec.residual
+      slot_R = jnp.arange(R)[None, :]
+      pos_BR = q_B[:, None] + (slot_R - q_B[:, None]) % R  # the position each slot holds
+      wc = spec.window_codec
+      segs.append(base.LayerSegment(store[2], store[3], pos_BR < lengths_B[:, None], wc, wc,
+                                       layer=layer))
+    return segs
+
+  def write(self, cache: KVCache, k_LBTKD, v_LBTKD, positions_BT) -> KVCache:
+    spec = cache.spec
+    # [L, B, T, K, D] -> [L, B, K, T, D]: the cache stores K heads before tokens.
+    k_LBKTD = jnp.swapaxes(k_LBTKD, 2, 3)
+    v_LBKTD = jnp.swapaxes(v_LBTKD, 2, 3)
+    lengths = cache.lengths + jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
+    if spec.residual:
+      return self._write_windowed(cache, k_LBKTD, v_LBKTD, positions_BT, lengths)
+    slots_BT = jnp.where(positions_BT >= 0, positions_BT, spec.history)  # padding: dropped
+    k = jax.tree.map(base.scatter(slots_BT), cache.k, spec.kc.encode(k_LBKTD))
+    v = jax.tree.map(base.scatter(slots_BT), cache.v, spec.vc.encode(v_LBKTD))
+    return dataclasses.replace(cache, k=k, v=v, lengths=lengths)
+
+  def _write_windowed(self, cache, k_LBKTD, v_LBKTD, positions_BT, lengths):
+    spec = cache.spec
+    R, U = spec.residual, spec.block
+    n0, n1 = cache.lengths, lengths
+    q0, q1 = spec.quantized_len(n0), spec.quantized_len(n1)
+    T = positions_BT.shape[1]
+    J = -(-T // U)  # q1 - q0 < T + U, so at most J = ceil(T / U) blocks leave per call
+    # The O = J * U positions leaving the window, gathered from (old window ++ new tokens)
+    # in full precision.
+    p_BO = q0[:, None] + jnp.arange(J * U)[None, :]
+    src_BO = jnp.clip(jnp.where(p_BO < n0[:, None], p_BO % R, R + p_BO - n0[:, None]), 0, R + T - 1)
+    blk = q0[:, None] // U + jnp.arange(J)[None, :]
+    blk_BJ = jnp.where((jnp.arange(J)[None, :] + 1) * U <= (q1 - q0)[:, None], blk,
+                       spec.history // U)  # beyond the history: dropped
+    # New tokens that stay in the window go to slot p mod R (the rest never enter it).
+    stay = (positions_BT >= 0) & (positions_BT >= q1[:, None])
+    wslot_BT = jnp.where(stay, positions_BT % R, R)
+
+    def update(codec, hist, win, new_LBKTD):
+      src = jnp.concatenate([win, new_LBKTD.astype(win.dtype)], axis=3)
+      out_LBKOD = jnp.take_along_axis(src, src_BO[None, :, None, :, None], axis=3)
+      hist = jax.tree.map(scatter_blocks(blk_BJ), hist, codec.encode(out_LBKOD))
+      win = base.scatter(wslot_BT)(win, spec.window_codec.encode(new_LBKTD))
+      return hist, win
+
+    k, k_win = update(spec.kc, cache.k, cache.k_win, k_LBKTD)
+    v, v_win = update(spec.vc, cache.v, cache.v_win, v_LBKTD)
+    return dataclasses.replace(cache, k=k, v=v, k_win=k_win, v_win=v_win, lengths=lengths)
+
+  def closed_form_bytes(self, spec: base.CacheSpec) -> int:
+    per_token = (spec.kc.bytes_per_token(spec.n_kv_heads, spec.head_dim)
+                 + spec.vc.bytes_per_token(spec.n_kv_heads, spec.head_dim))
+    window = 2 * spec.residual * spec.window_codec.bytes_per_token(spec.n_kv_heads, spec.head_dim)
+    return int(round(spec.n_layers * spec.batch * (spec.history * per_token + window))) \
+        + 4 * spec.batch
+
+
+def scatter_blocks(blk_BJ):
+  """Like `base.scatter`, for leaves holding J encoded blocks: block j goes to block blk_BJ[b, j]."""
+  def put(store, new):
+    J = blk_BJ.shape[1]
+    L, B, K, rows = new.shape[:4]
+    r = rows // J  # leaf rows per block (U codes rows, or 1 scale row for a channel codec)
+    store5 = store.reshape(L, B, K, store.shape[3] // r, r, *store.shape[4:])
+    new5 = new.reshape(L, B, K, J, r, *new.shape[4:])
+    out = base.scatter(blk_BJ)(store5, new5)
+    return out.reshape(store.shape)
+  return put
+
+
+base.register(Contiguous())

@@ -1,0 +1,155 @@
+"""The `kvjax` argument parser: every subcommand, its flags and help, each bound to its
+`cmd_*` function (kvjax.cli.commands). A parse error is a one-line KvjaxError.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kvjax.cli.commands import (CODEC_NAMES, DEFAULT_CODEC, LAYOUT_NAMES, cmd_convert, cmd_eval,
+                                cmd_generate, cmd_models, cmd_results, cmd_run, cmd_size,
+                                cmd_train)
+from kvjax.errors import KvjaxError
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):  # one line, not the usage block
+    raise KvjaxError(f"{message} (see {self.prog} --help)")
+
+
+def _add_distributed(p):
+  d = p.add_argument_group("multi-host (jax.distributed; or KVJAX_COORDINATOR, "
+                           "KVJAX_NUM_PROCESSES, KVJAX_PROCESS_ID, KVJAX_DISTRIBUTED=1)")
+  d.add_argument("--distributed", action="store_true",
+                 help="jax.distributed.initialize() with cluster auto-detection (TPU, SLURM, MPI)")
+  d.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
+  d.add_argument("--num-processes", type=int)
+  d.add_argument("--process-id", type=int)
+
+
+def _add_set(p):
+  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                 help="override a config key, e.g. --set model.n_kv_heads=2 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = _Parser(prog="kvjax", description="Compare KV-cache variants: memory, speed, quality.")
+  sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+  s = sub.add_parser(
+      "size", help="closed-form KV-cache bytes for a model shape, and what fits a budget",
+      description="Closed-form KV-cache bytes (per token, and for --batch x --seq-len) of a "
+      "model given by its shape flags, a kvjax config, a Hugging Face folder or a GGUF file; with --budget, "
+      "how many sequences fit after the weights. The cache is bf16 unless a codec is given, "
+      "whichever way the model is named. Codecs: " + ", ".join(CODEC_NAMES) + ". Layouts "
+      "(--set cache.layout=): " + ", ".join(LAYOUT_NAMES) + " (none is sized as contiguous).")
+  s.add_argument("--layers", type=int, help="decoder layers (shape-only form)")
+  s.add_argument("--heads", type=int, help="query heads (shape-only form)")
+  s.add_argument("--kv-heads", type=int, help="KV heads: = heads for MHA, 1 for MQA")
+  s.add_argument("--head-dim", type=int, help="dimension of one head")
+  s.add_argument("--hf", metavar="DIR", help="read the shape from a Hugging Face config.json "
+                 "(parameters counted in its torch_dtype)")
+  s.add_argument("--gguf", metavar="FILE|NAME", help="read the shape from a GGUF file's "
+                 "metadata, or a model `kvjax models` lists (parameters dequantized to fp32)")
+  s.add_argument("--config", metavar="FILE.yaml", help="read the shape from a kvjax config, "
+                 "or a packaged model shape by name, e.g. llama3-8b (parameters in model.param_dtype)")
+  s.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+  s.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
+  s.add_argument("--dtype", help="float32 | bfloat16 | float16: the same as --codec "
+                 "fp32/bf16/fp16")
+  s.add_argument("--codec", help=f"cache codec for K and V (default {DEFAULT_CODEC}): "
+                 + ", ".join(CODEC_NAMES))
+  s.add_argument("--k-codec", help="codec for K only (beats --codec)")
+  s.add_argument("--v-codec", help="codec for V only (beats --codec)")
+  s.add_argument("--budget", metavar="SIZE", help="memory to fill, e.g. 80GiB or 80GB "
+                 "(KB/MB/GB/TB: powers of 1000; KiB/MiB/GiB/TiB: of 1024): sequences of "
+                 "--seq-len that fit after the weights, per codec; activations not counted")
+  s.add_argument("--json", action="store_true", help="print one JSON object")
+  _add_set(s)
+  s.set_defaults(func=cmd_size)
+
+  g = sub.add_parser("generate", help="prefill + decode through the cache")
+  src = g.add_mutually_exclusive_group()
+  src.add_argument("--config", metavar="FILE.yaml")
+  src.add_argument("--checkpoint", metavar="DIR")
+  src.add_argument("--hf", metavar="DIR")
+  src.add_argument("--gguf", metavar="FILE|NAME", help="a GGUF file or a name `kvjax models` lists")
+  pr = g.add_mutually_exclusive_group()
+  pr.add_argument("--prompt")
+  pr.add_argument("--prompt-ids", action="append", metavar="1,2,3",
+                  help="one sequence per use; repeat for a ragged batch")
+  g.add_argument("--max-new-tokens", type=int, default=16)
+  g.add_argument("--codec", help="cache codec for K and V")
+  g.add_argument("--k-codec", help="cache codec for K only (e.g. int8 with --v-codec int4)")
+  g.add_argument("--v-codec", help="cache codec for V only")
+  g.add_argument("--greedy", action="store_true")
+  g.add_argument("--temperature", type=float)
+  g.add_argument("--top-k", type=int)
+  g.add_argument("--top-p", type=float)
+  g.add_argument("--seed", type=int, help="sampling seed (the weights keep the config's seed)")
+  g.add_argument("--json", action="store_true")
+  _add_set(g)
+  _add_distributed(g)
+  g.set_defaults(func=cmd_generate)
+
+  r = sub.add_parser("run", help="run an experiment config's grid, appending results rows")
+  r.add_argument("file", metavar="FILE.yaml")
+  r.add_argument("--out", metavar="DIR", help="results folder (default results/<name>)")
+  r.add_argument("--dry-run", action="store_true",
+                 help="list the cells and their resolved cache settings; run nothing")
+  _add_set(r)
+  _add_distributed(r)
+  r.set_defaults(func=cmd_run)
+
+  rs = sub.add_parser("results", help="results rows as a CSV or markdown table",
+                      description="Flatten the rows of a results file, or of every *.jsonl "
+                      "under a folder, into one table (variant and workload fields, then the "
+                      "metrics): CSV in raw units (seconds, bytes), markdown as printed by run.")
+  rs.add_argument("path", metavar="DIR_OR_FILE", help="a results folder or .jsonl file")
+  rs.add_argument("--format", default="markdown", choices=("csv", "markdown"),
+                  help="csv (one table, raw values) or markdown (one table per experiment)")
+  rs.add_argument("--experiment", metavar="NAME", help="only the rows of this experiment")
+  rs.set_defaults(func=cmd_results)
+
+  t = sub.add_parser("train", help="train a model from a config, with orbax checkpoints")
+  t.add_argument("file", metavar="FILE.yaml")
+  t.add_argument("--out", metavar="DIR", required=True)
+  _add_set(t)
+  t.set_defaults(func=cmd_train)
+
+  c = sub.add_parser("convert", help="mean-pool an MHA checkpoint's K/V heads into GQA/MQA, or "
+                     "factor K/V to a rank-R latent (--latent-rank)")
+  csrc = c.add_mutually_exclusive_group(required=True)
+  csrc.add_argument("--checkpoint", metavar="DIR")
+  csrc.add_argument("--hf", metavar="DIR")
+  csrc.add_argument("--gguf", metavar="FILE|NAME")
+  c.add_argument("--kv-heads", type=int)
+  c.add_argument("--latent-rank", type=int, metavar="R",
+                 help="factor K/V projections to rank R for the latent (MLA-style) cache")
+  c.add_argument("--out", metavar="DIR", required=True)
+  _add_set(c)
+  c.set_defaults(func=cmd_convert)
+
+  e = sub.add_parser("eval", help="perplexity and KL through the cache vs an fp32 cache")
+  esrc = e.add_mutually_exclusive_group(required=True)
+  esrc.add_argument("--config", metavar="FILE.yaml")
+  esrc.add_argument("--checkpoint", metavar="DIR")
+  esrc.add_argument("--hf", metavar="DIR")
+  esrc.add_argument("--gguf", metavar="FILE|NAME")
+  e.add_argument("--text", default="stdlib",
+                 help="a text file, or `stdlib` (Python's own sources and docs; the default)")
+  e.add_argument("--tokens", type=int, default=512, help="tokens per window (N)")
+  e.add_argument("--seqs", type=int, default=1, help="windows (B); 1 = the first N tokens")
+  e.add_argument("--chunk", type=int, default=1, help="tokens per step (1 = pure decode)")
+  e.add_argument("--codec", help="cache codec for K and V")
+  e.add_argument("--k-codec")
+  e.add_argument("--v-codec")
+  e.add_argument("--json", action="store_true", help="print one JSON object")
+  _add_set(e)
+  e.set_defaults(func=cmd_eval)
+
+  mo = sub.add_parser("models", help="list or fetch the real models kvjax knows by name")
+  mo.add_argument("action", nargs="?", choices=("list", "fetch"), default="list")
+  mo.add_argument("names", nargs="*", metavar="NAME")
+  mo.set_defaults(func=cmd_models)
+  return p

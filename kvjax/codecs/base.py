@@ -1,0 +1,166 @@
+"""The codec contract and the codec registry.
+
+A codec owns its bytes. `encode` turns a block of vectors `x[..., T, D]` into the codec's
+stored pytree (every leaf keeps the token axis at -2, so a layout can allocate, write and
+slice any codec the same way); `qk_block` and `pv_block` are the attention's two reads of
+a block of stored tokens, so a quantized codec can fold its scales into the logits and
+probabilities instead of materialising a full-precision copy of the cache. The attention
+keeps blocks small (`READ_CHUNK` tokens), so whatever a read widens is block-sized.
+
+Registry codecs are generic; `for_role(name, cache_cfg, "k"|"v")` returns the instance a
+cache actually uses, with the granularity knobs of `cache_cfg` (group size, key axis)
+bound in (`Codec.configure`), so `encode` and the reads never need the config again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.errors import KvjaxError
+
+CODECS: dict[str, "Codec"] = {}
+
+
+def register(codec: "Codec") -> "Codec":
+  CODECS[codec.name] = codec
+  return codec
+
+
+def get(name: str) -> "Codec":
+  try:
+    return CODECS[name]
+  except KeyError:
+    raise KvjaxError(f"unknown codec '{name}'; known: {', '.join(CODECS)}") from None
+
+
+READ_CHUNK = 512  # stored tokens the attention reads (and a codec widens) at once
+
+
+_BITS = {jnp.dtype(jnp.bfloat16): jnp.uint16, jnp.dtype(jnp.float8_e4m3fn): jnp.uint8,
+         jnp.dtype(jnp.float8_e5m2): jnp.uint8}
+
+
+def store_bits(x: jax.Array) -> jax.Array:
+  """bfloat16 and float8 are stored as their unsigned bit patterns: XLA:CPU has no native
+  scatter for them and "normalizes" each one to float32 over the *whole* array (measured:
+  a one-token write into a bf16 cache allocated a float32 copy of the cache; fp8_e4m3
+  decode ran 5-8x slower than bf16), while an integer scatter updates in place. The
+  bitcast is free on every backend."""
+  bits = _BITS.get(jnp.dtype(x.dtype))
+  return x if bits is None else jax.lax.bitcast_convert_type(x, bits)
+
+
+def load_bits(a: jax.Array, dtype) -> jax.Array:
+  """Inverse of `store_bits` for a leaf whose logical type is `dtype`."""
+  if jnp.dtype(dtype) in _BITS and a.dtype == _BITS[jnp.dtype(dtype)]:
+    return jax.lax.bitcast_convert_type(a, dtype)
+  return a
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+  """Base codec: full-precision storage in `dtype` (fp32 / bf16 / fp16)."""
+
+  name: str
+  dtype: Any = jnp.float32
+
+  # Tokens encoded together (1: every token is encoded on its own). A layout writes a
+  # codec's storage in whole blocks of this many tokens.
+  token_block = 1
+
+  def configure(self, cache_cfg, role: str) -> "Codec":
+    """This codec with the granularity knobs of `cache_cfg` for K (`role="k"`) or V bound
+    in (group size, key axis); the float codecs have none."""
+    return self
+
+  def check(self, cache_cfg, model_cfg, role: str) -> None:
+    """Host-side limits of this codec in `role` (`codecs.check` calls it for K and V)."""
+    if role == "k" and cache_cfg.k_axis == "channel":
+      raise KvjaxError(f"cache.k_axis=channel needs a quantized cache.k_codec (int8, int4, int2, "
+                       f"fp8_e4m3, fp8_e5m2), got '{self.name}'; or set cache.k_axis=token")
+
+  # -- storage -------------------------------------------------------------------------
+  def init(self, shape: tuple[int, ...]) -> Any:
+    """Zeroed storage for `shape` = [..., S, D]: S tokens of D values."""
+    return store_bits(jnp.zeros(shape, self.dtype))
+
+  def encode(self, x_TD: jax.Array) -> Any:
+    """Encode T vectors [..., T, D]; the result has the same pytree structure as `init`."""
+    if jnp.dtype(self.dtype) == jnp.float32:
+      return x_TD.astype(self.dtype)
+    fmax = float(jnp.finfo(self.dtype).max)
+    x = x_TD.astype(jnp.float32)
+    return store_bits(jnp.where(jnp.isfinite(x), jnp.clip(x, -fmax, fmax), x).astype(self.dtype))
+
+  def decode(self, enc: Any, dtype=jnp.float32) -> jax.Array:
+    """Full-precision view (tests and reference paths only; the attention reads through
+    qk_block/pv_block)."""
+    return load_bits(enc, self.dtype).astype(dtype)
+
+  def bytes_per_token(self, n_kv_heads: int, head_dim: int) -> float:
+    """Closed-form bytes one token of K (or V) takes in one layer, metadata included."""
+    return n_kv_heads * head_dim * jnp.dtype(self.dtype).itemsize
+
+  # -- the attention's reads -----------------------------------------------------------
+  def qk_block(self, q_BKGTD: jax.Array, k_enc: Any) -> jax.Array:
+    """Logits [B, K, G, T, C] over a block of C stored tokens in one go (the blockwise read:
+    the caller keeps blocks small, so whatever is widened here is block-sized)."""
+    return self._qk_block(q_BKGTD, k_enc)
+
+  def pv_block(self, p_BKGTC: jax.Array, v_enc: Any) -> jax.Array:
+    """Probability-weighted values of a block of C stored tokens in one go."""
+    return self._pv_block(p_BKGTC, v_enc)
+
+  def _qk_block(self, q_BKGTD, k_enc):
+    return dot_qk(q_BKGTD, self.decode(k_enc, q_BKGTD.dtype))
+
+  def _pv_block(self, p_BKGTC, v_enc):
+    return dot_pv(p_BKGTC, self.decode(v_enc, p_BKGTC.dtype))
+
+
+def per_head(G: int, D: int) -> bool:
+  """Split the G query heads sharing a KV head into G batched matvecs? CPU only: XLA:CPU ran
+  the [G*T, D] x [D, C] GEMM 1.3-1.8x slower than G matvecs for G = 2-4 at head_dim 32-128
+  (it transposes the block for the GEMM or takes a slow path). Each matvec is one more
+  operation per block, though, and that overhead won for G = 8 (7-80% slower split) and
+  for G = 4 at head_dim 16 (5-14%); G = 2 at head_dim 16 still gained 15-20% (decode,
+  batch 4, 4k, bench_codecs). Accelerators keep one GEMM, which reads each block once."""
+  return jax.default_backend() == "cpu" and 1 < G <= min(4, D // 8)
+
+
+def _grouped_einsum(spec: str, a_BKG: jax.Array, b_BKCD: jax.Array) -> jax.Array:
+  """`jnp.einsum(spec)` in float32 of per-query-head operands [B, K, G, ...] against a
+  (widened) block [B, K, C, D]: one einsum, or G of them where `per_head` says so."""
+  f32 = jnp.float32
+  G = a_BKG.shape[2]
+  if not per_head(G, b_BKCD.shape[-1]):
+    return jnp.einsum(spec, a_BKG, b_BKCD, preferred_element_type=f32)
+  head = spec.replace("g", "")
+  return jnp.stack([jnp.einsum(head, a_BKG[:, :, g], b_BKCD, preferred_element_type=f32)
+                    for g in range(G)], axis=2)
+
+
+def dot_qk(q_BKGTD: jax.Array, k_BKCD: jax.Array) -> jax.Array:
+  """Logits of the queries against a (widened) block of C keys: [B, K, G, T, C] float32."""
+  return _grouped_einsum("bkgtd,bkcd->bkgtc", q_BKGTD, k_BKCD)
+
+
+def dot_pv(p_BKGTC: jax.Array, v_BKCD: jax.Array) -> jax.Array:
+  """Probability-weighted sum of a (widened) block of C values: [B, K, G, T, D] float32."""
+  return _grouped_einsum("bkgtc,bkcd->bkgtd", p_BKGTC, v_BKCD)
+
+
+DTYPE_TO_CODEC = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def for_role(name: str, cache_cfg=None, role: str = "v") -> "Codec":
+  """The codec instance a cache uses for K (`role="k"`) or V, knobs from `cache_cfg` bound.
+
+  Codecs with granularity knobs override `Codec.configure`; the float codecs have none.
+  """
+  codec = get(name)
+  return codec if cache_cfg is None else codec.configure(cache_cfg, role)

@@ -1,0 +1,141 @@
+"""Host-side checks of a built config: the allowed range of every numeric field, the
+cross-field rules (heads divide, codecs and layouts exist, KIVI settings fit), each failure
+one line naming the key, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from kvjax.config.schema import DTYPES, SECTIONS, Config, field_type
+from kvjax.errors import KvjaxError
+
+
+# Allowed range of every numeric field: (low, low included, high, high included); None is
+# unbounded. Integer fields must hold ints, float fields finite numbers (no NaN / inf).
+_POS, _NONNEG = (0, False, None, False), (0, True, None, False)
+_RANGES = {
+    "seed": (0, True, 2**63 - 1, True),
+    "model.vocab_size": _POS, "model.d_model": _POS, "model.n_layers": _POS,
+    "model.n_heads": _POS, "model.n_kv_heads": _POS, "model.head_dim": _NONNEG,
+    "model.d_ff": _NONNEG, "model.rope_theta": _POS, "model.norm_eps": _POS,
+    "model.scan_unroll": _POS, "model.max_seq_len": _POS, "model.latent_rank": _NONNEG,
+    "cache.budget": _NONNEG, "cache.ratio": (0, True, 1, True), "cache.sinks": _NONNEG,
+    "cache.window": _NONNEG,
+    "cache.capacity": _NONNEG, "cache.group_size": _NONNEG, "cache.residual": _NONNEG,
+    "cache.page_size": _POS, "cache.num_pages": _NONNEG,
+    "workload.batch": _POS, "workload.prompt_len": _POS, "workload.gen_len": _NONNEG,
+    "workload.temperature": _NONNEG, "workload.top_k": _NONNEG,
+    "workload.top_p": (0, False, 1, True), "workload.eos_id": (-1, True, None, False),
+    "workload.repeats": _POS,
+    "mesh.data": _POS, "mesh.model": _POS,
+    "train.steps": _POS, "train.batch": _POS, "train.seq_len": _POS, "train.lr": _POS,
+    "train.min_lr_ratio": (0, True, 1, True), "train.warmup": _NONNEG,
+    "train.weight_decay": _NONNEG, "train.b1": (0, True, 1, False),
+    "train.b2": (0, True, 1, False), "train.grad_clip": _POS, "train.eval_every": _POS,
+    "train.eval_batches": _POS, "train.checkpoint_every": _POS, "train.log_every": _POS,
+    "train.recall_mix": (0, True, 1, True), "train.recall_pairs": _POS,
+}
+# What a zero or negative value of a field usually meant, for the message.
+_DEFAULT_HINT = {"model.head_dim": " (0 picks d_model // n_heads)",
+                 "model.d_ff": " (0 picks the Llama rule)",
+                 "cache.capacity": " (0 means prompt + new tokens)",
+                 "cache.ratio": " (the fraction of each prompt a policy keeps; 0 means "
+                                "cache.budget sizes the cache)",
+                 "cache.budget": " (0 means cache.ratio or no eviction)",
+                 "model.latent_rank": " (0 means no latent cache)",
+                 "workload.temperature": " (0 means greedy)",
+                 "workload.top_k": " (0 means no top-k cut)",
+                 "workload.eos_id": " (-1 means no stop token)"}
+
+
+def _interval(rng: tuple) -> str:
+  lo, lo_in, hi, hi_in = rng
+  if hi is None:
+    return f"{'>=' if lo_in else '>'} {lo}"
+  return f"in {'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}"
+
+
+def check_number(key: str, value: Any, rng: tuple, integer: bool) -> None:
+  """Raise a one-line KvjaxError unless `value` is a finite int/float inside `rng`."""
+  kind = "an integer" if integer else "a finite number"
+  ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+  if isinstance(value, bool) or not ok_type or not math.isfinite(value):
+    raise KvjaxError(f"{key} must be {kind} {_interval(rng)}, got {value!r}; "
+                     f"set {key} to such a value")
+  lo, lo_in, hi, hi_in = rng
+  if (lo is not None and (value < lo or (value == lo and not lo_in))) or \
+      (hi is not None and (value > hi or (value == hi and not hi_in))):
+    hint = _DEFAULT_HINT.get(key, "")
+    raise KvjaxError(f"{key} must be {kind} {_interval(rng)}{hint}, got {value!r}; "
+                     f"set {key} to such a value")
+
+
+def _check_numbers(cfg: Config) -> None:
+  for key, rng in _RANGES.items():
+    if "." in key:
+      sec, name = key.split(".")
+      value, cls = getattr(getattr(cfg, sec), name), SECTIONS[sec]
+    else:
+      name, value, cls = key, getattr(cfg, key), Config
+    check_number(key, value, rng, field_type(cls, name) is int)
+  m, c, w = cfg.model, cfg.cache, cfg.workload
+  scaling = dict(m.rope_scaling)
+  for key, value in scaling.items():
+    if key not in ("rope_type", "type"):
+      check_number(f"model.rope_scaling.{key}", value, _POS, False)
+  if scaling.get("rope_type", scaling.get("type")) == "llama3":
+    low, high = scaling.get("low_freq_factor"), scaling.get("high_freq_factor")
+    if low is None or high is None or scaling.get("factor") is None \
+        or scaling.get("original_max_position_embeddings") is None:
+      raise KvjaxError("model.rope_scaling of type llama3 needs factor, low_freq_factor, "
+                       "high_freq_factor and original_max_position_embeddings")
+    if high <= low:
+      raise KvjaxError(f"model.rope_scaling.high_freq_factor={high} must exceed "
+                       f"low_freq_factor={low}; fix the rope scaling")
+  if w.eos_id >= m.vocab_size:
+    raise KvjaxError(f"workload.eos_id={w.eos_id} is outside the vocabulary [0, "
+                     f"{m.vocab_size}); use a token id below model.vocab_size or -1 for none")
+  if w.top_k > m.vocab_size:
+    raise KvjaxError(f"workload.top_k={w.top_k} exceeds model.vocab_size={m.vocab_size}; "
+                     "use at most the vocabulary size (0 means no cut)")
+  if c.capacity and c.residual > c.capacity:
+    raise KvjaxError(f"cache.residual={c.residual} exceeds cache.capacity={c.capacity}; "
+                     f"use a window of at most {c.capacity} tokens or raise the capacity")
+
+
+def validate(cfg: Config) -> Config:
+  """Host-side checks with one-line messages that name the key, the value and the fix.
+
+  Every numeric field is checked against `_RANGES` (type, finiteness, range) whatever
+  built the config: YAML, `--set`, a checkpoint's config.yaml or an imported checkpoint's
+  metadata, since all of them come through `apply_overrides`."""
+  from kvjax import attention, cache, codecs, policies  # registries check their own config
+
+  m, c = cfg.model, cfg.cache
+  _check_numbers(cfg)
+  if m.n_heads % m.n_kv_heads:
+    raise KvjaxError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads="
+                     f"{m.n_kv_heads}; choose n_kv_heads among the divisors of n_heads")
+  if not m.head_dim and m.d_model % m.n_heads:
+    raise KvjaxError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
+                     "set model.head_dim explicitly")
+  if m.D % 2:
+    raise KvjaxError(f"head_dim={m.D} is odd; rotary embeddings need an even head_dim")
+  for name in ("dtype", "param_dtype"):
+    if getattr(m, name) not in DTYPES:
+      raise KvjaxError(f"unknown model.{name} '{getattr(m, name)}'; use one of {', '.join(DTYPES)}")
+  if m.attention not in attention.ATTENTIONS:
+    raise KvjaxError(f"unknown attention '{m.attention}'; known: {', '.join(attention.ATTENTIONS)}")
+  if c.layout not in cache.LAYOUTS:
+    raise KvjaxError(f"unknown cache.layout '{c.layout}'; known: {', '.join(cache.LAYOUTS)}")
+  for name in ("k_codec", "v_codec"):
+    if getattr(c, name) not in codecs.CODECS:
+      raise KvjaxError(f"unknown codec '{getattr(c, name)}' (cache.{name}); "
+                       f"known: {', '.join(codecs.CODECS)}")
+  if c.k_axis not in ("token", "channel"):
+    raise KvjaxError(f"unknown cache.k_axis '{c.k_axis}'; use token or channel")
+  for registry in (codecs, cache, attention, policies):
+    registry.check(c, m)
+  return cfg

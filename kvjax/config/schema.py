@@ -1,0 +1,193 @@
+"""The config dataclasses (model, cache, workload, mesh, train, and `Config` over them), the
+map of section names to their dataclasses, and the dotted keys they define.
+
+Frozen and hashable, so a config can be passed to `jax.jit` as a static argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import typing
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int = 260          # V: 256 bytes + specials (kvjax.io.tokenizer.BYTE_VOCAB)
+  d_model: int = 64              # E
+  n_layers: int = 2              # L
+  n_heads: int = 4               # H
+  n_kv_heads: int = 4            # K: MHA when == H, MQA when 1, GQA between
+  head_dim: int = 0              # D: 0 means d_model // n_heads
+  d_ff: int = 0                  # F: 0 means the Llama rule round(8/3 * E) to a multiple of 8
+  attention: str = "grouped"     # attention variant, from kvjax.attention.ATTENTIONS
+  rope_theta: float = 10000.0
+  rope_scaling: tuple = ()       # (("rope_type","llama3"), ("factor", 8.0), ...) as sorted pairs
+  norm_eps: float = 1e-5
+  qkv_bias: bool = False
+  tie_embeddings: bool = False
+  dtype: str = "float32"         # activation / compute dtype
+  param_dtype: str = "float32"
+  scan_unroll: int = 1           # layers are scanned; >= n_layers: prefill, decode and serve
+                                 # run them unrolled over per-layer weights (model.unrolled)
+  max_seq_len: int = 4096        # longest position the model is meant for (RoPE tables, checks)
+  latent_rank: int = 0           # A > 0: rank-A K/V projections, cacheable as latents (kvjax.cache.latent)
+
+  @property
+  def D(self) -> int:
+    return self.head_dim or self.d_model // self.n_heads
+
+  @property
+  def F(self) -> int:
+    if self.d_ff:
+      return self.d_ff
+    return 8 * ((int(round(8 * self.d_model / 3)) + 7) // 8)
+
+  @property
+  def G(self) -> int:
+    return self.n_heads // self.n_kv_heads
+
+  @property
+  def variant(self) -> str:
+    """MHA / GQA-<kv heads> / MQA, the name used in results and plots."""
+    if self.n_kv_heads == self.n_heads:
+      return "MHA"
+    if self.n_kv_heads == 1:
+      return "MQA"
+    return f"GQA-{self.n_kv_heads}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+  layout: str = "contiguous"     # none | contiguous | paged | latent (kvjax.cache.LAYOUTS)
+  codec: str = ""                # sets k_codec and v_codec when given
+  k_codec: str = "fp32"
+  v_codec: str = "fp32"
+  capacity: int = 0              # S tokens per sequence; 0 means prompt + new tokens
+  k_axis: str = "token"          # token | channel (per-channel key scales, KIVI)
+  group_size: int = 0            # quantization group along head_dim (token axis) or tokens
+  residual: int = 0              # full-precision window of recent tokens (KIVI's R)
+  page_size: int = 16
+  num_pages: int = 0             # paged pool size; 0 means enough for batch * capacity
+  policy: str = "full"           # token eviction policy (kvjax.policies.POLICIES)
+  budget: int = 0                # tokens kept per sequence (per layer and KV head); 0: unset
+  ratio: float = 0.0             # alternative to budget: fraction of each prompt kept, (0, 1]
+  sinks: int = 4                 # first tokens always kept by policy `sinks`
+  window: int = 0                # recent (window/sinks/h2o) or snapkv observation window
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadConfig:
+  batch: int = 1
+  prompt_len: int = 16
+  gen_len: int = 16
+  temperature: float = 0.0       # 0 means greedy
+  top_k: int = 0
+  top_p: float = 1.0
+  eos_id: int = -1               # stop token; -1 means none
+  repeats: int = 5               # timing repeats (median reported)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  data: str = "stdlib"           # stdlib (Python's own sources and docs) | a text file or folder
+  steps: int = 200
+  batch: int = 16
+  seq_len: int = 128
+  lr: float = 3e-3
+  min_lr_ratio: float = 0.1      # cosine decays to lr * min_lr_ratio
+  warmup: int = 20
+  weight_decay: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  grad_clip: float = 1.0
+  eval_every: int = 50
+  eval_batches: int = 8
+  checkpoint_every: int = 100
+  log_every: int = 10
+  recall_mix: float = 0.0        # fraction of each batch that is associative recall (kvjax.data)
+  recall_pairs: int = 8          # key-value pairs (and queries) per recall sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  data: int = 1
+  model: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  model: ModelConfig = ModelConfig()
+  cache: CacheConfig = CacheConfig()
+  workload: WorkloadConfig = WorkloadConfig()
+  mesh: MeshConfig = MeshConfig()
+  train: TrainConfig = TrainConfig()
+  seed: int = 0
+  tokenizer: str = "bytes"       # bytes | none | a path to tokenizer.json
+  experiment: str = ""           # experiment name for `kvjax run`
+  grid: tuple = ()               # ((dotted key, (values...)), ...) expanded by `kvjax run`
+  params: tuple = ()             # experiment-specific options as sorted (key, value) pairs
+  name: str = ""
+
+  def to_dict(self) -> dict:
+    return _to_plain(self)
+
+  def hash(self) -> str:
+    """12 hex digits identifying what runs: the config with every field that holds its
+    default left out, so adding a new option (with a default that changes nothing) keeps
+    the hash of every config, and every committed results row, as it was."""
+    blob = json.dumps(_non_default(self), sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+  def param(self, key: str, default: Any = None) -> Any:
+    return dict(self.params).get(key, default)
+
+
+def _non_default(obj: Any) -> dict:
+  """`to_dict` without the fields equal to their dataclass default (recursively)."""
+  out = {}
+  for f in dataclasses.fields(obj):
+    val = getattr(obj, f.name)
+    if dataclasses.is_dataclass(val):
+      sub = _non_default(val)
+      if sub:
+        out[f.name] = sub
+    elif val != f.default:
+      out[f.name] = _to_plain(val) if f.name not in ("grid", "params", "rope_scaling") \
+          else {k: _to_plain(v) for k, v in val}
+  return out
+
+
+def _to_plain(obj: Any) -> Any:
+  if dataclasses.is_dataclass(obj):
+    out = {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    for key in ("grid", "params", "rope_scaling"):
+      if key in out:
+        out[key] = {k: _to_plain(v) for k, v in getattr(obj, key)}
+    return out
+  if isinstance(obj, tuple):
+    return [_to_plain(v) for v in obj]
+  return obj
+
+
+SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "workload": WorkloadConfig,
+             "mesh": MeshConfig, "train": TrainConfig}
+_FREEFORM = ("grid", "params", "model.rope_scaling")
+
+
+def field_type(cls: type, name: str) -> Any:
+  """The type annotation of field `name` of dataclass `cls` (resolved, not a string)."""
+  hints = typing.get_type_hints(cls)
+  return hints[name]
+
+
+def known_keys() -> list[str]:
+  """Every key a config accepts: top-level names, then `section.field` per section."""
+  keys = [f.name for f in dataclasses.fields(Config) if f.name not in SECTIONS]
+  for sec, cls in SECTIONS.items():
+    keys += [f"{sec}.{f.name}" for f in dataclasses.fields(cls)]
+  return keys

@@ -1,0 +1,114 @@
+"""The `cache.policy` path: prefill into an ordinary cache, then compact it to the budget
+(`kvjax.cache.compact`), and the likelihood of a continuation read through such a cache.
+
+`prefill_program(cfg, default)` is what a driver lowers for prefill: `default`
+(`decode.prefill`) when the policy is `full`, else `Program`, which checks the prompt
+lengths on the host and lowers `prefill` below.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import cache as cache_lib
+from kvjax import policies
+from kvjax.cache.compact import compress
+from kvjax.errors import KvjaxError
+
+
+def _is_q_proj(mdl, method_name) -> bool:
+  return isinstance(mdl, nn.Dense) and mdl.name == "q_proj" and method_name == "__call__"
+
+
+# Not donated: the compacted cache has another shape, so XLA could not reuse the prompt's
+# buffers anyway; the caller drops them.
+@functools.partial(jax.jit, static_argnames=("spec", "sampler"))
+def prefill(params, tokens_BT, lengths_B, cache, key, *, spec, sampler):
+  """`decode.prefill` followed by compaction: returns the first token, its logits and the
+  compacted cache. Policies that read queries run the layers unrolled to capture each
+  layer's `q_proj` output (the scan does not carry intermediates)."""
+  from kvjax import model as model_lib
+  from kvjax.model import Transformer
+
+  pol = policies.get(spec.cache.policy)
+  T = tokens_BT.shape[1]
+  t = jnp.arange(T, dtype=jnp.int32)[None, :]
+  positions_BT = jnp.where(t < lengths_B[:, None], cache.lengths[:, None] + t, -1)
+  m = spec.model
+  if pol.needs_queries or "layers" not in params or model_lib.unrolled(m):
+    model, p = Transformer(m, logits_last=True, layer_loop="unrolled"), model_lib.split_layers(params)
+  else:
+    model, p = Transformer(m, logits_last=True), params
+  q_LBTHD = None
+  if pol.needs_queries:
+    (logits_B1V, cache), state = model.apply({"params": p}, tokens_BT, positions_BT, cache,
+                                             capture_intermediates=_is_q_proj,
+                                             mutable=["intermediates"])
+    inter = state["intermediates"]
+    B = tokens_BT.shape[0]
+    cos, sin = model_lib.rope_cos_sin(positions_BT, m)
+    q_LBTHD = jnp.stack([
+        model_lib.apply_rope(inter[f"layers_{i}"]["q_proj"]["__call__"][0]
+                             .reshape(B, T, m.n_heads, m.D), cos, sin)
+        for i in range(m.n_layers)])
+  else:
+    logits_B1V, cache = model.apply({"params": p}, tokens_BT, positions_BT, cache)
+  room = cache.spec.capacity - T
+  new_cache = compress(cache, lengths_B, room, q_LBTHD, T=T)
+  last_BV = logits_B1V[:, 0]
+  return sampler(last_BV, key), last_BV, new_cache
+
+
+class Program:
+  """`prefill` with the host-side checks that need the prompt lengths, run at `lower`."""
+
+  def lower(self, params, tokens_BT, lengths_B, cache, key, *, spec, sampler):
+    if spec.mesh.data * spec.mesh.model > 1:
+      raise KvjaxError(f"cache.policy={spec.cache.policy} runs on one device; drop the mesh.* "
+                       "overrides")
+    policies.check_lengths(spec.cache, np.asarray(lengths_B))
+    return prefill.lower(params, tokens_BT, lengths_B, cache, key, spec=spec, sampler=sampler)
+
+
+def prefill_program(cfg, default):
+  """The prefill program `program.generate` lowers: `default` for `full`, else compaction."""
+  return default if cfg.cache.policy == "full" else Program()
+
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def continue_tokens(params, cache, cont_BM, *, spec):
+  """Feed cont_BM one token per step through the cache; log-probabilities [B, M, V]."""
+  from kvjax import decode
+  model, p = decode.network(spec, params)
+
+  def step(c, tok_B):
+    logits, c = model.apply({"params": p}, tok_B[:, None], c.lengths[:, None], c)
+    return c, jax.nn.log_softmax(logits[:, 0], axis=-1)
+
+  cache, lp_MBV = jax.lax.scan(step, cache, cont_BM.T)
+  return jnp.swapaxes(lp_MBV, 0, 1), cache
+
+
+def continuation_logprobs(cfg, params, context_BT, cont_BM):
+  """Quality through eviction: prefill the context (compacted by `cache.policy`), then
+  teacher-force the continuation token by token. Returns (log-probabilities [B, M, V] where
+  row i predicts cont[:, i], the cache bytes held at the end)."""
+  from kvjax import decode
+  context_BT, cont_BM = np.asarray(context_BT, np.int32), np.asarray(cont_BM, np.int32)
+  (B, T), M = context_BT.shape, cont_BM.shape[1]
+  lengths_B = np.full((B,), T, np.int32)
+  cache = cache_lib.init_cache(cfg, B, T + M)
+  key = jax.random.PRNGKey(0)
+  spec = decode.Static.of(cfg)
+  pre = prefill_program(cfg, decode.prefill).lower(params, context_BT, lengths_B, cache, key,
+                                                   spec=spec, sampler=decode.Sampler()).compile()
+  _, last_BV, cache = pre(params, context_BT, lengths_B, cache, key)
+  lp_BMV, cache = continue_tokens(params, cache, cont_BM[:, :-1], spec=spec)
+  first = jax.nn.log_softmax(last_BV, axis=-1)[:, None]
+  return jnp.concatenate([first, lp_BMV], axis=1), cache_lib.tree_bytes(cache)

@@ -1,0 +1,108 @@
+"""One decoder layer (RMSNorm, RoPE, grouped attention over the cache, SwiGLU), written once
+for every way of holding its weights, and the named input it reads (`LayerInput`).
+
+Parameter names follow Hugging Face Llama (q_proj, ..., input_layernorm) so checkpoint
+import is a rename and a transpose.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax import attention
+from kvjax.cache import base as cache_base
+from kvjax.config import ModelConfig
+from kvjax.model.rope import apply_rope
+
+
+@struct.dataclass
+class LayerInput:
+  """What every layer reads besides its own weights and x: the same for all layers."""
+
+  positions_BT: jax.Array   # [B, T] absolute position of each new token, -1 = padding
+  cos_BTD: jax.Array        # [B, T, D] RoPE tables at those positions
+  sin_BTD: jax.Array
+  lengths_B: Any = None     # [B] tokens the cache held before this call (None: no cache)
+  store: Any = None         # the cache's stacked leaves (`Layout.store`), None: no cache
+  spec: Any = struct.field(pytree_node=False, default=None)  # its CacheSpec
+
+
+def rms_norm(x, weight, eps: float, dtype):
+  """RMSNorm in float32, cast like HF: `weight * normalized(x)` in `dtype`."""
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return weight.astype(dtype) * x32.astype(dtype)
+
+
+class RMSNorm(nn.Module):
+  eps: float
+  dtype: jnp.dtype
+  param_dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x):
+    weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+    return rms_norm(x, weight, self.eps, self.dtype)
+
+
+def dense(cfg: ModelConfig, features: int, name: str, bias: bool = False) -> nn.Dense:
+  return nn.Dense(features, use_bias=bias, dtype=jnp.dtype(cfg.dtype),
+                  param_dtype=jnp.dtype(cfg.param_dtype), name=name,
+                  kernel_init=nn.initializers.normal(0.02))
+
+
+def linear(h, p, dtype):
+  """What `nn.Dense` computes from its params `p` ({"kernel", optional "bias"})."""
+  kernel = p["kernel"].astype(dtype)
+  y = jax.lax.dot_general(h.astype(dtype), kernel, (((h.ndim - 1,), (0,)), ((), ())))
+  return y + p["bias"].astype(dtype) if "bias" in p else y
+
+
+def block_forward(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):
+  """One decoder layer, written once for every way of holding its weights:
+  `dense(h, [(name, features, bias), ...])` returns one projection of `h` per entry (the
+  entries share their input), `norm(name, x)` applies a named RMSNorm. `layer` is this
+  layer's index (a traced scalar inside a scan); the cache's layout reads its segments."""
+  cos, sin = inp.cos_BTD, inp.sin_BTD
+  B, T, _ = x_BTE.shape
+  H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.D
+
+  h = norm("input_layernorm", x_BTE)
+  q, k, v = dense(h, [("q_proj", H * D, cfg.qkv_bias), ("k_proj", K * D, cfg.qkv_bias),
+                      ("v_proj", K * D, cfg.qkv_bias)])
+  q_BTHD, k_BTKD, v_BTKD = q.reshape(B, T, H, D), k.reshape(B, T, K, D), v.reshape(B, T, K, D)
+  q_BTHD, k_BTKD = apply_rope(q_BTHD, cos, sin), apply_rope(k_BTKD, cos, sin)
+
+  segments = [] if inp.spec is None else \
+      cache_base.get(inp.spec.layout).read(inp.spec, inp.store, inp.lengths_B, layer)
+  attn_BTHD = attention.get(cfg.attention)(q_BTHD, k_BTKD, v_BTKD, inp.positions_BT, segments)
+  (o,) = dense(attn_BTHD.reshape(B, T, H * D), [("o_proj", cfg.d_model, False)])
+  x_BTE = x_BTE + o
+
+  h = norm("post_attention_layernorm", x_BTE)
+  gate, up = dense(h, [("gate_proj", cfg.F, False), ("up_proj", cfg.F, False)])
+  (down,) = dense(nn.silu(gate) * up, [("down_proj", cfg.d_model, False)])
+  return x_BTE + down, (k_BTKD, v_BTKD)
+
+
+class Block(nn.Module):
+  """One decoder layer with its own params (Flax): x is the carry of a layer loop, `layer`
+  its index, `inp` the same for every layer."""
+
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BTE, layer, inp: LayerInput):
+    cfg = self.cfg
+    dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+    proj = lambda h, outs: [dense(cfg, f, n, b)(h) for n, f, b in outs]  # noqa: E731
+    norm = lambda name, x: RMSNorm(cfg.norm_eps, dtype, pdtype, name=name)(x)  # noqa: E731
+    if cfg.latent_rank:  # the latent cache's up-projection (read by kvjax.cache.latent, not here)
+      self.param("latent_up", nn.initializers.zeros,
+                 (cfg.latent_rank, 2 * cfg.n_kv_heads * cfg.D), pdtype)
+    return block_forward(cfg, proj, norm, x_BTE, layer, inp)

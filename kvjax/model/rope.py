@@ -1,0 +1,48 @@
+"""Rotary position embeddings in the rotate-half convention of Hugging Face Llama, with
+Llama-3 `rope_scaling` (read by the model, and by the latent layout at read time)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.config import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+  """Inverse frequencies [D/2], with Llama-3 `rope_scaling` when the config has it."""
+  D = cfg.D
+  inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))
+  scaling = dict(cfg.rope_scaling)
+  kind = scaling.get("rope_type", scaling.get("type", "default"))
+  if kind == "llama3":
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = jnp.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    inv = jnp.where(medium, smoothed, scaled)
+  return inv
+
+
+def rope_cos_sin(positions_BT: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+  """cos/sin tables [B, T, D] in the rotate-half convention of HF Llama (float32)."""
+  freqs = jnp.maximum(positions_BT, 0)[..., None].astype(jnp.float32) * rope_inv_freq(cfg)
+  emb = jnp.concatenate([freqs, freqs], axis=-1)
+  return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos_BTD: jax.Array, sin_BTD: jax.Array) -> jax.Array:
+  """x [B, T, heads, D] (H query heads, K KV heads, or any number) rotated at the positions
+  of the tables."""
+  dtype = x.dtype
+  x = x.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  out = x * cos_BTD[:, :, None, :] + rotated * sin_BTD[:, :, None, :]
+  return out.astype(dtype)

@@ -1,0 +1,250 @@
+"""One program: placement, compiled prefill and decode, fresh caches, timed runs.
+
+Every driver of the jitted programs goes through `Program` (`generate` below,
+`metrics.DecodeTimer`, the roofline and peer experiments, scripts/bench_*.py; the serving
+engine through `statics` and `Placement`):
+
+    prog = Program(cfg, params, Shape(batch, width, capacity, steps)).compile(tokens, lengths)
+    run = prog.run()        # run.tokens(), run.cache, run.prefill_s, run.decode_s
+
+  placement  with more than one device in `mesh.*`, params, prompts and every cache are
+             laid out on the mesh (kvjax.sharding) and jit follows; params are then
+             prepared once (`decode.prepare_params`);
+  compile    prefill (through the compaction of `cache.policy` when it is not `full`,
+             kvjax.evict) and `steps` decode steps, ahead of time: `compile_s`
+             (both programs, and the one prefill run whose cache decode is lowered on),
+             `peak_bytes` (metrics.program_bytes);
+  run        a fresh cache every time, allocated before the clock starts (both programs
+             donate it); prefill, then decode, each blocked on and timed.
+
+A shape of width 0 compiles no prefill: decode starts from a fresh cache whose lengths say
+it already holds `context` tokens (zeros: decode speed does not depend on values).
+
+`statics` builds the static keyword arguments of every call of a jitted program
+(decode.prefill, decode.decode, evict.prefill, the serving step): the one place that
+knows them: the narrow `decode.Static` spec and the sampler, never the experiment Config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import cache as cache_lib
+from kvjax import decode, evict, metrics, sharding
+from kvjax.config import Config
+from kvjax.errors import KvjaxError
+
+
+def statics(cfg: Config, sampler: decode.Sampler, **extra) -> dict:
+  """Static keyword arguments of the jitted programs (`extra`: `steps` of decode, the serving
+  step's widths). Every call site builds them here."""
+  return {"spec": decode.Static.of(cfg), "sampler": sampler, **extra}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  batch: int
+  width: int          # prompt width T; 0: no prefill (decode from a filled cache)
+  capacity: int       # cache slots per sequence
+  steps: int = 0      # decode steps after the first token; 0: no decode program
+  context: int = 0    # tokens a fresh cache holds when there is no prefill
+
+
+class Placement:
+  """Where a program's arrays live: one device, or the mesh `mesh.*` asks for."""
+
+  def __init__(self, cfg: Config, batch: int | None = None):
+    self.cfg = cfg
+    self.mesh = sharding.make_mesh(cfg) if sharding.is_sharded(cfg) else None
+    if self.mesh is not None and batch is not None:
+      sharding.check_batch(cfg, batch)
+
+  def params(self, params, prepare: bool = True):
+    """Params split over the mesh, then prepared (`prepare=False`: the params as given;
+    stacked ones run the nn.scan program)."""
+    if self.mesh is not None:
+      params = sharding.shard_params(params, self.cfg, self.mesh)
+    return decode.prepare_params(self.cfg, params) if prepare else params
+
+  def batch(self, x):
+    """Prompt tokens [B, T] or a per-sequence vector [B]: the batch over `data`."""
+    return x if self.mesh is None else sharding.put_batch(x, self.mesh)
+
+  def full(self, batch: int, value: int):
+    """A [B] int32 vector of `value`, placed as `batch` places one."""
+    if self.mesh is None:
+      return jnp.full((batch,), value, jnp.int32)
+    return self.batch(np.full((batch,), value, np.int32))
+
+  def cache(self, batch: int, capacity: int, context: int = 0):
+    """A fresh cache (in its sharded layout on a mesh); `context` tokens held by length."""
+    if self.mesh is None:
+      c = cache_lib.init_cache(self.cfg, batch, capacity)
+    else:
+      c = sharding.init_cache(self.cfg, batch, capacity, self.mesh)
+    if context:
+      c = dataclasses.replace(c, lengths=self.full(batch, context))
+    return jax.block_until_ready(c)
+
+
+@dataclasses.dataclass
+class Run:
+  """One prefill + decode: device outputs and seconds (ttft = prefill + first sample)."""
+
+  first: jax.Array          # [B] the token prefill sampled (the input token when filled)
+  rest: jax.Array | None    # [B, steps] decoded tokens, None without a decode program
+  cache: Any
+  prefill_s: float
+  decode_s: float
+
+  def tokens(self) -> np.ndarray:
+    """[B, 1 + steps] on the host (gathered from every process of a multi-host mesh)."""
+    first = sharding.to_host(self.first)[:, None]
+    if self.rest is None:
+      return first
+    return np.concatenate([first, sharding.to_host(self.rest)], axis=1)
+
+
+class Program:
+  """Compiled prefill and decode for one config, params and `Shape`, on its placement.
+
+  `keys` = (prefill key, decode key), both `PRNGKey(cfg.seed)` unless given."""
+
+  def __init__(self, cfg: Config, params, shape: Shape, *, prepare: bool = True,
+               keys: tuple | None = None):
+    self.cfg, self.shape = cfg, shape
+    self.sampler = decode.Sampler.from_config(cfg)
+    key = jax.random.PRNGKey(cfg.seed)
+    self.keys = tuple(keys) if keys is not None else (key, key)
+    self.place = Placement(cfg, shape.batch)
+    self.params = self.place.params(params, prepare)
+    self.pre = self.dec = self.token = self.prompts = None
+    self.compile_s = 0.0
+
+  def fresh(self):
+    s = self.shape
+    return self.place.cache(s.batch, s.capacity, 0 if s.width else s.context)
+
+  def compile(self, tokens_BT=None, lengths_B=None) -> "Program":
+    """Lower and compile prefill on these prompts (a `cache.policy` checks their lengths
+    here) and decode on the cache that prefill returns; with width 0, decode only."""
+    s, cfg, kw = self.shape, self.cfg, statics(self.cfg, self.sampler)
+    t0 = time.perf_counter()
+    if s.width:
+      self.prompts = (self.place.batch(tokens_BT), self.place.batch(lengths_B))
+      prefill = evict.prefill_program(cfg, decode.prefill)
+      cache = self.fresh()
+      self.pre = prefill.lower(self.params, *self.prompts, cache, self.keys[0], **kw).compile()
+      if s.steps > 0:  # decode is lowered on what prefill returns (compaction reshapes it)
+        self.token, _, cache = self.pre(self.params, *self.prompts, cache, self.keys[0])
+    else:
+      self.token, cache = self.place.full(s.batch, 0), self.fresh()
+    if s.steps > 0:
+      self.dec = decode.decode.lower(self.params, cache, self.token, self.keys[1],
+                                     **statics(cfg, self.sampler, steps=s.steps)).compile()
+    self.compile_s = time.perf_counter() - t0
+    jax.block_until_ready(cache)
+    return self
+
+  @property
+  def peak_bytes(self) -> int | None:
+    return metrics.program_bytes(*(p for p in (self.pre, self.dec) if p is not None))
+
+  def run(self, tokens_BT=None, lengths_B=None) -> Run:
+    """Prefill (the compiled prompts unless others of the same shape are given) and decode
+    once, on a fresh cache allocated before the clock starts."""
+    if self.pre is None and self.dec is None:
+      raise RuntimeError("Program.run before Program.compile")
+    prompts = self.prompts if tokens_BT is None else (self.place.batch(tokens_BT),
+                                                       self.place.batch(lengths_B))
+    c = self.fresh()
+    t0 = time.perf_counter()
+    tok = self.token
+    if self.pre is not None:
+      tok, _, c = self.pre(self.params, *prompts, c, self.keys[0])
+      jax.block_until_ready((tok, c))
+    t1 = time.perf_counter()
+    rest = None
+    if self.dec is not None:
+      rest, c = self.dec(self.params, c, tok, self.keys[1])
+      jax.block_until_ready((rest, c))
+    t2 = time.perf_counter()
+    return Run(tok, rest, c, t1 - t0, t2 - t1)
+
+
+# -- generate: ragged prompts in, new tokens out ----------------------------------------------
+def pad_prompts(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+  """Right-pad ragged prompts into [B, T] ids and [B] lengths."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise KvjaxError("every prompt needs at least one token")
+  T = max(len(p) for p in prompts)
+  tokens = np.zeros((len(prompts), T), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)] = p
+  return tokens, np.array([len(p) for p in prompts], np.int32)
+
+
+def check_request(cfg: Config, prompts: list[list[int]], max_new_tokens: int,
+                  capacity: int) -> None:
+  """Shape-level limits, checked on the host before anything is traced."""
+  if max_new_tokens < 1:
+    raise KvjaxError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+  V = cfg.model.vocab_size
+  for p in prompts:
+    bad = [t for t in p if not 0 <= t < V]
+    if bad:
+      raise KvjaxError(f"token id {bad[0]} is outside the vocabulary [0, {V}); "
+                       "fix the prompt ids or model.vocab_size")
+  need = max(len(p) for p in prompts) + max_new_tokens
+  if need > capacity:
+    raise KvjaxError(f"prompt ({max(len(p) for p in prompts)} tokens) + max_new_tokens "
+                     f"({max_new_tokens}) = {need} exceeds the cache capacity {capacity}; "
+                     "raise cache.capacity or shorten the request")
+  if need > cfg.model.max_seq_len:
+    raise KvjaxError(f"{need} tokens exceed model.max_seq_len={cfg.model.max_seq_len}; "
+                     "shorten the request")
+
+
+def generate(cfg: Config, params, prompts: list[list[int]], max_new_tokens: int,
+             seed: int | None = None, timed: bool = True, return_cache: bool = False) -> dict:
+  """Prefill + decode for a batch of ragged prompts.
+
+  Both programs are compiled ahead of time (reported as `compile_s`), run once to warm
+  up, then timed: `ttft_s` is prefill + first sample, `tpot_s` the decode loop time per
+  token. Returns new tokens per sequence (cut after eos), cache bytes and timings (and the
+  final cache under "cache" with `return_cache`). With more than one device in `cfg.mesh`
+  the parameters, prompts and cache are laid out on the mesh first (kvjax.sharding).
+  """
+  capacity = cfg.cache.capacity or max(len(p) for p in prompts) + max_new_tokens
+  check_request(cfg, prompts, max_new_tokens, capacity)
+  tokens, lengths = pad_prompts(prompts)
+  keys = tuple(jax.random.split(jax.random.PRNGKey(cfg.seed if seed is None else seed)))
+  steps = max_new_tokens - 1
+  shape = Shape(len(prompts), tokens.shape[1], capacity, steps)
+  prog = Program(cfg, params, shape, keys=keys).compile(tokens, lengths)
+  if timed:
+    prog.run()  # warm-up: first executions pay one-time costs
+  run = prog.run()
+  eos = cfg.workload.eos_id
+  seqs = []
+  for row in run.tokens().tolist():
+    if eos >= 0 and eos in row:
+      row = row[:row.index(eos) + 1]
+    seqs.append(row)
+  extra = {"cache": run.cache} if return_cache else {}
+  return {
+      **extra,
+      "tokens": seqs,
+      "cache_bytes": cache_lib.tree_bytes(run.cache),
+      "cache_bytes_per_device": sharding.measured_device_bytes(run.cache),
+      "ttft_s": run.prefill_s,
+      "tpot_s": run.decode_s / steps if steps > 0 else 0.0,
+      "compile_s": prog.compile_s,
+      "capacity": capacity,
+  }

@@ -1,0 +1,136 @@
+"""The serving engine's device side: the jit-compiled step, its bucket widths and the
+backend that holds the cache (the host scheduler is kvjax/serve/engine.py).
+
+A step runs rows R of T new tokens through the model and samples the token after each row's
+last one: the engine's chunked prefill ([prefill_rows, chunk]) or decode ([slots, 1]).
+Keeping prefill narrow matters on compute-bound hardware: a [slots, chunk] step would pad
+every decode row to `chunk` tokens. Likewise a call reads only the smallest of a few
+bucket widths (64, 128, ... tokens, `bucket_widths`) that holds its longest request, not
+every slot's full capacity: for the paged cache that is a narrower block table, for the
+contiguous cache a window of its slots. Each (shape, width) compiles once, ever
+(`Engine.warmup` compiles them all up front; a test counts traces). The paged cache makes the narrow batch
+free (it is just other block-table rows); the contiguous cache gathers those slots' rows
+and writes them back.
+
+Params are placed and prepared by the program's placement (`kvjax.program.Placement`) and
+the jitted step's static arguments come from `kvjax.program.statics`, as for prefill and
+decode. One device only: `check_config` refuses `mesh.*` in one line (the step gathers and
+scatters cache rows by slot, which a batch split over devices would turn into collectives).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import cache as cache_lib
+from kvjax import decode, program, sharding
+from kvjax.cache import paged
+from kvjax.config import Config
+from kvjax.errors import KvjaxError
+
+STEP_TRACES: collections.Counter = collections.Counter()  # per tokens shape, at trace time
+
+
+def _call(spec, sampler, params, cache, tokens_BT, positions_BT, last_B, key):
+  STEP_TRACES[tokens_BT.shape] += 1
+  net, params = decode.network(spec, params)
+  logits_BTV, cache = decode.forward(net, params, tokens_BT, positions_BT, cache)
+  last_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
+  return sampler(last_BV, key), cache
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "sampler"), donate_argnames=("cache",))
+def serve_step(params, cache, tokens_BT, positions_BT, last_B, key, *, spec: decode.Static,
+               sampler):
+  """One model call; returns the token sampled after each row's last token. The cache's
+  `lengths` (and block table) say which rows are which: a paged cache may hold any number."""
+  return _call(spec, sampler, params, cache, tokens_BT, positions_BT, last_B, key)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "sampler", "width", "all_rows"),
+                   donate_argnames=("cache",))
+def serve_contiguous(params, cache, slots_R, tokens_RT, positions_RT, last_R, key, *,
+                     spec: decode.Static, sampler, width: int, all_rows: bool):
+  """`serve_step` on a contiguous cache's slots `slots_R` (all of them, in order, when
+  `all_rows`) and its first `width` token slots: a window gathered, run and written back,
+  so a step reads what the live requests can hold, not every reservation to its end."""
+  def window(a):  # leaves [L, B, K, S, X]
+    return (a if all_rows else jnp.take(a, slots_R, axis=1))[:, :, :, :width]
+
+  def put(full, part):
+    return full.at[:, :, :, :width].set(part) if all_rows else \
+        full.at[:, slots_R, :, :width].set(part)
+
+  sub = dataclasses.replace(cache, k=jax.tree.map(window, cache.k), v=jax.tree.map(window, cache.v),
+                            lengths=cache.lengths[slots_R],
+                            spec=dataclasses.replace(cache.spec, capacity=width))
+  nxt, sub = _call(spec, sampler, params, sub, tokens_RT, positions_RT, last_R, key)
+  return nxt, dataclasses.replace(cache, k=jax.tree.map(put, cache.k, sub.k),
+                                  v=jax.tree.map(put, cache.v, sub.v))
+
+
+def bucket_widths(capacity: int, smallest: int = 64) -> tuple[int, ...]:
+  """Token widths a step may read: doubling from `smallest` up to `capacity` (a few compiles,
+  each step reads at most twice what its longest request holds)."""
+  widths, w = [], smallest
+  while w < capacity:
+    widths.append(w)
+    w *= 2
+  return tuple(widths) + (capacity,)
+
+
+def check_config(cfg: Config) -> None:
+  """What the step can run, refused in one line: the paged or contiguous layout, every token
+  kept, no residual window, one device (it places nothing on a mesh, so `mesh.*` is refused
+  rather than ignored)."""
+  if cfg.cache.layout not in ("paged", "contiguous"):
+    raise KvjaxError(f"the serving engine needs cache.layout=paged or contiguous, got "
+                     f"'{cfg.cache.layout}'")
+  if cfg.cache.policy != "full":
+    raise KvjaxError(f"the serving engine does not evict tokens (cache.policy="
+                     f"{cfg.cache.policy}); set cache.policy=full")
+  if cfg.cache.residual:
+    raise KvjaxError("the serving engine does not support cache.residual yet; set "
+                     "cache.residual=0")
+  if sharding.is_sharded(cfg):
+    raise KvjaxError("the serving engine runs on one device; drop the mesh.* overrides")
+
+
+class ModelBackend:
+  """The device side: the cache pytree and the compiled step. Host state goes in as data."""
+
+  def __init__(self, cfg: Config, params, spec: cache_lib.CacheSpec):
+    check_config(cfg)
+    self.cfg, self.spec = cfg, spec
+    self.params = program.Placement(cfg).params(params)  # split once, here, when unrolled
+    self.paged = spec.layout == "paged"
+    self.cache = paged.init_pool(spec) if self.paged else cache_lib.LAYOUTS[spec.layout].init(spec)
+    self.sampler = decode.Sampler.from_config(cfg)
+    self.key = jax.random.PRNGKey(cfg.seed)
+
+  def step(self, tokens_RT, positions_RT, table_RN, lengths_R, last_R, slots_R,
+           width: int) -> np.ndarray:
+    """Run rows R (all slots, or the narrow prefill batch `slots_R`) reading `width` tokens
+    per row; host state goes in as data."""
+    self.key, sub = jax.random.split(self.key)
+    args = [jnp.asarray(a) for a in (tokens_RT, positions_RT, last_R)] + [sub]
+    if self.paged:  # any rows, any width: it is all in the block table
+      cache = dataclasses.replace(self.cache, block_table=jnp.asarray(table_RN),
+                                  lengths=jnp.asarray(lengths_R))
+      nxt, self.cache = serve_step(self.params, cache, *args,
+                                   **program.statics(self.cfg, self.sampler))
+    else:
+      lengths_B = np.zeros((self.spec.batch,), np.int32)  # rows outside slots_R are not read
+      lengths_B[slots_R] = lengths_R
+      cache = dataclasses.replace(self.cache, lengths=jnp.asarray(lengths_B))
+      all_rows = len(slots_R) == self.spec.batch and bool((np.diff(slots_R) == 1).all())
+      nxt, self.cache = serve_contiguous(
+          self.params, cache, jnp.asarray(slots_R), *args,
+          **program.statics(self.cfg, self.sampler, width=width, all_rows=all_rows))
+    return np.asarray(nxt)

@@ -1,0 +1,109 @@
+"""Answering a task's queries through a cache: prefill the prefix, or store its
+full-precision K/V through a codec (`encode_prefix`), then feed each tail as its own call
+and decode greedily, so every tail and answer token reads the prefix through the cache.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.errors import KvjaxError
+
+
+def _static(cfg):
+  from kvjax import decode
+  return decode.Static.of(cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _forward(params, tokens_BT, lengths_B, cache, *, spec):
+  """One call through the cache (not donated: a prefix cache serves several tails).
+  Returns the last valid token's logits [B, V] and the new cache."""
+  from kvjax import decode
+
+  T = tokens_BT.shape[1]
+  t = jnp.arange(T, dtype=jnp.int32)[None, :]
+  positions = jnp.where(t < lengths_B[:, None], cache.lengths[:, None] + t, -1)
+  model, params = decode.network(spec, params, logits_last=True)  # lm_head on the last token
+  logits_B1V, cache = decode.forward(model, params, tokens_BT, positions, cache)
+  return logits_B1V[:, 0], cache
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "steps"))
+def _greedy(params, cache, logits_BV, *, spec, steps: int):
+  from kvjax import decode
+
+  model, params = decode.network(spec, params)
+
+  def step(carry, _):
+    c, tok = carry
+    logits, c = decode.forward(model, params, tok[:, None], c.lengths[:, None], c)
+    nxt = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
+    return (c, nxt), nxt
+
+  first = jnp.argmax(logits_BV, -1).astype(jnp.int32)
+  _, rest = jax.lax.scan(step, (cache, first), None, length=steps - 1)
+  return jnp.concatenate([first[:, None], rest.T], axis=1)
+
+
+def _pad(ids, size: int) -> tuple[np.ndarray, np.ndarray]:
+  out = np.zeros((1, size), np.int32)
+  out[0, :len(ids)] = ids
+  return out, np.array([len(ids)], np.int32)
+
+
+def prefill(cfg, params, ids, capacity: int, chunk: int = 512):
+  """The prefix through `cfg`'s cache, `chunk` tokens per call (the last call padded, so one
+  program serves every length). Returns the filled cache."""
+  from kvjax import cache as cache_lib
+
+  if len(ids) > capacity:
+    raise KvjaxError(f"prefix of {len(ids)} tokens exceeds the cache capacity {capacity}")
+  c = cache_lib.init_cache(cfg, 1, capacity)
+  for s in range(0, len(ids), chunk):
+    tok, n = _pad(ids[s:s + chunk], chunk)
+    _, c = _forward(params, tok, n, c, spec=_static(cfg))
+  return c
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "capacity"))
+def _reencode(k_LKSD, v_LKSD, n, *, spec, capacity: int):
+  from kvjax import cache as cache_lib
+
+  c = cache_lib.init_cache(spec, 1, capacity)
+  k = jnp.swapaxes(k_LKSD, 1, 2)[:, None]  # [L, 1, S, K, D]: the S slots fed as T new tokens
+  v = jnp.swapaxes(v_LKSD, 1, 2)[:, None]
+  pos = jnp.where(jnp.arange(k.shape[2]) < n, jnp.arange(k.shape[2]), -1)[None, :]
+  return cache_lib.layout_of(c).write(c, k, v, pos.astype(jnp.int32))
+
+
+def prefix_kv(fp32_cache) -> tuple:
+  """(K, V, n): the full-precision K/V [L, K, n, D] of a one-sequence fp32 contiguous cache
+  without a residual window (the output of `prefill` with `evaluate.reference_config`)."""
+  spec = fp32_cache.spec
+  if (spec.layout, spec.k_codec, spec.v_codec, spec.residual) != ("contiguous", "fp32",
+                                                                   "fp32", 0):
+    raise KvjaxError("prefix_kv needs an fp32 contiguous cache without a residual window")
+  n = int(fp32_cache.lengths[0])
+  return fp32_cache.k[:, 0], fp32_cache.v[:, 0], n
+
+
+def encode_prefix(cfg, kv, capacity: int):
+  """A fresh `cfg` cache holding the prefix's full-precision K/V stored through its codec
+  and layout: the same `write` a prefill with this cache makes after computing them."""
+  k, v, n = kv
+  return _reencode(k, v, jnp.int32(n), spec=_static(cfg), capacity=capacity)
+
+
+def answer_through_cache(cfg, params, cache, tail_ids, steps: int, tail_pad: int = 0):
+  """Greedy tokens [steps] after feeding `tail_ids` as one call through `cache` (a cache
+  holding the prefix; not consumed). Every tail and answer token reads the prefix's
+  encoded K/V. `tail_pad` pads the tail so one program serves tails of any length."""
+  tok, n = _pad(tail_ids, max(tail_pad, len(tail_ids)))
+  spec = _static(cfg)
+  last, c = _forward(params, tok, n, cache, spec=spec)
+  return [int(t) for t in np.asarray(_greedy(params, c, last, spec=spec, steps=steps))[0]]

@@ -1,0 +1,186 @@
+"""The package's shape, held by tests: no import cycle between kvjax modules, no module over
+300 lines, and no private name (`_x`) reached into from another module. Each test lists
+every offender (file and line), so a failure says what to move."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "kvjax"
+MAX_LINES = 300
+
+
+def _modules() -> dict[str, Path]:
+  """Dotted module name -> file, for every .py under kvjax/ (a package is its __init__)."""
+  out = {}
+  for path in sorted(PKG.rglob("*.py")):
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+      parts = parts[:-1]
+    out[".".join(parts)] = path
+  return out
+
+
+MODULES = _modules()
+
+
+def _package_of(name: str, path: Path) -> str:
+  return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _absolute(node: ast.ImportFrom, name: str, path: Path) -> str:
+  """The module a `from X import ...` names, relative imports resolved."""
+  if not node.level:
+    return node.module or ""
+  base = _package_of(name, path).split(".")
+  base = base[:len(base) - (node.level - 1)]
+  return ".".join(base + ([node.module] if node.module else []))
+
+
+def _top_level(tree: ast.Module):
+  """Statements run at import: the module body, and the bodies of top-level if/try."""
+  todo = list(tree.body)
+  while todo:
+    node = todo.pop(0)
+    yield node
+    if isinstance(node, ast.If):
+      todo += node.body + node.orelse
+    elif isinstance(node, ast.Try) or type(node).__name__ == "TryStar":
+      todo += node.body + node.orelse + node.finalbody
+      for handler in node.handlers:
+        todo += handler.body
+
+
+def _kvjax_module(dotted: str) -> str | None:
+  """The longest kvjax module that `dotted` names or lies inside, or None."""
+  while dotted:
+    if dotted in MODULES:
+      return dotted
+    dotted = dotted.rpartition(".")[0]
+  return None
+
+
+def _edges(name: str, path: Path) -> set[str]:
+  """kvjax modules `name` imports at module level. Importing a submodule also imports its
+  parent packages first; that implicit edge is left out, but a submodule that names its own
+  package (`from kvjax.cache import Spec` inside kvjax/cache/paged.py) is an edge."""
+  out = set()
+  for node in _top_level(ast.parse(path.read_text())):
+    targets = []
+    if isinstance(node, ast.Import):
+      targets = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = _absolute(node, name, path)
+      for alias in node.names:
+        sub = f"{base}.{alias.name}"
+        targets.append(sub if sub in MODULES else base)
+    for target in targets:
+      mod = _kvjax_module(target)
+      if mod and mod != name:
+        out.add(mod)
+  return out
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  """A cycle [a, b, ..., a] of `graph` found by depth-first search, or None."""
+  state: dict[str, int] = {}  # 1: on the stack, 2: done
+  stack: list[str] = []
+
+  def visit(node: str) -> list[str] | None:
+    state[node] = 1
+    stack.append(node)
+    for nxt in sorted(graph.get(node, ())):
+      if state.get(nxt) == 1:
+        return stack[stack.index(nxt):] + [nxt]
+      if nxt not in state:
+        found = visit(nxt)
+        if found:
+          return found
+    stack.pop()
+    state[node] = 2
+    return None
+
+  for node in sorted(graph):
+    if node not in state:
+      found = visit(node)
+      if found:
+        return found
+  return None
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """Cycles of `graph`, each found after cutting the closing edge of the ones before it,
+  so every cycle is listed at least once by one of its edges."""
+  graph = {k: set(v) for k, v in graph.items()}
+  out = []
+  while (cycle := _find_cycle(graph)) is not None:
+    out.append(cycle)
+    graph[cycle[-2]].discard(cycle[-1])
+  return out
+
+
+def test_find_cycle_finds_one():
+  assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+  assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+  assert _cycles({"a": {"b"}, "b": {"a", "c"}, "c": {"b"}}) == [["a", "b", "a"],
+                                                                ["b", "c", "b"]]
+
+
+def test_no_import_cycle():
+  graph = {name: _edges(name, path) for name, path in MODULES.items()}
+  cycles = _cycles(graph)
+  assert not cycles, "import cycles between kvjax modules (module-level imports): " + \
+      "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_module_over_300_lines():
+  long = {str(p.relative_to(ROOT)): n for p in MODULES.values()
+          if (n := len(p.read_text().splitlines())) > MAX_LINES}
+  assert not long, f"modules over {MAX_LINES} lines (split them): " + ", ".join(
+      f"{p} ({n})" for p, n in sorted(long.items()))
+
+
+def _private(attr: str) -> bool:
+  return attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__"))
+
+
+def _private_uses(name: str, path: Path) -> list[str]:
+  """`alias._x` on an imported kvjax module, and `from kvjax.x import _x`, anywhere in the
+  file (imports inside functions count too), as 'file:line: text'."""
+  tree = ast.parse(path.read_text())
+  rel = path.relative_to(ROOT)
+  aliases, found = set(), []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for a in node.names:
+        if _kvjax_module(a.name):
+          aliases.add(a.asname or a.name)
+    elif isinstance(node, ast.ImportFrom):
+      base = _absolute(node, name, path)
+      if not _kvjax_module(base):
+        continue
+      for a in node.names:
+        sub = f"{base}.{a.name}"
+        if sub in MODULES:
+          aliases.add(a.asname or a.name)
+        elif _private(a.name):
+          found.append(f"{rel}:{node.lineno}: from {base} import {a.name}")
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Attribute) and _private(node.attr):
+      base = node.value
+      dotted = []
+      while isinstance(base, ast.Attribute):
+        dotted.append(base.attr)
+        base = base.value
+      if isinstance(base, ast.Name):
+        dotted.append(base.id)
+        text = ".".join(reversed(dotted))
+        if text in aliases or text in MODULES:
+          found.append(f"{rel}:{node.lineno}: {text}.{node.attr}")
+  return found
+
+
+def test_no_private_name_across_modules():
+  found = sorted(hit for name, path in MODULES.items() for hit in _private_uses(name, path))
+  assert not found, "private names used from another module (make them public where they " \
+      "are defined, or move the code): " + "; ".join(found)

@@ -12,6 +12,8 @@ import pytest
 
 from kvjax import attention, codecs, config, decode, model, program
 from kvjax import cache as cache_lib
+from kvjax.attention import xla
+from kvjax.codecs import base as codecs_base
 from kvjax.errors import KvjaxError
 
 HEADS = [(4, 4), (4, 2), (4, 1)]  # (H, K): MHA, GQA, MQA
@@ -72,7 +74,7 @@ def test_prompt_query_blocks_equal_reference(T, monkeypatch):
   """A prompt read in query blocks of 4 (the last one short when T = 11), each against the
   keys up to its own end, after a stored segment, ragged rows (right padding): the plain
   attention's output. And the whole model's prompt logits equal one block's."""
-  monkeypatch.setattr(attention, "NEW_BLOCK", 4)
+  monkeypatch.setattr(xla, "NEW_BLOCK", 4)
   rng = np.random.default_rng(T)
   B, H, K, D, S = 3, 4, 2, 8, 10
   lengths_B = jnp.asarray([0, 7, 10], jnp.int32)
@@ -91,7 +93,7 @@ def test_prompt_query_blocks_equal_reference(T, monkeypatch):
   forward = lambda: jax.jit(lambda p, t, pos: model.Transformer(cfg.model).apply(  # noqa: E731
       {"params": p}, t, pos)[0])(params, tokens, pos)
   blocked = forward()
-  monkeypatch.setattr(attention, "NEW_BLOCK", T)
+  monkeypatch.setattr(xla, "NEW_BLOCK", T)
   whole = forward()
   np.testing.assert_allclose(np.where(valid[..., 0], blocked, 0), np.where(valid[..., 0], whole, 0),
                              atol=1e-5, rtol=1e-5)
@@ -122,7 +124,7 @@ def test_grouped_query_heads_split_or_not_equal_reference(codec, per_head, monke
   """G = 4 query heads per KV head read as G matvecs (the CPU form) or as one GEMM (the
   accelerator form): both equal the reference."""
   monkeypatch.setattr(codecs, "READ_CHUNK", 8)
-  monkeypatch.setattr(codecs, "_per_head", lambda G, D: per_head)
+  monkeypatch.setattr(codecs_base, "per_head", lambda G, D: per_head)
   rng = np.random.default_rng(7)
   B, K, S, D, H = 2, 1, 21, 8, 4
   lengths_B = jnp.asarray([9, 21], jnp.int32)

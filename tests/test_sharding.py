@@ -94,9 +94,11 @@ def child() -> dict:
 @pytest.fixture(scope="module")
 def four_devices() -> dict:
   env = dict(os.environ)
-  # Cheaper XLA:CPU compiles: both sides of every comparison run under the same flags.
-  env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4 "
-                      "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+  # Four CPU devices, on top of the run's cheaper-compile flags (conftest.py; both sides of
+  # every comparison run under the same flags).
+  env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=4",
+                               "--xla_backend_optimization_level=0",
+                               "--xla_llvm_disable_expensive_passes=true"]).strip()
   env["JAX_PLATFORMS"] = "cpu"
   proc = subprocess.run([sys.executable, __file__, "child"], env=env, capture_output=True,
                         text=True, timeout=600)

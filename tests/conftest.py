@@ -1,13 +1,62 @@
 """Shared fixtures: tiny configs and parameters, built once per session."""
 
+import atexit
+import functools
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# A JAX persistent compilation cache private to this run (a fresh temp dir, removed at exit,
+# so nothing carries over to the next run and a program that no longer compiles fails):
+# identical programs compiled again through a new jit object (model.init_params on every
+# call, the CLI and experiments loading a model per command, the same program in a child
+# process, which inherits these variables) are read back instead of compiled again.
+_JAX_CACHE = tempfile.mkdtemp(prefix="kvjax-tests-jax-cache-")
+atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
+os.environ.update({"JAX_COMPILATION_CACHE_DIR": _JAX_CACHE,
+                   "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"})
+# Cheaper XLA:CPU compiles for the whole run and every subprocess it starts (they inherit the
+# environment): the suite is compile-bound (tiny shapes). Backend optimization level 0
+# without the expensive LLVM passes cut its CPU time by about a third, the legacy elemental
+# emitters instead of the MLIR fusion emitters by about 40 % more; the real-model tests
+# (matmuls in library calls) run no slower, the golden tokens and the HLO checks hold. Both
+# sides of every comparison run under the same flags. A flag already in XLA_FLAGS is left
+# alone; one this jaxlib does not know (XLA aborts on an unknown flag) is probed once and
+# dropped.
+_FAST_XLA = {"--xla_backend_optimization_level": "0", "--xla_llvm_disable_expensive_passes": "true"}
+_PROBED_XLA = {"--xla_cpu_use_fusion_emitters": "false"}
+
+
+def _xla_flags() -> str:
+  flags = os.environ.get("XLA_FLAGS", "")
+  fast = [f"{k}={v}" for k, v in _FAST_XLA.items() if k not in flags]
+  probed = [f"{k}={v}" for k, v in _PROBED_XLA.items() if k not in flags]
+  if probed:
+    env = {**os.environ, "XLA_FLAGS": " ".join([flags, *fast, *probed]), "JAX_PLATFORMS": "cpu"}
+    ok = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                        capture_output=True, timeout=120).returncode == 0
+    probed = probed if ok else []
+  return " ".join([flags, *fast, *probed]).strip()
+
+
+os.environ["XLA_FLAGS"] = _xla_flags()
 
 import pytest  # noqa: E402
 
 from kvjax import config as config_lib  # noqa: E402
 from kvjax import model  # noqa: E402
+
+import jax  # noqa: E402
+
+# The variables above are read when jax is first imported; set them again in case a plugin
+# imported it before this file.
+jax.config.update("jax_compilation_cache_dir", _JAX_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 TINY = {"model.vocab_size": 64, "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4,
         "model.n_kv_heads": 4, "model.d_ff": 48}
@@ -51,11 +100,32 @@ def smollm2():
   """(cfg, params, tokenizer, transformers tokenizer, transformers model) for SmolLM2-135M,
   both sides loaded from the same GGUF file, once per test session."""
   path = smollm2_path()
+  import gguf
   from transformers import AutoModelForCausalLM, AutoTokenizer
 
   from kvjax.io import sources
-  kw = {"gguf_file": path.name}
-  ref_tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)
-  ref_model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype="float32", **kw)
-  cfg, params, tok = sources.load(sources.parse("gguf:smollm2-135m"))
+  # Both loaders read the file through gguf-py, whose slow parts are pure and read-only: the
+  # GGUFReader's parse of the metadata (49k-token vocabulary and merges; transformers parses
+  # the file once for the tokenizer and once for the model, kvjax once more) and the tensor
+  # name map (transformers builds it afresh for each of ~400 modules). Here the three loads
+  # share one parse and one map per architecture; how each side converts what it reads
+  # stays its own.
+  real_reader, real_map, readers = gguf.GGUFReader, gguf.get_tensor_name_map, {}
+
+  def shared_reader(file, *args, **kwargs):
+    key = (os.path.realpath(file), args, tuple(sorted(kwargs.items())))
+    if key not in readers:
+      readers[key] = real_reader(file, *args, **kwargs)
+    return readers[key]
+
+  gguf.GGUFReader = shared_reader
+  gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(real_map)
+  try:
+    kw = {"gguf_file": path.name}
+    ref_tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)
+    ref_model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype="float32", **kw)
+    cfg, params, tok = sources.load(sources.parse("gguf:smollm2-135m"))
+  finally:
+    gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+  assert len(readers) == 1  # all three went through the shared parse
   return cfg, params, tok, ref_tok, ref_model

@@ -3,14 +3,13 @@ lossy codec moves it, the CLI prints one JSON object, and on SmolLM2 kvjax's per
 agrees with transformers' on the same tokens."""
 
 import json
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
 import yaml
 
+from kvjax import cli
 from kvjax import config as config_lib
 from kvjax import evaluate
 from kvjax.io import sources
@@ -66,21 +65,23 @@ def test_first_window_is_the_start_of_the_text(tiny):
   assert w.tolist() == [tok.encode(TEXT)[:40]]
 
 
-def test_cli_json_is_one_object_and_bad_input_one_line(tiny):
-  cmd = [sys.executable, "-m", "kvjax.cli", "eval", "--config", str(tiny / "model.yaml"),
-         "--text", str(tiny / "text.txt"), "--tokens", "48", "--chunk", "8", "--k-codec", "int8",
-         "--v-codec", "int4", "--json"]
-  r = subprocess.run(cmd, capture_output=True, text=True)
-  assert r.returncode == 0, r.stderr
-  out = json.loads(r.stdout)
+def test_cli_json_is_one_object_and_bad_input_one_line(tiny, capsys):
+  """In-process (`cli.main`, what `python -m kvjax.cli` calls; the process entry point has
+  its own tests in test_cli.py)."""
+  argv = ["eval", "--config", str(tiny / "model.yaml"), "--text", str(tiny / "text.txt"),
+          "--tokens", "48", "--chunk", "8", "--k-codec", "int8", "--v-codec", "int4", "--json"]
+  assert cli.main(argv) == 0
+  stdout = capsys.readouterr().out
+  out = json.loads(stdout)  # stdout holds exactly one JSON object
   for key in ("ppl", "ppl_ref", "dppl_rel", "kl", "agreement", "bytes_per_token", "tokens",
               "seqs", "chunk"):
     assert key in out
   assert (out["k_codec"], out["v_codec"], out["tokens"]) == ("int8", "int4", 48)
   for bad, needle in ((["--tokens", "100000"], "--tokens"), (["--chunk", "0"], "--chunk"),
                       (["--text", str(tiny / "absent.txt")], "absent.txt")):
-    r = subprocess.run(cmd[:6] + ["--tokens", "48"] + bad, capture_output=True, text=True)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and needle in r.stderr, r.stderr
+    rc = cli.main(argv[:3] + ["--tokens", "48"] + bad)
+    stdout, stderr = capsys.readouterr()
+    assert rc == 2 and stdout == "" and stderr.count("\n") == 1 and needle in stderr, stderr
 
 
 def test_smollm2_perplexity_agrees_with_transformers(smollm2):

@@ -123,24 +123,28 @@ def test_paged_blockwise_read_equals_reference_across_page_and_block_edges(codec
         a.reshape(L, B * N, *a.shape[3:])), empty, enc)
 
   k_pool, v_pool = pool(kc, kv_LBKSD[0]), pool(vc, kv_LBKSD[1])
+
+  def paged_seg(n):
+    return cache_lib.PagedSegment(k_pool, v_pool, jnp.arange(N * ps)[None] < n[:, None], kc,
+                                  vc, live=jnp.max(n), layer=layer, pages=table_BN, page_size=ps)
+
+  # Three jitted programs (the references too: eagerly, every op would compile on its own):
+  # the blockwise paged read, the reference over the same pages, and the reference over the
+  # unpaged tokens.
+  got_fn = jax.jit(lambda q, kn, vn, n: attention.grouped(q, kn, vn, n[:, None], [paged_seg(n)]))
+  want_fn = jax.jit(lambda q, kn, vn, n: attention.reference(q, kn, vn, n[:, None],
+                                                             [paged_seg(n)]))
+  plain_fn = jax.jit(lambda q, kn, vn, n: attention.reference(q, kn, vn, n[:, None], [
+      cache_lib.Segment(kc.encode(kv_LBKSD[0][layer]), vc.encode(kv_LBKSD[1][layer]),
+                        jnp.arange(N * ps)[None] < n[:, None], kc, vc)]))
   for lengths in ([0, 5, 6], [7, 12, 18], [13, 1, 17]):
     lengths_B = jnp.asarray(lengths, jnp.int32)
-    mask_BS = jnp.arange(N * ps)[None] < lengths_B[:, None]
-    seg = cache_lib.PagedSegment(k_pool, v_pool, mask_BS, kc, vc, live=jnp.max(lengths_B),
-                                 layer=layer, pages=table_BN, page_size=ps)
     q = jnp.asarray(rng.normal(size=(B, 1, H, D)), jnp.float32) * 3
     kn, vn = (jnp.asarray(rng.normal(size=(B, 1, K, D)), jnp.float32) for _ in range(2))
-    got = jax.jit(lambda q, kn, vn, n: attention.grouped(q, kn, vn, n[:, None], [
-        cache_lib.PagedSegment(k_pool, v_pool, jnp.arange(N * ps)[None] < n[:, None], kc, vc,
-                               live=jnp.max(n), layer=layer, pages=table_BN, page_size=ps)]))(
-        q, kn, vn, lengths_B)
-    want = attention.reference(q, kn, vn, lengths_B[:, None], [seg])
-    # The reference reads the same pages, so also check against the unpaged tokens.
-    plain = cache_lib.Segment(kc.encode(kv_LBKSD[0][layer]), vc.encode(kv_LBKSD[1][layer]),
-                              mask_BS, kc, vc)
+    got, want = got_fn(q, kn, vn, lengths_B), want_fn(q, kn, vn, lengths_B)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
-    np.testing.assert_allclose(want, attention.reference(q, kn, vn, lengths_B[:, None], [plain]),
-                               atol=1e-6, rtol=1e-6)
+    # The reference reads the same pages, so also check against the unpaged tokens.
+    np.testing.assert_allclose(want, plain_fn(q, kn, vn, lengths_B), atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int4"])

@@ -12,6 +12,8 @@ import pytest
 
 from kvjax import attention, codecs, config, decode, model, program
 from kvjax import cache as cache_lib
+from kvjax.attention import xla
+from kvjax.codecs import base as codecs_base
 from kvjax.errors import KvjaxError
 
 HEADS = [(4, 4), (4, 2), (4, 1)]  # (H, K): MHA, GQA, MQA
@@ -27,24 +29,32 @@ def segment(codec_name, k_BKSD, v_BKSD, lengths_B, cache_cfg=None):
                            live=jnp.max(lengths_B))
 
 
+def programs(codec_name, cache_cfg=None):
+  """(blockwise, reference) attention over one segment of raw K/V, each one jitted program
+  of (q, k_new, v_new, positions, k, v, lengths): the segment is built inside, so the live
+  length is traced data (a dynamic trip count), and the reference is not run op by op."""
+  return tuple(jax.jit(lambda q, kn, vn, pos, k, v, n, f=f: f(
+      q, kn, vn, pos, [segment(codec_name, k, v, n, cache_cfg)]))
+      for f in (attention.grouped, attention.reference))
+
+
+# MHA/GQA/MQA on int8, every other codec on GQA. (MQA bf16 takes GQA bf16's one-einsum form
+# at head_dim 8, and its G-matvec form is test_grouped_query_heads_split_or_not_equal_
+# reference's; MHA int4 takes GQA int4's packed-plane einsum: neither adds a path.)
 @pytest.mark.parametrize("H,K,codec", [(h, k, "int8") for h, k in HEADS] +
-                         [(4, 2, c) for c in CODECS if c != "int8"] +
-                         [(4, 1, "bf16"), (4, 4, "int4")])
+                         [(4, 2, c) for c in CODECS if c != "int8"])
 def test_blockwise_attention_equals_reference(H, K, codec, monkeypatch):
   """Blocks of 8 over S = 21 slots (the last block overruns S and is pulled back); live
   lengths 0, 7, 8, 9, 16, 17 and 21 per row; one decode query and a ragged 3-token prefill."""
   monkeypatch.setattr(codecs, "READ_CHUNK", 8)
   rng = np.random.default_rng(H * 10 + K)
   D, S = 8, 21
-  # Built inside jit, so the live length is traced data (a dynamic trip count).
-  fast = jax.jit(lambda q, kn, vn, pos, k, v, n: attention.grouped(
-      q, kn, vn, pos, [segment(codec, k, v, n)]))
+  fast, ref = programs(codec)
   for lengths in ([0, 7, 8], [9, 16, 17], [21, 3, 0]):
     B = len(lengths)
     lengths_B = jnp.asarray(lengths, jnp.int32)
     k = jnp.asarray(rng.standard_normal((B, K, S, D)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((B, K, S, D)), jnp.float32)
-    seg = segment(codec, k, v, lengths_B)
     for T in (1, 3):
       q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32) * 3
       kn = jnp.asarray(rng.standard_normal((B, T, K, D)), jnp.float32)
@@ -52,7 +62,7 @@ def test_blockwise_attention_equals_reference(H, K, codec, monkeypatch):
       t = jnp.arange(T)[None]
       pos = jnp.where(t < jnp.array([T, 1, T])[:, None], lengths_B[:, None] + t, -1)
       got = fast(q, kn, vn, pos, k, v, lengths_B)
-      want = attention.reference(q, kn, vn, pos, [seg])
+      want = ref(q, kn, vn, pos, k, v, lengths_B)
       valid = np.asarray(pos >= 0)[:, :, None, None]
       np.testing.assert_allclose(np.where(valid, got, 0), np.where(valid, want, 0),
                                  atol=2e-5, rtol=1e-5)
@@ -64,7 +74,7 @@ def test_prompt_query_blocks_equal_reference(T, monkeypatch):
   """A prompt read in query blocks of 4 (the last one short when T = 11), each against the
   keys up to its own end, after a stored segment, ragged rows (right padding): the plain
   attention's output. And the whole model's prompt logits equal one block's."""
-  monkeypatch.setattr(attention, "NEW_BLOCK", 4)
+  monkeypatch.setattr(xla, "NEW_BLOCK", 4)
   rng = np.random.default_rng(T)
   B, H, K, D, S = 3, 4, 2, 8, 10
   lengths_B = jnp.asarray([0, 7, 10], jnp.int32)
@@ -73,18 +83,18 @@ def test_prompt_query_blocks_equal_reference(T, monkeypatch):
   kn, vn = (jnp.asarray(rng.standard_normal((B, T, K, D)), jnp.float32) for _ in range(2))
   t = jnp.arange(T)[None]
   pos = jnp.where(t < jnp.array([T, 5, 1])[:, None], lengths_B[:, None] + t, -1)
-  seg = segment("bf16", k, v, lengths_B)
-  got = jax.jit(lambda q, kn, vn, pos, k, v, n: attention.grouped(
-      q, kn, vn, pos, [segment("bf16", k, v, n)]))(q, kn, vn, pos, k, v, lengths_B)
-  want = attention.reference(q, kn, vn, pos, [seg])
+  # Each side is one jitted program, traced while NEW_BLOCK holds the value it tests.
+  got, want = (f(q, kn, vn, pos, k, v, lengths_B) for f in programs("bf16"))
   valid = np.asarray(pos >= 0)[:, :, None, None]
   np.testing.assert_allclose(np.where(valid, got, 0), np.where(valid, want, 0), atol=2e-5,
                              rtol=1e-5)
   cfg, params = tiny(2, "fp32")
   tokens = jnp.asarray(rng.integers(0, 260, (B, T)), jnp.int32)
-  blocked, _ = model.Transformer(cfg.model).apply({"params": params}, tokens, pos)
-  monkeypatch.setattr(attention, "NEW_BLOCK", T)
-  whole, _ = model.Transformer(cfg.model).apply({"params": params}, tokens, pos)
+  forward = lambda: jax.jit(lambda p, t, pos: model.Transformer(cfg.model).apply(  # noqa: E731
+      {"params": p}, t, pos)[0])(params, tokens, pos)
+  blocked = forward()
+  monkeypatch.setattr(xla, "NEW_BLOCK", T)
+  whole = forward()
   np.testing.assert_allclose(np.where(valid[..., 0], blocked, 0), np.where(valid[..., 0], whole, 0),
                              atol=1e-5, rtol=1e-5)
 
@@ -104,9 +114,7 @@ def test_plane_wise_packed_reads_equal_reference(codec, planes, monkeypatch):
   kn, vn = (jnp.asarray(rng.standard_normal((B, 1, K, D)), jnp.float32) for _ in range(2))
   kc = codecs.for_role(codec)
   assert len(kc._planes(kc.encode(k), jnp.float32)) == planes
-  got = jax.jit(lambda q, kn, vn, k, v, n: attention.grouped(
-      q, kn, vn, n[:, None], [segment(codec, k, v, n)]))(q, kn, vn, k, v, lengths_B)
-  want = attention.reference(q, kn, vn, lengths_B[:, None], [segment(codec, k, v, lengths_B)])
+  got, want = (f(q, kn, vn, lengths_B[:, None], k, v, lengths_B) for f in programs(codec))
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
@@ -116,16 +124,14 @@ def test_grouped_query_heads_split_or_not_equal_reference(codec, per_head, monke
   """G = 4 query heads per KV head read as G matvecs (the CPU form) or as one GEMM (the
   accelerator form): both equal the reference."""
   monkeypatch.setattr(codecs, "READ_CHUNK", 8)
-  monkeypatch.setattr(codecs, "_per_head", lambda G, D: per_head)
+  monkeypatch.setattr(codecs_base, "per_head", lambda G, D: per_head)
   rng = np.random.default_rng(7)
   B, K, S, D, H = 2, 1, 21, 8, 4
   lengths_B = jnp.asarray([9, 21], jnp.int32)
   k, v = (jnp.asarray(rng.standard_normal((B, K, S, D)), jnp.float32) for _ in range(2))
   q = jnp.asarray(rng.standard_normal((B, 1, H, D)), jnp.float32) * 3
   kn, vn = (jnp.asarray(rng.standard_normal((B, 1, K, D)), jnp.float32) for _ in range(2))
-  got = jax.jit(lambda q, kn, vn, k, v, n: attention.grouped(
-      q, kn, vn, n[:, None], [segment(codec, k, v, n)]))(q, kn, vn, k, v, lengths_B)
-  want = attention.reference(q, kn, vn, lengths_B[:, None], [segment(codec, k, v, lengths_B)])
+  got, want = (f(q, kn, vn, lengths_B[:, None], k, v, lengths_B) for f in programs(codec))
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
@@ -139,13 +145,11 @@ def test_blockwise_attention_channel_keys_equal_reference(monkeypatch):
   lengths_B = jnp.asarray([12, 17], jnp.int32)
   k = jnp.asarray(rng.standard_normal((B, K, S, D)), jnp.float32)
   v = jnp.asarray(rng.standard_normal((B, K, S, D)), jnp.float32)
-  seg = segment("int4", k, v, lengths_B, cfg.cache)
   q = jnp.asarray(rng.standard_normal((B, 1, H, D)), jnp.float32)
   kn = jnp.asarray(rng.standard_normal((B, 1, K, D)), jnp.float32)
-  pos = lengths_B[:, None]
-  got = jax.jit(lambda q, kn, k, v, n: attention.grouped(
-      q, kn, kn, n[:, None], [segment("int4", k, v, n, cfg.cache)]))(q, kn, k, v, lengths_B)
-  np.testing.assert_allclose(got, attention.reference(q, kn, kn, pos, [seg]), atol=2e-5)
+  got, want = (f(q, kn, kn, lengths_B[:, None], k, v, lengths_B)
+               for f in programs("int4", cfg.cache))
+  np.testing.assert_allclose(got, want, atol=2e-5)
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,7 +182,10 @@ def teacher_forced(cfg, params, tokens_BN, lens_B, capacity):
   return np.asarray(run(params, cache))
 
 
-@pytest.mark.parametrize("kv,codec", [(4, "fp32"), (2, "bf16"), (1, "int8"), (2, "int4")])
+# GQA on packed int4 and MQA on scaled int8: the cache-to-segment plumbing is the same for
+# every codec and head count; the blockwise read of each codec (fp32, bf16 ...) and of MHA
+# is test_blockwise_attention_equals_reference's, MHA's model decode test_decode's.
+@pytest.mark.parametrize("kv,codec", [(1, "int8"), (2, "int4")])
 def test_model_decode_equals_reference_attention_across_block_edges(kv, codec, monkeypatch):
   """A capacity of 64 slots read in blocks of 8, live lengths growing from 3 / 10 across
   several block edges: the same logits as the plain attention over every slot."""
@@ -198,11 +205,17 @@ def test_logits_at_and_last_equal_full_logits_sliced():
   tokens = jnp.asarray(rng.integers(0, 260, (2, 7)), jnp.int32)
   t = jnp.arange(7)[None]
   pos = jnp.where(t < jnp.array([[7], [4]]), t, -1)
-  full, _ = model.Transformer(cfg.model).apply({"params": params}, tokens, pos)
   at = jnp.array([[6, 0], [3, 2]])
-  got, _ = model.Transformer(cfg.model).apply({"params": params}, tokens, pos, logits_at=at)
+
+  @jax.jit  # one program for the three forwards (eagerly, every op compiles on its own)
+  def run(params, tokens, pos, at):
+    apply = lambda m, **k: m.apply({"params": params}, tokens, pos, **k)[0]  # noqa: E731
+    return (apply(model.Transformer(cfg.model)),
+            apply(model.Transformer(cfg.model), logits_at=at),
+            apply(model.Transformer(cfg.model, logits_last=True)))
+
+  full, got, last = run(params, tokens, pos, at)
   np.testing.assert_allclose(got, jnp.take_along_axis(full, at[..., None], axis=1), atol=1e-5)
-  last, _ = model.Transformer(cfg.model, logits_last=True).apply({"params": params}, tokens, pos)
   np.testing.assert_allclose(last[:, 0], full[jnp.arange(2), jnp.array([6, 3])], atol=1e-5)
 
 
@@ -318,17 +331,16 @@ def test_default_decode_step_copies_no_weight(over):
   assert len(_weight_copies(old_hlo, params)) >= 7 and old_temp > layer_bytes
 
 
+# One case per kind of cache tree the layer loop carries: MHA/GQA/MQA, a plain-cast codec
+# (bf16), scaled codes (int8; fp8_e4m3 has the same codes + scale leaves), packed codes with
+# a different K and V codec (k8v4), the residual window's extra leaves (kivi), the paged pool
+# and the none layout. Codec numerics per se are test_golden's and test_codecs'.
 PROGRAM_CASES = {
     "mha-fp32": {"model.n_kv_heads": 4},
-    "gqa-bf16": {"model.n_kv_heads": 2, "cache.codec": "bf16"},
     "mqa-int8": {"model.n_kv_heads": 1, "cache.codec": "int8"},
-    "gqa-int4": {"model.n_kv_heads": 2, "cache.codec": "int4"},
-    "gqa-fp8": {"model.n_kv_heads": 2, "cache.codec": "fp8_e4m3"},
     "gqa-k8v4": {"model.n_kv_heads": 2, "cache.k_codec": "int8", "cache.v_codec": "int4"},
     "gqa-kivi-window": {"model.n_kv_heads": 2, "cache.codec": "int4", "cache.k_axis": "channel",
                         "cache.group_size": 4, "cache.residual": 4},
-    "mqa-paged-int4": {"model.n_kv_heads": 1, "cache.layout": "paged", "cache.page_size": 4,
-                       "cache.codec": "int4"},
     "mha-paged-bf16": {"model.n_kv_heads": 4, "cache.layout": "paged", "cache.page_size": 8,
                        "cache.codec": "bf16"},
     "gqa-none": {"model.n_kv_heads": 2, "cache.layout": "none"},

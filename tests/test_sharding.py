@@ -23,7 +23,11 @@ from kvjax.errors import KvjaxError
 
 TINY = {"model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4}
 CASES = [("MHA", 4, "fp32"), ("GQA-2", 2, "int8"), ("MQA", 1, "fp32")]
-MESHES = [(1, 4), (2, 2), (4, 1)]
+# The meshes each case runs on (data x model). MHA takes all three splits (model only, both,
+# data only); GQA-2 int8 the split heads with split scales (2x2) and 2 KV heads over 4
+# devices (replicated in pairs, 1x4); MQA the fully replicated head (1x4). The other four
+# pairs add no rule: data-only (4x1) is MHA's for any K, MQA on 2x2 is replication as on 1x4.
+MESHES = {"MHA": [(1, 4), (2, 2), (4, 1)], "GQA-2": [(1, 4), (2, 2)], "MQA": [(1, 4)]}
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12], [3, 3]]
 NEW = 5
 
@@ -61,7 +65,7 @@ def child() -> dict:
     cfg = _cfg(**{"model.n_kv_heads": K, "cache.codec": codec})
     params = model.init_params(cfg.model, 0)
     ref = program.generate(cfg, params, PROMPTS, NEW, timed=False)
-    for d, m in MESHES:
+    for d, m in MESHES[name]:
       c = config_lib.apply_overrides(cfg, {"mesh.data": d, "mesh.model": m})
       out = program.generate(c, params, PROMPTS, NEW, timed=False, return_cache=True)
       res["runs"].append({"case": name, "K": K, "mesh": [d, m], "same": out["tokens"] == ref["tokens"],
@@ -90,9 +94,11 @@ def child() -> dict:
 @pytest.fixture(scope="module")
 def four_devices() -> dict:
   env = dict(os.environ)
-  # Cheaper XLA:CPU compiles: both sides of every comparison run under the same flags.
-  env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4 "
-                      "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+  # Four CPU devices, on top of the run's cheaper-compile flags (conftest.py; both sides of
+  # every comparison run under the same flags).
+  env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=4",
+                               "--xla_backend_optimization_level=0",
+                               "--xla_llvm_disable_expensive_passes=true"]).strip()
   env["JAX_PLATFORMS"] = "cpu"
   proc = subprocess.run([sys.executable, __file__, "child"], env=env, capture_output=True,
                         text=True, timeout=600)
@@ -104,7 +110,7 @@ def test_meshes_give_the_same_greedy_tokens_as_one_device(four_devices):
   assert four_devices["devices"] == 4
   runs = four_devices["runs"]
   assert {(r["case"], tuple(r["mesh"])) for r in runs} == \
-      {(c[0], m) for c in CASES for m in MESHES}
+      {(c[0], m) for c in CASES for m in MESHES[c[0]]}
   bad = [(r["case"], r["mesh"]) for r in runs if not r["same"]]
   assert not bad, f"tokens differ from one device: {bad}"
   assert four_devices["none_same"] and four_devices["paged_same"]

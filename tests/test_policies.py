@@ -228,11 +228,22 @@ def test_budget_at_least_the_prompt_equals_full_cache(policy):
   extra = {"cache.window": 2} if policy == "snapkv" else {}
   cfg = tiny_config(**{"cache.policy": policy, "cache.budget": 64, **extra})
   got, caches = run_cached(cfg, params)
-  np.testing.assert_array_equal(got, want)  # bit for bit
+  # window and knorm: bit for bit. snapkv's prefill also scores the prompt with the last
+  # queries, so it is another XLA program than the full cache's, and under the suite's
+  # compile flags (conftest.py) XLA rounds its K/V projections differently in the last place
+  # (measured: 1 ulp); it must still equal the full cache to float32 rounding, far below what
+  # one dropped or misplaced token moves.
+  def same(a, b):
+    if policy == "snapkv":
+      np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * np.abs(b).max())
+    else:
+      np.testing.assert_array_equal(a, b)
+
+  same(np.asarray(got), np.asarray(want))
   T = max(map(len, PROMPTS))
   for a, b in zip(jax.tree.leaves((caches[-1].k, caches[-1].v)),
                   jax.tree.leaves((full[-1].k, full[-1].v))):
-    np.testing.assert_array_equal(a[:, :, :, :T], b[:, :, :, :T])
+    same(np.asarray(a[:, :, :, :T]), np.asarray(b[:, :, :, :T]))
 
 
 def test_full_policy_is_todays_cache():

@@ -160,10 +160,10 @@ def _last_logits(cfg, params, prefix, tail, capacity=160):
   """(one-shot: prefix + tail in one call, split: prefix prefilled then tail as its own
   call) logits of the last tail token."""
   fresh = cache_lib.init_cache(cfg, 1, capacity)
-  fwd, pad = through_cache._forward, through_cache._pad
-  shot, _ = fwd(params, *pad(prefix + tail, capacity), fresh, cfg=cfg)
+  fwd, pad, spec = through_cache._forward, through_cache._pad, through_cache._static(cfg)
+  shot, _ = fwd(params, *pad(prefix + tail, capacity), fresh, spec=spec)
   pre = tasks.prefill(cfg, params, prefix, capacity, chunk=64)
-  split, _ = fwd(params, *pad(tail, 16), pre, cfg=cfg)
+  split, _ = fwd(params, *pad(tail, 16), pre, spec=spec)
   return np.asarray(shot), np.asarray(split)
 
 

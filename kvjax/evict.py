@@ -25,43 +25,72 @@ def _is_q_proj(mdl, method_name) -> bool:
   return isinstance(mdl, nn.Dense) and mdl.name == "q_proj" and method_name == "__call__"
 
 
+def _forward_capture(params, tokens_BT, lengths_B, cache, spec, queries: bool):
+  """The prompt through `cache` in one call: (last logits [B, 1, V], the filled cache, the
+  prompt's rotated queries [L, B, T, H, D] when `queries`, else None). Capturing queries
+  runs the layers unrolled to read each layer's `q_proj` output (the scan does not carry
+  intermediates)."""
+  from kvjax import model as model_lib
+  from kvjax.model import Transformer
+
+  T = tokens_BT.shape[1]
+  t = jnp.arange(T, dtype=jnp.int32)[None, :]
+  positions_BT = jnp.where(t < lengths_B[:, None], cache.lengths[:, None] + t, -1)
+  m = spec.model
+  if queries or "layers" not in params or model_lib.unrolled(m):
+    model, p = Transformer(m, logits_last=True, layer_loop="unrolled"), model_lib.split_layers(params)
+  else:
+    model, p = Transformer(m, logits_last=True), params
+  if not queries:
+    logits_B1V, cache = model.apply({"params": p}, tokens_BT, positions_BT, cache)
+    return logits_B1V, cache, None
+  (logits_B1V, cache), state = model.apply({"params": p}, tokens_BT, positions_BT, cache,
+                                           capture_intermediates=_is_q_proj,
+                                           mutable=["intermediates"])
+  inter = state["intermediates"]
+  B = tokens_BT.shape[0]
+  cos, sin = model_lib.rope_cos_sin(positions_BT, m)
+  q_LBTHD = jnp.stack([
+      model_lib.apply_rope(inter[f"layers_{i}"]["q_proj"]["__call__"][0]
+                           .reshape(B, T, m.n_heads, m.D), cos, sin)
+      for i in range(m.n_layers)])
+  return logits_B1V, cache, q_LBTHD
+
+
 # Not donated: the compacted cache has another shape, so XLA could not reuse the prompt's
 # buffers anyway; the caller drops them.
 @functools.partial(jax.jit, static_argnames=("spec", "sampler"))
 def prefill(params, tokens_BT, lengths_B, cache, key, *, spec, sampler):
   """`decode.prefill` followed by compaction: returns the first token, its logits and the
   compacted cache. Policies that read queries run the layers unrolled to capture each
-  layer's `q_proj` output (the scan does not carry intermediates)."""
-  from kvjax import model as model_lib
-  from kvjax.model import Transformer
-
+  layer's `q_proj` output."""
   pol = policies.get(spec.cache.policy)
   T = tokens_BT.shape[1]
-  t = jnp.arange(T, dtype=jnp.int32)[None, :]
-  positions_BT = jnp.where(t < lengths_B[:, None], cache.lengths[:, None] + t, -1)
-  m = spec.model
-  if pol.needs_queries or "layers" not in params or model_lib.unrolled(m):
-    model, p = Transformer(m, logits_last=True, layer_loop="unrolled"), model_lib.split_layers(params)
-  else:
-    model, p = Transformer(m, logits_last=True), params
-  q_LBTHD = None
-  if pol.needs_queries:
-    (logits_B1V, cache), state = model.apply({"params": p}, tokens_BT, positions_BT, cache,
-                                             capture_intermediates=_is_q_proj,
-                                             mutable=["intermediates"])
-    inter = state["intermediates"]
-    B = tokens_BT.shape[0]
-    cos, sin = model_lib.rope_cos_sin(positions_BT, m)
-    q_LBTHD = jnp.stack([
-        model_lib.apply_rope(inter[f"layers_{i}"]["q_proj"]["__call__"][0]
-                             .reshape(B, T, m.n_heads, m.D), cos, sin)
-        for i in range(m.n_layers)])
-  else:
-    logits_B1V, cache = model.apply({"params": p}, tokens_BT, positions_BT, cache)
+  logits_B1V, cache, q_LBTHD = _forward_capture(params, tokens_BT, lengths_B, cache, spec,
+                                                pol.needs_queries)
   room = cache.spec.capacity - T
   new_cache = compress(cache, lengths_B, room, q_LBTHD, T=T)
   last_BV = logits_B1V[:, 0]
   return sampler(last_BV, key), last_BV, new_cache
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def prefill_queries(params, tokens_BT, lengths_B, cache, *, spec):
+  """The prompt in one call through `cache` (no compaction): (the filled cache, the rotated
+  queries [L, B, T, H, D]). One such prefill through an fp32 cache serves every policy and
+  codec: a call attends to its own fresh K/V, so its queries and its keys before storage
+  do not depend on the cache's codec (see `compact` below)."""
+  _, cache, q_LBTHD = _forward_capture(params, tokens_BT, lengths_B, cache, spec, True)
+  return cache, q_LBTHD
+
+
+@functools.partial(jax.jit, static_argnames=("room", "T"))
+def compact(cache, lengths_B, q_LBTHD, *, room: int, T: int):
+  """`compress` of a filled contiguous cache (its own `cache.policy`, budget and codec) with
+  the prompt's queries from `prefill_queries`: the cache `prefill` would return for the same
+  prompt, when `cache` holds the same keys and values (tests/test_tasks.py holds this)."""
+  q = q_LBTHD if policies.get(cache.spec.cache_cfg.policy).needs_queries else None
+  return compress(cache, lengths_B, room, q, T=T)
 
 
 class Program:

@@ -32,7 +32,16 @@ def _git_commit() -> str:
     return "unknown"
 
 
+def _load_avg() -> list[float] | None:
+  try:
+    return [round(x, 2) for x in os.getloadavg()]
+  except (OSError, AttributeError):  # not every platform has one
+    return None
+
+
 def environment() -> dict:
+  """The machine and software every number was measured on; `load_avg` (1, 5 and 15
+  minutes) says how busy a shared machine was when the row was written."""
   devices = jax.devices()
   return {
       "jax": jax.__version__,
@@ -43,6 +52,7 @@ def environment() -> dict:
       "cpu_count": os.cpu_count(),
       "python": platform.python_version(),
       "git_commit": _git_commit(),
+      "load_avg": _load_avg(),
       "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
   }
 

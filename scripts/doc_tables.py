@@ -12,6 +12,11 @@ A generated block sits between `<!-- doc_tables:NAME begin -->` and
   real      results/real/quality.jsonl: the real model (SmolLM2-135M) per cache setting,
             ordered by bytes per token, with transformers' quantized cache beside it and
             the best kvjax setting at each bit width against it.
+  evict     results/real/evict/long_context.jsonl: passkey and needle accuracy through each
+            eviction policy, codec and their combinations, by bytes per token, with the two
+            targets (needles at 50 % of the fp32 bytes, the best combination at 12.5 %).
+  evict_speed  results/cpu/compression_speed/latency.jsonl: decode step time per policy
+            and codec at ~4k tokens, relative to the full fp32 cache, with the load.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "experiments.md"
 SOURCES = {"quality": ROOT / "results" / "quality.jsonl",
-           "real": ROOT / "results" / "real" / "quality.jsonl"}
+           "real": ROOT / "results" / "real" / "quality.jsonl",
+           "evict": ROOT / "results" / "real" / "evict" / "long_context.jsonl",
+           "evict_speed": ROOT / "results" / "cpu" / "compression_speed" / "latency.jsonl"}
 MODEL_ORDER = ("MHA", "GQA-2", "GQA-4", "GQA-8", "MQA")
 LIMIT = 1.0  # the Δppl (%) that the "within" sentence tests
 
@@ -165,7 +172,189 @@ def real_table(rows: list[dict]) -> str:
   return out
 
 
-BUILDERS = {"quality": quality_table, "real": real_table}
+def _ratio_text(r: float) -> str:
+  return {0.5: "half", 0.25: "a quarter", 0.125: "an eighth", 0.75: "three quarters",
+          0.875: "seven eighths"}.get(r, f"{r:g}")
+
+
+def describe_evict(v: dict, of: str = "the prefix") -> str:
+  """A long_context setting: policy (its ratio of the prefix, sinks/window), codec, heads."""
+  parts = []
+  pol = v.get("policy") or "full"
+  if pol != "full":
+    extra = {"sinks": f", {v.get('sinks')} sinks", "snapkv": f", window {v.get('window')}",
+             "h2o": f", recent {v.get('window')}"}.get(pol, "")
+    keep = f"{_ratio_text(v['ratio'])} of {of}" if v.get("ratio") else \
+        f"{v.get('budget')} tokens"
+    parts.append(f"{pol}, {keep}{extra}")
+  if v.get("variant") == "MQA":
+    parts.append("GQA-3 → MQA, mean-pooled K/V heads (no uptraining)")
+  codec = v["k_codec"] if v["k_codec"] == v["v_codec"] else f"K {v['k_codec']} / V {v['v_codec']}"
+  if codec != "fp32" or not parts:
+    parts.append(codec if pol != "full" else f"{codec}, every token")
+  return "; ".join(parts)
+
+
+def _frac(right: float, n: int) -> str:
+  return f"{right:g}/{n}"
+
+
+def _evict_cells(rows: list[dict]) -> tuple[list[str], list[int], dict, dict]:
+  """(settings, contexts, (setting, context, task) -> [right, n], setting -> summary)."""
+  settings = list(dict.fromkeys(r["variant"]["setting"] for r in rows))
+  contexts = sorted({r["workload"]["context"] for r in rows})
+  cell: dict = {}
+  info: dict = {}
+  for r in rows:
+    s = r["variant"]["setting"]
+    for key in ((s, r["workload"]["context"], r["workload"]["task"]),
+                (s, r["workload"]["context"], "*"), (s, "*", r["workload"]["task"]),
+                (s, "*", "*")):
+      c = cell.setdefault(key, [0.0, 0])
+      c[0] += r["metrics"]["accuracy"]
+      c[1] += 1
+    i = info.setdefault(s, {"variant": r["variant"], "bpt": []})
+    i["bpt"].append(r["metrics"]["bytes_per_token"])
+  for i in info.values():
+    i["bpt"] = sum(i["bpt"]) / len(i["bpt"])
+  return settings, contexts, cell, info
+
+
+def _first_number(text: str):
+  m = re.search(r"\d+", text)
+  return m.group(0) if m else None
+
+
+def evict_table(rows: list[dict]) -> str:
+  rows = [r for r in rows if r["experiment"] == "long_context"]
+  if not rows:
+    raise SystemExit("doc_tables: no eviction rows; run `kvjax run "
+                     "configs/long_context_evict.yaml --out results/real/evict`")
+  settings, contexts, cell, info = _evict_cells(rows)
+  tasks = sorted({r["workload"]["task"] for r in rows}, key=lambda t: t != "passkey")
+  full = info["fp32"]["bpt"]
+  qkey = lambda r: (r["workload"]["context"], r["workload"]["task"], r["workload"]["depth"],  # noqa: E731
+                    r["workload"].get("key"))
+  ref = {qkey(r): _first_number(r["metrics"]["output"]) for r in rows
+         if r["variant"]["setting"] == "fp32"}
+  same: dict = {}
+  for r in rows:
+    same.setdefault(r["variant"]["setting"], []).append(
+        _first_number(r["metrics"]["output"]) == ref.get(qkey(r)))
+  order = sorted(settings, key=lambda s: (-round(info[s]["bpt"]), settings.index(s)))
+  head = ("| setting | what | bytes/token | of fp32 | " + " | ".join(
+      f"{n // 1024}k" for n in contexts) + " | " + " | ".join(tasks) + " | all | same as fp32 |")
+  lines = [head, "|" + "---|" * (6 + len(contexts) + len(tasks))]
+  for s in order:
+    i = info[s]
+    vals = [_frac(*cell[(s, n, "*")]) for n in contexts] + \
+        [_frac(*cell[(s, "*", t)]) for t in tasks] + [_frac(*cell[(s, "*", "*")])]
+    lines.append(f"| `{s}` | {describe_evict(i['variant'])} | {i['bpt']:,.0f} | "
+                 f"{i['bpt'] / full:.1%} | " + " | ".join(vals) +
+                 f" | {sum(same[s])}/{len(same[s])} |")
+  w = rows[0]["workload"]
+  depths = sorted({r["workload"]["depth"] for r in rows})
+  per = cell[("fp32", contexts[0], "*")][1]
+  out = "\n".join(lines) + (
+      f"\n\nRows: `results/real/evict/long_context.jsonl`, model "
+      f"`{rows[0]['variant'].get('model')}`, {w['template']} template, {w['gen_len']} answer "
+      f"tokens decoded greedily. Per context and setting {per} queries: passkey at depths "
+      f"{', '.join(f'{d:g}' for d in depths)} (one prompt each) and one needle prompt with "
+      f"{len(depths)} needles at those depths, each asked. bytes/token: the bytes the cache "
+      "keeps for the prefix per prefix token (the codec's closed form × the kept fraction, "
+      "averaged over the prompts); the question and answer tokens are not counted. "
+      "\"same as fp32\": queries whose first number written equals the fp32 cache's.")
+  # the targets
+  niah = "niah" if "niah" in tasks else tasks[-1]
+
+  def acc(s, task="*"):
+    right, n = cell[(s, "*", task)]
+    return right / n
+
+  def pick(cands):
+    return max(cands, key=lambda s: (acc(s, niah), acc(s), info[s]["bpt"]))
+
+  half = [s for s in settings if s != "fp32" and info[s]["bpt"] <= 0.51 * full]
+  if half:
+    best = pick([s for s in half if (info[s]["variant"].get("policy") or "full") != "full"]
+                or half)
+    ok = all(cell[(best, n, niah)][0] == cell[("fp32", n, niah)][0] for n in contexts)
+    key = (acc(best, niah), acc(best))
+    ties = [s for s in half if s != best and (acc(s, niah), acc(s)) == key
+            and (info[s]["variant"].get("policy") or "full") != "full"]
+    tied = f", tied with {', '.join(f'`{s}`' for s in ties)}" if ties else ""
+    out += (f"\n\n**At 50 % of the fp32 bytes** (51 % or less: a ratio's budget rounds up), "
+            f"the eviction setting with the most needles (then the most queries) "
+            f"is `{best}` ({describe_evict(info[best]['variant'])}, "
+            f"{info[best]['bpt'] / full:.1%}{tied}): needles " + ", ".join(
+                f"{_frac(*cell[(best, n, niah)])} at {n // 1024}k" for n in contexts)
+            + " against the full fp32 cache's " + ", ".join(
+                f"{_frac(*cell[('fp32', n, niah)])}" for n in contexts)
+            + (". It keeps the needle accuracy of the full cache"
+               if ok else ". It does not keep the needle accuracy of the full cache"))
+    hits = {s: sorted((r["workload"]["context"], r["workload"]["depth"]) for r in rows
+                      if r["variant"]["setting"] == s and r["workload"]["task"] == niah
+                      and r["metrics"]["accuracy"]) for s in ("fp32", best)}
+    where = "; ".join(f"{n // 1024}k: " + (", ".join(f"{d:g}" for c, d in hits[best] if c == n)
+                                           or "none") for n in contexts)
+    out += (f", on {'the same' if hits[best] == hits['fp32'] else 'other'} needles "
+            f"(depths right: {where}).")
+    q = [s for s in half if (info[s]["variant"].get("policy") or "full") == "full"]
+    if q:
+      bq = pick(q)
+      out += (f" Without eviction, `{bq}` ({info[bq]['bpt'] / full:.1%} of the bytes) finds "
+              + ", ".join(f"{_frac(*cell[(bq, n, niah)])}" for n in contexts) + " needles.")
+  eighth = [s for s in settings if info[s]["bpt"] <= 0.13 * full]
+  combo = [s for s in eighth if (info[s]["variant"].get("policy") or "full") != "full"
+           and info[s]["variant"]["k_codec"] != "fp32"]
+  if combo:
+    best = max(combo, key=lambda s: (acc(s), acc(s, niah), info[s]["bpt"]))
+    out += (f"\n\n**At 12.5 % of the fp32 bytes** (13 % or less), the best combination of "
+            f"eviction and quantization is `{best}` ({describe_evict(info[best]['variant'])}, "
+            f"{info[best]['bpt'] / full:.1%}): {_frac(*cell[(best, '*', '*')])} queries right "
+            f"({', '.join(f'{_frac(*cell[(best, n, chr(42))])} at {n // 1024}k' for n in contexts)}"
+            f"), against {_frac(*cell[('fp32', '*', '*')])} for the full fp32 cache"
+            + "".join(f" and {_frac(*cell[(q, '*', '*')])} for `{q}` alone "
+                      f"({info[q]['bpt'] / full:.1%} of the bytes)" for q in settings
+                      if (info[q]["variant"].get("policy") or "full") == "full"
+                      and info[q]["variant"].get("variant") != "MQA"
+                      and 0.13 * full < info[q]["bpt"] <= 0.15 * full) + ". "
+            "Every setting at 13 % or less: " + ", ".join(
+                f"`{s}` {_frac(*cell[(s, '*', '*')])}" for s in
+                sorted(eighth, key=lambda s: -info[s]["bpt"])) + ".")
+  return out
+
+
+def evict_speed_table(rows: list[dict]) -> str:
+  rows = [r for r in rows if r["experiment"] == "latency" and "tpot_vs_ref" in r["metrics"]]
+  if not rows:
+    raise SystemExit("doc_tables: no step-time rows; run `kvjax run "
+                     "configs/compression_speed.yaml --out results/cpu/compression_speed`")
+  ref = next(r for r in rows if r["metrics"]["tpot_vs_ref"] == 1.0)
+  lines = ["| variant | what | cache bytes | decode step | vs fp32 | interquartile range | "
+           "prefill (one run) |", "|---|---|---|---|---|---|---|"]
+  for r in sorted(rows, key=lambda r: -r["metrics"]["cache_bytes"]):
+    v, m = r["variant"], r["metrics"]
+    lines.append(f"| `{v['setting']}` | {describe_evict(v, 'the prompt')} | "
+                 f"{m['cache_bytes'] / 2**20:,.1f} MiB | {1e3 * m['tpot_s']:.1f} ms | "
+                 f"{m['tpot_vs_ref']:.2f}× | {1e3 * m['tpot_s_iqr']:.1f} ms | "
+                 f"{m['ttft_s']:.1f} s |")
+  w, env = ref["workload"], ref["env"]
+  load = env.get("load_avg")
+  out = "\n".join(lines) + (
+      f"\n\nRows: `results/cpu/compression_speed/latency.jsonl`. SmolLM2-135M's shape "
+      f"({ref['config']['model']['n_layers']} layers, GQA-3, fp32 weights, random values), "
+      f"batch {w['batch']}, a {w['prompt_len']:,}-token prompt, {w['decode_steps']} decode "
+      f"steps per repeat, medians of {ref['metrics']['repeats']} repeats timed round-robin "
+      f"over the variants in one process. {env['cpu_count']} CPU cores ({env['backend']}), "
+      "shared with other jobs: load average "
+      + (f"{load[0]:g} / {load[1]:g} / {load[2]:g} (1 / 5 / 15 min) when the rows were written"
+         if load else "not recorded") + ".")
+  return out
+
+
+BUILDERS = {"quality": quality_table, "real": real_table, "evict": evict_table,
+            "evict_speed": evict_speed_table}
 
 
 def render(doc: str, blocks: dict[str, str]) -> str:

@@ -61,3 +61,39 @@ def test_check_fails_when_the_docs_drift(doc_tables, tmp_path, monkeypatch):
 def test_missing_markers_are_a_one_line_error(doc_tables):
   with pytest.raises(SystemExit, match="no <!-- doc_tables:quality begin/end --> markers"):
     doc_tables.render("no markers here\n", {"quality": "x"})
+
+
+def lc_row(setting, task, context, depth, right, bpt, policy="full", ratio=0.0, codec="fp32"):
+  variant = {"variant": "GQA-3", "setting": setting, "model": "m", "k_codec": codec,
+             "v_codec": codec, "codec": codec}
+  if policy != "full":
+    variant.update(policy=policy, ratio=ratio, window=16, sinks=4, budget=0)
+  answer = "123"
+  return {"experiment": "long_context", "variant": variant,
+          "workload": {"task": task, "context": context, "depth": depth, "key": "",
+                       "template": "chatml", "gen_len": 10},
+          "metrics": {"accuracy": float(right), "bytes_per_token": bpt, "answer": answer,
+                      "output": " 123." if right else " 9."}}
+
+
+def test_evict_table_and_its_targets_follow_the_rows(doc_tables):
+  rows = []
+  for ctx in (1024, 2048):
+    for d, ok in ((0.1, 0), (0.9, 1)):
+      for task in ("passkey", "niah"):
+        rows.append(lc_row("fp32", task, ctx, d, ok, 46080))
+        rows.append(lc_row("int8", task, ctx, d, ok, 11880, codec="int8"))
+        rows.append(lc_row("window_50", task, ctx, d, ok, 23063, "window", 0.5))
+        rows.append(lc_row("snapkv_50", task, ctx, d, 0, 23063, "snapkv", 0.5))
+        rows.append(lc_row("sinks_50_int8", task, ctx, d, ok and ctx == 1024, 5900, "sinks",
+                           0.5, "int8"))
+  text = doc_tables.evict_table(rows)
+  assert "| `window_50` | window, half of the prefix | 23,063 | 50.0% | 2/4 | 2/4 | 2/4 | 2/4 " \
+      "| 4/8 | 8/8 |" in text
+  assert "| `sinks_50_int8` | sinks, half of the prefix, 4 sinks; int8 | 5,900 | 12.8% |" in text
+  assert "the eviction setting with the most needles (then the most queries) is `window_50`" \
+      in text and "It keeps the needle accuracy of the full cache, on the same needles" in text
+  assert "the best combination of eviction and quantization is `sinks_50_int8`" in text
+  assert "2/8 queries right (2/4 at 1k, 0/4 at 2k), against 4/8 for the full fp32 cache" in text
+  worse = [r for r in rows if r["variant"]["setting"] != "window_50"]
+  assert "It does not keep the needle accuracy" in doc_tables.evict_table(worse)

@@ -239,6 +239,35 @@ def test_timed_experiments_write_timing_rows(tmp_path):
   assert all(r["workload"]["position"] == 4 for r in rows)
 
 
+def test_latency_interleaves_paired_variants_from_one_prefill(tmp_path):
+  """`params.interleave`: one row per variant, timed round-robin in one cell; an evicting
+  policy decodes from its compacted cache, which holds fewer bytes than the full one."""
+  out = tmp_path / "out"
+  text = TINY.format(experiment="latency").replace(
+      "workload: {batch: 2, prompt_len: 4, gen_len: 3, repeats: 1}",
+      "workload: {batch: 1, prompt_len: 16, gen_len: 3, repeats: 2}") + textwrap.dedent("""\
+      params:
+        interleave:
+          full: {}
+          window_50: {cache.policy: window, cache.ratio: 0.5}
+          snapkv_50: {cache.policy: snapkv, cache.ratio: 0.5, cache.window: 2}
+          int8: {cache.codec: int8}
+      """)
+  path = tmp_path / "inter.yaml"
+  path.write_text(text.replace("params: {contexts: [4, 8]}\n", ""))
+  runner.run_file(path, out_dir=out, progress=False)
+  rows = runner.read_rows(out / "latency.jsonl")
+  by = {r["variant"]["setting"]: r for r in rows}
+  assert list(by)[0] == "full" and set(by) == {"full", "window_50", "snapkv_50", "int8"}
+  assert by["full"]["metrics"]["tpot_vs_ref"] == 1.0
+  assert by["window_50"]["variant"]["policy"] == "window"
+  assert all(r["metrics"]["tpot_s"] > 0 and r["metrics"]["repeats"] == 2 for r in rows)
+  full, win = by["full"]["metrics"]["cache_bytes"], by["window_50"]["metrics"]["cache_bytes"]
+  assert win < full and by["snapkv_50"]["metrics"]["cache_bytes"] < full
+  assert by["int8"]["metrics"]["bytes_per_token"] < by["full"]["metrics"]["bytes_per_token"]
+  assert "load_avg" in rows[0]["env"] and len(rows[0]["env"]["load_avg"]) == 3
+
+
 def test_every_shipped_config_expands():
   root = Path(__file__).resolve().parent.parent / "configs"
   for name in ("memory", "latency", "cache_vs_recompute", "quickstart"):

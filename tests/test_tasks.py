@@ -160,7 +160,8 @@ def _last_logits(cfg, params, prefix, tail, capacity=160):
   """(one-shot: prefix + tail in one call, split: prefix prefilled then tail as its own
   call) logits of the last tail token."""
   fresh = cache_lib.init_cache(cfg, 1, capacity)
-  fwd, pad, spec = through_cache._forward, through_cache._pad, through_cache._static(cfg)
+  fwd, pad = through_cache._forward, through_cache._pad
+  spec = through_cache._static(cfg)
   shot, _ = fwd(params, *pad(prefix + tail, capacity), fresh, spec=spec)
   pre = tasks.prefill(cfg, params, prefix, capacity, chunk=64)
   split, _ = fwd(params, *pad(tail, 16), pre, spec=spec)
@@ -227,6 +228,72 @@ def test_answer_matches_generate_with_fp32():
   assert got == list(want)
 
 
+# -- through an eviction policy ------------------------------------------------------------------
+SNAP8 = {"cache.policy": "snapkv", "cache.ratio": 0.5, "cache.window": 4, "cache.codec": "int8"}
+
+
+def _gqa():
+  return _tiny(**{"model.n_kv_heads": 2})
+
+
+@pytest.mark.parametrize("over", [SNAP8, {"cache.policy": "knorm", "cache.budget": 20},
+                                  {"cache.policy": "sinks", "cache.ratio": 0.25,
+                                   "cache.sinks": 2}], ids=["snapkv-int8", "knorm", "sinks"])
+def test_evict_prefix_is_the_policy_prefill(over):
+  """One fp32 prefill with its queries, stored through the codec and compacted, is the cache
+  `evict.prefill` makes for the prefix with that setting; the question reads `budget`
+  tokens of the prefix (slots [0, held)), and a ring keeps holding its budget to the end."""
+  from kvjax import decode, evict
+
+  cfg32 = _gqa()
+  params = tiny_params(cfg32)
+  cfg = config_lib.apply_overrides(cfg32, over)
+  rng = np.random.default_rng(4)
+  prefix, tail = rng.integers(0, 256, 90).tolist(), rng.integers(0, 256, 6).tolist()
+  width, room = 96, 16 + 5
+  pre = tasks.prefill_queries(evaluate.reference_config(cfg), params, prefix, width)
+  got = tasks.evict_prefix(cfg, pre, room)
+  tok, n = through_cache._pad(prefix, width)
+  _, _, want = evict.prefill(params, tok, n, cache_lib.init_cache(cfg, 1, width + room),
+                             jax.random.PRNGKey(0), spec=decode.Static.of(cfg),
+                             sampler=decode.Sampler())
+  budget = over.get("cache.budget") or int(np.ceil(over["cache.ratio"] * 90))
+  assert got.spec.layout == "compacted" and int(got.held[0]) == budget < 90
+  assert int(got.lengths[0]) == 90 and int(got.budget[0]) == budget
+  assert got.spec.capacity == want.spec.capacity
+  for a, b in zip(jax.tree.leaves((got.k, got.v, got.held)), jax.tree.leaves((want.k, want.v,
+                                                                              want.held))):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               atol=1e-5 if a.dtype.kind == "f" else 1)
+  ans = tasks.answer_through_cache(cfg, params, got, tail, 5, tail_pad=16)
+  assert ans == tasks.answer_through_cache(cfg, params, want, tail, 5, tail_pad=16)
+  if over["cache.policy"] == "sinks":  # the ring still holds exactly its budget afterwards
+    _, after = through_cache._forward(params, *through_cache._pad(tail, 16), got,
+                                      spec=through_cache._static(cfg))
+    assert int(after.held[0]) == budget and int(after.lengths[0]) == 96
+
+
+def test_full_through_the_policy_path_answers_like_the_codec_path():
+  """`full` (and a policy keeping every token) through the one-call prefill answers exactly
+  like the chunked fp32 prefill stored through the codec (today's path)."""
+  cfg = config_lib.apply_overrides(_gqa(), {"cache.codec": "int8"})
+  params = tiny_params(cfg)
+  rng = np.random.default_rng(5)
+  prefix, tail = rng.integers(0, 256, 70).tolist(), rng.integers(0, 256, 6).tolist()
+  ref = evaluate.reference_config(cfg)
+  old = tasks.encode_prefix(cfg, tasks.prefix_kv(tasks.prefill(ref, params, prefix, 128, 32)),
+                            128)
+  want = tasks.answer_through_cache(cfg, params, old, tail, 6, tail_pad=16)
+  pre = tasks.prefill_queries(ref, params, prefix, 80)
+  full = tasks.evict_prefix(cfg, pre, 22)
+  assert full.spec.layout == "contiguous" and full.spec.capacity == 102
+  assert tasks.answer_through_cache(cfg, params, full, tail, 6, tail_pad=16) == want
+  keep_all = config_lib.apply_overrides(cfg, {"cache.policy": "knorm", "cache.ratio": 1.0})
+  c = tasks.evict_prefix(keep_all, pre, 22)
+  assert int(c.held[0]) == 70
+  assert tasks.answer_through_cache(keep_all, params, c, tail, 6, tail_pad=16) == want
+
+
 # -- the experiment, end to end ----------------------------------------------------------------
 def _experiment_cfg(tmp_path, **params):
   model = tmp_path / "tiny.yaml"
@@ -237,7 +304,11 @@ def _experiment_cfg(tmp_path, **params):
        "tail_pad": 192, "chunk": 256,
        "settings": {"fp32": {"cache.codec": "fp32"},
                     "int4_kivi": {"cache.codec": "int4", "cache.k_axis": "channel",
-                                  "cache.group_size": 8, "cache.residual": 16}}}
+                                  "cache.group_size": 8, "cache.residual": 16},
+                    "snap_50_int8": {"cache.policy": "snapkv", "cache.ratio": 0.5,
+                                     "cache.window": 8, "cache.codec": "int8"},
+                    "sinks_25": {"cache.policy": "sinks", "cache.ratio": 0.25,
+                                 "cache.sinks": 4}}}
   p.update(params)
   return config_lib.apply_overrides(config_lib.Config(), {
       "experiment": "long_context", "params": p})
@@ -295,6 +366,122 @@ def test_plots_from_rows(cell_rows, tmp_path):
   assert names == ["long_context_accuracy_vs_bytes.png", "long_context_accuracy_vs_bytes.svg",
                    "long_context_heatmap.png", "long_context_heatmap.svg"]
   assert all(p.stat().st_size > 1000 for p in written)
+
+
+def test_policy_cell_answers_through_the_compacted_cache(tmp_path, cell_rows):
+  """A policy setting: every query is answered through a cache holding ceil(ratio x prefix)
+  prefix tokens, and its bytes per token are the codec's times the kept fraction."""
+  import math
+
+  from kvjax.experiments import long_context
+
+  fp32 = cell_rows[1]
+  for name, ratio, codec_bpt in (("snap_50_int8", 0.5, 2 * 2 * 2 * (8 + 2)),  # + fp16 scale
+                                 ("sinks_25", 0.25, 2 * 2 * 2 * 8 * 4)):
+    cfg = _experiment_cfg(tmp_path, setting=name)
+    long_context.check(cfg)
+    rows = long_context.run_cell(cfg)
+    assert [r["workload"]["prompt_tokens"] for r in rows] == \
+        [r["workload"]["prompt_tokens"] for r in fp32]  # the same prompts as every setting
+    for r in rows:
+      m, v = r["metrics"], r["variant"]
+      prefix = r["workload"]["prefix_tokens"]
+      assert prefix < r["workload"]["prompt_tokens"]
+      assert m["held_tokens"] == math.ceil(ratio * prefix) and m["kept"] == m["held_tokens"] / prefix
+      assert m["codec_bytes_per_token"] == codec_bpt
+      assert m["bytes_per_token"] == pytest.approx(codec_bpt * m["kept"])
+      assert v["policy"] in ("snapkv", "sinks") and v["ratio"] == ratio and v["setting"] == name
+      assert m["accuracy"] == tasks.score(m["output"], m["answer"])
+  assert {"policy", "held_tokens"}.isdisjoint(fp32[0]["variant"] | fp32[0]["metrics"])
+
+
+def test_mean_pooled_kv_heads_setting(tmp_path, cell_rows):
+  """`params.kv_heads` in a setting: the model's K/V heads mean-pooled (GQA-2 -> MQA here),
+  its own prefill, half the bytes per token; with a policy on top, both apply."""
+  from kvjax.experiments import long_context
+
+  settings = {"mqa": {"params.kv_heads": 1},
+              "mqa_win": {"params.kv_heads": 1, "cache.policy": "window", "cache.ratio": 0.5}}
+  for name in settings:
+    cfg = _experiment_cfg(tmp_path, setting=name, settings=settings, tasks=["passkey"],
+                          depths=[0.5])
+    long_context.check(cfg)
+    (row,) = long_context.run_cell(cfg)
+    assert row["variant"]["kv_heads"] == 1 and row["variant"]["variant"] == "MQA"
+    kept = row["metrics"].get("kept", 1.0)
+    assert row["metrics"]["bytes_per_token"] == pytest.approx(2 * 2 * 1 * 8 * 4 * kept)
+    assert kept == 1.0 if name == "mqa" else kept < 0.51
+  with pytest.raises(KvjaxError, match="cannot pool 2 KV heads into 3"):
+    long_context.check(_experiment_cfg(tmp_path, setting="bad",
+                                       settings={"bad": {"params.kv_heads": 3}}))
+
+
+@pytest.mark.parametrize("setting,match", [
+    ({"cache.policy": "snapkv", "cache.ratio": 0.5, "cache.codec": "int4",
+      "cache.k_axis": "channel", "cache.group_size": 8, "cache.residual": 16},
+     "compacts single tokens"),
+    ({"cache.policy": "window", "cache.ratio": 0.5, "cache.layout": "paged"},
+     "needs cache.layout=contiguous"),
+    ({"cache.policy": "tova", "cache.ratio": 1.5}, r"finite number in \[0, 1\]"),
+    ({"cache.policy": "snapkv", "cache.ratio": 0.01, "cache.window": 16}, "raise the ratio"),
+    ({"cache.policy": "lru", "cache.ratio": 0.5}, "unknown cache.policy"),
+])
+def test_bad_policy_setting_is_one_line_before_any_cell(tmp_path, setting, match):
+  """Refused by the experiment's check, and by `kvjax run` before any cell has run."""
+  import yaml
+
+  from kvjax import runner
+  from kvjax.experiments import long_context
+
+  cfg = _experiment_cfg(tmp_path, setting="bad", settings={"bad": setting})
+  with pytest.raises(KvjaxError, match=match) as e:
+    long_context.check(cfg)
+  assert "\n" not in str(e.value)
+  p = cfg.to_dict()["params"]
+  p["settings"] = {"fp32": {"cache.codec": "fp32"}, "bad": setting}
+  p.pop("setting")
+  path = tmp_path / "lc.yaml"
+  path.write_text(yaml.safe_dump({"experiment": "long_context", "params": p,
+                                  "grid": {"params.setting": ["fp32", "bad"]}}))
+  with pytest.raises(KvjaxError, match=match) as e:
+    runner.run_file(path, out_dir=tmp_path / "out", progress=False)
+  assert "\n" not in str(e.value)
+  assert not list((tmp_path / "out").glob("*.jsonl")) or \
+      not (tmp_path / "out" / "long_context.jsonl").read_text()
+
+
+def test_eviction_rows_get_their_own_plots(cell_rows, tmp_path):
+  """Rows with a policy draw accuracy vs bytes per method, vs context at a fixed budget and
+  by depth, not the codec plots (whose names docs/img already holds)."""
+  import copy
+  import importlib.util
+  import json
+  from pathlib import Path
+
+  root = Path(__file__).resolve().parent.parent
+  spec = importlib.util.spec_from_file_location("plot_all", root / "scripts" / "plot_all.py")
+  plot_all = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(plot_all)
+  rows = []
+  for ctx in (700, 1400):
+    for r in cell_rows[1]:  # fp32, then each policy at two ratios
+      base = copy.deepcopy(r)
+      base["workload"]["context"] = ctx
+      rows.append(base)
+      for pol in ("window", "snapkv"):
+        for ratio in (0.5, 0.25):
+          e = copy.deepcopy(base)
+          e["variant"].update(policy=pol, ratio=ratio, setting=f"{pol}_{ratio}")
+          e["metrics"].update(held_tokens=int(ratio * ctx), kept=ratio,
+                              bytes_per_token=ratio * e["metrics"]["bytes_per_token"])
+          rows.append(e)
+  res = tmp_path / "res"
+  res.mkdir()
+  (res / "long_context.jsonl").write_text("".join(
+      json.dumps({"experiment": "long_context", **r}) + "\n" for r in rows))
+  names = sorted(p.name for p in plot_all.plot_all(res, tmp_path / "plots") if p.suffix == ".png")
+  assert names == ["long_context_evict_accuracy_vs_bytes.png",
+                   "long_context_evict_accuracy_vs_context.png", "long_context_evict_depth.png"]
 
 
 @pytest.mark.parametrize("params,match", [

@@ -7,14 +7,30 @@ tokens are decoded in one compiled `lax.scan`; TTFT and TPOT are the medians of
 outside the timed region (kvjax.metrics.DecodeTimer). The cache holds
 `prompt_len + gen_len` tokens (`context` in the rows), so TPOT is the decode cost at
 that context. Weights are random: speed does not depend on their values.
+
+Paired variants in one cell (`params.interleave`, a mapping name -> config overrides such
+as `{cache.policy: window, cache.ratio: 0.5}` or `{cache.codec: int8}`): every variant
+is compiled and prefilled once (its `ttft_s` is that one prefill, with the compaction of
+`cache.policy`), then the variants' decode steps are timed in turn, round-robin, each
+repeat from a copy of its prefilled cache made outside the clock (`StepTimer`), so their
+ratios share one run's machine noise. Rows: one per variant, `variant.setting` = its name,
+`tpot_vs_ref` = its TPOT over the reference variant's (`params.reference`, else the one
+without overrides). A policy's cache holds its budget
+plus the decode steps (`cache_bytes`); `bytes_per_token` is the codec's closed form.
 """
 
 from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
 
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
 from kvjax import experiments as ex
 from kvjax import metrics
+from kvjax.errors import KvjaxError
 
 
 def capacity(cfg: config_lib.Config) -> int:
@@ -22,12 +38,109 @@ def capacity(cfg: config_lib.Config) -> int:
   return cfg.cache.capacity or w.prompt_len + max(w.gen_len, 2)
 
 
+def _mapping(value) -> dict | None:
+  """A YAML mapping as the config holds it (frozen to sorted (key, value) pairs), or None."""
+  if isinstance(value, dict):
+    return dict(value)
+  if isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
+    return dict(value)
+  return None
+
+
+def _interleave(cfg: config_lib.Config) -> dict:
+  """name -> the cell's config with that variant's overrides (`params.interleave`), the
+  reference (`params.reference`, else the variant without overrides, else the first by
+  name) first."""
+  raw = cfg.param("interleave", None)
+  if not raw:
+    return {}
+  table = _mapping(raw)
+  if table is None:
+    raise KvjaxError("params.interleave must map a variant name to config overrides, e.g. "
+                     "{window_50: {cache.policy: window, cache.ratio: 0.5}}")
+  out = {}
+  for name, over in table.items():
+    over = {} if over in (None, (), {}) else _mapping(over)
+    if over is None or any(str(k).startswith("params") for k in over):
+      raise KvjaxError(f"params.interleave.{name} must map cache/model keys to values")
+    out[str(name)] = config_lib.apply_overrides(cfg, {str(k): v for k, v in over.items()})
+  ref = cfg.param("reference", None) or next(
+      (str(n) for n, o in table.items() if o in (None, (), {})), next(iter(out)))
+  if ref not in out:
+    raise KvjaxError(f"params.reference '{ref}' is not a variant of params.interleave "
+                     f"({', '.join(out)})")
+  return {ref: out[ref], **{n: c for n, c in out.items() if n != ref}}
+
+
 def check(cfg: config_lib.Config) -> None:
   ex.check_context(cfg, capacity(cfg))
-  ex.check_memory(cfg, cfg.workload.batch, capacity(cfg), cfg.workload.prompt_len)
+  for c in (_interleave(cfg) or {"": cfg}).values():
+    ex.check_memory(c, cfg.workload.batch, capacity(cfg), cfg.workload.prompt_len)
+
+
+class StepTimer:
+  """Decode steps of one config from one prefilled cache. The prompt is prefilled once
+  (through `cache.policy`'s compaction; `ttft_s` is that one run), then each `once()`
+  decodes `steps` tokens from a copy of that cache, copied before the clock starts (decode
+  donates its cache). Same interface as `metrics.DecodeTimer` for `bench_interleaved`."""
+
+  def __init__(self, cfg, params, tokens_BT, lengths_B, steps: int, capacity: int):
+    from kvjax import decode, program
+
+    self.steps = max(int(steps), 1)
+    B, T = tokens_BT.shape
+    prog = program.Program(cfg, params, program.Shape(B, T, capacity, 0))
+    prog.compile(tokens_BT, lengths_B)
+    t0 = time.perf_counter()
+    tok, _, cache = prog.pre(prog.params, *prog.prompts, prog.fresh(), prog.keys[0])
+    jax.block_until_ready((tok, cache))
+    self.ttft = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    self.dec = decode.decode.lower(prog.params, cache, tok, prog.keys[1],
+                                   **program.statics(cfg, prog.sampler, steps=self.steps)
+                                   ).compile()
+    self.compile_s = prog.compile_s + time.perf_counter() - t1
+    self.prog, self.cache, self.tok = prog, cache, tok
+    self.cache_bytes = cache_lib.tree_bytes(cache)
+    self.peak_bytes = metrics.program_bytes(prog.pre, self.dec)
+
+  def once(self) -> tuple[float, float]:
+    c = jax.block_until_ready(jax.tree.map(jnp.copy, self.cache))
+    t0 = time.perf_counter()
+    rest, c = self.dec(self.prog.params, c, self.tok, self.prog.keys[1])
+    jax.block_until_ready((rest, c))
+    return self.ttft, (time.perf_counter() - t0) / self.steps
+
+
+def _interleaved_cell(cfg: config_lib.Config, cfgs: dict) -> list[dict]:
+  w = cfg.workload
+  params = ex.random_params(cfg.model, cfg.seed)
+  tokens, lengths = ex.prompts(cfg, w.batch, w.prompt_len)
+  S = capacity(cfg)
+  timers = {name: StepTimer(c, params, tokens, lengths, steps=max(w.gen_len - 1, 1), capacity=S)
+            for name, c in cfgs.items()}
+  res = metrics.bench_interleaved(timers, repeats=w.repeats)
+  ref = next(iter(res.values()))["tpot_s"]  # `_interleave` puts the reference first
+  rows = []
+  for name, m in res.items():
+    c = cfgs[name].cache
+    m.update({"tokens_per_s": w.batch / m["tpot_s"], "tpot_vs_ref": m["tpot_s"] / ref,
+              "bytes_per_token": ex.bytes_per_token(cfgs[name])})
+    rows.append({
+        "variant": ex.variant(cfgs[name], setting=name, policy=c.policy, budget=c.budget,
+                              ratio=c.ratio, window=c.window, sinks=c.sinks),
+        "workload": {"batch": w.batch, "prompt_len": w.prompt_len, "gen_len": w.gen_len,
+                     "context": S, "decode_steps": timers[name].steps,
+                     "timing": "interleaved, decode from one prefilled cache"},
+        "metrics": m,
+    })
+  return rows
 
 
 def run_cell(cfg: config_lib.Config) -> list[dict]:
+  cfgs = _interleave(cfg)
+  if cfgs:
+    return _interleaved_cell(cfg, cfgs)
   w = cfg.workload
   params = ex.random_params(cfg.model, cfg.seed)
   tokens, lengths = ex.prompts(cfg, w.batch, w.prompt_len)

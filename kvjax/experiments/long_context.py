@@ -18,6 +18,26 @@ every question and answer token reads the haystack through the codec. The fp32 p
 shared by every setting of a context (kept while the cells of that context run: list
 `params.context` before `params.setting` in the grid so the settings of a context are
 consecutive cells).
+
+Through an eviction policy (a setting with `cache.policy` other than `full`, with
+`cache.ratio` or `cache.budget`, and `cache.window`/`cache.sinks` where the policy has
+them; a codec may come with it): the prefix is prefilled in ONE call of `params.context`
+tokens (padded) through an fp32 cache with its queries kept (`params.chunk` does not apply:
+snapkv, h2o and tova score by the attention of prefix queries, all of which one call has),
+its K/V are stored through the setting's codec and compacted to the budget
+(`kvjax.evict.compact`, the cache `kvjax.evict.prefill` makes), and the question and the
+answer read the compacted cache. The question is not in the prefix, so the selection never
+sees it (no policy is query-aware here). That prefill is shared by every policy setting of
+a context, like the fp32 one of the codec settings. Such rows also carry `held_tokens`
+(prefix tokens the cache keeps), `kept` (= held / prefix tokens), `cache_bytes` (the
+compacted cache as allocated, question and answer room included) and `bytes_per_token` =
+the codec's bytes per token x kept: the prefix's bytes per prefix token, on the same axis
+as the codec settings' closed form. A `ratio` is a fraction of the prefix.
+
+A setting may also set `params.kv_heads`: the model's K/V projections are then mean-pooled
+into that many heads (`kvjax.io.convert.mean_pool`, no uptraining: GQA-3 -> MQA for
+SmolLM2), and its prefixes are prefilled through that model (list such settings last
+among a context's settings: the prefills kept are one model's).
 """
 
 from __future__ import annotations
@@ -27,11 +47,13 @@ import functools
 
 from kvjax import experiments as ex
 from kvjax import config as config_lib
-from kvjax import evaluate, tasks
-from kvjax.io import sources
+from kvjax import cache as cache_lib
+from kvjax import evaluate, policies, tasks
+from kvjax.io import convert, sources
 from kvjax.errors import KvjaxError
 
 _KV: dict = {}  # (model, context) -> {example key: (Example, fp32 K/V)}
+_Q: dict = {}   # (model, context) -> {example key: (Example, tasks.Prefix)}: policy settings
 
 
 def _settings(cfg) -> dict:
@@ -76,7 +98,12 @@ def check(cfg) -> None:
   for spec in _models(cfg):
     _, mcfg, _, tok = _load(spec)
     ex.check_context(mcfg, _context(cfg))
-    _examples(cfg, tok)  # a context too short for the question fails here, before any cell
+    if _kv_heads(cfg):
+      convert.check_target(mcfg.model, _kv_heads(cfg))
+    made = _examples(cfg, tok)  # a context too short for the question fails here
+    tcfg = cell_config(cfg, mcfg)  # the setting's cache (a policy the layout cannot do)
+    if tcfg.cache.policy != "full":  # a ratio whose budget does not exceed its window
+      policies.check_lengths(tcfg.cache, [e.prefix_tokens for _, e in made])
 
 
 @functools.lru_cache(maxsize=2)
@@ -88,11 +115,34 @@ def _load(spec: str):
   return src, mcfg, params, tok
 
 
+def _kv_heads(cfg) -> int:
+  """`params.kv_heads` of the cell, or of its setting when the runner left the settings
+  table to the experiment."""
+  over = _settings(cfg).get(cfg.param("setting", ""), {})
+  return int(over.get("params.kv_heads", cfg.param("kv_heads", 0)))
+
+
+def _model(spec: str, cfg):
+  """`_load`, with the K/V heads mean-pooled to `params.kv_heads` when the setting asks."""
+  src, mcfg, params, tok = _load(spec)
+  kv = _kv_heads(cfg)
+  if kv and kv != mcfg.model.n_kv_heads:
+    mcfg, params = _pooled(spec, kv)
+  return src, mcfg, params, tok
+
+
+@functools.lru_cache(maxsize=1)
+def _pooled(spec: str, kv_heads: int):
+  _, mcfg, params, _ = _load(spec)
+  return convert.mean_pool(mcfg, params, kv_heads)
+
+
 def cell_config(cfg, model_cfg: config_lib.Config) -> config_lib.Config:
   """The model with this cell's cache and seed, plus the setting's overrides when the
   runner left them to the experiment (`params.settings` still in the cell's params)."""
   merged = dataclasses.replace(model_cfg, cache=cfg.cache, seed=cfg.seed)
-  over = _settings(cfg).get(cfg.param("setting", ""), {})
+  over = {k: v for k, v in _settings(cfg).get(cfg.param("setting", ""), {}).items()
+          if not str(k).startswith("params.")}  # experiment options: read where used
   return config_lib.apply_overrides(merged, over) if over else \
       config_lib.validate(config_lib.resolve(merged))
 
@@ -137,7 +187,7 @@ def _prefixes(spec: str, cfg, mcfg, params, tok):
   """Examples of this context with their prefix's fp32 K/V, computed once per context."""
   key = (spec, _context(cfg), tuple(cfg.param("depths", (0.5,))), tuple(_task_list(cfg)),
          int(cfg.param("seeds", 1)), cfg.param("template", "plain"), cfg.seed,
-         int(cfg.param("chunk", 512)), int(cfg.param("vt_hops", 1)))
+         int(cfg.param("chunk", 512)), int(cfg.param("vt_hops", 1)), _kv_heads(cfg))
   if key not in _KV:
     _KV.clear()  # one context's prefixes at a time (about 0.4 GB per 8k prefix of SmolLM2)
     ref = evaluate.reference_config(dataclasses.replace(mcfg, seed=cfg.seed))
@@ -150,18 +200,44 @@ def _prefixes(spec: str, cfg, mcfg, params, tok):
   return _KV[key]
 
 
+def _query_prefixes(spec: str, cfg, mcfg, params, tok):
+  """Examples of this context with their prefix prefilled in one call through an fp32
+  cache, queries kept (`tasks.prefill_queries`), computed once per context for every
+  policy setting."""
+  key = (spec, _context(cfg), tuple(cfg.param("depths", (0.5,))), tuple(_task_list(cfg)),
+         int(cfg.param("seeds", 1)), cfg.param("template", "plain"), cfg.seed,
+         int(cfg.param("vt_hops", 1)), _kv_heads(cfg))
+  if key not in _Q:
+    _Q.clear()  # one context at a time (K/V and queries: about 0.25 GB per 2k prefix)
+    ref = evaluate.reference_config(dataclasses.replace(mcfg, seed=cfg.seed))
+    _Q[key] = {k: (e, tasks.prefill_queries(ref, params, tok.encode(e.prefix), _context(cfg)))
+               for k, e in _examples(cfg, tok)}
+  return _Q[key]
+
+
 def run_cell(cfg) -> list[dict]:
   rows = []
   gen_len, tail_pad = int(cfg.param("gen_len", 12)), int(cfg.param("tail_pad", 64))
   for spec in _models(cfg):
-    src, mcfg, params, tok = _load(spec)
+    src, mcfg, params, tok = _model(spec, cfg)
     tcfg = cell_config(cfg, mcfg)
     c = tcfg.cache
+    evicts = c.policy != "full"
+    extra = dict(policy=c.policy, budget=c.budget, ratio=c.ratio, window=c.window,
+                 sinks=c.sinks) if evicts else {}
     var = ex.variant(tcfg, k_axis=c.k_axis, group_size=c.group_size, residual=c.residual,
-                     setting=cfg.param("setting", ""), model=src.name)
+                     setting=cfg.param("setting", ""), model=src.name, **extra)
     bpt = ex.bytes_per_token(tcfg)
-    for (task, s, _, template), (e, kv) in _prefixes(spec, cfg, mcfg, params, tok).items():
-      cache = tasks.encode_prefix(tcfg, kv, _capacity(cfg, mcfg))
+    prefixes = (_query_prefixes if evicts else _prefixes)(spec, cfg, mcfg, params, tok)
+    for (task, s, _, template), (e, kv) in prefixes.items():
+      held = {}
+      if evicts:  # compacted to the budget; room for the padded question and the answer
+        cache = tasks.evict_prefix(tcfg, kv, tail_pad + gen_len)
+        n_held = int(cache.held[0])
+        held = {"held_tokens": n_held, "kept": n_held / e.prefix_tokens,
+                "codec_bytes_per_token": bpt, "cache_bytes": cache_lib.tree_bytes(cache)}
+      else:
+        cache = tasks.encode_prefix(tcfg, kv, _capacity(cfg, mcfg))
       for q in e.queries:
         tail = tok.encode(q.tail)
         if len(tail) > tail_pad:
@@ -172,13 +248,15 @@ def run_cell(cfg) -> list[dict]:
         rows.append({"variant": var,
                      "workload": {"task": task, "context": _context(cfg),
                                   "prompt_tokens": e.n_tokens,
+                                  "prefix_tokens": e.prefix_tokens,
                                   "depth": q.depth,
                                   "fact_depth": q.fact_token / e.prefix_tokens,
                                   "fact_token": q.fact_token, "seed": e.seed, "key": q.key,
                                   "n_facts": len(e.queries), "template": template,
                                   "gen_len": gen_len},
                      "metrics": {"accuracy": tasks.score(out, q.answer),
-                                 "bytes_per_token": bpt, "answer": q.answer, "output": out}})
+                                 "bytes_per_token": bpt * held["kept"] if held else bpt,
+                                 "answer": q.answer, "output": out, **held}})
   return rows
 
 
@@ -188,8 +266,9 @@ def summary(rows: list[dict]) -> list[dict]:
   for r in rows:
     v, w = r["variant"], r["workload"]
     k = (v.get("model"), v.get("setting") or v["codec"], w["task"], w["context"])
-    acc.setdefault(k, [0.0, 0, r["metrics"]["bytes_per_token"]])
+    acc.setdefault(k, [0.0, 0, 0.0])
     acc[k][0] += r["metrics"]["accuracy"]
     acc[k][1] += 1
+    acc[k][2] += r["metrics"]["bytes_per_token"]  # a policy's kept fraction varies a little
   return [{"model": m, "setting": s, "task": t, "context": n, "accuracy": a / c, "n": c,
-           "bytes_per_token": b} for (m, s, t, n), (a, c, b) in acc.items()]
+           "bytes_per_token": b / c} for (m, s, t, n), (a, c, b) in acc.items()]

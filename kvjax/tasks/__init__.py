@@ -35,17 +35,27 @@ The prefix itself is prefilled at full precision and then stored through the cod
 lets one fp32 prefill serve every cache setting: storing the fp32 K/V through a codec is
 the same write a prefill with that codec makes.
 
+Through an eviction policy (`cache.policy`): the prefix goes in ONE call through an fp32
+cache with its queries kept (`prefill_queries`; snapkv, h2o and tova score tokens by the
+attention of prefix queries, which a chunked prefill would scatter over calls), its K/V are
+stored through the setting's codec and compacted to the budget (`evict_prefix`), and the
+question and answer read the compacted cache. The selection sees the prefix alone: the
+question comes after it, so no policy is query-aware here. One such prefill serves every
+policy and codec (a call's queries and fresh K/V do not depend on the codec), and the cache
+is the one `kvjax.evict.prefill` returns for the prefix (tests/test_tasks.py).
+
 Scoring (`score`): the first run of digits in the generated text must equal the answer
 exactly (so "123456" does not count for "12345").
 
 Modules: `haystack` (the generators, templates and `score`) and `through_cache`
-(prefilling, storing the prefix through a codec and answering); this face re-exports both.
+(prefilling, storing the prefix through a codec or compacting it, and answering); this face re-exports both.
 """
 
 from kvjax.tasks.haystack import (CHATML, FILLER, PLAIN, TASKS, TEMPLATES, WORDS, Example, Query,
                                   Template, check_args, generate, score)
-from kvjax.tasks.through_cache import answer_through_cache, encode_prefix, prefill, prefix_kv
+from kvjax.tasks.through_cache import (Prefix, answer_through_cache, encode_prefix,
+                                       evict_prefix, prefill, prefill_queries, prefix_kv)
 
-__all__ = ["CHATML", "FILLER", "PLAIN", "TASKS", "TEMPLATES", "WORDS", "Example", "Query",
-           "Template", "answer_through_cache", "check_args", "encode_prefix", "generate",
-           "prefill", "prefix_kv", "score"]
+__all__ = ["CHATML", "FILLER", "PLAIN", "TASKS", "TEMPLATES", "WORDS", "Example", "Prefix",
+           "Query", "Template", "answer_through_cache", "check_args", "encode_prefix",
+           "evict_prefix", "generate", "prefill", "prefill_queries", "prefix_kv", "score"]

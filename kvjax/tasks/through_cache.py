@@ -1,10 +1,12 @@
 """Answering a task's queries through a cache: prefill the prefix, or store its
-full-precision K/V through a codec (`encode_prefix`), then feed each tail as its own call
-and decode greedily, so every tail and answer token reads the prefix through the cache.
+full-precision K/V through a codec (`encode_prefix`), or compact it through an eviction
+policy (`prefill_queries` + `evict_prefix`), then feed each tail as its own call and decode
+greedily, so every tail and answer token reads the prefix through the cache.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -97,6 +99,49 @@ def encode_prefix(cfg, kv, capacity: int):
   and layout: the same `write` a prefill with this cache makes after computing them."""
   k, v, n = kv
   return _reencode(k, v, jnp.int32(n), spec=_static(cfg), capacity=capacity)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefix:
+  """A prefix prefilled in one call through an fp32 cache: its K/V (`prefix_kv`, [L, K,
+  width, D] each, and its length n) and its rotated queries q [L, 1, width, H, D]."""
+  kv: tuple
+  q: jax.Array
+  width: int
+
+
+def prefill_queries(ref_cfg, params, ids, width: int) -> Prefix:
+  """The prefix in ONE call of `width` tokens (padded) through `ref_cfg`'s fp32 cache, its
+  queries kept: what a policy that scores by attention needs from every prefix query
+  (snapkv's observation window, h2o's sum over all queries, tova's last query), which a
+  chunked prefill would not give in one place. Nothing of a question is in it, so the
+  selection never sees the question."""
+  from kvjax import cache as cache_lib
+  from kvjax import evict
+
+  if len(ids) > width:
+    raise KvjaxError(f"prefix of {len(ids)} tokens exceeds the prefill width {width}")
+  c = cache_lib.init_cache(ref_cfg, 1, width)
+  tok, n = _pad(ids, width)
+  c, q = evict.prefill_queries(params, tok, n, c, spec=_static(ref_cfg))
+  return Prefix(prefix_kv(c), q, width)
+
+
+def evict_prefix(cfg, prefix: Prefix, room: int):
+  """The cache `cfg` holds after prefilling the prefix: its K/V stored through the codec,
+  then compacted by `cache.policy` to its budget (`kvjax.evict.compact`), with `room` free
+  slots for the question and the answer (a ring of `budget` slots for window/sinks, which
+  keep evicting). The same cache `kvjax.evict.prefill` returns for this prefix with `cfg`
+  (a call's queries and fresh K/V do not depend on the codec). `full`: the encoded
+  contiguous cache, `width + room` slots."""
+  from kvjax import evict, policies
+
+  n = prefix.kv[2]
+  if cfg.cache.policy == "full":
+    return encode_prefix(cfg, prefix.kv, prefix.width + room)
+  policies.check_lengths(cfg.cache, [n])
+  c = encode_prefix(cfg, prefix.kv, prefix.width)
+  return evict.compact(c, jnp.array([n], jnp.int32), prefix.q, room=room, T=prefix.width)
 
 
 def answer_through_cache(cfg, params, cache, tail_ids, steps: int, tail_pad: int = 0):

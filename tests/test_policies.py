@@ -4,7 +4,6 @@ Selection is checked on hand-made keys and queries whose kept set follows from e
 policy's definition; decoding from a compacted cache is checked against a full forward
 pass that masks the same tokens out (so RoPE positions must survive compaction)."""
 
-import functools
 import json
 
 import jax
@@ -223,23 +222,28 @@ def test_knorm_decode_equals_masked_full_forward_per_head():
 
 @pytest.mark.parametrize("policy", ["window", "knorm", "snapkv"])
 def test_budget_at_least_the_prompt_equals_full_cache(policy):
-  # A policy that reads queries prefills through another program (the unrolled layer loop
-  # capturing each layer's queries: the scan carries no intermediates), which may round the
-  # last bit differently under some XLA:CPU flags: for it, equal to float32 rounding.
-  exact = policy != "snapkv"
   cfg_full = tiny_config()
   params = tiny_params(cfg_full)
   want, full = run_cached(cfg_full, params)
   extra = {"cache.window": 2} if policy == "snapkv" else {}
   cfg = tiny_config(**{"cache.policy": policy, "cache.budget": 64, **extra})
   got, caches = run_cached(cfg, params)
-  same = np.testing.assert_array_equal if exact else functools.partial(
-      np.testing.assert_allclose, rtol=1e-5, atol=1e-6)
-  same(got, want)  # bit for bit (exact)
+  # window and knorm: bit for bit. snapkv's prefill also scores the prompt with the last
+  # queries, so it is another XLA program than the full cache's, and under the suite's
+  # compile flags (conftest.py) XLA rounds its K/V projections differently in the last place
+  # (measured: 1 ulp); it must still equal the full cache to float32 rounding, far below what
+  # one dropped or misplaced token moves.
+  def same(a, b):
+    if policy == "snapkv":
+      np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * np.abs(b).max())
+    else:
+      np.testing.assert_array_equal(a, b)
+
+  same(np.asarray(got), np.asarray(want))
   T = max(map(len, PROMPTS))
   for a, b in zip(jax.tree.leaves((caches[-1].k, caches[-1].v)),
                   jax.tree.leaves((full[-1].k, full[-1].v))):
-    same(a[:, :, :, :T], b[:, :, :, :T])
+    same(np.asarray(a[:, :, :, :T]), np.asarray(b[:, :, :, :T]))
 
 
 def test_full_policy_is_todays_cache():

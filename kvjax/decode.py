@@ -90,14 +90,21 @@ def prepare_params(cfg: Config, params):
   until here). A second copy of the layer weights for as long as the caller also keeps
   the stacked ones; params already split and in that dtype come back as they are."""
   dtype = jnp.dtype(cfg.model.param_dtype)
-
-  def cast(a):
-    return a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a
-
   if "layers" not in params and all(a.dtype == dtype for a in jax.tree.leaves(params)
                                     if jnp.issubdtype(a.dtype, jnp.floating)):
     return params
-  return jax.jit(lambda p: jax.tree.map(cast, model_lib.split_layers(p)))(params)
+  return _split_and_cast(dtype.name)(params)
+
+
+@functools.lru_cache(maxsize=4)
+def _split_and_cast(dtype_name: str):
+  """One jitted split + cast per dtype, so a second model of a shape seen before (the CLI,
+  experiments, tests) reuses its compiled program instead of tracing a new function."""
+  dtype = jnp.dtype(dtype_name)
+
+  def cast(a):
+    return a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a
+  return jax.jit(lambda p: jax.tree.map(cast, model_lib.split_layers(p)))
 
 
 def network(cfg: Config | Static, params, **kw) -> tuple[Transformer, Any]:

@@ -132,7 +132,14 @@ def init_params(cfg: ModelConfig, seed: int = 0):
   """Random parameters (normal(0.02) projections, unit norms)."""
   tokens = jnp.zeros((1, 2), jnp.int32)
   positions = jnp.arange(2, dtype=jnp.int32)[None]
-  return jax.jit(Transformer(cfg).init)(jax.random.PRNGKey(seed), tokens, positions)["params"]
+  return _init(cfg)(jax.random.PRNGKey(seed), tokens, positions)["params"]
+
+
+@functools.lru_cache(maxsize=8)
+def _init(cfg: ModelConfig):
+  """The jitted init of one model config, kept: a second model of the same config (another
+  seed, another command) runs the compiled program instead of tracing again."""
+  return jax.jit(Transformer(cfg).init)
 
 
 def unrolled(cfg: ModelConfig) -> bool:

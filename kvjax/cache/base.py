@@ -171,6 +171,7 @@ class Layout:
   """The protocol every layout implements (see the module docstring)."""
 
   name = "base"
+  internal = False  # True: built by something else (a cache.policy), never chosen by name
 
   def check(self, cache_cfg: CacheConfig, model_cfg: ModelConfig) -> None:
     """Host-side limits of this layout, when `cache.layout` names it."""

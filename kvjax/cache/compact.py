@@ -49,6 +49,7 @@ class Compacted(base.Layout):
   (slot held + i), or, for a policy that evicts during decode, written into its ring."""
 
   name = "compacted"
+  internal = True  # built by a cache.policy, never chosen as cache.layout
 
   def init(self, spec: base.CacheSpec) -> EvictedCache:
     L, B, K, D = spec.n_layers, spec.batch, spec.n_kv_heads, spec.head_dim

@@ -27,7 +27,7 @@ LLAMA3_8B = {"model.vocab_size": 128256, "model.d_model": 4096, "model.n_layers"
              "model.param_dtype": "bfloat16", "model.max_seq_len": 32768}
 TINY = {"model.vocab_size": 260, "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4,
         "model.n_kv_heads": 2, "model.head_dim": 16, "model.d_ff": 176,
-        "model.dtype": "float32", "model.param_dtype": "float32", "model.max_seq_len": 4096}
+        "model.dtype": "float32", "model.param_dtype": "float32", "model.max_seq_len": 8192}
 
 
 def _latency(name, kv, codecs, batch, context, prompt, gen=32, repeats=5):
@@ -48,16 +48,24 @@ PALLAS = {"name": "pallas", "kind": "script", "script": "scripts/bench_pallas.py
 def accelerator_stages() -> list[dict]:
   shape = {k: v for k, v in LLAMA3_8B.items() if k != "model.n_kv_heads"}
   return [
+      PALLAS,
+      # SmolLM2-135M's shape (configs/roofline_smollm2.yaml), GQA-3, 4k tokens in the cache:
+      # where a quantized cache should beat bf16 once the cache dominates (batch 8).
+      {"name": "roofline-smollm2", "config": "roofline_smollm2", "experiment": "roofline",
+       "out": "roofline_smollm2",
+       "weight": 2, "set": {"grid.model.n_kv_heads": [3], "grid.workload.prompt_len": [4096],
+                            "grid.workload.batch": [1, 8, 32]}},
+      {**_latency("latency-codecs", [4], ["int8", "int4", "fp8_e4m3"], 8, 8192, 1024),
+       "weight": 3},
       {"name": "memory", "config": "memory", "out": "memory", "weight": 1,
        "set": {**shape, "grid.model.n_kv_heads": [32, 8, 1],
                "params.contexts": [1024, 8192, 32768, 131072], "params.alloc_limit_mib": 8192,
                "model.max_seq_len": 131072}},
-      {**_latency("latency-variants", [32, 8, 1], ["bf16"], 8, 8192, 1024), "weight": 3},
-      {**_latency("latency-codecs", [8], ["int8", "int4", "fp8_e4m3"], 8, 8192, 1024),
-       "weight": 3},
-      {**_latency("latency-32k", [8], ["bf16", "int8"], 4, 32768, 512), "weight": 2},
-      {**_latency("latency-batch64", [8], ["bf16", "int8"], 64, 2048, 256), "weight": 2},
-      {"name": "roofline", "config": "roofline", "out": "roofline", "weight": 1, "set": shape},
+      {**_latency("latency-variants", [16, 4, 1], ["bf16"], 8, 8192, 1024), "weight": 3},
+      {**_latency("latency-32k", [4], ["bf16", "int8"], 4, 32768, 512), "weight": 2},
+      {**_latency("latency-batch64", [4], ["bf16", "int8"], 64, 2048, 256), "weight": 2},
+      {"name": "roofline", "config": "roofline", "out": "roofline", "weight": 1,
+       "set": {**shape, "grid.model.n_kv_heads": [8], "grid.workload.prompt_len": [4096, 32704]}},
       {"name": "quality", "config": "quality", "out": "quality", "weight": 1, "set": {},
        "needs_checkpoints": True},
       {"name": "peer", "config": "peer", "out": "peer", "weight": 2,
@@ -65,7 +73,6 @@ def accelerator_stages() -> list[dict]:
                "workload.gen_len": 64, "workload.repeats": 3}},
       {"name": "sharded-generate", "kind": "generate", "out": "sharding", "weight": 1,
        "set": {**LLAMA3_8B, "cache.codec": "bf16"}, "batch": 8, "prompt": 1024, "new": 64},
-      PALLAS,
   ]
 
 
@@ -137,8 +144,9 @@ def _command(stage: dict, results: Path, accel: bool, dev: dict) -> tuple[list[s
   if stage.get("kind") == "script":
     return [sys.executable, str(ROOT / stage["script"]),
             str(results / stage["out"] / f"{stage['out']}.jsonl")], ""
-  if not _experiment_exists(stage["config"]):
-    return None, f"no experiment '{stage['config']}' (experiments/{stage['config']}.py) yet"
+  exp = stage.get("experiment", stage["config"])
+  if not _experiment_exists(exp):
+    return None, f"no experiment '{exp}' (experiments/{exp}.py) yet"
   path = _config_path(stage["config"], accel)
   if path is None:
     return None, f"no config for '{stage['config']}' (configs/{stage['config']}.yaml) yet"

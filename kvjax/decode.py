@@ -83,13 +83,20 @@ class LoopState:
 
 
 def prepare_params(cfg: Config, params):
-  """Params as the compiled programs want them: split per layer once, here
+  """Params as the compiled programs want them: on the CPU split per layer once, here
   (`model.split_layers`), so that no call pays for the split and no step copies a weight
-  (`model.switched_layers`, or the unrolled loop when `model.unrolled`), and stored in
+  (`model.switched_layers`, or the unrolled loop when `model.unrolled`); on an
+  accelerator left stacked for nn.scan (see below); and stored in
   `model.param_dtype` whatever their source (an imported checkpoint keeps its own dtype
   until here). A second copy of the layer weights for as long as the caller also keeps
   the stacked ones; params already split and in that dtype come back as they are."""
   dtype = jnp.dtype(cfg.model.param_dtype)
+  if jax.default_backend() != "cpu" and not model_lib.unrolled(cfg.model):
+    # Accelerators keep the stacked params and run nn.scan: slicing a layer's weights is
+    # fused into its matmuls there, while the switched scan's conditionals would each
+    # copy their branch index to the host and sync (30 a step at SmolLM2's depth).
+    if "layers" in params:
+      return _cast(dtype.name)(params)
   if "layers" not in params and all(a.dtype == dtype for a in jax.tree.leaves(params)
                                     if jnp.issubdtype(a.dtype, jnp.floating)):
     return params
@@ -105,6 +112,15 @@ def _split_and_cast(dtype_name: str):
   def cast(a):
     return a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a
   return jax.jit(lambda p: jax.tree.map(cast, model_lib.split_layers(p)))
+
+
+@functools.lru_cache(maxsize=4)
+def _cast(dtype_name: str):
+  """One jitted cast of the floating params to `dtype_name`, as `_split_and_cast` without
+  the split."""
+  dtype = jnp.dtype(dtype_name)
+  return jax.jit(lambda p: jax.tree.map(
+      lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, p))
 
 
 def network(cfg: Config | Static, params, **kw) -> tuple[Transformer, Any]:

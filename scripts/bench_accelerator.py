@@ -48,13 +48,13 @@ PALLAS = {"name": "pallas", "kind": "script", "script": "scripts/bench_pallas.py
 def accelerator_stages() -> list[dict]:
   shape = {k: v for k, v in LLAMA3_8B.items() if k != "model.n_kv_heads"}
   return [
-      PALLAS,
       # SmolLM2-135M's shape (configs/roofline_smollm2.yaml), GQA-3, 4k tokens in the cache:
       # where a quantized cache should beat bf16 once the cache dominates (batch 8).
       {"name": "roofline-smollm2", "config": "roofline_smollm2", "experiment": "roofline",
        "out": "roofline_smollm2",
-       "weight": 2, "set": {"grid.model.n_kv_heads": [3], "grid.workload.prompt_len": [4096],
+       "weight": 3, "set": {"grid.model.n_kv_heads": [3], "grid.workload.prompt_len": [4096],
                             "grid.workload.batch": [1, 8, 32]}},
+      PALLAS,
       {**_latency("latency-codecs", [4], ["int8", "int4", "fp8_e4m3"], 8, 8192, 1024),
        "weight": 3},
       {"name": "memory", "config": "memory", "out": "memory", "weight": 1,
@@ -65,12 +65,13 @@ def accelerator_stages() -> list[dict]:
       {**_latency("latency-32k", [4], ["bf16", "int8"], 4, 32768, 512), "weight": 2},
       {**_latency("latency-batch64", [4], ["bf16", "int8"], 64, 2048, 256), "weight": 2},
       {"name": "roofline", "config": "roofline", "out": "roofline", "weight": 1,
-       "set": {**shape, "grid.model.n_kv_heads": [8], "grid.workload.prompt_len": [4096, 32704]}},
+       "set": {**shape, "grid.model.n_kv_heads": [8], "grid.workload.prompt_len": [4096, 16384]}},
       {"name": "quality", "config": "quality", "out": "quality", "weight": 1, "set": {},
        "needs_checkpoints": True},
       {"name": "peer", "config": "peer", "out": "peer", "weight": 2,
        "set": {"grid.workload.batch": [1], "grid.model.vocab_size": [32000],
-               "workload.gen_len": 64, "workload.repeats": 3}},
+               "workload.gen_len": 64, "workload.repeats": 3,
+               "params.peers": ["kvjax", "dynamic", "static"]}},
       {"name": "sharded-generate", "kind": "generate", "out": "sharding", "weight": 1,
        "set": {**LLAMA3_8B, "cache.codec": "bf16"}, "batch": 8, "prompt": 1024, "new": 64},
   ]

@@ -6,10 +6,10 @@
 #
 # On an accelerator, stages in this order (the most wanted first, as a stage that runs out
 # of budget skips the rest):
-#   pallas            decode attention: Pallas kernel vs XLA grouped vs JAX's paged kernel,
-#                     bf16/int8/int4, 4k..32k (scripts/bench_pallas.py; pallas/pallas.jsonl)
 #   roofline-smollm2  SmolLM2-135M's shape (fp32 weights), GQA-3, 4k in the cache, batch
 #                     1/8/32 x fp32/bf16/int8/int4 (configs/roofline_smollm2.yaml)
+#   pallas            decode attention: Pallas kernel vs XLA grouped vs JAX's paged kernel,
+#                     bf16/int8/int4, 4k..32k (scripts/bench_pallas.py; pallas/pallas.jsonl)
 #   latency-codecs    TTFT/TPOT at GQA-4 for int8 / int4 / fp8_e4m3 caches, batch 8, 8k
 #   memory            cache bytes, measured vs closed form, Llama-3-8B-shaped MHA/GQA-8/MQA
 #                     x 6 codecs, contexts 1k..128k (caches up to 8 GiB really allocated)
@@ -17,9 +17,10 @@
 #   latency-32k       GQA-4 bf16 / int8, batch 4, context 32k
 #   latency-batch64   GQA-4 bf16 / int8, batch 64, context 2k
 #     (latency stages: configs/accel/latency.yaml's 1.1B shape, 16 layers, bf16 weights)
-#   roofline          Llama-3-8B shape in bf16, GQA-8, 4k and 32k (configs/accel/roofline.yaml)
+#   roofline          Llama-3-8B shape in bf16, GQA-8, 4k and 16k (configs/accel/roofline.yaml)
 #   quality           codec quality, if the trained checkpoints it names exist
-#   peer              kvjax vs transformers on the same weights (configs/peer.yaml, trimmed)
+#   peer              kvjax vs transformers' dynamic and static caches (configs/peer.yaml,
+#                     trimmed; no quanto)
 #   sharded-generate  kvjax generate on all devices (data x model mesh), if more than one
 # Every stage is `kvjax run` in its own process with a share of the remaining budget
 # (default 420 s); a stage that fails or runs out of time keeps its flushed rows and the

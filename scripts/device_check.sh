@@ -5,7 +5,9 @@
 #
 # 1. the Pallas tests executed for real on the GPU (tests/test_pallas.py: the kernel
 #    against the XLA read and the dequantized reference, every codec, contiguous and
-#    paged), log in $OUT/gpu_tests.log;
+#    paged) and the decode tests (tests/test_decode.py: cached decode = the full forward
+#    pass, through the accelerator's one-block read and stacked layer scan), log in
+#    $OUT/gpu_tests.log;
 # 2. scripts/bench_accelerator.sh with the remaining budget (default 300 s), its whole
 #    results folder packed as $OUT/accel.tgz (rows, logs, plots, manifest with the device).
 # Every step has its own timeout, so the whole run ends within about BUDGET + 200 s.
@@ -21,7 +23,7 @@ PY=${PYTHON:-python3}
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
   "$PY" -c "import jax, jaxlib, flax; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, jax.devices())"
 } 2>&1 | tee "$OUT/env.txt"
-timeout 170 "$PY" -m pytest -q -p no:cacheprovider tests/test_pallas.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_pallas.py tests/test_decode.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 echo "pytest exit ${PIPESTATUS[0]}"
 PYTHON="$PY" timeout $((BUDGET + 40)) bash scripts/bench_accelerator.sh /tmp/kvjax_accel --budget "$BUDGET"
 echo "bench exit $?"

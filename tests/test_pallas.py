@@ -155,6 +155,9 @@ def test_shapes_the_kernel_cannot_take_are_one_line_errors(overrides, words):
 
 @pytest.mark.parametrize("codec, layout, T", [("int4", "contiguous", 1), ("fp8_e4m3", "paged", 1),
                                               ("bf16", "contiguous", 8)], ids=str)
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="on a GPU the kernel compiles and "
+                    "runs for real in this file's other tests (an export for an abstract CUDA "
+                    "device needs AbstractDevice there since JAX 0.11)")
 def test_kernel_lowers_to_triton_without_a_gpu(codec, layout, T, monkeypatch):
   """What a GPU would compile: exported for CUDA (no GPU needed), every op and shape of the
   kernel passes the Pallas Triton lowering, one Triton call per segment. T=8 (16 query

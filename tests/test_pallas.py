@@ -155,9 +155,6 @@ def test_shapes_the_kernel_cannot_take_are_one_line_errors(overrides, words):
 
 @pytest.mark.parametrize("codec, layout, T", [("int4", "contiguous", 1), ("fp8_e4m3", "paged", 1),
                                               ("bf16", "contiguous", 8)], ids=str)
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="on a GPU the kernel compiles and "
-                    "runs for real in this file's other tests (an export for an abstract CUDA "
-                    "device needs AbstractDevice there since JAX 0.11)")
 def test_kernel_lowers_to_triton_without_a_gpu(codec, layout, T, monkeypatch):
   """What a GPU would compile: exported for CUDA (no GPU needed), every op and shape of the
   kernel passes the Pallas Triton lowering, one Triton call per segment. T=8 (16 query
@@ -176,7 +173,13 @@ def test_kernel_lowers_to_triton_without_a_gpu(codec, layout, T, monkeypatch):
                                                     ((B, T, 2, 16), jnp.bfloat16),
                                                     ((B, T), jnp.int32)]]
   unchecked = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-  exp = jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=unchecked)(*shapes)
+  try:
+    exp = jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=unchecked)(*shapes)
+  except RuntimeError as e:  # JAX 0.11's Triton lowering asks for a real or abstract GPU
+    if "AbstractDevice" not in str(e):
+      raise
+    pytest.skip("this JAX lowers Pallas to Triton only with a GPU device (seen with 0.11.2); "
+                "on a GPU this file's other tests compile and run the kernel for real")
   assert exp.mlir_module().count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1
 
 

@@ -123,7 +123,10 @@ class HFTimer:
                                 **kwargs)
       t2 = time.perf_counter()
     self.tokens = out.sequences[:, self.ids.shape[1]:].numpy()
-    self.cache_bytes = _torch_cache_bytes(out.cache)
+    # transformers 5.24 (here) names the returned cache `cache`; 5.17 (the GPU machine's)
+    # `past_key_values`.
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    self.cache_bytes = _torch_cache_bytes(cache)
     return self._t_first - t0, (t2 - self._t_first) / self.steps
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import policies
+from kvjax.cache import paged_compact
 from kvjax.cache.compact import compress
 from kvjax.errors import KvjaxError
 
@@ -62,14 +63,15 @@ def _forward_capture(params, tokens_BT, lengths_B, cache, spec, queries: bool):
 @functools.partial(jax.jit, static_argnames=("spec", "sampler"))
 def prefill(params, tokens_BT, lengths_B, cache, key, *, spec, sampler):
   """`decode.prefill` followed by compaction: returns the first token, its logits and the
-  compacted cache. Policies that read queries run the layers unrolled to capture each
+  compacted cache (`compacted`, or `paged_compacted` when `cache` is paged). Policies that read queries run the layers unrolled to capture each
   layer's `q_proj` output."""
   pol = policies.get(spec.cache.policy)
   T = tokens_BT.shape[1]
   logits_B1V, cache, q_LBTHD = _forward_capture(params, tokens_BT, lengths_B, cache, spec,
                                                 pol.needs_queries)
   room = cache.spec.capacity - T
-  new_cache = compress(cache, lengths_B, room, q_LBTHD, T=T)
+  squeeze = paged_compact.compress if cache.spec.layout == "paged" else compress
+  new_cache = squeeze(cache, lengths_B, room, q_LBTHD, T=T)
   last_BV = logits_B1V[:, 0]
   return sampler(last_BV, key), last_BV, new_cache
 

@@ -12,8 +12,10 @@ unchanged), then stores them into pages: each sequence owns
 pages with an identity block table (sequence b owns pages [b Q, (b + 1) Q)). The prefill
 pool, with its ceil((prompt + room) / page_size) pages per sequence, is dropped: the pages
 beyond a sequence's Q are released on the device, and `cache_bytes` is the budgeted pool
-(`closed_form_bytes`). The serving engine does the same in one shared pool, through its
-page allocator (kvjax/serve/evicting.py).
+(`closed_form_bytes`). The serving engine does the same in its one shared pool: a request
+is compacted into its own first pages once its prompt is cached, and the pages beyond its
+held tokens go back to its page allocator (kvjax/serve/engine.py, `compact_pages` in
+kvjax/serve/step.py).
 
 Slots: `lengths` counts every token seen (the next token's position, which RoPE needs),
 `held` the slots [0, held) that hold a token; slot s lives in logical page s // page_size

@@ -6,6 +6,7 @@ kept tokens back in the allocator, where another request takes them."""
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_config, tiny_params
@@ -185,3 +186,23 @@ def test_engine_returns_compacted_pages_to_the_pool_for_other_requests(policy, e
   assert set(e.freed[id(first)]) & e.seen[id(rs[1])]
   e._check_pages()
   assert e.alloc.available() == 7 and not any(e.alloc.refs)
+
+
+def test_compacting_a_filled_paged_cache_is_what_prefill_returns():
+  """`evict.compact` (the long-context tasks' path) on a paged cache prefilled as usual
+  equals `evict.prefill`'s paged compaction of the same prompts."""
+  from kvjax import decode, evict
+  cfg = tiny_config(**{"model.n_kv_heads": 2, "cache.layout": "paged", "cache.page_size": 4,
+                       "cache.policy": "knorm", "cache.budget": 5, "cache.codec": "int8"})
+  params = tiny_params(cfg)
+  tokens, lengths = program.pad_prompts(PROMPTS)
+  T, room, key = tokens.shape[1], 3, jax.random.PRNGKey(0)
+  spec, sampler = decode.Static.of(cfg), decode.Sampler()
+  fresh = lambda: cache_lib.init_cache(cfg, 2, T + room)  # noqa: E731
+  _, _, want = evict.prefill(params, tokens, lengths, fresh(), key, spec=spec, sampler=sampler)
+  _, _, filled = decode.prefill(params, tokens, lengths, fresh(), key, spec=spec,
+                                sampler=sampler)
+  got = evict.compact(filled, jnp.asarray(lengths), None, room=room, T=T)
+  assert got.spec == want.spec and got.spec.layout == "paged_compacted"
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

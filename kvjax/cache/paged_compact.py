@@ -153,7 +153,7 @@ def contiguous_view(cache, T: int):
   bt_Bq = cache.block_table[:, :q]
 
   def view(a):  # [L, P, K, ps, X] -> [L, B, K, q * ps, X]
-    g = a[:, bt_Bq]  # [L, B, q, K, ps, X]
+    g = a.at[:, bt_Bq].get(mode="clip")  # [L, B, q, K, ps, X]; unallocated (P): masked later
     L, B, _, K = g.shape[:4]
     return jnp.swapaxes(g, 2, 3).reshape(L, B, K, q * ps, *g.shape[5:])
   spec = dataclasses.replace(cache.spec, layout="contiguous", capacity=q * ps,

@@ -12,6 +12,10 @@ contiguous cache a window of its slots. Each (shape, width) compiles once, ever
 free (it is just other block-table rows); the contiguous cache gathers those slots' rows
 and writes them back.
 
+With a `cache.policy` (paged only) the cache is a `paged_compacted` pool, whose rows also
+carry `held` and `budget` (slots, not positions, index a compacted request's pages), and
+`compact_pages` compacts one request whose prompt is cached into its own first pages.
+
 Params are placed and prepared by the program's placement (`kvjax.program.Placement`) and
 the jitted step's static arguments come from `kvjax.program.statics`, as for prefill and
 decode. One device only: `check_config` refuses `mesh.*` in one line (the step gathers and

@@ -1,5 +1,6 @@
 """The `cache.policy` path: prefill into an ordinary cache, then compact it to the budget
-(`kvjax.cache.compact`), and the likelihood of a continuation read through such a cache.
+(`kvjax.cache.compact`; a paged cache into the budget's pages, `kvjax.cache.paged_compact`),
+and the likelihood of a continuation read through such a cache.
 
 `prefill_program(cfg, default)` is what a driver lowers for prefill: `default`
 (`decode.prefill`) when the policy is `full`, else `Program`, which checks the prompt
@@ -17,6 +18,7 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import policies
+from kvjax.cache import paged_compact
 from kvjax.cache.compact import compress
 from kvjax.errors import KvjaxError
 
@@ -57,19 +59,24 @@ def _forward_capture(params, tokens_BT, lengths_B, cache, spec, queries: bool):
   return logits_B1V, cache, q_LBTHD
 
 
+def _squeeze(cache):
+  """The compaction of `cache`'s layout: into a `compacted` cache, or pages of the budget."""
+  return paged_compact.compress if cache.spec.layout == "paged" else compress
+
+
 # Not donated: the compacted cache has another shape, so XLA could not reuse the prompt's
 # buffers anyway; the caller drops them.
 @functools.partial(jax.jit, static_argnames=("spec", "sampler"))
 def prefill(params, tokens_BT, lengths_B, cache, key, *, spec, sampler):
   """`decode.prefill` followed by compaction: returns the first token, its logits and the
-  compacted cache. Policies that read queries run the layers unrolled to capture each
-  layer's `q_proj` output."""
+  compacted cache (`compacted`, or `paged_compacted` when `cache` is paged). Policies that
+  read queries run the layers unrolled to capture each layer's `q_proj` output."""
   pol = policies.get(spec.cache.policy)
   T = tokens_BT.shape[1]
   logits_B1V, cache, q_LBTHD = _forward_capture(params, tokens_BT, lengths_B, cache, spec,
                                                 pol.needs_queries)
   room = cache.spec.capacity - T
-  new_cache = compress(cache, lengths_B, room, q_LBTHD, T=T)
+  new_cache = _squeeze(cache)(cache, lengths_B, room, q_LBTHD, T=T)
   last_BV = logits_B1V[:, 0]
   return sampler(last_BV, key), last_BV, new_cache
 
@@ -86,11 +93,11 @@ def prefill_queries(params, tokens_BT, lengths_B, cache, *, spec):
 
 @functools.partial(jax.jit, static_argnames=("room", "T"))
 def compact(cache, lengths_B, q_LBTHD, *, room: int, T: int):
-  """`compress` of a filled contiguous cache (its own `cache.policy`, budget and codec) with
-  the prompt's queries from `prefill_queries`: the cache `prefill` would return for the same
-  prompt, when `cache` holds the same keys and values (tests/test_tasks.py holds this)."""
+  """`compress` of a filled contiguous (or paged) cache (its own `cache.policy`, budget and
+  codec) with the prompt's queries from `prefill_queries`: the cache `prefill` would return
+  for the same prompt, when `cache` holds the same keys and values (tests/test_tasks.py)."""
   q = q_LBTHD if policies.get(cache.spec.cache_cfg.policy).needs_queries else None
-  return compress(cache, lengths_B, room, q, T=T)
+  return _squeeze(cache)(cache, lengths_B, room, q, T=T)
 
 
 class Program:

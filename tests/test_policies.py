@@ -288,8 +288,6 @@ def test_ratio_budgets_per_ragged_row():
     ({"cache.policy": "sinks", "cache.budget": 4, "cache.sinks": 4}, "must exceed cache.sinks"),
     ({"cache.policy": "window", "cache.ratio": 1.5}, "cache.ratio must be a finite number in [0, 1]"),
     ({"cache.policy": "window", "cache.ratio": -0.5}, "cache.ratio must be a finite number in [0, 1]"),
-    ({"cache.policy": "knorm", "cache.budget": 8, "cache.layout": "paged"},
-     "cache.layout=contiguous"),
     ({"cache.policy": "knorm", "cache.budget": 8, "cache.layout": "none"},
      "cache.layout=contiguous"),
     ({"cache.policy": "lru"}, "unknown cache.policy"),

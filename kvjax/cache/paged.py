@@ -16,6 +16,11 @@ written into another sequence's page.
 The host side, which pages a sequence owns, shares or frees, is the serving engine's page
 allocator (kvjax/serve/allocator.py), which fills the block table between steps.
 
+Eviction (`cache.policy` other than `full`) composes with paging: the prompt is prefilled
+into this layout, then the kept tokens are stored by slot, not position, into the pages of
+the budget (`paged_compacted`, kvjax/cache/paged_compact.py); the engine returns the pages
+beyond them to its allocator.
+
 Not supported yet, refused with a one-line error: the full-precision residual window
 (`cache.residual`) and per-channel key scales (`cache.k_axis=channel`), whose token
 blocks straddle pages.

@@ -108,8 +108,8 @@ def cmd_size(args) -> dict:
   held = compact.held_tokens(cfg.cache, args.seq_len)
   spec = cache.CacheSpec.from_config(cfg, args.batch, held)
   layout = cache.LAYOUTS["contiguous" if cfg.cache.layout == "none" else cfg.cache.layout]
-  if cfg.cache.policy != "full":
-    layout = cache.LAYOUTS["compacted"]
+  if cfg.cache.policy != "full":  # what the policy builds: held tokens, in pages when paged
+    layout = cache.LAYOUTS["paged_compacted" if cfg.cache.layout == "paged" else "compacted"]
   per_token = m.n_layers * (spec.kc.bytes_per_token(m.n_kv_heads, m.D)
                             + spec.vc.bytes_per_token(m.n_kv_heads, m.D))
   if cfg.cache.layout == "latent":  # one rank-r latent per token and layer (kvjax.cache.latent)

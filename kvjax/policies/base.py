@@ -141,9 +141,10 @@ def budgets(c, lengths_B) -> Any:
 def check_config(c, m=None) -> None:
   """Host-side checks of the policy settings (hooked into `config.validate`)."""
   pol = get(c.policy)
-  if c.layout == "compacted":
-    raise KvjaxError("cache.layout=compacted is what a policy builds; set cache.policy "
-                     "(window, sinks, knorm, snapkv, h2o, tova) with cache.layout=contiguous")
+  if c.layout in ("compacted", "paged_compacted"):
+    raise KvjaxError(f"cache.layout={c.layout} is what a policy builds; set cache.policy "
+                     "(window, sinks, knorm, snapkv, h2o, tova) with cache.layout=contiguous "
+                     "or paged")
   if c.budget < 0 or c.sinks < 0 or c.window < 0:
     raise KvjaxError("cache.budget, cache.sinks and cache.window must be >= 0")
   if c.ratio and not 0 < c.ratio <= 1:
@@ -157,9 +158,9 @@ def check_config(c, m=None) -> None:
                        "choose an evicting policy (" + ", ".join(p for p in POLICIES if p != "full")
                        + ")")
     return
-  if c.layout != "contiguous":
-    raise KvjaxError(f"cache.policy={c.policy} needs cache.layout=contiguous (the {c.layout} "
-                     "layout cannot evict tokens yet)")
+  if c.layout not in ("contiguous", "paged"):
+    raise KvjaxError(f"cache.policy={c.policy} needs cache.layout=contiguous or paged (the "
+                     f"{c.layout} layout cannot evict tokens)")
   if c.residual or c.k_axis == "channel":
     raise KvjaxError(f"cache.policy={c.policy} compacts single tokens; set cache.residual=0 and "
                      "cache.k_axis=token (KIVI token blocks cannot be split)")

@@ -27,6 +27,12 @@ first len-1 tokens, so at least one token is always computed) are looked up; hit
 shared read-only (refcount + 1) and skipped by prefill. Every page that fills up is
 registered, so later requests (and readmissions) can hit it.
 
+Eviction (`cache.policy` knorm, window or sinks, paged only): a request is prefilled whole,
+then compacted once its prompt is cached (step.py `compact_pages`): the kept tokens move to
+slots [0, held) of its first pages and the pages beyond them go back to the allocator
+(`freed_pages`); decode then appends (or writes the window/sinks ring) by slot, on demand
+(request.py). Compacted pages are private, so prefix caching is off for such configs.
+
 Time is counted in engine steps: arrivals are given in steps, so scheduling, utilization,
 concurrency and hit rates are deterministic for a seed; only `tokens_per_s` is wall time.
 """
@@ -34,7 +40,6 @@ concurrency and hit rates are deterministic for a seed; only `tokens_per_s` is w
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 
 import numpy as np
@@ -44,27 +49,9 @@ from kvjax.cache import paged
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
 from kvjax.serve import step as step_lib
+from kvjax.serve import request as request_lib
 from kvjax.serve.allocator import PageAllocator, page_keys
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-  prompt: list[int]
-  max_new_tokens: int
-  arrival: int = 0                 # engine step at which the request arrives
-  output: list[int] = dataclasses.field(default_factory=list)
-  slot: int = -1
-  pages: list[int] = dataclasses.field(default_factory=list)
-  cached: int = 0                  # leading tokens of `seq` whose K/V are in the cache
-  registered: int = 0              # leading pages already in (or taken from) the prefix cache
-  keys: list[bytes] = dataclasses.field(default_factory=list)
-  preemptions: int = 0
-  first_token_step: int = -1
-  finish_step: int = -1
-
-  @property
-  def seq(self) -> list[int]:
-    return self.prompt + self.output
+from kvjax.serve.request import Request  # noqa: F401  (the engine's request type)
 
 
 class Engine:
@@ -73,7 +60,7 @@ class Engine:
   def __init__(self, cfg: Config, params=None, *, slots: int, max_len: int, chunk: int = 32,
                prefill_rows: int = 2, prefix_cache: bool = True, watermark: float = 0.01,
                widths: tuple[int, ...] | None = None, backend=None):
-    step_lib.check_config(cfg)  # layouts, no eviction, no residual window, one device
+    step_lib.check_config(cfg)  # layouts, eviction on pages only, no residual window, one device
     if min(slots, max_len, chunk, prefill_rows) <= 0:
       raise KvjaxError("engine slots, max_len, chunk and prefill_rows must be positive")
     if max_len > cfg.model.max_seq_len:
@@ -85,7 +72,8 @@ class Engine:
         if widths else step_lib.bucket_widths(max_len)
     self.spec = cache_lib.CacheSpec.from_config(cfg, slots, max_len)
     self.paged = cfg.cache.layout == "paged"
-    self.prefix_cache = prefix_cache and self.paged
+    self.evicts = cfg.cache.policy != "full"  # compacted pages are private: no prefix cache
+    self.prefix_cache = prefix_cache and self.paged and not self.evicts
     if self.paged:
       self.page = paged.page_size(self.spec)
       self.n_pages = paged.num_pages(self.spec)
@@ -112,7 +100,7 @@ class Engine:
   def _release(self, r: Request) -> None:
     for p in reversed(r.pages):  # tail pages first, so LRU evicts a prefix's end before its start
       self.alloc.release(p)
-    r.pages, r.cached, r.registered = [], 0, 0
+    r.pages, r.cached, r.registered, r.held = [], 0, 0, -1
     self.free_slots.append(r.slot)
     self.running.remove(r)
 
@@ -156,7 +144,7 @@ class Engine:
   def _reserve(self, r: Request, n: int) -> bool:
     """Pages for r's next n tokens, preempting the youngest requests (possibly r) if the pool
     is dry; False when r itself was preempted."""
-    while self.paged and len(r.pages) * self.page < r.cached + n:
+    while self.paged and len(r.pages) * self.page < request_lib.slots_after(self.cfg.cache, r, n):
       page = self.alloc.allocate()
       if page is None:
         self._preempt(self.running[-1])
@@ -209,11 +197,15 @@ class Engine:
         nxt.update(self._step(decoding, 1, self.slots))
       steps += 1
       for r, n in rows:
+        if r.held >= 0:  # compacted: its new tokens took slots (appended, or in the ring)
+          r.held = request_lib.slots_after(self.cfg.cache, r, n)
         r.cached += n
         if r.cached == len(r.seq):
           r.output.append(nxt[r])
           if r.first_token_step < 0:
             r.first_token_step = clock
+          if self.evicts and r.held < 0:
+            self._compact(r)
         if self.prefix_cache:
           full = r.cached // self.page
           for i, key in enumerate(self._keys(r, full)[r.registered:], start=r.registered):
@@ -237,7 +229,7 @@ class Engine:
         "mean_concurrency": float(np.mean(running)) if running else 0.0,
         "preemptions": s["preemptions"],
         "prefix_hit_rate": s["hit_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0,
-        "evictions": self.alloc.evictions if self.paged else 0,
+        "evictions": self.alloc.evictions if self.paged else 0, "freed_pages": s["freed_pages"],
         "mean_latency_steps": float(np.mean([r.finish_step - r.arrival + 1 for r in requests])),
         "mean_ttft_steps": float(np.mean([r.first_token_step - r.arrival + 1 for r in requests])),
     }
@@ -256,12 +248,15 @@ class Engine:
       used = [r.slot for r, _ in rows]
       slots = np.array(used + [b for b in range(self.slots) if b not in used][:R - len(used)])
       order = {i: r for i, (r, _) in enumerate(rows)}
-    fed = dict(rows)
-    width = min(w for w in self.widths if w >= max(r.cached + n for r, n in rows))
+    fed, c = dict(rows), self.cfg.cache
+    width = min(w for w in self.widths if w >= max(request_lib.slots_after(c, r, n)
+                                                    for r, n in rows))
     tokens = np.zeros((R, T), np.int32)
     positions = np.full((R, T), -1, np.int32)
     last, lengths = np.zeros((R,), np.int32), np.zeros((R,), np.int32)
     table = np.full((R, self._table_width(width)), self.n_pages if self.paged else 0, np.int32)
+    held = {"held": np.zeros((R,), np.int32), "budget": np.zeros((R,), np.int32)} \
+        if self.evicts else {}
     for i, r in order.items():
       n = fed[r]
       tokens[i, :n] = r.seq[r.cached:r.cached + n]
@@ -269,23 +264,28 @@ class Engine:
       last[i], lengths[i] = n - 1, r.cached
       if self.paged:
         table[i, :len(r.pages)] = r.pages
-        for j in range(r.cached // self.page, (r.cached + n - 1) // self.page + 1):
+        for j in {s // self.page for s in request_lib.next_slots(c, r, n)}:
           if not self.alloc.writable(r.pages[j]):
             raise AssertionError(f"page {r.pages[j]} is shared or cached but would be written")
-    out = self.backend.step(tokens, positions, table, lengths, last, slots, width)
+      if self.evicts:  # not compacted yet: slots are positions, and nothing is evicted
+        held["held"][i] = r.held if r.held >= 0 else r.cached
+        held["budget"][i] = r.budget if r.held >= 0 else self.max_len
+    out = self.backend.step(tokens, positions, table, lengths, last, slots, width, **held)
     return {r: int(out[i]) for i, r in order.items()}
 
   def _utilization(self) -> float:
-    """Tokens held by running requests / token slots reserved for them (shared pages once)."""
-    if not self.running:
-      return 0.0
-    if not self.paged:
-      return sum(r.cached for r in self.running) / (len(self.running) * self.max_len)
-    fill: dict[int, int] = {}
-    for r in self.running:
-      for i, p in enumerate(r.pages):
-        fill[p] = max(fill.get(p, 0), min(self.page, max(r.cached - i * self.page, 0)))
-    return sum(fill.values()) / (len(fill) * self.page) if fill else 0.0
+    return request_lib.utilization(self.running, self.page if self.paged else 0, self.max_len)
+
+  def _compact(self, r: Request) -> None:
+    """r's prompt is cached: keep what the policy selects in its first pages, free the rest."""
+    r.held, r.budget = request_lib.compacted(self.cfg.cache, r)
+    width = min(w for w in self.widths if w >= r.cached)
+    self.backend.compact(r.pages, r.cached, width)
+    keep = -(-r.held // self.page)
+    freed, r.pages = r.pages[keep:], r.pages[:keep]
+    for p in reversed(freed):  # back to the pool: other requests can take them
+      self.alloc.release(p)
+    self.stats["freed_pages"] += len(freed)
 
   def warmup(self) -> None:
     """Compile (and run once) every step shape with every row idle: nothing is written."""
@@ -294,4 +294,6 @@ class Engine:
         self.backend.step(np.zeros((R, T), np.int32), np.full((R, T), -1, np.int32),
                           np.full((R, self._table_width(width)),
                                   self.n_pages if self.paged else 0, np.int32),
-                          np.zeros((R,), np.int32), np.zeros((R,), np.int32), np.arange(R), width)
+                          np.zeros((R,), np.int32), np.zeros((R,), np.int32), np.arange(R), width,
+                          **({"held": np.zeros((R,), np.int32), "budget": np.zeros((R,), np.int32)}
+                             if self.evicts else {}))

@@ -12,6 +12,10 @@ contiguous cache a window of its slots. Each (shape, width) compiles once, ever
 free (it is just other block-table rows); the contiguous cache gathers those slots' rows
 and writes them back.
 
+With a `cache.policy` (paged only) the cache is a `paged_compacted` pool, whose rows also
+carry `held` and `budget` (slots, not positions, index a compacted request's pages), and
+`compact_pages` compacts one request whose prompt is cached into its own first pages.
+
 Params are placed and prepared by the program's placement (`kvjax.program.Placement`) and
 the jitted step's static arguments come from `kvjax.program.statics`, as for prefill and
 decode. One device only: `check_config` refuses `mesh.*` in one line (the step gathers and
@@ -29,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
-from kvjax import decode, program, sharding
-from kvjax.cache import paged
+from kvjax import decode, policies, program, sharding
+from kvjax.cache import compact, paged, paged_compact
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
 
@@ -86,15 +90,21 @@ def bucket_widths(capacity: int, smallest: int = 64) -> tuple[int, ...]:
 
 
 def check_config(cfg: Config) -> None:
-  """What the step can run, refused in one line: the paged or contiguous layout, every token
-  kept, no residual window, one device (it places nothing on a mesh, so `mesh.*` is refused
-  rather than ignored)."""
-  if cfg.cache.layout not in ("paged", "contiguous"):
+  """What the step can run, refused in one line: the paged or contiguous layout, eviction
+  (`cache.policy`) only on pages and only by policies that select from keys or positions
+  (chunked prefill keeps no prompt queries), no residual window, one device (it places
+  nothing on a mesh, so `mesh.*` is refused rather than ignored)."""
+  c = cfg.cache
+  if c.layout not in ("paged", "contiguous"):
     raise KvjaxError(f"the serving engine needs cache.layout=paged or contiguous, got "
-                     f"'{cfg.cache.layout}'")
-  if cfg.cache.policy != "full":
-    raise KvjaxError(f"the serving engine does not evict tokens (cache.policy="
-                     f"{cfg.cache.policy}); set cache.policy=full")
+                     f"'{c.layout}'")
+  if c.policy != "full" and c.layout != "paged":
+    raise KvjaxError(f"the serving engine evicts tokens (cache.policy={c.policy}) only with "
+                     "cache.layout=paged, whose freed pages other requests can use")
+  if c.policy != "full" and policies.get(c.policy).needs_queries:
+    raise KvjaxError(f"the serving engine cannot run cache.policy={c.policy}: it scores the "
+                     "prompt's queries, which chunked prefill does not keep; use knorm, window "
+                     "or sinks (or kvjax generate)")
   if cfg.cache.residual:
     raise KvjaxError("the serving engine does not support cache.residual yet; set "
                      "cache.residual=0")
@@ -110,19 +120,26 @@ class ModelBackend:
     self.cfg, self.spec = cfg, spec
     self.params = program.Placement(cfg).params(params)  # split once, here, when unrolled
     self.paged = spec.layout == "paged"
-    self.cache = paged.init_pool(spec) if self.paged else cache_lib.LAYOUTS[spec.layout].init(spec)
+    self.evicts = cfg.cache.policy != "full"
+    if self.evicts:  # held slots, not positions, index a request's pages once compacted
+      self.spec = spec = dataclasses.replace(spec, layout="paged_compacted")
+      self.cache = paged_compact.init_pool(spec)
+    else:
+      self.cache = paged.init_pool(spec) if self.paged else \
+          cache_lib.LAYOUTS[spec.layout].init(spec)
     self.sampler = decode.Sampler.from_config(cfg)
     self.key = jax.random.PRNGKey(cfg.seed)
 
   def step(self, tokens_RT, positions_RT, table_RN, lengths_R, last_R, slots_R,
-           width: int) -> np.ndarray:
+           width: int, **held) -> np.ndarray:
     """Run rows R (all slots, or the narrow prefill batch `slots_R`) reading `width` tokens
-    per row; host state goes in as data."""
+    per row; host state goes in as data (with a policy, also `held` and `budget` [R])."""
     self.key, sub = jax.random.split(self.key)
     args = [jnp.asarray(a) for a in (tokens_RT, positions_RT, last_R)] + [sub]
     if self.paged:  # any rows, any width: it is all in the block table
       cache = dataclasses.replace(self.cache, block_table=jnp.asarray(table_RN),
-                                  lengths=jnp.asarray(lengths_R))
+                                  lengths=jnp.asarray(lengths_R),
+                                  **{k: jnp.asarray(v) for k, v in held.items()})
       nxt, self.cache = serve_step(self.params, cache, *args,
                                    **program.statics(self.cfg, self.sampler))
     else:
@@ -134,3 +151,31 @@ class ModelBackend:
           self.params, cache, jnp.asarray(slots_R), *args,
           **program.statics(self.cfg, self.sampler, width=width, all_rows=all_rows))
     return np.asarray(nxt)
+
+  def compact(self, pages: list[int], length: int, width: int) -> None:
+    """Compact one request's `length` cached tokens (in `pages`, read `width` wide) by the
+    policy into the first pages of its own table: slot s of the kept tokens to page
+    pages[s // page_size]. The engine then releases the pages beyond the kept ones."""
+    ps, P = paged.page_size(self.spec), paged.num_pages(self.spec)
+    table = np.full((1, -(-width // ps)), P, np.int32)
+    table[0, :len(pages)] = pages
+    self.cache = compact_pages(self.cache, jnp.asarray(table),
+                               jnp.asarray([length], jnp.int32), T=width)
+
+
+@functools.partial(jax.jit, static_argnames=("T",), donate_argnames=("cache",))
+def compact_pages(cache, table_1q, length_1, *, T: int):
+  """The policy's kept tokens of one request (its table row `table_1q`, `length_1` tokens
+  cached, read T wide), gathered as `kvjax.evict.prefill` gathers them, written to slots
+  [0, held) of the same pages (the gather reads the pool before the write replaces it)."""
+  row = dataclasses.replace(cache, block_table=table_1q, lengths=length_1)
+  ev = compact.compress(paged_compact.contiguous_view(row, T), length_1, 0, None, T=T)
+  Sk = min(policies.static_budget(cache.spec.cache_cfg, T), T)
+  s_S = jnp.arange(Sk, dtype=jnp.int32)
+  slot_1S = jnp.where(s_S < ev.held[:, None], s_S, -1)
+  P = jax.tree.leaves(cache.k)[0].shape[1]
+
+  def put(pool, kept):
+    return paged_compact.put_pages(pool, table_1q, slot_1S, kept[:, :, :, :Sk], P)
+  return dataclasses.replace(cache, k=jax.tree.map(put, cache.k, ev.k),
+                             v=jax.tree.map(put, cache.v, ev.v))

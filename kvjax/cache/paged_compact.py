@@ -1,0 +1,187 @@
+"""Eviction on pages: the `paged_compacted` layout, what a `cache.policy` builds from a
+prefilled `paged` cache (`cache.layout=paged` with any evicting policy).
+
+`kvjax.evict.prefill` prefills the whole prompt into an ordinary paged cache, reads it back
+through the block table as one contiguous view, lets the policy select the kept tokens and
+gathers them exactly as the contiguous path does (`kvjax.cache.compact.compress`, reused
+unchanged), then stores them into pages: each sequence owns
+
+    Q = ceil(capacity / page_size) pages,   capacity = `compact.capacity(...)`
+
+(the budget plus the decode room, or the ring for window/sinks), in a fresh pool of B x Q
+pages with an identity block table (sequence b owns pages [b Q, (b + 1) Q)). The prefill
+pool, with its ceil((prompt + room) / page_size) pages per sequence, is dropped: the pages
+beyond a sequence's Q are released on the device, and `cache_bytes` is the budgeted pool
+(`closed_form_bytes`). The serving engine does the same in its one shared pool: a request
+is compacted into its own first pages once its prompt is cached, and the pages beyond its
+held tokens go back to its page allocator (kvjax/serve/engine.py, `compact_pages` in
+kvjax/serve/step.py).
+
+Slots: `lengths` counts every token seen (the next token's position, which RoPE needs),
+`held` the slots [0, held) that hold a token; slot s lives in logical page s // page_size
+at offset s % page_size. Decode appends at slot `held` (policies that evict at prefill
+only) or, for window/sinks (`decode_evicts`), writes the ring of `budget` slots: sinks stay
+in slots [0, sinks), position p >= sinks goes to sinks + (p - sinks) mod (budget - sinks),
+the rule of `compact.Compacted.write`. The ring works on pages unchanged: it is slot
+arithmetic, and the table maps slots to pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax import policies
+from kvjax.cache import base, compact
+from kvjax.cache.paged import num_pages, page_size, pages_per_seq
+
+
+@struct.dataclass
+class EvictedPagedCache:
+  k: Any                  # K codec storage, pool leaves [L, P, K, page_size, ...]
+  v: Any                  # V codec storage, pool leaves [L, P, K, page_size, ...]
+  block_table: jax.Array  # [B, Q] int32 physical page of each logical page; P = none
+  lengths: jax.Array      # [B] int32 tokens seen (= position of the next token)
+  held: jax.Array         # [B] int32 slots holding a token (slots [0, held) are valid)
+  budget: jax.Array       # [B] int32 tokens kept per sequence (ring size of window/sinks)
+  spec: base.CacheSpec = struct.field(pytree_node=False)
+
+
+def pool_pages(spec: base.CacheSpec) -> int:
+  """P: `cache.num_pages` (the engine's shared pool), else every sequence's Q pages (what
+  `to_pages` builds for `program.generate`: it sets num_pages to 0)."""
+  return num_pages(spec)
+
+
+def write_slots(cache_cfg, positions_BT, lengths_B, held_B, budget_B):
+  """(slot of each new token [B, T] (-1: evicted at once, or padding), new held [B]) under
+  the policy's decode rule: append after the held tokens, or the window/sinks ring."""
+  pol = policies.get(cache_cfg.policy)
+  valid_BT = positions_BT >= 0
+  n1 = lengths_B + jnp.sum(valid_BT, axis=1).astype(jnp.int32)
+  p_BT = positions_BT
+  if pol.decode_evicts:
+    sinks = pol.sinks(cache_cfg)
+    W_B1 = (budget_B - sinks)[:, None]
+    kept = valid_BT & ((p_BT < sinks) | (p_BT >= n1[:, None] - W_B1))
+    slot_BT = jnp.where(p_BT < sinks, p_BT, sinks + (p_BT - sinks) % jnp.maximum(W_B1, 1))
+    held = jnp.minimum(n1, budget_B)
+  else:
+    kept = valid_BT
+    slot_BT = p_BT - lengths_B[:, None] + held_B[:, None]
+    held = held_B + (n1 - lengths_B)
+  return jnp.where(kept, slot_BT, -1), held
+
+
+def put_pages(pool, table_BQ, slot_BT, enc_LBKTX, P: int):
+  """pool [L, P, K, page, X] <- enc [L, B, K, T, X], token t to its slot's page (dropped
+  when the slot is -1 or its page is unallocated, table entry P)."""
+  ps, Q = pool.shape[3], table_BQ.shape[1]
+  valid = (slot_BT >= 0) & (slot_BT < Q * ps)
+  page_BT = jnp.where(valid, jnp.take_along_axis(table_BQ, jnp.clip(slot_BT // ps, 0, Q - 1),
+                                                  axis=1), P)
+  off_BT = jnp.where(valid, slot_BT % ps, 0)
+  return pool.at[:, page_BT, :, off_BT].set(jnp.moveaxis(enc_LBKTX, (1, 3), (0, 1)), mode="drop")
+
+
+class PagedCompacted(base.Layout):
+  """Held tokens in slots [0, held) of a sequence's pages, found through its block table."""
+
+  name = "paged_compacted"
+  internal = True  # built by a cache.policy on cache.layout=paged, never chosen by name
+
+  def init(self, spec: base.CacheSpec) -> EvictedPagedCache:
+    """An empty pool, page j of sequence b at physical page b Q + j (as `Paged.init`)."""
+    B, Q = spec.batch, pages_per_seq(spec)
+    cache = init_pool(spec)
+    return dataclasses.replace(cache, block_table=jnp.arange(B * Q, dtype=jnp.int32)
+                               .reshape(B, Q) % pool_pages(spec))
+
+  def store(self, cache: EvictedPagedCache) -> Any:
+    return (cache.k, cache.v, cache.block_table, cache.held)
+
+  def read(self, spec, store, lengths_B, layer):
+    k, v, bt_BQ, held_B = store
+    S = bt_BQ.shape[1] * page_size(spec)
+    mask_BS = jnp.arange(S)[None, :] < held_B[:, None]
+    return [base.PagedSegment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(held_B),
+                              layer=layer, pages=bt_BQ, page_size=page_size(spec))]
+
+  def write(self, cache: EvictedPagedCache, k_LBTKD, v_LBTKD, positions_BT):
+    spec = cache.spec
+    slot_BT, held = write_slots(spec.cache_cfg, positions_BT, cache.lengths, cache.held,
+                                cache.budget)
+    P = jax.tree.leaves(cache.k)[0].shape[1]
+    k_LBKTD, v_LBKTD = jnp.swapaxes(k_LBTKD, 2, 3), jnp.swapaxes(v_LBTKD, 2, 3)
+    put = lambda pool, enc: put_pages(pool, cache.block_table, slot_BT, enc, P)  # noqa: E731
+    k = jax.tree.map(put, cache.k, spec.kc.encode(k_LBKTD))
+    v = jax.tree.map(put, cache.v, spec.vc.encode(v_LBKTD))
+    lengths = cache.lengths + jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
+    return dataclasses.replace(cache, k=k, v=v, lengths=lengths, held=held)
+
+  def closed_form_bytes(self, spec: base.CacheSpec) -> int:
+    K, D = spec.n_kv_heads, spec.head_dim
+    per_token = spec.kc.bytes_per_token(K, D) + spec.vc.bytes_per_token(K, D)
+    pool = spec.n_layers * pool_pages(spec) * page_size(spec) * per_token
+    return int(round(pool)) + 4 * spec.batch * pages_per_seq(spec) + 3 * 4 * spec.batch
+
+
+base.register(PagedCompacted())
+
+
+def init_pool(spec: base.CacheSpec) -> EvictedPagedCache:
+  """A zeroed pool with an empty block table (every entry = P): the serving engine's."""
+  L, B, K, D = spec.n_layers, spec.batch, spec.n_kv_heads, spec.head_dim
+  P, Q = pool_pages(spec), pages_per_seq(spec)
+  shape = (L, P, K, page_size(spec), D)
+  zeros = jnp.zeros((B,), jnp.int32)
+  return EvictedPagedCache(k=spec.kc.init(shape), v=spec.vc.init(shape),
+                           block_table=jnp.full((B, Q), P, jnp.int32), lengths=zeros,
+                           held=zeros, budget=zeros + spec.capacity, spec=spec)
+
+
+def contiguous_view(cache, T: int):
+  """The first T tokens of every sequence of a paged cache, gathered through its block
+  table, as a contiguous cache's leaves [L, B, K, T, ...] (what `compact.compress` reads)."""
+  ps = page_size(cache.spec)
+  q = -(-T // ps)
+  bt_Bq = cache.block_table[:, :q]
+
+  def view(a):  # [L, P, K, ps, X] -> [L, B, K, q * ps, X]
+    g = a.at[:, bt_Bq].get(mode="clip")  # [L, B, q, K, ps, X]; unallocated (P): masked later
+    L, B, _, K = g.shape[:4]
+    return jnp.swapaxes(g, 2, 3).reshape(L, B, K, q * ps, *g.shape[5:])
+  spec = dataclasses.replace(cache.spec, layout="contiguous", capacity=q * ps,
+                             batch=bt_Bq.shape[0])
+  return types.SimpleNamespace(k=jax.tree.map(view, cache.k), v=jax.tree.map(view, cache.v),
+                               lengths=cache.lengths, spec=spec)
+
+
+def to_pages(ev: compact.EvictedCache) -> EvictedPagedCache:
+  """A compacted contiguous cache [L, B, K, cap, X] stored into B x Q pages (slot s of
+  sequence b in its logical page s // page_size, physical page b Q + s // page_size)."""
+  spec = dataclasses.replace(ev.spec, layout="paged_compacted",  # a pool of just these pages
+                             cache_cfg=dataclasses.replace(ev.spec.cache_cfg, num_pages=0))
+  ps, Q = page_size(spec), pages_per_seq(spec)
+
+  def pool(a):  # [L, B, K, cap, X] -> [L, B Q, K, ps, X]
+    L, B, K, S = a.shape[:4]
+    a = jnp.pad(a, [(0, 0)] * 3 + [(0, Q * ps - S)] + [(0, 0)] * (a.ndim - 4))
+    a = a.reshape(L, B, K, Q, ps, *a.shape[4:])
+    return jnp.swapaxes(a, 2, 3).reshape(L, B * Q, K, ps, *a.shape[5:])
+  B = spec.batch
+  return EvictedPagedCache(k=jax.tree.map(pool, ev.k), v=jax.tree.map(pool, ev.v),
+                           block_table=jnp.arange(B * Q, dtype=jnp.int32).reshape(B, Q),
+                           lengths=ev.lengths, held=ev.held, budget=ev.budget, spec=spec)
+
+
+def compress(cache, lengths_B, room: int, q_LBTHD=None, T: int | None = None):
+  """The prefilled paged `cache` compacted to the policy's budget (`compact.compress` on
+  its contiguous view), stored into a pool of the pages the budget needs."""
+  T = T or cache.spec.capacity
+  return to_pages(compact.compress(contiguous_view(cache, T), lengths_B, room, q_LBTHD, T=T))

@@ -20,7 +20,7 @@ from kvjax import program
 from kvjax.cache import compact
 
 L, B, K, H, D, S = 2, 2, 2, 4, 8, 6  # tiny model (d_model 32, 4 heads) as GQA-2
-HELD, BUDGET, LENGTHS = [5, 3], [5, 5], [20, 3]  # row 0 full, row 1 still filling
+HELD, BUDGET, LENGTHS = [5, 3], [5, 4], [20, 3]  # row 0 full, row 1 one slot short
 WINDOW = 2
 write = jax.jit(compact.Compacted().write)
 
@@ -148,7 +148,7 @@ def test_tokens_of_one_call_are_placed_as_if_decoded_one_at_a_time(policy):
   for t in range(3):
     one = write(one, k3[:, :, t:t + 1], v3[:, :, t:t + 1], pos3[:, t:t + 1],
                                     q3[:, :, t:t + 1])
-  assert list(at_once.held) == [5, 5] and list(at_once.lengths) == [23, 5]
+  assert list(at_once.held) == [5, 4] and list(at_once.lengths) == [23, 5]
   for a, b in zip(jax.tree.leaves(at_once), jax.tree.leaves(one)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
@@ -181,19 +181,21 @@ def held_positions(caches, full_prefill):
   return out
 
 
-@pytest.mark.parametrize("policy", ["h2o", "tova"])
-def test_greedy_decode_equals_the_masked_full_forward(policy, full_run):
-  """`program.generate` (the decode scan) with the cache at its budget throughout; its
-  tokens fed one at a time give the same tokens, caches and scores, and logits equal to a
-  full forward pass where each decode query sees only the tokens held at its step."""
+@pytest.mark.parametrize("policy,size,budgets", [("h2o", {"cache.budget": 6}, [6, 6]),
+                                                  ("tova", {"cache.ratio": 0.5}, [6, 3])])
+def test_greedy_decode_equals_the_masked_full_forward(policy, size, budgets, full_run):
+  """`program.generate` (the decode scan) with the cache at its budget throughout (per
+  sequence: ceil(0.5 x 12), ceil(0.5 x 5) for tova); its tokens fed one at a time give the
+  same tokens, caches and scores, and logits equal to a full forward pass where each
+  decode query sees only the tokens held at its step."""
   _, params, (_, full) = full_run
   budget, N = 6, 8
-  cfg = tiny_config(**{"model.n_kv_heads": K, "cache.policy": policy, "cache.budget": budget,
-                       "cache.window": WINDOW})
+  cfg = tiny_config(**{"model.n_kv_heads": K, "cache.policy": policy, "cache.window": WINDOW,
+                       **size})
   gen = program.generate(cfg, params, PROMPTS, N, timed=False, return_cache=True)
   c = gen["cache"]
-  # Never grows: capacity = budget, every row holds its budget, bytes = the formula.
-  assert c.spec.capacity == budget and list(c.held) == [budget, budget]
+  # Never grows: capacity = the largest budget, every row holds its own, bytes = the formula.
+  assert c.spec.capacity == budget and list(c.held) == list(c.budget) == budgets
   assert list(c.lengths) == [len(p) + N - 1 for p in PROMPTS]
   per_token = 2 * K * D * 4 + (K * 8 if policy == "h2o" else 0)  # fp32 K/V (+ acc, pos)
   assert gen["cache_bytes"] == cache_lib.tree_bytes(c) == L * B * budget * per_token + 3 * 4 * B

@@ -11,7 +11,9 @@ and how a layer sees them, through five named steps the model calls (`kvjax.mode
   - `store(cache)`: the leaves the layers read, each stacked over layers ([L, ...]);
   - `read(spec, store, lengths_B, layer)`: what layer `layer` attends to, as `Segment`s;
   - `write(cache, k_LBTKD, v_LBTKD, positions_BT)`: encode and store new tokens (and
-    detach what `attach` attached).
+    detach what `attach` attached); a layout whose `wants_queries(spec)` also gets the
+    new tokens' rotated queries, `q_LBTHD` (the compacted cache of h2o/tova scores
+    tokens by them).
 
 plus `check(cache_cfg, model_cfg)` (host-side limits, run by `config.validate`) and
 `closed_form_bytes(spec)` (what `kvjax size` reports). Each module of this folder defines
@@ -187,6 +189,10 @@ class Layout:
 
   def read(self, spec: CacheSpec, store: Any, lengths_B: jax.Array, layer) -> list[Segment]:
     raise NotImplementedError
+
+  def wants_queries(self, spec: CacheSpec) -> bool:
+    """True: `write` takes the new tokens' rotated queries [L, B, T, H, D] as well."""
+    return False
 
   def write(self, cache: Any, k_LBTKD, v_LBTKD, positions_BT) -> Any:
     raise NotImplementedError

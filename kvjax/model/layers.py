@@ -67,7 +67,9 @@ def block_forward(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):
   """One decoder layer, written once for every way of holding its weights:
   `dense(h, [(name, features, bias), ...])` returns one projection of `h` per entry (the
   entries share their input), `norm(name, x)` applies a named RMSNorm. `layer` is this
-  layer's index (a traced scalar inside a scan); the cache's layout reads its segments."""
+  layer's index (a traced scalar inside a scan); the cache's layout reads its segments.
+  Returns x and this layer's new (k, v), plus the rotated queries when the layout
+  `wants_queries` (it scores tokens by attention when it writes)."""
   cos, sin = inp.cos_BTD, inp.sin_BTD
   B, T, _ = x_BTE.shape
   H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.D
@@ -78,8 +80,8 @@ def block_forward(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):
   q_BTHD, k_BTKD, v_BTKD = q.reshape(B, T, H, D), k.reshape(B, T, K, D), v.reshape(B, T, K, D)
   q_BTHD, k_BTKD = apply_rope(q_BTHD, cos, sin), apply_rope(k_BTKD, cos, sin)
 
-  segments = [] if inp.spec is None else \
-      cache_base.get(inp.spec.layout).read(inp.spec, inp.store, inp.lengths_B, layer)
+  layout = None if inp.spec is None else cache_base.get(inp.spec.layout)
+  segments = [] if layout is None else layout.read(inp.spec, inp.store, inp.lengths_B, layer)
   attn_BTHD = attention.get(cfg.attention)(q_BTHD, k_BTKD, v_BTKD, inp.positions_BT, segments)
   (o,) = dense(attn_BTHD.reshape(B, T, H * D), [("o_proj", cfg.d_model, False)])
   x_BTE = x_BTE + o
@@ -87,7 +89,10 @@ def block_forward(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):
   h = norm("post_attention_layernorm", x_BTE)
   gate, up = dense(h, [("gate_proj", cfg.F, False), ("up_proj", cfg.F, False)])
   (down,) = dense(nn.silu(gate) * up, [("down_proj", cfg.d_model, False)])
-  return x_BTE + down, (k_BTKD, v_BTKD)
+  kv = (k_BTKD, v_BTKD)
+  if layout is not None and layout.wants_queries(inp.spec):  # for its `write`
+    kv += (q_BTHD,)
+  return x_BTE + down, kv
 
 
 class Block(nn.Module):

@@ -96,14 +96,14 @@ class Transformer(nn.Module):
       for i in range(cfg.n_layers):
         x_BTE, kv_i = Block(cfg, name=f"layers_{i}")(x_BTE, i, inp)
         kv.append(kv_i)
-      k_LBTKD, v_LBTKD = (jnp.stack(a) for a in zip(*kv))
+      k_LBTKD, v_LBTKD, *q = (jnp.stack(a) for a in zip(*kv))
     elif self.layer_loop == "switch":
       layers = [self.variables["params"][f"layers_{i}"] for i in range(cfg.n_layers)]
-      x_BTE, (k_LBTKD, v_LBTKD) = switched_layers(cfg, layers, x_BTE, inp)
+      x_BTE, (k_LBTKD, v_LBTKD, *q) = switched_layers(cfg, layers, x_BTE, inp)
     else:
       layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
                        in_axes=(0, nn.broadcast), length=cfg.n_layers, unroll=cfg.scan_unroll)
-      x_BTE, (k_LBTKD, v_LBTKD) = layers(cfg, name="layers")(
+      x_BTE, (k_LBTKD, v_LBTKD, *q) = layers(cfg, name="layers")(
           x_BTE, jnp.arange(cfg.n_layers), inp)
 
     if logits_at is None and self.logits_last:  # right padding: the last valid index
@@ -124,7 +124,7 @@ class Transformer(nn.Module):
         # (An optimization_barrier did not order it; tests/test_decode.py checks the HLO.)
         tie_B1 = (jnp.max(x_BTE, axis=(1, 2)) > jnp.inf).astype(jnp.int32)[:, None]
         write_BT = positions_BT + tie_B1
-      cache = layout.write(cache, k_LBTKD, v_LBTKD, write_BT)
+      cache = layout.write(cache, k_LBTKD, v_LBTKD, write_BT, *q)  # q: `wants_queries`
     return logits_BTV.astype(jnp.float32), cache
 
 

@@ -1,8 +1,20 @@
 """Attention mass of chosen prompt queries on every prompt key: the scores that `snapkv`,
-`h2o` and `tova` rank tokens by."""
+`h2o` and `tova` rank tokens by; and, for `h2o` and `tova`, which keep evicting during
+decode (`DecodeScored`), the attention of each new query over the tokens held.
+
+Where a decode step's weights come from: `kvjax.cache.compact` recomputes them in the
+cache's write step (`step_attention`) from the layer's rotated query, which the model hands
+to a layout that asks for it (`Layout.wants_queries`). That reads the held keys a second
+time in each step (the attention read them once), but keeps the attention as it is: its
+online softmax never forms normalized weights (blockwise, running max and sum; the Pallas
+kernel likewise), so returning them would widen every attention variant's contract and
+cost every cache, evicting or not.
+"""
 
 import jax
 import jax.numpy as jnp
+
+from kvjax import codecs
 
 
 def attention_mass(q_LBTHD, k_LBKSD, lengths_B, qpos_BW):
@@ -30,3 +42,50 @@ def attention_mass(q_LBTHD, k_LBKSD, lengths_B, qpos_BW):
     return p.sum(axis=3).mean(axis=2)  # [B, K, S]
 
   return jax.lax.map(layer, (q_LBWHD, k_LBKSD))
+
+
+def step_attention(q_NHD, k_store, kc, mask_NS, k_new_NKD):
+  """The softmax attention of one new query per row over its held keys and its own key,
+  as the attention computes it (the held keys read through the codec `READ_CHUNK` slots at
+  a time, the new key as it came), averaged over the G query heads of each KV head:
+  (held [N, K, S] float32, zero where `mask_NS` is False; own [N, K]). N rows: layers x
+  sequences; `k_store`: the K codec storage, leaves [N, K, S, ...]."""
+  N, H, D = q_NHD.shape
+  K, S = k_new_NKD.shape[1], mask_NS.shape[1]
+  q_NKGTD = (q_NHD * D ** -0.5).reshape(N, K, H // K, 1, D)
+  C = min(S, codecs.READ_CHUNK)
+  blocks = [kc.qk_block(q_NKGTD, jax.tree.map(lambda a: a[:, :, s:s + C], k_store))  # noqa: B023
+            for s in range(0, S, C)]
+  l_held = jnp.concatenate(blocks, axis=-1)[:, :, :, 0]  # [N, K, G, S]
+  l_own = jnp.einsum("nkgd,nkd->nkg", q_NKGTD[:, :, :, 0], k_new_NKD.astype(q_NKGTD.dtype),
+                     preferred_element_type=jnp.float32)
+  l_held = jnp.where(mask_NS[:, None, None], l_held, -jnp.inf)
+  m = jnp.maximum(jnp.max(l_held, axis=-1), l_own)  # finite: the own key is always seen
+  e_held, e_own = jnp.exp(l_held - m[..., None]), jnp.exp(l_own - m)
+  z = jnp.sum(e_held, axis=-1) + e_own
+  return (e_held / z[..., None]).mean(axis=2), (e_own / z).mean(axis=2)
+
+
+class DecodeScored:
+  """A policy that keeps evicting during decode by attention (mixed into `h2o`, `tova`).
+
+  The compacted cache holds `budget` slots and never grows. Each new token's query scores
+  the held tokens and itself (`step_attention`); once the budget is full, the new token
+  takes the slot of the lowest-scored candidate: every held token except the last
+  `protected` tokens seen (the new one included); when nothing is protected, the new token
+  is a candidate too and is dropped when it scores strictly lowest. Equal lowest scores
+  evict the lowest slot. `accumulates`: the score adds up over every query so far (h2o),
+  kept in the cache with each slot's position (`EvictedCache.acc`, `pos`); otherwise it is
+  the current query's alone (tova) and the cache keeps nothing more than K/V.
+  """
+
+  accumulates = False
+  decode_scored = True  # read by `policies.check_config` (the paged layout cannot do it yet)
+
+  def protected(self, c) -> int:
+    """Recent tokens never evicted (at most budget - 1 of them are, in `compact`)."""
+    return 0
+
+  def select_scores(self, ctx, Sk: int):
+    """(`select`, the score each kept token starts decode with [L, B, K, Sk] or None)."""
+    return self.select(ctx, Sk), None

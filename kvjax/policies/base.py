@@ -2,10 +2,10 @@
 
 A policy picks, for every layer, sequence and KV head, which of the prompt's tokens stay
 in the cache; `kvjax.cache.compact` then copies those tokens into a cache whose capacity is the
-budget (plus room for the decode tokens), so the memory is really freed. Keys are stored
-already rotated at their own positions, so a kept token needs no position of its own: the
-new query is rotated at its true position (`cache.lengths` counts every token seen, not
-the tokens held) and every held token is older than it.
+budget (plus room for the decode tokens where the policy appends), so the memory is really
+freed. Keys are stored already rotated at their own positions, so attention needs no
+per-slot position: the new query is rotated at its true position (`cache.lengths` counts
+every token seen, not the tokens held) and every held token is older than it.
 
 | policy   | at prefill (prompt -> budget)                              | during decode          |
 |----------|------------------------------------------------------------|------------------------|
@@ -15,9 +15,19 @@ the tokens held) and every held token is older than it.
 | `knorm`  | lowest key L2 norm, per layer and KV head                  | appends (no eviction)  |
 | `snapkv` | attention of the last `window` prompt queries, max-pooled, | appends (no eviction)  |
 |          | per layer and KV head; the window itself is kept           |                        |
-| `h2o`    | attention accumulated over every prompt query, per layer   | appends (no eviction)  |
-|          | and KV head, plus the last `window` tokens                 |                        |
-| `tova`   | attention of the last prompt query, per layer and KV head  | appends (no eviction)  |
+| `h2o`    | attention accumulated over every prompt query, per layer   | evicts: lowest         |
+|          | and KV head, plus the last `window` tokens                 | attention summed over  |
+|          |                                                            | every query so far;    |
+|          |                                                            | last `window` kept     |
+| `tova`   | attention of the last prompt query, per layer and KV head  | evicts: lowest         |
+|          |                                                            | attention of the       |
+|          |                                                            | current query          |
+
+knorm and snapkv compress the prompt (SnapKV's selection is defined by the prompt's
+observation window) and decode appends after the kept tokens. h2o and tova keep evicting,
+as their methods define (`policies.attn.DecodeScored`): the cache holds `budget` tokens
+throughout, and each new token takes the slot of the lowest-scored one, per layer,
+sequence and KV head.
 
 Budget: `cache.budget` tokens per sequence (the same count in every layer and KV head;
 which tokens may differ per head where the policy scores per head), or `cache.ratio`, the
@@ -161,6 +171,9 @@ def check_config(c, m=None) -> None:
   if c.layout not in ("contiguous", "paged"):
     raise KvjaxError(f"cache.policy={c.policy} needs cache.layout=contiguous or paged (the "
                      f"{c.layout} layout cannot evict tokens)")
+  if c.layout == "paged" and getattr(pol, "decode_scored", False):
+    raise KvjaxError(f"cache.policy={c.policy} evicts by attention during decode, which the "
+                     "paged layout does not do yet; use cache.layout=contiguous")
   if c.residual or c.k_axis == "channel":
     raise KvjaxError(f"cache.policy={c.policy} compacts single tokens; set cache.residual=0 and "
                      "cache.k_axis=token (KIVI token blocks cannot be split)")

@@ -1,15 +1,18 @@
-"""`tova`: prompt tokens ranked by the attention of the last prompt query, per layer and
-KV head (averaged over the query heads sharing it).
+"""`tova`: tokens ranked by the attention of the current query, per layer and KV head
+(averaged over the query heads sharing it).
 
-Acts at prefill only (one ranking by the final prompt token); decode appends without
-evicting (the original method re-ranks at every step; that is not built).
+Prefill: the last prompt query ranks the prompt; the best `budget` tokens are kept.
+Decode (`DecodeScored`): each new query ranks the held tokens and itself afresh (nothing
+accumulates, nothing beyond K/V is stored), and once the budget is full the lowest-ranked
+of them is dropped (the new token itself when it ranks strictly lowest), so the cache holds
+`budget` tokens throughout.
 """
 
+from kvjax.policies.attn import DecodeScored, attention_mass
 from kvjax.policies.base import Policy, register
-from kvjax.policies.attn import attention_mass
 
 
-class TOVA(Policy):
+class TOVA(DecodeScored, Policy):
   name = "tova"
   needs_queries = True
 

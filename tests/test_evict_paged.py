@@ -83,6 +83,9 @@ def test_size_and_generate_json_report_the_paged_budget(capsys):
     # per-channel keys need a residual window (KIVI): refused as one, both split pages
     ({"cache.k_axis": "channel", "cache.codec": "int4", "cache.group_size": 4,
       "cache.residual": 8}, "cache.residual=0"),
+    # the policies that evict by attention during decode: built for the contiguous cache
+    ({"cache.policy": "h2o"}, "cache.layout=contiguous"),
+    ({"cache.policy": "tova"}, "cache.layout=contiguous"),
 ])
 def test_paged_policy_bad_settings_are_one_line_errors(over, needle):
   with pytest.raises(KvjaxError) as e:

@@ -97,7 +97,7 @@ def prepare_params(cfg: Config, params):
     # fused into its matmuls there, while the switched scan's conditionals would each
     # copy their branch index to the host and sync (30 a step at SmolLM2's depth). The
     # Pallas kernel inside nn.scan failed Flax's loop-invariance check on the H200
-    # (results/gpu/h200/gpu_tests.log), so `pallas` keeps the switched scan.
+    # (docs/gpu.md), so `pallas` keeps the switched scan.
     if "layers" in params:
       return _cast(dtype.name)(params)
   if "layers" not in params and all(a.dtype == dtype for a in jax.tree.leaves(params)

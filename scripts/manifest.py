@@ -11,7 +11,10 @@ A `kvjax run` entry names its `config`, `set` overrides and `out` folder; its co
 built from them, and `check` holds every row's `config_hash` equal to a cell of that
 config as committed now (so editing a config without regenerating its results fails the
 test suite). Other entries (benchmark scripts, whose rows carry no config) list their
-`commands` verbatim, `{results}` standing for the results folder. `scripts/reproduce.sh` (`make reproduce`) runs exactly these commands.
+`commands` verbatim, `{results}` standing for the results folder. An entry with `needs: gpu`
+was made on a GPU (`scripts/device_check.sh`, docs/gpu.md): `commands` and `compare` leave
+it out unless JAX's default backend is a GPU. `scripts/reproduce.sh` (`make reproduce`)
+runs exactly these commands.
 """
 
 from __future__ import annotations
@@ -59,6 +62,14 @@ def commands(entry: dict, results_dir: str = "results") -> list[str]:
   return [c.format(results=results_dir) for c in entry["commands"]]
 
 
+def runnable(entry: dict) -> bool:
+  """Whether this machine can regenerate the entry (`needs: gpu` entries need a GPU)."""
+  if entry.get("needs") != "gpu":
+    return True
+  import jax
+  return jax.default_backend() == "gpu"
+
+
 def expected_hashes(entry: dict) -> set[str]:
   """Hashes of the cells the entry's config expands to, as committed now."""
   sys.path.insert(0, str(ROOT))
@@ -86,7 +97,8 @@ def update(path: Path = MANIFEST) -> None:
   man = load(path)
   out = {}
   for name in sorted(man):
-    entry = {k: v for k, v in man[name].items() if k in ("config", "set", "out", "commands")}
+    entry = {k: v for k, v in man[name].items() if k in ("config", "set", "out", "commands",
+                                                               "needs")}
     entry.update(facts(ROOT / name))
     out[name] = entry
   path.write_text(HEADER + yaml.safe_dump(out, sort_keys=False, width=100))
@@ -140,7 +152,7 @@ def compare(other: Path, only: list[str] | None = None) -> list[str]:
   ones: same rows count, same cells (config hashes), same keys in every section."""
   problems = []
   for name, entry in load().items():
-    if only and name not in only:
+    if (only and name not in only) or not runnable(entry):
       continue
     new = other / Path(name).relative_to("results")
     if not new.is_file():
@@ -181,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
       return 2
     for name, entry in man.items():
       if args.only and name not in args.only:
+        continue
+      if not runnable(entry):
+        print(f"manifest: {name} needs a GPU; its command is left out", file=sys.stderr)
         continue
       for cmd in commands(entry, args.out.rstrip("/")):
         print(cmd)

@@ -32,9 +32,10 @@ def block_size(seg, S: int) -> int:
   The loop is for XLA:CPU, whose dot materializes a widened operand. On a GPU the
   convert fuses into the dot, and a `while` whose trip count is data costs a device-to-host
   copy of its predicate and a stream sync per iteration: SmolLM2's shape at 4k tokens ran
-  8 blocks x 30 layers of them per step, 12.7 ms a step where the bytes take 0.9 ms
-  (results/gpu/, H200). One block reads every allocated slot, masked, instead of the live
-  ones: a cache sized for its request reads about what it holds."""
+  8 blocks x 30 layers of them per step (and the switched layer scan's 30 branch picks,
+  see `decode.prepare_params`): 12.7 ms a step where the bytes take 0.9 ms (H200). One block reads every allocated slot, masked, instead of the live
+  ones: a cache sized for its request reads about what it holds, and a step's time follows
+  the capacity (docs/gpu.md). A prompt's pass skips an empty segment (`attend_segment`)."""
   if jax.default_backend() != "cpu":
     return S
   U = seg.unit
@@ -62,6 +63,11 @@ def attend_segment(q_BKGTD, seg, state):
     return base.update(st, l_BKGTC, mask, lambda p: seg.v_codec.pv_block(p, v))
 
   if C == S:  # one block: no loop
+    if q_BKGTD.shape[3] > 1 and seg.live is not None and jax.default_backend() != "cpu":
+      # A prompt's pass (T > 1) skips a segment with nothing live (prefill into an empty
+      # cache) at the cost of one host round trip per layer; a decode step never branches.
+      return jax.lax.cond(jnp.asarray(seg.live) > 0, lambda st: block(0, st), lambda st: st,
+                          state)
     return block(0, state)
   n = (jnp.asarray(live, jnp.int32) + C - 1) // C
   return jax.lax.fori_loop(0, n, block, state)

@@ -17,6 +17,9 @@ excluded), then timed interleaved round-robin, `--repeats` times; medians.
                    shape (30 layers, 3 KV heads x 64, GQA-3), batch 8, 4,096 tokens, through
                    `attention.xla.attend_segment` as the model calls it: GB/s of the
                    stored K/V bytes, and time relative to bf16's
+  attend_split/<codec>  the same read with each layer's K/V in its own buffer and the
+                   layers unrolled (`Segment`, not the stacked store's `LayerSegment`): what
+                   per-layer cache buffers would give, with no slicing of a stacked store
 """
 
 from __future__ import annotations
@@ -78,6 +81,22 @@ def _attend_cases():
       return jax.lax.scan(body, jnp.float32(0), jnp.arange(L))[0]
     nbytes = sum(a.nbytes for a in jax.tree.leaves((ke, ve)))
     cases[f"attend/{name}"] = (jax.jit(step), (q, ke, ve), nbytes)
+
+    def split_step(q, kes, ves, c=c):
+      acc = jnp.float32(0)
+      for layer in range(L):
+        seg = cache_base.Segment(kes[layer], ves[layer], jnp.ones((B, S), bool), c, c,
+                                 live=jnp.int32(S))
+        st = (jnp.full((B, K, G, 1), attn_base.MASKED, f32), jnp.zeros((B, K, G, 1), f32),
+              jnp.zeros((B, K, G, 1, D), f32))
+        _, s, o = xla.attend_segment(q[layer], seg, st)
+        acc = acc + jnp.sum(o / s[..., None])
+      return acc
+    kes = [jax.tree.map(lambda a, i=i: a[i] + 0 if a.dtype.kind == "f" else a[i], ke)
+           for i in range(L)]
+    ves = [jax.tree.map(lambda a, i=i: a[i] + 0 if a.dtype.kind == "f" else a[i], ve)
+           for i in range(L)]
+    cases[f"attend_split/{name}"] = (jax.jit(split_step), (q, kes, ves), nbytes)
   return cases
 
 
@@ -102,11 +121,11 @@ def main() -> int:
     row = {"bench": "xla_cpu", "case": name, "bytes": nbytes, "median_s": med[name],
            "GBps": nbytes / med[name] / 1e9, "repeats": args.repeats, "env": env}
     kind = name.split("/")[0]
-    if kind in ("attend", "stream"):
+    if kind in ("attend", "attend_split", "stream"):
       row["vs_bf16"] = med[name] / med[f"{kind}/bf16"]
     rows.append(row)
     extra = f"  {row['vs_bf16']:.2f}x bf16" if "vs_bf16" in row else ""
-    print(f"{name:14s} {med[name] * 1e3:9.2f} ms  {row['GBps']:6.1f} GB/s{extra}")
+    print(f"{name:18s} {med[name] * 1e3:9.2f} ms  {row['GBps']:6.1f} GB/s{extra}")
   if args.json:
     with open(args.json, "a") as fh:
       for row in rows:

@@ -80,7 +80,6 @@ class DecodeScored:
   """
 
   accumulates = False
-  decode_scored = True  # read by `policies.check_config` (the paged layout cannot do it yet)
 
   def protected(self, c) -> int:
     """Recent tokens never evicted (at most budget - 1 of them are, in `compact`)."""

@@ -171,9 +171,6 @@ def check_config(c, m=None) -> None:
   if c.layout not in ("contiguous", "paged"):
     raise KvjaxError(f"cache.policy={c.policy} needs cache.layout=contiguous or paged (the "
                      f"{c.layout} layout cannot evict tokens)")
-  if c.layout == "paged" and getattr(pol, "decode_scored", False):
-    raise KvjaxError(f"cache.policy={c.policy} evicts by attention during decode, which the "
-                     "paged layout does not do yet; use cache.layout=contiguous")
   if c.residual or c.k_axis == "channel":
     raise KvjaxError(f"cache.policy={c.policy} compacts single tokens; set cache.residual=0 and "
                      "cache.k_axis=token (KIVI token blocks cannot be split)")

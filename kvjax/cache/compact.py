@@ -20,6 +20,7 @@ here (a second read of the held keys per step, see `policies.attn`), and once th
 is full the new token takes the slot of the lowest-scored candidate, per layer, sequence
 and KV head. h2o's accumulated scores and each slot's position (its recent window) are
 cache leaves (`acc`, `pos`), so the decode scan carries them; tova stores nothing more.
+The choice is `choose_slots`, which the paged layout's write shares (`paged_compact`).
 Several tokens in one call (a question fed at once) are placed one after the other, each
 scored by its own query, as if decoded one at a time (their attention in that call still
 saw each other).

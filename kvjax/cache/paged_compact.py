@@ -23,7 +23,11 @@ at offset s % page_size. Decode appends at slot `held` (policies that evict at p
 only) or, for window/sinks (`decode_evicts`), writes the ring of `budget` slots: sinks stay
 in slots [0, sinks), position p >= sinks goes to sinks + (p - sinks) mod (budget - sinks),
 the rule of `compact.Compacted.write`. The ring works on pages unchanged: it is slot
-arithmetic, and the table maps slots to pages.
+arithmetic, and the table maps slots to pages. h2o and tova (`DecodeScored`) evict by
+attention: the write gathers the held keys as one contiguous view, picks per (layer,
+sequence, KV head) the slot exactly as the contiguous cache does (`compact.choose_slots`),
+and scatters the new K/V into that slot's page and offset for that head; h2o's `acc` and
+`pos` ([L, B, K, capacity], per slot) sit beside the pool.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 decode (`DecodeScored`), the attention of each new query over the tokens held.
 
 Where a decode step's weights come from: `kvjax.cache.compact` recomputes them in the
-cache's write step (`step_attention`) from the layer's rotated query, which the model hands
+cache's write step (`step_attention`, called by `compact.choose_slots`, which the paged
+layout also runs, on its pages' contiguous view) from the layer's rotated query, which the model hands
 to a layout that asks for it (`Layout.wants_queries`). That reads the held keys a second
 time in each step (the attention read them once), but keeps the attention as it is: its
 online softmax never forms normalized weights (blockwise, running max and sum; the Pallas

@@ -27,7 +27,8 @@ knorm and snapkv compress the prompt (SnapKV's selection is defined by the promp
 observation window) and decode appends after the kept tokens. h2o and tova keep evicting,
 as their methods define (`policies.attn.DecodeScored`): the cache holds `budget` tokens
 throughout, and each new token takes the slot of the lowest-scored one, per layer,
-sequence and KV head.
+sequence and KV head, on the contiguous and the paged layout alike (the paged write picks
+the slot with the same scoring, `compact.choose_slots`, and scatters into its page).
 
 Budget: `cache.budget` tokens per sequence (the same count in every layer and KV head;
 which tokens may differ per head where the policy scores per head), or `cache.ratio`, the

@@ -14,7 +14,7 @@ from conftest import tiny_config, tiny_params
 from kvjax import cache as cache_lib
 from kvjax import cli, program
 from kvjax import config as config_lib
-from kvjax.cache import compact, paged
+from kvjax.cache import compact, paged, paged_compact
 from kvjax.errors import KvjaxError
 from kvjax.serve import engine, request
 
@@ -52,6 +52,46 @@ def test_paged_policy_generates_what_contiguous_does_in_budgeted_pages(policy, e
   assert got["cache_bytes"] < paged.Paged().closed_form_bytes(prefill_spec)
 
 
+@pytest.mark.parametrize("policy,extra", [
+    ("h2o", {"cache.budget": 6, "cache.window": 2}),  # acc/pos carried; budget 6 of 2 pages
+    ("tova", {"cache.ratio": 0.5}),  # budgets 6 and 3: the short prompt evicts from step 2
+])
+def test_paged_h2o_tova_evict_during_decode_as_contiguous_does(policy, extra):
+  """h2o and tova keep evicting by attention on pages: per (layer, sequence, KV head) the
+  same slot as the contiguous cache, so the same tokens, the same held K/V (through the
+  block table) and, for h2o, the same scores and positions; the pool never grows."""
+  base = {"model.n_kv_heads": 2, "cache.policy": policy, "cache.codec": "int8", **extra}
+  cfg = tiny_config(**base)
+  params = tiny_params(cfg)
+  want = program.generate(cfg, params, PROMPTS, NEW, timed=False, return_cache=True)
+  pcfg = tiny_config(**base, **{"cache.layout": "paged", "cache.page_size": 4})
+  got = program.generate(pcfg, params, PROMPTS, NEW, timed=False, return_cache=True)
+  assert got["tokens"] == want["tokens"]
+  c, ref = got["cache"], want["cache"]
+  S = c.spec.capacity
+  assert c.spec.layout == "paged_compacted" and S == ref.spec.capacity == 6
+  assert list(c.held) == list(ref.held) == list(c.budget)  # at the budget throughout
+  assert list(c.lengths) == list(ref.lengths) == [len(p) + NEW - 1 for p in PROMPTS]
+  assert all(int(n) - int(b) > max(0, len(p) - int(b)) for n, b, p in
+             zip(c.lengths, c.budget, PROMPTS))  # decode tokens past the budget: evicted
+  view = paged_compact.contiguous_view(c, S)
+  held_BS = np.arange(S)[None, :] < np.asarray(c.held)[:, None]
+  for a, b in zip(jax.tree.leaves((view.k, view.v)), jax.tree.leaves((ref.k, ref.v))):
+    m = held_BS[None, :, None, :].reshape((1, 2, 1, S) + (1,) * (b.ndim - 4))
+    np.testing.assert_array_equal(np.where(m, np.asarray(a)[:, :, :, :S], 0),
+                                  np.where(m, np.asarray(b), 0))
+  if policy == "h2o":
+    np.testing.assert_array_equal(np.asarray(c.pos), np.asarray(ref.pos))
+    np.testing.assert_array_equal(np.asarray(c.acc), np.asarray(ref.acc))
+    prompt_B = np.asarray([len(p) for p in PROMPTS])[None, :, None, None]
+    assert (np.asarray(c.pos) >= prompt_B).any(axis=-1).all()  # decode tokens held
+  else:
+    assert c.acc is None and c.pos is None
+  assert got["cache_bytes"] == cache_lib.tree_bytes(c)
+  assert got["cache_bytes"] == cache_lib.LAYOUTS["paged_compacted"].closed_form_bytes(c.spec)
+  assert c.block_table.shape == (2, 2)  # two pages of 4 hold the 6 slots of each sequence
+
+
 def test_size_and_generate_json_report_the_paged_budget(capsys):
   dims = ["--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "8"]
   rc = cli.main(["size", *dims, "--seq-len", "100", "--batch", "3", "--codec", "fp32", "--json",
@@ -83,9 +123,6 @@ def test_size_and_generate_json_report_the_paged_budget(capsys):
     # per-channel keys need a residual window (KIVI): refused as one, both split pages
     ({"cache.k_axis": "channel", "cache.codec": "int4", "cache.group_size": 4,
       "cache.residual": 8}, "cache.residual=0"),
-    # the policies that evict by attention during decode: built for the contiguous cache
-    ({"cache.policy": "h2o"}, "cache.layout=contiguous"),
-    ({"cache.policy": "tova"}, "cache.layout=contiguous"),
 ])
 def test_paged_policy_bad_settings_are_one_line_errors(over, needle):
   with pytest.raises(KvjaxError) as e:

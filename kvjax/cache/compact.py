@@ -20,6 +20,7 @@ here (a second read of the held keys per step, see `policies.attn`), and once th
 is full the new token takes the slot of the lowest-scored candidate, per layer, sequence
 and KV head. h2o's accumulated scores and each slot's position (its recent window) are
 cache leaves (`acc`, `pos`), so the decode scan carries them; tova stores nothing more.
+The choice is `choose_slots`, which the paged layout's write shares (`paged_compact`).
 Several tokens in one call (a question fed at once) are placed one after the other, each
 scored by its own query, as if decoded one at a time (their attention in that call still
 saw each other).
@@ -60,14 +61,14 @@ class EvictedCache:
   spec: base.CacheSpec = struct.field(pytree_node=False)
 
 
-def _scored(spec):
+def scored(spec):
   """The policy of `spec` when it evicts by attention during decode, else None."""
   pol = policies.get(spec.cache_cfg.policy)
   return pol if isinstance(pol, DecodeScored) else None
 
 
-def _accumulates(spec) -> bool:
-  pol = _scored(spec)
+def accumulates(spec) -> bool:
+  pol = scored(spec)
   return bool(pol and pol.accumulates)
 
 
@@ -84,14 +85,14 @@ class Compacted(base.Layout):
     shape = (L, B, K, spec.capacity, D)
     zeros = jnp.zeros((B,), jnp.int32)
     acc = pos = None
-    if _accumulates(spec):
+    if accumulates(spec):
       acc = jnp.zeros(shape[:4], jnp.float32)
       pos = jnp.full(shape[:4], -1, jnp.int32)
     return EvictedCache(k=spec.kc.init(shape), v=spec.vc.init(shape), lengths=zeros,
                         held=zeros, budget=zeros + spec.capacity, acc=acc, pos=pos, spec=spec)
 
   def wants_queries(self, spec: base.CacheSpec) -> bool:
-    return _scored(spec) is not None
+    return scored(spec) is not None
 
   def store(self, cache: EvictedCache) -> Any:
     """The stacked stores and the held counts (a read slices (layer, block) itself)."""
@@ -108,7 +109,7 @@ class Compacted(base.Layout):
     spec = cache.spec
     pol = policies.get(spec.cache_cfg.policy)
     if isinstance(pol, DecodeScored):
-      return _scored_write(cache, pol, k_LBTKD, v_LBTKD, positions_BT, q_LBTHD)
+      return scored_write(cache, pol, k_LBTKD, v_LBTKD, positions_BT, q_LBTHD)
     valid_BT = positions_BT >= 0
     n0, n1 = cache.lengths, cache.lengths + jnp.sum(valid_BT, axis=1).astype(jnp.int32)
     p_BT, S = positions_BT, spec.capacity
@@ -131,7 +132,7 @@ class Compacted(base.Layout):
   def closed_form_bytes(self, spec: base.CacheSpec) -> int:
     K, D = spec.n_kv_heads, spec.head_dim
     per_token = spec.kc.bytes_per_token(K, D) + spec.vc.bytes_per_token(K, D)
-    if _accumulates(spec):  # acc (float32) and pos (int32) per slot and KV head
+    if accumulates(spec):  # acc (float32) and pos (int32) per slot and KV head
       per_token += K * (4 + 4)
     return int(round(spec.n_layers * spec.batch * spec.capacity * per_token)) + 3 * 4 * spec.batch
 
@@ -148,16 +149,18 @@ def _put(slot_LBK):
   return lambda store, new: store.at[idx].set(new.astype(store.dtype), mode="drop")
 
 
-def _scored_step(cache: EvictedCache, pol, k_LBKD, v_LBKD, q_LBHD, p_B) -> EvictedCache:
-  """One token per sequence (position p_B, -1: none) into a cache of an attention-scored
-  policy: score, pick each (layer, sequence, KV head)'s slot, write."""
-  spec = cache.spec
+def choose_slots(spec, pol, k_store, cache, k_LBKD, q_LBHD, p_B):
+  """One token per sequence (position p_B, -1: none) scored against the held keys
+  `k_store` (K codec storage seen contiguously, leaves [L, B, K, S, ...], S = the
+  capacity): (the slot each (layer, sequence, KV head) writes it to [L, B, K], S = none;
+  the cache fields that change: lengths, held, and for h2o acc/pos). `cache` is any cache
+  with lengths, held, budget, acc, pos (`EvictedCache`, `paged_compact.EvictedPagedCache`)."""
   L, B, K, _ = k_LBKD.shape
   S = spec.capacity
   valid_B = p_B >= 0
   mask_BS = jnp.arange(S)[None, :] < cache.held[:, None]
   rows = lambda a: a.reshape(L * B, *a.shape[2:])  # noqa: E731  [L, B, ...] -> [L*B, ...]
-  own_held, own_new = step_attention(rows(q_LBHD), jax.tree.map(rows, cache.k), spec.kc,
+  own_held, own_new = step_attention(rows(q_LBHD), jax.tree.map(rows, k_store), spec.kc,
                                      jnp.tile(mask_BS, (L, 1)), rows(k_LBKD))
   p_LBKS, pnew_LBK = own_held.reshape(L, B, K, S), own_new.reshape(L, B, K)
   score = cache.acc + p_LBKS if pol.accumulates else p_LBKS
@@ -173,28 +176,38 @@ def _scored_step(cache: EvictedCache, pol, k_LBKD, v_LBKD, q_LBHD, p_B) -> Evict
   slot = jnp.where(full_B[None, :, None], jnp.where(drop_new, S, victim_LBK),
                    cache.held[None, :, None])
   slot = jnp.where(valid_B[None, :, None], slot, S)  # padding: nothing written
+  acc, pos = cache.acc, cache.pos
+  if pol.accumulates:
+    put = _put(slot)
+    acc = put(jnp.where(valid_B[None, :, None, None], score, acc), pnew_LBK)
+    pos = put(pos, jnp.broadcast_to(p_B[None, :, None], slot.shape))
+  held = cache.held + (valid_B & ~full_B).astype(jnp.int32)
+  return slot, dict(acc=acc, pos=pos, lengths=n1_B, held=held)
+
+
+def _scored_step(cache: EvictedCache, pol, k_LBKD, v_LBKD, q_LBHD, p_B) -> EvictedCache:
+  """One token per sequence into a cache of an attention-scored policy: score, pick each
+  (layer, sequence, KV head)'s slot (`choose_slots`), write."""
+  spec = cache.spec
+  slot, fields = choose_slots(spec, pol, cache.k, cache, k_LBKD, q_LBHD, p_B)
   put = _put(slot)
   new = lambda a: a[:, :, :, None]  # noqa: E731  [L, B, K, D] -> one token [L, B, K, 1, D]
   k = jax.tree.map(lambda s, e: put(s, e[:, :, :, 0]), cache.k, spec.kc.encode(new(k_LBKD)))
   v = jax.tree.map(lambda s, e: put(s, e[:, :, :, 0]), cache.v, spec.vc.encode(new(v_LBKD)))
-  acc, pos = cache.acc, cache.pos
-  if pol.accumulates:
-    acc = put(jnp.where(valid_B[None, :, None, None], score, acc), pnew_LBK)
-    pos = put(pos, jnp.broadcast_to(p_B[None, :, None], slot.shape))
-  held = cache.held + (valid_B & ~full_B).astype(jnp.int32)
-  return dataclasses.replace(cache, k=k, v=v, acc=acc, pos=pos, lengths=n1_B, held=held)
+  return dataclasses.replace(cache, k=k, v=v, **fields)
 
 
-def _scored_write(cache, pol, k_LBTKD, v_LBTKD, positions_BT, q_LBTHD) -> EvictedCache:
-  """The T tokens of a call one after the other (`_scored_step`); a decode step has one."""
+def scored_write(cache, pol, k_LBTKD, v_LBTKD, positions_BT, q_LBTHD, step=_scored_step):
+  """The T tokens of a call one after the other (`step(cache, pol, k_LBKD, v_LBKD, q_LBHD,
+  p_B)`: `_scored_step` here, its paged twin in `paged_compact`); a decode step has one."""
   if q_LBTHD is None:
     raise KvjaxError(f"cache.policy={pol.name} scores each decode token by its query; the "
                      "model must hand the layout its queries (Layout.wants_queries)")
   xs = (jnp.moveaxis(k_LBTKD, 2, 0), jnp.moveaxis(v_LBTKD, 2, 0), jnp.moveaxis(q_LBTHD, 2, 0),
         positions_BT.T)
   if positions_BT.shape[1] == 1:
-    return _scored_step(cache, pol, *(x[0] for x in xs))
-  cache, _ = jax.lax.scan(lambda c, x: (_scored_step(c, pol, *x), None), cache, xs)
+    return step(cache, pol, *(x[0] for x in xs))
+  cache, _ = jax.lax.scan(lambda c, x: (step(c, pol, *x), None), cache, xs)
   return cache
 
 

@@ -23,7 +23,11 @@ at offset s % page_size. Decode appends at slot `held` (policies that evict at p
 only) or, for window/sinks (`decode_evicts`), writes the ring of `budget` slots: sinks stay
 in slots [0, sinks), position p >= sinks goes to sinks + (p - sinks) mod (budget - sinks),
 the rule of `compact.Compacted.write`. The ring works on pages unchanged: it is slot
-arithmetic, and the table maps slots to pages.
+arithmetic, and the table maps slots to pages. h2o and tova (`DecodeScored`) evict by
+attention: the write gathers the held keys as one contiguous view, picks per (layer,
+sequence, KV head) the slot exactly as the contiguous cache does (`compact.choose_slots`),
+and scatters the new K/V into that slot's page and offset for that head; h2o's `acc` and
+`pos` ([L, B, K, capacity], per slot) sit beside the pool.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ class EvictedPagedCache:
   lengths: jax.Array      # [B] int32 tokens seen (= position of the next token)
   held: jax.Array         # [B] int32 slots holding a token (slots [0, held) are valid)
   budget: jax.Array       # [B] int32 tokens kept per sequence (ring size of window/sinks)
+  acc: Any                # [L, B, K, S] float32 accumulated attention per slot (h2o), else None
+  pos: Any                # [L, B, K, S] int32 position held in each slot, -1 none (h2o), else None
   spec: base.CacheSpec = struct.field(pytree_node=False)
 
 
@@ -102,6 +108,9 @@ class PagedCompacted(base.Layout):
     return dataclasses.replace(cache, block_table=jnp.arange(B * Q, dtype=jnp.int32)
                                .reshape(B, Q) % pool_pages(spec))
 
+  def wants_queries(self, spec: base.CacheSpec) -> bool:
+    return compact.scored(spec) is not None
+
   def store(self, cache: EvictedPagedCache) -> Any:
     return (cache.k, cache.v, cache.block_table, cache.held)
 
@@ -112,8 +121,12 @@ class PagedCompacted(base.Layout):
     return [base.PagedSegment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(held_B),
                               layer=layer, pages=bt_BQ, page_size=page_size(spec))]
 
-  def write(self, cache: EvictedPagedCache, k_LBTKD, v_LBTKD, positions_BT):
+  def write(self, cache: EvictedPagedCache, k_LBTKD, v_LBTKD, positions_BT, q_LBTHD=None):
     spec = cache.spec
+    pol = compact.scored(spec)
+    if pol is not None:
+      return compact.scored_write(cache, pol, k_LBTKD, v_LBTKD, positions_BT, q_LBTHD,
+                                  step=scored_step)
     slot_BT, held = write_slots(spec.cache_cfg, positions_BT, cache.lengths, cache.held,
                                 cache.budget)
     P = jax.tree.leaves(cache.k)[0].shape[1]
@@ -128,6 +141,8 @@ class PagedCompacted(base.Layout):
     K, D = spec.n_kv_heads, spec.head_dim
     per_token = spec.kc.bytes_per_token(K, D) + spec.vc.bytes_per_token(K, D)
     pool = spec.n_layers * pool_pages(spec) * page_size(spec) * per_token
+    if compact.accumulates(spec):  # acc (float32) and pos (int32) per slot and KV head
+      pool += spec.n_layers * spec.batch * spec.capacity * K * (4 + 4)
     return int(round(pool)) + 4 * spec.batch * pages_per_seq(spec) + 3 * 4 * spec.batch
 
 
@@ -140,9 +155,14 @@ def init_pool(spec: base.CacheSpec) -> EvictedPagedCache:
   P, Q = pool_pages(spec), pages_per_seq(spec)
   shape = (L, P, K, page_size(spec), D)
   zeros = jnp.zeros((B,), jnp.int32)
+  acc = pos = None
+  if compact.accumulates(spec):
+    acc = jnp.zeros((L, B, K, spec.capacity), jnp.float32)
+    pos = jnp.full((L, B, K, spec.capacity), -1, jnp.int32)
   return EvictedPagedCache(k=spec.kc.init(shape), v=spec.vc.init(shape),
                            block_table=jnp.full((B, Q), P, jnp.int32), lengths=zeros,
-                           held=zeros, budget=zeros + spec.capacity, spec=spec)
+                           held=zeros, budget=zeros + spec.capacity, acc=acc, pos=pos,
+                           spec=spec)
 
 
 def contiguous_view(cache, T: int):
@@ -177,7 +197,8 @@ def to_pages(ev: compact.EvictedCache) -> EvictedPagedCache:
   B = spec.batch
   return EvictedPagedCache(k=jax.tree.map(pool, ev.k), v=jax.tree.map(pool, ev.v),
                            block_table=jnp.arange(B * Q, dtype=jnp.int32).reshape(B, Q),
-                           lengths=ev.lengths, held=ev.held, budget=ev.budget, spec=spec)
+                           lengths=ev.lengths, held=ev.held, budget=ev.budget, acc=ev.acc,
+                           pos=ev.pos, spec=spec)
 
 
 def compress(cache, lengths_B, room: int, q_LBTHD=None, T: int | None = None):
@@ -185,3 +206,28 @@ def compress(cache, lengths_B, room: int, q_LBTHD=None, T: int | None = None):
   its contiguous view), stored into a pool of the pages the budget needs."""
   T = T or cache.spec.capacity
   return to_pages(compact.compress(contiguous_view(cache, T), lengths_B, room, q_LBTHD, T=T))
+
+
+def scored_step(cache: EvictedPagedCache, pol, k_LBKD, v_LBKD, q_LBHD, p_B):
+  """One token per sequence into the pages of an attention-scored policy (h2o/tova): the
+  slot each (layer, sequence, KV head) takes, chosen on the contiguous view of the held
+  slots exactly as `compact` chooses it (`compact.choose_slots`), then the new K/V
+  scattered into that slot's page and offset, per (layer, KV head)."""
+  spec = cache.spec
+  S, ps = spec.capacity, page_size(spec)
+  k_view = jax.tree.map(lambda a: a[:, :, :, :S], contiguous_view(cache, S).k)
+  slot_LBK, fields = compact.choose_slots(spec, pol, k_view, cache, k_LBKD, q_LBHD, p_B)
+  L, B, K = slot_LBK.shape
+  P = jax.tree.leaves(cache.k)[0].shape[1]
+  Q = cache.block_table.shape[1]
+  valid = slot_LBK < S
+  page_LBK = jnp.where(valid, cache.block_table[jnp.arange(B)[None, :, None],
+                                                jnp.clip(slot_LBK // ps, 0, Q - 1)], P)
+  idx = (jnp.arange(L)[:, None, None], page_LBK, jnp.arange(K)[None, None, :],
+         jnp.where(valid, slot_LBK % ps, 0))
+  put = lambda pool, e: pool.at[idx].set(e[:, :, :, 0].astype(pool.dtype),  # noqa: E731
+                                         mode="drop")
+  new = lambda a: a[:, :, :, None]  # noqa: E731  [L, B, K, D] -> one token [L, B, K, 1, D]
+  k = jax.tree.map(put, cache.k, spec.kc.encode(new(k_LBKD)))
+  v = jax.tree.map(put, cache.v, spec.vc.encode(new(v_LBKD)))
+  return dataclasses.replace(cache, k=k, v=v, **fields)

@@ -3,7 +3,8 @@
 decode (`DecodeScored`), the attention of each new query over the tokens held.
 
 Where a decode step's weights come from: `kvjax.cache.compact` recomputes them in the
-cache's write step (`step_attention`) from the layer's rotated query, which the model hands
+cache's write step (`step_attention`, called by `compact.choose_slots`, which the paged
+layout also runs, on its pages' contiguous view) from the layer's rotated query, which the model hands
 to a layout that asks for it (`Layout.wants_queries`). That reads the held keys a second
 time in each step (the attention read them once), but keeps the attention as it is: its
 online softmax never forms normalized weights (blockwise, running max and sum; the Pallas
@@ -80,7 +81,6 @@ class DecodeScored:
   """
 
   accumulates = False
-  decode_scored = True  # read by `policies.check_config` (the paged layout cannot do it yet)
 
   def protected(self, c) -> int:
     """Recent tokens never evicted (at most budget - 1 of them are, in `compact`)."""

@@ -27,7 +27,8 @@ knorm and snapkv compress the prompt (SnapKV's selection is defined by the promp
 observation window) and decode appends after the kept tokens. h2o and tova keep evicting,
 as their methods define (`policies.attn.DecodeScored`): the cache holds `budget` tokens
 throughout, and each new token takes the slot of the lowest-scored one, per layer,
-sequence and KV head.
+sequence and KV head, on the contiguous and the paged layout alike (the paged write picks
+the slot with the same scoring, `compact.choose_slots`, and scatters into its page).
 
 Budget: `cache.budget` tokens per sequence (the same count in every layer and KV head;
 which tokens may differ per head where the policy scores per head), or `cache.ratio`, the
@@ -171,9 +172,6 @@ def check_config(c, m=None) -> None:
   if c.layout not in ("contiguous", "paged"):
     raise KvjaxError(f"cache.policy={c.policy} needs cache.layout=contiguous or paged (the "
                      f"{c.layout} layout cannot evict tokens)")
-  if c.layout == "paged" and getattr(pol, "decode_scored", False):
-    raise KvjaxError(f"cache.policy={c.policy} evicts by attention during decode, which the "
-                     "paged layout does not do yet; use cache.layout=contiguous")
   if c.residual or c.k_axis == "channel":
     raise KvjaxError(f"cache.policy={c.policy} compacts single tokens; set cache.residual=0 and "
                      "cache.k_axis=token (KIVI token blocks cannot be split)")

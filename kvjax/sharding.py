@@ -50,7 +50,7 @@ TP = ("kv", "rep")          # the whole `model` axis
 COLUMN = ("q_proj", "gate_proj", "up_proj")   # split the output axis over TP
 KV_PROJ = ("k_proj", "v_proj")                # split the output axis over `kv`
 ROW = ("o_proj", "down_proj")                 # split the input axis over TP
-CACHE_FIELDS = ("k", "v", "k_win", "v_win")   # leaves [L, B, K, S, ...]
+CACHE_FIELDS = ("k", "v", "k_win", "v_win", "acc", "pos")  # leaves [L, B, K, S, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,7 +269,14 @@ def size_report(cfg: Config, batch: int, capacity: int, with_params: bool) -> di
   check_batch(cfg, batch)
   if cfg.cache.layout == "none":
     cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, layout="contiguous"))
-  c = jax.eval_shape(lambda: cache_lib.init_cache(cfg, batch, capacity))
+  if cfg.cache.policy != "full":  # what the policy builds (kvjax.cache.compact): `capacity`
+    # held slots plus its own leaves (held, budget; h2o's acc and pos per slot and KV head)
+    spec = dataclasses.replace(
+        cache_lib.CacheSpec.from_config(cfg, batch, capacity),
+        layout="paged_compacted" if cfg.cache.layout == "paged" else "compacted")
+    c = jax.eval_shape(lambda: cache_lib.get(spec.layout).init(spec))
+  else:
+    c = jax.eval_shape(lambda: cache_lib.init_cache(cfg, batch, capacity))
   total = bytes_per_device(c, cache_specs(c), Plan(1, 1, 1))
   out = {"mesh": {"data": p.data, "model": p.model, "kv": p.kv, "kv_replication": p.rep},
          "devices": p.n_devices,

@@ -324,11 +324,34 @@ def test_cli_bad_policy_exits_2_and_size_shows_the_budget(capsys):
 @pytest.mark.parametrize("over", [
     {"cache.policy": "h2o", "cache.ratio": 0.5, "cache.window": 3},  # keeps 3 of 5 = window
     {"cache.policy": "sinks", "cache.ratio": 1.0, "cache.sinks": 5},  # ring of 5 = the sinks
+    # the 5-token prompt is within its budget of 5 at prefill, but h2o evicts during decode
+    {"cache.policy": "h2o", "cache.ratio": 1.0, "cache.window": 5},
 ])
 def test_ratio_too_small_for_the_window_or_sinks_is_refused_before_jit(over):
   cfg = tiny_config(**over)
   with pytest.raises(KvjaxError, match="raise the ratio"):
     program.generate(cfg, tiny_params(cfg), PROMPTS, 2, timed=False)
+
+
+def test_check_lengths_treats_decode_evicting_policies_alike():
+  """A sequence within its budget at prefill is refused when its budget is not above the
+  h2o window, since decode evicts from it (as the window/sinks ring does); snapkv, which
+  only appends after prefill, leaves it alone."""
+  lengths = [12, 5]  # ratio 1.0: budgets 12 and 5, neither compressed at prefill
+  for c, floor in [(tiny_config(**{"cache.policy": "h2o", "cache.ratio": 1.0,
+                                   "cache.window": 5}).cache, "window (5)"),
+                   (tiny_config(**{"cache.policy": "sinks", "cache.ratio": 1.0,
+                                   "cache.sinks": 5}).cache, "sinks (5)")]:
+    with pytest.raises(KvjaxError) as e:
+      policies.check_lengths(c, lengths)
+    msg = str(e.value)
+    assert "sequence 1's 5 tokens" in msg and floor in msg and "\n" not in msg
+  policies.check_lengths(tiny_config(**{"cache.policy": "snapkv", "cache.ratio": 1.0,
+                                        "cache.window": 5}).cache, lengths)
+  policies.check_lengths(tiny_config(**{"cache.policy": "tova", "cache.ratio": 1.0}).cache,
+                         [12, 1])  # tova protects no window: any budget >= 1 can evict
+  policies.check_lengths(tiny_config(**{"cache.policy": "h2o", "cache.ratio": 1.0,
+                                        "cache.window": 5}).cache, [12, 6])
 
 
 def test_continuation_logprobs_full_and_unbudgeted_equal_the_full_forward():

@@ -148,3 +148,21 @@ def test_budget_on_a_mesh_is_refused_in_one_line(capsys):
                  "--set", "mesh.model=8"])
   err = capsys.readouterr().err.strip()
   assert rc == 2 and len(err.splitlines()) == 1 and "--budget sizes one device" in err
+
+
+@pytest.mark.parametrize("policy,layout,extra", [
+    ("h2o", "contiguous", 2 * 2 * 24 * (4 + 4)),  # acc float32 + pos int32 [L, B, K, S]
+    ("tova", "contiguous", 0),
+    ("knorm", "contiguous", 0),
+    ("knorm", "paged", None),  # a pool of whole pages and a block table
+])
+def test_bytes_per_device_is_the_cache_the_policy_builds(capsys, policy, layout, extra):
+  """On one device `bytes_per_device` is `total_bytes`: the compacted cache with its own
+  leaves (held, budget, and h2o's acc/pos), not a plain cache of the held tokens."""
+  res, _ = size(capsys, "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
+                "--seq-len", "100", "--codec", "fp32", "--set", f"cache.policy={policy}",
+                "--set", "cache.budget=24", "--set", f"cache.layout={layout}")
+  assert res["held_tokens"] == 24
+  assert res["bytes_per_device"] == res["ideal_bytes_per_device"] == res["total_bytes"]
+  if extra is not None:
+    assert res["total_bytes"] == 2 * 24 * (2 * 2 * 8 * 4) + extra + 3 * 4

@@ -200,11 +200,14 @@ def check_lengths(c, lengths) -> None:
   pol = get(c.policy)
   lengths = np.asarray(lengths)
   b = budgets(c, lengths)
-  # Sequences compressed at prefill; a ring (window/sinks) also evicts from the others.
-  short = lengths > b if not pol.decode_evicts else np.ones(lengths.shape, bool)
-  floor = pol.sinks(c) if pol.decode_evicts else pol.window(c)
+  # Sequences compressed at prefill; a policy that evicts during decode (the window/sinks
+  # ring, h2o/tova by attention) also evicts from the others once they grow past the budget.
+  ring = pol.decode_evicts
+  evicts = ring or getattr(pol, "decode_scored", False)
+  short = np.ones(lengths.shape, bool) if evicts else lengths > b
+  floor = pol.sinks(c) if ring else pol.window(c)
   if np.any(short & (b <= floor)):
     i = int(np.argmax(short & (b <= floor)))
     raise KvjaxError(f"cache.ratio={c.ratio} keeps {int(b[i])} of sequence {i}'s "
                      f"{int(lengths[i])} tokens, not more than the {c.policy} "
-                     f"{'sinks' if pol.decode_evicts else 'window'} ({floor}); raise the ratio")
+                     f"{'sinks' if ring else 'window'} ({floor}); raise the ratio")

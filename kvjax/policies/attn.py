@@ -81,6 +81,7 @@ class DecodeScored:
   """
 
   accumulates = False
+  decode_scored = True  # read by `policies.check_lengths` (evicts during decode)
 
   def protected(self, c) -> int:
     """Recent tokens never evicted (at most budget - 1 of them are, in `compact`)."""

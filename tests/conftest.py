@@ -1,6 +1,7 @@
 """Shared fixtures: tiny configs and parameters, built once per session."""
 
 import atexit
+import gc
 import functools
 import os
 import shutil
@@ -57,6 +58,19 @@ import jax  # noqa: E402
 jax.config.update("jax_compilation_cache_dir", _JAX_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_executables():
+  """Drop every compiled program after each test module. One process compiles thousands of
+  small programs over the suite; each XLA:CPU executable maps its own code pages, and with
+  all of them alive the whole run crashed inside a compile (SIGSEGV/SIGABRT while writing
+  the compilation cache, 8 GB resident, at the same late test every time). Later modules
+  reload what they share from the persistent cache above."""
+  yield
+  jax.clear_caches()
+  gc.collect()
+
 
 TINY = {"model.vocab_size": 64, "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4,
         "model.n_kv_heads": 4, "model.d_ff": 48}

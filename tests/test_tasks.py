@@ -308,7 +308,9 @@ def _experiment_cfg(tmp_path, **params):
                     "snap_50_int8": {"cache.policy": "snapkv", "cache.ratio": 0.5,
                                      "cache.window": 8, "cache.codec": "int8"},
                     "sinks_25": {"cache.policy": "sinks", "cache.ratio": 0.25,
-                                 "cache.sinks": 4}}}
+                                 "cache.sinks": 4},
+                    "h2o_25": {"cache.policy": "h2o", "cache.ratio": 0.25,
+                               "cache.window": 8}}}
   p.update(params)
   return config_lib.apply_overrides(config_lib.Config(), {
       "experiment": "long_context", "params": p})
@@ -370,14 +372,17 @@ def test_plots_from_rows(cell_rows, tmp_path):
 
 def test_policy_cell_answers_through_the_compacted_cache(tmp_path, cell_rows):
   """A policy setting: every query is answered through a cache holding ceil(ratio x prefix)
-  prefix tokens, and its bytes per token are the codec's times the kept fraction."""
+  prefix tokens, and its bytes per token are the codec's (plus what the policy keeps per
+  held token: h2o's score and position, 8 bytes per layer and KV head) times the kept
+  fraction."""
   import math
 
   from kvjax.experiments import long_context
 
   fp32 = cell_rows[1]
-  for name, ratio, codec_bpt in (("snap_50_int8", 0.5, 2 * 2 * 2 * (8 + 2)),  # + fp16 scale
-                                 ("sinks_25", 0.25, 2 * 2 * 2 * 8 * 4)):
+  for name, ratio, codec_bpt, state_bpt in (
+      ("snap_50_int8", 0.5, 2 * 2 * 2 * (8 + 2), 0),  # + fp16 scale
+      ("h2o_25", 0.25, 2 * 2 * 2 * 8 * 4, 8 * 2 * 2)):
     cfg = _experiment_cfg(tmp_path, setting=name)
     long_context.check(cfg)
     rows = long_context.run_cell(cfg)
@@ -389,8 +394,8 @@ def test_policy_cell_answers_through_the_compacted_cache(tmp_path, cell_rows):
       assert prefix < r["workload"]["prompt_tokens"]
       assert m["held_tokens"] == math.ceil(ratio * prefix) and m["kept"] == m["held_tokens"] / prefix
       assert m["codec_bytes_per_token"] == codec_bpt
-      assert m["bytes_per_token"] == pytest.approx(codec_bpt * m["kept"])
-      assert v["policy"] in ("snapkv", "sinks") and v["ratio"] == ratio and v["setting"] == name
+      assert m["bytes_per_token"] == pytest.approx((codec_bpt + state_bpt) * m["kept"])
+      assert v["policy"] in ("snapkv", "h2o") and v["ratio"] == ratio and v["setting"] == name
       assert m["accuracy"] == tasks.score(m["output"], m["answer"])
   assert {"policy", "held_tokens"}.isdisjoint(fp32[0]["variant"] | fp32[0]["metrics"])
 

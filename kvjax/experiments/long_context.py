@@ -31,8 +31,9 @@ sees it (no policy is query-aware here). That prefill is shared by every policy 
 a context, like the fp32 one of the codec settings. Such rows also carry `held_tokens`
 (prefix tokens the cache keeps), `kept` (= held / prefix tokens), `cache_bytes` (the
 compacted cache as allocated, question and answer room included) and `bytes_per_token` =
-the codec's bytes per token x kept: the prefix's bytes per prefix token, on the same axis
-as the codec settings' closed form. A `ratio` is a fraction of the prefix.
+(the codec's bytes per token + what the policy itself keeps per held token: h2o's score
+and position, 8 bytes per layer and KV head) x kept: the prefix's bytes per
+prefix token, on the same axis as the codec settings' closed form. A `ratio` is a fraction of the prefix.
 
 A setting may also set `params.kv_heads`: the model's K/V projections are then mean-pooled
 into that many heads (`kvjax.io.convert.mean_pool`, no uptraining: GQA-3 -> MQA for
@@ -228,6 +229,10 @@ def run_cell(cfg) -> list[dict]:
     var = ex.variant(tcfg, k_axis=c.k_axis, group_size=c.group_size, residual=c.residual,
                      setting=cfg.param("setting", ""), model=src.name, **extra)
     bpt = ex.bytes_per_token(tcfg)
+    # What the policy keeps per held token beside K/V: h2o's score and position (float32 +
+    # int32 per layer and KV head), so its rows sit on the bytes axis with what it holds.
+    state_bpt = 8 * tcfg.model.n_layers * tcfg.model.n_kv_heads if \
+        getattr(policies.get(c.policy), "accumulates", False) else 0
     prefixes = (_query_prefixes if evicts else _prefixes)(spec, cfg, mcfg, params, tok)
     for (task, s, _, template), (e, kv) in prefixes.items():
       held = {}
@@ -255,7 +260,8 @@ def run_cell(cfg) -> list[dict]:
                                   "n_facts": len(e.queries), "template": template,
                                   "gen_len": gen_len},
                      "metrics": {"accuracy": tasks.score(out, q.answer),
-                                 "bytes_per_token": bpt * held["kept"] if held else bpt,
+                                 "bytes_per_token": (bpt + state_bpt) * held["kept"]
+                                 if held else bpt,
                                  "answer": q.answer, "output": out, **held}})
   return rows
 

@@ -22,6 +22,17 @@ PROMPTS = [[1, 5, 9, 3, 7, 2, 8, 4, 6, 11, 13, 12], [3, 2, 1, 9, 8]]  # ragged, 
 NEW = 7  # the window/sinks ring of 6 wraps across page boundaries during decode
 
 
+def _contiguous_and_paged(base: dict):
+  """`generate` (greedy, caches returned) with `base` on the contiguous layout and on pages
+  of 4: (contiguous result, paged result, the paged config)."""
+  cfg = tiny_config(**base)
+  params = tiny_params(cfg)
+  want = program.generate(cfg, params, PROMPTS, NEW, timed=False, return_cache=True)
+  pcfg = tiny_config(**base, **{"cache.layout": "paged", "cache.page_size": 4})
+  got = program.generate(pcfg, params, PROMPTS, NEW, timed=False, return_cache=True)
+  return want, got, pcfg
+
+
 @pytest.mark.parametrize("policy,extra,kv_heads,codec", [
     ("window", {"cache.budget": 6}, 2, "int8"),  # a ring over pages; GQA
     # per-head selection from the queries, appends; MHA (knorm, sinks: the engine test)
@@ -30,11 +41,7 @@ NEW = 7  # the window/sinks ring of 6 wraps across page boundaries during decode
 def test_paged_policy_generates_what_contiguous_does_in_budgeted_pages(policy, extra, kv_heads,
                                                                        codec):
   base = {"model.n_kv_heads": kv_heads, "cache.policy": policy, "cache.codec": codec, **extra}
-  cfg = tiny_config(**base)
-  params = tiny_params(cfg)
-  want = program.generate(cfg, params, PROMPTS, NEW, timed=False, return_cache=True)
-  pcfg = tiny_config(**base, **{"cache.layout": "paged", "cache.page_size": 4})
-  got = program.generate(pcfg, params, PROMPTS, NEW, timed=False, return_cache=True)
+  want, got, pcfg = _contiguous_and_paged(base)
   assert got["tokens"] == want["tokens"]
   c, ref = got["cache"], want["cache"]
   spec = c.spec
@@ -61,11 +68,7 @@ def test_paged_h2o_tova_evict_during_decode_as_contiguous_does(policy, extra):
   same slot as the contiguous cache, so the same tokens, the same held K/V (through the
   block table) and, for h2o, the same scores and positions; the pool never grows."""
   base = {"model.n_kv_heads": 2, "cache.policy": policy, "cache.codec": "int8", **extra}
-  cfg = tiny_config(**base)
-  params = tiny_params(cfg)
-  want = program.generate(cfg, params, PROMPTS, NEW, timed=False, return_cache=True)
-  pcfg = tiny_config(**base, **{"cache.layout": "paged", "cache.page_size": 4})
-  got = program.generate(pcfg, params, PROMPTS, NEW, timed=False, return_cache=True)
+  want, got, pcfg = _contiguous_and_paged(base)
   assert got["tokens"] == want["tokens"]
   c, ref = got["cache"], want["cache"]
   S = c.spec.capacity

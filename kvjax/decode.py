@@ -99,31 +99,23 @@ def prepare_params(cfg: Config, params):
     # Pallas kernel inside nn.scan failed Flax's loop-invariance check on the H200
     # (docs/gpu.md), so `pallas` keeps the switched scan.
     if "layers" in params:
-      return _cast(dtype.name)(params)
+      return _prepare(dtype.name, split=False)(params)
   if "layers" not in params and all(a.dtype == dtype for a in jax.tree.leaves(params)
                                     if jnp.issubdtype(a.dtype, jnp.floating)):
     return params
-  return _split_and_cast(dtype.name)(params)
+  return _prepare(dtype.name, split=True)(params)
 
 
-@functools.lru_cache(maxsize=4)
-def _split_and_cast(dtype_name: str):
-  """One jitted split + cast per dtype, so a second model of a shape seen before (the CLI,
-  experiments, tests) reuses its compiled program instead of tracing a new function."""
+@functools.lru_cache(maxsize=8)
+def _prepare(dtype_name: str, split: bool):
+  """One jitted cast of the floating params to `dtype_name` (after splitting them per layer
+  when `split`) per dtype, so a second model of a shape seen before (the CLI, experiments,
+  tests) reuses its compiled program instead of tracing a new function."""
   dtype = jnp.dtype(dtype_name)
 
   def cast(a):
     return a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a
-  return jax.jit(lambda p: jax.tree.map(cast, model_lib.split_layers(p)))
-
-
-@functools.lru_cache(maxsize=4)
-def _cast(dtype_name: str):
-  """One jitted cast of the floating params to `dtype_name`, as `_split_and_cast` without
-  the split."""
-  dtype = jnp.dtype(dtype_name)
-  return jax.jit(lambda p: jax.tree.map(
-      lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, p))
+  return jax.jit(lambda p: jax.tree.map(cast, model_lib.split_layers(p) if split else p))
 
 
 def network(cfg: Config | Static, params, **kw) -> tuple[Transformer, Any]:

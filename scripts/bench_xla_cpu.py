@@ -92,10 +92,8 @@ def _attend_cases():
         _, s, o = xla.attend_segment(q[layer], seg, st)
         acc = acc + jnp.sum(o / s[..., None])
       return acc
-    kes = [jax.tree.map(lambda a, i=i: a[i] + 0 if a.dtype.kind == "f" else a[i], ke)
-           for i in range(L)]
-    ves = [jax.tree.map(lambda a, i=i: a[i] + 0 if a.dtype.kind == "f" else a[i], ve)
-           for i in range(L)]
+    kes = [jax.tree.map(lambda a, i=i: a[i], ke) for i in range(L)]  # own buffers
+    ves = [jax.tree.map(lambda a, i=i: a[i], ve) for i in range(L)]
     cases[f"attend_split/{name}"] = (jax.jit(split_step), (q, kes, ves), nbytes)
   return cases
 

@@ -72,6 +72,15 @@ def accumulates(spec) -> bool:
   return bool(pol and pol.accumulates)
 
 
+def init_scores(spec) -> tuple[Any, Any]:
+  """h2o's empty `acc` and `pos` [L, B, K, capacity] (both layouts keep them per slot),
+  or (None, None) for a policy that stores nothing beside K/V."""
+  if not accumulates(spec):
+    return None, None
+  shape = (spec.n_layers, spec.batch, spec.n_kv_heads, spec.capacity)
+  return jnp.zeros(shape, jnp.float32), jnp.full(shape, -1, jnp.int32)
+
+
 class Compacted(base.Layout):
   """The layout of a compacted cache: held tokens in slots [0, held), new tokens appended
   (slot held + i), written into a ring (window/sinks), or into the slot of the token
@@ -84,10 +93,7 @@ class Compacted(base.Layout):
     L, B, K, D = spec.n_layers, spec.batch, spec.n_kv_heads, spec.head_dim
     shape = (L, B, K, spec.capacity, D)
     zeros = jnp.zeros((B,), jnp.int32)
-    acc = pos = None
-    if accumulates(spec):
-      acc = jnp.zeros(shape[:4], jnp.float32)
-      pos = jnp.full(shape[:4], -1, jnp.int32)
+    acc, pos = init_scores(spec)
     return EvictedCache(k=spec.kc.init(shape), v=spec.vc.init(shape), lengths=zeros,
                         held=zeros, budget=zeros + spec.capacity, acc=acc, pos=pos, spec=spec)
 
@@ -132,8 +138,7 @@ class Compacted(base.Layout):
   def closed_form_bytes(self, spec: base.CacheSpec) -> int:
     K, D = spec.n_kv_heads, spec.head_dim
     per_token = spec.kc.bytes_per_token(K, D) + spec.vc.bytes_per_token(K, D)
-    if accumulates(spec):  # acc (float32) and pos (int32) per slot and KV head
-      per_token += K * (4 + 4)
+    per_token += policies.get(spec.cache_cfg.policy).state_bytes_per_token(K)
     return int(round(spec.n_layers * spec.batch * spec.capacity * per_token)) + 3 * 4 * spec.batch
 
 

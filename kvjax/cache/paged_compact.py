@@ -141,8 +141,8 @@ class PagedCompacted(base.Layout):
     K, D = spec.n_kv_heads, spec.head_dim
     per_token = spec.kc.bytes_per_token(K, D) + spec.vc.bytes_per_token(K, D)
     pool = spec.n_layers * pool_pages(spec) * page_size(spec) * per_token
-    if compact.accumulates(spec):  # acc (float32) and pos (int32) per slot and KV head
-      pool += spec.n_layers * spec.batch * spec.capacity * K * (4 + 4)
+    state = policies.get(spec.cache_cfg.policy).state_bytes_per_token(K)  # h2o's acc, pos
+    pool += spec.n_layers * spec.batch * spec.capacity * state
     return int(round(pool)) + 4 * spec.batch * pages_per_seq(spec) + 3 * 4 * spec.batch
 
 
@@ -155,10 +155,7 @@ def init_pool(spec: base.CacheSpec) -> EvictedPagedCache:
   P, Q = pool_pages(spec), pages_per_seq(spec)
   shape = (L, P, K, page_size(spec), D)
   zeros = jnp.zeros((B,), jnp.int32)
-  acc = pos = None
-  if compact.accumulates(spec):
-    acc = jnp.zeros((L, B, K, spec.capacity), jnp.float32)
-    pos = jnp.full((L, B, K, spec.capacity), -1, jnp.int32)
+  acc, pos = compact.init_scores(spec)
   return EvictedPagedCache(k=spec.kc.init(shape), v=spec.vc.init(shape),
                            block_table=jnp.full((B, Q), P, jnp.int32), lengths=zeros,
                            held=zeros, budget=zeros + spec.capacity, acc=acc, pos=pos,

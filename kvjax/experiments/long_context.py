@@ -229,10 +229,10 @@ def run_cell(cfg) -> list[dict]:
     var = ex.variant(tcfg, k_axis=c.k_axis, group_size=c.group_size, residual=c.residual,
                      setting=cfg.param("setting", ""), model=src.name, **extra)
     bpt = ex.bytes_per_token(tcfg)
-    # What the policy keeps per held token beside K/V: h2o's score and position (float32 +
-    # int32 per layer and KV head), so its rows sit on the bytes axis with what it holds.
-    state_bpt = 8 * tcfg.model.n_layers * tcfg.model.n_kv_heads if \
-        getattr(policies.get(c.policy), "accumulates", False) else 0
+    # What the policy keeps per held token beside K/V (h2o's score and position), so its
+    # rows sit on the bytes axis with what it holds.
+    state_bpt = tcfg.model.n_layers * \
+        policies.get(c.policy).state_bytes_per_token(tcfg.model.n_kv_heads)
     prefixes = (_query_prefixes if evicts else _prefixes)(spec, cfg, mcfg, params, tok)
     for (task, s, _, template), (e, kv) in prefixes.items():
       held = {}

@@ -81,7 +81,11 @@ class DecodeScored:
   """
 
   accumulates = False
-  decode_scored = True  # read by `policies.check_lengths` (evicts during decode)
+  decode_scored = True
+
+  def state_bytes_per_token(self, n_kv_heads: int) -> int:
+    """h2o's `acc` (float32) and `pos` (int32) per KV head; tova stores nothing."""
+    return 8 * n_kv_heads if self.accumulates else 0
 
   def protected(self, c) -> int:
     """Recent tokens never evicted (at most budget - 1 of them are, in `compact`)."""

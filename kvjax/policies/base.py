@@ -85,6 +85,7 @@ class Context:
 class Policy:
   name = "base"
   decode_evicts = False  # True: the cache is a ring of `budget` slots that keeps evicting
+  decode_scored = False  # True: evicts by the new query's attention (`attn.DecodeScored`)
   needs_queries = False  # True: `select` reads the prompt's queries (Context.q_LBTHD)
   default_window = 0     # `cache.window` when it is 0
 
@@ -92,6 +93,10 @@ class Policy:
     return c.window or self.default_window
 
   def sinks(self, c) -> int:
+    return 0
+
+  def state_bytes_per_token(self, n_kv_heads: int) -> int:
+    """Bytes one held token costs per layer beside its K/V (what the policy stores)."""
     return 0
 
   def check(self, c) -> None:
@@ -203,7 +208,7 @@ def check_lengths(c, lengths) -> None:
   # Sequences compressed at prefill; a policy that evicts during decode (the window/sinks
   # ring, h2o/tova by attention) also evicts from the others once they grow past the budget.
   ring = pol.decode_evicts
-  evicts = ring or getattr(pol, "decode_scored", False)
+  evicts = ring or pol.decode_scored
   short = np.ones(lengths.shape, bool) if evicts else lengths > b
   floor = pol.sinks(c) if ring else pol.window(c)
   if np.any(short & (b <= floor)):

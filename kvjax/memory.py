@@ -35,10 +35,12 @@ _UNITS = {"": 1, "B": 1, "K": 2**10, "KIB": 2**10, "M": 2**20, "MIB": 2**20, "G"
 _FIX = "lower the batch, cache.capacity or --max-new-tokens, or choose a smaller codec"
 
 
-def human(n: float) -> str:
+def human(n: float, fmt: str = ".1f") -> str:
+  """Bytes as `1.5 KiB`, `12.0 GiB` (powers of 1024, `fmt` for the number); below 1 KiB,
+  `512 B`. The one formatter of sizes for people (`kvjax size`, errors, result tables)."""
   for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
     if abs(n) < 1024 or unit == "TiB":
-      return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+      return f"{int(n)} B" if unit == "B" else f"{n:{fmt}} {unit}"
     n /= 1024
   return str(n)
 

@@ -6,14 +6,7 @@ from __future__ import annotations
 
 import sys
 
-
-def human(n: float) -> str:
-  """Bytes as `1.5 KiB`, `12.0 GiB` (powers of 1024); below 1 KiB, `512 B`."""
-  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-    if abs(n) < 1024 or unit == "TiB":
-      return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-    n /= 1024
-  return str(n)
+from kvjax.memory import human
 
 
 def print_size(result: dict) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvjax import memory
+
 # Metric columns of the summary table, in this order when present.
 TABLE_METRICS = ("bytes_per_token", "cache_bytes", "closed_form_bytes", "max_concurrency",
                  "ttft_s", "tpot_s", "tokens_per_s", "speedup_vs_recompute", "peak_bytes",
@@ -32,14 +34,6 @@ def flatten(row: dict, all_metrics: bool = False) -> dict:
   return rec
 
 
-def _human_bytes(n: float) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-    if abs(n) < 1024 or unit == "TiB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-    n /= 1024
-  return str(n)
-
-
 def is_seconds(key: str) -> bool:
   """Whether a metric is in seconds (`ttft_s`, not `tokens_per_s`): shown in ms."""
   return key.endswith("_s") and not key.endswith("per_s")
@@ -52,7 +46,7 @@ def cell_text(key: str, v: Any) -> str:
   if isinstance(v, bool) or not isinstance(v, (int, float)):
     return str(v)
   if key.endswith("bytes"):
-    return _human_bytes(v)
+    return memory.human(v, fmt=".3g")
   if is_seconds(key):
     return f"{v * 1e3:,.0f}" if v * 1e3 >= 1e4 else f"{v * 1e3:.4g}"
   if abs(v) >= 1e4:

@@ -103,6 +103,8 @@ def main() -> int:
   ap.add_argument("--repeats", type=int, default=9)
   ap.add_argument("--json", help="append one JSON row per case to this file")
   args = ap.parse_args()
+  if args.repeats < 1:
+    ap.error(f"--repeats must be >= 1, got {args.repeats}")
   cases = {**_stream_cases(), **_matvec_case(), **_attend_cases()}
   for f, a, _ in cases.values():  # compile and warm up
     jax.block_until_ready(f(*a))

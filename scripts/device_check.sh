@@ -15,6 +15,10 @@
 set -u
 OUT=${OUT:-/tmp/kvjax_device}
 BUDGET=${1:-300}
+case "$BUDGET" in
+  ''|*[!0-9]*) echo "device_check: BUDGET_SECONDS must be a whole number of seconds (0: tests only), got '$BUDGET'" >&2
+               exit 2 ;;
+esac
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1

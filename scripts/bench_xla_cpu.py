@@ -20,6 +20,10 @@ excluded), then timed interleaved round-robin, `--repeats` times; medians.
   attend_split/<codec>  the same read with each layer's K/V in its own buffer and the
                    layers unrolled (`Segment`, not the stacked store's `LayerSegment`): what
                    per-layer cache buffers would give, with no slicing of a stacked store
+  attend_pv_split/<codec>  `attend` with the values read as G matvecs too (the form
+                   `codecs.per_head` keeps for head_dim >= 128; at this head_dim 64 the
+                   values are one GEMM): `vs_attend` is its time over `attend`'s
+  attend_b1/<codec>, attend_b1_pv_split/<codec>  the same two at batch 1, 1,024 tokens
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from kvjax import codecs, metrics  # noqa: E402
+from kvjax.codecs import base as codecs_base  # noqa: E402
 from kvjax.attention import base as attn_base, xla  # noqa: E402
 from kvjax.cache import base as cache_base  # noqa: E402
 
@@ -61,7 +66,19 @@ def _matvec_case():
   return {"matvec/fp32": (f, (x, ws), sum(w.nbytes for w in ws))}
 
 
-def _attend_cases():
+def _pv_split(step, *args):
+  """`step` compiled with the values read as G matvecs too (`codecs.per_head`'s rule for
+  head_dim >= 128), for the in-run comparison with the rule as it is."""
+  rule = codecs_base.per_head
+  codecs_base.per_head = lambda G, D, read="qk": rule(G, D, "qk")
+  try:  # traced and compiled under the patched rule; a fresh function, because jit
+    # reuses a trace of the same function object made under the rule as it is
+    return jax.jit(lambda *a: step(*a)).lower(*args).compile()
+  finally:
+    codecs_base.per_head = rule
+
+
+def _attend_cases(B: int = B, S: int = S, kind: str = "attend", split: bool = True):
   f32 = jnp.float32
   q = jax.random.normal(jax.random.PRNGKey(0), (L, B, K, G, 1, D), f32)
   x = jax.random.normal(jax.random.PRNGKey(1), (L, B, K, S, D), f32)
@@ -80,7 +97,11 @@ def _attend_cases():
         return acc + jnp.sum(o / s[..., None]), None
       return jax.lax.scan(body, jnp.float32(0), jnp.arange(L))[0]
     nbytes = sum(a.nbytes for a in jax.tree.leaves((ke, ve)))
-    cases[f"attend/{name}"] = (jax.jit(step), (q, ke, ve), nbytes)
+    cases[f"{kind}/{name}"] = (jax.jit(step).lower(q, ke, ve).compile(), (q, ke, ve), nbytes)
+    if name != "int4":  # int4's values at head_dim 64 are not read through dot_pv
+      cases[f"{kind}_pv_split/{name}"] = (_pv_split(step, q, ke, ve), (q, ke, ve), nbytes)
+    if not split:
+      continue
 
     def split_step(q, kes, ves, c=c):
       acc = jnp.float32(0)
@@ -105,7 +126,8 @@ def main() -> int:
   args = ap.parse_args()
   if args.repeats < 1:
     ap.error(f"--repeats must be >= 1, got {args.repeats}")
-  cases = {**_stream_cases(), **_matvec_case(), **_attend_cases()}
+  cases = {**_stream_cases(), **_matvec_case(), **_attend_cases(),
+           **_attend_cases(1, 1024, "attend_b1", split=False)}
   for f, a, _ in cases.values():  # compile and warm up
     jax.block_until_ready(f(*a))
   times = {name: [] for name in cases}
@@ -121,10 +143,13 @@ def main() -> int:
     row = {"bench": "xla_cpu", "case": name, "bytes": nbytes, "median_s": med[name],
            "GBps": nbytes / med[name] / 1e9, "repeats": args.repeats, "env": env}
     kind = name.split("/")[0]
-    if kind in ("attend", "attend_split", "stream"):
+    if kind.endswith("_pv_split"):
+      row["vs_attend"] = med[name] / med[f"{kind.removesuffix('_pv_split')}/{name.split('/')[1]}"]
+    elif kind in ("attend", "attend_b1", "attend_split", "stream"):
       row["vs_bf16"] = med[name] / med[f"{kind}/bf16"]
     rows.append(row)
-    extra = f"  {row['vs_bf16']:.2f}x bf16" if "vs_bf16" in row else ""
+    extra = f"  {row['vs_bf16']:.2f}x bf16" if "vs_bf16" in row else \
+        f"  {row['vs_attend']:.2f}x attend" if "vs_attend" in row else ""
     print(f"{name:18s} {med[name] * 1e3:9.2f} ms  {row['GBps']:6.1f} GB/s{extra}")
   if args.json:
     with open(args.json, "a") as fh:

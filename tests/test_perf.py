@@ -121,10 +121,10 @@ def test_plane_wise_packed_reads_equal_reference(codec, planes, monkeypatch):
 @pytest.mark.parametrize("per_head", [True, False])
 @pytest.mark.parametrize("codec", ["bf16", "int8"])
 def test_grouped_query_heads_split_or_not_equal_reference(codec, per_head, monkeypatch):
-  """G = 4 query heads per KV head read as G matvecs (the CPU form) or as one GEMM (the
-  accelerator form): both equal the reference."""
+  """G = 4 query heads per KV head read as G matvecs (the CPU form of the logits, and of the
+  values at head_dim >= 128) or as one GEMM: both equal the reference, for both reads."""
   monkeypatch.setattr(codecs, "READ_CHUNK", 8)
-  monkeypatch.setattr(codecs_base, "per_head", lambda G, D: per_head)
+  monkeypatch.setattr(codecs_base, "per_head", lambda G, D, read="qk": per_head)
   rng = np.random.default_rng(7)
   B, K, S, D, H = 2, 1, 21, 8, 4
   lengths_B = jnp.asarray([9, 21], jnp.int32)
@@ -133,6 +133,16 @@ def test_grouped_query_heads_split_or_not_equal_reference(codec, per_head, monke
   kn, vn = (jnp.asarray(rng.standard_normal((B, 1, K, D)), jnp.float32) for _ in range(2))
   got, want = (f(q, kn, vn, lengths_B[:, None], k, v, lengths_B) for f in programs(codec))
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_per_head_split_rule_on_cpu():
+  """The CPU rule: logits split for 2 <= G <= min(4, D / 8); values only from head_dim 128."""
+  assert jax.default_backend() == "cpu"
+  ph = codecs_base.per_head
+  assert ph(3, 64, "qk") and not ph(3, 64, "pv")
+  assert ph(2, 128, "qk") and ph(2, 128, "pv")
+  assert not ph(1, 64, "qk") and not ph(8, 128, "qk") and not ph(4, 16, "qk")
+  assert not ph(8, 128, "pv") and not ph(4, 32, "pv")
 
 
 def test_blockwise_attention_channel_keys_equal_reference(monkeypatch):

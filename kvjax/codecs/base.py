@@ -122,22 +122,35 @@ class Codec:
     return dot_pv(p_BKGTC, self.decode(v_enc, p_BKGTC.dtype))
 
 
-def per_head(G: int, D: int) -> bool:
-  """Split the G query heads sharing a KV head into G batched matvecs? CPU only: XLA:CPU ran
-  the [G*T, D] x [D, C] GEMM 1.3-1.8x slower than G matvecs for G = 2-4 at head_dim 32-128
-  (it transposes the block for the GEMM or takes a slow path). Each matvec is one more
-  operation per block, though, and that overhead won for G = 8 (7-80% slower split) and
-  for G = 4 at head_dim 16 (5-14%); G = 2 at head_dim 16 still gained 15-20% (decode,
-  batch 4, 4k, bench_codecs). Accelerators keep one GEMM, which reads each block once."""
-  return jax.default_backend() == "cpu" and 1 < G <= min(4, D // 8)
+def per_head(G: int, D: int, read: str = "qk") -> bool:
+  """Split the G query heads sharing a KV head into G batched matvecs for one of the two
+  reads (`read`: "qk", the logits; "pv", the values)? CPU only; accelerators keep one GEMM,
+  which reads each block once.
+
+  Logits: XLA:CPU ran the [G*T, D] x [D, C] GEMM (contracting the block's minor axis, so
+  the block is transposed for it) 1.3-1.8x slower than G matvecs for G = 2-4 at head_dim
+  32-128. Each matvec is one more operation per block, though, and that overhead won for
+  G = 8 (7-80% slower split) and for G = 4 at head_dim 16 (5-14%); G = 2 at head_dim 16
+  still gained 15-20% (decode, batch 4, 4k, bench_codecs). Hence G <= min(4, D / 8).
+
+  Values: the [G*T, C] x [C, D] GEMM contracts the block's major axis and needs no
+  transpose, so it reads the widened block once where the split reads it G times. Up to
+  head_dim 64 the one GEMM is faster: at SmolLM2's shape (GQA-3, head_dim 64) the split
+  took 1.14-1.23x the attention read's time at batch 8 x 4k and 1.04-1.22x at batch 1 x 1k
+  (fp32/bf16/int8; `python scripts/bench_xla_cpu.py`, `attend_pv_split` vs `attend`, in
+  one run). At head_dim 128 the split was as fast or faster in throwaway runs, so it stays
+  there."""
+  if jax.default_backend() != "cpu" or not 1 < G <= min(4, D // 8):
+    return False
+  return read == "qk" or D >= 128
 
 
-def _grouped_einsum(spec: str, a_BKG: jax.Array, b_BKCD: jax.Array) -> jax.Array:
+def _grouped_einsum(spec: str, a_BKG: jax.Array, b_BKCD: jax.Array, read: str) -> jax.Array:
   """`jnp.einsum(spec)` in float32 of per-query-head operands [B, K, G, ...] against a
   (widened) block [B, K, C, D]: one einsum, or G of them where `per_head` says so."""
   f32 = jnp.float32
   G = a_BKG.shape[2]
-  if not per_head(G, b_BKCD.shape[-1]):
+  if not per_head(G, b_BKCD.shape[-1], read):
     return jnp.einsum(spec, a_BKG, b_BKCD, preferred_element_type=f32)
   head = spec.replace("g", "")
   return jnp.stack([jnp.einsum(head, a_BKG[:, :, g], b_BKCD, preferred_element_type=f32)
@@ -146,12 +159,12 @@ def _grouped_einsum(spec: str, a_BKG: jax.Array, b_BKCD: jax.Array) -> jax.Array
 
 def dot_qk(q_BKGTD: jax.Array, k_BKCD: jax.Array) -> jax.Array:
   """Logits of the queries against a (widened) block of C keys: [B, K, G, T, C] float32."""
-  return _grouped_einsum("bkgtd,bkcd->bkgtc", q_BKGTD, k_BKCD)
+  return _grouped_einsum("bkgtd,bkcd->bkgtc", q_BKGTD, k_BKCD, "qk")
 
 
 def dot_pv(p_BKGTC: jax.Array, v_BKCD: jax.Array) -> jax.Array:
   """Probability-weighted sum of a (widened) block of C values: [B, K, G, T, D] float32."""
-  return _grouped_einsum("bkgtc,bkcd->bkgtd", p_BKGTC, v_BKCD)
+  return _grouped_einsum("bkgtc,bkcd->bkgtd", p_BKGTC, v_BKCD, "pv")
 
 
 DTYPE_TO_CODEC = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

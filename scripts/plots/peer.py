@@ -16,10 +16,11 @@ import numpy as np
 
 from plots import PLAIN, SPARSE, save, subtitle
 
-PEER_ORDER = ("kvjax", "kvjax_unrolled", "dynamic", "static", "quanto")
-PEER_COLORS = {"kvjax": "#1f77b4", "kvjax_unrolled": "#17becf", "dynamic": "#ff7f0e",
-               "static": "#2ca02c", "quanto": "#9467bd"}
-PEER_LABELS = {"kvjax": "kvjax (lax.scan, contiguous)",
+PEER_ORDER = ("kvjax", "kvjax_nnscan", "kvjax_unrolled", "dynamic", "static", "quanto")
+PEER_COLORS = {"kvjax": "#1f77b4", "kvjax_nnscan": "#aec7e8", "kvjax_unrolled": "#17becf",
+               "dynamic": "#ff7f0e", "static": "#2ca02c", "quanto": "#9467bd"}
+PEER_LABELS = {"kvjax": "kvjax (switched layer scan, the default)",
+               "kvjax_nnscan": "kvjax (nn.scan over stacked params, the default before)",
                "kvjax_unrolled": "kvjax (layers unrolled, scan_unroll = n_layers)",
                "dynamic": "transformers DynamicCache",
                "static": "transformers StaticCache", "quanto": "transformers QuantizedCache (quanto int4)"}

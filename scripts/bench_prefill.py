@@ -1,6 +1,6 @@
 """Prefill (TTFT without sampling overhead) of kvjax against transformers' forward pass on
 the same shape, in one process, interleaved (medians; compile excluded): kvjax with the
-prompt read in query blocks (`attention.NEW_BLOCK`, the default) and as one block (the
+prompt read in query blocks (`attention.xla.NEW_BLOCK`, the default) and as one block (the
 program before the switched layer loop), and torch's `model(ids, logits_to_keep=1)` with `--threads`
 threads (XLA is pinned to as many cores). Random weights: speed does not depend on them.
 
@@ -18,8 +18,9 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import attention, decode, metrics, model, program
+from kvjax import decode, metrics, model, program
 from kvjax import config as config_lib
+from kvjax.attention import xla as attention_xla
 
 
 def main() -> None:
@@ -44,12 +45,12 @@ def main() -> None:
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, m.vocab_size, (B, T)), jnp.int32)
   lengths = jnp.full((B,), T, jnp.int32)
 
-  progs, default_block = {}, attention.NEW_BLOCK
+  progs, default_block = {}, attention_xla.NEW_BLOCK
   for label, block in (("blocked", default_block), ("one_block", T)):
-    attention.NEW_BLOCK = block  # read when the program is traced, inside compile()
+    attention_xla.NEW_BLOCK = block  # read when the program is traced, inside compile()
     c = config_lib.replace(cfg, seed=block)  # a config of its own: traced afresh
     progs[label] = program.Program(c, params, program.Shape(B, T, T + 8)).compile(tokens, lengths)
-  attention.NEW_BLOCK = default_block
+  attention_xla.NEW_BLOCK = default_block
 
   hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
       vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.F,

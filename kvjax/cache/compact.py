@@ -116,20 +116,9 @@ class Compacted(base.Layout):
     pol = policies.get(spec.cache_cfg.policy)
     if isinstance(pol, DecodeScored):
       return scored_write(cache, pol, k_LBTKD, v_LBTKD, positions_BT, q_LBTHD)
-    valid_BT = positions_BT >= 0
-    n0, n1 = cache.lengths, cache.lengths + jnp.sum(valid_BT, axis=1).astype(jnp.int32)
-    p_BT, S = positions_BT, spec.capacity
-    if pol.decode_evicts:  # ring: sinks stay, the rest go to sinks + (p - sinks) mod W
-      sinks = pol.sinks(spec.cache_cfg)
-      W_B1 = (cache.budget - sinks)[:, None]
-      kept = valid_BT & ((p_BT < sinks) | (p_BT >= n1[:, None] - W_B1))
-      slot_BT = jnp.where(p_BT < sinks, p_BT, sinks + (p_BT - sinks) % jnp.maximum(W_B1, 1))
-      held = jnp.minimum(n1, cache.budget)
-    else:  # append after the held tokens
-      kept = valid_BT
-      slot_BT = p_BT - n0[:, None] + cache.held[:, None]
-      held = cache.held + (n1 - n0)
-    slot_BT = jnp.where(kept, slot_BT, S)  # evicted at once, or padding: dropped
+    slot_BT, n1, held = write_slots(spec.cache_cfg, positions_BT, cache.lengths, cache.held,
+                                    cache.budget)
+    slot_BT = jnp.where(slot_BT >= 0, slot_BT, spec.capacity)  # base.scatter drops slot S
     k_LBKTD, v_LBKTD = jnp.swapaxes(k_LBTKD, 2, 3), jnp.swapaxes(v_LBTKD, 2, 3)
     k = jax.tree.map(base.scatter(slot_BT), cache.k, spec.kc.encode(k_LBKTD))
     v = jax.tree.map(base.scatter(slot_BT), cache.v, spec.vc.encode(v_LBKTD))
@@ -143,6 +132,28 @@ class Compacted(base.Layout):
 
 
 base.register(Compacted())
+
+
+def write_slots(cache_cfg, positions_BT, lengths_B, held_B, budget_B):
+  """Where decode writes new tokens under the policy's rule, for both compacted layouts:
+  (slot of each token [B, T], -1 when evicted at once or padding; lengths [B]; held [B]).
+  Append after the held tokens, or the window/sinks ring: sinks stay in slots [0, sinks),
+  position p >= sinks goes to sinks + (p - sinks) mod (budget - sinks)."""
+  pol = policies.get(cache_cfg.policy)
+  valid_BT = positions_BT >= 0
+  n1 = lengths_B + jnp.sum(valid_BT, axis=1).astype(jnp.int32)
+  p_BT = positions_BT
+  if pol.decode_evicts:  # ring
+    sinks = pol.sinks(cache_cfg)
+    W_B1 = (budget_B - sinks)[:, None]
+    kept = valid_BT & ((p_BT < sinks) | (p_BT >= n1[:, None] - W_B1))
+    slot_BT = jnp.where(p_BT < sinks, p_BT, sinks + (p_BT - sinks) % jnp.maximum(W_B1, 1))
+    held = jnp.minimum(n1, budget_B)
+  else:  # append after the held tokens
+    kept = valid_BT
+    slot_BT = p_BT - lengths_B[:, None] + held_B[:, None]
+    held = held_B + (n1 - lengths_B)
+  return jnp.where(kept, slot_BT, -1), n1, held
 
 
 def _put(slot_LBK):

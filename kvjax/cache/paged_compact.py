@@ -22,8 +22,8 @@ Slots: `lengths` counts every token seen (the next token's position, which RoPE 
 at offset s % page_size. Decode appends at slot `held` (policies that evict at prefill
 only) or, for window/sinks (`decode_evicts`), writes the ring of `budget` slots: sinks stay
 in slots [0, sinks), position p >= sinks goes to sinks + (p - sinks) mod (budget - sinks),
-the rule of `compact.Compacted.write`. The ring works on pages unchanged: it is slot
-arithmetic, and the table maps slots to pages. h2o and tova (`DecodeScored`) evict by
+the rule of `compact.write_slots`, which both layouts call. The ring works on pages
+unchanged: it is slot arithmetic, and the table maps slots to pages (`locate`). h2o and tova (`DecodeScored`) evict by
 attention: the write gathers the held keys as one contiguous view, picks per (layer,
 sequence, KV head) the slot exactly as the contiguous cache does (`compact.choose_slots`),
 and scatters the new K/V into that slot's page and offset for that head; h2o's `acc` and
@@ -58,40 +58,21 @@ class EvictedPagedCache:
   spec: base.CacheSpec = struct.field(pytree_node=False)
 
 
-def pool_pages(spec: base.CacheSpec) -> int:
-  """P: `cache.num_pages` (the engine's shared pool), else every sequence's Q pages (what
-  `to_pages` builds for `program.generate`: it sets num_pages to 0)."""
-  return num_pages(spec)
-
-
-def write_slots(cache_cfg, positions_BT, lengths_B, held_B, budget_B):
-  """(slot of each new token [B, T] (-1: evicted at once, or padding), new held [B]) under
-  the policy's decode rule: append after the held tokens, or the window/sinks ring."""
-  pol = policies.get(cache_cfg.policy)
-  valid_BT = positions_BT >= 0
-  n1 = lengths_B + jnp.sum(valid_BT, axis=1).astype(jnp.int32)
-  p_BT = positions_BT
-  if pol.decode_evicts:
-    sinks = pol.sinks(cache_cfg)
-    W_B1 = (budget_B - sinks)[:, None]
-    kept = valid_BT & ((p_BT < sinks) | (p_BT >= n1[:, None] - W_B1))
-    slot_BT = jnp.where(p_BT < sinks, p_BT, sinks + (p_BT - sinks) % jnp.maximum(W_B1, 1))
-    held = jnp.minimum(n1, budget_B)
-  else:
-    kept = valid_BT
-    slot_BT = p_BT - lengths_B[:, None] + held_B[:, None]
-    held = held_B + (n1 - lengths_B)
-  return jnp.where(kept, slot_BT, -1), held
+def locate(table_BQ, b_idx, slot, ps: int, P: int):
+  """(physical page, offset) of each slot through the block table; `b_idx` is the sequence
+  index broadcast against `slot`. A slot that is -1 or past the table (or whose page is
+  unallocated, entry P) gets page P, which a scatter with mode="drop" skips."""
+  Q = table_BQ.shape[1]
+  valid = (slot >= 0) & (slot < Q * ps)
+  page = jnp.where(valid, table_BQ[b_idx, jnp.clip(slot // ps, 0, Q - 1)], P)
+  return page, jnp.where(valid, slot % ps, 0)
 
 
 def put_pages(pool, table_BQ, slot_BT, enc_LBKTX, P: int):
   """pool [L, P, K, page, X] <- enc [L, B, K, T, X], token t to its slot's page (dropped
   when the slot is -1 or its page is unallocated, table entry P)."""
-  ps, Q = pool.shape[3], table_BQ.shape[1]
-  valid = (slot_BT >= 0) & (slot_BT < Q * ps)
-  page_BT = jnp.where(valid, jnp.take_along_axis(table_BQ, jnp.clip(slot_BT // ps, 0, Q - 1),
-                                                  axis=1), P)
-  off_BT = jnp.where(valid, slot_BT % ps, 0)
+  b_B1 = jnp.arange(slot_BT.shape[0])[:, None]
+  page_BT, off_BT = locate(table_BQ, b_B1, slot_BT, pool.shape[3], P)
   return pool.at[:, page_BT, :, off_BT].set(jnp.moveaxis(enc_LBKTX, (1, 3), (0, 1)), mode="drop")
 
 
@@ -106,7 +87,7 @@ class PagedCompacted(base.Layout):
     B, Q = spec.batch, pages_per_seq(spec)
     cache = init_pool(spec)
     return dataclasses.replace(cache, block_table=jnp.arange(B * Q, dtype=jnp.int32)
-                               .reshape(B, Q) % pool_pages(spec))
+                               .reshape(B, Q) % num_pages(spec))
 
   def wants_queries(self, spec: base.CacheSpec) -> bool:
     return compact.scored(spec) is not None
@@ -127,20 +108,19 @@ class PagedCompacted(base.Layout):
     if pol is not None:
       return compact.scored_write(cache, pol, k_LBTKD, v_LBTKD, positions_BT, q_LBTHD,
                                   step=scored_step)
-    slot_BT, held = write_slots(spec.cache_cfg, positions_BT, cache.lengths, cache.held,
-                                cache.budget)
+    slot_BT, lengths, held = compact.write_slots(spec.cache_cfg, positions_BT, cache.lengths,
+                                                 cache.held, cache.budget)
     P = jax.tree.leaves(cache.k)[0].shape[1]
     k_LBKTD, v_LBKTD = jnp.swapaxes(k_LBTKD, 2, 3), jnp.swapaxes(v_LBTKD, 2, 3)
     put = lambda pool, enc: put_pages(pool, cache.block_table, slot_BT, enc, P)  # noqa: E731
     k = jax.tree.map(put, cache.k, spec.kc.encode(k_LBKTD))
     v = jax.tree.map(put, cache.v, spec.vc.encode(v_LBKTD))
-    lengths = cache.lengths + jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
     return dataclasses.replace(cache, k=k, v=v, lengths=lengths, held=held)
 
   def closed_form_bytes(self, spec: base.CacheSpec) -> int:
     K, D = spec.n_kv_heads, spec.head_dim
     per_token = spec.kc.bytes_per_token(K, D) + spec.vc.bytes_per_token(K, D)
-    pool = spec.n_layers * pool_pages(spec) * page_size(spec) * per_token
+    pool = spec.n_layers * num_pages(spec) * page_size(spec) * per_token
     state = policies.get(spec.cache_cfg.policy).state_bytes_per_token(K)  # h2o's acc, pos
     pool += spec.n_layers * spec.batch * spec.capacity * state
     return int(round(pool)) + 4 * spec.batch * pages_per_seq(spec) + 3 * 4 * spec.batch
@@ -152,7 +132,7 @@ base.register(PagedCompacted())
 def init_pool(spec: base.CacheSpec) -> EvictedPagedCache:
   """A zeroed pool with an empty block table (every entry = P): the serving engine's."""
   L, B, K, D = spec.n_layers, spec.batch, spec.n_kv_heads, spec.head_dim
-  P, Q = pool_pages(spec), pages_per_seq(spec)
+  P, Q = num_pages(spec), pages_per_seq(spec)
   shape = (L, P, K, page_size(spec), D)
   zeros = jnp.zeros((B,), jnp.int32)
   acc, pos = compact.init_scores(spec)
@@ -216,12 +196,9 @@ def scored_step(cache: EvictedPagedCache, pol, k_LBKD, v_LBKD, q_LBHD, p_B):
   slot_LBK, fields = compact.choose_slots(spec, pol, k_view, cache, k_LBKD, q_LBHD, p_B)
   L, B, K = slot_LBK.shape
   P = jax.tree.leaves(cache.k)[0].shape[1]
-  Q = cache.block_table.shape[1]
-  valid = slot_LBK < S
-  page_LBK = jnp.where(valid, cache.block_table[jnp.arange(B)[None, :, None],
-                                                jnp.clip(slot_LBK // ps, 0, Q - 1)], P)
-  idx = (jnp.arange(L)[:, None, None], page_LBK, jnp.arange(K)[None, None, :],
-         jnp.where(valid, slot_LBK % ps, 0))
+  page_LBK, off_LBK = locate(cache.block_table, jnp.arange(B)[None, :, None],
+                             jnp.where(slot_LBK < S, slot_LBK, -1), ps, P)  # S: none
+  idx = (jnp.arange(L)[:, None, None], page_LBK, jnp.arange(K)[None, None, :], off_LBK)
   put = lambda pool, e: pool.at[idx].set(e[:, :, :, 0].astype(pool.dtype),  # noqa: E731
                                          mode="drop")
   new = lambda a: a[:, :, :, None]  # noqa: E731  [L, B, K, D] -> one token [L, B, K, 1, D]

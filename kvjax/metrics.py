@@ -18,6 +18,7 @@ from typing import Callable
 
 import jax
 
+from kvjax import kernels
 from kvjax.cache import tree_bytes  # noqa: F401  (re-exported: bytes measured from a pytree)
 
 
@@ -39,6 +40,16 @@ def _load_avg() -> list[float] | None:
     return None
 
 
+def _cpu_isa() -> str:
+  """The widest vector extension the CPU reports (machines of one kind differ here, and the
+  read's compute roof with it)."""
+  flags = set(kernels._cpu_flags().split())
+  for isa in ("avx512_bf16", "avx512f", "avx2", "asimd", "neon"):
+    if isa in flags:
+      return isa
+  return "other"
+
+
 def environment() -> dict:
   """The machine and software every number was measured on; `load_avg` (1, 5 and 15
   minutes) says how busy a shared machine was when the row was written."""
@@ -53,6 +64,8 @@ def environment() -> dict:
       "python": platform.python_version(),
       "git_commit": _git_commit(),
       "load_avg": _load_avg(),
+      "cpu_isa": _cpu_isa(),
+      "cpu_read_kernel": kernels.status() if jax.default_backend() == "cpu" else None,
       "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
   }
 

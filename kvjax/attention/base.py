@@ -3,8 +3,9 @@
 A variant is a function `(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments) -> out_BTHD`:
 the T new tokens' queries, keys and values, and the stored `Segment`s its cache layout
 hands it (`kvjax.cache.base`). Each module of this folder registers its variants:
-`xla` (grouped, reference) and `pallas`. Adding a variant = one module here that calls
-`register`.
+`xla` (grouped, reference), `native` (the CPU default) and `pallas`; `auto`, the default
+name, resolves to `native` on the CPU and `grouped` elsewhere (`resolve`). Adding a variant
+= one module here that calls `register`.
 """
 
 from __future__ import annotations
@@ -29,9 +30,18 @@ def register(name: str, fn: Callable, check: Callable | None = None) -> Callable
   return fn
 
 
+def resolve(name: str) -> str:
+  """The variant `name` runs: `auto` (the default) is `native` on the CPU, where the read
+  kernel and the stored-type dots pay, and `grouped` (the XLA read) on accelerators."""
+  if name != "auto":
+    return name
+  import jax  # noqa: PLC0415 (kept out of the registry's import for the config floor)
+  return "native" if jax.default_backend() == "cpu" else "grouped"
+
+
 def get(name: str) -> Callable:
   try:
-    return ATTENTIONS[name]
+    return ATTENTIONS[resolve(name)]
   except KeyError:
     raise KvjaxError(f"unknown attention '{name}'; known: {', '.join(ATTENTIONS)}") from None
 

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from kvjax import codecs
 from kvjax.attention import base
 
-def block_size(seg, S: int) -> int:
-  """Tokens per block: READ_CHUNK rounded to whole units of the segment (codec token
+def block_size(seg, S: int, chunk: int | None = None) -> int:
+  """Tokens per block: `chunk` (default READ_CHUNK) rounded to whole units of the segment (codec token
   blocks, pages), at most S; on an accelerator the whole segment (one block, no loop).
 
   The loop is for XLA:CPU, whose dot materializes a widened operand. On a GPU the
@@ -39,15 +39,19 @@ def block_size(seg, S: int) -> int:
   if jax.default_backend() != "cpu":
     return S
   U = seg.unit
-  return min(S, max(U, codecs.READ_CHUNK // U * U))
+  return min(S, max(U, (chunk or codecs.READ_CHUNK) // U * U))
 
 
-def attend_segment(q_BKGTD, seg, state):
-  """Online softmax over the stored tokens [0, live) of one segment, block by block."""
+def attend_segment(q_BKGTD, seg, state, native: bool = False, chunk: int | None = None):
+  """Online softmax over the stored tokens [0, live) of one segment, block by block,
+  `chunk` tokens at a time; `native` reads each block through the codecs' stored-type
+  dots (`Codec.qk_native` / `pv_native`) instead of `qk_block` / `pv_block`."""
   S = seg.mask_BS.shape[1]
   if S == 0:
     return state
-  C = block_size(seg, S)
+  C = block_size(seg, S, chunk)
+  qk = seg.k_codec.qk_native if native else seg.k_codec.qk_block
+  pv = seg.v_codec.pv_native if native else seg.v_codec.pv_block
   live = S if seg.live is None else seg.live
 
   def block(i, st):
@@ -59,8 +63,7 @@ def attend_segment(q_BKGTD, seg, state):
     mask_BC = jax.lax.dynamic_slice_in_dim(seg.mask_BS, start, C, axis=1) & \
         (idx_C >= i * C)[None, :]
     mask = mask_BC[:, None, None, None, :]
-    l_BKGTC = seg.k_codec.qk_block(q_BKGTD, k)
-    return base.update(st, l_BKGTC, mask, lambda p: seg.v_codec.pv_block(p, v))
+    return base.update(st, qk(q_BKGTD, k), mask, lambda p: pv(p, v))
 
   if C == S:  # one block: no loop
     if q_BKGTD.shape[3] > 1 and seg.live is not None and jax.default_backend() != "cpu":

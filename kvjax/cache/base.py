@@ -116,6 +116,12 @@ class Segment:
     """The fewest tokens a block may hold: whole codec token blocks."""
     return max(self.k_codec.token_block, self.v_codec.token_block)
 
+  def kernel_view(self):
+    """Where the CPU read kernel (`kvjax.kernels`) finds this segment's tokens: (layer,
+    layers in the store, block table, page size, pages in the pool); page size 0: rows
+    of S' contiguous tokens. None: the kernel does not read this kind of segment."""
+    return 0, 1, jnp.zeros((1, 1), jnp.int32), 0, 0
+
   def cut(self, enc: Any, start, size: int) -> Any:
     """Tokens [start, start + size) as leaves [B, K, size, ...] (a leaf may hold one row
     per S' / rows tokens: the per-channel scales of a block of U tokens)."""
@@ -134,6 +140,10 @@ class LayerSegment(Segment):
   each layer's store in the layer scan compiled to a copy of the whole layer per step)."""
 
   layer: Any = 0
+
+  def kernel_view(self):
+    n_layers = jax.tree.leaves(self.k)[0].shape[0]
+    return self.layer, n_layers, jnp.zeros((1, 1), jnp.int32), 0, 0
 
   def cut(self, enc: Any, start, size: int) -> Any:
     S = self.mask_BS.shape[1]
@@ -156,6 +166,12 @@ class PagedSegment(LayerSegment):
   @property
   def unit(self) -> int:
     return max(super().unit, self.page_size)
+
+  def kernel_view(self):
+    pool = jax.tree.leaves(self.k)[0]
+    if self.pages.shape[1] * self.page_size != self.mask_BS.shape[1]:
+      return None
+    return self.layer, pool.shape[0], self.pages, self.page_size, pool.shape[1]
 
   def cut(self, enc: Any, start, size: int) -> Any:
     ps = self.page_size

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kvjax.codecs import dots
 from kvjax.errors import KvjaxError
 
 CODECS: dict[str, "Codec"] = {}
@@ -114,6 +115,26 @@ class Codec:
   def pv_block(self, p_BKGTC: jax.Array, v_enc: Any) -> jax.Array:
     """Probability-weighted values of a block of C stored tokens in one go."""
     return self._pv_block(p_BKGTC, v_enc)
+
+  @property
+  def kernel_kind(self) -> int | None:
+    """How the CPU read kernel (`kvjax.kernels`) widens this codec's storage: a kind of
+    `read.cc` (0 fp32, 1 bf16), or None where the kernel does not read it (fp16)."""
+    return {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1}.get(jnp.dtype(self.dtype))
+
+  def qk_native(self, q_BKGTD: jax.Array, k_enc: Any) -> jax.Array:
+    """`qk_block` with the block read in its stored type (`codecs.dots`: the `native`
+    attention). bf16 codes meet the query in bf16 digits; fp32 and fp16 (which bf16 cannot
+    hold exactly) read as `qk_block` does."""
+    if jnp.dtype(self.dtype) != jnp.bfloat16:
+      return self.qk_block(q_BKGTD, k_enc)
+    return dots.qk(q_BKGTD, load_bits(k_enc, self.dtype))
+
+  def pv_native(self, p_BKGTC: jax.Array, v_enc: Any) -> jax.Array:
+    """`pv_block` with the block read in its stored type, as `qk_native`."""
+    if jnp.dtype(self.dtype) != jnp.bfloat16:
+      return self.pv_block(p_BKGTC, v_enc)
+    return dots.pv(p_BKGTC, load_bits(v_enc, self.dtype))
 
   def _qk_block(self, q_BKGTD, k_enc):
     return dot_qk(q_BKGTD, self.decode(k_enc, q_BKGTD.dtype))

@@ -24,7 +24,8 @@ class ModelConfig:
   n_kv_heads: int = 4            # K: MHA when == H, MQA when 1, GQA between
   head_dim: int = 0              # D: 0 means d_model // n_heads
   d_ff: int = 0                  # F: 0 means the Llama rule round(8/3 * E) to a multiple of 8
-  attention: str = "grouped"     # attention variant, from kvjax.attention.ATTENTIONS
+  attention: str = "auto"        # attention variant, from kvjax.attention.ATTENTIONS (auto:
+                                 # native on the CPU, grouped on accelerators)
   rope_theta: float = 10000.0
   rope_scaling: tuple = ()       # (("rope_type","llama3"), ("factor", 8.0), ...) as sorted pairs
   norm_eps: float = 1e-5

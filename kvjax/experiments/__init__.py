@@ -13,7 +13,7 @@ import functools
 
 import numpy as np
 
-from kvjax import config as config_lib
+from kvjax import attention, config as config_lib
 from kvjax.errors import KvjaxError
 
 
@@ -36,7 +36,7 @@ def variant(cfg: config_lib.Config, **extra) -> dict:
   """What identifies the cache variant in a results row."""
   m, c = cfg.model, cfg.cache
   codec = c.k_codec if c.k_codec == c.v_codec else f"K{c.k_codec}/V{c.v_codec}"
-  return {"variant": m.variant, "attention": m.attention, "heads": m.n_heads,
+  return {"variant": m.variant, "attention": attention.resolve(m.attention), "heads": m.n_heads,
           "kv_heads": m.n_kv_heads, "k_codec": c.k_codec, "v_codec": c.v_codec, "codec": codec,
           "layout": c.layout, **extra}
 

@@ -1,0 +1,55 @@
+"""The `native` attention, the default on the CPU: the grouped computation of
+`xla.grouped` with every stored segment read where its bytes are, not in a widened copy.
+
+A segment whose codecs and storage the CPU read kernel knows (`kvjax.kernels`: fp32, bf16,
+int8, int4, int2 and fp8 with per-token scales, contiguous, per-layer and paged storage)
+is read by it: codes widened a tile at a time in L1, scales applied as they are widened,
+the rows spread over XLA's threads. Any other segment (head_dim groups, per-channel keys,
+fp16), and every segment where the kernel is not built, is read block by block in its
+codes' own type through XLA's library dots (`Codec.qk_native` / `pv_native`,
+`kvjax.codecs.dots`): bf16 blocks through bf16 dots, int8 / int4 / int2 codes through int8
+dots, fp8 through bf16, each scale applied outside the dot. `CHUNK` tokens a block: no
+block is widened there, so a block only bounds the logits of one online-softmax step.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from kvjax import kernels
+from kvjax.attention import base, xla
+
+CHUNK = 1024  # stored tokens per block of the XLA route
+
+
+def merge(state, part):
+  """Fold one segment's online-softmax partial state into the running one."""
+  (m1, s1, a1), (m2, s2, a2) = state, part
+  m = jnp.maximum(m1, m2)
+  c1, c2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
+  return m, s1 * c1 + s2 * c2, a1 * c1[..., None] + a2 * c2[..., None]
+
+
+def read_segment(q_BKGTD, seg, state):
+  """One stored segment into the state: through the kernel where it reads the segment,
+  else through the stored-type dots."""
+  if seg.mask_BS.shape[1] == 0:
+    return state
+  part = kernels.read(q_BKGTD, seg)
+  if part is None:
+    return xla.attend_segment(q_BKGTD, seg, state, native=True, chunk=CHUNK)
+  return merge(state, part)
+
+
+def native(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments):
+  """`xla.grouped` with the stored segments read by `read_segment`."""
+  return xla.grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, read=read_segment)
+
+
+def auto(*args):
+  """The default variant: `base.resolve("auto")` (native on the CPU, grouped elsewhere)."""
+  return base.get("auto")(*args)
+
+
+base.register("native", native)
+base.register("auto", auto)

@@ -1,0 +1,144 @@
+"""The CPU decode-read kernel (`read.cc`, an XLA FFI custom call) and its build.
+
+The kernel is C++ against the header-only XLA FFI API that jax ships
+(`jax.ffi.include_dir()`), compiled with the machine's g++ the first time a process needs
+it, for this machine's instruction set (`-march=native`), into
+`$KVJAX_CACHE/kernels/` (default `~/.cache/kvjax/kernels`), named by a hash of the
+source, the compiler flags, jax's version and the CPU's feature flags, so a rebuilt jax or
+another CPU gets its own build, and a second process reuses the first one's. Building is
+guarded by a file lock, so concurrent processes build once.
+
+Where no compiler is found (or the build fails), `available()` is False, the `native`
+attention reads through XLA's stored-type dots instead (`kvjax.codecs.dots`), and kvjax
+says so once on stderr. `KVJAX_KERNEL=off` turns the kernel off (the XLA route), for
+comparison; `make test` asserts it is active where g++ exists.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+SOURCE = Path(__file__).with_name("read.cc")
+TARGET = "kvjax_read"
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17",
+         "-shared", "-fPIC", "-w"]
+
+
+def cache_dir() -> Path:
+  root = os.environ.get("KVJAX_CACHE") or str(Path.home() / ".cache" / "kvjax")
+  return Path(root) / "kernels"
+
+
+def _cpu_flags() -> str:
+  try:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith(("flags", "Features")):
+        return line
+  except OSError:
+    pass
+  return platform.processor()
+
+
+def library_path() -> Path:
+  h = hashlib.sha256()
+  for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), jax.__version__.encode(),
+               _cpu_flags().encode(), platform.machine().encode()):
+    h.update(part)
+  return cache_dir() / f"read-{h.hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+  """Compile `read.cc` unless this machine's build exists; its path. Raises OSError or
+  CalledProcessError when it cannot."""
+  out = library_path()
+  if out.exists():
+    return out
+  cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+  if not cxx:
+    raise OSError("no C++ compiler (g++) on PATH")
+  out.parent.mkdir(parents=True, exist_ok=True)
+  with open(out.with_suffix(".lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not out.exists():
+      tmp = out.with_suffix(f".{os.getpid()}.tmp")
+      subprocess.run([cxx, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(tmp)],
+                     check=True, capture_output=True, text=True)
+      os.replace(tmp, out)
+  return out
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> str | None:
+  """Build, load and register the kernel once per process: None, or why not."""
+  if os.environ.get("KVJAX_KERNEL", "").lower() in ("off", "0", "no"):
+    return "turned off by KVJAX_KERNEL=off"
+  try:
+    lib = ctypes.CDLL(str(build()))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.KvjaxRead), platform="cpu")
+  except subprocess.CalledProcessError as e:
+    return f"its build failed: {(e.stderr or '').strip().splitlines()[-1:]}"
+  except OSError as e:
+    return str(e)
+  return None
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> bool:
+  """True when the kernel is built and registered (the default CPU read uses it)."""
+  why = _load()
+  if why is not None:
+    print(f"kvjax: the CPU read kernel is not available ({why}); reading through XLA's "
+          "dots instead", file=sys.stderr)
+  return why is None
+
+
+def status() -> str:
+  """'active', or why the kernel is not (for results rows and `make test`)."""
+  return "active" if available() else (_load() or "inactive")
+
+
+def _leaves(codec, enc):
+  """(codes, scale, zero) of a codec's stored leaves, empty arrays where it has none."""
+  none = jnp.zeros((0,), jnp.uint16)
+  if isinstance(enc, dict):
+    return enc["codes"], enc.get("scale", none), enc.get("zero", none)
+  return enc, none, none
+
+
+def read(q_BKGTD, seg):
+  """The online-softmax partial state (m, s, acc) of `seg` for these queries through the
+  kernel, or None where the kernel does not read this segment's storage (a codec without
+  a `kernel_kind`, or a segment without a `kernel_view`)."""
+  kk, vk = seg.k_codec.kernel_kind, seg.v_codec.kernel_kind
+  view = seg.kernel_view()
+  if kk is None or vk is None or view is None or not available():
+    return None
+  B, K, G, T, D = q_BKGTD.shape
+  layer, n_layers, pages, page, pool_rows = view
+  S = seg.mask_BS.shape[1]
+  kc, ks, kz = _leaves(seg.k_codec, seg.k)
+  vc, vs, vz = _leaves(seg.v_codec, seg.v)
+  live = S if seg.live is None else seg.live
+  f32 = jnp.float32
+  out = (jax.ShapeDtypeStruct((B * K, G * T), f32), jax.ShapeDtypeStruct((B * K, G * T), f32),
+         jax.ShapeDtypeStruct((B * K, G * T, D), f32))
+  call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
+  m, s, acc = call(
+      q_BKGTD.astype(f32).reshape(B * K, G * T, D), kc, ks, kz, vc, vs, vz, seg.mask_BS,
+      jnp.asarray(pages, jnp.int32), jnp.asarray(layer, jnp.int32).reshape(()),
+      jnp.asarray(live, jnp.int32).reshape(()),
+      k_kind=kk, v_kind=vk, k_width=int(kc.shape[-1]), v_width=int(vc.shape[-1]),
+      n_layers=n_layers, batch=B, heads=K, seq=S, page=page, pool_rows=pool_rows)
+  return m.reshape(B, K, G, T), s.reshape(B, K, G, T), acc.reshape(B, K, G, T, D)

@@ -1,0 +1,580 @@
+// The CPU decode read of one stored cache segment, as an XLA FFI custom call.
+//
+// For every (sequence, KV head) row n and its M query rows (query heads x new tokens),
+// it scans the stored tokens [0, live) of one layer, skipping the slots the mask marks
+// invalid, and returns that segment's online-softmax partial state: the running max m,
+// the sum s of exp(logit - m) and the accumulator acc = sum exp(logit - m) * v. The
+// caller merges it with the state of the other segments.
+//
+// Codes are widened a tile of TILE tokens at a time into a float buffer that stays in
+// L1 (never a widened copy of the cache in memory), each token's scale and zero point
+// applied as it is widened. Rows are split across XLA's intra-op thread pool; when there
+// are fewer rows than threads, each row's tokens are split too and the partial states
+// are merged by log-sum-exp.
+//
+// Storage: a leaf is [L, B, K, S, W] (W code elements per token), read at `layer`, or a
+// page pool [L, P, K, page, W] with a block table [B, S / page]; scales and zeros are
+// bfloat16 bits with W = 1 (none: an empty buffer); the mask is [B, S].
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int TILE = 32;
+constexpr float MASKED = -1e30f;
+
+enum Kind : int64_t { F32 = 0, BF16 = 1, INT8 = 3, UINT4 = 4, UINT2 = 5, E4M3 = 6, E5M2 = 7 };
+
+inline float bf16(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+struct Fp8Tables {
+  float e4m3[256], e5m2[256];
+  Fp8Tables() {
+    for (int b = 0; b < 256; ++b) {
+      float sign = (b & 0x80) ? -1.f : 1.f;
+      int e = (b >> 3) & 15, m = b & 7;  // e4m3fn: bias 7, no infinities, S.1111.111 is NaN
+      e4m3[b] = (e == 15 && m == 7) ? NAN
+                : sign * (e ? std::ldexp(1.f + m / 8.f, e - 7) : std::ldexp(m / 8.f, -6));
+      int e5 = (b >> 2) & 31, m5 = b & 3;  // e5m2: bias 15, IEEE-like
+      e5m2[b] = e5 == 31 ? (m5 ? NAN : sign * INFINITY)
+                : sign * (e5 ? std::ldexp(1.f + m5 / 4.f, e5 - 15) : std::ldexp(m5 / 4.f, -14));
+    }
+  }
+};
+const Fp8Tables kFp8;
+
+// exp(x) for x <= 0 (x below -87 gives 0), written to vectorize: 2^(x log2 e) split into
+// an integer power (exponent bits) and a polynomial on [-1/2, 1/2]; relative error ~2e-7.
+inline float fast_exp(float x) {
+  x = std::max(x, -87.0f);
+  float y = x * 1.44269504088896341f;
+  float n = std::nearbyint(y);
+  float f = y - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+typedef float v8 __attribute__((vector_size(32)));  // GCC/Clang vector extension
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float hsum(v8 v) {
+#ifdef __AVX2__
+  __m256 a;
+  std::memcpy(&a, &v, 32);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+#else
+  float t = 0.f;
+  for (int i = 0; i < 8; ++i) t += v[i];
+  return t;
+#endif
+}
+
+struct Leaf {  // one codec's storage of one layer: codes, scales, zeros
+  const uint8_t* codes;
+  const uint16_t* scale;
+  const uint16_t* zero;
+  int64_t kind, width;  // width: bytes per token row
+};
+
+// Widen the n tokens whose storage indices are idx[0..n) into x[n][D]. DD: head_dim
+// fixed at compile time (0: D at run time), so the loops over it unroll.
+template <int DD>
+void widen(const Leaf& lf, const int64_t* __restrict idx, int n, int Dr, float* __restrict x) {
+  const int D = DD ? DD : Dr;
+  for (int t = 0; t < n; ++t) {
+    int64_t tok = idx[t];
+    const uint8_t* r = lf.codes + tok * lf.width;
+    float* o = x + t * D;
+    float s = lf.scale ? bf16(lf.scale[tok]) : 1.f;
+    switch (lf.kind) {
+      case F32:
+        std::memcpy(o, r, D * 4);
+        break;
+      case BF16: {
+        const uint16_t* h = reinterpret_cast<const uint16_t*>(r);
+        for (int d = 0; d < D; ++d) o[d] = bf16(h[d]);
+        break;
+      }
+      case INT8: {
+        const int8_t* c = reinterpret_cast<const int8_t*>(r);
+        for (int d = 0; d < D; ++d) o[d] = float(c[d]) * s;
+        break;
+      }
+      case UINT4: {  // byte j: element j (low bits), element j + D/2 (high bits)
+        float a = bf16(lf.zero[tok]) - 7.5f * s;
+        int W = D / 2;
+        for (int j = 0; j < W; ++j) {
+          o[j] = a + float(r[j] & 15) * s;
+          o[j + W] = a + float(r[j] >> 4) * s;
+        }
+        break;
+      }
+      case UINT2: {  // byte j: elements j + i D/4 at bits 2i
+        float a = bf16(lf.zero[tok]) - 1.5f * s;
+        int W = D / 4;
+        for (int i = 0; i < 4; ++i)
+          for (int j = 0; j < W; ++j) o[j + i * W] = a + float((r[j] >> (2 * i)) & 3) * s;
+        break;
+      }
+      case E4M3:
+        for (int d = 0; d < D; ++d) o[d] = kFp8.e4m3[r[d]] * s;
+        break;
+      case E5M2:
+        for (int d = 0; d < D; ++d) o[d] = kFp8.e5m2[r[d]] * s;
+        break;
+    }
+  }
+}
+
+// The partial state of row `row` over tokens [t_begin, t_end): m[M], s[M], acc[M][D].
+// Where token t of a row lives: contiguous rows of S tokens, or pages of `page` tokens
+// found through the row's sequence's block table (`pages`, null when contiguous).
+struct Geometry {
+  int64_t S, heads, page;
+  const int32_t* pages;  // [B, S / page]
+  int64_t index(int64_t row, int64_t t) const {
+    if (!pages) return row * S + t;
+    int64_t b = row / heads, k = row % heads;
+    return (int64_t(pages[b * (S / page) + t / page]) * heads + k) * page + t % page;
+  }
+};
+
+template <int DD>
+void scan(const float* __restrict q, const Leaf& kl, const Leaf& vl,
+          const bool* __restrict mask_row, int64_t row, const Geometry& geo, int64_t t_begin,
+          int64_t t_end, int M, int Dr, float* __restrict m, float* __restrict s,
+          float* __restrict acc) {
+  const int D = DD ? DD : Dr;
+  float x[TILE * 256], p[TILE], zero[256] = {0.f}, scratch[TILE];
+  int64_t idx[TILE];
+  std::vector<float> lt(size_t(M) * TILE);
+  for (int i = 0; i < M; ++i) m[i] = MASKED, s[i] = 0.f;
+  std::fill(acc, acc + size_t(M) * D, 0.f);
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += TILE) {
+    int n = int(std::min<int64_t>(TILE, t_end - t0));
+    bool any = false;
+    for (int t = 0; t < n; ++t) any |= mask_row[t0 + t];
+    if (!any) continue;
+    for (int t = 0; t < n; ++t) idx[t] = geo.index(row, t0 + t);
+    widen<DD>(kl, idx, n, D, x);
+    // Four query rows at a time, so each widened key is loaded once per four logits (a
+    // row past M reads the zero row and writes to a scratch row).
+    for (int i0 = 0; i0 < M; i0 += 4) {
+      const float* qr[4];
+      float* lr[4];
+      for (int j = 0; j < 4; ++j) {
+        qr[j] = i0 + j < M ? q + size_t(i0 + j) * D : zero;
+        lr[j] = i0 + j < M ? lt.data() + size_t(i0 + j) * TILE : scratch;
+      }
+      for (int t = 0; t < n; ++t) {
+        const float* __restrict xt = x + t * D;
+        float a0, a1, a2, a3;
+        if (D % 8 == 0) {  // eight columns a step in vector registers, one horizontal sum
+          v8 s0 = {}, s1 = {}, s2 = {}, s3 = {};
+          for (int d = 0; d < D; d += 8) {
+            v8 v = load8(xt + d);
+            s0 += load8(qr[0] + d) * v, s1 += load8(qr[1] + d) * v;
+            s2 += load8(qr[2] + d) * v, s3 += load8(qr[3] + d) * v;
+          }
+          a0 = hsum(s0), a1 = hsum(s1), a2 = hsum(s2), a3 = hsum(s3);
+        } else {
+          a0 = a1 = a2 = a3 = 0.f;
+          for (int d = 0; d < D; ++d) {
+            float v = xt[d];
+            a0 += qr[0][d] * v, a1 += qr[1][d] * v, a2 += qr[2][d] * v, a3 += qr[3][d] * v;
+          }
+        }
+        bool ok = mask_row[t0 + t];
+        lr[0][t] = ok ? a0 : MASKED, lr[1][t] = ok ? a1 : MASKED;
+        lr[2][t] = ok ? a2 : MASKED, lr[3][t] = ok ? a3 : MASKED;
+      }
+    }
+    widen<DD>(vl, idx, n, D, x);
+    for (int i = 0; i < M; ++i) {  // the softmax step of each row over this tile
+      float* li = lt.data() + size_t(i) * TILE;
+      float mx = m[i];
+      for (int t = 0; t < n; ++t) mx = std::max(mx, li[t]);
+      float corr = fast_exp(m[i] - mx), sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int t = 0; t < n; ++t) {  // p overwrites the row's logits
+        float e = li[t] > 0.5f * MASKED ? fast_exp(li[t] - mx) : 0.f;
+        li[t] = e;
+        sum += e;
+      }
+      float* ai = acc + size_t(i) * D;
+      for (int d = 0; d < D; ++d) ai[d] *= corr;
+      s[i] = s[i] * corr + sum;
+      m[i] = mx;
+    }
+    // acc += p x: four rows by 16 columns held in registers across the tile's tokens.
+    for (int i0 = 0; i0 < M; i0 += 4) {
+      const float* pr[4];
+      float* ar[4];
+      float sink[16];
+      for (int j = 0; j < 4; ++j) {
+        pr[j] = i0 + j < M ? lt.data() + size_t(i0 + j) * TILE : zero;
+        ar[j] = i0 + j < M ? acc + size_t(i0 + j) * D : nullptr;
+      }
+      for (int d0 = 0; d0 < D; d0 += 16) {
+        float a[4][16];
+        for (int j = 0; j < 4; ++j)
+          for (int c = 0; c < 16; ++c) a[j][c] = 0.f;
+        int w = std::min(16, D - d0);
+        for (int t = 0; t < n; ++t) {
+          const float* __restrict xt = x + t * D + d0;
+          float p0 = pr[0][t], p1 = pr[1][t], p2 = pr[2][t], p3 = pr[3][t];
+          for (int c = 0; c < 16; ++c) {
+            float v = c < w ? xt[c] : 0.f;
+            a[0][c] += p0 * v, a[1][c] += p1 * v, a[2][c] += p2 * v, a[3][c] += p3 * v;
+          }
+        }
+        for (int j = 0; j < 4; ++j) {
+          float* dst = ar[j] ? ar[j] + d0 : sink;
+          for (int c = 0; c < w; ++c) dst[c] += a[j][c];
+        }
+      }
+    }
+  }
+}
+
+// The same scan with both codecs of one kind known at compile time: each code is
+// converted where it is used (no widened tile), scales and zero points are applied to the
+// logits and probabilities, never to the codes:
+//   logit_t = s_t (q . c_t) + o_t sum(q),    acc += sum_t (p_t s_t) c_t + sum_t p_t o_t
+// with x = o + s c the codec's value (o = z - h s for int4/int2, else 0; s = 1 for floats).
+template <int KIND>
+inline v8 codes8(const uint8_t* __restrict r, int d, int D) {
+  v8 v;
+  if constexpr (KIND == F32) {
+    std::memcpy(&v, r + 4 * d, 32);
+  } else if constexpr (KIND == E4M3 || KIND == E5M2) {
+    const float* tab = KIND == E4M3 ? kFp8.e4m3 : kFp8.e5m2;
+    for (int i = 0; i < 8; ++i) v[i] = tab[r[d + i]];
+  } else {
+#ifdef __AVX2__
+    __m256i w;
+    if constexpr (KIND == BF16) {
+      w = _mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 2 * d))), 16);
+      __m256 f = _mm256_castsi256_ps(w);
+      std::memcpy(&v, &f, 32);
+      return v;
+    } else if constexpr (KIND == INT8) {
+      w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + d)));
+    } else {
+      constexpr int bits = KIND == UINT4 ? 4 : 2;
+      const int W = D * bits / 8, plane = d / W;
+      __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + (d - plane * W)));
+      c = _mm_and_si128(_mm_srli_epi16(c, bits * plane), _mm_set1_epi8((1 << bits) - 1));
+      w = _mm256_cvtepu8_epi32(c);
+    }
+    __m256 f = _mm256_cvtepi32_ps(w);
+    std::memcpy(&v, &f, 32);
+#else
+    for (int i = 0; i < 8; ++i) {
+      if constexpr (KIND == BF16) {
+        uint16_t h;
+        std::memcpy(&h, r + 2 * (d + i), 2);
+        v[i] = bf16(h);
+      } else if constexpr (KIND == INT8) {
+        v[i] = float(int8_t(r[d + i]));
+      } else {
+        constexpr int bits = KIND == UINT4 ? 4 : 2;
+        const int W = D * bits / 8, plane = (d + i) / W;
+        v[i] = float((r[d + i - plane * W] >> (bits * plane)) & ((1 << bits) - 1));
+      }
+    }
+#endif
+  }
+  return v;
+}
+
+template <int KIND>
+inline void meta(const Leaf& lf, int64_t tok, float* s, float* o) {
+  *s = lf.scale ? bf16(lf.scale[tok]) : 1.f;
+  constexpr float h = KIND == UINT4 ? 7.5f : KIND == UINT2 ? 1.5f : 0.f;
+  *o = lf.zero ? bf16(lf.zero[tok]) - h * *s : 0.f;
+}
+
+template <int KIND, int D>
+void scan_fused(const float* __restrict q, const Leaf& kl, const Leaf& vl,
+                const bool* __restrict mask_row, int64_t row, const Geometry& geo,
+                int64_t t_begin, int64_t t_end, int M, float* __restrict m,
+                float* __restrict s, float* __restrict acc) {
+  static_assert(D % 16 == 0, "fused scan: head_dim a multiple of 16");
+  float zero[D] = {0.f}, lt[16][TILE], qsum[16], poff[16];
+  float ks[TILE], ko[TILE], vs[TILE] = {0.f}, vo[TILE] = {0.f};
+  int64_t idx[TILE];
+  for (int i = 0; i < M; ++i) {
+    m[i] = MASKED, s[i] = 0.f, qsum[i] = 0.f;
+    for (int d = 0; d < D; ++d) qsum[i] += q[i * D + d];
+  }
+  std::fill(acc, acc + size_t(M) * D, 0.f);
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += TILE) {
+    int n = int(std::min<int64_t>(TILE, t_end - t0));
+    bool any = false;
+    for (int t = 0; t < n; ++t) any |= mask_row[t0 + t];
+    if (!any) continue;
+    for (int t = 0; t < n; ++t) {
+      idx[t] = geo.index(row, t0 + t);
+      meta<KIND>(kl, idx[t], ks + t, ko + t);
+      meta<KIND>(vl, idx[t], vs + t, vo + t);
+    }
+    for (int i0 = 0; i0 < M; i0 += 4) {  // logits, four query rows a step
+      const float* qr[4];
+      for (int j = 0; j < 4; ++j) qr[j] = i0 + j < M ? q + size_t(i0 + j) * D : zero;
+      for (int t = 0; t < n; ++t) {
+        const uint8_t* r = kl.codes + idx[t] * kl.width;
+        v8 s0 = {}, s1 = {}, s2 = {}, s3 = {};
+        for (int d = 0; d < D; d += 8) {
+          v8 c = codes8<KIND>(r, d, D);
+          s0 += load8(qr[0] + d) * c, s1 += load8(qr[1] + d) * c;
+          s2 += load8(qr[2] + d) * c, s3 += load8(qr[3] + d) * c;
+        }
+        float a[4] = {hsum(s0), hsum(s1), hsum(s2), hsum(s3)};
+        bool ok = mask_row[t0 + t];
+        for (int j = 0; j < 4 && i0 + j < M; ++j)
+          lt[i0 + j][t] = ok ? ks[t] * a[j] + ko[t] * qsum[i0 + j] : MASKED;
+      }
+    }
+    for (int i = 0; i < M; ++i) {  // the softmax step; lt becomes p * (value scale)
+      float mx = m[i];
+      for (int t = 0; t < n; ++t) mx = std::max(mx, lt[i][t]);
+      float corr = fast_exp(m[i] - mx), sum = 0.f, po = 0.f;
+      for (int t = 0; t < n; ++t) {
+        float e = lt[i][t] > 0.5f * MASKED ? fast_exp(lt[i][t] - mx) : 0.f;
+        sum += e;
+        po += e * vo[t];
+        lt[i][t] = e * vs[t];
+      }
+      float* ai = acc + size_t(i) * D;
+      for (int d = 0; d < D; ++d) ai[d] = ai[d] * corr + po;
+      s[i] = s[i] * corr + sum;
+      m[i] = mx;
+    }
+    for (int i0 = 0; i0 < M; i0 += 4) {  // acc += (p s) c: 4 rows x 16 columns in registers
+      int rows = std::min(4, M - i0);
+      for (int d0 = 0; d0 < D; d0 += 16) {
+        v8 a[4][2] = {};
+        for (int t = 0; t < n; ++t) {
+          const uint8_t* r = vl.codes + idx[t] * vl.width;
+          v8 c0 = codes8<KIND>(r, d0, D), c1 = codes8<KIND>(r, d0 + 8, D);
+          for (int j = 0; j < 4; ++j) {
+            float pj = j < rows ? lt[i0 + j][t] : 0.f;
+            a[j][0] += pj * c0, a[j][1] += pj * c1;
+          }
+        }
+        for (int j = 0; j < rows; ++j) {
+          float* dst = acc + size_t(i0 + j) * D + d0;
+          for (int c = 0; c < 8; ++c) dst[c] += a[j][0][c], dst[8 + c] += a[j][1][c];
+        }
+      }
+    }
+  }
+}
+
+using ScanFn = void (*)(const float*, const Leaf&, const Leaf&, const bool*, int64_t,
+                        const Geometry&, int64_t, int64_t, int, float*, float*, float*);
+
+template <int D>
+ScanFn fused_for(int64_t kind) {
+  switch (kind) {
+    case F32: return scan_fused<F32, D>;
+    case BF16: return scan_fused<BF16, D>;
+    case INT8: return scan_fused<INT8, D>;
+    case UINT4: return scan_fused<UINT4, D>;
+    case UINT2: return scan_fused<UINT2, D>;
+    case E4M3: return scan_fused<E4M3, D>;
+    case E5M2: return scan_fused<E5M2, D>;
+  }
+  return nullptr;
+}
+
+// The fused scan for this (kind, head_dim, rows), or null: the generic scan then.
+ScanFn fused(int64_t k_kind, int64_t v_kind, int D, int M) {
+  if (k_kind != v_kind || M > 16) return nullptr;
+  return D == 64 ? fused_for<64>(k_kind) : D == 128 ? fused_for<128>(k_kind)
+         : D == 32 ? fused_for<32>(k_kind) : nullptr;
+}
+
+// Fold the partial state (m2, s2, acc2) into (m1, s1, acc1).
+void merge(int M, int D, float* m1, float* s1, float* a1, const float* m2, const float* s2,
+           const float* a2) {
+  for (int i = 0; i < M; ++i) {
+    float mx = std::max(m1[i], m2[i]);
+    float c1 = fast_exp(m1[i] - mx), c2 = fast_exp(m2[i] - mx);
+    s1[i] = s1[i] * c1 + s2[i] * c2;
+    for (int d = 0; d < D; ++d) a1[i * D + d] = a1[i * D + d] * c1 + a2[i * D + d] * c2;
+    m1[i] = mx;
+  }
+}
+
+Leaf leaf(const ffi::AnyBuffer& codes, const ffi::AnyBuffer& scale, const ffi::AnyBuffer& zero,
+          int64_t kind, int64_t width, int64_t layer_off_tokens) {
+  Leaf lf;
+  size_t esz = kind == F32 ? 4 : kind == BF16 ? 2 : 1;  // code elements per width unit
+  lf.kind = kind;
+  lf.width = width * esz;
+  lf.codes = static_cast<const uint8_t*>(codes.untyped_data()) + layer_off_tokens * lf.width;
+  lf.scale = scale.element_count() ? static_cast<const uint16_t*>(scale.untyped_data()) +
+                                         layer_off_tokens
+                                   : nullptr;
+  lf.zero = zero.element_count() ? static_cast<const uint16_t*>(zero.untyped_data()) +
+                                       layer_off_tokens
+                                 : nullptr;
+  return lf;
+}
+
+ffi::Error Read(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc,
+                ffi::AnyBuffer ks, ffi::AnyBuffer kz, ffi::AnyBuffer vc, ffi::AnyBuffer vs,
+                ffi::AnyBuffer vz, ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> pages,
+                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> m_out,
+                ffi::ResultBuffer<ffi::F32> s_out, ffi::ResultBuffer<ffi::F32> acc_out,
+                int64_t k_kind, int64_t v_kind, int64_t k_width, int64_t v_width,
+                int64_t n_layers, int64_t batch, int64_t heads, int64_t seq,
+                int64_t page, int64_t pool_rows) {
+  auto qd = q.dimensions();
+  if (qd.size() != 3) return ffi::Error::InvalidArgument("kvjax_read: q must be [N, M, D]");
+  const int64_t N = qd[0];
+  const int M = int(qd[1]), D = int(qd[2]);
+  if (N != batch * heads) return ffi::Error::InvalidArgument("kvjax_read: N != batch * heads");
+  if (D > 256) return ffi::Error::InvalidArgument("kvjax_read: head_dim above 256");
+  int64_t L = std::min<int64_t>(std::max<int64_t>(layer.typed_data()[0], 0), n_layers - 1);
+  int64_t T = std::min<int64_t>(std::max<int64_t>(live.typed_data()[0], 0), seq);
+  // Tokens per layer of the store: B rows of S (contiguous) or P pages of `page` tokens.
+  int64_t off = L * heads * (page ? pool_rows * page : batch * seq);
+  Geometry geo{seq, heads, page, page ? pages.typed_data() : nullptr};
+  Leaf kl = leaf(kc, ks, kz, k_kind, k_width, off), vl = leaf(vc, vs, vz, v_kind, v_width, off);
+  const bool* mk = mask.typed_data();
+  const float* qp = q.typed_data();
+  float* mo = m_out->typed_data();
+  float* so = s_out->typed_data();
+  float* ao = acc_out->typed_data();
+
+  ScanFn fast = getenv("KVJAX_KERNEL_GENERIC") ? nullptr : fused(k_kind, v_kind, D, M);
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // Split each row's tokens when rows alone cannot keep every thread busy.
+  int64_t splits = std::max<int64_t>(1, std::min<int64_t>((2 * threads + N - 1) / N, (T + 255) / 256));
+  int64_t chunk = (T + splits - 1) / splits;
+  int64_t items = N * splits;
+  std::vector<float> part(size_t(items > N ? items - N : 0) * M * (D + 2));
+  auto run = [&](int64_t it) {
+    int64_t row = it / splits, sp = it % splits;
+    int64_t b = row / heads;
+    float *m, *s, *a;
+    if (sp == 0) {
+      m = mo + row * M, s = so + row * M, a = ao + row * M * D;
+    } else {
+      float* base = part.data() + size_t(row * (splits - 1) + sp - 1) * M * (D + 2);
+      m = base, s = base + M, a = base + 2 * M;
+    }
+    int64_t t0 = sp * chunk, t1 = std::min(T, t0 + chunk);
+    if (fast) {
+      fast(qp + row * M * D, kl, vl, mk + b * seq, row, geo, t0, std::max(t0, t1), M, m, s, a);
+      return;
+    }
+    auto f = D == 64 ? scan<64> : D == 128 ? scan<128> : D == 32 ? scan<32> : scan<0>;
+    f(qp + row * M * D, kl, vl, mk + b * seq, row, geo, t0, std::max(t0, t1), M, D, m, s, a);
+  };
+  // Tasks share the counters through a shared_ptr: a task that starts after the last
+  // item is done (and this call has returned) touches only that state, never the stack.
+  struct Work {
+    std::atomic<int64_t> next{0}, done{0};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto work = std::make_shared<Work>();
+  auto* runp = &run;
+  auto worker = [work, runp, items]() {
+    for (int64_t it; (it = work->next.fetch_add(1)) < items;) {
+      (*runp)(it);
+      if (work->done.fetch_add(1) + 1 == items) {
+        std::lock_guard<std::mutex> g(work->mu);
+        work->cv.notify_all();
+      }
+    }
+  };
+  int64_t helpers = std::min<int64_t>(threads, items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([worker]() { worker(); });
+  worker();
+  {
+    std::unique_lock<std::mutex> g(work->mu);
+    work->cv.wait(g, [&] { return work->done.load() == items; });
+  }
+  for (int64_t row = 0; row < N; ++row)
+    for (int64_t sp = 1; sp < splits; ++sp) {
+      const float* base = part.data() + size_t(row * (splits - 1) + sp - 1) * M * (D + 2);
+      merge(M, D, mo + row * M, so + row * M, ao + row * M * D, base, base + M, base + 2 * M);
+    }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxRead, Read,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("k_kind")
+                                  .Attr<int64_t>("v_kind")
+                                  .Attr<int64_t>("k_width")
+                                  .Attr<int64_t>("v_width")
+                                  .Attr<int64_t>("n_layers")
+                                  .Attr<int64_t>("batch")
+                                  .Attr<int64_t>("heads")
+                                  .Attr<int64_t>("seq")
+                                  .Attr<int64_t>("page")
+                                  .Attr<int64_t>("pool_rows"));

@@ -61,7 +61,10 @@ def print_human(command: str, result: dict) -> None:
           f"{result['seqs']} x {result['tokens']} tokens, chunk {result['chunk']}")
     print(f"ppl {result['ppl']:.4f} (fp32 cache {result['ppl_ref']:.4f}, "
           f"{100 * result['dppl_rel']:+.3f} %)  KL {result['kl']:.3g}  "
-          f"agreement {result['agreement']:.4f}  {result['bytes_per_token']:,.0f} B/token")
+          f"agreement {result['agreement']:.4f}")
+    print(f"cache {result['bytes_per_token']:,.0f} B/token held at {result['tokens']} tokens "
+          f"({result['bits_per_element']:.2f} bits/element all-in), "
+          f"{result['bytes_per_token_asymptotic']:,.0f} B/token in the long-context limit")
   elif command == "generate":
     if result.get("random_weights"):
       print("kvjax: note: random weights (a --config model is initialised, not trained): the "

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax.config import Config
+from kvjax.errors import KvjaxError
 
 WINDOW_SHARE = 0.25  # a window holding more than this share of the tokens is warned about
 
@@ -85,7 +86,6 @@ def count(cfg: Config, context: int, batch: int = 1, capacity: int = 0) -> Held:
   from kvjax import cache
   from kvjax.cache import compact
   if context <= 0:
-    from kvjax.errors import KvjaxError
     raise KvjaxError(f"a context of {context} tokens holds nothing; use a positive context")
   kept = compact.held_tokens(cfg.cache, context)
   cap = kept if cfg.cache.policy != "full" else max(capacity, cfg.cache.capacity, context)
@@ -104,7 +104,91 @@ def window_warning(cfg: Config, tokens: int) -> str | None:
   if not R or R <= WINDOW_SHARE * tokens:
     return None
   h = count(cfg, tokens)
-  return (f"cache.residual={R} keeps {min(R, tokens)} of the {tokens} tokens evaluated in full "
-          f"precision: {h.per_token:,.0f} B/token held at this context against "
-          f"{h.asymptotic:,.0f} B/token in the long-context limit; evaluate at least "
-          f"{int(R / WINDOW_SHARE)} tokens to measure the quantized cache")
+  return (f"cache.residual={R} keeps {min(R, tokens)} of {tokens} tokens in full precision: "
+          f"{h.per_token:,.0f} B/token held at {tokens} tokens against {h.asymptotic:,.0f} "
+          f"B/token in the long-context limit; use at least {int(R / WINDOW_SHARE)} tokens "
+          "to measure the quantized cache rather than its window")
+
+
+# -- results rows of any vintage --------------------------------------------------------------
+_CACHE_KEYS = ("layout", "k_codec", "v_codec", "k_axis", "group_size", "residual", "page_size",
+               "policy", "budget", "ratio", "window", "sinks")
+
+
+def row_config(row: dict) -> Config | None:
+  """The setting a kvjax results row records, on its model's packaged shape
+  (`kvjax/shapes/<variant.model>.yaml`, with the row's KV heads), or None (a peer's row, a
+  model without a packaged shape)."""
+  from kvjax import config as config_lib
+  v = row.get("variant", {})
+  if v.get("peer") or not v.get("model") or not config_lib.shape_path(v["model"]).is_file():
+    return None
+  cache = {f"cache.{k}": val for k, val in row.get("config", {}).get("cache", {}).items()
+           if k in _CACHE_KEYS}
+  cache.update({f"cache.{k}": v[k] for k in _CACHE_KEYS if v.get(k) is not None})
+  cfg = config_lib.load(config_lib.shape_path(v["model"]))
+  if v.get("kv_heads"):
+    cache["model.n_kv_heads"] = v["kv_heads"]
+  if v.get("latent_rank"):
+    cache["model.latent_rank"] = v["latent_rank"]
+  try:
+    return config_lib.apply_overrides(cfg, cache)
+  except KvjaxError:  # a setting this version no longer builds: the row's own fields stand
+    return None
+
+
+def row_tokens(row: dict) -> int:
+  """Tokens a row's cache was measured or is counted at: context (+ continuation) of a text
+  row; the prefix (else the prompt, else the context) of a long-context query."""
+  w = row.get("workload", {})
+  if w.get("task") == "text":
+    return w["context"] + w.get("continuation", 0)
+  return w.get("prefix_tokens") or w.get("prompt_tokens") or w["context"]
+
+
+_ROWS: dict = {}
+
+
+def row_bytes(row: dict) -> dict:
+  """`bytes_per_token` (held at the row's context), `bytes_per_token_asymptotic` and
+  `bits_per_element` of a results row, whenever it was written: its own fields when written
+  through `count`; else the measured `cache_bytes` over batch x tokens where the row has
+  them, else `count` of the setting it records (`row_config`) at `row_tokens`. The
+  asymptote of an older kvjax row without a packaged shape is its `bytes_per_token` (then
+  the codec's closed form); a peer's is None, and so are bits without a shape."""
+  m, w = row.get("metrics", {}), row.get("workload", {})
+  if "bytes_per_token_asymptotic" in m:
+    return {k: m.get(k) for k in ("bytes_per_token", "bytes_per_token_asymptotic",
+                                  "bits_per_element")}
+  import json
+  key = json.dumps([row.get("variant"), row.get("config", {}).get("cache"), row_tokens(row),
+                    w.get("task") == "text" and w.get("batch"), m.get("cache_bytes"),
+                    m.get("bytes_per_token")], sort_keys=True, default=str)
+  if key not in _ROWS:  # a results file repeats one setting over many queries
+    _ROWS[key] = _row_bytes(row)
+  return dict(_ROWS[key])
+
+
+def _row_bytes(row: dict) -> dict:
+  m, w = row.get("metrics", {}), row.get("workload", {})
+  cfg, T = row_config(row), row_tokens(row)
+  if m.get("cache_bytes") and w.get("batch") and w.get("task") == "text":
+    per_token = m["cache_bytes"] / (w["batch"] * T)
+  elif cfg is not None:
+    per_token = count(cfg, T).per_token
+  else:
+    per_token = m.get("bytes_per_token")
+  limit = asymptotic(cfg) if cfg is not None else (
+      None if row.get("variant", {}).get("peer") else m.get("bytes_per_token"))
+  shape = cfg
+  if shape is None and row.get("variant", {}).get("model"):
+    from kvjax import config as config_lib
+    name = row["variant"]["model"]
+    shape = config_lib.load(config_lib.shape_path(name)) \
+        if config_lib.shape_path(name).is_file() else None
+  bits = None
+  if shape is not None and per_token is not None:
+    kv = row.get("variant", {}).get("kv_heads") or shape.model.n_kv_heads
+    bits = 8 * per_token / (shape.model.n_layers * 2 * kv * shape.model.D)
+  return {"bytes_per_token": per_token, "bytes_per_token_asymptotic": limit,
+          "bits_per_element": bits}

@@ -94,7 +94,7 @@ def test_warning_only_when_the_window_holds_over_a_quarter():
   cfg = _cfg(KIVI)
   assert held.window_warning(cfg, 128) is None and held.window_warning(_cfg({}), 8) is None
   line = held.window_warning(cfg, 127)
-  assert "\n" not in line and "cache.residual=32" in line and "128 tokens" in line
+  assert "\n" not in line and "cache.residual=32" in line and "at least 128 tokens" in line
 
 
 TINY = {"model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,

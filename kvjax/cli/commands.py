@@ -115,6 +115,8 @@ def cmd_size(args) -> dict:
                                                            capacity=0))
   h = held_lib.count(cfg, args.seq_len, batch=args.batch)
   held, layout = h.tokens, cache.LAYOUTS[h.layout]
+  if held_lib.window_warning(cfg, args.seq_len):
+    warnings.append(held_lib.window_warning(cfg, args.seq_len))
   from kvjax import sharding  # bytes per device under mesh.data x mesh.model (no devices needed)
   out = {
       **h.fields(),  # bytes_per_token: held at --seq-len; and the long-context limit

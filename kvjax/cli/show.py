@@ -21,7 +21,10 @@ def print_size(result: dict) -> None:
         f"D={result['head_dim']}  cache {cache}, {result['layout']}")
   for note in result.get("notes", []):
     print(f"  ({note})")
-  print(f"bytes per token: {result['bytes_per_token']:,.1f} ({human(result['bytes_per_token'])})")
+  bpt, limit = result["bytes_per_token"], result["bytes_per_token_asymptotic"]
+  print(f"bytes per token: {bpt:,.1f} ({human(bpt)}) held at {result['seq_len']} tokens, "
+        f"{result['bits_per_element']:.2f} bits/element all-in"
+        + (f"; {limit:,.1f} in the long-context limit" if round(bpt) != round(limit) else ""))
   print(f"total for batch {result['batch']} x {result['seq_len']} tokens: "
         f"{result['total_bytes']:,} ({human(result['total_bytes'])})")
   if result["devices"] > 1 or "param_bytes" in result:

@@ -6,13 +6,12 @@ about."""
 import json
 
 import jax
-import numpy as np
 import pytest
 import yaml
 
 from conftest import tiny_config
 from kvjax import cache as cache_lib
-from kvjax import cli, config, evaluate, held, model, program
+from kvjax import cli, config, held
 
 CONTEXTS = (64, 256, 2048)
 B = 2
@@ -77,19 +76,6 @@ def test_window_is_counted_and_dominates_short_contexts():
   assert short.bits_per_element == pytest.approx(8 * short.per_token / (L * 2 * K * D))
 
 
-def test_streamed_cache_holds_what_is_reported():
-  """The filled cache of a streamed evaluation (what `eval` measures) and a generate with
-  a scored policy hold exactly the reported bytes."""
-  cfg = _cfg({**KIVI, "model.vocab_size": 64})
-  params = model.init_params(cfg.model, 0)
-  toks = np.random.default_rng(0).integers(0, 64, size=(B, 64)).astype(np.int32)
-  _, nbytes = evaluate.stream_logprobs(cfg, params, toks, chunk=16)
-  assert nbytes / B == held.count(cfg, 64).bytes
-  pol = _cfg({"cache.policy": "h2o", "cache.budget": 8, "cache.window": 2})
-  gen = program.generate(pol, params, [[1, 2, 3] * 6, [4, 5] * 8], 4, timed=False)
-  assert gen["cache_bytes"] / B == held.count(pol, 18 + 4).bytes
-
-
 def test_warning_only_when_the_window_holds_over_a_quarter():
   cfg = _cfg(KIVI)
   assert held.window_warning(cfg, 128) is None and held.window_warning(_cfg({}), 8) is None
@@ -102,6 +88,8 @@ TINY = {"model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
 
 
 def test_eval_json_reports_held_bytes_and_warns(tmp_path, capsys):
+  """`eval --json`: bytes_per_token is the filled cache tree the stream measured over the
+  tokens (a KIVI window of 16 beside the history), the asymptote beside it, one warning."""
   (tmp_path / "model.yaml").write_text(yaml.safe_dump(TINY))
   (tmp_path / "text.txt").write_text("the cache holds what it holds, window and all. " * 20)
   argv = ["eval", "--config", str(tmp_path / "model.yaml"), "--text", str(tmp_path / "text.txt"),
@@ -127,3 +115,26 @@ def test_size_reports_held_bytes_at_seq_len(capsys):
     assert round(res["bytes_per_token"]) == bpt
     assert res["bytes_per_token_asymptotic"] == 7200
     assert res["total_bytes"] == pytest.approx(res["bytes_per_token"] * seq)
+
+
+def test_committed_real_rows_are_what_count_says_they_held():
+  """Every kvjax row of the committed SmolLM2 quality run: the cache tree it measured is
+  `count` of the setting it records, on the packaged shape, at its context; `row_bytes`
+  reads it back (the KIVI int4 R=128 setting: 9,630 B/token held, 7,200 in the limit)."""
+  from pathlib import Path
+  root = Path(__file__).resolve().parent.parent
+  rows = [json.loads(line) for line in
+          (root / "results" / "real" / "quality.jsonl").read_text().splitlines()]
+  own = [r for r in rows if not r["variant"].get("peer")]
+  assert len(own) >= 15
+  for r in own:
+    w, m = r["workload"], r["metrics"]
+    cfg = held.row_config(r)
+    assert held.count(cfg, w["context"], batch=w["batch"]).bytes * w["batch"] == \
+        m["cache_bytes"], r["variant"]["setting"]
+  kivi = next(r for r in own if r["variant"]["setting"] == "int4_kch_r128")
+  got = held.row_bytes(kivi)
+  assert round(got["bytes_per_token"]) == 9630 and got["bytes_per_token_asymptotic"] == 7200
+  assert round(got["bits_per_element"], 2) == 6.69
+  peer = held.row_bytes(next(r for r in rows if r["variant"].get("peer")))
+  assert peer["bytes_per_token_asymptotic"] is None and peer["bits_per_element"] > 0

@@ -26,6 +26,7 @@ A window holding more than a quarter of the tokens evaluated makes `per_token` f
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
@@ -115,10 +116,28 @@ _CACHE_KEYS = ("layout", "k_codec", "v_codec", "k_axis", "group_size", "residual
                "policy", "budget", "ratio", "window", "sinks")
 
 
+_CONFIGS: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _shape(name: str) -> Config:
+  from kvjax import config as config_lib
+  return config_lib.load(config_lib.shape_path(name))
+
+
 def row_config(row: dict) -> Config | None:
   """The setting a kvjax results row records, on its model's packaged shape
   (`kvjax/shapes/<variant.model>.yaml`, with the row's KV heads), or None (a peer's row, a
   model without a packaged shape)."""
+  import json
+  key = json.dumps([row.get("variant"), row.get("config", {}).get("cache")], sort_keys=True,
+                   default=str)
+  if key not in _CONFIGS:  # building a config validates it: once per setting, not per row
+    _CONFIGS[key] = _row_config(row)
+  return _CONFIGS[key]
+
+
+def _row_config(row: dict) -> Config | None:
   from kvjax import config as config_lib
   v = row.get("variant", {})
   if v.get("peer") or not v.get("model") or not config_lib.shape_path(v["model"]).is_file():
@@ -126,13 +145,13 @@ def row_config(row: dict) -> Config | None:
   cache = {f"cache.{k}": val for k, val in row.get("config", {}).get("cache", {}).items()
            if k in _CACHE_KEYS}
   cache.update({f"cache.{k}": v[k] for k in _CACHE_KEYS if v.get(k) is not None})
-  cfg = config_lib.load(config_lib.shape_path(v["model"]))
+  cfg = _shape(v["model"])
   if v.get("kv_heads"):
     cache["model.n_kv_heads"] = v["kv_heads"]
   if v.get("latent_rank"):
     cache["model.latent_rank"] = v["latent_rank"]
   try:
-    return config_lib.apply_overrides(cfg, cache)
+    return config_lib.apply_overrides(cfg, cache, check=False)  # as recorded: it ran
   except KvjaxError:  # a setting this version no longer builds: the row's own fields stand
     return None
 
@@ -184,8 +203,7 @@ def _row_bytes(row: dict) -> dict:
   if shape is None and row.get("variant", {}).get("model"):
     from kvjax import config as config_lib
     name = row["variant"]["model"]
-    shape = config_lib.load(config_lib.shape_path(name)) \
-        if config_lib.shape_path(name).is_file() else None
+    shape = _shape(name) if config_lib.shape_path(name).is_file() else None
   bits = None
   if shape is not None and per_token is not None:
     kv = row.get("variant", {}).get("kv_heads") or shape.model.n_kv_heads

@@ -232,7 +232,7 @@ def run_cell(cfg) -> list[dict]:
                  sinks=c.sinks) if evicts else {}
     var = ex.variant(tcfg, k_axis=c.k_axis, group_size=c.group_size, residual=c.residual,
                      setting=cfg.param("setting", ""), model=src.name, **extra)
-    bpt = ex.bytes_per_token(tcfg)  # codec bytes per token (+ the policy's state below)
+    bpt = ex.bytes_per_token(tcfg)  # the codecs' bytes per stored token (policy rows show it)
     prefixes = (_query_prefixes if evicts else _prefixes)(spec, cfg, mcfg, params, tok)
     for (task, s, _, template), (e, kv) in prefixes.items():
       # What the cache holds for this prefix (kvjax.held: the policy's kept tokens with their

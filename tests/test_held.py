@@ -93,7 +93,7 @@ def test_eval_json_reports_held_bytes_and_warns(tmp_path, capsys):
   (tmp_path / "model.yaml").write_text(yaml.safe_dump(TINY))
   (tmp_path / "text.txt").write_text("the cache holds what it holds, window and all. " * 20)
   argv = ["eval", "--config", str(tmp_path / "model.yaml"), "--text", str(tmp_path / "text.txt"),
-          "--tokens", "48", "--chunk", "16", "--codec", "int4", "--set", "cache.k_axis=channel",
+          "--tokens", "48", "--chunk", "8", "--codec", "int4", "--set", "cache.k_axis=channel",
           "--set", "cache.group_size=4", "--set", "cache.residual=16", "--json"]
   assert cli.main(argv) == 0
   out, err = capsys.readouterr()
@@ -138,3 +138,7 @@ def test_committed_real_rows_are_what_count_says_they_held():
   assert round(got["bits_per_element"], 2) == 6.69
   peer = held.row_bytes(next(r for r in rows if r["variant"].get("peer")))
   assert peer["bytes_per_token_asymptotic"] is None and peer["bits_per_element"] > 0
+  # `kvjax results` / the run summary read the committed (older) row the same way
+  from kvjax.runner import table
+  rec = table.flatten(kivi)
+  assert round(rec["bytes_per_token"]) == 9630 and rec["bytes_per_token_asymptotic"] == 7200

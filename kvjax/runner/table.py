@@ -1,5 +1,6 @@
 """The summary table of results rows: rows flattened to records, values as text (times in
-ms, bytes in KiB/MiB/GiB) and records as an aligned plain-text table.
+ms, bytes in KiB/MiB/GiB) and records as an aligned plain-text table. Bytes per token are
+what the cache held at the row's context (`kvjax.held.row_bytes`), for older rows too.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ def flatten(row: dict, all_metrics: bool = False) -> dict:
       if not isinstance(v, (dict, list)):
         rec[k] = v
   metrics = row.get("metrics", {})
+  if metrics.get("bytes_per_token") is not None:  # as held at the row's context, whatever
+    from kvjax import held                         # version wrote the row (kvjax.held)
+    metrics = {**metrics, **{k: v for k, v in held.row_bytes(row).items() if v is not None}}
   for k in TABLE_METRICS:
     if metrics.get(k) is not None:
       rec[k] = metrics[k]

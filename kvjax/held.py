@@ -16,11 +16,16 @@ place of the context (`cache.policy`: the compacted layouts) with its per-token 
 `asymptotic` is the cost of one more stored token in the limit of a long context (K + V
 codes and scales over all layers, plus the policy's state): what `per_token` tends to as the
 window, the rounding and the fixed metadata amortise away (for a policy, per *held* token).
-`bits_per_element` = 8 x per_token / (layers x 2 x KV heads x head_dim): the all-in bits
-of issue-28's targets.
+`bits_per_element` = 8 x per_token / (layers x 2 x KV heads x head_dim): bits per K/V
+element all-in (scales, windows, state included; for a latent cache, per element of the
+dense K/V it replaces).
 
 A window holding more than a quarter of the tokens evaluated makes `per_token` far from
-`asymptotic`; `window_warning` says so in one line.
+`asymptotic`; `window_warning` says so in one line. Users: `kvjax eval` and `kvjax size`,
+the quality, long_context, latency, memory and roofline rows (the roofline's step bytes are
+`count` at each step's live length), and, through `row_bytes` (which also reads rows
+written before this count existed), `kvjax results`, the run summaries, the doc tables and
+the plots' bytes axes.
 """
 
 from __future__ import annotations
@@ -156,13 +161,14 @@ def _row_config(row: dict) -> Config | None:
     return None
 
 
-def row_tokens(row: dict) -> int:
+def row_tokens(row: dict) -> int | None:
   """Tokens a row's cache was measured or is counted at: context (+ continuation) of a text
-  row; the prefix (else the prompt, else the context) of a long-context query."""
+  row; the prefix (else the prompt, else the context) of a long-context query; None when
+  the row names no context."""
   w = row.get("workload", {})
-  if w.get("task") == "text":
+  if w.get("task") == "text" and w.get("context"):
     return w["context"] + w.get("continuation", 0)
-  return w.get("prefix_tokens") or w.get("prompt_tokens") or w["context"]
+  return w.get("prefix_tokens") or w.get("prompt_tokens") or w.get("context")
 
 
 _ROWS: dict = {}
@@ -191,6 +197,9 @@ def row_bytes(row: dict) -> dict:
 def _row_bytes(row: dict) -> dict:
   m, w = row.get("metrics", {}), row.get("workload", {})
   cfg, T = row_config(row), row_tokens(row)
+  if not T:  # nothing to count at: the row's own figure, as written
+    return {"bytes_per_token": m.get("bytes_per_token"),
+            "bytes_per_token_asymptotic": m.get("bytes_per_token"), "bits_per_element": None}
   if m.get("cache_bytes") and w.get("batch") and w.get("task") == "text":
     per_token = m["cache_bytes"] / (w["batch"] * T)
   elif cfg is not None:

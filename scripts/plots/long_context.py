@@ -40,9 +40,9 @@ def _setting(r) -> str:
 
 
 def _settings(rows) -> list[str]:
-  bpt = {}
-  for r in rows:
-    bpt[_setting(r)] = bytes_per_token(r)
+  bpt: dict = {}
+  for r in rows:  # the most a setting holds per token (a window's share is largest early)
+    bpt[_setting(r)] = max(bpt.get(_setting(r), 0), bytes_per_token(r))
   return sorted(bpt, key=lambda s: (-bpt[s], s))
 
 
@@ -79,8 +79,11 @@ def heatmap(rows, out_dir: Path) -> list[Path]:
         if asked[a, b]:
           ax.text(b, a, f"{right[a, b]:g}/{asked[a, b]:g}", ha="center", va="center",
                   fontsize=8)
-    bpt = next(bytes_per_token(r) for r in rows if _setting(r) == s)
-    ax.set_title(f"{s} ({BYTES(bpt)}/token)", fontsize=9)
+    by_ctx = {r["workload"]["context"]: bytes_per_token(r) for r in rows if _setting(r) == s}
+    lo, hi = by_ctx[min(by_ctx)], by_ctx[max(by_ctx)]  # held: a window's share falls
+    held = f"{BYTES(lo)}/token" if round(lo) == round(hi) else \
+        f"{BYTES(lo)} → {BYTES(hi)}/token, {TOKENS(min(by_ctx))} → {TOKENS(max(by_ctx))}"
+    ax.set_title(f"{s} ({held})", fontsize=9)
     ax.set_xticks(range(len(contexts)), [TOKENS(c) for c in contexts], fontsize=8)
     ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=8)
     if i % cols == 0:

@@ -24,7 +24,9 @@ def print_size(result: dict) -> None:
   bpt, limit = result["bytes_per_token"], result["bytes_per_token_asymptotic"]
   print(f"bytes per token: {bpt:,.1f} ({human(bpt)}) held at {result['seq_len']} tokens, "
         f"{result['bits_per_element']:.2f} bits/element all-in"
-        + (f"; {limit:,.1f} in the long-context limit" if round(bpt) != round(limit) else ""))
+        + (f"; {limit:,.1f} per held token, {result['held_tokens']:,} held"
+           if result.get("policy", "full") != "full" else
+           f"; {limit:,.1f} in the long-context limit" if round(bpt) != round(limit) else ""))
   print(f"total for batch {result['batch']} x {result['seq_len']} tokens: "
         f"{result['total_bytes']:,} ({human(result['total_bytes'])})")
   if result["devices"] > 1 or "param_bytes" in result:

@@ -10,7 +10,8 @@ from typing import Any
 from kvjax import memory
 
 # Metric columns of the summary table, in this order when present.
-TABLE_METRICS = ("bytes_per_token", "bytes_per_token_asymptotic", "bits_per_element", "cache_bytes", "closed_form_bytes", "max_concurrency",
+TABLE_METRICS = ("bytes_per_token", "bytes_per_token_asymptotic", "bits_per_element",
+                 "cache_bytes", "closed_form_bytes", "max_concurrency",
                  "ttft_s", "tpot_s", "tokens_per_s", "speedup_vs_recompute", "peak_bytes",
                  "roofline_fraction", "ppl", "ppl_ref", "kl", "agreement", "recall",
                  "memory_utilization", "prefix_hit_rate")

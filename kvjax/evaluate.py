@@ -27,7 +27,7 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
-from kvjax import data, decode, program
+from kvjax import data, decode, held, program
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
@@ -245,17 +245,16 @@ def eval_cli(src, overrides: dict, text: str = "stdlib", tokens: int = 512, seqs
                      "lower --tokens")
   windows = text_windows(tok, data.eval_text(text), tokens, seqs)
   B, M = windows.shape
+  warning = held.window_warning(cfg, M)
   with tqdm(total=2 * B * M, desc="eval", unit="tok", disable=None if progress else True,
             leave=False) as bar:
     ref = reference_logprobs(cfg, params, windows, chunk, progress=bar)
     metrics, nbytes = compare_streamed(cfg, params, windows, ref, chunk, progress=bar)
-  c = cfg.cache
-  from kvjax import codecs
-  k, v = codecs.for_role(c.k_codec, c, "k"), codecs.for_role(c.v_codec, c, "v")
-  m = cfg.model
-  per_token = m.n_layers * (k.bytes_per_token(m.n_kv_heads, m.D)
-                            + v.bytes_per_token(m.n_kv_heads, m.D))
-  return {**metrics, "bytes_per_token": per_token, "cache_bytes": nbytes, "tokens": M,
+  c, m = cfg.cache, cfg.model
+  # what the cache held for these windows (= nbytes / B), and the long-context cost beside it
+  sized = held.count(cfg, M, batch=B).fields()
+  return {**metrics, **sized, "cache_bytes": nbytes, "tokens": M,
           "seqs": B, "chunk": chunk, "text": text, "source": str(src),
           "variant": m.variant, "layout": c.layout, "k_codec": c.k_codec, "v_codec": c.v_codec,
-          "k_axis": c.k_axis, "group_size": c.group_size, "residual": c.residual}
+          "k_axis": c.k_axis, "group_size": c.group_size, "residual": c.residual,
+          "warnings": [warning] if warning else []}

@@ -3,11 +3,11 @@
     sequences = floor((budget - weight bytes) / cache bytes of one sequence)
 
 Weights count at the dtype they are stored in (`model.param_dtype`; for a Hugging Face
-folder, config.json's `torch_dtype`/`dtype`). A sequence's cache is the contiguous
-reservation of `seq_len` tokens with the chosen K/V codecs, scales and metadata included
-(`cache.LAYOUTS["contiguous"].closed_form_bytes`). Not counted: activations and
-temporaries (a long prefill's attention and MLP buffers are large), logits, the paged
-layout's slack, and the runtime's own overhead.
+folder, config.json's `torch_dtype`/`dtype`). A sequence's cache is what its layout
+reserves for `seq_len` tokens with the chosen K/V codecs, scales, residual window, whole
+pages and metadata included (`kvjax.held.count`; a policy: its budget and state). Not
+counted: activations and temporaries (a long prefill's attention and MLP buffers are
+large), logits, and the runtime's own overhead.
 """
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ def hf_param_dtype(hf: dict) -> tuple[str, str]:
 
 
 def seq_bytes(cfg: config_lib.Config, seq_len: int) -> int:
-  """Closed-form cache bytes of one sequence of `seq_len` tokens (contiguous reservation)."""
-  from kvjax import cache
-  spec = cache.CacheSpec.from_config(cfg, 1, seq_len)
-  return cache.LAYOUTS["contiguous"].closed_form_bytes(spec)
+  """Cache bytes one sequence of `seq_len` tokens holds (`kvjax.held`: the reservation with
+  its window, scales and metadata; a policy's budget and state)."""
+  from kvjax import held
+  return int(round(held.count(cfg, seq_len).bytes))
 
 
 def fit(budget: int, weight_bytes: int, per_seq: int) -> int:
@@ -81,8 +81,8 @@ def budget_report(cfg: config_lib.Config, seq_len: int, batch: int, budget: int,
       "free_bytes": budget - weights, "max_sequences": fit(budget, weights, per_seq),
       "max_sequences_by_codec": others, "batch_bytes": need, "batch_fits": need <= budget,
       "counted": ("weights at their stored dtype, " if weight_bytes is not None else "")
-      + f"the KV cache reserved for all {seq_len} tokens of each sequence (codec scales and "
-      "metadata included)",
+      + f"the KV cache reserved for all {seq_len} tokens of each sequence (codec scales, "
+      "residual window and metadata included)",
       "not_counted": NOT_COUNTED + ("" if weight_bytes is not None else
                                     "; weights (no model given: use --config or --hf)"),
   }

@@ -23,11 +23,12 @@ def test_size_json_matches_formula(capsys):
                        "--head-dim", "128", "--seq-len", "8192", "--batch", "2",
                        "--dtype", "bfloat16", "--json")
   res = json.loads(out)
-  assert rc == 0 and res["bytes_per_token"] == 2 * 32 * 8 * 128 * 2
-  assert res["total_bytes"] == res["bytes_per_token"] * 8192 * 2 + 4 * 2
+  assert rc == 0 and res["bytes_per_token_asymptotic"] == 2 * 32 * 8 * 128 * 2
+  assert res["total_bytes"] == res["bytes_per_token_asymptotic"] * 8192 * 2 + 4 * 2
+  assert res["bytes_per_token"] == res["total_bytes"] / (8192 * 2)  # held: the lengths too
   rc, out, _ = run_cli(capsys, "size", "--layers", "32", "--heads", "32", "--kv-heads", "32",
                        "--head-dim", "128", "--seq-len", "1", "--codec", "fp32", "--json")
-  assert json.loads(out)["bytes_per_token"] == 2 * 32 * 32 * 128 * 4
+  assert json.loads(out)["bytes_per_token_asymptotic"] == 2 * 32 * 32 * 128 * 4
 
 
 def test_generate_json_fields_and_ragged_batch(capsys):

@@ -287,9 +287,9 @@ def test_cli_size_hf(case, capsys):
   assert cli.main(["size", "--hf", str(folder), "--seq-len", "64", "--batch", "2", "--json"]) == 0
   out = json.loads(capsys.readouterr().out)
   m = cfg.model
-  assert out["bytes_per_token"] == 2 * m.n_layers * m.n_kv_heads * m.D * 2  # bf16 default
+  assert out["bytes_per_token_asymptotic"] == 2 * m.n_layers * m.n_kv_heads * m.D * 2  # bf16
   assert out["kv_heads"] == m.n_kv_heads and out["head_dim"] == m.D
-  assert out["total_bytes"] == 2 * 64 * out["bytes_per_token"] + 4 * 2  # + int32 lengths
+  assert out["total_bytes"] == 2 * 64 * out["bytes_per_token_asymptotic"] + 4 * 2  # + lengths
 
 
 def test_cli_generate_hf_ragged_batch_json(llama, capsys):

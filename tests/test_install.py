@@ -72,8 +72,8 @@ def test_installed_size_finds_a_packaged_shape_by_name(installed, tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout)
   # Llama-3-8B: 32 layers, 8 KV heads of 128, bf16 cache by default, + int32 length
-  assert out["bytes_per_token"] == 2 * 32 * 8 * 128 * 2
-  assert out["total_bytes"] == out["bytes_per_token"] * 1024 + 4
+  assert out["bytes_per_token_asymptotic"] == 2 * 32 * 8 * 128 * 2
+  assert out["total_bytes"] == out["bytes_per_token_asymptotic"] * 1024 + 4
 
 
 def test_installed_generate_runs_a_packaged_shape_by_name(installed, tmp_path):

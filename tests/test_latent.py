@@ -57,8 +57,9 @@ def test_size_reports_latent_bytes_per_token(capsys):
                  "--seq-len", "100", "--codec", "fp32", "--set", "model.latent_rank=8",
                  "--set", "cache.layout=latent", "--json"])
   res = json.loads(capsys.readouterr().out)
-  assert rc == 0 and res["bytes_per_token"] == 2 * 8 * 4
-  assert res["total_bytes"] == 100 * res["bytes_per_token"] + 4
+  assert rc == 0 and res["bytes_per_token_asymptotic"] == 2 * 8 * 4
+  assert res["total_bytes"] == 100 * res["bytes_per_token_asymptotic"] + 4
+  assert res["bytes_per_token"] == res["total_bytes"] / 100
 
 
 @pytest.mark.parametrize("over,needle", [

@@ -265,7 +265,8 @@ def test_roofline_experiment_rows_and_plot(tmp_path):
   (row,) = roofline.run_cell(cfg)
   m = row["metrics"]
   assert m["step_bytes"] == m["weight_bytes"] + m["kv_bytes"] > m["kv_bytes"] > 0
-  assert m["kv_bytes"] == pytest.approx(1 * 41.5 * 2 * 2 * 2 * (8 + 2))  # B live L (K+V) heads
+  # B x (live tokens L (K+V) heads (int8 + fp16 scale) + int32 length), 41 and 42 live
+  assert m["kv_bytes"] == pytest.approx(1 * (41.5 * 2 * 2 * 2 * (8 + 2) + 4))
   assert m["roofline_fraction"] == pytest.approx(m["ideal_s"] / m["tpot_s"])  # one repeat
   sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
   from plots import roofline as plot_roofline

@@ -121,6 +121,10 @@ def test_quality_run_cell_rows(tmp_path, setup):
     assert key in text_row["metrics"]
   # bf16 stores half the fp32 payload; both carry the same int32 lengths (4 bytes x 2 seqs)
   assert text_row["metrics"]["cache_bytes"] - 8 == (text_row["metrics"]["cache_bytes_ref"] - 8) // 2
+  m = text_row["metrics"]  # bytes per token: what the cache held over the 2 x 32 tokens
+  assert m["bytes_per_token"] == m["cache_bytes"] / (2 * 32) > m["bytes_per_token_asymptotic"]
+  assert m["bits_per_element"] == pytest.approx(  # bf16: 16 bits, plus the lengths
+      16 * m["bytes_per_token"] / m["bytes_per_token_asymptotic"])
   assert [r["workload"]["context"] for r in rows[1:]] == [24, 40]
   # the fp32 setting reproduces its own reference exactly
   ref_rows = quality.run_cell(runner.compose(items, {"params.setting": "fp32"}, {}))

@@ -59,7 +59,9 @@ def test_settings_pooling_and_quanto_peer(hf_folder, tmp_path):
   assert m["fp32"]["dppl_rel"] == 0.0 and m["fp32"]["kl"] == 0.0
   assert m["int4"]["kl"] > 1e-5 and m["int4"]["bytes_per_token"] < m["fp32"]["bytes_per_token"]
   assert rows["mqa"]["variant"]["variant"] == "MQA" and m["mqa"]["kl"] > m["int4"]["kl"]
-  assert m["mqa"]["bytes_per_token"] == pytest.approx(m["fp32"]["bytes_per_token"] / 2)
+  assert m["mqa"]["bytes_per_token_asymptotic"] == m["fp32"]["bytes_per_token_asymptotic"] / 2
+  for k in ("fp32", "int4", "mqa", "quanto_int4"):  # what the cache held, per token evaluated
+    assert m[k]["bytes_per_token"] == m[k]["cache_bytes"] / (2 * 64), k
   peer = rows["quanto_int4"]
   assert peer["variant"]["peer"] == "quanto" and peer["workload"] == rows["fp32"]["workload"]
   # the peer's reference (transformers, unquantized cache) is kvjax's fp32 run of the same

@@ -41,14 +41,15 @@ def test_one_model_one_answer_whatever_its_description(capsys, hf_llama3):
   hf, _ = size(capsys, "--hf", str(hf_llama3), "--seq-len", "4096", "--batch", "8")
   for res in (shape, conf, hf):
     assert (res["k_codec"], res["v_codec"]) == ("bf16", "bf16")
-    assert res["bytes_per_token"] == 2 * L * K * D * 2
+    assert res["bytes_per_token_asymptotic"] == 2 * L * K * D * 2
+    assert res["bytes_per_token"] == res["total_bytes"] / (8 * 4096)
     assert res["total_bytes"] == shape["total_bytes"]
     assert any("bf16 cache assumed" in n for n in res["notes"])
   # parameters in the stored dtype (bf16: 2 bytes each), the same from YAML and config.json
   assert conf["param_bytes"] == hf["param_bytes"] == 2 * PARAMS
   assert "bfloat16" in hf["param_dtype"] and "torch_dtype" in hf["param_dtype"]
   coded, _ = size(capsys, "--config", str(LLAMA3), "--seq-len", "4096", "--dtype", "float32")
-  assert coded["bytes_per_token"] == 2 * L * K * D * 4 and not coded["notes"]
+  assert coded["bytes_per_token_asymptotic"] == 2 * L * K * D * 4 and not coded["notes"]
 
 
 def test_seq_len_past_max_seq_len_warns_in_one_line(capsys):

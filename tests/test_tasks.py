@@ -340,8 +340,10 @@ def test_run_cell_end_to_end(cell_rows):
     assert v["setting"] == "int4_kivi" and v["k_axis"] == "channel" and v["residual"] == 16
     assert v["k_codec"] == "int4" and v["model"] == "tiny"
     assert m["bytes_per_token"] < 2 * 2 * 2 * 8 * 4  # well under fp32's L*2*K*D*4 bytes
+    assert m["bytes_per_token"] > m["bytes_per_token_asymptotic"]  # the 16-token window
   assert sorted({r["workload"]["depth"] for r in rows}) == [0.25, 0.75]
-  assert fp32[0]["metrics"]["bytes_per_token"] == 2 * 2 * 2 * 8 * 4
+  prefix = fp32[0]["workload"]["prefix_tokens"]  # held: the prefix's K/V and its length
+  assert fp32[0]["metrics"]["bytes_per_token"] == pytest.approx(2 * 2 * 2 * 8 * 4 + 4 / prefix)
   assert [r["workload"]["prompt_tokens"] for r in fp32] == \
       [r["workload"]["prompt_tokens"] for r in rows]  # same prompts for every setting
   table = long_context.summary(rows + fp32)
@@ -372,9 +374,9 @@ def test_plots_from_rows(cell_rows, tmp_path):
 
 def test_policy_cell_answers_through_the_compacted_cache(tmp_path, cell_rows):
   """A policy setting: every query is answered through a cache holding ceil(ratio x prefix)
-  prefix tokens, and its bytes per token are the codec's (plus what the policy keeps per
-  held token: h2o's score and position, 8 bytes per layer and KV head) times the kept
-  fraction."""
+  prefix tokens, and its bytes per token are what that cache holds per prefix token: the
+  codec's (plus what the policy keeps per held token: h2o's score and position, 8 bytes per
+  layer and KV head) for each kept token, and its int32 counters."""
   import math
 
   from kvjax.experiments import long_context
@@ -394,7 +396,9 @@ def test_policy_cell_answers_through_the_compacted_cache(tmp_path, cell_rows):
       assert prefix < r["workload"]["prompt_tokens"]
       assert m["held_tokens"] == math.ceil(ratio * prefix) and m["kept"] == m["held_tokens"] / prefix
       assert m["codec_bytes_per_token"] == codec_bpt
-      assert m["bytes_per_token"] == pytest.approx((codec_bpt + state_bpt) * m["kept"])
+      # held: the kept tokens with their state, and lengths/held/budget (3 int32)
+      assert m["bytes_per_token"] == pytest.approx(
+          ((codec_bpt + state_bpt) * m["held_tokens"] + 12) / prefix)
       assert v["policy"] in ("snapkv", "h2o") and v["ratio"] == ratio and v["setting"] == name
       assert m["accuracy"] == tasks.score(m["output"], m["answer"])
   assert {"policy", "held_tokens"}.isdisjoint(fp32[0]["variant"] | fp32[0]["metrics"])
@@ -414,7 +418,7 @@ def test_mean_pooled_kv_heads_setting(tmp_path, cell_rows):
     (row,) = long_context.run_cell(cfg)
     assert row["variant"]["kv_heads"] == 1 and row["variant"]["variant"] == "MQA"
     kept = row["metrics"].get("kept", 1.0)
-    assert row["metrics"]["bytes_per_token"] == pytest.approx(2 * 2 * 1 * 8 * 4 * kept)
+    assert row["metrics"]["bytes_per_token"] == pytest.approx(2 * 2 * 1 * 8 * 4 * kept, rel=1e-3)
     assert kept == 1.0 if name == "mqa" else kept < 0.51
   with pytest.raises(KvjaxError, match="cannot pool 2 KV heads into 3"):
     long_context.check(_experiment_cfg(tmp_path, setting="bad",

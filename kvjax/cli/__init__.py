@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
       distributed.initialize_distributed(args.coordinator, args.num_processes, args.process_id,
                                          args.distributed)
     result = args.func(args)
-    if args.command == "size":
-      for w in result["warnings"]:
+    if args.command in ("size", "eval"):
+      for w in result.get("warnings", ()):
         print(f"kvjax: warning: {w}", file=sys.stderr)
     if args.command in ("size", "generate", "eval") and _is_lead_process():
       if args.json:

@@ -55,7 +55,7 @@ def _names_codec(args, over: dict, file_cfg: dict) -> bool:
 
 
 def cmd_size(args) -> dict:
-  from kvjax import cache, codecs, sizing
+  from kvjax import cache, codecs, sizing  # noqa: F401
 
   over, file_items, notes = {}, {}, []
   param_dtype = None
@@ -104,20 +104,23 @@ def cmd_size(args) -> dict:
   if (args.hf or args.config or args.gguf) and args.seq_len > m.max_seq_len:
     warnings.append(f"--seq-len {args.seq_len} exceeds this model's max_seq_len "
                     f"{m.max_seq_len}: sized anyway, but the model is not meant for it")
-  from kvjax.cache import compact  # a cache.policy holds at most its budget (compacted layout)
-  held = compact.held_tokens(cfg.cache, args.seq_len)
-  spec = cache.CacheSpec.from_config(cfg, args.batch, held)
-  layout = cache.LAYOUTS["contiguous" if cfg.cache.layout == "none" else cfg.cache.layout]
-  if cfg.cache.policy != "full":  # what the policy builds: held tokens, in pages when paged
-    layout = cache.LAYOUTS["paged_compacted" if cfg.cache.layout == "paged" else "compacted"]
-  per_token = m.n_layers * (spec.kc.bytes_per_token(m.n_kv_heads, m.D)
-                            + spec.vc.bytes_per_token(m.n_kv_heads, m.D))
-  if cfg.cache.layout == "latent":  # one rank-r latent per token and layer (kvjax.cache.latent)
-    per_token = m.n_layers * spec.kc.bytes_per_token(1, m.latent_rank)
+  import dataclasses
+
+  from kvjax import held as held_lib
+  # What one sequence holds at --seq-len (kvjax.held: window, scales, policy state, pages
+  # in); `none` is sized as the K/V it recomputes, a contiguous cache; --seq-len is the
+  # reservation, whatever cache.capacity says.
+  layout_name = "contiguous" if cfg.cache.layout == "none" else cfg.cache.layout
+  cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, layout=layout_name,
+                                                           capacity=0))
+  h = held_lib.count(cfg, args.seq_len, batch=args.batch)
+  held, layout = h.tokens, cache.LAYOUTS[h.layout]
+  if held_lib.window_warning(cfg, args.seq_len):
+    warnings.append(held_lib.window_warning(cfg, args.seq_len))
   from kvjax import sharding  # bytes per device under mesh.data x mesh.model (no devices needed)
   out = {
-      "bytes_per_token": per_token,
-      "total_bytes": layout.closed_form_bytes(spec),
+      **h.fields(),  # bytes_per_token: held at --seq-len; and the long-context limit
+      "total_bytes": int(round(h.bytes * args.batch)),
       "layers": m.n_layers, "heads": m.n_heads, "kv_heads": m.n_kv_heads, "head_dim": m.D,
       "seq_len": args.seq_len, "batch": args.batch, "variant": m.variant,
       "max_seq_len": m.max_seq_len if (args.hf or args.config or args.gguf) else None,

@@ -21,7 +21,12 @@ def print_size(result: dict) -> None:
         f"D={result['head_dim']}  cache {cache}, {result['layout']}")
   for note in result.get("notes", []):
     print(f"  ({note})")
-  print(f"bytes per token: {result['bytes_per_token']:,.1f} ({human(result['bytes_per_token'])})")
+  bpt, limit = result["bytes_per_token"], result["bytes_per_token_asymptotic"]
+  print(f"bytes per token: {bpt:,.1f} ({human(bpt)}) held at {result['seq_len']} tokens, "
+        f"{result['bits_per_element']:.2f} bits/element all-in"
+        + (f"; {limit:,.1f} per held token, {result['held_tokens']:,} held"
+           if result.get("policy", "full") != "full" else
+           f"; {limit:,.1f} in the long-context limit" if round(bpt) != round(limit) else ""))
   print(f"total for batch {result['batch']} x {result['seq_len']} tokens: "
         f"{result['total_bytes']:,} ({human(result['total_bytes'])})")
   if result["devices"] > 1 or "param_bytes" in result:
@@ -61,7 +66,10 @@ def print_human(command: str, result: dict) -> None:
           f"{result['seqs']} x {result['tokens']} tokens, chunk {result['chunk']}")
     print(f"ppl {result['ppl']:.4f} (fp32 cache {result['ppl_ref']:.4f}, "
           f"{100 * result['dppl_rel']:+.3f} %)  KL {result['kl']:.3g}  "
-          f"agreement {result['agreement']:.4f}  {result['bytes_per_token']:,.0f} B/token")
+          f"agreement {result['agreement']:.4f}")
+    print(f"cache {result['bytes_per_token']:,.0f} B/token held at {result['tokens']} tokens "
+          f"({result['bits_per_element']:.2f} bits/element all-in), "
+          f"{result['bytes_per_token_asymptotic']:,.0f} B/token in the long-context limit")
   elif command == "generate":
     if result.get("random_weights"):
       print("kvjax: note: random weights (a --config model is initialised, not trained): the "

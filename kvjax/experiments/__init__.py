@@ -48,7 +48,9 @@ def cache_name(variant: dict) -> str:
 
 
 def bytes_per_token(cfg: config_lib.Config) -> float:
-  """Closed-form cache bytes one token takes across all layers (K + V, codec metadata in).
+  """The codecs' bytes for one stored token across all layers (K + V, codec metadata in):
+  a sizing figure (how many tokens a budget holds), not what a cache holds at a context,
+  which `kvjax.held.count` reports (a residual window, rounding, policy state, lengths).
 
   Codecs are bound to their role (`for_role`), so group sizes and per-channel keys count.
   """

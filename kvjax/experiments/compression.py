@@ -13,7 +13,9 @@ Row metrics: `ppl` of the continuation through this cache, `ppl_ref` through the
 uncompressed fp32 cache of the original model, `dppl_rel` = ppl / ppl_ref - 1,
 `agreement` (argmax equal to the reference's), `cache_bytes` held at the end (batch of
 all windows), `bytes_per_token` = cache_bytes / (windows x (context + continuation))
-(so eviction, codecs and latents compare per token seen), `kept` = that over the
+(so eviction, codecs and latents compare per token seen; measured, so windows, scales and
+a policy's state are in), `bytes_per_token_asymptotic` (`kvjax.held`: the long-context cost
+per stored token), `kept` = cache_bytes over the
 uncompressed fp32 cache's bytes per token.
 
 Not measured here: the long-context retrieval tasks (passkey, needle, variable tracking)
@@ -26,7 +28,7 @@ import numpy as np
 
 from kvjax import experiments as ex
 from kvjax.experiments import quality
-from kvjax import data, evaluate
+from kvjax import data, evaluate, held
 from kvjax import evict
 from kvjax.cache import latent
 from kvjax import config as config_lib
@@ -92,5 +94,6 @@ def run_cell(cfg) -> list[dict]:
                              "agreement": float(np.mean(lp.argmax(-1) == ref_lp.argmax(-1))),
                              "cache_bytes": nbytes, "cache_bytes_ref": ref_bytes,
                              "bytes_per_token": nbytes / (B * (T + M)),
+                             "bytes_per_token_asymptotic": held.asymptotic(tcfg),
                              "kept": nbytes / ref_bytes}})
   return rows

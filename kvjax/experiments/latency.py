@@ -16,7 +16,9 @@ repeat from a copy of its prefilled cache made outside the clock (`StepTimer`), 
 ratios share one run's machine noise. Rows: one per variant, `variant.setting` = its name,
 `tpot_vs_ref` = its TPOT over the reference variant's (`params.reference`, else the one
 without overrides). A policy's cache holds its budget
-plus the decode steps (`cache_bytes`); `bytes_per_token` is the codec's closed form.
+plus the decode steps (`cache_bytes`). `bytes_per_token` is what the cache holds per token
+of its `context` (`kvjax.held`, = cache_bytes / (batch x context); for paired variants the
+measured cache over batch x context), `bytes_per_token_asymptotic` the long-context cost.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import cache as cache_lib
+from kvjax import held
 from kvjax import config as config_lib
 from kvjax import experiments as ex
 from kvjax import metrics
@@ -124,8 +127,10 @@ def _interleaved_cell(cfg: config_lib.Config, cfgs: dict) -> list[dict]:
   rows = []
   for name, m in res.items():
     c = cfgs[name].cache
+    # what the prefilled cache held (a policy's budget plus the decode room), per slot
     m.update({"tokens_per_s": w.batch / m["tpot_s"], "tpot_vs_ref": m["tpot_s"] / ref,
-              "bytes_per_token": ex.bytes_per_token(cfgs[name])})
+              "bytes_per_token": m["cache_bytes"] / (w.batch * S),
+              "bytes_per_token_asymptotic": held.asymptotic(cfgs[name])})
     rows.append({
         "variant": ex.variant(cfgs[name], setting=name, policy=c.policy, budget=c.budget,
                               ratio=c.ratio, window=c.window, sinks=c.sinks),
@@ -153,7 +158,7 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
       "tokens_per_s": w.batch / m["tpot_s"],
       "prefill_tokens_per_s": w.batch * w.prompt_len / m["ttft_s"],
       "closed_form_bytes": cache_lib.LAYOUTS[cfg.cache.layout].closed_form_bytes(spec),
-      "bytes_per_token": ex.bytes_per_token(cfg),
+      **held.count(cfg, S, batch=w.batch).fields(),  # held at the context, window in
   })
   return [{
       "variant": ex.variant(cfg),

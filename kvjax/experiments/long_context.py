@@ -8,7 +8,9 @@ model in `params.models` (any source `kvjax.io.sources.parse` takes: `gguf:smoll
 `params.gen_len` answer tokens fit that context length (and the model's window), facts at `params.depths` (passkey: one example per depth; niah and vt: one
 example holding a fact per depth, each queried in turn) and returns one row per query:
 `accuracy` (1.0 or 0.0, `tasks.score`), the greedy continuation, the depth and token
-position of the fact, and the closed-form `bytes_per_token` of the setting.
+position of the fact, and `bytes_per_token`: what the setting's cache holds for the prefix
+per prefix token (`kvjax.held`: window, scales and lengths in), with
+`bytes_per_token_asymptotic` (the long-context cost per stored token) beside it.
 
 How a query is answered (see kvjax/tasks/): the prefix (instructions + haystack) is
 prefilled once through an fp32 cache, `params.chunk` tokens per call; its K/V are stored
@@ -31,9 +33,10 @@ sees it (no policy is query-aware here). That prefill is shared by every policy 
 a context, like the fp32 one of the codec settings. Such rows also carry `held_tokens`
 (prefix tokens the cache keeps), `kept` (= held / prefix tokens), `cache_bytes` (the
 compacted cache as allocated, question and answer room included) and `bytes_per_token` =
-(the codec's bytes per token + what the policy itself keeps per held token: h2o's score
-and position, 8 bytes per layer and KV head) x kept: the prefix's bytes per
-prefix token, on the same axis as the codec settings' closed form. A `ratio` is a fraction of the prefix.
+what the compacted cache holds for the prefix (the kept tokens' codec bytes + what the
+policy itself keeps per held token: h2o's score and position, 8 bytes per layer and KV
+head; `kvjax.held`) per prefix token, on the same axis as the codec settings. A `ratio` is
+a fraction of the prefix.
 
 A setting may also set `params.kv_heads`: the model's K/V projections are then mean-pooled
 into that many heads (`kvjax.io.convert.mean_pool`, no uptraining: GQA-3 -> MQA for
@@ -50,6 +53,7 @@ from kvjax import experiments as ex
 from kvjax import config as config_lib
 from kvjax import cache as cache_lib
 from kvjax import evaluate, policies, tasks
+from kvjax import held as held_lib
 from kvjax.io import convert, sources
 from kvjax.errors import KvjaxError
 
@@ -228,13 +232,12 @@ def run_cell(cfg) -> list[dict]:
                  sinks=c.sinks) if evicts else {}
     var = ex.variant(tcfg, k_axis=c.k_axis, group_size=c.group_size, residual=c.residual,
                      setting=cfg.param("setting", ""), model=src.name, **extra)
-    bpt = ex.bytes_per_token(tcfg)
-    # What the policy keeps per held token beside K/V (h2o's score and position), so its
-    # rows sit on the bytes axis with what it holds.
-    state_bpt = tcfg.model.n_layers * \
-        policies.get(c.policy).state_bytes_per_token(tcfg.model.n_kv_heads)
+    bpt = ex.bytes_per_token(tcfg)  # the codecs' bytes per stored token (policy rows show it)
     prefixes = (_query_prefixes if evicts else _prefixes)(spec, cfg, mcfg, params, tok)
     for (task, s, _, template), (e, kv) in prefixes.items():
+      # What the cache holds for this prefix (kvjax.held: the policy's kept tokens with their
+      # state, a window, scales), per prefix token, so every row sits on one bytes axis.
+      sized = held_lib.count(tcfg, e.prefix_tokens)
       held = {}
       if evicts:  # compacted to the budget; room for the padded question and the answer
         cache = tasks.evict_prefix(tcfg, kv, tail_pad + gen_len)
@@ -260,8 +263,8 @@ def run_cell(cfg) -> list[dict]:
                                   "n_facts": len(e.queries), "template": template,
                                   "gen_len": gen_len},
                      "metrics": {"accuracy": tasks.score(out, q.answer),
-                                 "bytes_per_token": (bpt + state_bpt) * held["kept"]
-                                 if held else bpt,
+                                 "bytes_per_token": sized.per_token,
+                                 "bytes_per_token_asymptotic": sized.asymptotic,
                                  "answer": q.answer, "output": out, **held}})
   return rows
 

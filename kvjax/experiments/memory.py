@@ -3,7 +3,9 @@
 Per cell (an attention variant x codec of the config's model):
   - `part: cache_bytes` rows, one per context in `params.contexts`: the cache pytree's
     bytes (`kvjax.cache.tree_bytes`) next to the closed form
-    `2 * layers * kv_heads * head_dim * tokens * bytes_per_element` (+ codec metadata).
+    `2 * layers * kv_heads * head_dim * tokens * bytes_per_element` (+ codec metadata),
+    `bytes_per_token` held at that context (`kvjax.held`, a window in) and
+    `bytes_per_token_asymptotic`, the per-token cost the summary and plot show.
     Caches up to `params.alloc_limit_mib` are really allocated; larger ones are measured
     on the abstract pytree (`jax.eval_shape`: same leaves, no memory), marked `abstract`.
   - `part: max_concurrency` rows for each real model shape in `params.shapes`
@@ -18,6 +20,7 @@ from __future__ import annotations
 import jax
 
 from kvjax import experiments as ex
+from kvjax import held
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
@@ -56,7 +59,7 @@ def _bytes_row(cfg: config_lib.Config, context: int) -> dict:
       "variant": ex.variant(cfg, model=cfg.name or "config"),
       "workload": {"part": "cache_bytes", "batch": B, "context": context, "measured": source},
       "metrics": {"cache_bytes": measured, "closed_form_bytes": closed,
-                  "bytes_per_token": ex.bytes_per_token(cfg),
+                  **held.count(cfg, context, batch=B).fields(),  # held at this context
                   "measured_bytes_per_token": measured / (B * context)},
   }
 
@@ -91,7 +94,8 @@ def _concurrency_rows(cfg: config_lib.Config, name: str) -> list[dict]:
         "workload": {"part": "max_concurrency", "context": int(context),
                      "budget_gib": budget / GIB},
         "metrics": {"max_concurrency": max(int(free // per_seq), 0) if free > 0 else 0,
-                    "bytes_per_token": per_token, "cache_bytes": per_seq,
+                    "bytes_per_token": per_seq / int(context),
+                    "bytes_per_token_asymptotic": per_token, "cache_bytes": per_seq,
                     "weight_bytes": weight_bytes, "budget_bytes": int(budget)},
     })
   return rows
@@ -105,7 +109,8 @@ def summary(rows: list[dict]) -> dict[str, list[dict]]:
   for r in sized:
     v, w, m = r["variant"], r["workload"], r["metrics"]
     rec = cells.setdefault(r["config_hash"], {
-        "variant": v["variant"], "codec": ex.cache_name(v), "bytes_per_token": m["bytes_per_token"],
+        "variant": v["variant"], "codec": ex.cache_name(v),
+        "bytes_per_token": m.get("bytes_per_token_asymptotic", m["bytes_per_token"]),
         "context": 0, "matches_closed_form": "yes", "allocated_up_to": 0})
     if m["cache_bytes"] != m["closed_form_bytes"]:
       rec["matches_closed_form"] = "NO"

@@ -11,7 +11,11 @@ uptraining) and measured against the unconverted model's fp32 cache. For each mo
   - a `task: text` row: validation text streamed token by token (`params.chunk`) through
     the cache; `ppl`, `ppl_ref` (same model, fp32 cache), `dppl_rel`, `kl`, `agreement`
     (teacher-forced greedy tokens vs the fp32 cache), `gen_agreement` (free-running greedy
-    decode of `workload.gen_len` tokens after `workload.prompt_len`), `cache_bytes`;
+    decode of `workload.gen_len` tokens after `workload.prompt_len`), `cache_bytes` (the
+    cache tree after the windows), `bytes_per_token` (what it held per token, window and
+    scales in: `kvjax.held`), `bytes_per_token_asymptotic` (the long-context cost) and
+    `bits_per_element` (all-in: held bits / (layers x 2 x KV heads x head_dim)); a window
+    holding over a quarter of the tokens is warned about on stderr;
   - `task: recall` rows, one per context in `params.recall_contexts`: associative-recall
     accuracy through this cache (`recall`) and through the fp32 cache (`recall_ref`).
 
@@ -34,13 +38,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from pathlib import Path
 
 from kvjax import experiments as ex
 import numpy as np
 
 from kvjax import cache as cache_lib
-from kvjax import data, evaluate
+from kvjax import data, evaluate, held
 from kvjax.io import convert
 from kvjax.io import sources
 from kvjax import config as config_lib
@@ -144,11 +149,16 @@ def run_cell(cfg) -> list[dict]:
     c = tcfg.cache
     var = ex.variant(tcfg, k_axis=c.k_axis, group_size=c.group_size, residual=c.residual,
                      setting=cfg.param("setting", ""), model=src.name)
-    metrics, nbytes = evaluate.compare_streamed(tcfg, params, ref["tokens"], ref["lp"], chunk)
     B, M = ref["tokens"].shape
+    warning = held.window_warning(tcfg, M)
+    if warning:
+      print(f"kvjax: warning: setting {cfg.param('setting', '')}: {warning}", file=sys.stderr)
+    metrics, nbytes = evaluate.compare_streamed(tcfg, params, ref["tokens"], ref["lp"], chunk)
+    # bytes_per_token: what this cache held for the windows (kvjax.held, = nbytes / (B M)),
+    # window and scales in; the long-context cost and the all-in bits beside it
     metrics.update(cache_bytes=nbytes, cache_bytes_ref=ref["bytes"],
-                   bytes_per_token=ex.bytes_per_token(tcfg),
-                   cache_bytes_per_token=nbytes / (B * M))
+                   cache_bytes_per_token=nbytes / (B * M),
+                   **held.count(tcfg, M, batch=B).fields())
     if ref["gen"] is not None:
       prompts, ref_gen = ref["gen"]
       got = evaluate.greedy_tokens(tcfg, params, prompts, tcfg.workload.gen_len)
@@ -234,9 +244,13 @@ def _peer_row(cfg, src, peer: str, tokens_BM, chunk: int, text: str) -> dict:
   metrics = evaluate.compare(lp, ref, tokens_BM)
   B, M = np.asarray(tokens_BM).shape
   nbytes = _quanto_bytes(cache)
-  metrics.update(cache_bytes=nbytes, cache_bytes_per_token=nbytes / (B * M),
-                 bytes_per_token=nbytes / (B * M))
   m = model.config
+  elements = m.num_hidden_layers * 2 * m.num_key_value_heads * (
+      getattr(m, "head_dim", None) or m.hidden_size // m.num_attention_heads)
+  # held at this context (its window in); no long-context figure: quanto's layout is its own
+  metrics.update(cache_bytes=nbytes, cache_bytes_per_token=nbytes / (B * M),
+                 bytes_per_token=nbytes / (B * M), held_bytes=nbytes / B,
+                 bits_per_element=8 * nbytes / (B * M) / elements)
   var = {"variant": "transformers", "peer": "quanto", "codec": f"quanto-int{bits}",
          "k_codec": f"quanto-int{bits}", "v_codec": f"quanto-int{bits}", "residual": residual,
          "setting": peer, "model": src.name, "kv_heads": m.num_key_value_heads,
@@ -253,5 +267,7 @@ def summary(rows: list[dict]) -> list[dict]:
       out.append({"model": v.get("variant"), "setting": v.get("setting"),
                   "ppl": m["ppl"], "ppl_ref": m["ppl_ref"], "dppl_%": 100 * m["dppl_rel"],
                   "kl": m["kl"], "agreement": m["agreement"],
-                  "bytes_per_token": m.get("bytes_per_token")})
+                  "bytes_per_token": m.get("bytes_per_token"),
+                  "bytes_per_token_asymptotic": m.get("bytes_per_token_asymptotic"),
+                  "bits_per_element": m.get("bits_per_element")})
   return out

@@ -1,7 +1,8 @@
 """roofline: how close decode runs to the memory-bandwidth limit, per variant and codec.
 
 Decode is memory-bound: a step cannot be faster than the bytes it must read (every
-weight matrix once, plus each sequence's live K/V with its codec's scales) divided by
+weight matrix once, plus what each sequence's cache holds at its live length: K/V with the
+codec's scales, a residual window and lengths, `kvjax.held`) divided by
 the memory bandwidth. This experiment times `workload.gen_len - 1` compiled decode steps
 from a cache already holding `workload.prompt_len` tokens per sequence, `workload.repeats`
 times, and right before each repeat measures the bandwidth (a large streaming reduction,
@@ -25,7 +26,7 @@ import numpy as np
 
 from kvjax import config as config_lib
 from kvjax import experiments as ex
-from kvjax import metrics, program
+from kvjax import held, metrics, program
 from kvjax.errors import KvjaxError
 
 
@@ -59,12 +60,15 @@ class Bandwidth:
                                            warmup=0)["median"]
 
 
-def step_bytes(cfg: config_lib.Config, params, batch: int, live: float) -> dict:
-  """Bytes one decode step must read: weights (embedding only if tied) + live K/V."""
+def step_bytes(cfg: config_lib.Config, params, batch: int, held_from: int, steps: int) -> dict:
+  """Bytes one decode step must read, averaged over `steps` steps whose caches hold
+  `held_from + 1` ... `held_from + steps` tokens: weights (embedding only if tied) + the live
+  cache (`kvjax.held`: K/V codes, scales, a residual window, lengths), not the capacity."""
   weights = metrics.tree_bytes(params)
   if not cfg.model.tie_embeddings:
     weights -= metrics.tree_bytes(params["embed_tokens"])
-  kv = batch * live * ex.bytes_per_token(cfg)
+  live = config_lib.replace(cfg, **{"cache.capacity": 0})
+  kv = batch * sum(held.count(live, held_from + i).bytes for i in range(1, steps + 1)) / steps
   return {"weight_bytes": weights, "kv_bytes": kv, "step_bytes": weights + kv}
 
 
@@ -98,8 +102,7 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
     ts.append(timer.once())
   del meter
   t = metrics.summarize(ts)
-  live = w.prompt_len + (steps + 1) / 2  # tokens held, averaged over the timed steps
-  m = step_bytes(cfg, params, w.batch, live)
+  m = step_bytes(cfg, params, w.batch, w.prompt_len, steps)
   bw = statistics.median(bws)
   fractions = metrics.summarize([m["step_bytes"] / b / s for b, s in zip(bws, ts)])
   m.update({"tpot_s": t["median"], "tpot_s_iqr": t["iqr"], "tpot_s_min": t["min"],
@@ -107,7 +110,8 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
             "roofline_fraction": fractions["median"],
             "roofline_fraction_iqr": fractions["iqr"],
             "achieved_Bps": m["step_bytes"] / t["median"],
-            "tokens_per_s": w.batch / t["median"], "bytes_per_token": ex.bytes_per_token(cfg),
+            "tokens_per_s": w.batch / t["median"],
+            **held.count(cfg, w.prompt_len).fields(),
             "kv_fraction": m["kv_bytes"] / m["step_bytes"]})
   return [{
       "variant": ex.variant(cfg),

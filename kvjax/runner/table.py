@@ -1,5 +1,6 @@
 """The summary table of results rows: rows flattened to records, values as text (times in
-ms, bytes in KiB/MiB/GiB) and records as an aligned plain-text table.
+ms, bytes in KiB/MiB/GiB) and records as an aligned plain-text table. Bytes per token are
+what the cache held at the row's context (`kvjax.held.row_bytes`), for older rows too.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from typing import Any
 from kvjax import memory
 
 # Metric columns of the summary table, in this order when present.
-TABLE_METRICS = ("bytes_per_token", "cache_bytes", "closed_form_bytes", "max_concurrency",
+TABLE_METRICS = ("bytes_per_token", "bytes_per_token_asymptotic", "bits_per_element",
+                 "cache_bytes", "closed_form_bytes", "max_concurrency",
                  "ttft_s", "tpot_s", "tokens_per_s", "speedup_vs_recompute", "peak_bytes",
                  "roofline_fraction", "ppl", "ppl_ref", "kl", "agreement", "recall",
                  "memory_utilization", "prefix_hit_rate")
@@ -24,6 +26,9 @@ def flatten(row: dict, all_metrics: bool = False) -> dict:
       if not isinstance(v, (dict, list)):
         rec[k] = v
   metrics = row.get("metrics", {})
+  if metrics.get("bytes_per_token") is not None:  # as held at the row's context, whatever
+    from kvjax import held                         # version wrote the row (kvjax.held)
+    metrics = {**metrics, **{k: v for k, v in held.row_bytes(row).items() if v is not None}}
   for k in TABLE_METRICS:
     if metrics.get(k) is not None:
       rec[k] = metrics[k]

@@ -27,6 +27,17 @@ CODEC_STYLES = {"fp32": ("-", "o"), "bf16": ("--", "s"), "fp16": ((0, (8, 2)), "
 LAYOUT_COLORS = {"none": "#444444", "contiguous": "#1f77b4", "paged": "#2ca02c"}
 
 
+def bytes_per_token(row: dict) -> float:
+  """A row's cache bytes per token as `kvjax.held` counts them: what the cache held at the
+  row's context (window, scales, a policy's state in), for rows of any vintage."""
+  import sys
+  root = str(Path(__file__).resolve().parents[2])
+  if root not in sys.path:  # this checkout's kvjax, whichever is installed
+    sys.path.insert(0, root)
+  from kvjax import held
+  return held.row_bytes(row)["bytes_per_token"]
+
+
 def variant_color(name: str) -> str:
   if name in VARIANT_COLORS:
     return VARIANT_COLORS[name]

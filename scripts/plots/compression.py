@@ -13,7 +13,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from plots import human_bytes, save
+from plots import bytes_per_token, human_bytes, save
 
 
 def method(v: dict) -> str:
@@ -34,8 +34,8 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     groups.setdefault(method(r["variant"]), []).append(r)
   fig, ax = plt.subplots(figsize=(7.5, 4.8))
   for name, rs in sorted(groups.items()):
-    rs = sorted(rs, key=lambda r: r["metrics"]["bytes_per_token"])
-    xs = [r["metrics"]["bytes_per_token"] for r in rs]
+    rs = sorted(rs, key=lambda r: bytes_per_token(r))
+    xs = [bytes_per_token(r) for r in rs]
     ys = [r["metrics"]["ppl"] / r["metrics"]["ppl_ref"] for r in rs]
     ax.plot(xs, ys, marker="o", ls="-" if len(rs) > 1 else "none", label=name)
   ax.set_xscale("log", base=2)

@@ -62,7 +62,8 @@ def _bytes_vs_context(rows, out_dir):
 
 def _bytes_per_token(rows, out_dir):
   variants, codecs = _keys(rows)
-  per = {(r["variant"]["variant"], cache_label(r)): r["metrics"]["bytes_per_token"]
+  per = {(r["variant"]["variant"], cache_label(r)):  # the per-token cost, long context
+         r["metrics"].get("bytes_per_token_asymptotic", r["metrics"]["bytes_per_token"])
          for r in rows}
   fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(codecs) + 2), 4.5))
   width = 0.8 / len(variants)

@@ -17,7 +17,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from plots import cache_label, save, variant_color, variant_order
+from plots import bytes_per_token, cache_label, save, variant_color, variant_order
 
 
 def _setting(r) -> str:
@@ -41,11 +41,8 @@ def _variants(rows):
 
 
 def _bpt(r) -> float:
-  """Measured bytes per token (the pytree over batch x context), else the closed form."""
-  m, w = r["metrics"], r["workload"]
-  if "cache_bytes" in m and w.get("batch") and w.get("context"):
-    return m["cache_bytes"] / (w["batch"] * w["context"])
-  return m["bytes_per_token"]
+  """Bytes the cache held per token at the row's context (`plots.bytes_per_token`)."""
+  return bytes_per_token(r)
 
 
 CAP = 5.0  # Δppl (%) axis limit; larger values are drawn at the edge with their value

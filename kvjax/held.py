@@ -1,0 +1,221 @@
+"""What a cache setting holds: the one count of cache bytes every report uses.
+
+    h = held.count(cfg, context)            # one sequence after `context` tokens
+    h.bytes, h.per_token, h.asymptotic, h.bits_per_element, h.fields()
+
+`bytes` is what the cache pytree of that setting holds for one sequence (the sum of its
+leaves, `cache.tree_bytes`, divided by the batch): the layout's `closed_form_bytes` at the
+capacity the cache is built with, so everything the tree holds is in it: codes, scales and
+zeros, the full-precision residual window (`cache.residual`, allocated whole even before it
+fills), the quantized history rounded up to whole key blocks, pages rounded up to whole
+pages (a configured `cache.num_pages` pool is shared out evenly), a policy's budget in
+place of the context (`cache.policy`: the compacted layouts) with its per-token state
+(h2o's scores, `Policy.state_bytes_per_token`), and the int32 lengths / block tables.
+
+`per_token` = bytes / context: what a user sees as "bytes per token" at that context.
+`asymptotic` is the cost of one more stored token in the limit of a long context (K + V
+codes and scales over all layers, plus the policy's state): what `per_token` tends to as the
+window, the rounding and the fixed metadata amortise away (for a policy, per *held* token).
+`bits_per_element` = 8 x per_token / (layers x 2 x KV heads x head_dim): bits per K/V
+element all-in (scales, windows, state included; for a latent cache, per element of the
+dense K/V it replaces).
+
+A window holding more than a quarter of the tokens evaluated makes `per_token` far from
+`asymptotic`; `window_warning` says so in one line. Users: `kvjax eval` and `kvjax size`,
+the quality, long_context, latency, memory and roofline rows (the roofline's step bytes are
+`count` at each step's live length), and, through `row_bytes` (which also reads rows
+written before this count existed), `kvjax results`, the run summaries, the doc tables and
+the plots' bytes axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from kvjax.config import Config
+from kvjax.errors import KvjaxError
+
+WINDOW_SHARE = 0.25  # a window holding more than this share of the tokens is warned about
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+  """Cache bytes of one sequence of a setting at one context (see the module docstring)."""
+
+  context: int       # tokens the sequence has seen
+  tokens: int        # tokens the cache keeps (a policy's budget, else the context)
+  bytes: float       # what the cache tree holds for this sequence
+  asymptotic: float  # bytes per stored token in the long-context limit
+  elements: int      # K/V elements one token has across layers (L x 2 x K x D)
+  layout: str        # the layout that holds the tokens
+
+  @property
+  def per_token(self) -> float:
+    return self.bytes / self.context
+
+  @property
+  def bits_per_element(self) -> float:
+    return 8 * self.per_token / self.elements
+
+  def fields(self) -> dict:
+    """The row / --json fields: `bytes_per_token` (held at this context),
+    `bytes_per_token_asymptotic`, `bits_per_element` (all-in) and `held_bytes`."""
+    return {"bytes_per_token": self.per_token, "bytes_per_token_asymptotic": self.asymptotic,
+            "bits_per_element": self.bits_per_element, "held_bytes": self.bytes}
+
+
+def layout_name(cfg: Config) -> str:
+  """The layout that holds the tokens: a cache.policy's compacted one, else cache.layout."""
+  if cfg.cache.policy != "full":
+    return "paged_compacted" if cfg.cache.layout == "paged" else "compacted"
+  return cfg.cache.layout
+
+
+def asymptotic(cfg: Config) -> float:
+  """Bytes one more stored token costs over all layers, long-context limit."""
+  from kvjax import codecs, policies
+  m, c = cfg.model, cfg.cache
+  if c.layout == "none" and c.policy == "full":
+    return 4.0  # the token id, recomputed into K/V at every step
+  k, v = codecs.for_role(c.k_codec, c, "k"), codecs.for_role(c.v_codec, c, "v")
+  if c.layout == "latent":
+    return m.n_layers * k.bytes_per_token(1, m.latent_rank)
+  state = policies.get(c.policy).state_bytes_per_token(m.n_kv_heads)
+  return m.n_layers * (k.bytes_per_token(m.n_kv_heads, m.D)
+                       + v.bytes_per_token(m.n_kv_heads, m.D) + state)
+
+
+def count(cfg: Config, context: int, batch: int = 1, capacity: int = 0) -> Held:
+  """What one of `batch` sequences holds after `context` tokens; the cache is built for
+  `max(capacity, cache.capacity, context)` tokens (a policy: for the tokens it keeps)."""
+  from kvjax import cache
+  from kvjax.cache import compact
+  if context <= 0:
+    raise KvjaxError(f"a context of {context} tokens holds nothing; use a positive context")
+  kept = compact.held_tokens(cfg.cache, context)
+  cap = kept if cfg.cache.policy != "full" else max(capacity, cfg.cache.capacity, context)
+  name = layout_name(cfg)
+  spec = cache.CacheSpec.from_config(cfg, batch, cap)
+  m = cfg.model
+  return Held(context=context, tokens=kept,
+              bytes=cache.LAYOUTS[name].closed_form_bytes(spec) / batch,
+              asymptotic=asymptotic(cfg), elements=m.n_layers * 2 * m.n_kv_heads * m.D,
+              layout=name)
+
+
+def window_warning(cfg: Config, tokens: int) -> str | None:
+  """One line when the residual window holds more than a quarter of `tokens`, else None."""
+  R = cfg.cache.residual
+  if not R or R <= WINDOW_SHARE * tokens:
+    return None
+  h = count(cfg, tokens)
+  return (f"cache.residual={R} keeps {min(R, tokens)} of {tokens} tokens in full precision: "
+          f"{h.per_token:,.0f} B/token held at {tokens} tokens against {h.asymptotic:,.0f} "
+          f"B/token in the long-context limit; use at least {int(R / WINDOW_SHARE)} tokens "
+          "to measure the quantized cache rather than its window")
+
+
+# -- results rows of any vintage --------------------------------------------------------------
+_CACHE_KEYS = ("layout", "k_codec", "v_codec", "k_axis", "group_size", "residual", "page_size",
+               "policy", "budget", "ratio", "window", "sinks")
+
+
+_CONFIGS: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _shape(name: str) -> Config:
+  from kvjax import config as config_lib
+  return config_lib.load(config_lib.shape_path(name))
+
+
+def row_config(row: dict) -> Config | None:
+  """The setting a kvjax results row records, on its model's packaged shape
+  (`kvjax/shapes/<variant.model>.yaml`, with the row's KV heads), or None (a peer's row, a
+  model without a packaged shape)."""
+  import json
+  key = json.dumps([row.get("variant"), row.get("config", {}).get("cache")], sort_keys=True,
+                   default=str)
+  if key not in _CONFIGS:  # building a config validates it: once per setting, not per row
+    _CONFIGS[key] = _row_config(row)
+  return _CONFIGS[key]
+
+
+def _row_config(row: dict) -> Config | None:
+  from kvjax import config as config_lib
+  v = row.get("variant", {})
+  if v.get("peer") or not v.get("model") or not config_lib.shape_path(v["model"]).is_file():
+    return None
+  cache = {f"cache.{k}": val for k, val in row.get("config", {}).get("cache", {}).items()
+           if k in _CACHE_KEYS}
+  cache.update({f"cache.{k}": v[k] for k in _CACHE_KEYS if v.get(k) is not None})
+  cfg = _shape(v["model"])
+  if v.get("kv_heads"):
+    cache["model.n_kv_heads"] = v["kv_heads"]
+  if v.get("latent_rank"):
+    cache["model.latent_rank"] = v["latent_rank"]
+  try:
+    return config_lib.apply_overrides(cfg, cache, check=False)  # as recorded: it ran
+  except KvjaxError:  # a setting this version no longer builds: the row's own fields stand
+    return None
+
+
+def row_tokens(row: dict) -> int | None:
+  """Tokens a row's cache was measured or is counted at: context (+ continuation) of a text
+  row; the prefix (else the prompt, else the context) of a long-context query; None when
+  the row names no context."""
+  w = row.get("workload", {})
+  if w.get("task") == "text" and w.get("context"):
+    return w["context"] + w.get("continuation", 0)
+  return w.get("prefix_tokens") or w.get("prompt_tokens") or w.get("context")
+
+
+_ROWS: dict = {}
+
+
+def row_bytes(row: dict) -> dict:
+  """`bytes_per_token` (held at the row's context), `bytes_per_token_asymptotic` and
+  `bits_per_element` of a results row, whenever it was written: its own fields when written
+  through `count`; else the measured `cache_bytes` over batch x tokens where the row has
+  them, else `count` of the setting it records (`row_config`) at `row_tokens`. The
+  asymptote of an older kvjax row without a packaged shape is its `bytes_per_token` (then
+  the codec's closed form); a peer's is None, and so are bits without a shape."""
+  m, w = row.get("metrics", {}), row.get("workload", {})
+  if "bytes_per_token_asymptotic" in m:
+    return {k: m.get(k) for k in ("bytes_per_token", "bytes_per_token_asymptotic",
+                                  "bits_per_element")}
+  import json
+  key = json.dumps([row.get("variant"), row.get("config", {}).get("cache"), row_tokens(row),
+                    w.get("task") == "text" and w.get("batch"), m.get("cache_bytes"),
+                    m.get("bytes_per_token")], sort_keys=True, default=str)
+  if key not in _ROWS:  # a results file repeats one setting over many queries
+    _ROWS[key] = _row_bytes(row)
+  return dict(_ROWS[key])
+
+
+def _row_bytes(row: dict) -> dict:
+  m, w = row.get("metrics", {}), row.get("workload", {})
+  cfg, T = row_config(row), row_tokens(row)
+  if not T:  # nothing to count at: the row's own figure, as written
+    return {"bytes_per_token": m.get("bytes_per_token"),
+            "bytes_per_token_asymptotic": m.get("bytes_per_token"), "bits_per_element": None}
+  if m.get("cache_bytes") and w.get("batch") and w.get("task") == "text":
+    per_token = m["cache_bytes"] / (w["batch"] * T)
+  elif cfg is not None:
+    per_token = count(cfg, T).per_token
+  else:
+    per_token = m.get("bytes_per_token")
+  limit = asymptotic(cfg) if cfg is not None else (
+      None if row.get("variant", {}).get("peer") else m.get("bytes_per_token"))
+  shape = cfg
+  if shape is None and row.get("variant", {}).get("model"):
+    from kvjax import config as config_lib
+    name = row["variant"]["model"]
+    shape = _shape(name) if config_lib.shape_path(name).is_file() else None
+  bits = None
+  if shape is not None and per_token is not None:
+    kv = row.get("variant", {}).get("kv_heads") or shape.model.n_kv_heads
+    bits = 8 * per_token / (shape.model.n_layers * 2 * kv * shape.model.D)
+  return {"bytes_per_token": per_token, "bytes_per_token_asymptotic": limit,
+          "bits_per_element": bits}

@@ -152,10 +152,11 @@ def complete_rows(rows: list[dict]) -> tuple[list[dict], set[str]]:
   done = {h for h in got if len(need[h]) == 1 and len(got[h]) >= min(need[h])}
   seen, keep = set(), []
   for row in rows:  # a complete cell's rows, each once
-    if not isinstance(row, dict) or "cell" not in row or row.get("config_hash") not in done:
+    if (not isinstance(row, dict) or "cell" not in row or shape_problem(row)
+        or row["config_hash"] not in done):
       continue
     key = (row["config_hash"], row["cell"]["row"])
-    if key not in seen and not shape_problem(row):
+    if key not in seen:
       seen.add(key)
       keep.append(row)
   return keep, done

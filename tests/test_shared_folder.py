@@ -215,3 +215,25 @@ def test_bad_shard_values_are_one_line(cfg, tmp_path, capsys, value, needle):
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1 and err.startswith("kvjax: error:")
   assert not out.exists()
+
+
+def test_every_reader_reads_a_cell_written_twice_once(cfg, tmp_path, capsys):
+  """A folder two old runs (no locks) both wrote, plus a shard file repeating them: the
+  table and the plots read each cell's rows once, the first file's."""
+  import importlib
+  sys.path.insert(0, str(ROOT / "scripts"))
+  try:
+    plots = importlib.import_module("plots")
+  finally:
+    sys.path.remove(str(ROOT / "scripts"))
+  out = tmp_path / "out"
+  runner.run_file(cfg, out_dir=out, progress=False)
+  data = (out / "memory.jsonl").read_bytes()
+  (out / "memory.jsonl").write_bytes(data + data)
+  (out / "memory.shard-1-of-2.jsonl").write_bytes(data)
+  from kvjax.runner import results
+  first = runner.read_rows(out / "memory.jsonl")[:8]
+  assert results.load(out) == first
+  rows, skipped = plots.scan_rows(out)
+  assert rows["memory"] == first
+  assert any("8 rows of cells already read" in s for s in skipped)

@@ -81,8 +81,8 @@ def codec_order(name: str) -> tuple:
 
 def scan_rows(results_dir: str | Path) -> tuple[dict[str, list[dict]], list[str]]:
   """(rows of every *.jsonl under a folder grouped by experiment, what was skipped and why).
-  A cell's row that an earlier line or file already holds (runs that shared a folder, or
-  `--shard` parts) is skipped: the first one wins."""
+  A cell's row (same experiment, config and row number) that an earlier line or file already
+  holds (runs that shared a folder, or `--shard` parts) is skipped: the first one wins."""
   out: dict[str, list[dict]] = {}
   skipped = []
   root = Path(results_dir)
@@ -98,8 +98,9 @@ def scan_rows(results_dir: str | Path) -> tuple[dict[str, list[dict]], list[str]
         torn += 1
         continue
       cell = row.get("cell") if isinstance(row, dict) else None
-      key = None if not isinstance(cell, dict) else (str(row.get("config_hash")),
-                                                     str(cell.get("row")))
+      key = None if not isinstance(cell, dict) else json.dumps(
+          [row.get(k) for k in ("experiment", "config_hash", "config")] + [cell.get("row")],
+          sort_keys=True, default=str)
       if key is not None and key in seen:
         repeated += 1
       elif isinstance(row, dict) and "experiment" in row and "metrics" in row:

@@ -176,7 +176,7 @@ def test_shards_cover_the_grid_once_and_merge_on_read(cfg, tmp_path, calls, caps
   assert len(list(csv.DictReader(io.StringIO(capsys.readouterr().out)))) == 8
   report = runner.run_file(cfg, out_dir=out, progress=False)  # the whole grid: all done
   assert report["ran"] == 0 and report["rows"] == 8
-  assert "merged from 2 files" in capsys.readouterr().err
+  assert "its 2 memory files merged" in capsys.readouterr().err
 
 
 def test_a_shard_skips_cells_another_file_in_the_folder_holds(cfg, tmp_path):

@@ -218,6 +218,7 @@ def run_file(path: str | Path, overrides: list[str] | dict | None = None,
     print(format_table(recs, drop_constant=plain))
   files = [p for p in shard_lib.results_files(folder, name) if p.is_file()]
   print(f"{len(rows)} rows in {own}" if files == [own] else
-        f"{len(rows)} rows in {folder} (merged from {len(files)} files)", file=sys.stderr)
+        f"{len(rows)} rows of these cells in {folder} (its {len(files)} {name} files merged)",
+        file=sys.stderr)
   return {"experiment": name, "path": str(own), "cells": len(mine), "ran": ran,
           "rows": len(rows)}

@@ -190,7 +190,8 @@ def test_a_shard_skips_cells_another_file_in_the_folder_holds(cfg, tmp_path):
 
 def test_long_context_keeps_the_settings_of_a_context_in_one_shard():
   import kvjax.experiments.long_context as lc
-  _, cells = runner.expand(ROOT / "configs" / "long_context.yaml")
+  _, cells = runner.expand(ROOT / "configs" / "long_context.yaml",
+                           ["grid.params.setting=[fp32, int8, int4]"])  # 4 contexts x 3
   contexts = {c.cfg.param("context") for c in cells}
   for n in (1, 2, 3, 5):
     parts = [shard.select(cells, lc, (i, n)) for i in range(1, n + 1)]
@@ -200,7 +201,7 @@ def test_long_context_keeps_the_settings_of_a_context_in_one_shard():
       for c in part:
         assert owner.setdefault(c.cfg.param("context"), i) == i  # one part per context
     assert set(owner) == contexts
-  assert [len(shard.select(cells, lc, (i, 5))) for i in range(1, 6)] == [7, 7, 7, 7, 0]
+  assert [len(shard.select(cells, lc, (i, 5))) for i in range(1, 6)] == [3, 3, 3, 3, 0]
 
 
 @pytest.mark.parametrize("value,needle", [

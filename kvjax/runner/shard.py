@@ -5,7 +5,8 @@ Cells that share work stay in one part: an experiment may define `share_key(cfg)
 cells with one key form a group (long_context: the settings of one context share its
 prefill); without it every cell is its own group. Groups, in grid order, are dealt to the
 parts in turn (group k to part k mod N + 1), so the N parts cover the grid with no cell in
-two of them. Each part writes its own file, `<experiment>.shard-I-of-N.jsonl` (a lock does
+two of them (the parts come from the grid: give every part the same config and `--set`).
+Each part writes its own file, `<experiment>.shard-I-of-N.jsonl` (a lock does
 not hold across machines on a shared filesystem); every reader merges the files of a folder
 (`results_files`), the first complete row of a cell winning.
 """

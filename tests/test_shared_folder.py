@@ -220,7 +220,8 @@ def test_bad_shard_values_are_one_line(cfg, tmp_path, capsys, value, needle):
 
 def test_every_reader_reads_a_cell_written_twice_once(cfg, tmp_path, capsys):
   """A folder two old runs (no locks) both wrote, plus a shard file repeating them: the
-  table and the plots read each cell's rows once, the first file's."""
+  table and the plots read each cell's rows once, the first file's. The same cell in a
+  subfolder (another machine's run) is another measurement and is kept."""
   import importlib
   sys.path.insert(0, str(ROOT / "scripts"))
   try:
@@ -232,9 +233,12 @@ def test_every_reader_reads_a_cell_written_twice_once(cfg, tmp_path, capsys):
   data = (out / "memory.jsonl").read_bytes()
   (out / "memory.jsonl").write_bytes(data + data)
   (out / "memory.shard-1-of-2.jsonl").write_bytes(data)
+  (out / "gpu").mkdir()
+  (out / "gpu" / "memory.jsonl").write_bytes(data)
   from kvjax.runner import results
   first = runner.read_rows(out / "memory.jsonl")[:8]
-  assert results.load(out) == first
+  assert results.load(out) == first + first
   rows, skipped = plots.scan_rows(out)
-  assert rows["memory"] == first
-  assert any("8 rows of cells already read" in s for s in skipped)
+  assert rows["memory"] == first + first
+  assert [s.split(":")[0] for s in skipped if "8 rows of cells already read" in s] == \
+      ["memory.jsonl", "memory.shard-1-of-2.jsonl"]

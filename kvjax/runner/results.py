@@ -5,9 +5,10 @@ fields, the known metrics, then every other scalar metric), with its experiment 
 keeps raw values in SI units (seconds, bytes); markdown formats them as the run's summary
 table does (times in ms, bytes in KiB/MiB/GiB).
 
-The files of a folder are merged (a sweep split with `--shard`, or runs that shared it): a
-row of a cell that an earlier file, or an earlier line, already holds is left out (the first
-complete row of a cell wins). Corrupt lines are skipped with one warning line per file
+The files of one folder are merged (a sweep split with `--shard`, or runs that shared it): a
+row of a cell that an earlier file or line of the same folder already holds is left out (the
+first complete row of a cell wins); the same cell in another folder is another run (another
+machine, say) and is kept. Corrupt lines are skipped with one warning line per file
 naming their line numbers; when no row is left, the error names them instead.
 """
 
@@ -38,7 +39,7 @@ def load(path: str | Path, experiment: str | None = None) -> list[dict]:
     got = scan(f)
     problems += [f"{f}: {describe(got.problems)}"] if got.problems else []
     for r in got.rows:
-      key = (r.get("config_hash"), r["cell"]["row"]) if "cell" in r else None
+      key = (f.parent, r["config_hash"], r["cell"]["row"]) if "cell" in r else None
       if isinstance(r.get("metrics"), dict) and isinstance(r.get("experiment"), str) and (
           key is None or key not in seen):
         seen.add(key)

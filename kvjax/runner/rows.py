@@ -45,7 +45,7 @@ def shape_problem(row: Any) -> str | None:
   if not isinstance(row, dict):
     return "not a JSON object"
   if "cell" not in row:  # a row another tool wrote: experiment and metrics are enough
-    if "config" in row or "env" in row:
+    if "experiment" in row and "config" in row and "env" in row:
       return "cell is missing (a kvjax run row has one)"
     if "metrics" in row and not isinstance(row["metrics"], dict):
       return "metrics is not an object"

@@ -81,8 +81,9 @@ def codec_order(name: str) -> tuple:
 
 def scan_rows(results_dir: str | Path) -> tuple[dict[str, list[dict]], list[str]]:
   """(rows of every *.jsonl under a folder grouped by experiment, what was skipped and why).
-  A cell's row (same experiment, config and row number) that an earlier line or file already
-  holds (runs that shared a folder, or `--shard` parts) is skipped: the first one wins."""
+  A cell's row (same experiment, config and row number) that an earlier line or file of the
+  same folder already holds (runs that shared it, or `--shard` parts) is skipped: the first
+  one wins (the same cell in another folder, another machine's run say, is kept)."""
   out: dict[str, list[dict]] = {}
   skipped = []
   root = Path(results_dir)
@@ -99,7 +100,8 @@ def scan_rows(results_dir: str | Path) -> tuple[dict[str, list[dict]], list[str]
         continue
       cell = row.get("cell") if isinstance(row, dict) else None
       key = None if not isinstance(cell, dict) else json.dumps(
-          [row.get(k) for k in ("experiment", "config_hash", "config")] + [cell.get("row")],
+          [str(path.parent), cell.get("row")] + [row.get(k) for k in ("experiment",
+                                                                    "config_hash", "config")],
           sort_keys=True, default=str)
       if key is not None and key in seen:
         repeated += 1

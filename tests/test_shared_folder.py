@@ -115,6 +115,27 @@ def test_two_concurrent_runs_into_one_folder_write_one_row_per_cell(cfg, tmp_pat
   assert len(list(csv.DictReader(io.StringIO(capsys.readouterr().out)))) == 8
 
 
+def test_rows_follow_the_file_when_another_run_repairs_it(cfg, tmp_path, calls, capsys):
+  """Run A has written a cell (its file open) when run B starts and repairs the file (a torn
+  line a killed third run left): B replaces the file, and A's next rows go to the new one."""
+  out = tmp_path / "out"
+  _, cells = runner.expand(cfg)
+  entered = calls.gate("A", cells[1].hash)
+  errors = []
+  a = start("A", lambda: runner.run_file(cfg, out_dir=out, progress=False), errors)
+  assert entered.wait(WAIT_S)
+  with (out / "memory.jsonl").open("a") as f:
+    f.write('{"experiment": "memory", "cell": {"in')  # what a killed run left
+  b = start("B", lambda: runner.run_file(cfg, out_dir=out, progress=False), errors)
+  a.join(WAIT_S)
+  b.join(WAIT_S)
+  assert not errors and not a.is_alive() and not b.is_alive()
+  assert "torn" in capsys.readouterr().err  # B repaired the file
+  rows = runner.read_rows(out / "memory.jsonl")
+  assert len(rows) == 8 and len(set(keys(rows))) == 8
+  assert sorted(h for _, h in calls) == sorted(c.hash for c in cells)
+
+
 def test_a_claim_whose_holder_dies_does_not_block(cfg, tmp_path, calls, capsys):
   """Another process claims cell 0 and is killed before it writes a row: the run takes the
   other cells, waits for cell 0, and runs it once its holder is gone."""

@@ -110,6 +110,7 @@ def test_two_concurrent_runs_into_one_folder_write_one_row_per_cell(cfg, tmp_pat
   assert len(rows) == 8 and len(set(keys(rows))) == 8
   assert reports["A"]["ran"] + reports["B"]["ran"] == 4
   assert reports["A"]["rows"] == reports["B"]["rows"] == 8
+  assert not (out / claims.LOCK_DIR).exists()  # no lock file is left behind
   assert "being run by another process" in capsys.readouterr().err  # B waited for cell 0
   assert cli.main(["results", str(out), "--format", "csv"]) == 0
   assert len(list(csv.DictReader(io.StringIO(capsys.readouterr().out)))) == 8

@@ -207,6 +207,7 @@ def run_file(path: str | Path, overrides: list[str] | dict | None = None,
       bar.update(1)
   finally:
     out.close()
+    claims.tidy(folder)
   bar.close()
   hashes = {c.hash for c in mine}
   rows = [r for r in complete_rows(merged_rows(folder, name, quiet=True))[0]

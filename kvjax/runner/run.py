@@ -182,8 +182,11 @@ def run_file(path: str | Path, overrides: list[str] | dict | None = None,
   folder = _folder(base, out_dir)
   own = folder / shard_lib.file_name(name, shard)
   folder.mkdir(parents=True, exist_ok=True)
-  with claims.locked(folder, own.name):
-    repair(own)
+  try:
+    with claims.locked(folder, own.name):
+      repair(own)
+  finally:
+    claims.tidy(folder)
   done = complete_rows(merged_rows(folder, name, quiet=(own,)))[1]
   todo = [c for c in mine if c.hash not in done]
   part = f" shard {shard[0]}/{shard[1]}: {len(mine)} of" if shard else ":"

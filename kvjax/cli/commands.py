@@ -187,8 +187,8 @@ def cmd_generate(args) -> dict:
 def cmd_run(args):
   from kvjax import runner
   if args.dry_run:
-    return runner.dry_run(args.file, overrides=args.set, out_dir=args.out)
-  return runner.run_file(args.file, overrides=args.set, out_dir=args.out)
+    return runner.dry_run(args.file, overrides=args.set, out_dir=args.out, shard=args.shard)
+  return runner.run_file(args.file, overrides=args.set, out_dir=args.out, shard=args.shard)
 
 
 def cmd_results(args):

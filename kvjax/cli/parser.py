@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
   r.add_argument("--out", metavar="DIR", help="results folder (default results/<name>)")
   r.add_argument("--dry-run", action="store_true",
                  help="list the cells and their resolved cache settings; run nothing")
+  r.add_argument("--shard", metavar="I/N",
+                 help="run the I-th (1-based) of N disjoint parts of the grid into its own "
+                 "file in --out (a job array); readers merge the parts")
   _add_set(r)
   _add_distributed(r)
   r.set_defaults(func=cmd_run)

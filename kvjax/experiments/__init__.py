@@ -3,7 +3,8 @@
 Each module defines `run_cell(cfg) -> list[dict]` (rows with `variant`, `workload` and
 `metrics` dicts; the runner adds the rest) and may define `check(cfg)`, host-side limits
 checked for every cell before any cell runs, and `summary(rows) -> list[dict]`, the
-flat records of the table printed at the end. The helpers below are what several
+flat records of the table printed at the end, and `share_key(cfg)`, equal for cells that
+share work (`kvjax run --shard` keeps them in one part). The helpers below are what several
 experiments share; the experiment runner (`kvjax.runner`) finds them by name.
 """
 

@@ -88,6 +88,12 @@ def _context(cfg) -> int:
   return int(n)
 
 
+def share_key(cfg) -> int:
+  """Cells with one key share work, so `kvjax run --shard` keeps them in one part: every
+  setting of a context reads that context's prefills (`_prefixes`, `_query_prefixes`)."""
+  return _context(cfg)
+
+
 def check(cfg) -> None:
   name = cfg.param("setting", "")
   settings = _settings(cfg)

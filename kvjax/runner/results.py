@@ -4,6 +4,12 @@ Each row is flattened by `runner.flatten` (kvjax.runner.table: its variant and w
 fields, the known metrics, then every other scalar metric), with its experiment first. CSV
 keeps raw values in SI units (seconds, bytes); markdown formats them as the run's summary
 table does (times in ms, bytes in KiB/MiB/GiB).
+
+The files of one folder are merged (a sweep split with `--shard`, or runs that shared it): a
+row of a cell that an earlier file or line of the same folder already holds is left out (the
+first complete row of a cell wins); the same cell in another folder is another run (another
+machine, say) and is kept. Corrupt lines are skipped with one warning line per file
+naming their line numbers; when no row is left, the error names them instead.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import io
 from pathlib import Path
 
 from kvjax.errors import KvjaxError
-from kvjax.runner.rows import read_rows
+from kvjax.runner.rows import describe, scan, warn
 from kvjax.runner.table import cell_text, flatten, is_seconds
 
 FORMATS = ("csv", "markdown")
@@ -28,10 +34,22 @@ def load(path: str | Path, experiment: str | None = None) -> list[dict]:
     files = [path]
   else:
     raise KvjaxError(f"no results file or folder {path}; pass what `kvjax run --out` wrote")
-  rows = [r for f in files for r in read_rows(f)
-          if isinstance(r.get("metrics"), dict) and "experiment" in r]
+  rows, seen, problems = [], set(), []
+  for f in files:
+    got = scan(f)
+    problems += [f"{f}: {describe(got.problems)}"] if got.problems else []
+    for r in got.rows:
+      key = (f.parent, r["config_hash"], r["cell"]["row"]) if "cell" in r else None
+      if isinstance(r.get("metrics"), dict) and isinstance(r.get("experiment"), str) and (
+          key is None or key not in seen):
+        seen.add(key)
+        rows.append(r)
   if not rows:
-    raise KvjaxError(f"no results rows in {path}; run `kvjax run CONFIG --out {path}` first")
+    why = f" ({'; '.join(problems)})" if problems else ""
+    raise KvjaxError(f"no readable results rows in {path}{why}; run `kvjax run CONFIG --out "
+                     f"{path if path.is_dir() else path.parent}` first")
+  for line in problems:
+    warn(f"{line} skipped")
   if experiment:
     known = sorted({r["experiment"] for r in rows})
     rows = [r for r in rows if r["experiment"] == experiment]

@@ -252,6 +252,11 @@ def test_generate_matches_no_cache_and_never_retraces(layout, monkeypatch):
   assert decode.TRACES == before
 
 
+def ex_params(cfg):
+  from kvjax import experiments
+  return experiments.random_params(cfg.model, cfg.seed)
+
+
 def test_roofline_experiment_rows_and_plot(tmp_path):
   """One tiny cell end to end: the bytes add up, the fraction is ideal / measured, and the
   plot writes PNG + SVG."""
@@ -268,6 +273,18 @@ def test_roofline_experiment_rows_and_plot(tmp_path):
   # B x (live tokens L (K+V) heads (int8 + fp16 scale) + int32 length), 41 and 42 live
   assert m["kv_bytes"] == pytest.approx(1 * (41.5 * 2 * 2 * 2 * (8 + 2) + 4))
   assert m["roofline_fraction"] == pytest.approx(m["ideal_s"] / m["tpot_s"])  # one repeat
+  # The arithmetic roof: 2 FLOPs per multiply-add of each weight matrix (tied lm_head
+  # included) and of the attention over the 41.5 live tokens on average, at the probe's rate.
+  p = ex_params(cfg)
+  mats = sum(a.size for a in jax.tree.leaves(p) if a.ndim >= 2)
+  assert m["weight_flops"] == 2 * (mats - p["embed_tokens"]["embedding"].size)  # untied
+  assert m["attention_flops"] == pytest.approx(2 * 2 * 2 * 4 * 8 * 41.5)
+  rate = m["dot_Fps"]
+  assert m["flops_s"] == pytest.approx(m["weight_flops"] / rate[m["weight_dot"]] +
+                                       m["attention_flops"] / rate[m["attention_dot"]])
+  assert m["roof_s"] == max(m["ideal_s"], m["flops_s"])
+  assert m["bound"] == ("bytes" if m["ideal_s"] >= m["flops_s"] else "flops")
+  assert m["roof_fraction"] == pytest.approx(m["roof_s"] / m["tpot_s"])
   sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
   from plots import roofline as plot_roofline
   row["env"] = {"backend": "cpu", "device_kind": "cpu"}

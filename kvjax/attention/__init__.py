@@ -3,7 +3,8 @@ registry and the shared online softmax are in `base`; `pallas` reads each stored
 with a Pallas kernel. Every module of this folder is imported here and registers itself."""
 
 from kvjax import plugins
-from kvjax.attention.base import ATTENTIONS, MASKED, check, get, register, update  # noqa: F401
+from kvjax.attention.base import (ATTENTIONS, MASKED, check, get, register, resolve,  # noqa: F401
+                                  update)
 
 plugins.import_all(__name__, __path__)
 

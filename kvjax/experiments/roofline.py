@@ -10,7 +10,14 @@ times, and right before each repeat measures the bandwidth (a large streaming re
 
   roofline_fraction = median over repeats of (step_bytes / bandwidth_i) / tpot_i
 
-with `tpot_s`, the byte counts and the achieved bandwidth. The cache is filled by setting
+with `tpot_s`, the byte counts and the achieved bandwidth. It also reports the second
+roof, the step's arithmetic: `step_flops` (2 per multiply-add of every weight matrix per
+sequence, the tied lm_head included, plus the attention's two products over the live
+tokens) divided by the throughput of the dot that arithmetic runs on, measured in the same
+process (`DotProbe`: a square float32, bf16 and int8 matmul; the weights' products use
+`model.param_dtype`'s, the attention's float32 for the CPU read kernel, else its codec's
+dot type). `bound` says which roof is higher (`bytes` or `flops`), `roof_s` is that roof
+and `roof_fraction` = roof_s / tpot. The cache is filled by setting
 its lengths (contents are zeros: decode speed does not depend on values), so no prefill
 is timed and a cell at 8k context costs seconds, not minutes. The embedding table is not
 counted (a step gathers B rows of it) unless it is tied to the lm_head.
@@ -60,6 +67,55 @@ class Bandwidth:
                                            warmup=0)["median"]
 
 
+class DotProbe:
+  """Multiply-adds per second XLA gives a square `n` x `n` matmul, per operand type
+  (float32, bfloat16 accumulated in float32, int8 accumulated in int32): what the step's
+  arithmetic could run at when nothing else limits it."""
+
+  TYPES = {"f32": (jnp.float32, jnp.float32), "bf16": (jnp.bfloat16, jnp.float32),
+           "s8": (jnp.int8, jnp.int32)}
+
+  def __init__(self, n: int = 512):
+    self.n, self._calls = n, {}
+    for name, (dt, acc) in self.TYPES.items():
+      a = jnp.ones((n, n), dt)
+      f = jax.jit(lambda x, y, acc=acc: jax.lax.dot(x, y, preferred_element_type=acc))
+      comp = f.lower(a, a).compile()
+      jax.block_until_ready(comp(a, a))
+      self._calls[name] = (comp, a)
+
+  def measure(self, passes: int = 3) -> dict:
+    """FLOP/s (2 per multiply-add) per operand type, median over `passes`."""
+    out = {}
+    for name, (comp, a) in self._calls.items():
+      t = metrics.time_call(lambda comp=comp, a=a: comp(a, a), repeats=passes, warmup=0)
+      out[name] = 2 * self.n ** 3 / t["median"]
+    return out
+
+
+def step_flops(cfg: config_lib.Config, params, batch: int, held_from: int, steps: int) -> dict:
+  """FLOPs (2 per multiply-add) of one decode step, averaged over the `steps` timed steps:
+  every weight matrix once per sequence (the lm_head too: the embedding table when tied),
+  and the attention's logits and values over each sequence's live tokens."""
+  m = cfg.model
+  mats = sum(a.size for a in jax.tree.leaves(params) if a.ndim >= 2)
+  if not m.tie_embeddings:  # the table is gathered, not multiplied; the lm_head is its own
+    mats -= params["embed_tokens"]["embedding"].size
+  live = held_from + (steps + 1) / 2
+  attn = 2 * 2 * m.n_layers * m.n_heads * m.D * live
+  return {"weight_flops": 2 * batch * mats, "attention_flops": batch * attn}
+
+
+def attention_dot(cfg: config_lib.Config) -> str:
+  """The operand type of the attention's arithmetic: float32 in the CPU read kernel (and the
+  XLA read, which widens codes first); bf16 or int8 in the stored-type dots."""
+  from kvjax import attention, kernels  # noqa: PLC0415
+  if attention.resolve(cfg.model.attention) != "native" or kernels.available():
+    return "f32"
+  return "s8" if cfg.cache.k_codec in ("int8", "int4", "int2") else \
+      "bf16" if cfg.cache.k_codec in ("bf16", "fp8_e4m3", "fp8_e5m2") else "f32"
+
+
 def step_bytes(cfg: config_lib.Config, params, batch: int, held_from: int, steps: int) -> dict:
   """Bytes one decode step must read, averaged over `steps` steps whose caches hold
   `held_from + 1` ... `held_from + steps` tokens: weights (embedding only if tied) + the live
@@ -93,14 +149,16 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
   steps = max(w.gen_len - 1, 1)
   timer = FilledDecode(cfg, params, w.batch, w.prompt_len, steps, capacity(cfg))
   meter = Bandwidth(cfg.param("bandwidth_mib", 512))
+  probe = DotProbe()
   timer.once()  # warm-up
   # Each repeat measures the bandwidth right before its decode and pairs the two: a slow
   # phase of a shared machine (seconds long) slows both, and their ratio stands.
-  bws, ts = [], []
+  bws, ts, dots = [], [], []
   for _ in range(w.repeats):
     bws.append(meter.measure())
+    dots.append(probe.measure())
     ts.append(timer.once())
-  del meter
+  del meter, probe
   t = metrics.summarize(ts)
   m = step_bytes(cfg, params, w.batch, w.prompt_len, steps)
   bw = statistics.median(bws)
@@ -113,6 +171,15 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
             "tokens_per_s": w.batch / t["median"],
             **held.count(cfg, w.prompt_len).fields(),
             "kv_fraction": m["kv_bytes"] / m["step_bytes"]})
+  m.update(step_flops(cfg, params, w.batch, w.prompt_len, steps))
+  wdot = "bf16" if cfg.model.param_dtype == "bfloat16" else "f32"
+  adot = attention_dot(cfg)
+  rate = {k: statistics.median(d[k] for d in dots) for k in DotProbe.TYPES}
+  flops_s = m["weight_flops"] / rate[wdot] + m["attention_flops"] / rate[adot]
+  roof = max(m["ideal_s"], flops_s)
+  m.update({"dot_Fps": rate, "weight_dot": wdot, "attention_dot": adot,
+            "flops_s": flops_s, "bound": "bytes" if m["ideal_s"] >= flops_s else "flops",
+            "roof_s": roof, "roof_fraction": roof / t["median"]})
   return [{
       "variant": ex.variant(cfg),
       "workload": {"batch": w.batch, "prompt_len": w.prompt_len, "gen_len": w.gen_len,
@@ -132,6 +199,8 @@ def summary(rows: list[dict]) -> list[dict]:
     out.append({"variant": v["variant"], "codec": ex.cache_name(v), "batch": w["batch"],
                 "context": w["context"], "tpot_ms": m["tpot_s"] * 1e3,
                 "roofline_fraction": m["roofline_fraction"],
+                "bound": m.get("bound", "bytes"),
+                "roof_fraction": m.get("roof_fraction", m["roofline_fraction"]),
                 "achieved_GBps": m["achieved_Bps"] / 1e9,
                 "bandwidth_GBps": m["bandwidth_Bps"] / 1e9,
                 "tpot_vs_bf16": m["tpot_s"] / base if base else float(np.nan)})

@@ -65,13 +65,8 @@ def cmd_size(args) -> dict:
     cfg = hf.load_config(args.hf, {"model.param_dtype": param_dtype})
     param_dtype = f"{param_dtype} ({source})"
   elif args.config:
-    import yaml
-    cfg = config_lib.load(args.config)
-    try:
-      text = config_lib.shape_path(args.config).read_text()  # a file, or a packaged shape
-      file_items = config_lib.flat(yaml.safe_load(text) or {})
-    except (yaml.YAMLError, KvjaxError):
-      file_items = {}
+    cfg = config_lib.load(args.config)  # refuses a bad file, so reading it again succeeds
+    file_items = config_lib.flat(config_lib.read_yaml(config_lib.shape_path(args.config)) or {})
     param_dtype = f"{cfg.model.param_dtype} (model.param_dtype)"
   elif args.gguf:
     from kvjax.io import sources

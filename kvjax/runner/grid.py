@@ -11,8 +11,6 @@ import pkgutil
 import sys
 from pathlib import Path
 
-import yaml
-
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
 
@@ -145,7 +143,7 @@ def expand(path: str | Path, overrides: list[str] | dict | None = None
   # File-level errors (missing, malformed, unknown keys) come from here, one line each;
   # shape checks wait for the cells: a base may be valid only with each cell's values.
   config_lib.load(path, check=False)
-  raw = yaml.safe_load(Path(path).read_text()) or {}
+  raw = config_lib.read_yaml(config_lib.shape_path(path)) or {}
   over = overrides if isinstance(overrides, dict) else config_lib.parse_set(overrides)
   axes, plain = _grid_axes(raw, over or {})
   file_items = config_lib.flat(raw)

@@ -32,6 +32,11 @@ from kvjax.cache import latent
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
 
+# The params.NAME options this experiment reads (`setting` and `settings` are every
+# experiment's); `kvjax run` refuses any other, which would be accepted and ignored.
+PARAMS = quality.PARAMS | frozenset({"context", "continuation", "eval_seqs", "latent_rank",
+                                     "text"})
+
 _REF: dict = {}
 
 

@@ -46,6 +46,12 @@ from kvjax.io import sources
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
 
+# The params.NAME options this experiment reads (`setting` and `settings` are every
+# experiment's); `kvjax run` refuses any other, which would be accepted and ignored.
+PARAMS = frozenset({"checkpoints", "chunk", "eval_seqs", "eval_tokens", "gen_prompts",
+                    "kv_heads", "models", "peer", "peer_residual", "recall_contexts",
+                    "recall_seqs", "text"})
+
 _REF: dict = {}
 
 

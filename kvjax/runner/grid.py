@@ -83,8 +83,36 @@ def _params_of(items: dict) -> dict:
   if not isinstance(params, dict):
     raise KvjaxError("params: must be a mapping of experiment options (name: value)")
   params = dict(params)
-  params.update({k[7:]: v for k, v in items.items() if k.startswith("params.")})
+  for key, value in items.items():
+    if not key.startswith("params."):
+      continue
+    name, _, sub = key[7:].partition(".")
+    if not sub:
+      params[name] = value
+      continue
+    # `--set params.settings.k8v4={...}` adds (or replaces) one paired setting
+    if name != "settings":
+      raise KvjaxError(f"'{key}': only params.settings.NAME reaches inside an option; "
+                       f"set params.{name} whole")
+    table = params.get("settings") or {}
+    if not isinstance(table, dict):
+      raise KvjaxError("params.settings must map setting names to overrides")
+    params["settings"] = {**table, sub: value}
   return params
+
+
+def check_params(module, cells: list) -> None:
+  """Refuse experiment options the experiment does not read (its `PARAMS`; `setting` and
+  `settings` are every experiment's): they would be accepted and have no effect."""
+  known = getattr(module, "PARAMS", None)
+  if known is None:
+    return
+  names = {k for cell in cells for k, _ in cell.cfg.params} - {"setting", "settings"}
+  extra = sorted(names - set(known))
+  if extra:
+    name = module.__name__.rsplit(".", 1)[-1]
+    raise KvjaxError(f"params.{extra[0]} is not an option of experiment {name}; it reads "
+                     f"{', '.join(sorted(known)) or 'none'} (and setting, settings)")
 
 
 def setting_overrides(params: dict) -> dict:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
-from kvjax.runner.grid import Cell, coords_str, expand, load_experiment
+from kvjax.runner.grid import Cell, check_params, coords_str, expand, load_experiment
 from kvjax.runner.rows import check_rows, clean, complete_rows, json_default, read_rows, repair
 from kvjax.runner.table import flatten, format_table
 
@@ -41,7 +41,7 @@ def dry_run(path: str | Path, overrides: list[str] | dict | None = None,
   """List the cells `run_file` would run, with their resolved cache settings; run nothing
   (nor the experiment's own checks, which may need checkpoints), write nothing."""
   base, cells = expand(path, overrides)
-  load_experiment(base.experiment)
+  check_params(load_experiment(base.experiment), cells)
   path_out = _out_path(base, out_dir)
   done = complete_rows(read_rows(path_out))[1]
   recs = [{**cell_record(c), "status": "done" if c.hash in done else "to run"} for c in cells]
@@ -64,6 +64,7 @@ def run_file(path: str | Path, overrides: list[str] | dict | None = None,
   module = load_experiment(name)
   if not cells:
     raise KvjaxError("the grid expands to no cells; give every grid key at least one value")
+  check_params(module, cells)
   check = getattr(module, "check", None)
   for cell in cells:  # host-side limits of every cell before anything runs
     if check is not None:

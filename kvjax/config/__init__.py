@@ -14,7 +14,7 @@ and their keys), `loader` (YAML, `--set`, overrides, packaged shapes), `checks` 
 and validation) and `yamlfile` (strict YAML: duplicate keys, alias cycles, non-UTF-8 refused).
 """
 
-from kvjax.config.checks import check_number, validate
+from kvjax.config.checks import check_number, range_of, validate
 from kvjax.config.yamlfile import read as read_yaml
 from kvjax.config.loader import (SHAPES_DIR, apply_overrides, expand_codec, flat, from_dict,
                                  load, parse_set, replace, resolve, shape_names, shape_path)
@@ -24,4 +24,4 @@ from kvjax.config.schema import (DTYPES, SECTIONS, CacheConfig, Config, MeshConf
 __all__ = ["DTYPES", "SECTIONS", "SHAPES_DIR", "CacheConfig", "Config", "MeshConfig",
            "ModelConfig", "TrainConfig", "WorkloadConfig", "apply_overrides", "check_number",
            "expand_codec", "field_type", "flat", "from_dict", "known_keys", "load", "parse_set",
-           "read_yaml", "replace", "resolve", "shape_names", "shape_path", "validate"]
+           "range_of", "read_yaml", "replace", "resolve", "shape_names", "shape_path", "validate"]

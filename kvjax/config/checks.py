@@ -79,6 +79,11 @@ def _interval(rng: tuple, value: Any = None) -> str:
   return f"in {'[' if lo_in else '('}{_num(lo)}, {_num(hi)}{']' if hi_in else ')'}"
 
 
+def range_of(key: str) -> tuple:
+  """The allowed (low, low included, high, high included) of a numeric config key."""
+  return _RANGES[key]
+
+
 def check_number(key: str, value: Any, rng: tuple, integer: bool) -> None:
   """Raise a one-line KvjaxError unless `value` is a finite int/float inside `rng`."""
   kind = "an integer" if integer else "a finite number"

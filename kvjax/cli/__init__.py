@@ -10,10 +10,12 @@ fix into that one line; this module holds `main` and that error handling.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from kvjax.cli.commands import CODEC_NAMES, DEFAULT_CODEC, LAYOUT_NAMES
 from kvjax.cli.parser import build_parser
@@ -79,6 +81,30 @@ def _out_of_memory(e: BaseException) -> bool:
   return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e)[:2000]
 
 
+def _inside(path: str, folder: str) -> bool:
+  try:
+    Path(path).resolve().relative_to(Path(folder).resolve())
+    return True
+  except (ValueError, OSError):
+    return False
+
+
+def _os_message(e: OSError, args) -> str:
+  """An OS error as advice about the path it concerns: what the command writes (its --out,
+  or `kvjax run`'s default results/ folder) or what it reads (a --config, --text, ...)."""
+  path = e.filename
+  what = f"{e.strerror or e}" + (f": {path}" if path else "")
+  out = getattr(args, "out", None) or ("results" if getattr(args, "command", "") == "run"
+                                       else None)
+  if e.errno in (errno.ENOSPC, errno.EDQUOT):
+    return f"{what}; free space or choose another --out (rows already written are kept)"
+  if path and out and _inside(str(path), str(out)):
+    return f"{what}; choose another --out or fix its permissions (rows already written are kept)"
+  if path:
+    return f"{what}; check that this path exists and is readable by you"
+  return f"{what}; check the paths given on the command line"
+
+
 def _fail(message: str) -> int:
   _close_bars()
   print(f"kvjax: error: {message}", file=sys.stderr)
@@ -87,6 +113,7 @@ def _fail(message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
   _quiet_libraries()
+  args = None
   try:
     argv = _attach_prompt_ids(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
@@ -109,10 +136,8 @@ def main(argv: list[str] | None = None) -> int:
   except BrokenPipeError:  # `kvjax size ... | head -1`: the reader left; nothing to report
     _silence_stdout()
     return 0
-  except OSError as e:  # an --out that is a file, a read-only folder, a full disk...
-    where = f": {e.filename}" if e.filename else ""
-    return _fail(f"{e.strerror or e}{where}; check the path or free space, or choose another "
-                 "--out (rows already written are kept)")
+  except OSError as e:  # an unreadable input, an --out that is a file, a full disk...
+    return _fail(_os_message(e, args))
   except KeyboardInterrupt:
     _close_bars()
     print("kvjax: interrupted; rows already written are kept", file=sys.stderr)

@@ -142,7 +142,8 @@ def cmd_generate(args) -> dict:
   from kvjax.io import sources
 
   over = _cache_overrides(args, _sampling_overrides(args))
-  cfg, params, tok = sources.load(sources.from_args(args), over)
+  src = sources.from_args(args)
+  cfg, params, tok = sources.load(src, over)
   if args.prompt is not None:
     if tok is None:
       raise KvjaxError("this model has no tokenizer; pass --prompt-ids 1,2,3 instead of --prompt")
@@ -171,7 +172,9 @@ def cmd_generate(args) -> dict:
   result.update({"variant": cfg.model.variant, "layout": cfg.cache.layout,
                  "policy": cfg.cache.policy,
                  "k_codec": cfg.cache.k_codec, "v_codec": cfg.cache.v_codec,
-                 "batch": len(prompts), "random_weights": not (args.hf or args.checkpoint)})
+                 "batch": len(prompts), "source": str(src),
+                 # only a config's model is initialised here; every other source read weights
+                 "random_weights": src.kind == "config"})
   return result
 
 

@@ -48,8 +48,10 @@ def check(cfg) -> None:
 
 def _tokens(cfg, mcfg, tok):
   n = int(cfg.param("context", 512)) + int(cfg.param("continuation", 64))
-  text = data.eval_text(str(cfg.param("text", "stdlib")))
-  return evaluate.text_windows(tok, text, n, int(cfg.param("eval_seqs", 2)))
+  text = data.eval_text(str(cfg.param("text", "stdlib")), what="params.text")
+  return evaluate.text_windows(tok, text, n, int(cfg.param("eval_seqs", 2)),
+                               ("params.context + params.continuation", "params.eval_seqs",
+                                "params.text"))
 
 
 def _reference(src, cfg, mcfg, params, tok):

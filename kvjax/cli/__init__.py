@@ -18,11 +18,11 @@ import sys
 from pathlib import Path
 
 from kvjax.cli.commands import CODEC_NAMES, DEFAULT_CODEC, LAYOUT_NAMES
-from kvjax.cli.parser import build_parser
+from kvjax.cli.parser import NUMBER_FLAGS, build_parser
 from kvjax.cli.show import print_human
 from kvjax.errors import KvjaxError
 
-__all__ = ["CODEC_NAMES", "DEFAULT_CODEC", "LAYOUT_NAMES", "build_parser", "main"]
+__all__ = ["CODEC_NAMES", "DEFAULT_CODEC", "LAYOUT_NAMES", "build_parser", "main", "parse_args"]
 
 
 def _silence_stdout() -> None:
@@ -62,18 +62,26 @@ def _close_bars() -> None:
     bar.close()
 
 
-def _attach_prompt_ids(argv: list[str]) -> list[str]:
-  """`--prompt-ids -1,2` -> `--prompt-ids=-1,2`: argparse reads a value that starts with
-  '-' as a flag, so the bad id would never reach the check that names it."""
+def _attach_values(argv: list[str]) -> list[str]:
+  """`--prompt-ids -1,2` -> `--prompt-ids=-1,2`, `--seed -1e+16` -> `--seed=-1e+16`:
+  argparse reads a value that starts with '-' (other than a plain negative number) as a
+  flag, so the bad value would never reach the check that names it."""
+  takes = NUMBER_FLAGS | {"--prompt-ids"}
   out, i = [], 0
   while i < len(argv):
-    if argv[i] == "--prompt-ids" and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-      out.append(f"--prompt-ids={argv[i + 1]}")
+    if argv[i] in takes and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+      out.append(f"{argv[i]}={argv[i + 1]}")
       i += 2
     else:
       out.append(argv[i])
       i += 1
   return out
+
+
+def parse_args(argv: list[str]):
+  """The parsed command line, as `main` reads it (a bad value is a one-line KvjaxError)."""
+  parser = build_parser()  # (fills NUMBER_FLAGS)
+  return parser.parse_args(_attach_values(list(argv)))
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -115,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
   _quiet_libraries()
   args = None
   try:
-    argv = _attach_prompt_ids(list(sys.argv[1:] if argv is None else argv))
-    args = build_parser().parse_args(argv)
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
     if hasattr(args, "distributed"):
       from kvjax import distributed
       distributed.initialize_distributed(args.coordinator, args.num_processes, args.process_id,

@@ -12,10 +12,15 @@ from kvjax.cli.commands import (CODEC_NAMES, DEFAULT_CODEC, LAYOUT_NAMES, cmd_co
 from kvjax.errors import KvjaxError
 
 
+NUMBER_FLAGS: set[str] = set()  # every flag `_number` types (kvjax.cli attaches their values)
+
+
 def _number(flag: str, key: str | tuple, integer: bool = True):
   """An argparse `type` for a numeric flag: parsed, then held to the range of its config key
   (or to the range given) by the check the key itself gets, the message naming the flag."""
   from kvjax.config import check_number, range_of
+
+  NUMBER_FLAGS.add(flag)
 
   def parse(text: str):
     try:

@@ -99,10 +99,14 @@ def _check_graph(node, where: str) -> None:
 def parse(text: str, where: str) -> Any:
   """The value of one YAML document, strictly (see the module doc); `where` names its
   origin in messages (`config file x.yaml`, `--set a=b`)."""
-  loader = StrictLoader(text)
-  loader.where = where
+  loader = None
   try:
+    loader = StrictLoader(text)  # its reader refuses control characters right here
+    loader.where = where
     return loader.get_single_data()
+  except yaml.reader.ReaderError as e:
+    raise SyntaxProblem(f"malformed YAML in {where}: {e.reason} (#x{e.character:04x} at "
+                        f"character {e.position}); remove that character") from None
   except yaml.YAMLError as e:
     mark = getattr(e, "problem_mark", None)
     line = f" line {mark.line + 1}" if mark else ""
@@ -111,7 +115,8 @@ def parse(text: str, where: str) -> Any:
   except RecursionError:
     raise KvjaxError(f"{where} nests too deeply to read; flatten its structure") from None
   finally:
-    loader.dispose()
+    if loader is not None:
+      loader.dispose()
 
 
 def read(path: str | Path) -> Any:

@@ -30,7 +30,6 @@ from kvjax import data, evaluate
 from kvjax import evict
 from kvjax.cache import latent
 from kvjax import config as config_lib
-from kvjax.errors import KvjaxError
 
 # The params.NAME options this experiment reads (`setting` and `settings` are every
 # experiment's); `kvjax run` refuses any other, which would be accepted and ignored.
@@ -41,9 +40,9 @@ _REF: dict = {}
 
 
 def check(cfg) -> None:
+  ex.check_int_params(cfg, {"context": (512, 2), "continuation": (64, 2), "eval_seqs": (2, 1),
+                            "latent_rank": (0, 0)})
   quality.check(cfg)
-  if int(cfg.param("context", 512)) < 2 or int(cfg.param("continuation", 64)) < 2:
-    raise KvjaxError("params.context and params.continuation must be >= 2")
 
 
 def _tokens(cfg, mcfg, tok):

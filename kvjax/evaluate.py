@@ -248,13 +248,13 @@ def eval_cli(src, overrides: dict, text: str = "stdlib", tokens: int = 512, seqs
   if seqs < 1:
     raise KvjaxError(f"--seqs must be >= 1, got {seqs}")
   text_source = data.eval_text(text)  # a missing or empty --text before any weight loads
+  max_len = sources.load_config(src, overrides).model.max_seq_len  # (no weights read)
+  if tokens > max_len:
+    raise KvjaxError(f"--tokens {tokens} exceeds model.max_seq_len={max_len}; lower --tokens")
   cfg, params, tok = sources.load(src, overrides)
   if tok is None:
     raise KvjaxError("this model has no tokenizer, so it cannot read --text; use a model "
                      "with one (--gguf, --hf, or a config with tokenizer: bytes)")
-  if tokens > cfg.model.max_seq_len:
-    raise KvjaxError(f"--tokens {tokens} exceeds model.max_seq_len={cfg.model.max_seq_len}; "
-                     "lower --tokens")
   windows = text_windows(tok, text_source, tokens, seqs)
   B, M = windows.shape
   with tqdm(total=2 * B * M, desc="eval", unit="tok", disable=None if progress else True,

@@ -98,6 +98,8 @@ def test_eval_numbers_are_checked_before_any_weight_loads(capsys, monkeypatch, t
   monkeypatch.setattr(sources, "load", lambda *a, **k: pytest.fail("weights loaded"))
   assert "--tokens must be >= 2" in one_error_line(capsys, "eval", "--config", tiny_yaml,
                                                    "--tokens", "1")
+  line = one_error_line(capsys, "eval", "--config", tiny_yaml, "--tokens", "5000")
+  assert "--tokens 5000 exceeds model.max_seq_len=4096" in line
 
 
 def test_experiment_numbers_are_named_and_checked_before_models_load(tmp_path, monkeypatch):

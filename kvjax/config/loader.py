@@ -1,5 +1,5 @@
-"""Building a config: YAML files (or packaged model shapes by name), `--set key=value`
-items and {dotted key: value} overrides, coerced to each field's type, resolved
+"""Building a config: YAML files (or packaged model shapes by name; read strictly by
+`kvjax.config.yamlfile`), `--set key=value` items and {dotted key: value} overrides, coerced to each field's type, resolved
 (`cache.codec` -> K and V codecs) and validated (`kvjax.config.checks`).
 """
 

@@ -166,7 +166,7 @@ def set_leaf(tree, path: str, value: float):
 @pytest.mark.parametrize("scaling, needle", [
     ({"rope_type": "yarn", "factor": 4}, "rope_type 'yarn' is not implemented; kvjax "
                                          "implements default, llama3"),
-    ({"factor": 4}, "rope_type None is not implemented"),
+    ({"factor": 4}, "model.rope_scaling names no rope_type; kvjax implements default, llama3"),
     ({"rope_type": "default", "factor": 4}, "model.rope_scaling.factor is not used by "
                                             "rope_type default"),
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

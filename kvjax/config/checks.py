@@ -28,7 +28,7 @@ _RANGES = {
     "model.vocab_size": _POS, "model.d_model": _POS, "model.n_layers": _POS,
     "model.n_heads": _POS, "model.n_kv_heads": _POS, "model.head_dim": _NONNEG,
     "model.d_ff": _NONNEG,
-    # theta > 1: the rotary frequencies theta^(-2i/D) decay with i (theta <= 1 gives none)
+    # theta > 1: the rotary frequencies theta^(-2i/D) decay with i (theta <= 1: they do not)
     "model.rope_theta": (1, False, F32_MAX, True),
     # added to a mean square of activations: at least float32's smallest normal, at most 1
     "model.norm_eps": (F32_TINY, True, 1, True),
@@ -45,7 +45,7 @@ _RANGES = {
     "workload.repeats": _POS,
     "mesh.data": _POS, "mesh.model": _POS,
     "train.steps": _POS, "train.batch": _POS, "train.seq_len": _POS,
-    "train.lr": (F32_TINY, True, 1, True),  # AdamW steps of at most 1 per unit update
+    "train.lr": (F32_TINY, True, 1, True),  # AdamW moves a weight by about lr per step
     "train.min_lr_ratio": _UNIT, "train.warmup": _NONNEG,
     "train.weight_decay": _UNIT,  # decoupled: lr * weight_decay <= 1 never flips a sign
     "train.b1": _UNIT_OPEN, "train.b2": _UNIT_OPEN, "train.grad_clip": _POS_F,
@@ -110,6 +110,9 @@ def _check_rope_scaling(scaling: dict) -> None:
   if not scaling:
     return
   kind = scaling.get("rope_type", scaling.get("type"))
+  if kind is None:
+    raise KvjaxError(f"model.rope_scaling names no rope_type; kvjax implements "
+                     f"{', '.join(ROPE_TYPES)} (set model.rope_scaling={{}} for none)")
   if kind not in ROPE_TYPES:
     raise KvjaxError(f"model.rope_scaling rope_type {kind!r} is not implemented; kvjax "
                      f"implements {', '.join(ROPE_TYPES)} (set model.rope_scaling={{}} for none)")

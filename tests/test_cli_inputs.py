@@ -198,6 +198,10 @@ def test_set_params_settings_name_adds_a_setting_that_takes_effect(capsys, tmp_p
                          "--set", "params.setting=k8")
   assert rc == 0, err
   assert re.search(r"\bk8\b.*\bint8\b.*\bfp32\b", out), out
+  assert "no cell selects" not in err
+  rc, out, err = run_cli(capsys, "run", path, "--dry-run",
+                         "--set", "params.settings.k8={cache.k_codec: int8}")
+  assert rc == 0 and "kvjax run: note: no cell selects params.settings k8;" in err, err
 
 
 def test_every_experiment_declares_the_options_its_source_reads():

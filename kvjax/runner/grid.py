@@ -189,6 +189,13 @@ def expand(path: str | Path, overrides: list[str] | dict | None = None
     if cell.hash not in seen:  # a value listed twice is one cell
       seen.add(cell.hash)
       cells.append(cell)
+  table = _params_of({**file_items, **plain}).get("settings") or {}
+  unused = sorted(set(table) - {c.cfg.param("setting", "") for c in cells}) \
+      if isinstance(table, dict) else []
+  if unused:
+    print(f"kvjax run: note: no cell selects params.settings {', '.join(map(str, unused))}; "
+          "select one with params.setting or a grid axis params.setting: [...]",
+          file=sys.stderr)
   if "cache.codec" in axes and all("cache.codec" not in c.coords for c in cells):
     print("kvjax run: note: the grid's cache.codec axis has no effect here: explicit "
           "cache.k_codec and cache.v_codec beat cache.codec", file=sys.stderr)

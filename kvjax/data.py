@@ -76,11 +76,12 @@ def stdlib_documents() -> dict[str, bytes]:
   return docs
 
 
-def folder_documents(path: Path) -> dict[str, bytes]:
+def folder_documents(path: Path, what: str = "train.data") -> dict[str, bytes]:
+  """The text files under a folder; `what` is the key or flag that named it (messages)."""
   files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
   if not files:
     raise KvjaxError(f"no text files ({', '.join(TEXT_SUFFIXES[:5])}, ...) under {path}; "
-                     "point train.data at a text file or a folder of them")
+                     f"point {what} at a text file or a folder of them")
   return {p.relative_to(path).as_posix(): p.read_bytes() for p in files}
 
 
@@ -95,20 +96,20 @@ def _stream(docs: list[bytes]) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=2)
-def eval_text(source: str = "stdlib", val_fraction: float = 0.05) -> str:
+def eval_text(source: str = "stdlib", val_fraction: float = 0.05, what: str = "--text") -> str:
   """Evaluation text for a model with its own tokenizer: the validation documents of the
   stdlib corpus (the same split `load_corpus` holds out), joined by blank lines; or a
-  text file's whole content."""
+  text file's whole content. `what` is the flag or key that named it (for messages)."""
   if source == "stdlib":
     docs = stdlib_documents()
     names = [n for n in docs if is_validation(n, val_fraction)]
     return "\n\n".join(docs[n].decode("utf-8", errors="replace") for n in names)
   path = Path(source).expanduser()
   if path.is_dir():
-    docs = folder_documents(path)
+    docs = folder_documents(path, what)
     return "\n\n".join(d.decode("utf-8", errors="replace") for d in docs.values())
   if not path.is_file():
-    raise KvjaxError(f"--text '{source}' is neither 'stdlib' nor an existing file or folder")
+    raise KvjaxError(f"{what} '{source}' is neither 'stdlib' nor an existing file or folder")
   return path.read_text(encoding="utf-8", errors="replace")
 
 
@@ -151,22 +152,28 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
   return float(-(p * np.log(p)).sum())
 
 
-def windows(stream: np.ndarray, batch: int, seq_len: int, rng: np.random.Generator) -> np.ndarray:
-  """`batch` random windows of `seq_len + 1` tokens (inputs and shifted targets)."""
+def _need(stream: np.ndarray, seq_len: int, split: str, what: str) -> None:
+  if len(stream) < seq_len + 1:
+    raise KvjaxError(f"the {split} holds {len(stream)} tokens, but a window of {what}={seq_len} "
+                     f"needs {seq_len + 1} (its inputs and the next token); lower {what} or "
+                     "add text")
+
+
+def windows(stream: np.ndarray, batch: int, seq_len: int, rng: np.random.Generator,
+            what: str = "train.seq_len") -> np.ndarray:
+  """`batch` random windows of `seq_len + 1` tokens (inputs and shifted targets); `what`
+  names the key that set seq_len (messages)."""
+  _need(stream, seq_len, "corpus split", what)
   n = len(stream) - seq_len - 1
-  if n <= 0:
-    raise KvjaxError(f"the corpus split holds {len(stream)} tokens, fewer than seq_len+1="
-                     f"{seq_len + 1}; lower train.seq_len or add text")
-  starts = rng.integers(0, n, size=batch)
+  starts = rng.integers(0, n, size=batch) if n > 0 else np.zeros(batch, np.int64)
   return np.stack([stream[s:s + seq_len + 1] for s in starts])
 
 
-def eval_windows(stream: np.ndarray, n: int, seq_len: int) -> np.ndarray:
+def eval_windows(stream: np.ndarray, n: int, seq_len: int,
+                 what: str = "train.seq_len") -> np.ndarray:
   """`n` fixed, evenly spaced windows of `seq_len + 1` tokens (the same every call)."""
+  _need(stream, seq_len, "validation split", what)
   limit = len(stream) - seq_len - 1
-  if limit <= 0:
-    raise KvjaxError(f"the validation split holds {len(stream)} tokens, fewer than seq_len+1="
-                     f"{seq_len + 1}; lower the sequence length or add text")
   starts = np.linspace(0, limit, n).astype(np.int64)
   return np.stack([stream[s:s + seq_len + 1] for s in starts])
 

@@ -58,9 +58,12 @@ class Sampler:
     return cls(w.temperature, w.top_k, w.top_p)
 
   def __call__(self, logits_BV: jax.Array, key: jax.Array) -> jax.Array:
-    if self.temperature == 0.0:
+    if self.temperature < 2.0**-126:  # 0, or below float32's smallest normal: greedy
       return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    logits = logits_BV.astype(jnp.float32) / self.temperature
+    # the best logit is 0 before dividing, so a tiny temperature sends the others to -inf
+    # (greedy in the limit) and never the best one to inf
+    logits = logits_BV.astype(jnp.float32)
+    logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / self.temperature
     if self.top_k:
       kth = jax.lax.top_k(logits, min(self.top_k, logits.shape[-1]))[0][:, -1:]
       logits = jnp.where(logits < kth, -jnp.inf, logits)

@@ -209,19 +209,26 @@ def generation_agreement(tokens: list, ref_tokens: list) -> float:
 
 
 # -- kvjax eval ---------------------------------------------------------------------------
-def text_windows(tok, text: str, n_tokens: int, seqs: int) -> np.ndarray:
+EVAL_FLAGS = ("--tokens", "--seqs", "--text")
+
+
+def text_windows(tok, text: str, n_tokens: int, seqs: int,
+                 names: tuple = EVAL_FLAGS) -> np.ndarray:
   """[seqs, n_tokens] token windows of `text`: the first n_tokens when seqs == 1, else
-  `seqs` evenly spaced windows (the same every call)."""
-  if n_tokens < 2 or seqs < 1:
-    raise KvjaxError(f"--tokens must be >= 2 and --seqs >= 1, got {n_tokens} and {seqs}")
+  `seqs` evenly spaced windows (the same every call). `names` are the flags or keys that
+  set n_tokens, seqs and the text (messages name what the user wrote)."""
+  if n_tokens < 2:
+    raise KvjaxError(f"{names[0]} must be >= 2 (a token and the next one), got {n_tokens}")
+  if seqs < 1:
+    raise KvjaxError(f"{names[1]} must be >= 1, got {seqs}")
   # tokenize only as much text as the windows need (BPE runs about 4 characters a token)
   need = n_tokens * seqs * 6 + 1024
   ids = np.asarray(tok.encode(text[:need] if seqs == 1 else text), np.int32)
   if len(ids) < n_tokens:
     ids = np.asarray(tok.encode(text), np.int32)
   if len(ids) < n_tokens:
-    raise KvjaxError(f"the text holds {len(ids)} tokens, fewer than --tokens {n_tokens}; "
-                     "lower --tokens or pass a longer --text")
+    raise KvjaxError(f"the text holds {len(ids)} tokens, fewer than {names[0]} {n_tokens}; "
+                     f"lower {names[0]} or pass a longer {names[2]}")
   if seqs == 1:
     return ids[None, :n_tokens]
   return data.eval_windows(ids, seqs, n_tokens - 1)
@@ -236,14 +243,19 @@ def eval_cli(src, overrides: dict, text: str = "stdlib", tokens: int = 512, seqs
 
   if chunk <= 0:
     raise KvjaxError(f"--chunk must be positive, got {chunk}")
+  if tokens < 2:
+    raise KvjaxError(f"--tokens must be >= 2 (a token and the next one), got {tokens}")
+  if seqs < 1:
+    raise KvjaxError(f"--seqs must be >= 1, got {seqs}")
+  text_source = data.eval_text(text)  # a missing or empty --text before any weight loads
+  max_len = sources.load_config(src, overrides).model.max_seq_len  # (no weights read)
+  if tokens > max_len:
+    raise KvjaxError(f"--tokens {tokens} exceeds model.max_seq_len={max_len}; lower --tokens")
   cfg, params, tok = sources.load(src, overrides)
   if tok is None:
     raise KvjaxError("this model has no tokenizer, so it cannot read --text; use a model "
                      "with one (--gguf, --hf, or a config with tokenizer: bytes)")
-  if tokens > cfg.model.max_seq_len:
-    raise KvjaxError(f"--tokens {tokens} exceeds model.max_seq_len={cfg.model.max_seq_len}; "
-                     "lower --tokens")
-  windows = text_windows(tok, data.eval_text(text), tokens, seqs)
+  windows = text_windows(tok, text_source, tokens, seqs)
   B, M = windows.shape
   warning = held.window_warning(cfg, M)
   with tqdm(total=2 * B * M, desc="eval", unit="tok", disable=None if progress else True,

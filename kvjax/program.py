@@ -102,6 +102,7 @@ class Run:
   cache: Any
   prefill_s: float
   decode_s: float
+  logits: jax.Array | None = None  # [B, V] prefill's logits of each row's last prompt token
 
   def tokens(self) -> np.ndarray:
     """[B, 1 + steps] on the host (gathered from every process of a multi-host mesh)."""
@@ -165,9 +166,9 @@ class Program:
                                                        self.place.batch(lengths_B))
     c = self.fresh()
     t0 = time.perf_counter()
-    tok = self.token
+    tok, logits = self.token, None
     if self.pre is not None:
-      tok, _, c = self.pre(self.params, *prompts, c, self.keys[0])
+      tok, logits, c = self.pre(self.params, *prompts, c, self.keys[0])
       jax.block_until_ready((tok, c))
     t1 = time.perf_counter()
     rest = None
@@ -175,7 +176,7 @@ class Program:
       rest, c = self.dec(self.params, c, tok, self.keys[1])
       jax.block_until_ready((rest, c))
     t2 = time.perf_counter()
-    return Run(tok, rest, c, t1 - t0, t2 - t1)
+    return Run(tok, rest, c, t1 - t0, t2 - t1, logits)
 
 
 # -- generate: ragged prompts in, new tokens out ----------------------------------------------
@@ -231,6 +232,10 @@ def generate(cfg: Config, params, prompts: list[list[int]], max_new_tokens: int,
   if timed:
     prog.run()  # warm-up: first executions pay one-time costs
   run = prog.run()
+  if run.logits is not None and not sharding.to_host(jnp.all(jnp.isfinite(run.logits))):
+    raise KvjaxError("the forward pass produced non-finite logits (NaN or inf), so no tokens "
+                     "are printed; check the weights and model.rope_theta, model.norm_eps, "
+                     "model.dtype")
   eos = cfg.workload.eos_id
   seqs = []
   for row in run.tokens().tolist():

@@ -48,8 +48,14 @@ def parse_bytes(text: str) -> tuple[int, str]:
 def hf_param_dtype(hf: dict) -> tuple[str, str]:
   """(stored dtype, where it was read) of a Hugging Face config.json dict."""
   for key in ("torch_dtype", "dtype"):
-    if hf.get(key) in HF_DTYPES:
-      return HF_DTYPES[hf[key]], f"config.json {key}"
+    value = hf.get(key)
+    if value is None:
+      continue
+    if not isinstance(value, str) or value not in HF_DTYPES:
+      raise KvjaxError(f"config.json {key} {value!r} is not a dtype kvjax counts weights in "
+                       f"({', '.join(sorted(set(HF_DTYPES.values())))}); fix it in "
+                       "config.json, or remove it to count float32")
+    return HF_DTYPES[value], f"config.json {key}"
   return "float32", "float32 assumed: config.json names no torch_dtype"
 
 

@@ -122,11 +122,11 @@ def test_console_script_bad_yaml_no_traceback(tmp_path):
 @pytest.mark.parametrize("argv, needle", [
     (["--prompt-ids", "-1,2"], "token id -1 is outside the vocabulary"),
     (["--prompt-ids", "1,2", "--prompt-ids", "-5"], "token id -5"),
-    (["--prompt-ids", "1", "--temperature", "nan"], "workload.temperature must be a finite"),
-    (["--prompt-ids", "1", "--temperature", "-1"], "workload.temperature must be"),
-    (["--prompt-ids", "1", "--top-p", "0"], "workload.top_p must be a finite number in (0, 1]"),
+    (["--prompt-ids", "1", "--temperature", "nan"], "--temperature must be a finite"),
+    (["--prompt-ids", "1", "--temperature", "-1"], "--temperature must be"),
+    (["--prompt-ids", "1", "--top-p", "0"], "--top-p must be a finite number in [1.1754944e-38, 1]"),
     (["--prompt-ids", "1", "--top-p", "inf"], "workload.top_p"),
-    (["--prompt-ids", "1", "--top-k", "-3"], "workload.top_k must be an integer >= 0"),
+    (["--prompt-ids", "1", "--top-k", "-3"], "--top-k must be an integer >= 0"),
     (["--prompt-ids", "1", "--set", "model.norm_eps=nan"], "model.norm_eps must be a finite"),
     (["--prompt-ids", "1", "--set", "model.norm_eps=0"], "model.norm_eps must be"),
     (["--prompt-ids", "1", "--set", "model.rope_theta=-10000"], "model.rope_theta must be"),
@@ -180,7 +180,7 @@ def test_train_through_the_cli(tmp_path, capsys):
   assert rc == 0 and len(json.loads(stdout)["tokens"][0]) == 3
   # bad training input: one line, the finished checkpoint untouched
   rc, _, err = run_cli(capsys, "train", str(yaml_path), "--out", str(out), "--set", "train.lr=nan")
-  assert rc == 2 and err.count("\n") == 1 and "train.lr must be a finite number > 0" in err
+  assert rc == 2 and err.count("\n") == 1 and "train.lr must be a finite number in [" in err
   assert checkpoint.latest_step(out) == 6
 
 

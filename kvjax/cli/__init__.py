@@ -10,17 +10,19 @@ fix into that one line; this module holds `main` and that error handling.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from kvjax.cli.commands import CODEC_NAMES, DEFAULT_CODEC, LAYOUT_NAMES
-from kvjax.cli.parser import build_parser
+from kvjax.cli.parser import NUMBER_FLAGS, build_parser
 from kvjax.cli.show import print_human
 from kvjax.errors import KvjaxError
 
-__all__ = ["CODEC_NAMES", "DEFAULT_CODEC", "LAYOUT_NAMES", "build_parser", "main"]
+__all__ = ["CODEC_NAMES", "DEFAULT_CODEC", "LAYOUT_NAMES", "build_parser", "main", "parse_args"]
 
 
 def _silence_stdout() -> None:
@@ -60,13 +62,15 @@ def _close_bars() -> None:
     bar.close()
 
 
-def _attach_prompt_ids(argv: list[str]) -> list[str]:
-  """`--prompt-ids -1,2` -> `--prompt-ids=-1,2`: argparse reads a value that starts with
-  '-' as a flag, so the bad id would never reach the check that names it."""
+def _attach_values(argv: list[str]) -> list[str]:
+  """`--prompt-ids -1,2` -> `--prompt-ids=-1,2`, `--seed -1e+16` -> `--seed=-1e+16`:
+  argparse reads a value that starts with '-' (other than a plain negative number) as a
+  flag, so the bad value would never reach the check that names it."""
+  takes = NUMBER_FLAGS | {"--prompt-ids"}
   out, i = [], 0
   while i < len(argv):
-    if argv[i] == "--prompt-ids" and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-      out.append(f"--prompt-ids={argv[i + 1]}")
+    if argv[i] in takes and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+      out.append(f"{argv[i]}={argv[i + 1]}")
       i += 2
     else:
       out.append(argv[i])
@@ -74,9 +78,39 @@ def _attach_prompt_ids(argv: list[str]) -> list[str]:
   return out
 
 
+def parse_args(argv: list[str]):
+  """The parsed command line, as `main` reads it (a bad value is a one-line KvjaxError)."""
+  parser = build_parser()  # (fills NUMBER_FLAGS)
+  return parser.parse_args(_attach_values(list(argv)))
+
+
 def _out_of_memory(e: BaseException) -> bool:
   """numpy's MemoryError or XLA's RESOURCE_EXHAUSTED (host or device allocation)."""
   return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e)[:2000]
+
+
+def _inside(path: str, folder: str) -> bool:
+  try:
+    Path(path).resolve().relative_to(Path(folder).resolve())
+    return True
+  except (ValueError, OSError):
+    return False
+
+
+def _os_message(e: OSError, args) -> str:
+  """An OS error as advice about the path it concerns: what the command writes (its --out,
+  or `kvjax run`'s default results/ folder) or what it reads (a --config, --text, ...)."""
+  path = e.filename
+  what = f"{e.strerror or e}" + (f": {path}" if path else "")
+  out = getattr(args, "out", None) or ("results" if getattr(args, "command", "") == "run"
+                                       else None)
+  if e.errno in (errno.ENOSPC, errno.EDQUOT):
+    return f"{what}; free space or choose another --out (rows already written are kept)"
+  if path and out and _inside(str(path), str(out)):
+    return f"{what}; choose another --out or fix its permissions (rows already written are kept)"
+  if path:
+    return f"{what}; check that this path exists and is readable by you"
+  return f"{what}; check the paths given on the command line"
 
 
 def _fail(message: str) -> int:
@@ -87,9 +121,9 @@ def _fail(message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
   _quiet_libraries()
+  args = None
   try:
-    argv = _attach_prompt_ids(list(sys.argv[1:] if argv is None else argv))
-    args = build_parser().parse_args(argv)
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
     if hasattr(args, "distributed"):
       from kvjax import distributed
       distributed.initialize_distributed(args.coordinator, args.num_processes, args.process_id,
@@ -109,10 +143,8 @@ def main(argv: list[str] | None = None) -> int:
   except BrokenPipeError:  # `kvjax size ... | head -1`: the reader left; nothing to report
     _silence_stdout()
     return 0
-  except OSError as e:  # an --out that is a file, a read-only folder, a full disk...
-    where = f": {e.filename}" if e.filename else ""
-    return _fail(f"{e.strerror or e}{where}; check the path or free space, or choose another "
-                 "--out (rows already written are kept)")
+  except OSError as e:  # an unreadable input, an --out that is a file, a full disk...
+    return _fail(_os_message(e, args))
   except KeyboardInterrupt:
     _close_bars()
     print("kvjax: interrupted; rows already written are kept", file=sys.stderr)

@@ -65,13 +65,8 @@ def cmd_size(args) -> dict:
     cfg = hf.load_config(args.hf, {"model.param_dtype": param_dtype})
     param_dtype = f"{param_dtype} ({source})"
   elif args.config:
-    import yaml
-    cfg = config_lib.load(args.config)
-    try:
-      text = config_lib.shape_path(args.config).read_text()  # a file, or a packaged shape
-      file_items = config_lib.flat(yaml.safe_load(text) or {})
-    except (yaml.YAMLError, KvjaxError):
-      file_items = {}
+    cfg = config_lib.load(args.config)  # refuses a bad file, so reading it again succeeds
+    file_items = config_lib.flat(config_lib.read_yaml(config_lib.shape_path(args.config)) or {})
     param_dtype = f"{cfg.model.param_dtype} (model.param_dtype)"
   elif args.gguf:
     from kvjax.io import sources
@@ -150,7 +145,8 @@ def cmd_generate(args) -> dict:
   from kvjax.io import sources
 
   over = _cache_overrides(args, _sampling_overrides(args))
-  cfg, params, tok = sources.load(sources.from_args(args), over)
+  src = sources.from_args(args)
+  cfg, params, tok = sources.load(src, over)
   if args.prompt is not None:
     if tok is None:
       raise KvjaxError("this model has no tokenizer; pass --prompt-ids 1,2,3 instead of --prompt")
@@ -179,7 +175,9 @@ def cmd_generate(args) -> dict:
   result.update({"variant": cfg.model.variant, "layout": cfg.cache.layout,
                  "policy": cfg.cache.policy,
                  "k_codec": cfg.cache.k_codec, "v_codec": cfg.cache.v_codec,
-                 "batch": len(prompts), "random_weights": not (args.hf or args.checkpoint)})
+                 "batch": len(prompts), "source": str(src),
+                 # only a config's model is initialised here; every other source read weights
+                 "random_weights": src.kind == "config"})
   return result
 
 

@@ -12,6 +12,37 @@ from kvjax.cli.commands import (CODEC_NAMES, DEFAULT_CODEC, LAYOUT_NAMES, cmd_co
 from kvjax.errors import KvjaxError
 
 
+NUMBER_FLAGS: set[str] = set()  # every flag `_number` types (kvjax.cli attaches their values)
+
+
+def _number(flag: str, key: str | tuple, integer: bool = True):
+  """An argparse `type` for a numeric flag: parsed, then held to the range of its config key
+  (or to the range given) by the check the key itself gets, the message naming the flag."""
+  from kvjax.config import check_number, range_of
+
+  NUMBER_FLAGS.add(flag)
+
+  def parse(text: str):
+    try:
+      value = int(text) if integer else float(text)
+    except ValueError:
+      raise KvjaxError(f"{flag} expects {'an integer' if integer else 'a number'}, got "
+                       f"{text!r}") from None
+    rng = range_of(key) if isinstance(key, str) else key
+    try:
+      check_number(flag, value, rng, integer)
+    except KvjaxError as e:
+      where = f" (config key {key} has the same range)" if isinstance(key, str) else ""
+      raise KvjaxError(f"{e}{where}") from None
+    return value
+  parse.__name__ = "int" if integer else "float"
+  return parse
+
+
+_I32 = 2**31 - 1
+_POS, _NONNEG = (0, False, _I32, True), (0, True, _I32, True)
+
+
 class _Parser(argparse.ArgumentParser):
   def error(self, message):  # one line, not the usage block
     raise KvjaxError(f"{message} (see {self.prog} --help)")
@@ -23,8 +54,8 @@ def _add_distributed(p):
   d.add_argument("--distributed", action="store_true",
                  help="jax.distributed.initialize() with cluster auto-detection (TPU, SLURM, MPI)")
   d.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
-  d.add_argument("--num-processes", type=int)
-  d.add_argument("--process-id", type=int)
+  d.add_argument("--num-processes", type=_number("--num-processes", _POS))
+  d.add_argument("--process-id", type=_number("--process-id", _NONNEG))
 
 
 def _add_set(p):
@@ -43,18 +74,23 @@ def build_parser() -> argparse.ArgumentParser:
       "how many sequences fit after the weights. The cache is bf16 unless a codec is given, "
       "whichever way the model is named. Codecs: " + ", ".join(CODEC_NAMES) + ". Layouts "
       "(--set cache.layout=): " + ", ".join(LAYOUT_NAMES) + " (none is sized as contiguous).")
-  s.add_argument("--layers", type=int, help="decoder layers (shape-only form)")
-  s.add_argument("--heads", type=int, help="query heads (shape-only form)")
-  s.add_argument("--kv-heads", type=int, help="KV heads: = heads for MHA, 1 for MQA")
-  s.add_argument("--head-dim", type=int, help="dimension of one head")
+  s.add_argument("--layers", type=_number("--layers", "model.n_layers"),
+                 help="decoder layers (shape-only form)")
+  s.add_argument("--heads", type=_number("--heads", "model.n_heads"),
+                 help="query heads (shape-only form)")
+  s.add_argument("--kv-heads", type=_number("--kv-heads", "model.n_kv_heads"),
+                 help="KV heads: = heads for MHA, 1 for MQA")
+  s.add_argument("--head-dim", type=_number("--head-dim", _POS), help="dimension of one head")
   s.add_argument("--hf", metavar="DIR", help="read the shape from a Hugging Face config.json "
                  "(parameters counted in its torch_dtype)")
   s.add_argument("--gguf", metavar="FILE|NAME", help="read the shape from a GGUF file's "
                  "metadata, or a model `kvjax models` lists (parameters dequantized to fp32)")
   s.add_argument("--config", metavar="FILE.yaml", help="read the shape from a kvjax config, "
                  "or a packaged model shape by name, e.g. llama3-8b (parameters in model.param_dtype)")
-  s.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
-  s.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
+  s.add_argument("--seq-len", type=_number("--seq-len", _POS), required=True,
+                 help="tokens per sequence")
+  s.add_argument("--batch", type=_number("--batch", "workload.batch"), default=1,
+                 help="sequences (default 1)")
   s.add_argument("--dtype", help="float32 | bfloat16 | float16: the same as --codec "
                  "fp32/bf16/fp16")
   s.add_argument("--codec", help=f"cache codec for K and V (default {DEFAULT_CODEC}): "
@@ -78,15 +114,16 @@ def build_parser() -> argparse.ArgumentParser:
   pr.add_argument("--prompt")
   pr.add_argument("--prompt-ids", action="append", metavar="1,2,3",
                   help="one sequence per use; repeat for a ragged batch")
-  g.add_argument("--max-new-tokens", type=int, default=16)
+  g.add_argument("--max-new-tokens", type=_number("--max-new-tokens", _POS), default=16)
   g.add_argument("--codec", help="cache codec for K and V")
   g.add_argument("--k-codec", help="cache codec for K only (e.g. int8 with --v-codec int4)")
   g.add_argument("--v-codec", help="cache codec for V only")
   g.add_argument("--greedy", action="store_true")
-  g.add_argument("--temperature", type=float)
-  g.add_argument("--top-k", type=int)
-  g.add_argument("--top-p", type=float)
-  g.add_argument("--seed", type=int, help="sampling seed (the weights keep the config's seed)")
+  g.add_argument("--temperature", type=_number("--temperature", "workload.temperature", False))
+  g.add_argument("--top-k", type=_number("--top-k", "workload.top_k"))
+  g.add_argument("--top-p", type=_number("--top-p", "workload.top_p", False))
+  g.add_argument("--seed", type=_number("--seed", "seed"),
+                 help="sampling seed (the weights keep the config's seed)")
   g.add_argument("--json", action="store_true")
   _add_set(g)
   _add_distributed(g)
@@ -126,8 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
   csrc.add_argument("--checkpoint", metavar="DIR")
   csrc.add_argument("--hf", metavar="DIR")
   csrc.add_argument("--gguf", metavar="FILE|NAME")
-  c.add_argument("--kv-heads", type=int)
-  c.add_argument("--latent-rank", type=int, metavar="R",
+  c.add_argument("--kv-heads", type=_number("--kv-heads", "model.n_kv_heads"))
+  c.add_argument("--latent-rank", type=_number("--latent-rank", _POS), metavar="R",
                  help="factor K/V projections to rank R for the latent (MLA-style) cache")
   c.add_argument("--out", metavar="DIR", required=True)
   _add_set(c)
@@ -141,9 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
   esrc.add_argument("--gguf", metavar="FILE|NAME")
   e.add_argument("--text", default="stdlib",
                  help="a text file, or `stdlib` (Python's own sources and docs; the default)")
-  e.add_argument("--tokens", type=int, default=512, help="tokens per window (N)")
-  e.add_argument("--seqs", type=int, default=1, help="windows (B); 1 = the first N tokens")
-  e.add_argument("--chunk", type=int, default=1, help="tokens per step (1 = pure decode)")
+  e.add_argument("--tokens", type=_number("--tokens", _POS), default=512,
+                 help="tokens per window (N)")
+  e.add_argument("--seqs", type=_number("--seqs", _POS), default=1,
+                 help="windows (B); 1 = the first N tokens")
+  e.add_argument("--chunk", type=_number("--chunk", _POS), default=1,
+                 help="tokens per step (1 = pure decode)")
   e.add_argument("--codec", help="cache codec for K and V")
   e.add_argument("--k-codec")
   e.add_argument("--v-codec")

@@ -73,7 +73,7 @@ def print_human(command: str, result: dict) -> None:
   elif command == "generate":
     if result.get("random_weights"):
       print("kvjax: note: random weights (a --config model is initialised, not trained): the "
-            "text is noise; use --checkpoint DIR or --hf DIR for a trained model",
+            "text is noise; use --gguf, --hf or --checkpoint for a trained model",
             file=sys.stderr)
     for i, toks in enumerate(result["tokens"]):
       text = f"  {result['text'][i]!r}" if "text" in result else ""

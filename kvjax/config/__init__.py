@@ -10,11 +10,12 @@ slots, O tokens leaving the window, P pool pages, Q pages per sequence, A latent
 Y = 2·K·D, W policy window, X codec storage width, Z Pallas splits, I a call's own keys.
 
 This package face re-exports the public names of its modules: `schema` (the dataclasses
-and their keys), `loader` (YAML, `--set`, overrides, packaged shapes) and `checks` (ranges
-and validation).
+and their keys), `loader` (YAML, `--set`, overrides, packaged shapes), `checks` (ranges
+and validation) and `yamlfile` (strict YAML: duplicate keys, alias cycles, non-UTF-8 refused).
 """
 
-from kvjax.config.checks import check_number, validate
+from kvjax.config.checks import check_number, range_of, validate
+from kvjax.config.yamlfile import read as read_yaml
 from kvjax.config.loader import (SHAPES_DIR, apply_overrides, expand_codec, flat, from_dict,
                                  load, parse_set, replace, resolve, shape_names, shape_path)
 from kvjax.config.schema import (DTYPES, SECTIONS, CacheConfig, Config, MeshConfig, ModelConfig,
@@ -23,4 +24,4 @@ from kvjax.config.schema import (DTYPES, SECTIONS, CacheConfig, Config, MeshConf
 __all__ = ["DTYPES", "SECTIONS", "SHAPES_DIR", "CacheConfig", "Config", "MeshConfig",
            "ModelConfig", "TrainConfig", "WorkloadConfig", "apply_overrides", "check_number",
            "expand_codec", "field_type", "flat", "from_dict", "known_keys", "load", "parse_set",
-           "replace", "resolve", "shape_names", "shape_path", "validate"]
+           "range_of", "read_yaml", "replace", "resolve", "shape_names", "shape_path", "validate"]

@@ -12,30 +12,45 @@ from kvjax.config.schema import DTYPES, SECTIONS, Config, field_type
 from kvjax.errors import KvjaxError
 
 
-# Allowed range of every numeric field: (low, low included, high, high included); None is
-# unbounded. Integer fields must hold ints, float fields finite numbers (no NaN / inf).
-_POS, _NONNEG = (0, False, None, False), (0, True, None, False)
+# Allowed range of every numeric field: (low, low included, high, high included). Every
+# bound is finite and every value must be representable where it is computed: integers
+# become int32 shapes, ids and positions (seed: the 32 bits jax.random.PRNGKey keeps), and
+# floats float32 numbers (none that rounds to 0 or inf there). Integer fields must hold
+# ints, float fields finite numbers (no NaN / inf).
+I32 = 2**31 - 1                      # int32's largest value
+F32_MAX = (2 - 2.0**-23) * 2.0**127  # float32's largest finite value
+F32_TINY = 2.0**-126                 # float32's smallest normal value (below: 0 on XLA)
+_POS, _NONNEG = (0, False, I32, True), (0, True, I32, True)
+_POS_F = (F32_TINY, True, F32_MAX, True)  # a positive float32 that is neither 0 nor inf
+_UNIT, _UNIT_OPEN = (0, True, 1, True), (0, True, 1, False)
 _RANGES = {
-    "seed": (0, True, 2**63 - 1, True),
+    "seed": (0, True, 2**32 - 1, True),
     "model.vocab_size": _POS, "model.d_model": _POS, "model.n_layers": _POS,
     "model.n_heads": _POS, "model.n_kv_heads": _POS, "model.head_dim": _NONNEG,
-    "model.d_ff": _NONNEG, "model.rope_theta": _POS, "model.norm_eps": _POS,
+    "model.d_ff": _NONNEG,
+    # theta > 1: the rotary frequencies theta^(-2i/D) decay with i (theta <= 1: they do not)
+    "model.rope_theta": (1, False, F32_MAX, True),
+    # added to a mean square of activations: at least float32's smallest normal, at most 1
+    "model.norm_eps": (F32_TINY, True, 1, True),
     "model.scan_unroll": _POS, "model.max_seq_len": _POS, "model.latent_rank": _NONNEG,
-    "cache.budget": _NONNEG, "cache.ratio": (0, True, 1, True), "cache.sinks": _NONNEG,
+    "cache.budget": _NONNEG, "cache.ratio": _UNIT, "cache.sinks": _NONNEG,
     "cache.window": _NONNEG,
     "cache.capacity": _NONNEG, "cache.group_size": _NONNEG, "cache.residual": _NONNEG,
     "cache.page_size": _POS, "cache.num_pages": _NONNEG,
     "workload.batch": _POS, "workload.prompt_len": _POS, "workload.gen_len": _NONNEG,
-    "workload.temperature": _NONNEG, "workload.top_k": _NONNEG,
-    "workload.top_p": (0, False, 1, True), "workload.eos_id": (-1, True, None, False),
+    # any finite temperature: below float32's smallest normal it samples greedily
+    # (kvjax.decode.Sampler), as 0 does
+    "workload.temperature": (0, True, F32_MAX, True), "workload.top_k": _NONNEG,
+    "workload.top_p": (F32_TINY, True, 1, True), "workload.eos_id": (-1, True, I32, True),
     "workload.repeats": _POS,
     "mesh.data": _POS, "mesh.model": _POS,
-    "train.steps": _POS, "train.batch": _POS, "train.seq_len": _POS, "train.lr": _POS,
-    "train.min_lr_ratio": (0, True, 1, True), "train.warmup": _NONNEG,
-    "train.weight_decay": _NONNEG, "train.b1": (0, True, 1, False),
-    "train.b2": (0, True, 1, False), "train.grad_clip": _POS, "train.eval_every": _POS,
-    "train.eval_batches": _POS, "train.checkpoint_every": _POS, "train.log_every": _POS,
-    "train.recall_mix": (0, True, 1, True), "train.recall_pairs": _POS,
+    "train.steps": _POS, "train.batch": _POS, "train.seq_len": _POS,
+    "train.lr": (F32_TINY, True, 1, True),  # AdamW moves a weight by about lr per step
+    "train.min_lr_ratio": _UNIT, "train.warmup": _NONNEG,
+    "train.weight_decay": _UNIT,  # decoupled: lr * weight_decay <= 1 never flips a sign
+    "train.b1": _UNIT_OPEN, "train.b2": _UNIT_OPEN, "train.grad_clip": _POS_F,
+    "train.eval_every": _POS, "train.eval_batches": _POS, "train.checkpoint_every": _POS,
+    "train.log_every": _POS, "train.recall_mix": _UNIT, "train.recall_pairs": _POS,
 }
 # What a zero or negative value of a field usually meant, for the message.
 _DEFAULT_HINT = {"model.head_dim": " (0 picks d_model // n_heads)",
@@ -50,11 +65,23 @@ _DEFAULT_HINT = {"model.head_dim": " (0 picks d_model // n_heads)",
                  "workload.eos_id": " (-1 means no stop token)"}
 
 
-def _interval(rng: tuple) -> str:
+def _num(x) -> str:
+  return f"{x:.8g}" if isinstance(x, float) else str(x)
+
+
+def _interval(rng: tuple, value: Any = None) -> str:
+  """`> 0` where the high end is only the dtype's limit and the value is not above it,
+  else the whole interval."""
   lo, lo_in, hi, hi_in = rng
-  if hi is None:
-    return f"{'>=' if lo_in else '>'} {lo}"
-  return f"in {'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}"
+  within = isinstance(value, (int, float)) and math.isfinite(value) and value <= hi
+  if hi is None or (hi in (I32, F32_MAX) and within):
+    return f"{'>=' if lo_in else '>'} {_num(lo)}"
+  return f"in {'[' if lo_in else '('}{_num(lo)}, {_num(hi)}{']' if hi_in else ')'}"
+
+
+def range_of(key: str) -> tuple:
+  """The allowed (low, low included, high, high included) of a numeric config key."""
+  return _RANGES[key]
 
 
 def check_number(key: str, value: Any, rng: tuple, integer: bool) -> None:
@@ -68,8 +95,45 @@ def check_number(key: str, value: Any, rng: tuple, integer: bool) -> None:
   if (lo is not None and (value < lo or (value == lo and not lo_in))) or \
       (hi is not None and (value > hi or (value == hi and not hi_in))):
     hint = _DEFAULT_HINT.get(key, "")
-    raise KvjaxError(f"{key} must be {kind} {_interval(rng)}{hint}, got {value!r}; "
+    raise KvjaxError(f"{key} must be {kind} {_interval(rng, value)}{hint}, got {value!r}; "
                      f"set {key} to such a value")
+
+
+# What kvjax.model.rope implements: no scaling, or Llama-3's with exactly these numbers.
+ROPE_TYPES = ("default", "llama3")
+_LLAMA3 = {"factor": _POS_F, "low_freq_factor": _POS_F, "high_freq_factor": _POS_F,
+           "original_max_position_embeddings": (1, True, I32, True)}
+
+
+def _check_rope_scaling(scaling: dict) -> None:
+  """Refuse a rope scaling kvjax does not implement (it would run as if unset)."""
+  if not scaling:
+    return
+  kind = scaling.get("rope_type", scaling.get("type"))
+  if kind is None:
+    raise KvjaxError(f"model.rope_scaling names no rope_type; kvjax implements "
+                     f"{', '.join(ROPE_TYPES)} (set model.rope_scaling={{}} for none)")
+  if kind not in ROPE_TYPES:
+    raise KvjaxError(f"model.rope_scaling rope_type {kind!r} is not implemented; kvjax "
+                     f"implements {', '.join(ROPE_TYPES)} (set model.rope_scaling={{}} for none)")
+  allowed = {"rope_type", "type"} | (set(_LLAMA3) if kind == "llama3" else set())
+  extra = sorted(set(scaling) - allowed)
+  if extra:
+    raise KvjaxError(f"model.rope_scaling.{extra[0]} is not used by rope_type {kind}; it "
+                     f"takes {', '.join(sorted(allowed - {'type', 'rope_type'})) or 'no numbers'}")
+  if kind == "default":
+    return
+  missing = [k for k in _LLAMA3 if scaling.get(k) is None]
+  if missing:
+    raise KvjaxError("model.rope_scaling of type llama3 needs factor, low_freq_factor, "
+                     "high_freq_factor and original_max_position_embeddings; missing "
+                     + ", ".join(missing))
+  for key, rng in _LLAMA3.items():
+    check_number(f"model.rope_scaling.{key}", scaling[key], rng, False)
+  low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+  if high <= low:
+    raise KvjaxError(f"model.rope_scaling.high_freq_factor={high} must exceed "
+                     f"low_freq_factor={low}; fix the rope scaling")
 
 
 def _check_numbers(cfg: Config) -> None:
@@ -81,19 +145,7 @@ def _check_numbers(cfg: Config) -> None:
       name, value, cls = key, getattr(cfg, key), Config
     check_number(key, value, rng, field_type(cls, name) is int)
   m, c, w = cfg.model, cfg.cache, cfg.workload
-  scaling = dict(m.rope_scaling)
-  for key, value in scaling.items():
-    if key not in ("rope_type", "type"):
-      check_number(f"model.rope_scaling.{key}", value, _POS, False)
-  if scaling.get("rope_type", scaling.get("type")) == "llama3":
-    low, high = scaling.get("low_freq_factor"), scaling.get("high_freq_factor")
-    if low is None or high is None or scaling.get("factor") is None \
-        or scaling.get("original_max_position_embeddings") is None:
-      raise KvjaxError("model.rope_scaling of type llama3 needs factor, low_freq_factor, "
-                       "high_freq_factor and original_max_position_embeddings")
-    if high <= low:
-      raise KvjaxError(f"model.rope_scaling.high_freq_factor={high} must exceed "
-                       f"low_freq_factor={low}; fix the rope scaling")
+  _check_rope_scaling(dict(m.rope_scaling))
   if w.eos_id >= m.vocab_size:
     raise KvjaxError(f"workload.eos_id={w.eos_id} is outside the vocabulary [0, "
                      f"{m.vocab_size}); use a token id below model.vocab_size or -1 for none")

@@ -1,5 +1,5 @@
-"""Building a config: YAML files (or packaged model shapes by name), `--set key=value`
-items and {dotted key: value} overrides, coerced to each field's type, resolved
+"""Building a config: YAML files (or packaged model shapes by name; read strictly by
+`kvjax.config.yamlfile`), `--set key=value` items and {dotted key: value} overrides, coerced to each field's type, resolved
 (`cache.codec` -> K and V codecs) and validated (`kvjax.config.checks`).
 """
 
@@ -11,8 +11,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from kvjax.config import yamlfile
 from kvjax.config.checks import validate
 from kvjax.config.schema import SECTIONS, Config, field_type, known_keys
 from kvjax.errors import KvjaxError
@@ -56,8 +55,15 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
       if isinstance(value, (dict, list)):
         raise ValueError
       return "" if value is None else str(value)
-    if typ is tuple:
-      return _freeze(value)
+    if typ is tuple:  # grid, params, model.rope_scaling: mappings (stored as sorted pairs)
+      if value is None or value == "":
+        return ()
+      if isinstance(value, dict):
+        return _freeze(value)
+      if isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
+        return value  # already frozen (a config's own value, applied again)
+      raise KvjaxError(f"config key '{key}' expects a mapping (name: value, ...), got "
+                       f"{value!r}")
   except (TypeError, ValueError):
     pass
   raise KvjaxError(f"config key '{key}' expects {getattr(typ, '__name__', typ)}, got {value!r}")
@@ -132,9 +138,9 @@ def parse_set(items: list[str] | None) -> dict[str, Any]:
       raise KvjaxError(f"--set expects key=value, got '{item}'")
     key, raw = item.split("=", 1)
     try:
-      out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-      out[key.strip()] = raw
+      out[key.strip()] = yamlfile.parse(raw, f"--set {item}") if raw.strip() else ""
+    except yamlfile.SyntaxProblem:  # (a duplicate key or an alias cycle is still refused)
+      out[key.strip()] = raw  # not YAML: the text itself (a file name, a codec name)
   return out
 
 
@@ -166,12 +172,7 @@ def load(path: str | Path | None, overrides: list[str] | dict | None = None,
     if not path.is_file():
       raise KvjaxError(f"config file not found: {path}; name a YAML file or a packaged "
                        f"model shape ({', '.join(shape_names())})")
-    try:
-      data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-      mark = getattr(e, "problem_mark", None)
-      where = f" at line {mark.line + 1}" if mark else ""
-      raise KvjaxError(f"malformed YAML in {path}{where}: fix the syntax") from None
+    data = yamlfile.read(path) or {}
   items = overrides if isinstance(overrides, dict) else parse_set(overrides)
   # One set of overrides: the file's keys, then --set; explicit K/V codecs beat cache.codec
   # wherever each comes from.

@@ -7,6 +7,7 @@ Frozen and hashable, so a config can be passed to `jax.jit` as a static argument
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import typing
@@ -180,10 +181,14 @@ SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "workload": WorkloadConf
 _FREEFORM = ("grid", "params", "model.rope_scaling")
 
 
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict:
+  return typing.get_type_hints(cls)  # evaluates every annotation string: slow, so once
+
+
 def field_type(cls: type, name: str) -> Any:
   """The type annotation of field `name` of dataclass `cls` (resolved, not a string)."""
-  hints = typing.get_type_hints(cls)
-  return hints[name]
+  return _hints(cls)[name]
 
 
 def known_keys() -> list[str]:

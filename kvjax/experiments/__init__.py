@@ -72,6 +72,14 @@ def load_shape(name: str) -> config_lib.Config:
   return config_lib.load(path)
 
 
+def check_int_params(cfg: config_lib.Config, spec: dict) -> None:
+  """Each `params.NAME` of `spec` ({name: (default, lowest allowed)}) an integer in
+  [lowest, int32 max], one line naming the option: checked before any weight is read."""
+  for name, (default, low) in spec.items():
+    value = cfg.param(name, default)
+    config_lib.check_number(f"params.{name}", value, (low, True, 2**31 - 1, True), True)
+
+
 def check_context(cfg: config_lib.Config, tokens: int) -> None:
   if tokens > cfg.model.max_seq_len:
     raise KvjaxError(f"{tokens} tokens exceed model.max_seq_len={cfg.model.max_seq_len}; "

@@ -20,6 +20,10 @@ from kvjax import experiments as ex
 from kvjax import metrics
 from kvjax.errors import KvjaxError
 
+# The params.NAME options this experiment reads (`setting` and `settings` are every
+# experiment's); `kvjax run` refuses any other, which would be accepted and ignored.
+PARAMS = frozenset({"layouts", "steps"})
+
 
 def _steps(cfg: config_lib.Config) -> int:
   return int(cfg.param("steps", 4))

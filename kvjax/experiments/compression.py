@@ -32,21 +32,27 @@ from kvjax import data, evaluate, held
 from kvjax import evict
 from kvjax.cache import latent
 from kvjax import config as config_lib
-from kvjax.errors import KvjaxError
+
+# The params.NAME options this experiment reads (`setting` and `settings` are every
+# experiment's); `kvjax run` refuses any other, which would be accepted and ignored.
+PARAMS = quality.PARAMS | frozenset({"context", "continuation", "eval_seqs", "latent_rank",
+                                     "text"})
 
 _REF: dict = {}
 
 
 def check(cfg) -> None:
+  ex.check_int_params(cfg, {"context": (512, 2), "continuation": (64, 2), "eval_seqs": (2, 1),
+                            "latent_rank": (0, 0)})
   quality.check(cfg)
-  if int(cfg.param("context", 512)) < 2 or int(cfg.param("continuation", 64)) < 2:
-    raise KvjaxError("params.context and params.continuation must be >= 2")
 
 
 def _tokens(cfg, mcfg, tok):
   n = int(cfg.param("context", 512)) + int(cfg.param("continuation", 64))
-  text = data.eval_text(str(cfg.param("text", "stdlib")))
-  return evaluate.text_windows(tok, text, n, int(cfg.param("eval_seqs", 2)))
+  text = data.eval_text(str(cfg.param("text", "stdlib")), what="params.text")
+  return evaluate.text_windows(tok, text, n, int(cfg.param("eval_seqs", 2)),
+                               ("params.context + params.continuation", "params.eval_seqs",
+                                "params.text"))
 
 
 def _reference(src, cfg, mcfg, params, tok):

@@ -35,6 +35,10 @@ from kvjax import experiments as ex
 from kvjax import metrics
 from kvjax.errors import KvjaxError
 
+# The params.NAME options this experiment reads (`setting` and `settings` are every
+# experiment's); `kvjax run` refuses any other, which would be accepted and ignored.
+PARAMS = frozenset({"interleave", "reference"})
+
 
 def capacity(cfg: config_lib.Config) -> int:
   w = cfg.workload

@@ -57,6 +57,11 @@ from kvjax import held as held_lib
 from kvjax.io import convert, sources
 from kvjax.errors import KvjaxError
 
+# The params.NAME options this experiment reads (`setting` and `settings` are every
+# experiment's); `kvjax run` refuses any other, which would be accepted and ignored.
+PARAMS = frozenset({"capacity", "chunk", "context", "depths", "gen_len", "kv_heads", "models",
+                    "seeds", "tail_pad", "tasks", "template", "vt_hops"})
+
 _KV: dict = {}  # (model, context) -> {example key: (Example, fp32 K/V)}
 _Q: dict = {}   # (model, context) -> {example key: (Example, tasks.Prefix)}: policy settings
 

@@ -25,6 +25,11 @@ from kvjax import cache as cache_lib
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
 
+# The params.NAME options this experiment reads (`setting` and `settings` are every
+# experiment's); `kvjax run` refuses any other, which would be accepted and ignored.
+PARAMS = frozenset({"alloc_limit_mib", "budget_gib", "budget_gib_per_shape",
+                    "concurrency_contexts", "contexts", "shapes"})
+
 GIB = 2 ** 30
 
 

@@ -33,6 +33,14 @@ from kvjax import metrics
 from kvjax.serve import engine
 from kvjax.errors import KvjaxError
 
+# The params.NAME options this experiment reads (`setting` and `settings` are every
+# experiment's); `kvjax run` refuses any other, which would be accepted and ignored.
+PARAMS = frozenset({"arrival_rate", "bench_batch", "bench_context", "bench_repeats",
+                    "budget_kib", "chunk", "gather_bench", "max_slots", "output_max",
+                    "output_mean", "output_sigma", "prefill_rows", "prompt_max", "prompt_mean",
+                    "prompt_sigma", "requests", "serve_repeats", "shared_fraction",
+                    "system_len", "system_prompts"})
+
 
 def stream(cfg: config_lib.Config) -> list[engine.Request]:
   """Seeded requests: Poisson arrivals, log-normal (right-skewed) prompt and output lengths,

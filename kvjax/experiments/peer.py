@@ -55,6 +55,10 @@ from kvjax import model as model_lib
 from kvjax.experiments import _hf_peers as hf_peers
 from kvjax.errors import KvjaxError
 
+# The params.NAME options this experiment reads (`setting` and `settings` are every
+# experiment's); `kvjax run` refuses any other, which would be accepted and ignored.
+PARAMS = frozenset({"fill_from", "gguf", "peers", "threads"})
+
 PEERS = ("kvjax", "kvjax_nnscan", "kvjax_unrolled", "dynamic", "static", "quanto")
 
 

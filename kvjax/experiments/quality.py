@@ -51,6 +51,12 @@ from kvjax.io import sources
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
 
+# The params.NAME options this experiment reads (`setting` and `settings` are every
+# experiment's); `kvjax run` refuses any other, which would be accepted and ignored.
+PARAMS = frozenset({"checkpoints", "chunk", "eval_seqs", "eval_tokens", "gen_prompts",
+                    "kv_heads", "models", "peer", "peer_residual", "recall_contexts",
+                    "recall_seqs", "text"})
+
 _REF: dict = {}
 
 
@@ -66,7 +72,14 @@ def models(cfg) -> list[sources.Source]:
   return out
 
 
+_NAMES = ("params.eval_tokens", "params.eval_seqs", "params.text")
+
+
 def check(cfg) -> None:
+  """Host-side: the experiment's own numbers first, then that every model exists (nothing
+  is loaded here)."""
+  ex.check_int_params(cfg, {"eval_tokens": (512, 2), "eval_seqs": (4, 1), "chunk": (1, 1),
+                            "recall_seqs": (32, 1)})
   for src in models(cfg):
     if src.kind == "checkpoint" and not (Path(src.ref) / "config.yaml").is_file():
       raise KvjaxError(f"checkpoint {src.ref} not found; train it first, e.g. "
@@ -98,9 +111,13 @@ def _windows(cfg, model_cfg: config_lib.Config, tok):
   n, seqs = int(cfg.param("eval_tokens", 512)), int(cfg.param("eval_seqs", 4))
   if tok is None or model_cfg.tokenizer == "bytes":
     corpus = data.load_corpus(model_cfg.train.data)
+    if len(corpus.validation) < n:
+      raise KvjaxError(f"the validation split of {model_cfg.train.data} holds "
+                       f"{len(corpus.validation)} tokens, fewer than params.eval_tokens={n}; "
+                       "lower params.eval_tokens or train on more text")
     return data.eval_windows(corpus.validation, seqs, n - 1), corpus
-  text = data.eval_text(str(cfg.param("text", "stdlib")))
-  return evaluate.text_windows(tok, text, n, seqs), None
+  text = data.eval_text(str(cfg.param("text", "stdlib")), what="params.text")
+  return evaluate.text_windows(tok, text, n, seqs, _NAMES), None
 
 
 def _reference(src: sources.Source, cfg, mcfg, params, tok) -> dict:

@@ -36,6 +36,10 @@ from kvjax import experiments as ex
 from kvjax import held, metrics, program
 from kvjax.errors import KvjaxError
 
+# The params.NAME options this experiment reads (`setting` and `settings` are every
+# experiment's); `kvjax run` refuses any other, which would be accepted and ignored.
+PARAMS = frozenset({"bandwidth_mib"})
+
 
 def capacity(cfg: config_lib.Config) -> int:
   w = cfg.workload

@@ -32,6 +32,11 @@ from kvjax.io import convert
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
 
+# The params.NAME options this experiment reads (`setting` and `settings` are every
+# experiment's); `kvjax run` refuses any other, which would be accepted and ignored.
+PARAMS = frozenset({"fractions", "mha", "progress", "recall_contexts", "recall_seqs",
+                    "scratch", "work_dir"})
+
 
 def _scratch(cfg) -> dict:
   return {int(k): str(v) for k, v in dict(cfg.param("scratch", ())).items()}

@@ -11,8 +11,6 @@ import pkgutil
 import sys
 from pathlib import Path
 
-import yaml
-
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
 
@@ -85,8 +83,36 @@ def _params_of(items: dict) -> dict:
   if not isinstance(params, dict):
     raise KvjaxError("params: must be a mapping of experiment options (name: value)")
   params = dict(params)
-  params.update({k[7:]: v for k, v in items.items() if k.startswith("params.")})
+  for key, value in items.items():
+    if not key.startswith("params."):
+      continue
+    name, _, sub = key[7:].partition(".")
+    if not sub:
+      params[name] = value
+      continue
+    # `--set params.settings.k8v4={...}` adds (or replaces) one paired setting
+    if name != "settings":
+      raise KvjaxError(f"'{key}': only params.settings.NAME reaches inside an option; "
+                       f"set params.{name} whole")
+    table = params.get("settings") or {}
+    if not isinstance(table, dict):
+      raise KvjaxError("params.settings must map setting names to overrides")
+    params["settings"] = {**table, sub: value}
   return params
+
+
+def check_params(module, cells: list) -> None:
+  """Refuse experiment options the experiment does not read (its `PARAMS`; `setting` and
+  `settings` are every experiment's): they would be accepted and have no effect."""
+  known = getattr(module, "PARAMS", None)
+  if known is None:
+    return
+  names = {k for cell in cells for k, _ in cell.cfg.params} - {"setting", "settings"}
+  extra = sorted(names - set(known))
+  if extra:
+    name = module.__name__.rsplit(".", 1)[-1]
+    raise KvjaxError(f"params.{extra[0]} is not an option of experiment {name}; it reads "
+                     f"{', '.join(sorted(known)) or 'none'} (and setting, settings)")
 
 
 def setting_overrides(params: dict) -> dict:
@@ -145,7 +171,7 @@ def expand(path: str | Path, overrides: list[str] | dict | None = None
   # File-level errors (missing, malformed, unknown keys) come from here, one line each;
   # shape checks wait for the cells: a base may be valid only with each cell's values.
   config_lib.load(path, check=False)
-  raw = yaml.safe_load(Path(path).read_text()) or {}
+  raw = config_lib.read_yaml(config_lib.shape_path(path)) or {}
   over = overrides if isinstance(overrides, dict) else config_lib.parse_set(overrides)
   axes, plain = _grid_axes(raw, over or {})
   file_items = config_lib.flat(raw)
@@ -163,6 +189,13 @@ def expand(path: str | Path, overrides: list[str] | dict | None = None
     if cell.hash not in seen:  # a value listed twice is one cell
       seen.add(cell.hash)
       cells.append(cell)
+  table = _params_of({**file_items, **plain}).get("settings") or {}
+  unused = sorted(set(table) - {c.cfg.param("setting", "") for c in cells}) \
+      if isinstance(table, dict) else []
+  if unused:
+    print(f"kvjax run: note: no cell selects params.settings {', '.join(map(str, unused))}; "
+          "select one with params.setting or a grid axis params.setting: [...]",
+          file=sys.stderr)
   if "cache.codec" in axes and all("cache.codec" not in c.coords for c in cells):
     print("kvjax run: note: the grid's cache.codec axis has no effect here: explicit "
           "cache.k_codec and cache.v_codec beat cache.codec", file=sys.stderr)

@@ -19,7 +19,7 @@ from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
 from kvjax.runner import claims
 from kvjax.runner import shard as shard_lib
-from kvjax.runner.grid import Cell, coords_str, expand, load_experiment
+from kvjax.runner.grid import Cell, check_params, coords_str, expand, load_experiment
 from kvjax.runner.rows import check_rows, complete_rows, describe, encode, repair, scan, warn
 from kvjax.runner.table import flatten, format_table
 
@@ -63,6 +63,7 @@ def _select(path, overrides, shard):
   shard = shard_lib.parse(shard)  # before anything is read
   base, cells = expand(path, overrides)
   module = load_experiment(base.experiment)
+  check_params(module, cells)
   return shard, base, cells, module, shard_lib.select(cells, module, shard)
 
 

@@ -71,7 +71,7 @@ def write_gguf(path, cfg, params, qtype=Q.F32, arch="llama", drop=(), extra_meta
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
   w.close()
-  gguf._open.cache_clear()
+  gguf.reader.cache_clear()
   return path
 
 

@@ -1,0 +1,39 @@
+"""Refusing non-finite weights at load: one NaN in a norm makes every logit NaN, and the
+model then "generates" token 0 and evaluates to ppl NaN. Every reader (GGUF, Hugging Face
+safetensors, orbax checkpoints) checks each tensor on the host as it reads it and names it.
+
+    finite.check(arr, "blk.3.attn_norm.weight", path)
+    finite.check_tree(params, ckpt_dir)
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from kvjax.errors import KvjaxError
+
+
+def is_finite(arr) -> bool:
+  """Whether every element is finite. A float64 sum is NaN or infinite exactly when some
+  element is (float32 values cannot overflow a float64 sum), and needs no boolean copy."""
+  arr = np.asarray(arr)
+  if arr.dtype.kind in "biu":
+    return True  # integers and booleans are always finite
+  return bool(np.isfinite(np.sum(arr, dtype=np.float64)))
+
+
+def check(arr, name: str, where) -> None:
+  """One line naming the tensor and the file when `arr` holds a NaN or an infinity."""
+  if not is_finite(arr):
+    a = np.asarray(arr, np.float64)
+    bad = int(np.size(a) - np.isfinite(a).sum())
+    raise KvjaxError(f"tensor '{name}' in {where} holds {bad} non-finite value(s) (NaN or "
+                     "infinity); the file is corrupt: restore or re-download it")
+
+
+def check_tree(tree, where) -> None:
+  """`check` for every leaf of a parameter tree, named by its path ('layers.q_proj.kernel')."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    check(leaf, name, where)

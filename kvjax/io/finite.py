@@ -9,6 +9,7 @@ safetensors, orbax checkpoints) checks each tensor on the host as it reads it an
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from kvjax.errors import KvjaxError
@@ -17,6 +18,8 @@ from kvjax.errors import KvjaxError
 def is_finite(arr) -> bool:
   """Whether every element is finite. A float64 sum is NaN or infinite exactly when some
   element is (float32 values cannot overflow a float64 sum), and needs no boolean copy."""
+  if isinstance(arr, jax.Array):  # on its device: no copy of the weights to the host
+    return bool(jnp.isfinite(arr).all()) if jnp.issubdtype(arr.dtype, jnp.inexact) else True
   arr = np.asarray(arr)
   if arr.dtype.kind in "biu":
     return True  # integers and booleans are always finite

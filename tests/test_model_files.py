@@ -11,8 +11,6 @@ import gc
 import json
 import math
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -141,21 +139,13 @@ def _abandoned_reads() -> int:
 def test_damaged_checkpoint_leaves_no_read_to_finalize(tmp_path):
   """The cause of the exit-time tracebacks, checked in-process: orbax closes its loop with
   other array reads pending (how many varies with thread timing; without the fix most
-  tries leave some); none may be left suspended."""
+  tries leave some); none may be left suspended. The whole-process check (exit 2, one
+  stderr line) is test_fuzz_models.test_fuzz_checkpoint_cli's seeded case."""
   folder = _damaged_checkpoint(tmp_path)
-  for _ in range(4):
+  for _ in range(2):
     _one_line(lambda: checkpoint.load(folder), "corrupt or incomplete", "ckpt")
     assert _abandoned_reads() == 0
   assert "TensorStore({" not in _one_line(lambda: checkpoint.load(folder))
-
-
-def test_damaged_checkpoint_cli_stderr_is_exactly_one_line(tmp_path):
-  folder = _damaged_checkpoint(tmp_path)
-  run = subprocess.run([sys.executable, "-m", "kvjax.cli", "generate", "--checkpoint",
-                        str(folder), "--prompt-ids", "1,2", "--max-new-tokens", "2"],
-                       capture_output=True, text=True, timeout=240)
-  assert run.returncode == 2 and run.stdout == ""
-  assert run.stderr.count("\n") == 1 and "corrupt or incomplete" in run.stderr, run.stderr
 
 
 @pytest.mark.parametrize("text", [b"model: {d_model: \xff\xfe}\n", b"&a [*a]\n", b"- 1\n"])
@@ -221,3 +211,17 @@ def test_json_output_is_strict(capsys):
                    "8", "--seq-len", "16", "--json"]) == 0
   out = capsys.readouterr().out
   json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} in --json output"))
+
+
+def test_finite_check_edges():
+  import jax.numpy as jnp
+  import ml_dtypes
+  from kvjax.io import finite
+  assert finite.is_finite(np.full(8, 3e38, np.float32))  # a float64 sum does not overflow
+  assert finite.is_finite(np.full(8, 1e308))             # nor is float64 summed
+  assert finite.is_finite(np.arange(4)) and finite.is_finite(jnp.ones(3))
+  for bad in (np.array([1, np.inf], ml_dtypes.bfloat16), np.array([np.nan, 1.0]),
+              jnp.array([0.0, -jnp.inf]), np.array([1, np.nan], np.float16)):
+    assert not finite.is_finite(bad)
+  _one_line(lambda: finite.check_tree({"a": {"b": np.array([np.nan, 1, np.inf])}}, "f.bin"),
+            "'a.b'", "2 non-finite", "f.bin")

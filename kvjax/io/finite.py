@@ -16,21 +16,25 @@ from kvjax.errors import KvjaxError
 
 
 def is_finite(arr) -> bool:
-  """Whether every element is finite. A float64 sum is NaN or infinite exactly when some
-  element is (float32 values cannot overflow a float64 sum), and needs no boolean copy."""
+  """Whether every element is finite. For float32 and narrower, a float64 sum is NaN or
+  infinite exactly when some element is (such values cannot overflow a float64 sum), and
+  needs no boolean copy of the weights."""
   if isinstance(arr, jax.Array):  # on its device: no copy of the weights to the host
     return bool(jnp.isfinite(arr).all()) if jnp.issubdtype(arr.dtype, jnp.inexact) else True
   arr = np.asarray(arr)
   if arr.dtype.kind in "biu":
     return True  # integers and booleans are always finite
-  return bool(np.isfinite(np.sum(arr, dtype=np.float64)))
+  with np.errstate(all="ignore"):  # no RuntimeWarning on stderr beside the error line
+    if arr.dtype.itemsize >= 8:  # float64 (or complex) values can overflow a float64 sum
+      return bool(np.isfinite(arr).all())
+    return bool(np.isfinite(np.sum(arr, dtype=np.float64)))
 
 
 def check(arr, name: str, where) -> None:
   """One line naming the tensor and the file when `arr` holds a NaN or an infinity."""
   if not is_finite(arr):
-    a = np.asarray(arr, np.float64)
-    bad = int(np.size(a) - np.isfinite(a).sum())
+    with np.errstate(all="ignore"):
+      bad = int(np.size(arr) - np.count_nonzero(np.isfinite(np.asarray(arr, np.float64))))
     raise KvjaxError(f"tensor '{name}' in {where} holds {bad} non-finite value(s) (NaN or "
                      "infinity); the file is corrupt: restore or re-download it")
 

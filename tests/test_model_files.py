@@ -77,6 +77,31 @@ def test_gguf_tokenizer_from_a_good_file_still_merges(tmp_path, tiny):
   assert tok.encode("abcdef") == [mf.TOKENS.index("abcd"), mf.TOKENS.index("ef")]
 
 
+def test_gguf_tensor_claiming_more_than_the_file_is_one_line(tmp_path, tiny):
+  from gguf import GGUFReader
+  path = mf.write_gguf(tmp_path / "big.gguf", *tiny)
+  reader = GGUFReader(str(path), "r+")
+  embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+  embed.field.parts[3][0] = 1 << 20  # its first dimension: far past the end of the file
+  reader.data.flush()
+  del reader, embed
+  _one_line(lambda: gguf.load(path), "big.gguf")
+
+
+def test_safetensors_header_claiming_more_than_the_file_is_one_line(tmp_path, tiny):
+  import struct
+  folder = mf.write_hf(tmp_path / "hf", *tiny)
+  data = (folder / "model.safetensors").read_bytes()
+  n = struct.unpack("<Q", data[:8])[0]
+  header = json.loads(data[8:8 + n])
+  entry = header["model.norm.weight"]
+  entry["shape"], entry["data_offsets"] = [1 << 16], [entry["data_offsets"][0], 1 << 18]
+  blob = json.dumps(header).encode()
+  blob += b" " * (-len(blob) % 8)
+  (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + data[8 + n:])
+  _one_line(lambda: hf.load(folder), "model.safetensors")
+
+
 # -- non-finite weights, every source --------------------------------------------------------
 def _poisoned(tiny, value):
   cfg, params = tiny

@@ -29,7 +29,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 import model_files as mf
@@ -202,7 +202,10 @@ def test_fuzz_checkpoint_files(originals, target, flips, cut, remove):
     _outcome("checkpoint", tmp)
 
 
-@settings(FUZZ, max_examples=max(1, EXAMPLES // 10))
+# A process start costs seconds: the suite runs the seeded case only, a long run generates
+# one case per ten of the others.
+@settings(FUZZ, max_examples=max(1, EXAMPLES // 10),
+          phases=[Phase.explicit] if EXAMPLES < 10 else list(Phase))
 @given(target=CKPT_TARGET, flips=FLIPS, cut=CUT, remove=st.booleans())
 @example(target="data", flips=[], cut=0.3, remove=False)
 def test_fuzz_checkpoint_cli(originals, target, flips, cut, remove):

@@ -83,8 +83,19 @@ def hf_config(cfg) -> dict:
           "torch_dtype": "float32"}
 
 
+def tokenizer_json() -> str:
+  """The BPE of TOKENS/MERGES as a tokenizer.json (what a Hugging Face folder ships)."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+  tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(TOKENS)},
+                             merges=[tuple(m.split(" ")) for m in MERGES]))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  return tok.to_str()
+
+
 def write_hf(folder, cfg, params, **config_changes) -> Path:
-  """A Hugging Face llama folder (config.json + model.safetensors) of `params`."""
+  """A Hugging Face llama folder (config.json + model.safetensors + tokenizer.json) of
+  `params`."""
   import safetensors.numpy as stnp
 
   folder = Path(folder)
@@ -102,6 +113,7 @@ def write_hf(folder, cfg, params, **config_changes) -> Path:
   tensors = {k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}
   stnp.save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
   (folder / "config.json").write_text(json.dumps({**hf_config(cfg), **config_changes}))
+  (folder / "tokenizer.json").write_text(tokenizer_json())
   return folder
 
 

@@ -1,10 +1,12 @@
 """Fuzzing every model file kvjax reads: random byte corruptions and truncations of a tiny
-GGUF (with a tokenizer), a tiny Hugging Face safetensors folder and a tiny orbax checkpoint,
-plus field-level damage (GGUF metadata, tokenizer merges, config.json values) seeded with
-the cases that raised tracebacks before. Every case must end one of two ways:
+GGUF (with a tokenizer), a tiny Hugging Face folder (safetensors, config.json and
+tokenizer.json) and a tiny orbax checkpoint, plus field-level damage (GGUF metadata,
+tokenizer merges, config.json values) seeded with the cases that raised tracebacks
+before. Every case must end one of two ways:
 
-  error    a KvjaxError whose message is one line (in a subprocess: exit 2, exactly one
-           stderr line, no traceback)
+  error    a KvjaxError whose message is one line, and nothing written to stderr (a Rust
+           panic in tokenizers prints there); in a subprocess: exit 2, exactly one stderr
+           line, no traceback
   success  the model loads with every weight finite and its tokenizer encodes and decodes
 
 Anything else (another exception, a multi-line message, a NaN weight) fails the test. The
@@ -63,18 +65,21 @@ def originals(tmp_path_factory):
           "hf": files(root / "hf"), "checkpoint": files(root / "ckpt")}
 
 
-def _outcome(kind: str, ref: str) -> str:
+def _outcome(kind: str, ref: str, capfd) -> str:
   """Load the source in-process; 'error' or 'success', or fail the test."""
+  capfd.readouterr()
   try:
     _, params, tok = sources.load(sources.parse(f"{kind}:{ref}"))
   except KvjaxError as e:
     assert "\n" not in str(e) and str(e), repr(str(e))
+    assert capfd.readouterr().err == ""
     OUTCOMES[kind]["error"] += 1
     return "error"
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     assert np.isfinite(np.asarray(leaf, np.float32)).all(), f"non-finite {path} loaded"
   if tok is not None:
     tok.decode(tok.encode("abcdef ghijkl"))
+  assert capfd.readouterr().err == ""
   OUTCOMES[kind]["success"] += 1
   return "success"
 
@@ -98,11 +103,11 @@ CUT = st.none() | st.floats(0.0, 0.999)
 @example(flips=[], cut=0.5)           # truncated mid-tensor
 @example(flips=[(8, 255), (15, 127)], cut=None)  # the tensor count: claims more than the file
 @example(flips=[], cut=None)          # the intact file loads
-def test_fuzz_gguf_bytes(originals, flips, cut):
+def test_fuzz_gguf_bytes(originals, capfd, flips, cut):
   with tempfile.TemporaryDirectory() as tmp:
     path = Path(tmp) / "m.gguf"
     path.write_bytes(_damage(originals["gguf"][2], flips, cut))
-    _outcome("gguf", str(path))
+    _outcome("gguf", str(path), capfd)
 
 
 GGUF_FIELDS = ["llama.attention.head_count", "llama.block_count", "llama.embedding_length",
@@ -121,11 +126,11 @@ VALUES = (st.text(max_size=6) | st.integers(0, 1 << 31) | st.booleans()
 @example(key="llama.attention.head_count", value="four", merges=None)  # ValueError in int()
 @example(key="llama.block_count", value=1, merges=["a b", "abcd"])      # tokenizers panicked
 @example(key="llama.block_count", value=1, merges=None)                  # the intact values
-def test_fuzz_gguf_fields(originals, key, value, merges):
+def test_fuzz_gguf_fields(originals, capfd, key, value, merges):
   cfg, params, _ = originals["gguf"]
   with tempfile.TemporaryDirectory() as tmp:
     path = mf.write_gguf(Path(tmp) / "m.gguf", cfg, params, meta={key: value}, merges=merges)
-    _outcome("gguf", str(path))
+    _outcome("gguf", str(path), capfd)
 
 
 def _write_tree(root: Path, files: dict[str, bytes]) -> None:
@@ -135,16 +140,18 @@ def _write_tree(root: Path, files: dict[str, bytes]) -> None:
 
 
 @FUZZ
-@given(target=st.sampled_from(["model.safetensors", "config.json"]), flips=FLIPS, cut=CUT)
+@given(target=st.sampled_from(["model.safetensors", "config.json", "tokenizer.json"]),
+       flips=FLIPS, cut=CUT)
 @example(target="model.safetensors", flips=[(0, 255), (1, 255)], cut=None)  # header length
 @example(target="model.safetensors", flips=[], cut=0.9)                    # truncated data
+@example(target="tokenizer.json", flips=[], cut=0.5)                      # truncated JSON
 @example(target="config.json", flips=[], cut=None)                         # intact
-def test_fuzz_hf_bytes(originals, target, flips, cut):
+def test_fuzz_hf_bytes(originals, capfd, target, flips, cut):
   files = dict(originals["hf"])
   files[target] = _damage(files[target], flips, cut)
   with tempfile.TemporaryDirectory() as tmp:
     _write_tree(Path(tmp), files)
-    _outcome("hf", tmp)
+    _outcome("hf", tmp, capfd)
 
 
 HF_FIELDS = ["rope_scaling", "layer_types", "tie_word_embeddings", "num_attention_heads",
@@ -163,7 +170,7 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 1 << 40) | st.te
 @example(key="rope_scaling", value=[1, 2])                       # TypeError before
 @example(key="layer_types", value=3)                             # TypeError before
 @example(key="tie_word_embeddings", value=True)                  # a valid change
-def test_fuzz_hf_config_fields(originals, key, value):
+def test_fuzz_hf_config_fields(originals, capfd, key, value):
   files = dict(originals["hf"])
   config = json.loads(files["config.json"])
   config[key] = value
@@ -172,7 +179,7 @@ def test_fuzz_hf_config_fields(originals, key, value):
   files["config.json"] = json.dumps(config).encode()
   with tempfile.TemporaryDirectory() as tmp:
     _write_tree(Path(tmp), files)
-    _outcome("hf", tmp)
+    _outcome("hf", tmp, capfd)
 
 
 CKPT_TARGET = st.sampled_from(["config.yaml", "steps/1/params/_METADATA",
@@ -196,10 +203,10 @@ def _checkpoint(originals, target: str, flips, cut, remove: bool) -> dict[str, b
 @example(target="config.yaml", flips=[(3, 0xFF), (4, 0xFE)], cut=None, remove=False)  # not UTF-8
 @example(target="data", flips=[], cut=0.3, remove=False)    # a truncated array file
 @example(target="config.yaml", flips=[], cut=None, remove=False)  # intact
-def test_fuzz_checkpoint_files(originals, target, flips, cut, remove):
+def test_fuzz_checkpoint_files(originals, capfd, target, flips, cut, remove):
   with tempfile.TemporaryDirectory() as tmp:
     _write_tree(Path(tmp), _checkpoint(originals, target, flips, cut, remove))
-    _outcome("checkpoint", tmp)
+    _outcome("checkpoint", tmp, capfd)
 
 
 # A process start costs seconds: the suite runs the seeded case only, a long run generates

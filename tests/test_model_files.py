@@ -250,3 +250,15 @@ def test_finite_check_edges():
     assert not finite.is_finite(bad)
   _one_line(lambda: finite.check_tree({"a": {"b": np.array([np.nan, 1, np.inf])}}, "f.bin"),
             "'a.b'", "2 non-finite", "f.bin")
+
+
+def test_finite_weights_that_overflow_param_dtype_are_refused(tmp_path, tiny):
+  cfg, params = _poisoned(tiny, 7e4)  # finite, past float16's 65504
+  half = {"model.param_dtype": "float16"}
+  g = mf.write_gguf(tmp_path / "big.gguf", cfg, params)
+  _one_line(lambda: gguf.load(g, half), "blk.0.attn_norm.weight", "param_dtype=float16")
+  h = mf.write_hf(tmp_path / "hf", cfg, params)
+  _one_line(lambda: hf.load(h, half), "model.layers.0.input_layernorm.weight", "float16")
+  c = mf.write_checkpoint(tmp_path / "ckpt", cfg, params)
+  _one_line(lambda: checkpoint.load(c, half), "layers.input_layernorm.weight", "float16")
+  assert gguf.load(g, {"model.param_dtype": "bfloat16"})[1]  # bfloat16 holds it

@@ -167,6 +167,6 @@ def load(ckpt_dir: str | Path, overrides: dict | None = None) -> tuple[Config, A
   if want_shapes != got_shapes:
     raise KvjaxError(f"checkpoint {ckpt_dir} parameters do not match its config's model shape "
                      "(a --set that changes model.* shapes?); drop the override or retrain")
-  finite.check_tree(got, f"checkpoint {ckpt_dir}")
+  finite.check_tree(got, f"checkpoint {ckpt_dir}", like=abstract)
   params = jax.tree.map(lambda a, x: jax.numpy.asarray(x, a.dtype), abstract, got)
   return cfg, params

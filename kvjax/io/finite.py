@@ -3,6 +3,7 @@ model then "generates" token 0 and evaluates to ppl NaN. Every reader (GGUF, Hug
 safetensors, orbax checkpoints) checks each tensor on the host as it reads it and names it.
 
     finite.check(arr, "blk.3.attn_norm.weight", path)
+    finite.check_cast(arr, np.float16, "blk.3.attn_norm.weight", path)  # model.param_dtype
     finite.check_tree(params, ckpt_dir)
 """
 
@@ -39,8 +40,27 @@ def check(arr, name: str, where) -> None:
                      "infinity); the file is corrupt: restore or re-download it")
 
 
-def check_tree(tree, where) -> None:
-  """`check` for every leaf of a parameter tree, named by its path ('layers.q_proj.kernel')."""
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+def check_cast(arr, dtype, name: str, where) -> None:
+  """One line when finite weights overflow the narrower `model.param_dtype` they are cast
+  to (a float32 value past float16's 65504 becomes infinity)."""
+  arr = np.asarray(arr)
+  if np.dtype(dtype).itemsize >= arr.dtype.itemsize:
+    return
+  with np.errstate(all="ignore"):
+    cast = arr.astype(dtype)
+  if not is_finite(cast):
+    raise KvjaxError(f"tensor '{name}' in {where} holds values beyond the range of "
+                     f"model.param_dtype={np.dtype(dtype).name}; load it in float32 "
+                     "(--set model.param_dtype=float32)")
+
+
+def check_tree(tree, where, like=None) -> None:
+  """`check` for every leaf of a parameter tree, named by its path ('layers.q_proj.kernel'),
+  and `check_cast` to the dtypes of the matching leaves of `like` when given."""
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  dtypes = [x.dtype for x in jax.tree_util.tree_leaves(like)] if like is not None else None
+  for i, (path, leaf) in enumerate(leaves):
     name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
     check(leaf, name, where)
+    if dtypes is not None:
+      check_cast(leaf, dtypes[i], name, where)

@@ -257,6 +257,7 @@ def read_params(path: str | Path, cfg: Config) -> dict:
       raise KvjaxError(f"tensor '{name}' in {path} has shape {list(arr.shape)} but the metadata "
                        f"implies {list(shape)}")
     finite.check(arr, name, path)
+    finite.check_cast(arr, dtype, name, path)
     return arr
 
   layers: dict = {leaf: {"kernel": []} for leaf in _LAYER_TENSORS.values()}

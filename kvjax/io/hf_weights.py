@@ -96,6 +96,7 @@ class _Reader:
     if arr.dtype not in (np.float32, np.float16, ml_dtypes.bfloat16):
       raise KvjaxError(f"tensor '{name}' has dtype {arr.dtype}; kvjax reads float32/float16/bfloat16")
     finite.check(arr, name, path)
+    finite.check_cast(arr, dtype, name, path)
     return arr.astype(dtype)
 
 

@@ -20,12 +20,14 @@ is the model's range checks' business, not the readers': it is not asserted here
 from __future__ import annotations
 
 import collections
+import gc
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import jax
@@ -61,17 +63,30 @@ def originals(tmp_path_factory):
   def files(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
             if p.is_file()}
-  return {"gguf": (cfg, params, (root / "m.gguf").read_bytes()),
-          "hf": files(root / "hf"), "checkpoint": files(root / "ckpt")}
+  return _Originals({"gguf": (cfg, params, (root / "m.gguf").read_bytes()),
+                     "hf": files(root / "hf"), "checkpoint": files(root / "ckpt")})
+
+
+class _Originals(dict):
+  def __repr__(self) -> str:  # hypothesis prints a failing case's arguments: not the bytes
+    return "<the intact model files>"
 
 
 def _outcome(kind: str, ref: str, capfd) -> str:
   """Load the source in-process; 'error' or 'success', or fail the test."""
   capfd.readouterr()
-  try:
-    _, params, tok = sources.load(sources.parse(f"{kind}:{ref}"))
-  except KvjaxError as e:
-    assert "\n" not in str(e) and str(e), repr(str(e))
+  message = None
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always", RuntimeWarning)
+    try:
+      _, params, tok = sources.load(sources.parse(f"{kind}:{ref}"))
+    except KvjaxError as e:
+      message = str(e)
+    gc.collect()  # what a failed load left behind warns when collected ("coroutine ...
+    # was never awaited" from orbax): on the CLI's stderr, a second line
+  assert [str(w.message) for w in caught if w.category is RuntimeWarning] == []
+  if message is not None:
+    assert "\n" not in message and message, repr(message)
     assert capfd.readouterr().err == ""
     OUTCOMES[kind]["error"] += 1
     return "error"
@@ -202,6 +217,8 @@ def _checkpoint(originals, target: str, flips, cut, remove: bool) -> dict[str, b
 @given(target=CKPT_TARGET, flips=FLIPS, cut=CUT, remove=st.booleans())
 @example(target="config.yaml", flips=[(3, 0xFF), (4, 0xFE)], cut=None, remove=False)  # not UTF-8
 @example(target="data", flips=[], cut=0.3, remove=False)    # a truncated array file
+@example(target="steps/1/params/_METADATA", flips=[(18764, 32)], cut=None, remove=False)
+# ^ orbax fails before its gather: a coroutine never awaited warned at collection
 @example(target="config.yaml", flips=[], cut=None, remove=False)  # intact
 def test_fuzz_checkpoint_files(originals, capfd, target, flips, cut, remove):
   with tempfile.TemporaryDirectory() as tmp:

@@ -133,15 +133,18 @@ def restore(ckpt_dir: str | Path, params_like: Any = None, opt_state_like: Any =
   if opt_state_like is not None:
     items["opt_state"] = ocp.args.StandardRestore(opt_state_like)
   mngr = _manager(ckpt_dir, read_only=True)
+  failure = None
   try:
     out = mngr.restore(step, args=ocp.args.Composite(**items))
   except Exception as e:  # orbax/tensorstore raise many types for damaged files
-    msg = _reason(e)
+    failure = _reason(e)
     orbax_quiet.abandon_reads()
-    raise KvjaxError(f"checkpoint {ckpt_dir} step {step} is corrupt or incomplete ({msg}); "
-                     "delete that step folder to fall back to an earlier one, or retrain") from None
   finally:
     mngr.close()
+  if failure is not None:  # raised here, not as the context of orbax's error, whose frames
+    # would keep what it left behind alive until the message is printed
+    raise KvjaxError(f"checkpoint {ckpt_dir} step {step} is corrupt or incomplete ({failure}); "
+                     "delete that step folder to fall back to an earlier one, or retrain")
   return {k: out[k] for k in items}
 
 

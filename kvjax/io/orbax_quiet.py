@@ -7,23 +7,27 @@ at interpreter exit: each suspended read catches the GeneratorExit of its finali
 a BaseException and raises a new Exception ("Encountered error while reading array
 index ..." with the whole TensorStore spec), which Python prints as "Exception ignored in
 <coroutine ...>"; a read that completes after the loop closed fails in its callback with
-"Event loop is closed". Whether and how many depends on thread timing.
+"Event loop is closed". Whether and how many depends on thread timing. A failure before
+the gather leaves coroutines that were created but never awaited, which warn "coroutine
+... was never awaited" when collected.
 
-`abandon_reads()`, called once a restore has failed and its error line is ready, closes
-those pending reads now (so nothing is left to finalize at exit) and installs an
-unraisable-exception hook that drops only reports coming from them (orbax or tensorstore
-code, or "Event loop is closed"); every other report still prints. KVJAX_DEBUG=1 keeps
-everything.
+`abandon_reads()`, called once a restore has failed, closes those pending reads and
+unstarted coroutines now (so nothing is left to finalize at exit, and nothing warns) and
+installs an unraisable-exception hook that drops only reports coming from them (orbax or
+tensorstore code, or "Event loop is closed"); every other report still prints.
+KVJAX_DEBUG=1 keeps everything.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
 import logging
 import os
 import sys
 import traceback
+import types
 
 _LIBRARIES = (f"{os.sep}orbax{os.sep}", f"{os.sep}tensorstore{os.sep}")
 _installed = False
@@ -56,12 +60,24 @@ def _install_hook() -> None:
   _installed = True
 
 
+def _never_started(obj) -> bool:
+  """An orbax coroutine created for the restore but never awaited (the gather that would
+  have run it was not reached): collected, it warns "coroutine ... was never awaited"."""
+  return (isinstance(obj, types.CoroutineType)
+          and inspect.getcoroutinestate(obj) == inspect.CORO_CREATED
+          and any(lib in obj.cr_code.co_filename for lib in _LIBRARIES))
+
+
 def abandon_reads() -> None:
-  """Close the reads a failed restore left pending on its closed event loop."""
+  """Close the reads a failed restore left pending on its closed event loop, and the
+  coroutines it created but never started."""
   if os.environ.get("KVJAX_DEBUG"):
     return
   _install_hook()
   for obj in gc.get_objects():
+    if _never_started(obj):
+      obj.close()
+      continue
     if not isinstance(obj, asyncio.Task) or obj.done():
       continue
     try:

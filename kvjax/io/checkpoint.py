@@ -8,7 +8,10 @@ A checkpoint folder holds:
 Orbax writes each step into a temporary folder and renames it when complete, so a crash
 mid-save leaves the previous step intact; `latest_step` only sees finished steps, and
 training resumes from there. `load(dir)` returns `(cfg, params)` for any consumer
-(`kvjax generate --checkpoint`, the quality and uptrain experiments).
+(`kvjax generate --checkpoint`, the quality and uptrain experiments). A damaged step, a
+config.yaml that is not UTF-8 or not a config, and a non-finite weight are one line; the
+reads orbax leaves running when a step is damaged are closed (kvjax.io.orbax_quiet) so no
+traceback follows that line at exit.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import yaml
 from kvjax import config as config_lib
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
+from kvjax.io import finite, orbax_quiet
 
 # orbax logs every save at INFO and a damaged-but-readable step's metadata at ERROR (then
 # loads it); kvjax reports what matters as one KvjaxError line. KVJAX_DEBUG=1 keeps them.
@@ -58,10 +62,22 @@ def read_config(ckpt_dir: str | Path, overrides: dict | None = None) -> Config:
     raise KvjaxError(f"{ckpt_dir} has no config.yaml, so it is not a kvjax checkpoint; "
                      "point --checkpoint at a folder written by `kvjax train --out DIR`")
   try:
-    data = yaml.safe_load(path.read_text())
+    text = path.read_bytes().decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise KvjaxError(f"{path} is corrupt (not UTF-8 text: byte {e.start}); retrain or restore "
+                     "the file") from None
+  try:
+    data = yaml.safe_load(text)
   except yaml.YAMLError:
     raise KvjaxError(f"{path} is corrupt (unreadable YAML); retrain or restore the file") from None
-  cfg = config_lib.from_dict(_nested(data))
+  try:
+    cfg = config_lib.from_dict(_nested(data))
+  except RecursionError:  # an anchor that refers to itself nests without end
+    raise KvjaxError(f"{path} is corrupt (a YAML alias that contains itself); retrain or "
+                     "restore the file") from None
+  except (TypeError, ValueError, AttributeError, KeyError) as e:  # a damaged mapping
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+    raise KvjaxError(f"{path} is corrupt ({first}); retrain or restore the file") from None
   return config_lib.apply_overrides(cfg, overrides) if overrides else cfg
 
 
@@ -117,15 +133,27 @@ def restore(ckpt_dir: str | Path, params_like: Any = None, opt_state_like: Any =
   if opt_state_like is not None:
     items["opt_state"] = ocp.args.StandardRestore(opt_state_like)
   mngr = _manager(ckpt_dir, read_only=True)
+  failure = None
   try:
     out = mngr.restore(step, args=ocp.args.Composite(**items))
   except Exception as e:  # orbax/tensorstore raise many types for damaged files
-    msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-    raise KvjaxError(f"checkpoint {ckpt_dir} step {step} is corrupt or incomplete ({msg}); "
-                     "delete that step folder to fall back to an earlier one, or retrain") from None
+    failure = _reason(e)
+    orbax_quiet.abandon_reads()
   finally:
     mngr.close()
+  if failure is not None:  # raised here, not as the context of orbax's error, whose frames
+    # would keep what it left behind alive until the message is printed
+    raise KvjaxError(f"checkpoint {ckpt_dir} step {step} is corrupt or incomplete ({failure}); "
+                     "delete that step folder to fall back to an earlier one, or retrain")
   return {k: out[k] for k in items}
+
+
+def _reason(e: BaseException) -> str:
+  """The first line of the innermost message that says something: orbax wraps tensorstore's
+  error ("DATA_LOSS: ...") in one that prints the whole TensorStore spec instead."""
+  while e.__cause__ is not None and "See full TensorStore details" in str(e):
+    e = e.__cause__
+  return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
 
 
 def load(ckpt_dir: str | Path, overrides: dict | None = None) -> tuple[Config, Any]:
@@ -142,5 +170,6 @@ def load(ckpt_dir: str | Path, overrides: dict | None = None) -> tuple[Config, A
   if want_shapes != got_shapes:
     raise KvjaxError(f"checkpoint {ckpt_dir} parameters do not match its config's model shape "
                      "(a --set that changes model.* shapes?); drop the override or retrain")
+  finite.check_tree(got, f"checkpoint {ckpt_dir}", like=abstract)
   params = jax.tree.map(lambda a, x: jax.numpy.asarray(x, a.dtype), abstract, got)
   return cfg, params

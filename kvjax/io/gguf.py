@@ -2,7 +2,7 @@
 
     cfg = gguf.load_config("model.gguf")            # metadata only (kvjax size --gguf)
     cfg, params = gguf.load("model.gguf", {...})    # plus dequantized tensors (generate --gguf)
-    tok = gguf.tokenizer("model.gguf")              # a `tokenizers` BPE built from the metadata
+    tok = gguf_tokenizer.tokenizer_json("model.gguf")  # the `tokenizers` BPE it describes
 
 The file is read with the `gguf` package (ggml's own reader, memory-mapped) and every
 tensor type that package can dequantize (F32, F16, BF16, Q8_0, Q4_0, Q4_1, the K-quants,
@@ -12,14 +12,16 @@ llama GGUF files permutes the rows of the Q and K projections so that ggml's RoP
 rotates adjacent pairs) matches the checkpoint's rotate-half RoPE; kvjax rotates halves
 like Hugging Face, so `unpermute` undoes that permutation per head.
 
-What kvjax does not implement fails with one line naming what was found: another
-architecture, RoPE scaling, partial rotary, a tensor type the reader cannot dequantize, a
-missing key or tensor, a truncated file.
+What kvjax does not implement, and what is malformed, fails with one line naming the file
+and what was found: another architecture, RoPE scaling, partial rotary, a tensor type the
+reader cannot dequantize, a missing key or tensor, a metadata field of the wrong type (a
+number stored as a string), a non-finite weight, a truncated file.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import jax
@@ -30,6 +32,7 @@ import numpy as np
 from kvjax import config as config_lib
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
+from kvjax.io import finite
 
 ARCHITECTURES = ("llama",)
 _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
@@ -41,9 +44,19 @@ _LAYER_TENSORS = {
 _NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 
 
+def reader(path: str):
+  """The memory-mapped reader for a GGUF file (cached: metadata and tensors share it; a
+  file rewritten in place, with another size or mtime, is read afresh)."""
+  try:
+    st = os.stat(path)
+  except OSError:
+    st = None
+  return _open_version(str(path), (st.st_size, st.st_mtime_ns) if st else None)
+
+
 @functools.lru_cache(maxsize=4)
-def _open(path: str):
-  """The memory-mapped reader for a GGUF file (cached: metadata and tensors share it)."""
+def _open_version(path: str, version):
+  del version  # part of the cache key only
   try:
     from gguf import GGUFReader
   except ImportError:
@@ -59,11 +72,14 @@ def _open(path: str):
     raise KvjaxError(f"cannot read GGUF file {p}: {first} (truncated or not a GGUF file?)") from None
 
 
+reader.cache_clear = _open_version.cache_clear
+
+
 def metadata(path: str | Path) -> dict:
   """Scalar and string metadata of the file (arrays other than tokenizer lists omitted)."""
-  reader = _open(str(path))
+  file = reader(str(path))
   out = {}
-  for key, field in reader.fields.items():
+  for key, field in file.fields.items():
     if key.startswith("GGUF."):
       continue
     if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
@@ -83,42 +99,76 @@ def _need(meta: dict, key: str, path) -> object:
   return meta[key]
 
 
+def _bad(path, key: str, want: str, got) -> KvjaxError:
+  return KvjaxError(f"GGUF file {path}: metadata '{key}' must be {want}, got {got!r:.60}; the "
+                    "file is corrupt or its converter wrote a field kvjax cannot read")
+
+
+def _int(meta: dict, key: str, path, default=None, minimum: int = 1) -> int:
+  """An integer metadata field (required when `default` is None), checked before use."""
+  val = _need(meta, key, path) if default is None else meta.get(key, default)
+  if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < minimum:
+    raise _bad(path, key, f"an integer >= {minimum}", val)
+  return int(val)
+
+
+def _float(meta: dict, key: str, path, default: float) -> float:
+  """A positive float32 metadata field, as `_f32` writes it."""
+  val = meta.get(key, default)
+  ok = not isinstance(val, bool) and isinstance(val, (int, float, np.integer, np.floating))
+  if ok:
+    with np.errstate(over="ignore"):
+      val = _f32(val) if np.isfinite(np.float32(val)) else float("inf")
+  if not ok or not (np.isfinite(val) and val > 0):
+    raise _bad(path, key, "a positive finite float32", meta.get(key, default))
+  return val
+
+
+def _str(meta: dict, key: str, path, default: str | None = None) -> str | None:
+  val = _need(meta, key, path) if default is None else meta.get(key, default)
+  if not isinstance(val, str):
+    raise _bad(path, key, "a string", val)
+  return val
+
+
 def config_overrides(meta: dict, path="the file") -> dict:
-  """Dotted kvjax config keys for a GGUF file's metadata (raises on anything unsupported)."""
-  arch = _need(meta, "general.architecture", path)
+  """Dotted kvjax config keys for a GGUF file's metadata (raises on anything unsupported).
+  Every field is type-checked before use: a number stored as a string or an array is one
+  line naming the field, not a traceback."""
+  arch = _str(meta, "general.architecture", path)
   if arch not in ARCHITECTURES:
     raise KvjaxError(f"GGUF architecture '{arch}' is not supported; kvjax imports "
                      f"{', '.join(ARCHITECTURES)}")
   a = f"{arch}."
-  E = int(_need(meta, a + "embedding_length", path))
-  H = int(_need(meta, a + "attention.head_count", path))
-  K = int(meta.get(a + "attention.head_count_kv", H))
-  D = int(meta.get(a + "attention.key_length", E // H if H else 0))
-  rot = meta.get(a + "rope.dimension_count", D)
-  if int(rot) != D:
+  E = _int(meta, a + "embedding_length", path)
+  H = _int(meta, a + "attention.head_count", path)
+  K = _int(meta, a + "attention.head_count_kv", path, H)
+  D = _int(meta, a + "attention.key_length", path, max(E // H, 1))
+  rot = _int(meta, a + "rope.dimension_count", path, D)
+  if rot != D:
     raise KvjaxError(f"GGUF rope.dimension_count={rot} != head dim {D} (partial rotary) is not "
                      "supported by kvjax's RoPE")
-  scaling = meta.get(a + "rope.scaling.type", "none")
-  if scaling not in ("none", None, "") or meta.get(a + "rope.scaling.factor", 1.0) not in (0.0, 1.0):
-    raise KvjaxError(f"GGUF RoPE scaling '{scaling}' is not supported; kvjax reads unscaled "
-                     "RoPE from GGUF files")
+  scaling = _str(meta, a + "rope.scaling.type", path, "none")
+  factor = meta.get(a + "rope.scaling.factor", 1.0)
+  if scaling not in ("none", "") or factor not in (0.0, 1.0):
+    raise KvjaxError(f"GGUF RoPE scaling '{scaling}' (factor {factor!r:.20}) is not supported; "
+                     "kvjax reads unscaled RoPE from GGUF files")
   vocab = meta.get(a + "vocab_size")
-  if vocab is None:
-    vocab = _vocab_len(path)
+  vocab = _vocab_len(path) if vocab is None else _int(meta, a + "vocab_size", path)
   return {
-      "model.vocab_size": int(vocab),
+      "model.vocab_size": vocab,
       "model.d_model": E,
-      "model.n_layers": int(_need(meta, a + "block_count", path)),
+      "model.n_layers": _int(meta, a + "block_count", path),
       "model.n_heads": H,
       "model.n_kv_heads": K,
       "model.head_dim": D,
-      "model.d_ff": int(_need(meta, a + "feed_forward_length", path)),
-      "model.rope_theta": _f32(meta.get(a + "rope.freq_base", 10000.0)),
+      "model.d_ff": _int(meta, a + "feed_forward_length", path),
+      "model.rope_theta": _float(meta, a + "rope.freq_base", path, 10000.0),
       "model.rope_scaling": {},
-      "model.norm_eps": _f32(meta.get(a + "attention.layer_norm_rms_epsilon", 1e-5)),
+      "model.norm_eps": _float(meta, a + "attention.layer_norm_rms_epsilon", path, 1e-5),
       "model.qkv_bias": False,
       "model.tie_embeddings": not _has_tensor(path, "output.weight"),
-      "model.max_seq_len": int(_need(meta, a + "context_length", path)),
+      "model.max_seq_len": _int(meta, a + "context_length", path),
       "model.dtype": "float32",
       "model.param_dtype": "float32",
   }
@@ -131,14 +181,14 @@ def _f32(x) -> float:
 
 
 def _vocab_len(path) -> int:
-  field = _open(str(path)).fields.get("tokenizer.ggml.tokens")
+  field = reader(str(path)).fields.get("tokenizer.ggml.tokens")
   if field is None:
     raise KvjaxError(f"GGUF file {path} states no vocab_size and has no tokenizer tokens")
   return len(field.data)
 
 
 def _has_tensor(path, name: str) -> bool:
-  return any(t.name == name for t in _open(str(path)).tensors)
+  return any(t.name == name for t in reader(str(path)).tensors)
 
 
 def load_config(path: str | Path, overrides: dict | None = None) -> Config:
@@ -147,7 +197,7 @@ def load_config(path: str | Path, overrides: dict | None = None) -> Config:
   meta = metadata(path)
   tok = f"gguf:{path}" if "tokenizer.ggml.model" in meta else "none"
   base = {**config_overrides(meta, path), "tokenizer": tok, "name": f"gguf-{path.stem}"}
-  if "rope_freqs.weight" in {t.name for t in _open(str(path)).tensors}:
+  if "rope_freqs.weight" in {t.name for t in reader(str(path)).tensors}:
     raise KvjaxError(f"{path} carries rope_freqs.weight (llama3-style RoPE scaling), which "
                      "kvjax does not read from GGUF; import the Hugging Face folder instead")
   cfg = config_lib.apply_overrides(Config(), base)
@@ -190,7 +240,7 @@ def _dequantize(t, path) -> np.ndarray:
 def read_params(path: str | Path, cfg: Config) -> dict:
   """Params in the layout of `kvjax.model.Transformer`, cast to `model.param_dtype`."""
   m = cfg.model
-  tensors = {t.name: t for t in _open(str(path)).tensors}
+  tensors = {t.name: t for t in reader(str(path)).tensors}
   dtype = _DTYPES[m.param_dtype]
   E, H, K, D, F, V = m.d_model, m.n_heads, m.n_kv_heads, m.D, m.F, m.vocab_size
   shapes = {"attn_q": (H * D, E), "attn_k": (K * D, E), "attn_v": (K * D, E),
@@ -206,6 +256,8 @@ def read_params(path: str | Path, cfg: Config) -> dict:
     if tuple(arr.shape) != shape:
       raise KvjaxError(f"tensor '{name}' in {path} has shape {list(arr.shape)} but the metadata "
                        f"implies {list(shape)}")
+    finite.check(arr, name, path)
+    finite.check_cast(arr, dtype, name, path)
     return arr
 
   layers: dict = {leaf: {"kernel": []} for leaf in _LAYER_TENSORS.values()}
@@ -238,39 +290,3 @@ def load(path: str | Path, overrides: dict | None = None) -> tuple[Config, dict]
   params = read_params(path, cfg)
   hf.check_tree(cfg, params)
   return cfg, jax.tree_util.tree_map(jnp.asarray, params)
-
-
-# -- tokenizer ----------------------------------------------------------------------------
-def tokenizer_json(path: str | Path):
-  """A `tokenizers.Tokenizer` for the file's byte-level BPE vocabulary.
-
-  Built as transformers' GGUF loader builds it: BPE over the stored vocab and merges,
-  GPT-2 byte-level pre-tokenizer and decoder, no prefix space, control tokens (type 3) as
-  special added tokens that are never split. No BOS is added unless the file asks.
-  """
-  from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-  reader = _open(str(path))
-  meta = metadata(path)
-  kind = meta.get("tokenizer.ggml.model")
-  if kind != "gpt2":
-    raise KvjaxError(f"GGUF tokenizer model '{kind}' is not supported; kvjax builds byte-level "
-                     "BPE (gpt2) tokenizers from GGUF metadata")
-  tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
-  merges = reader.fields.get("tokenizer.ggml.merges")
-  if merges is None:
-    raise KvjaxError(f"GGUF file {path} has a BPE tokenizer without merges")
-  pairs = [tuple(m.split(" ", 1)) for m in merges.contents()]
-  tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=pairs,
-                             continuing_subword_prefix="", end_of_word_suffix="",
-                             fuse_unk=False))
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  types = reader.fields.get("tokenizer.ggml.token_type")
-  if types is not None:
-    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
-    control = [AddedToken(t, special=True, normalized=False)
-               for t, ty in zip(tokens, types.contents()) if ty == 3 and set(t) <= alphabet]
-    tok.add_special_tokens(control)
-  return tok, bool(meta.get("tokenizer.ggml.add_bos_token", False)), \
-      meta.get("tokenizer.ggml.bos_token_id")

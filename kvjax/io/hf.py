@@ -52,7 +52,51 @@ def read_hf_config(folder: str | Path) -> dict:
     raise KvjaxError(f"malformed {path}: {str(e).splitlines()[0]}") from None
   if not isinstance(data, dict):
     raise KvjaxError(f"malformed {path}: expected a JSON object")
+  check_types(data, path)
   return data
+
+
+_NUM = (int, float)
+# Every config.json field kvjax reads -> (accepted JSON types, as the message says it);
+# null is "not set" for all of them. Numbers get their range checks where they are read.
+_TYPES = {
+    **{k: (str, "a string") for k in ("model_type", "hidden_act", "hidden_activation",
+                                       "torch_dtype", "dtype")},
+    **{k: (bool, "true or false") for k in ("attention_bias", "mlp_bias", "use_sliding_window",
+                                             "tie_word_embeddings")},
+    **{k: (dict, "an object") for k in ("rope_scaling", "rope_parameters")},
+    **{k: (_NUM, "a number") for k in (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings",
+        "rms_norm_eps", "rope_theta", "partial_rotary_factor", "sliding_window",
+        "max_window_layers", "pretraining_tp")},
+    "layer_types": (list, "a list of strings"),
+}
+_ROPE_TYPES = {"rope_type": (str, "a string"), "type": (str, "a string"),
+               **{k: (_NUM, "a number") for k in ("rope_theta", "partial_rotary_factor",
+                                                   *_LLAMA3_KEYS)}}
+
+
+def check_types(data: dict, path="config.json") -> None:
+  """One line naming the first field of `data` kvjax reads whose JSON type is wrong (a
+  `rope_scaling` list, a `layer_types` number, `tie_word_embeddings: "false"`)."""
+  def bad(key, want, got):
+    return KvjaxError(f"config.json field '{key}' must be {want}, got {got!r:.60}; fix {path} "
+                      "(the folder's config does not describe a usable model)")
+
+  def walk(obj: dict, types: dict, inside: str) -> None:
+    for key, (kinds, want) in types.items():
+      val = obj.get(key)
+      if val is not None and (not isinstance(val, kinds) or (kinds is not bool
+                                                             and isinstance(val, bool))):
+        raise bad(key + inside, want, val)
+
+  walk(data, _TYPES, "")
+  for key in ("rope_scaling", "rope_parameters"):
+    walk(data.get(key) or {}, _ROPE_TYPES, f"' of '{key}")
+  types = data.get("layer_types")
+  if types is not None and not all(isinstance(t, str) for t in types):
+    raise bad("layer_types", "a list of strings", types)
 
 
 def _number(key: str, value, integer: bool = True, minimum: float = 1):

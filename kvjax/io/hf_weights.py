@@ -1,6 +1,8 @@
 """Reading a Hugging Face checkpoint's safetensors weights (one file or index-listed shards)
 into the parameter tree of `kvjax.model.Transformer`: torch Linear [out, in] -> Dense
 kernels [in, out], per-layer tensors stacked on the layer axis, every tensor used once.
+A corrupt or truncated file, a malformed shard index and a non-finite tensor are one line
+naming the file (and the tensor).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import numpy as np
 
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
+from kvjax.io import finite
 
 _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 # Tensors that carry no weights kvjax needs (older checkpoints saved RoPE buffers).
@@ -24,9 +27,13 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
   index = folder / "model.safetensors.index.json"
   if index.is_file():
     try:
-      weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-      raise KvjaxError(f"malformed {index}: expected a 'weight_map' object") from None
+      weight_map = json.loads(index.read_bytes())["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+      weight_map = None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(v, str) and v and "/" not in v for v in weight_map.values()):
+      raise KvjaxError(f"malformed {index}: expected a 'weight_map' object of tensor name -> "
+                       "shard file name; restore the file or re-save the checkpoint")
     for name in sorted(set(weight_map.values())):
       if not (folder / name).is_file():
         raise KvjaxError(f"shard {name} listed in {index.name} is missing from {folder}")
@@ -42,8 +49,12 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
       with safe_open(str(f), framework="np") as st:
         out.update({k: f for k in st.keys()})
     except Exception as e:  # safetensors raises its own error types for corrupt files
-      raise KvjaxError(f"cannot read {f}: {str(e).splitlines()[0]}") from None
+      raise KvjaxError(f"cannot read {f}: {_first_line(e)}") from None
   return out
+
+
+def _first_line(e: BaseException) -> str:
+  return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
 
 
 class _Reader:
@@ -66,16 +77,26 @@ class _Reader:
       try:
         self._open[path] = safe_open(str(path), framework="np")
       except Exception as e:  # noqa: BLE001  (corrupt or truncated file)
-        raise KvjaxError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
+        raise KvjaxError(f"cannot read {path}: {_first_line(e)}") from None
     handle = self._open[path]
-    got = tuple(handle.get_slice(name).get_shape())
+    try:
+      got = tuple(handle.get_slice(name).get_shape())
+    except Exception as e:  # noqa: BLE001  a shard index naming a tensor its file lacks
+      raise KvjaxError(f"cannot read tensor '{name}' from {path}: "
+                       f"{_first_line(e)}") from None
     if got != shape:
       raise KvjaxError(f"tensor '{name}' has shape {list(got)} but config.json implies "
                        f"{list(shape)}; the weights do not match the config")
     self.used.add(name)
-    arr = handle.get_tensor(name)
+    try:
+      arr = handle.get_tensor(name)
+    except Exception as e:  # noqa: BLE001  data past the end of a truncated file
+      raise KvjaxError(f"cannot read tensor '{name}' from {path}: "
+                       f"{_first_line(e)}") from None
     if arr.dtype not in (np.float32, np.float16, ml_dtypes.bfloat16):
       raise KvjaxError(f"tensor '{name}' has dtype {arr.dtype}; kvjax reads float32/float16/bfloat16")
+    finite.check(arr, name, path)
+    finite.check_cast(arr, dtype, name, path)
     return arr.astype(dtype)
 
 

@@ -1,6 +1,7 @@
 """Tokenizers: byte-level (vocab 256 + specials, no files needed), a Hugging Face
 `tokenizer.json` through the `tokenizers` library when a checkpoint ships one, or the
-byte-level BPE a GGUF file describes in its metadata (`gguf:PATH`, built by kvjax.io.gguf)."""
+byte-level BPE a GGUF file describes in its metadata (`gguf:PATH`, built by
+kvjax.io.gguf_tokenizer)."""
 
 from __future__ import annotations
 
@@ -38,8 +39,12 @@ class HFTokenizer:
                        "pip install tokenizers") from None
     try:
       self._tok = Tokenizer.from_file(str(path))
-    except Exception as e:  # the library raises plain Exceptions for bad files
-      raise KvjaxError(f"cannot read tokenizer {path}: {str(e).splitlines()[0]}") from None
+    except BaseException as e:  # plain Exceptions for bad files, pyo3's PanicException (a
+      if isinstance(e, (KeyboardInterrupt, SystemExit)):  # BaseException) for some
+        raise
+      first = (str(e).splitlines() or [type(e).__name__])[0][:160]
+      raise KvjaxError(f"cannot read tokenizer {path}: {first}; the file is corrupt: restore "
+                       "it or delete it to run without a tokenizer (--prompt-ids)") from None
 
   def encode(self, text: str) -> list[int]:
     ids = self._tok.encode(text).ids
@@ -55,8 +60,8 @@ def get_tokenizer(name: str, folder: str | Path | None = None):
   if folder is not None and (Path(folder) / "tokenizer.json").is_file():
     return HFTokenizer(Path(folder) / "tokenizer.json")
   if name.startswith("gguf:"):
-    from kvjax.io import gguf
-    built, add_bos, bos = gguf.tokenizer_json(name[len("gguf:"):])
+    from kvjax.io import gguf_tokenizer
+    built, add_bos, bos = gguf_tokenizer.tokenizer_json(name[len("gguf:"):])
     return HFTokenizer(built=built, bos_id=bos if add_bos else None)
   if name == "bytes":
     return ByteTokenizer()

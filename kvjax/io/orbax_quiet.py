@@ -1,0 +1,91 @@
+"""Silencing what a failed orbax restore leaves behind, so a damaged checkpoint is one line.
+
+orbax restores a step by gathering one asyncio task per array in a fresh event loop
+(`run_until_complete`, then `close`). When one array's read fails, the gather raises and
+the loop is closed with the other reads still pending. They are finalized later, usually
+at interpreter exit: each suspended read catches the GeneratorExit of its finalization as
+a BaseException and raises a new Exception ("Encountered error while reading array
+index ..." with the whole TensorStore spec), which Python prints as "Exception ignored in
+<coroutine ...>"; a read that completes after the loop closed fails in its callback with
+"Event loop is closed". Whether and how many depends on thread timing. A failure before
+the gather leaves coroutines that were created but never awaited, which warn "coroutine
+... was never awaited" when collected.
+
+`abandon_reads()`, called once a restore has failed, closes those pending reads and
+unstarted coroutines now (so nothing is left to finalize at exit, and nothing warns) and
+installs an unraisable-exception hook that drops only reports coming from them (orbax or
+tensorstore code, or "Event loop is closed"); every other report still prints.
+KVJAX_DEBUG=1 keeps everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import inspect
+import logging
+import os
+import sys
+import traceback
+import types
+
+_LIBRARIES = (f"{os.sep}orbax{os.sep}", f"{os.sep}tensorstore{os.sep}")
+_installed = False
+
+
+def _from_abandoned_read(unraisable) -> bool:
+  """Whether an unraisable report comes from a read of a failed restore."""
+  exc = unraisable.exc_value
+  if isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc):
+    return True
+  code = getattr(unraisable.object, "cr_code", None)
+  files = [code.co_filename] if code is not None else []
+  files += [f.filename for f in traceback.extract_tb(unraisable.exc_traceback)]
+  return any(lib in name for name in files for lib in _LIBRARIES)
+
+
+def _install_hook() -> None:
+  global _installed
+  if _installed:
+    return
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    if not _from_abandoned_read(unraisable):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
+  # "Task was destroyed but it is pending!" for the same reads goes to asyncio's logger
+  logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+  _installed = True
+
+
+def _never_started(obj) -> bool:
+  """An orbax coroutine created for the restore but never awaited (the gather that would
+  have run it was not reached): collected, it warns "coroutine ... was never awaited"."""
+  return (isinstance(obj, types.CoroutineType)
+          and inspect.getcoroutinestate(obj) == inspect.CORO_CREATED
+          and any(lib in obj.cr_code.co_filename for lib in _LIBRARIES))
+
+
+def abandon_reads() -> None:
+  """Close the reads a failed restore left pending on its closed event loop, and the
+  coroutines it created but never started."""
+  if os.environ.get("KVJAX_DEBUG"):
+    return
+  _install_hook()
+  for obj in gc.get_objects():
+    if _never_started(obj):
+      obj.close()
+      continue
+    if not isinstance(obj, asyncio.Task) or obj.done():
+      continue
+    try:
+      closed = obj.get_loop().is_closed()
+    except Exception:  # noqa: BLE001  a task without a loop: not one of these
+      continue
+    if closed:
+      try:
+        obj.get_coro().close()
+      except Exception:  # noqa: BLE001  the read's own error on close: already reported
+        pass

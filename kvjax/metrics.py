@@ -43,7 +43,7 @@ def _load_avg() -> list[float] | None:
 def _cpu_isa() -> str:
   """The widest vector extension the CPU reports (machines of one kind differ here, and the
   read's compute roof with it)."""
-  flags = set(kernels._cpu_flags().split())
+  flags = set(kernels.cpu_flags().split())
   for isa in ("avx512_bf16", "avx512f", "avx2", "asimd", "neon"):
     if isa in flags:
       return isa

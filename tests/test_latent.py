@@ -79,7 +79,7 @@ def test_convert_latent_rank_cli(tmp_path, capsys):
   rc = cli.main(["convert", "--checkpoint", str(tmp_path / "dense"), "--latent-rank", "0",
                  "--out", str(tmp_path / "bad")])
   err = capsys.readouterr().err
-  assert rc == 2 and "--latent-rank 0 must be in [1, 32]" in err and err.count("\n") == 1
+  assert rc == 2 and "--latent-rank" in err and "got 0" in err and err.count("\n") == 1
   rc = cli.main(["convert", "--checkpoint", str(tmp_path / "dense"), "--latent-rank", "16",
                  "--out", str(tmp_path / "lat")])
   assert rc == 0

@@ -211,20 +211,17 @@ class ScaledCodec(base.Codec):
 
   @property
   def kernel_kind(self) -> int | None:
-    """The CPU read kernel's kind for whole-head per-token scales (3 int8, 4 int4, 5 int2,
-    6 fp8_e4m3, 7 fp8_e5m2); None for head_dim groups and per-channel keys."""
+    """The read kernel's kind for whole-head per-token scales; None for groups, channels."""
     if self.axis != "token" or self.group:
       return None
     if self.kind == "fp8":
       return 6 if jnp.dtype(self.dtype) == jnp.dtype(jnp.float8_e4m3fn) else 7
     return {8: 3, 4: 4, 2: 5}[self.bits]
 
-  def qk_native(self, q_BKGTD, enc):
-    """Logits over a block read in the codes' stored type (`codecs.native`)."""
+  def qk_native(self, q_BKGTD, enc):  # the reads in the codes' stored type: codecs.native
     return native.qk(self, q_BKGTD, enc)
 
   def pv_native(self, p_BKGTC, enc):
-    """Probability-weighted values of a block read in the codes' stored type."""
     return native.pv(self, p_BKGTC, enc)
 
   def _qk_block(self, q_BKGTD, enc):

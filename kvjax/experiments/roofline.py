@@ -193,14 +193,17 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
 
 
 def summary(rows: list[dict]) -> list[dict]:
-  """One line per cell, with decode time relative to the same variant's bf16 cache."""
-  ref = {(r["variant"]["variant"], r["workload"]["batch"], r["workload"]["context"]):
-         r["metrics"]["tpot_s"] for r in rows if r["variant"]["codec"] == "bf16"}
+  """One line per cell, with decode time relative to the same variant's bf16 cache read by
+  the same attention."""
+  key = lambda r: (r["variant"]["variant"], r["variant"].get("attention"),  # noqa: E731
+                   r["workload"]["batch"], r["workload"]["context"])
+  ref = {key(r): r["metrics"]["tpot_s"] for r in rows if r["variant"]["codec"] == "bf16"}
   out = []
   for r in rows:
     v, w, m = r["variant"], r["workload"], r["metrics"]
-    base = ref.get((v["variant"], w["batch"], w["context"]))
-    out.append({"variant": v["variant"], "codec": ex.cache_name(v), "batch": w["batch"],
+    base = ref.get(key(r))
+    out.append({"variant": v["variant"], "attention": v.get("attention", ""),
+                "codec": ex.cache_name(v), "batch": w["batch"],
                 "context": w["context"], "tpot_ms": m["tpot_s"] * 1e3,
                 "roofline_fraction": m["roofline_fraction"],
                 "bound": m.get("bound", "bytes"),

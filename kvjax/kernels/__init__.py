@@ -41,7 +41,7 @@ def cache_dir() -> Path:
   return Path(root) / "kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
   try:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
       if line.startswith(("flags", "Features")):
@@ -54,7 +54,7 @@ def _cpu_flags() -> str:
 def library_path() -> Path:
   h = hashlib.sha256()
   for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), jax.__version__.encode(),
-               _cpu_flags().encode(), platform.machine().encode()):
+               cpu_flags().encode(), platform.machine().encode()):
     h.update(part)
   return cache_dir() / f"read-{h.hexdigest()[:16]}.so"
 

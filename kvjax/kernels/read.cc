@@ -434,7 +434,7 @@ ScanFn fused_for(int64_t kind) {
 ScanFn fused(int64_t k_kind, int64_t v_kind, int D, int M) {
   if (k_kind != v_kind || M > 16) return nullptr;
   return D == 64 ? fused_for<64>(k_kind) : D == 128 ? fused_for<128>(k_kind)
-         : D == 32 ? fused_for<32>(k_kind) : nullptr;
+         : D == 32 ? fused_for<32>(k_kind) : D == 16 ? fused_for<16>(k_kind) : nullptr;
 }
 
 // Fold the partial state (m2, s2, acc2) into (m1, s1, acc1).

@@ -167,6 +167,13 @@ void widen(const Leaf& lf, const int64_t* __restrict idx, int n, int Dr, float* 
 }
 
 // The partial state of row `row` over tokens [t_begin, t_end): m[M], s[M], acc[M][D].
+// Whether any of the n slots of a tile holds a valid token (a tile of padding is skipped).
+inline bool any_valid(const bool* mask, int n) {
+  bool any = false;
+  for (int t = 0; t < n; ++t) any |= mask[t];
+  return any;
+}
+
 // Where token t of a row lives: contiguous rows of S tokens, or pages of `page` tokens
 // found through the row's sequence's block table (`pages`, null when contiguous).
 struct Geometry {
@@ -192,9 +199,7 @@ void scan(const float* __restrict q, const Leaf& kl, const Leaf& vl,
   std::fill(acc, acc + size_t(M) * D, 0.f);
   for (int64_t t0 = t_begin; t0 < t_end; t0 += TILE) {
     int n = int(std::min<int64_t>(TILE, t_end - t0));
-    bool any = false;
-    for (int t = 0; t < n; ++t) any |= mask_row[t0 + t];
-    if (!any) continue;
+    if (!any_valid(mask_row + t0, n)) continue;
     for (int t = 0; t < n; ++t) idx[t] = geo.index(row, t0 + t);
     widen<DD>(kl, idx, n, D, x);
     // Four query rows at a time, so each widened key is loaded once per four logits (a
@@ -342,7 +347,7 @@ void scan_fused(const float* __restrict q, const Leaf& kl, const Leaf& vl,
                 int64_t t_begin, int64_t t_end, int M, float* __restrict m,
                 float* __restrict s, float* __restrict acc) {
   static_assert(D % 16 == 0, "fused scan: head_dim a multiple of 16");
-  float zero[D] = {0.f}, lt[16][TILE], qsum[16], poff[16];
+  float zero[D] = {0.f}, lt[16][TILE], qsum[16];
   float ks[TILE], ko[TILE], vs[TILE] = {0.f}, vo[TILE] = {0.f};
   int64_t idx[TILE];
   for (int i = 0; i < M; ++i) {
@@ -352,9 +357,7 @@ void scan_fused(const float* __restrict q, const Leaf& kl, const Leaf& vl,
   std::fill(acc, acc + size_t(M) * D, 0.f);
   for (int64_t t0 = t_begin; t0 < t_end; t0 += TILE) {
     int n = int(std::min<int64_t>(TILE, t_end - t0));
-    bool any = false;
-    for (int t = 0; t < n; ++t) any |= mask_row[t0 + t];
-    if (!any) continue;
+    if (!any_valid(mask_row + t0, n)) continue;
     for (int t = 0; t < n; ++t) {
       idx[t] = geo.index(row, t0 + t);
       meta<KIND>(kl, idx[t], ks + t, ko + t);

@@ -435,7 +435,10 @@ ScanFn fused_for(int64_t kind) {
 
 // The fused scan for this (kind, head_dim, rows), or null: the generic scan then.
 ScanFn fused(int64_t k_kind, int64_t v_kind, int D, int M) {
-  if (k_kind != v_kind || M > 16) return nullptr;
+  // codes8 reads eight columns from one bit plane: planes narrower than 8 codes (int2 below
+  // head_dim 32, int4 below 16) take the generic scan.
+  if (k_kind != v_kind || M > 16 || (k_kind == UINT2 && D < 32) || (k_kind == UINT4 && D < 16))
+    return nullptr;
   return D == 64 ? fused_for<64>(k_kind) : D == 128 ? fused_for<128>(k_kind)
          : D == 32 ? fused_for<32>(k_kind) : D == 16 ? fused_for<16>(k_kind) : nullptr;
 }

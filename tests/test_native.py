@@ -210,3 +210,25 @@ def test_fidelity_on_smollm2(smollm2):
       d[attn] = evaluate.compare(lp, ref, windows)["dppl_rel"]
     tol = max(2e-4, 0.02 * abs(d["grouped"]), abs(d["grouped"] - d["reference"]))
     assert abs(d["native"] - d["grouped"]) <= tol, (over, d)
+
+
+def test_paged_slots_without_a_page_are_never_read_outside_the_pool():
+  """A block table whose unbacked entries point outside the pool (masked slots, as the
+  serving engine leaves them) reads as the XLA read's clipped gather does: finite, equal."""
+  if not kernels.available():
+    pytest.skip(f"the read kernel is not available here ({kernels.status()})")
+  c = codecs.get("int8")
+  P, K, ps, D = 6, 2, 4, 16
+  pool = c.encode(jax.random.normal(jax.random.PRNGKey(1), (1, P, K, ps, D), f32))
+  pages = jnp.array([[2, 0, 10 ** 6, -7], [5, 10 ** 6, 10 ** 6, 10 ** 6]], jnp.int32)
+  mask = jnp.arange(16)[None] < jnp.array([[8], [3]])
+  seg = cache_base.PagedSegment(pool, pool, mask, c, c, live=jnp.int32(16), layer=0,
+                                pages=pages, page_size=ps)
+  q = jax.random.normal(jax.random.PRNGKey(2), (2, K, 2, 1, D), f32)
+  st = (jnp.full((2, K, 2, 1), attn_base.MASKED, f32), jnp.zeros((2, K, 2, 1), f32),
+        jnp.zeros((2, K, 2, 1, D), f32))
+  want = xla.attend_segment(q, seg, st)
+  got = jax.jit(lambda q: native.read_segment(q, seg, st))(q)
+  for w, g in zip(want, got):
+    assert bool(jnp.all(jnp.isfinite(g)))
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=1e-5)

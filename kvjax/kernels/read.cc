@@ -176,13 +176,18 @@ inline bool any_valid(const bool* mask, int n) {
 
 // Where token t of a row lives: contiguous rows of S tokens, or pages of `page` tokens
 // found through the row's sequence's block table (`pages`, null when contiguous).
+// A block-table entry outside the pool (a slot no page backs: masked, but still read) is
+// clamped into it, as the XLA read's gather clips, so the kernel never reads outside the
+// pool's buffers.
 struct Geometry {
-  int64_t S, heads, page;
+  int64_t S, heads, page, pool;
   const int32_t* pages;  // [B, S / page]
   int64_t index(int64_t row, int64_t t) const {
     if (!pages) return row * S + t;
     int64_t b = row / heads, k = row % heads;
-    return (int64_t(pages[b * (S / page) + t / page]) * heads + k) * page + t % page;
+    int64_t pg = std::min<int64_t>(std::max<int64_t>(pages[b * (S / page) + t / page], 0),
+                                   pool - 1);
+    return (pg * heads + k) * page + t % page;
   }
 };
 
@@ -489,7 +494,7 @@ ffi::Error Read(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc
   int64_t T = std::min<int64_t>(std::max<int64_t>(live.typed_data()[0], 0), seq);
   // Tokens per layer of the store: B rows of S (contiguous) or P pages of `page` tokens.
   int64_t off = L * heads * (page ? pool_rows * page : batch * seq);
-  Geometry geo{seq, heads, page, page ? pages.typed_data() : nullptr};
+  Geometry geo{seq, heads, page, pool_rows, page ? pages.typed_data() : nullptr};
   Leaf kl = leaf(kc, ks, kz, k_kind, k_width, off), vl = leaf(vc, vs, vz, v_kind, v_width, off);
   const bool* mk = mask.typed_data();
   const float* qp = q.typed_data();

@@ -39,6 +39,7 @@ def installed(tmp_path_factory) -> Path:
   (wheel,) = (tmp / "dist").glob("kvjax-*.whl")
   names = zipfile.ZipFile(wheel).namelist()
   assert "kvjax/shapes/llama3-8b.yaml" in names and "kvjax/cli/__main__.py" in names
+  assert "kvjax/kernels/read.cc" in names  # the CPU read kernel's source, built on first use
   site = tmp / "site"
   proc = subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)],
                         capture_output=True, text=True, env=env, timeout=300)
@@ -51,6 +52,23 @@ def _kvjax(site: Path, cwd: Path, *argv: str) -> subprocess.CompletedProcess:
   env = {**os.environ, "PYTHONPATH": str(site), "JAX_PLATFORMS": "cpu"}
   return subprocess.run([sys.executable, "-m", "kvjax.cli", *argv], cwd=cwd, env=env,
                         capture_output=True, text=True, timeout=300)
+
+
+def test_the_installed_package_builds_and_loads_the_read_kernel(installed, tmp_path):
+  """The wheel's kernel source builds (into a fresh cache folder) and registers where a
+  compiler exists; without one kvjax says so and reads through XLA's dots."""
+  import shutil
+  code = "from kvjax import kernels; print(kernels.status()); print(kernels.SOURCE)"
+  env = {**os.environ, "PYTHONPATH": str(installed), "KVJAX_CACHE": str(tmp_path / "cache"),
+         "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  status, source = proc.stdout.split("\n")[:2]
+  assert source.startswith(str(installed))
+  if shutil.which("g++") or os.environ.get("CXX"):
+    assert status == "active", proc.stderr[-2000:]
+    assert list((tmp_path / "cache" / "kernels").glob("read-*.so"))
 
 
 def test_the_installed_package_is_the_one_imported(installed, tmp_path):

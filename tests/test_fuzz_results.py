@@ -27,15 +27,11 @@ from hypothesis import strategies as st
 
 from kvjax import cli, runner
 from kvjax.runner import results
+from test_shared_folder import CFG as SHARED_CFG
 
-CFG = """\
-name: tiny
-experiment: memory
-model: {vocab_size: 64, d_model: 32, n_layers: 1, n_heads: 4, n_kv_heads: 4}
-workload: {batch: 2, prompt_len: 4, gen_len: 3, repeats: 1}
-params: {contexts: [4, 8]}
-grid: {model.n_kv_heads: [4, 1]}
-"""
+# The shared-folder tests' tiny `memory` grid, without its codec axis.
+CFG = SHARED_CFG.replace(", cache.codec: [fp32, int8]", "")
+assert CFG != SHARED_CFG
 EXAMPLES = int(os.environ.get("KVJAX_FUZZ_EXAMPLES", "30"))
 FUZZ = settings(derandomize=True, deadline=None, max_examples=EXAMPLES, database=None)
 _CRC = re.compile(rb', "crc32": "[0-9a-f]{8}"\}$')

@@ -113,10 +113,11 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
 
 def ratio_ci(num: list[float], den: list[float]) -> list[float]:
   """95 % bootstrap interval of median(num) / median(den), the two resampled apart."""
-  rng = np.random.default_rng(0)
+  from scipy import stats
   a, b = np.asarray(num, float), np.asarray(den, float)
-  r = [np.median(rng.choice(a, a.size)) / np.median(rng.choice(b, b.size)) for _ in range(2000)]
-  return [float(np.percentile(r, 2.5)), float(np.percentile(r, 97.5))]
+  r = stats.bootstrap((a, b), lambda x, y: np.median(x) / np.median(y), confidence_level=0.95,
+                      n_resamples=2000, method="percentile", random_state=0)
+  return [float(r.confidence_interval.low), float(r.confidence_interval.high)]
 
 
 def summary(rows: list[dict]) -> list[dict]:

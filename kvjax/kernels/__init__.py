@@ -109,7 +109,7 @@ def status() -> str:
   return "active" if available() else (_load() or "inactive")
 
 
-def _leaves(codec, enc):
+def _leaves(enc):
   """(codes, scale, zero) of a codec's stored leaves, empty arrays where it has none."""
   none = jnp.zeros((0,), jnp.uint16)
   if isinstance(enc, dict):
@@ -128,8 +128,8 @@ def read(q_BKGTD, seg):
   B, K, G, T, D = q_BKGTD.shape
   layer, n_layers, pages, page, pool_rows = view
   S = seg.mask_BS.shape[1]
-  kc, ks, kz = _leaves(seg.k_codec, seg.k)
-  vc, vs, vz = _leaves(seg.v_codec, seg.v)
+  kc, ks, kz = _leaves(seg.k)
+  vc, vs, vz = _leaves(seg.v)
   live = S if seg.live is None else seg.live
   f32 = jnp.float32
   out = (jax.ShapeDtypeStruct((B * K, G * T), f32), jax.ShapeDtypeStruct((B * K, G * T), f32),

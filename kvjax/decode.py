@@ -158,7 +158,8 @@ def prefill(params, tokens_BT, lengths_B, cache, key, *, spec: Static, sampler: 
   t = jnp.arange(T, dtype=jnp.int32)[None, :]
   positions_BT = jnp.where(t < lengths_B[:, None], cache.lengths[:, None] + t, -1)
   model, params = network(spec, params, logits_last=True)  # lm_head on each row's last token
-  logits_B1V, cache = forward(model, params, tokens_BT, positions_BT, cache)
+  with sharding.visible(spec):
+    logits_B1V, cache = forward(model, params, tokens_BT, positions_BT, cache)
   cache = sharding.constrain_cache(cache, spec)  # keep the mesh layout (no-op on one device)
   last_BV = logits_B1V[:, 0]
   return sampler(last_BV, key), last_BV, cache
@@ -174,7 +175,8 @@ def decode(params, cache, token_B, key, *, spec: Static, sampler: Sampler, steps
 
   def step(state: LoopState, _):
     positions_B1 = state.cache.lengths[:, None]
-    logits, new_cache = forward(model, params, state.token[:, None], positions_B1, state.cache)
+    with sharding.visible(spec):
+      logits, new_cache = forward(model, params, state.token[:, None], positions_B1, state.cache)
     new_cache = sharding.constrain_cache(new_cache, spec)
     key, sub = jax.random.split(state.key)
     nxt = sampler(logits[:, 0], sub)

@@ -32,6 +32,7 @@ Starting the processes of a multi-host run (`jax.distributed`) is kvjax.distribu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -223,6 +224,17 @@ def init_cache(cfg: Config, batch: int, capacity: int, mesh: Mesh) -> Any:
 def put_batch(x, mesh: Mesh):
   """Prompt tokens [B, T] / lengths [B]: batch over `data`, replicated over the model axis."""
   return _put(x, NamedSharding(mesh, P("data", *([None] * (np.ndim(x) - 1)))))
+
+
+@contextlib.contextmanager
+def visible(cfg: Config):
+  """Inside jit: the mesh, as an abstract mesh, for what is traced in this block (the CPU
+  read kernel runs per device under it, `kvjax.kernels.read`); nothing on one device."""
+  if not is_sharded(cfg):
+    yield
+    return
+  with jax.sharding.use_abstract_mesh(make_mesh(cfg).abstract_mesh):
+    yield
 
 
 def constrain_cache(cache: Any, cfg: Config) -> Any:

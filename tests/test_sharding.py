@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -80,6 +81,7 @@ def child() -> dict:
         res[f"{layout}_same"] = out["tokens"] == ref["tokens"]
         if layout == "paged":
           res["paged_leaves"] = _leaf_report(out["cache"])
+  res["kernel"] = _kernel_operands()
   cfg = _cfg(**{"mesh.data": 2})
   for label, c, prompts in (("batch", cfg, PROMPTS[:3]),
                             ("devices", _cfg(**{"mesh.data": 4, "mesh.model": 2}), PROMPTS)):
@@ -89,6 +91,25 @@ def child() -> dict:
     except KvjaxError as e:
       res["errors"][label] = str(e)
   return res
+
+
+def _kernel_operands() -> dict:
+  """The CPU read kernel's query operand in the compiled, partitioned decode step of GQA-2
+  int8 on a 2x2 mesh: its rows (B x K) per device, and how many calls there are."""
+  import re
+
+  import jax.numpy as jnp
+  from kvjax import decode, kernels, model
+  c = _cfg(**{"model.n_kv_heads": 2, "cache.codec": "int8", "mesh.data": 2, "mesh.model": 2})
+  mesh = sharding.make_mesh(c)
+  params = sharding.shard_params(decode.prepare_params(c, model.init_params(c.model, 0)), c, mesh)
+  cache = sharding.init_cache(c, 4, 24, mesh)
+  token = sharding.put_batch(jnp.zeros((4,), jnp.int32), mesh)
+  text = decode.decode.lower(params, cache, token, jax.random.PRNGKey(0),
+                             **program.statics(c, decode.Sampler(), steps=2)).compile().as_text()
+  calls = [line for line in text.splitlines() if 'custom_call_target="kvjax_read"' in line]
+  rows = [int(re.search(r"= \(f32\[(\d+),", line).group(1)) for line in calls]
+  return {"status": kernels.status(), "rows": rows}
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +136,16 @@ def test_meshes_give_the_same_greedy_tokens_as_one_device(four_devices):
   assert not bad, f"tokens differ from one device: {bad}"
   assert four_devices["none_same"] and four_devices["paged_same"]
   assert four_devices["unrolled_same"]  # weights split per layer after sharding them
+
+
+def test_the_cpu_read_kernel_runs_per_device(four_devices):
+  """Under a mesh the kernel reads each device's own rows (batch 4 over `data`=2, 2 KV heads
+  over `kv`=2: 2 x 1 rows a device), not inputs gathered whole onto every device (8 rows)."""
+  got = four_devices["kernel"]
+  if got["status"] != "active":
+    assert not shutil.which("g++"), f"g++ exists but the kernel is {got['status']}"
+    pytest.skip("no C++ compiler: the kernel is not built")
+  assert got["rows"] and set(got["rows"]) == {2}, got
 
 
 def test_paged_pool_splits_kv_heads_and_the_block_table_splits_the_batch(four_devices):

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 SOURCE = Path(__file__).with_name("read.cc")
 TARGET = "kvjax_read"
@@ -120,25 +121,58 @@ def _leaves(enc):
 def read(q_BKGTD, seg):
   """The online-softmax partial state (m, s, acc) of `seg` for these queries through the
   kernel, or None where the kernel does not read this segment's storage (a codec without
-  a `kernel_kind`, or a segment without a `kernel_view`)."""
+  a `kernel_kind`, or a segment without a `kernel_view`).
+
+  Traced under a device mesh (`kvjax.sharding.visible`), the call runs per device inside
+  `jax.shard_map`: each device reads its own batch rows and KV heads, as the XLA read's
+  partitioned dots do, where a plain custom call would gather every input onto each device."""
   kk, vk = seg.k_codec.kernel_kind, seg.v_codec.kernel_kind
   view = seg.kernel_view()
   if kk is None or vk is None or view is None or not available():
     return None
-  B, K, G, T, D = q_BKGTD.shape
   layer, n_layers, pages, page, pool_rows = view
-  S = seg.mask_BS.shape[1]
   kc, ks, kz = _leaves(seg.k)
   vc, vs, vz = _leaves(seg.v)
+  S = seg.mask_BS.shape[1]
   live = S if seg.live is None else seg.live
+  args = (q_BKGTD, kc, ks, kz, vc, vs, vz, seg.mask_BS, jnp.asarray(pages, jnp.int32),
+          jnp.asarray(layer, jnp.int32).reshape(()), jnp.asarray(live, jnp.int32).reshape(()))
+  call = functools.partial(_call, kinds=(kk, vk), n_layers=n_layers, page=page,
+                           pool_rows=pool_rows)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return call(*args)
+  return jax.shard_map(call, mesh=mesh, in_specs=_specs(args, page, kc.ndim),
+                       out_specs=(P("data", "kv", "rep"),) * 3,
+                       check_vma=False)(*args)
+
+
+def _specs(args, page: int, codes_ndim: int) -> tuple:
+  """Per-device pieces of the kernel's inputs: queries [B, K, G, T, D] split batch over
+  `data`, KV heads over `kv` and a head's queries over `rep` (`kvjax.sharding`'s rule);
+  stored leaves their batch and KV heads ([B, K, ...] rows, [L, B, K, ...] layer stacks,
+  [L, P, K, ...] page pools whose pages every device shares); the mask and the block table
+  their batch; layer and live length whole."""
+  lead = ("data", "kv") if codes_ndim == 4 else (None, None if page else "data", "kv")
+
+  def stored(a):
+    return P(*lead) if a.ndim >= len(lead) else P()
+  q, kc, ks, kz, vc, vs, vz, mask, pages = args[:9]
+  return (P("data", "kv", "rep"), *map(stored, (kc, ks, kz, vc, vs, vz)), P("data"),
+          P("data") if page else P(), P(), P())
+
+
+def _call(q_BKGTD, kc, ks, kz, vc, vs, vz, mask_BS, pages, layer, live, *, kinds,
+          n_layers: int, page: int, pool_rows: int):
+  """The custom call on (this device's) arrays: shapes read from the arrays themselves."""
+  B, K, G, T, D = q_BKGTD.shape
+  S = mask_BS.shape[1]
   f32 = jnp.float32
   out = (jax.ShapeDtypeStruct((B * K, G * T), f32), jax.ShapeDtypeStruct((B * K, G * T), f32),
          jax.ShapeDtypeStruct((B * K, G * T, D), f32))
-  call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
-  m, s, acc = call(
-      q_BKGTD.astype(f32).reshape(B * K, G * T, D), kc, ks, kz, vc, vs, vz, seg.mask_BS,
-      jnp.asarray(pages, jnp.int32), jnp.asarray(layer, jnp.int32).reshape(()),
-      jnp.asarray(live, jnp.int32).reshape(()),
-      k_kind=kk, v_kind=vk, k_width=int(kc.shape[-1]), v_width=int(vc.shape[-1]),
-      n_layers=n_layers, batch=B, heads=K, seq=S, page=page, pool_rows=pool_rows)
+  m, s, acc = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
+      q_BKGTD.astype(f32).reshape(B * K, G * T, D), kc, ks, kz, vc, vs, vz, mask_BS, pages,
+      layer, live, k_kind=kinds[0], v_kind=kinds[1], k_width=int(kc.shape[-1]),
+      v_width=int(vc.shape[-1]), n_layers=n_layers, batch=B, heads=K, seq=S, page=page,
+      pool_rows=pool_rows)
   return m.reshape(B, K, G, T), s.reshape(B, K, G, T), acc.reshape(B, K, G, T, D)

@@ -226,10 +226,16 @@ def test_timed_experiments_write_timing_rows(tmp_path):
   """One tiny compiled cell each of latency and cache_vs_recompute."""
   out = tmp_path / "out"
   grid = "grid:\n  model.n_kv_heads: [2]\n"
-  runner.run_file(write_cfg(tmp_path, grid, experiment="latency"), out_dir=out, progress=False)
+  runner.run_file(write_cfg(tmp_path, grid, experiment="latency"), ["params.bandwidth_mib=4"],
+                  out_dir=out, progress=False)
   (row,) = runner.read_rows(out / "latency.jsonl")
   m = row["metrics"]
   assert m["ttft_s"] > 0 and m["tpot_s"] > 0 and m["tokens_per_s"] > 0
+  # the step's two roofs, as the roofline rows carry them
+  assert m["ideal_s"] == pytest.approx(m["step_bytes"] / m["bandwidth_Bps"])
+  assert m["roof_s"] == max(m["ideal_s"], m["flops_s"]) > 0
+  assert m["bound"] == ("bytes" if m["ideal_s"] >= m["flops_s"] else "flops")
+  assert m["roof_fraction"] == pytest.approx(m["roof_s"] / m["tpot_s"])
   assert m["cache_bytes"] == m["closed_form_bytes"]
   assert row["workload"]["context"] == 4 + 3 and row["variant"]["variant"] == "GQA-2"
   runner.run_file(write_cfg(tmp_path, grid, experiment="cache_vs_recompute"),
@@ -254,6 +260,7 @@ def test_latency_interleaves_paired_variants_from_one_prefill(tmp_path):
           window_50: {cache.policy: window, cache.ratio: 0.5}
           snapkv_50: {cache.policy: snapkv, cache.ratio: 0.5, cache.window: 2}
           int8: {cache.codec: int8}
+        bandwidth_mib: 4
       """)
   path = tmp_path / "inter.yaml"
   path.write_text(text.replace("params: {contexts: [4, 8]}\n", ""))
@@ -267,6 +274,10 @@ def test_latency_interleaves_paired_variants_from_one_prefill(tmp_path):
   full, win = by["full"]["metrics"]["cache_bytes"], by["window_50"]["metrics"]["cache_bytes"]
   assert win < full and by["snapkv_50"]["metrics"]["cache_bytes"] < full
   assert by["int8"]["metrics"]["bytes_per_token"] < by["full"]["metrics"]["bytes_per_token"]
+  # each variant's roofs from its own bytes: the int8 step reads fewer than the full one
+  assert by["int8"]["metrics"]["kv_bytes"] < by["full"]["metrics"]["kv_bytes"]
+  assert all(r["metrics"]["roof_fraction"] == pytest.approx(r["metrics"]["roof_s"] /
+                                                            r["metrics"]["tpot_s"]) for r in rows)
   assert "load_avg" in rows[0]["env"] and len(rows[0]["env"]["load_avg"]) == 3
 
 

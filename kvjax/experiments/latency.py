@@ -19,6 +19,11 @@ without overrides). A policy's cache holds its budget
 plus the decode steps (`cache_bytes`). `bytes_per_token` is what the cache holds per token
 of its `context` (`kvjax.held`, = cache_bytes / (batch x context); for paired variants the
 measured cache over batch x context), `bytes_per_token_asymptotic` the long-context cost.
+
+Every row also carries the decode step's two roofs (`roofline.roofs`: `ideal_s` = its bytes
+over the bandwidth, `flops_s` = its FLOPs over the dots' throughput, `bound`, `roof_s`,
+`roof_fraction` = roof_s / tpot_s), from one bandwidth and dot probe per cell measured after
+its timing (`roofline.machine_rates`, `params.bandwidth_mib` MiB as in `roofline`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import time
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 
 from kvjax import cache as cache_lib
@@ -33,11 +39,12 @@ from kvjax import held
 from kvjax import config as config_lib
 from kvjax import experiments as ex
 from kvjax import metrics
+from kvjax.experiments import roofline
 from kvjax.errors import KvjaxError
 
 # The params.NAME options this experiment reads (`setting` and `settings` are every
 # experiment's); `kvjax run` refuses any other, which would be accepted and ignored.
-PARAMS = frozenset({"interleave", "reference"})
+PARAMS = frozenset({"interleave", "reference", "bandwidth_mib"})
 
 
 def capacity(cfg: config_lib.Config) -> int:
@@ -81,6 +88,7 @@ def _interleave(cfg: config_lib.Config) -> dict:
 
 def check(cfg: config_lib.Config) -> None:
   ex.check_context(cfg, capacity(cfg))
+  roofline.check_bandwidth_mib(cfg)
   for c in (_interleave(cfg) or {"": cfg}).values():
     ex.check_memory(c, cfg.workload.batch, capacity(cfg), cfg.workload.prompt_len)
 
@@ -127,6 +135,7 @@ def _interleaved_cell(cfg: config_lib.Config, cfgs: dict) -> list[dict]:
   timers = {name: StepTimer(c, params, tokens, lengths, steps=max(w.gen_len - 1, 1), capacity=S)
             for name, c in cfgs.items()}
   res = metrics.bench_interleaved(timers, repeats=w.repeats)
+  rates = roofline.machine_rates(cfg.param("bandwidth_mib", 512))
   ref = next(iter(res.values()))["tpot_s"]  # `_interleave` puts the reference first
   rows = []
   for name, m in res.items():
@@ -134,7 +143,9 @@ def _interleaved_cell(cfg: config_lib.Config, cfgs: dict) -> list[dict]:
     # what the prefilled cache held (a policy's budget plus the decode room), per slot
     m.update({"tokens_per_s": w.batch / m["tpot_s"], "tpot_vs_ref": m["tpot_s"] / ref,
               "bytes_per_token": m["cache_bytes"] / (w.batch * S),
-              "bytes_per_token_asymptotic": held.asymptotic(cfgs[name])})
+              "bytes_per_token_asymptotic": held.asymptotic(cfgs[name]),
+              **roofline.roofs(cfgs[name], params, w.batch, w.prompt_len, timers[name].steps,
+                               m["tpot_s"], *rates)})
     rows.append({
         "variant": ex.variant(cfgs[name], setting=name, policy=c.policy, budget=c.budget,
                               ratio=c.ratio, window=c.window, sinks=c.sinks),
@@ -163,6 +174,8 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
       "prefill_tokens_per_s": w.batch * w.prompt_len / m["ttft_s"],
       "closed_form_bytes": cache_lib.LAYOUTS[cfg.cache.layout].closed_form_bytes(spec),
       **held.count(cfg, S, batch=w.batch).fields(),  # held at the context, window in
+      **roofline.roofs(cfg, params, w.batch, w.prompt_len, timer.steps, m["tpot_s"],
+                       *roofline.machine_rates(cfg.param("bandwidth_mib", 512))),
   })
   return [{
       "variant": ex.variant(cfg),
@@ -192,5 +205,6 @@ def summary(rows: list[dict]) -> list[dict]:
                 "batch": w["batch"], "context": w["context"],
                 "bytes_per_token": m["bytes_per_token"], "cache_bytes": m["cache_bytes"],
                 "ttft_s": m["ttft_s"], "tpot_s": m["tpot_s"], "tpot_iqr_s": m["tpot_s_iqr"],
-                "tpot_vs_ref": m["tpot_s"] / ref[key(r)], "tokens_per_s": m["tokens_per_s"]})
+                "tpot_vs_ref": m["tpot_s"] / ref[key(r)], "tokens_per_s": m["tokens_per_s"],
+                "bound": m.get("bound", ""), "roof_fraction": m.get("roof_fraction", np.nan)})
   return out

@@ -49,6 +49,10 @@ def capacity(cfg: config_lib.Config) -> int:
 def check(cfg: config_lib.Config) -> None:
   ex.check_context(cfg, capacity(cfg))
   ex.check_memory(cfg, cfg.workload.batch, capacity(cfg), cfg.workload.prompt_len)
+  check_bandwidth_mib(cfg)
+
+
+def check_bandwidth_mib(cfg: config_lib.Config) -> None:
   mib = cfg.param("bandwidth_mib", 512)
   if not isinstance(mib, int) or isinstance(mib, bool) or mib < 1:
     raise KvjaxError(f"params.bandwidth_mib must be a whole number of MiB >= 1, got {mib!r}; "
@@ -132,6 +136,32 @@ def step_bytes(cfg: config_lib.Config, params, batch: int, held_from: int, steps
   return {"weight_bytes": weights, "kv_bytes": kv, "step_bytes": weights + kv}
 
 
+def roofs(cfg: config_lib.Config, params, batch: int, held_from: int, steps: int,
+          tpot_s: float, bandwidth_Bps: float, dot_Fps: dict) -> dict:
+  """Both roofs of a decode step that took `tpot_s` (`steps` steps from `held_from` held
+  tokens), from the measured bandwidth and dot throughputs (`DotProbe.measure`): the
+  step's bytes and FLOPs, `ideal_s` (bytes / bandwidth), `flops_s` (each product's FLOPs
+  / its dot's throughput), `bound` (the higher roof: `bytes` or `flops`), `roof_s` and
+  `roof_fraction` (roof_s / tpot_s)."""
+  m = {**step_bytes(cfg, params, batch, held_from, steps),
+       **step_flops(cfg, params, batch, held_from, steps)}
+  wdot = "bf16" if cfg.model.param_dtype == "bfloat16" else "f32"
+  adot = attention_dot(cfg)
+  ideal = m["step_bytes"] / bandwidth_Bps
+  flops_s = m["weight_flops"] / dot_Fps[wdot] + m["attention_flops"] / dot_Fps[adot]
+  roof = max(ideal, flops_s)
+  return {**m, "bandwidth_Bps": bandwidth_Bps, "ideal_s": ideal, "dot_Fps": dot_Fps,
+          "weight_dot": wdot, "attention_dot": adot, "flops_s": flops_s,
+          "bound": "bytes" if ideal >= flops_s else "flops", "roof_s": roof,
+          "roof_fraction": roof / tpot_s}
+
+
+def machine_rates(mib: int = 512) -> tuple[float, dict]:
+  """One bandwidth (B/s) and one dot-throughput (FLOP/s per operand type) measurement,
+  for rows that time no pairs of them (`latency`)."""
+  return Bandwidth(mib).measure(), DotProbe().measure()
+
+
 class FilledDecode:
   """Compiled decode of `steps` tokens from a cache that already holds `context` tokens
   (a `kvjax.program.Program` of prompt width 0)."""
@@ -175,15 +205,8 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
             "tokens_per_s": w.batch / t["median"],
             **held.count(cfg, w.prompt_len).fields(),
             "kv_fraction": m["kv_bytes"] / m["step_bytes"]})
-  m.update(step_flops(cfg, params, w.batch, w.prompt_len, steps))
-  wdot = "bf16" if cfg.model.param_dtype == "bfloat16" else "f32"
-  adot = attention_dot(cfg)
   rate = {k: statistics.median(d[k] for d in dots) for k in DotProbe.TYPES}
-  flops_s = m["weight_flops"] / rate[wdot] + m["attention_flops"] / rate[adot]
-  roof = max(m["ideal_s"], flops_s)
-  m.update({"dot_Fps": rate, "weight_dot": wdot, "attention_dot": adot,
-            "flops_s": flops_s, "bound": "bytes" if m["ideal_s"] >= flops_s else "flops",
-            "roof_s": roof, "roof_fraction": roof / t["median"]})
+  m.update(roofs(cfg, params, w.batch, w.prompt_len, steps, t["median"], bw, rate))
   return [{
       "variant": ex.variant(cfg),
       "workload": {"batch": w.batch, "prompt_len": w.prompt_len, "gen_len": w.gen_len,

@@ -6,9 +6,12 @@
 // the sum s of exp(logit - m) and the accumulator acc = sum exp(logit - m) * v. The
 // caller merges it with the state of the other segments.
 //
-// Codes are widened a tile of TILE tokens at a time into a float buffer that stays in
-// L1 (never a widened copy of the cache in memory), each token's scale and zero point
-// applied as it is widened. Rows are split across XLA's intra-op thread pool; when there
+// Two scans do it, never through a widened copy of the cache in memory. The fused scan
+// (one codec kind and head_dim 16-128, known at compile time) converts each code where it
+// is used and applies scales and zero points to the logits and probabilities; integer
+// codes meet a 15-bit integer copy of the query in exact int16 multiply-adds. The generic
+// scan widens a tile of TILE tokens at a time into a float buffer that stays in L1, each
+// token's scale and zero point applied as it is widened. Rows are split across XLA's intra-op thread pool; when there
 // are fewer rows than threads, each row's tokens are split too and the partial states
 // are merged by log-sum-exp.
 //
@@ -287,11 +290,16 @@ void scan(const float* __restrict q, const Leaf& kl, const Leaf& vl,
   }
 }
 
-// The same scan with both codecs of one kind known at compile time: each code is
-// converted where it is used (no widened tile), scales and zero points are applied to the
-// logits and probabilities, never to the codes:
+// The fused scan: the same computation with both codecs of one kind known at compile time.
+// Each code is converted where it is used (no widened tile), scales and zero points are
+// applied to the logits and probabilities, never to the codes:
 //   logit_t = s_t (q . c_t) + o_t sum(q),    acc += sum_t (p_t s_t) c_t + sum_t p_t o_t
 // with x = o + s c the codec's value (o = z - h s for int4/int2, else 0; s = 1 for floats).
+// Query rows go in groups of up to four (R, a template argument: no padded row); each
+// token's R products are reduced eight tokens at a time; the softmax step runs over the
+// tile's tokens in vector lanes. Integer codes (int8, int4, int2) meet the query as 15-bit
+// integers (each row rounded once, times its scale): one int16 multiply-add into int32
+// per two columns, exact, where the float route converts every code to float first.
 template <int KIND>
 inline v8 codes8(const uint8_t* __restrict r, int d, int D) {
   v8 v;
@@ -346,76 +354,244 @@ inline void meta(const Leaf& lf, int64_t tok, float* s, float* o) {
   *o = lf.zero ? bf16(lf.zero[tok]) - h * *s : 0.f;
 }
 
+typedef int32_t vi8 __attribute__((vector_size(32)));
+
+inline v8 splat(float x) { return v8{} + x; }
+
+inline v8 vmax(v8 a, v8 b) { return a > b ? a : b; }
+
+inline float hmax(v8 v) {
+  float r = v[0];
+  for (int i = 1; i < 8; ++i) r = std::max(r, v[i]);
+  return r;
+}
+
+// exp(x) for x <= 0, eight lanes: fast_exp's polynomial, rounding by the 1.5 * 2^23 trick.
+inline v8 exp8(v8 x) {
+  x = vmax(x, splat(-87.f));
+  v8 y = x * 1.44269504088896341f;
+  v8 n = (y + 12582912.f) - 12582912.f;
+  v8 f = y - n;
+  v8 p = splat(1.535336188319500e-4f);
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  vi8 bits = (__builtin_convertvector(n, vi8) + 127) << 23;
+  v8 scale;
+  std::memcpy(&scale, &bits, 32);
+  return p * scale;
+}
+
+// Eight accumulators (one per token) -> the eight tokens' sums, in token order.
+inline v8 reduce8(const v8* a) {
+#ifdef __AVX2__
+  __m256 b[8];
+  std::memcpy(b, a, sizeof b);
+  __m256 h01 = _mm256_hadd_ps(b[0], b[1]), h23 = _mm256_hadd_ps(b[2], b[3]);
+  __m256 h45 = _mm256_hadd_ps(b[4], b[5]), h67 = _mm256_hadd_ps(b[6], b[7]);
+  __m256 h03 = _mm256_hadd_ps(h01, h23), h47 = _mm256_hadd_ps(h45, h67);
+  __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(h03, h47, 0x20),
+                           _mm256_permute2f128_ps(h03, h47, 0x31));
+  v8 v;
+  std::memcpy(&v, &r, 32);
+  return v;
+#else
+  v8 v;
+  for (int u = 0; u < 8; ++u) v[u] = hsum(a[u]);
+  return v;
+#endif
+}
+
+// Logits of R query rows over the n tokens idx[0..n) (n a multiple of 8 or the tile's
+// tail, padded with token idx[0]): lt[j][t] = q_j . c_t (scales applied by the caller).
+template <int KIND, int D, int R>
+inline void qk_rows(const float* __restrict q, const Leaf& kl, const int64_t* idx, int n,
+                    float (*lt)[TILE]) {
+  for (int t0 = 0; t0 < n; t0 += 8) {
+    v8 part[R][8];
+    for (int u = 0; u < 8; ++u) {
+      const uint8_t* r = kl.codes + idx[t0 + u < n ? t0 + u : 0] * kl.width;
+      v8 a[R] = {};
+      for (int d = 0; d < D; d += 8) {
+        v8 c = codes8<KIND>(r, d, D);
+        for (int j = 0; j < R; ++j) a[j] += load8(q + j * D + d) * c;
+      }
+      for (int j = 0; j < R; ++j) part[j][u] = a[j];
+    }
+    for (int j = 0; j < R; ++j) {
+      v8 v = reduce8(part[j]);
+      std::memcpy(lt[j] + t0, &v, 32);
+    }
+  }
+}
+
+// acc[j] += sum_t p[j][t] c_t for R rows, 16 columns at a time in registers.
+template <int KIND, int D, int R>
+inline void pv_rows(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE],
+                    float* __restrict acc) {
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    v8 a[R][2] = {};
+    for (int t = 0; t < n; ++t) {
+      const uint8_t* r = vl.codes + idx[t] * vl.width;
+      v8 c0 = codes8<KIND>(r, d0, D), c1 = codes8<KIND>(r, d0 + 8, D);
+      for (int j = 0; j < R; ++j) {
+        float pj = p[j][t];
+        a[j][0] += pj * c0, a[j][1] += pj * c1;
+      }
+    }
+    for (int j = 0; j < R; ++j) {
+      float* dst = acc + size_t(j) * D + d0;
+      v8 x0 = load8(dst) + a[j][0], x1 = load8(dst + 8) + a[j][1];
+      std::memcpy(dst, &x0, 32);
+      std::memcpy(dst + 8, &x1, 32);
+    }
+  }
+}
+
+#ifdef __AVX2__
+// Integer codes against the 15-bit query: 16 codes widened to int16 once per token serve
+// every row; the query's scale joins the key's on the logit.
+template <int KIND, int D>
+constexpr bool int_qk() {
+  return (KIND == INT8 && D % 16 == 0) || (KIND == UINT4 && (D / 2) % 16 == 0) ||
+         (KIND == UINT2 && (D / 4) % 16 == 0);
+}
+
+template <int KIND>
+inline __m256i codes16(const uint8_t* __restrict r, int d, int D) {
+  if constexpr (KIND == INT8) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + d)));
+  } else {
+    constexpr int bits = KIND == UINT4 ? 4 : 2;
+    const int W = D * bits / 8, plane = d / W;
+    __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + (d - plane * W)));
+    c = _mm_and_si128(_mm_srli_epi16(c, bits * plane), _mm_set1_epi8((1 << bits) - 1));
+    return _mm256_cvtepu8_epi16(c);
+  }
+}
+
+inline __m256 reduce8i(const __m256i* b) {
+  __m256i h01 = _mm256_hadd_epi32(b[0], b[1]), h23 = _mm256_hadd_epi32(b[2], b[3]);
+  __m256i h45 = _mm256_hadd_epi32(b[4], b[5]), h67 = _mm256_hadd_epi32(b[6], b[7]);
+  __m256i h03 = _mm256_hadd_epi32(h01, h23), h47 = _mm256_hadd_epi32(h45, h67);
+  __m256i r = _mm256_add_epi32(_mm256_permute2x128_si256(h03, h47, 0x20),
+                               _mm256_permute2x128_si256(h03, h47, 0x31));
+  return _mm256_cvtepi32_ps(r);
+}
+
+// lt[j][t] = q16_j . c_t (integer), as floats.
+template <int KIND, int D, int R>
+inline void qk_rows_int(const int16_t* __restrict q16, const Leaf& kl, const int64_t* idx,
+                        int n, float (*lt)[TILE]) {
+  for (int t0 = 0; t0 < n; t0 += 8) {
+    __m256i part[R][8];
+    for (int u = 0; u < 8; ++u) {
+      const uint8_t* r = kl.codes + idx[t0 + u < n ? t0 + u : 0] * kl.width;
+      __m256i a[R];
+      for (int j = 0; j < R; ++j) a[j] = _mm256_setzero_si256();
+      for (int d = 0; d < D; d += 16) {
+        __m256i c = codes16<KIND>(r, d, D);
+        for (int j = 0; j < R; ++j)
+          a[j] = _mm256_add_epi32(a[j], _mm256_madd_epi16(c, _mm256_loadu_si256(
+                                            reinterpret_cast<const __m256i*>(q16 + j * D + d))));
+      }
+      for (int j = 0; j < R; ++j) part[j][u] = a[j];
+    }
+    for (int j = 0; j < R; ++j) _mm256_storeu_ps(lt[j] + t0, reduce8i(part[j]));
+  }
+}
+#endif
+
+template <int KIND, int D, int R>
+inline void tile_rows(const float* __restrict q, const Leaf& kl, const Leaf& vl,
+                      const int64_t* idx, int n, const float* ks, const float* ko,
+                      const float* vs, const float* vo, const float* okf, const float* qsum,
+                      const int16_t* q16, const float* qsc, float* m, float* s, float* acc) {
+  alignas(32) float lt[R][TILE];
+  float ksc[R];
+#ifdef __AVX2__
+  if constexpr (int_qk<KIND, D>()) {
+    qk_rows_int<KIND, D, R>(q16, kl, idx, n, lt);
+    for (int j = 0; j < R; ++j) ksc[j] = qsc[j];
+  } else
+#endif
+  {
+    qk_rows<KIND, D, R>(q, kl, idx, n, lt);
+    for (int j = 0; j < R; ++j) ksc[j] = 1.f;
+  }
+  for (int j = 0; j < R; ++j) {  // the softmax step; lt becomes p * (value scale)
+    v8 l[TILE / 8];
+    v8 mx8 = splat(m[j]);
+    for (int b = 0; b < TILE / 8; ++b) {
+      v8 ok = load8(okf + 8 * b);  // 1 where the slot holds a token, else 0
+      v8 x = load8(ks + 8 * b) * (load8(lt[j] + 8 * b) * ksc[j]) + load8(ko + 8 * b) * qsum[j];
+      l[b] = ok > 0.5f ? x : splat(MASKED);
+      mx8 = vmax(mx8, l[b]);
+    }
+    float mx = hmax(mx8);
+    float corr = fast_exp(m[j] - mx);
+    v8 sum = {}, po = {};
+    for (int b = 0; b < TILE / 8; ++b) {
+      v8 e = exp8(l[b] - mx);
+      e = l[b] > 0.5f * MASKED ? e : v8{};
+      sum += e;
+      po += e * load8(vo + 8 * b);
+      v8 pe = e * load8(vs + 8 * b);
+      std::memcpy(lt[j] + 8 * b, &pe, 32);
+    }
+    float pos = hsum(po);
+    float* aj = acc + size_t(j) * D;
+    for (int d = 0; d < D; d += 8) {
+      v8 x = load8(aj + d) * corr + pos;
+      std::memcpy(aj + d, &x, 32);
+    }
+    s[j] = s[j] * corr + hsum(sum);
+    m[j] = mx;
+  }
+  pv_rows<KIND, D, R>(vl, idx, n, lt, acc);
+}
+
 template <int KIND, int D>
 void scan_fused(const float* __restrict q, const Leaf& kl, const Leaf& vl,
-                const bool* __restrict mask_row, int64_t row, const Geometry& geo,
-                int64_t t_begin, int64_t t_end, int M, float* __restrict m,
-                float* __restrict s, float* __restrict acc) {
+                 const bool* __restrict mask_row, int64_t row, const Geometry& geo,
+                 int64_t t_begin, int64_t t_end, int M, float* __restrict m,
+                 float* __restrict s, float* __restrict acc) {
   static_assert(D % 16 == 0, "fused scan: head_dim a multiple of 16");
-  float zero[D] = {0.f}, lt[16][TILE], qsum[16];
-  float ks[TILE], ko[TILE], vs[TILE] = {0.f}, vo[TILE] = {0.f};
+  alignas(32) float ks[TILE], ko[TILE], vs[TILE], vo[TILE], okf[TILE];
+  float qsum[16], qsc[16];
+  alignas(32) int16_t q16[16 * D];
   int64_t idx[TILE];
-  for (int i = 0; i < M; ++i) {
+  for (int i = 0; i < M; ++i) {  // and each row as 15-bit integers times a scale
     m[i] = MASKED, s[i] = 0.f, qsum[i] = 0.f;
-    for (int d = 0; d < D; ++d) qsum[i] += q[i * D + d];
+    float mx = 0.f;
+    for (int d = 0; d < D; ++d) qsum[i] += q[i * D + d], mx = std::max(mx, std::fabs(q[i * D + d]));
+    qsc[i] = mx > 0.f ? mx / 32767.f : 1.f;
+    for (int d = 0; d < D; ++d) q16[i * D + d] = int16_t(std::nearbyint(q[i * D + d] / qsc[i]));
   }
   std::fill(acc, acc + size_t(M) * D, 0.f);
   for (int64_t t0 = t_begin; t0 < t_end; t0 += TILE) {
     int n = int(std::min<int64_t>(TILE, t_end - t0));
     if (!any_valid(mask_row + t0, n)) continue;
-    for (int t = 0; t < n; ++t) {
-      idx[t] = geo.index(row, t0 + t);
+    for (int t = 0; t < TILE; ++t) {  // slots past the tail: masked, reading token idx[0]
+      bool in = t < n;
+      idx[t] = geo.index(row, t0 + (in ? t : 0));
+      okf[t] = in && mask_row[t0 + t] ? 1.f : 0.f;
       meta<KIND>(kl, idx[t], ks + t, ko + t);
       meta<KIND>(vl, idx[t], vs + t, vo + t);
     }
-    for (int i0 = 0; i0 < M; i0 += 4) {  // logits, four query rows a step
-      const float* qr[4];
-      for (int j = 0; j < 4; ++j) qr[j] = i0 + j < M ? q + size_t(i0 + j) * D : zero;
-      for (int t = 0; t < n; ++t) {
-        const uint8_t* r = kl.codes + idx[t] * kl.width;
-        v8 s0 = {}, s1 = {}, s2 = {}, s3 = {};
-        for (int d = 0; d < D; d += 8) {
-          v8 c = codes8<KIND>(r, d, D);
-          s0 += load8(qr[0] + d) * c, s1 += load8(qr[1] + d) * c;
-          s2 += load8(qr[2] + d) * c, s3 += load8(qr[3] + d) * c;
-        }
-        float a[4] = {hsum(s0), hsum(s1), hsum(s2), hsum(s3)};
-        bool ok = mask_row[t0 + t];
-        for (int j = 0; j < 4 && i0 + j < M; ++j)
-          lt[i0 + j][t] = ok ? ks[t] * a[j] + ko[t] * qsum[i0 + j] : MASKED;
-      }
-    }
-    for (int i = 0; i < M; ++i) {  // the softmax step; lt becomes p * (value scale)
-      float mx = m[i];
-      for (int t = 0; t < n; ++t) mx = std::max(mx, lt[i][t]);
-      float corr = fast_exp(m[i] - mx), sum = 0.f, po = 0.f;
-      for (int t = 0; t < n; ++t) {
-        float e = lt[i][t] > 0.5f * MASKED ? fast_exp(lt[i][t] - mx) : 0.f;
-        sum += e;
-        po += e * vo[t];
-        lt[i][t] = e * vs[t];
-      }
-      float* ai = acc + size_t(i) * D;
-      for (int d = 0; d < D; ++d) ai[d] = ai[d] * corr + po;
-      s[i] = s[i] * corr + sum;
-      m[i] = mx;
-    }
-    for (int i0 = 0; i0 < M; i0 += 4) {  // acc += (p s) c: 4 rows x 16 columns in registers
-      int rows = std::min(4, M - i0);
-      for (int d0 = 0; d0 < D; d0 += 16) {
-        v8 a[4][2] = {};
-        for (int t = 0; t < n; ++t) {
-          const uint8_t* r = vl.codes + idx[t] * vl.width;
-          v8 c0 = codes8<KIND>(r, d0, D), c1 = codes8<KIND>(r, d0 + 8, D);
-          for (int j = 0; j < 4; ++j) {
-            float pj = j < rows ? lt[i0 + j][t] : 0.f;
-            a[j][0] += pj * c0, a[j][1] += pj * c1;
-          }
-        }
-        for (int j = 0; j < rows; ++j) {
-          float* dst = acc + size_t(i0 + j) * D + d0;
-          for (int c = 0; c < 8; ++c) dst[c] += a[j][0][c], dst[8 + c] += a[j][1][c];
-        }
+    for (int i0 = 0; i0 < M; i0 += 4) {
+      int R = std::min(4, M - i0);
+      const float* qi = q + size_t(i0) * D;
+      float *mi = m + i0, *si = s + i0, *ai = acc + size_t(i0) * D;
+      const float* qs = qsum + i0;
+      switch (R) {
+        case 4: tile_rows<KIND, D, 4>(qi, kl, vl, idx, n, ks, ko, vs, vo, okf, qs, q16 + i0 * D, qsc + i0, mi, si, ai); break;
+        case 3: tile_rows<KIND, D, 3>(qi, kl, vl, idx, n, ks, ko, vs, vo, okf, qs, q16 + i0 * D, qsc + i0, mi, si, ai); break;
+        case 2: tile_rows<KIND, D, 2>(qi, kl, vl, idx, n, ks, ko, vs, vo, okf, qs, q16 + i0 * D, qsc + i0, mi, si, ai); break;
+        default: tile_rows<KIND, D, 1>(qi, kl, vl, idx, n, ks, ko, vs, vo, okf, qs, q16 + i0 * D, qsc + i0, mi, si, ai); break;
       }
     }
   }

@@ -39,7 +39,9 @@ def installed(tmp_path_factory) -> Path:
   (wheel,) = (tmp / "dist").glob("kvjax-*.whl")
   names = zipfile.ZipFile(wheel).namelist()
   assert "kvjax/shapes/llama3-8b.yaml" in names and "kvjax/cli/__main__.py" in names
-  assert "kvjax/kernels/read.cc" in names  # the CPU read kernel's source, built on first use
+  # the CPU kernels' sources, built on first use
+  assert {"kvjax/kernels/read.cc", "kvjax/kernels/matvec.cc",
+          "kvjax/kernels/parallel.h"} <= set(names)
   site = tmp / "site"
   proc = subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)],
                         capture_output=True, text=True, env=env, timeout=300)

@@ -1,6 +1,7 @@
-"""The CPU decode-read kernel (`read.cc`, an XLA FFI custom call) and its build.
+"""The CPU kernels (XLA FFI custom calls) and their build: the decode read (`read.cc`,
+`read`) and the few-row product with bfloat16 weights (`matvec.cc`, `bf16_dot`).
 
-The kernel is C++ against the header-only XLA FFI API that jax ships
+The kernels are C++ against the header-only XLA FFI API that jax ships
 (`jax.ffi.include_dir()`), compiled with the machine's g++ the first time a process needs
 it, for this machine's instruction set (`-march=native`), into
 `$KVJAX_CACHE/kernels/` (default `~/.cache/kvjax/kernels`), named by a hash of the
@@ -32,7 +33,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 SOURCE = Path(__file__).with_name("read.cc")
+SOURCES = (SOURCE, SOURCE.with_name("matvec.cc"))  # one library; parallel.h is shared
+HEADERS = (SOURCE.with_name("parallel.h"),)
 TARGET = "kvjax_read"
+MATVEC = "kvjax_matvec"
+MATVEC_ROWS = 16  # the most rows `bf16_dot` hands to the kernel (a decode step's)
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17",
          "-shared", "-fPIC", "-w"]
 
@@ -54,14 +59,14 @@ def cpu_flags() -> str:
 
 def library_path() -> Path:
   h = hashlib.sha256()
-  for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), jax.__version__.encode(),
-               cpu_flags().encode(), platform.machine().encode()):
+  for part in (*(f.read_bytes() for f in SOURCES + HEADERS), " ".join(FLAGS).encode(),
+               jax.__version__.encode(), cpu_flags().encode(), platform.machine().encode()):
     h.update(part)
   return cache_dir() / f"read-{h.hexdigest()[:16]}.so"
 
 
 def build() -> Path:
-  """Compile `read.cc` unless this machine's build exists; its path. Raises OSError or
+  """Compile the kernels unless this machine's build exists; its path. Raises OSError or
   CalledProcessError when it cannot."""
   out = library_path()
   if out.exists():
@@ -74,7 +79,8 @@ def build() -> Path:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not out.exists():
       tmp = out.with_suffix(f".{os.getpid()}.tmp")
-      subprocess.run([cxx, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(tmp)],
+      subprocess.run([cxx, *FLAGS, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o",
+                      str(tmp)],
                      check=True, capture_output=True, text=True)
       os.replace(tmp, out)
   return out
@@ -88,6 +94,7 @@ def _load() -> str | None:
   try:
     lib = ctypes.CDLL(str(build()))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.KvjaxRead), platform="cpu")
+    jax.ffi.register_ffi_target(MATVEC, jax.ffi.pycapsule(lib.KvjaxMatvec), platform="cpu")
   except subprocess.CalledProcessError as e:
     return f"its build failed: {(e.stderr or '').strip().splitlines()[-1:]}"
   except OSError as e:
@@ -108,6 +115,34 @@ def available() -> bool:
 def status() -> str:
   """'active', or why the kernel is not (for results rows and `make test`)."""
   return "active" if available() else (_load() or "inactive")
+
+
+def bf16_dot(x, w, nt: bool = False):
+  """x [..., E] times bfloat16 weights `w` ([E, N]; [N, E] read transposed when `nt`) in
+  float32, through the kernel where it applies: few rows (at most MATVEC_ROWS, a decode
+  step's), float32 x, the kernel built, no device mesh traced (a split weight is XLA's to
+  multiply). Elsewhere, and on any other platform (`lax.platform_dependent`), the weights
+  are widened and multiplied by XLA as before. Same values up to float32 summation order."""
+  E = x.shape[-1]
+  rows = x.size // E if E else 0
+
+  def xla_dot(x, w):
+    wf = w.astype(x.dtype)
+    return x @ (wf.T if nt else wf)
+
+  mesh = jax.sharding.get_abstract_mesh()
+  if (w.dtype != jnp.bfloat16 or x.dtype != jnp.float32 or not 0 < rows <= MATVEC_ROWS
+      or not (mesh.empty or mesh.size == 1) or not available()):
+    return xla_dot(x, w)
+
+  def kernel(x, w):
+    N = w.shape[0] if nt else w.shape[1]
+    out = jax.ShapeDtypeStruct((rows, N), jnp.float32)
+    y = jax.ffi.ffi_call(MATVEC, out, vmap_method="sequential")(
+        x.reshape(rows, E), jax.lax.bitcast_convert_type(w, jnp.uint16), nt=int(nt))
+    return y.reshape(*x.shape[:-1], N)
+
+  return jax.lax.platform_dependent(x, w, cpu=kernel, default=xla_dot)
 
 
 def _leaves(enc):

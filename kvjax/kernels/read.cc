@@ -35,6 +35,7 @@
 #include <immintrin.h>
 #endif
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -703,31 +704,7 @@ ffi::Error Read(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc
     auto f = D == 64 ? scan<64> : D == 128 ? scan<128> : D == 32 ? scan<32> : scan<0>;
     f(qp + row * M * D, kl, vl, mk + b * seq, row, geo, t0, std::max(t0, t1), M, D, m, s, a);
   };
-  // Tasks share the counters through a shared_ptr: a task that starts after the last
-  // item is done (and this call has returned) touches only that state, never the stack.
-  struct Work {
-    std::atomic<int64_t> next{0}, done{0};
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  auto work = std::make_shared<Work>();
-  auto* runp = &run;
-  auto worker = [work, runp, items]() {
-    for (int64_t it; (it = work->next.fetch_add(1)) < items;) {
-      (*runp)(it);
-      if (work->done.fetch_add(1) + 1 == items) {
-        std::lock_guard<std::mutex> g(work->mu);
-        work->cv.notify_all();
-      }
-    }
-  };
-  int64_t helpers = std::min<int64_t>(threads, items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([worker]() { worker(); });
-  worker();
-  {
-    std::unique_lock<std::mutex> g(work->mu);
-    work->cv.wait(g, [&] { return work->done.load() == items; });
-  }
+  kvjax::parallel_for(pool, items, run);
   for (int64_t row = 0; row < N; ++row)
     for (int64_t sp = 1; sp < splits; ++sp) {
       const float* base = part.data() + size_t(row * (splits - 1) + sp - 1) * M * (D + 2);

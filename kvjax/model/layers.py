@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax import attention
+from kvjax import attention, kernels
 from kvjax.cache import base as cache_base
 from kvjax.config import ModelConfig
 from kvjax.model.rope import apply_rope
@@ -57,10 +57,39 @@ def dense(cfg: ModelConfig, features: int, name: str, bias: bool = False) -> nn.
 
 
 def linear(h, p, dtype):
-  """What `nn.Dense` computes from its params `p` ({"kernel", optional "bias"})."""
-  kernel = p["kernel"].astype(dtype)
-  y = jax.lax.dot_general(h.astype(dtype), kernel, (((h.ndim - 1,), (0,)), ((), ())))
+  """What `nn.Dense` computes from its params `p` ({"kernel", optional "bias"}). bfloat16
+  weights under float32 activations go through `kernels.bf16_dot`, which reads them at
+  their stored bytes for a decode step's few rows (XLA widens the whole matrix first)."""
+  kernel = p["kernel"]
+  if kernel.dtype == jnp.bfloat16 and jnp.dtype(dtype) == jnp.float32:
+    y = kernels.bf16_dot(h.astype(dtype), kernel)
+  else:
+    y = jax.lax.dot_general(h.astype(dtype), kernel.astype(dtype),
+                            (((h.ndim - 1,), (0,)), ((), ())))
   return y + p["bias"].astype(dtype) if "bias" in p else y
+
+
+class Head(nn.Module):
+  """An untied lm_head: `nn.Dense`'s parameter (same name, shape and initialisation),
+  multiplied by `linear`."""
+
+  features: int
+  dtype: Any
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, x_BTE):
+    kernel = self.param("kernel", nn.initializers.normal(0.02), (x_BTE.shape[-1], self.features),
+                        self.param_dtype)
+    return linear(x_BTE, {"kernel": kernel}, self.dtype)
+
+
+def lm_head(x_BTE, table_VE, dtype):
+  """Logits from a tied embedding table, as `nn.Embed.attend` computes them (bfloat16
+  tables under float32 activations through `kernels.bf16_dot`, read transposed)."""
+  if table_VE.dtype == jnp.bfloat16 and jnp.dtype(dtype) == jnp.float32:
+    return kernels.bf16_dot(x_BTE.astype(dtype), table_VE, nt=True)
+  return x_BTE.astype(dtype) @ table_VE.astype(dtype).T
 
 
 def block_forward(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):

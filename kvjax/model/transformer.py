@@ -27,7 +27,8 @@ import jax.numpy as jnp
 
 from kvjax.cache import base as cache_base
 from kvjax.config import ModelConfig
-from kvjax.model.layers import Block, LayerInput, RMSNorm, block_forward, dense, linear, rms_norm
+from kvjax.model.layers import (Block, Head, LayerInput, RMSNorm, block_forward, linear, lm_head,
+                                rms_norm)
 from kvjax.model.rope import rope_cos_sin
 
 
@@ -112,9 +113,9 @@ class Transformer(nn.Module):
       x_BTE = jnp.take_along_axis(x_BTE, logits_at[..., None].astype(jnp.int32), axis=1)
     x_BTE = RMSNorm(cfg.norm_eps, dtype, jnp.dtype(cfg.param_dtype), name="norm")(x_BTE)
     if cfg.tie_embeddings:
-      logits_BTV = embed.attend(x_BTE)
+      logits_BTV = lm_head(x_BTE, embed.embedding, dtype)
     else:
-      logits_BTV = dense(cfg, cfg.vocab_size, "lm_head")(x_BTE)
+      logits_BTV = Head(cfg.vocab_size, dtype, jnp.dtype(cfg.param_dtype), name="lm_head")(x_BTE)
     if cache is not None:
       write_BT = positions_BT
       if self.layer_loop == "unrolled":

@@ -1,0 +1,161 @@
+// Products of a few float32 rows with a bfloat16 weight matrix, as an XLA FFI custom
+// call: y[M, N] = x[M, E] . W, with W stored [E, N] (a projection's kernel) or [N, E] (a
+// tied embedding table read as the lm_head, `nt`). Each weight is widened in a register
+// where it is used (bf16 is the top half of a float32) and read from memory once per
+// call, so a decode step reads its weights at their stored bytes; XLA:CPU widens a
+// bf16 matrix into a float32 copy first. Columns (or table rows) are split across XLA's
+// intra-op thread pool. For the few rows of a decode step (M <= 16); longer inputs stay
+// with XLA's dot.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 widen8(const uint16_t* w) {  // eight bf16 -> eight float32
+  v8 v;
+#ifdef __AVX2__
+  __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))), 16));
+  std::memcpy(&v, &f, 32);
+#else
+  for (int i = 0; i < 8; ++i) {
+    uint32_t u = uint32_t(w[i]) << 16;
+    std::memcpy(&v[i], &u, 4);
+  }
+#endif
+  return v;
+}
+
+inline float widen1(uint16_t w) {
+  uint32_t u = uint32_t(w) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float hsum(v8 v) {
+  float t = 0.f;
+  for (int i = 0; i < 8; ++i) t += v[i];
+  return t;
+}
+
+constexpr int COLS = 32;  // [E, N]: columns a task holds in registers (one 64-byte line a row)
+constexpr int KB = 128;   // weight rows per pass over the task's row groups (an L1 block)
+
+// y[:, c0 : c0 + COLS] for R rows of x, weight rows [k0, k1).
+template <int R>
+void nn_block(const float* x, int64_t E, const uint16_t* w, int64_t N, int64_t c0,
+              int64_t k0, int64_t k1, float* y) {
+  v8 a[R][COLS / 8] = {};
+  for (int64_t k = k0; k < k1; ++k) {
+    const uint16_t* wk = w + k * N + c0;
+    v8 c[COLS / 8];
+    for (int b = 0; b < COLS / 8; ++b) c[b] = widen8(wk + 8 * b);
+    for (int j = 0; j < R; ++j) {
+      float xj = x[j * E + k];
+      for (int b = 0; b < COLS / 8; ++b) a[j][b] += xj * c[b];
+    }
+  }
+  for (int j = 0; j < R; ++j)
+    for (int b = 0; b < COLS / 8; ++b)
+      for (int i = 0; i < 8; ++i) y[j * N + c0 + 8 * b + i] += a[j][b][i];
+}
+
+template <int R>
+void nn_rows(const float* x, int64_t E, const uint16_t* w, int64_t N, int64_t c0, float* y) {
+  for (int64_t k0 = 0; k0 < E; k0 += KB) nn_block<R>(x, E, w, N, c0, k0, std::min(E, k0 + KB), y);
+}
+
+// One task: columns [c0, c0 + COLS) of every row (the last task may be narrower).
+void nn_task(const float* x, int64_t M, int64_t E, const uint16_t* w, int64_t N, int64_t c0,
+             float* y) {
+  for (int64_t m = 0; m < M; ++m) std::fill(y + m * N + c0, y + m * N + std::min(N, c0 + COLS), 0.f);
+  if (c0 + COLS > N) {  // a ragged tail: plainly
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < E; ++k)
+        for (int64_t c = c0; c < N; ++c) y[m * N + c] += x[m * E + k] * widen1(w[k * N + c]);
+    return;
+  }
+  for (int64_t m0 = 0; m0 < M; m0 += 3) {  // rows three at a time: 12 accumulators + 4 codes
+    int R = int(std::min<int64_t>(3, M - m0));
+    const float* xm = x + m0 * E;
+    float* ym = y + m0 * N;
+    if (R == 3) nn_rows<3>(xm, E, w, N, c0, ym);
+    else if (R == 2) nn_rows<2>(xm, E, w, N, c0, ym);
+    else nn_rows<1>(xm, E, w, N, c0, ym);
+  }
+}
+
+constexpr int NT_ROWS = 16;  // [N, E]: table rows (outputs) per task
+
+// y[:, n] = x . table[n] for the task's table rows, four x rows at a time.
+void nt_task(const float* x, int64_t M, int64_t E, const uint16_t* t, int64_t N, int64_t n0,
+             float* y) {
+  int64_t n1 = std::min(N, n0 + NT_ROWS), E8 = E - E % 8;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* tn = t + n * E;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      int R = int(std::min<int64_t>(4, M - m0));
+      v8 a[4] = {};
+      for (int64_t e = 0; e < E8; e += 8) {
+        v8 c = widen8(tn + e);
+        for (int j = 0; j < 4; ++j)
+          if (j < R) {
+            v8 xv;
+            std::memcpy(&xv, x + (m0 + j) * E + e, 32);
+            a[j] += xv * c;
+          }
+      }
+      for (int j = 0; j < R; ++j) {
+        float s = hsum(a[j]);
+        for (int64_t e = E8; e < E; ++e) s += x[(m0 + j) * E + e] * widen1(tn[e]);
+        y[(m0 + j) * N + n] = s;
+      }
+    }
+  }
+}
+
+ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> w,
+                  ffi::ResultBuffer<ffi::F32> y, int64_t nt) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2)
+    return ffi::Error::InvalidArgument("kvjax_matvec: x must be [M, E] and w two-dimensional");
+  const int64_t M = xd[0], E = xd[1], N = nt ? wd[0] : wd[1];
+  if ((nt ? wd[1] : wd[0]) != E) return ffi::Error::InvalidArgument("kvjax_matvec: E differs");
+  const float* xp = x.typed_data();
+  const uint16_t* wp = w.typed_data();
+  float* yp = y->typed_data();
+  if (nt) {
+    kvjax::parallel_for(pool, (N + NT_ROWS - 1) / NT_ROWS, [&](int64_t it) {
+      nt_task(xp, M, E, wp, N, it * NT_ROWS, yp);
+    });
+  } else {
+    kvjax::parallel_for(pool, (N + COLS - 1) / COLS, [&](int64_t it) {
+      nn_task(xp, M, E, wp, N, it * COLS, yp);
+    });
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatvec, Matvec,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("nt"));

@@ -1,0 +1,61 @@
+"""The few-row product with bfloat16 weights (`kernels.bf16_dot`, matvec.cc): equal to
+XLA's widen-then-multiply, used by the default CPU program for bf16 weights at decode's
+row counts and not beyond them."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_config, tiny_params
+from kvjax import decode, kernels, model
+
+f32, bf16 = jnp.float32, jnp.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _kernel():
+  if not kernels.available():
+    pytest.skip(f"the CPU kernels are not available here ({kernels.status()})")
+
+
+@pytest.mark.parametrize("M,E,N,nt", [(1, 64, 96, False), (3, 40, 64, False), (5, 24, 40, False),
+                                      (16, 32, 32, False), (1, 64, 96, True), (4, 20, 33, True),
+                                      (7, 24, 16, True)])
+def test_bf16_dot_equals_the_widened_product(M, E, N, nt):
+  """Row groups of 1-4, a column tail past the 32-column blocks, E not a multiple of 8."""
+  kx, kw = jax.random.split(jax.random.PRNGKey(M * 100 + N))
+  x = jax.random.normal(kx, (M, E), f32)
+  w = jax.random.normal(kw, (N, E) if nt else (E, N), f32).astype(bf16)
+  got = jax.jit(lambda x, w: kernels.bf16_dot(x, w, nt=nt))(x, w)
+  wf = w.astype(f32)
+  want = x @ (wf.T if nt else wf)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernel_takes_decode_rows_only():
+  w = jnp.ones((32, 64), bf16)
+  lowered = lambda M: jax.jit(kernels.bf16_dot).lower(jnp.ones((M, 32), f32), w).as_text()  # noqa: E731
+  assert "kvjax_matvec" in lowered(kernels.MATVEC_ROWS)
+  assert "kvjax_matvec" not in lowered(kernels.MATVEC_ROWS + 1)  # a prompt: XLA's dot
+  assert "kvjax_matvec" not in jax.jit(kernels.bf16_dot).lower(
+      jnp.ones((2, 32), f32), jnp.ones((32, 64), f32)).as_text()  # float32 weights
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_bf16_weights_decode_through_the_kernel(tied, monkeypatch):
+  """The default CPU decode step with bf16 weights multiplies every projection and the
+  lm_head (tied or not) through the kernel, and its logits equal XLA's product's."""
+  cfg = tiny_config(**{"model.param_dtype": "bfloat16", "model.tie_embeddings": tied})
+  params = decode.prepare_params(cfg, tiny_params(cfg))
+  net = model.Transformer(cfg.model, layer_loop="switch")
+  tokens = jnp.array([[3, 5], [7, 1]], jnp.int32)
+  pos = jnp.array([[0, 1], [0, 1]], jnp.int32)
+  run = jax.jit(lambda p, t: net.apply({"params": p}, t, pos)[0])
+  text = run.lower(params, tokens).as_text()
+  per_layer = 4 + 3  # q, k, v, o; gate, up, down (in the switch's branches: one each)
+  assert text.count("kvjax_matvec") >= per_layer * cfg.model.n_layers + 1
+  got = run(params, tokens)
+  monkeypatch.setattr(kernels, "available", lambda: False)
+  want = jax.jit(lambda p, t: net.apply({"params": p}, t, pos)[0])(params, tokens)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
   pr.add_argument("--prompt-ids", action="append", metavar="1,2,3",
                   help="one sequence per use; repeat for a ragged batch")
   g.add_argument("--max-new-tokens", type=_number("--max-new-tokens", _POS), default=16)
+  g.add_argument("--chat", action="store_true", help="render --prompt as one user turn "
+                 "through the model's own chat template (GGUF/Hugging Face metadata)")
+  g.add_argument("--no-stop", action="store_true", help="generate --max-new-tokens tokens "
+                 "even past the model's stop tokens (EOS, end of turn)")
   g.add_argument("--codec", help="cache codec for K and V")
   g.add_argument("--k-codec", help="cache codec for K only (e.g. int8 with --v-codec int4)")
   g.add_argument("--v-codec", help="cache codec for V only")

@@ -175,17 +175,32 @@ class Model:
 
 def run(config: str | Path, out: str | Path | None = None,
         overrides: dict | list[str] | None = None, shard: str | None = None,
-        dry_run: bool = False, progress: bool = False) -> RunReport:
+        dry_run: bool = False, quiet: bool = False) -> RunReport:
   """Run an experiment config's grid, as `kvjax run` (rows appended to `out`, default
-  results/<name>; finished cells skipped); `dry_run` lists the cells and runs nothing."""
+  results/<name>; finished cells skipped; the summary table printed unless `quiet`);
+  `dry_run` lists the cells and runs nothing."""
   from kvjax import runner
 
-  if dry_run:
-    raw = runner.dry_run(config, overrides=overrides, out_dir=out, shard=shard)
-  else:
-    raw = runner.run_file(config, overrides=overrides, out_dir=out, progress=progress,
-                          shard=shard)
+  with _quiet(quiet):
+    if dry_run:
+      raw = runner.dry_run(config, overrides=overrides, out_dir=out, shard=shard)
+    else:
+      raw = runner.run_file(config, overrides=overrides, out_dir=out, progress=not quiet,
+                            shard=shard)
   return RunReport.of(raw)
+
+
+def _quiet(quiet: bool):
+  """stdout and stderr to nowhere while a `quiet` call runs."""
+  import contextlib
+  import io
+
+  if not quiet:
+    return contextlib.nullcontext()
+  stack = contextlib.ExitStack()
+  stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+  stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
+  return stack
 
 
 def results(path: str | Path, experiment: str | None = None) -> list[dict]:
@@ -195,10 +210,11 @@ def results(path: str | Path, experiment: str | None = None) -> list[dict]:
   return results_lib.records(results_lib.load(path, experiment))
 
 
-def plot(results_dir: str | Path, out: str | Path = "plots") -> list[Path]:
+def plot(results_dir: str | Path, out: str | Path = "plots", quiet: bool = False) -> list[Path]:
   """Redraw every plot the rows under `results_dir` support, into `out`, as
   `python scripts/plot_all.py RESULTS_DIR --out OUT` does (the plots live in the
-  repository's scripts/, next to the package)."""
+  repository's scripts/, next to the package); what it drew and skipped printed unless
+  `quiet`."""
   import importlib.util
 
   script = Path(__file__).resolve().parent.parent / "scripts" / "plot_all.py"
@@ -209,6 +225,7 @@ def plot(results_dir: str | Path, out: str | Path = "plots") -> list[Path]:
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   try:
-    return module.plot_all(results_dir, out)
+    with _quiet(quiet):
+      return module.plot_all(results_dir, out)
   except SystemExit as e:  # plot_all's one-line errors
     raise KvjaxError(str(e.code).removeprefix("plot_all: error: ")) from None

@@ -163,7 +163,7 @@ def cmd_run(args):
 
 def cmd_results(args):
   from kvjax.runner import results
-  sys.stdout.write(results.table(args.path, args.format, args.experiment))
+  sys.stdout.write(results.table(args.path, args.format, args.experiment, args.columns))
   return {}
 
 

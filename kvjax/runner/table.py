@@ -121,11 +121,13 @@ def identity(configs: list[dict]) -> list[dict]:
 
 
 def _matches(rec: dict, row: dict) -> bool:
-  """Whether a summary record carries this row's values: every metric and workload field
-  the two share is equal, and they share at least one metric."""
+  """Whether a summary record carries this row's values: every workload field the two
+  share is equal, and so are at least half of the metrics they share (a summary may show
+  another figure under a metric's name), at least one."""
   metrics, work = row.get("metrics") or {}, row.get("workload") or {}
   shared = [k for k in rec if k in metrics]
-  return bool(shared) and all(rec[k] == metrics[k] for k in shared) and \
+  same = sum(rec[k] == metrics[k] for k in shared)
+  return same >= 1 and 2 * same >= len(shared) and \
       all(rec[k] == work[k] for k in rec if k in work and k not in metrics)
 
 

@@ -36,7 +36,7 @@ class RandomWeightsWarning(UserWarning):
   """The model was initialised, not read: its text is noise (speed and memory are real)."""
 
 
-def _source(spec: str):
+def resolve_source(spec: str):
   """A model source (kvjax.io.sources) for a name: a known real model, KIND:REF, or a
   packaged shape (random weights)."""
   from kvjax.io import sources, zoo
@@ -57,7 +57,7 @@ def load(source: str = "smollm2-135m", overrides: dict | None = None) -> "Model"
   (`{"model.n_kv_heads": 1}`)."""
   from kvjax.io import sources
 
-  src = _source(source)
+  src = resolve_source(source)
   over = dict(overrides or {})
   cfg, params, tok = sources.load(src, over)
   if src.kind == "config":
@@ -151,7 +151,7 @@ class Model:
     from kvjax import cli
     from kvjax.cli import commands
 
-    argv = ["size", *self._size_source(), "--seq-len", str(seq_len), "--batch", str(batch)]
+    argv = ["size", *self.size_flags(), "--seq-len", str(seq_len), "--batch", str(batch)]
     argv += ["--budget", str(budget)] if budget is not None else []
     for key, value in {**self.overrides, **cache_items(cache)}.items():
       value = str(value).lower() if isinstance(value, bool) else value
@@ -164,7 +164,8 @@ class Model:
                          max_sequences_by_codec=b.get("max_sequences_by_codec"),
                          batch_fits=b.get("batch_fits"))
 
-  def _size_source(self) -> list[str]:
+  def size_flags(self) -> list[str]:
+    """The `kvjax size` flags that name this model."""
     kind, ref = self.source.kind, self.source.ref
     if kind in ("gguf", "hf") or (kind == "config" and ref):
       return [f"--{kind}", ref]

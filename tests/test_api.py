@@ -81,9 +81,9 @@ def test_errors_are_the_cli_lines(tiny, call, words):
 
 def test_load_names(tmp_path):
   from kvjax import api
-  assert str(api._source("llama3-8b")) == "config:llama3-8b"   # a packaged shape
-  assert str(api._source("shape:smollm2-135m")) == "config:smollm2-135m"
-  assert str(api._source("smollm2-135m")) == "gguf:smollm2-135m"  # the real model wins
+  assert str(api.resolve_source("llama3-8b")) == "config:llama3-8b"   # a packaged shape
+  assert str(api.resolve_source("shape:smollm2-135m")) == "config:smollm2-135m"
+  assert str(api.resolve_source("smollm2-135m")) == "gguf:smollm2-135m"  # the real model wins
   with pytest.raises(kvjax.KvjaxError, match="cannot tell what model"):
     kvjax.load(str(tmp_path / "nothing"))
   with pytest.raises(kvjax.KvjaxError, match="no results file or folder"):

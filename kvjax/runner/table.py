@@ -3,8 +3,8 @@ ms, bytes in KiB/MiB/GiB; one number format per column) and records as an aligne
 plain-text table. Bytes per token are what the cache held at the row's context
 (`kvjax.held.row_bytes`), for older rows too.
 
-Identity: `identity` names, per cell config, every cache key whose value differs between
-the cells (codec, k_axis, group_size, residual, policy, ratio, sinks, ... and the paired
+Identity: `identity` names, per cell config, every cache and model key whose value differs
+between the cells (codec, k_axis, group_size, residual, policy, ratio, sinks, ... and the paired
 setting), so two rows never look alike in a table; `with_identity` puts those columns in
 front of an experiment's summary records (matched to their rows by the metric values they
 carry).
@@ -104,16 +104,18 @@ def column_text(key: str, values: list) -> list[str]:
 
 
 def identity(configs: list[dict]) -> list[dict]:
-  """Per config (a row's `config`, `Config.to_dict()`), the cache keys that differ between
-  the configs, by their names (`codec`: K and V together; `k_axis`, `group_size`,
-  `residual`, `policy`, `ratio`, `sinks`, ...), and the paired setting's name if any."""
+  """Per config (a row's `config`, `Config.to_dict()`), the cache and model keys that
+  differ between the configs, by their names (`codec`: K and V together; `k_axis`,
+  `group_size`, `residual`, `policy`, `ratio`, `sinks`, ..., `vocab_size`; the KV heads are
+  the rows' `variant`), and the paired setting's name if any."""
   def items(cfg: dict) -> dict:
     c = dict(cfg.get("cache") or {})
     k, v = c.pop("k_codec", None), c.pop("v_codec", None)
     c.pop("codec", None)
     out = {"setting": (cfg.get("params") or {}).get("setting") or None,
            "codec": k if k == v else f"K{k}/V{v}"}
-    return {**out, **c}
+    model = {k: v for k, v in (cfg.get("model") or {}).items() if k != "n_kv_heads"}
+    return {**out, **c, **{k if k not in c else f"model.{k}": v for k, v in model.items()}}
   each = [items(c) for c in configs]
   keys = [k for k in (each[0] if each else {})
           if len({repr(e.get(k)) for e in each}) > 1]
@@ -144,6 +146,7 @@ def with_identity(records: list[dict], rows: list[dict]) -> list[dict]:
       pairs = []
       break
     pairs.append((ids[i], rec))
+    i += 1  # each row stands behind one record at most
   # a record's own column of the same name and other values (a `codec` holding the
   # setting's name): the identity column comes as cache.NAME; of the same values: left out
   clash = {k for d, rec in pairs for k in d if k in rec and rec[k] != d[k]}

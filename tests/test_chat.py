@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import smollm2_path, tiny_config, tiny_params
+from conftest import tiny_config, tiny_params
 from kvjax import cli, program
 from kvjax.errors import KvjaxError
 from kvjax.io import chat
@@ -36,6 +36,14 @@ def test_no_template_names_the_fix():
     chat.render(chat.ChatInfo(None), [{"role": "user", "content": "x"}])
 
 
+def test_gguf_stop_ids_are_in_the_vocabulary():
+  meta = {"tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.eot_token_id": 99,
+          "tokenizer.ggml.bos_token_id": 1, "tokenizer.chat_template": CHATML}
+  info = chat.from_gguf(meta, {1: "<s>", 2: "</s>"}.get)
+  assert (info.stop_ids, info.bos_token, info.eos_token) == ({2}, "<s>", "</s>")
+  assert info.template == CHATML
+
+
 def test_hf_folder_metadata(tmp_path):
   (tmp_path / "tokenizer_config.json").write_text(
       '{"chat_template": "T", "eos_token": {"content": "<eot>"}, "bos_token": "<s>"}')
@@ -45,9 +53,8 @@ def test_hf_folder_metadata(tmp_path):
   assert (info.template, info.stop_ids, info.bos_token) == ("T", {3, 7, 9, 11}, "<s>")
 
 
-def test_gguf_metadata_of_the_instruct_model():
-  from kvjax.io import tokenizer
-  tok = tokenizer.get_tokenizer(f"gguf:{smollm2_path()}")
+def test_gguf_metadata_of_the_instruct_model(smollm2):
+  tok = smollm2[2]  # built by kvjax.io.tokenizer from the GGUF file's metadata
   assert tok.stop_ids == {2} and tok.decode([2]) == "" and tok.token_to_id("<|im_end|>") == 2
   ids = tok.encode(chat.render(tok.chat, [{"role": "user", "content": "Hi"}]), bos=False)
   assert ids[0] == tok.token_to_id("<|im_start|>") and ids.count(2) == 2  # system + user turns

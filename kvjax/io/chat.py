@@ -40,18 +40,17 @@ class ChatInfo:
   origin: str = "the model"
 
 
-def _token(tokens: list[str], i) -> str:
-  return tokens[i] if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(tokens) \
-      else ""
-
-
-def from_gguf(meta: dict, tokens: list[str], origin: str = "the GGUF file") -> ChatInfo:
-  """Template and stop ids of a GGUF file's metadata (ids outside the vocabulary dropped)."""
-  stops = {meta[k] for k in GGUF_STOP_KEYS if _token(tokens, meta.get(k))}
+def from_gguf(meta: dict, id_to_token, origin: str = "the GGUF file") -> ChatInfo:
+  """Template and stop ids of a GGUF file's metadata; `id_to_token(int) -> str | None`
+  (ids outside the vocabulary are dropped)."""
+  def token(i) -> str:
+    ok = isinstance(i, int) and not isinstance(i, bool) and i >= 0
+    return (id_to_token(i) or "") if ok else ""
+  stops = {meta[k] for k in GGUF_STOP_KEYS if token(meta.get(k))}
   template = meta.get("tokenizer.chat_template")
   return ChatInfo(template if isinstance(template, str) and template else None,
-                  frozenset(stops), _token(tokens, meta.get("tokenizer.ggml.bos_token_id")),
-                  _token(tokens, meta.get("tokenizer.ggml.eos_token_id")), origin)
+                  frozenset(stops), token(meta.get("tokenizer.ggml.bos_token_id")),
+                  token(meta.get("tokenizer.ggml.eos_token_id")), origin)
 
 
 def _read_json(path: Path) -> dict:

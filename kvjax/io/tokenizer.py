@@ -83,8 +83,7 @@ def get_tokenizer(name: str, folder: str | Path | None = None):
     path = name[len("gguf:"):]
     built, add_bos, bos = gguf_tokenizer.tokenizer_json(path)
     tok = HFTokenizer(built=built, bos_id=bos if add_bos else None)
-    vocab = [built.id_to_token(i) or "" for i in range(built.get_vocab_size())]
-    tok.chat = chat.from_gguf(gguf.metadata(path), vocab, origin=Path(path).name)
+    tok.chat = chat.from_gguf(gguf.metadata(path), built.id_to_token, origin=Path(path).name)
     return tok
   if name == "bytes":
     return ByteTokenizer()

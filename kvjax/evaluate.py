@@ -237,21 +237,35 @@ def text_windows(tok, text: str, n_tokens: int, seqs: int,
 def eval_cli(src, overrides: dict, text: str = "stdlib", tokens: int = 512, seqs: int = 1,
              chunk: int = 1, progress: bool = True) -> dict:
   """`kvjax eval`: the configured cache against an fp32 contiguous cache, same tokens."""
-  from tqdm import tqdm
-
   from kvjax.io import sources
 
+  text_source = eval_inputs(text, tokens, seqs, chunk)  # before any weight loads
+  check_tokens(tokens, sources.load_config(src, overrides).model.max_seq_len)  # (no weights)
+  cfg, params, tok = sources.load(src, overrides)
+  return eval_loaded(cfg, params, tok, src, text, tokens, seqs, chunk, progress, text_source)
+
+
+def eval_inputs(text: str, tokens: int, seqs: int, chunk: int) -> str:
+  """The eval text (a missing or empty --text refused) after the window flags' checks."""
   if chunk <= 0:
     raise KvjaxError(f"--chunk must be positive, got {chunk}")
   if tokens < 2:
     raise KvjaxError(f"--tokens must be >= 2 (a token and the next one), got {tokens}")
   if seqs < 1:
     raise KvjaxError(f"--seqs must be >= 1, got {seqs}")
-  text_source = data.eval_text(text)  # a missing or empty --text before any weight loads
-  max_len = sources.load_config(src, overrides).model.max_seq_len  # (no weights read)
+  return data.eval_text(text)
+
+
+def check_tokens(tokens: int, max_len: int) -> None:
   if tokens > max_len:
     raise KvjaxError(f"--tokens {tokens} exceeds model.max_seq_len={max_len}; lower --tokens")
-  cfg, params, tok = sources.load(src, overrides)
+
+
+def eval_loaded(cfg: Config, params, tok, src, text: str, tokens: int, seqs: int, chunk: int,
+                progress: bool, text_source: str) -> dict:
+  """`kvjax eval` on a loaded model (the Python API's `Model.evaluate` calls it too)."""
+  from tqdm import tqdm
+
   if tok is None:
     raise KvjaxError("this model has no tokenizer, so it cannot read --text; use a model "
                      "with one (--gguf, --hf, or a config with tokenizer: bytes)")

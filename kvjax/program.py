@@ -213,12 +213,14 @@ def check_request(cfg: Config, prompts: list[list[int]], max_new_tokens: int,
 
 
 def generate(cfg: Config, params, prompts: list[list[int]], max_new_tokens: int,
-             seed: int | None = None, timed: bool = True, return_cache: bool = False) -> dict:
+             seed: int | None = None, timed: bool = True, return_cache: bool = False,
+             stop=()) -> dict:
   """Prefill + decode for a batch of ragged prompts.
 
   Both programs are compiled ahead of time (reported as `compile_s`), run once to warm
   up, then timed: `ttft_s` is prefill + first sample, `tpot_s` the decode loop time per
-  token. Returns new tokens per sequence (cut after eos), cache bytes and timings (and the
+  token. Returns new tokens per sequence (cut after the first stop token: `workload.eos_id`
+  and the ids in `stop`), cache bytes and timings (and the
   final cache under "cache" with `return_cache`). With more than one device in `cfg.mesh`
   the parameters, prompts and cache are laid out on the mesh first (kvjax.sharding).
   """
@@ -236,12 +238,11 @@ def generate(cfg: Config, params, prompts: list[list[int]], max_new_tokens: int,
     raise KvjaxError("the forward pass produced non-finite logits (NaN or inf), so no tokens "
                      "are printed; check the weights and model.rope_theta, model.norm_eps, "
                      "model.dtype")
-  eos = cfg.workload.eos_id
+  stops = set(stop) | ({cfg.workload.eos_id} if cfg.workload.eos_id >= 0 else set())
   seqs = []
   for row in run.tokens().tolist():
-    if eos >= 0 and eos in row:
-      row = row[:row.index(eos) + 1]
-    seqs.append(row)
+    end = next((i for i, t in enumerate(row) if t in stops), None)
+    seqs.append(row if end is None else row[:end + 1])
   extra = {"cache": run.cache} if return_cache else {}
   return {
       **extra,

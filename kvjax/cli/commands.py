@@ -141,44 +141,16 @@ def cmd_size(args) -> dict:
 
 # -- generate -----------------------------------------------------------------------------
 def cmd_generate(args) -> dict:
-  from kvjax import program
+  from kvjax import generation
   from kvjax.io import sources
 
   over = _cache_overrides(args, _sampling_overrides(args))
   src = sources.from_args(args)
   cfg, params, tok = sources.load(src, over)
-  if args.prompt is not None:
-    if tok is None:
-      raise KvjaxError("this model has no tokenizer; pass --prompt-ids 1,2,3 instead of --prompt")
-    prompts = [tok.encode(args.prompt)]
-  elif args.prompt_ids:
-    prompts = []
-    for item in args.prompt_ids:
-      try:
-        prompts.append([int(x) for x in item.replace(" ", "").split(",") if x])
-      except ValueError:
-        raise KvjaxError(f"--prompt-ids expects comma-separated integers, got '{item}'") from None
-  else:
-    raise KvjaxError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3")
-  if prompts and all(prompts) and args.max_new_tokens > 0:  # else generate names the problem
-    from kvjax import memory
-    capacity = cfg.cache.capacity or max(map(len, prompts)) + args.max_new_tokens
-    memory.check(cfg, len(prompts), capacity, max(map(len, prompts)), what="this generate")
-  # --seed seeds sampling only; the weights of a --config model come from its `seed` key.
-  out = program.generate(cfg, params, prompts, args.max_new_tokens, seed=args.seed)
-  result = {"tokens": out["tokens"]}
-  if tok is not None:
-    result["text"] = [tok.decode(t) for t in out["tokens"]]
-  result.update({k: out[k] for k in ("cache_bytes", "cache_bytes_per_device", "ttft_s", "tpot_s",
-                                     "compile_s", "capacity")})
-  result["mesh"] = {"data": cfg.mesh.data, "model": cfg.mesh.model}
-  result.update({"variant": cfg.model.variant, "layout": cfg.cache.layout,
-                 "policy": cfg.cache.policy,
-                 "k_codec": cfg.cache.k_codec, "v_codec": cfg.cache.v_codec,
-                 "batch": len(prompts), "source": str(src),
-                 # only a config's model is initialised here; every other source read weights
-                 "random_weights": src.kind == "config"})
-  return result
+  ids = generation.parse_ids(args.prompt_ids) if args.prompt_ids else None
+  prompts = generation.prompts(tok, args.prompt, ids, chat=args.chat)
+  return generation.report(cfg, params, tok, src, prompts, args.max_new_tokens, seed=args.seed,
+                           stop=not args.no_stop, chat=args.chat)
 
 
 # -- run / train --------------------------------------------------------------------------
@@ -191,7 +163,7 @@ def cmd_run(args):
 
 def cmd_results(args):
   from kvjax.runner import results
-  sys.stdout.write(results.table(args.path, args.format, args.experiment))
+  sys.stdout.write(results.table(args.path, args.format, args.experiment, args.columns))
   return {}
 
 

@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
   pr.add_argument("--prompt-ids", action="append", metavar="1,2,3",
                   help="one sequence per use; repeat for a ragged batch")
   g.add_argument("--max-new-tokens", type=_number("--max-new-tokens", _POS), default=16)
+  g.add_argument("--chat", action="store_true", help="render --prompt as one user turn "
+                 "through the model's own chat template (GGUF/Hugging Face metadata)")
+  g.add_argument("--no-stop", action="store_true", help="generate --max-new-tokens tokens "
+                 "even past the model's stop tokens (EOS, end of turn)")
   g.add_argument("--codec", help="cache codec for K and V")
   g.add_argument("--k-codec", help="cache codec for K only (e.g. int8 with --v-codec int4)")
   g.add_argument("--v-codec", help="cache codec for V only")
@@ -144,11 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
   rs = sub.add_parser("results", help="results rows as a CSV or markdown table",
                       description="Flatten the rows of a results file, or of every *.jsonl "
                       "under a folder, into one table (variant and workload fields, then the "
-                      "metrics): CSV in raw units (seconds, bytes), markdown as printed by run.")
+                      "metrics): CSV in raw units (seconds, bytes) with every column, markdown as printed "
+                      "by run, with a compact set of columns unless --columns says.")
   rs.add_argument("path", metavar="DIR_OR_FILE", help="a results folder or .jsonl file")
   rs.add_argument("--format", default="markdown", choices=("csv", "markdown"),
                   help="csv (one table, raw values) or markdown (one table per experiment)")
   rs.add_argument("--experiment", metavar="NAME", help="only the rows of this experiment")
+  rs.add_argument("--columns", metavar="A,B,...", help="the columns to show (names as in the "
+                  "header, or all); markdown defaults to the fields that tell the rows apart "
+                  "and the headline metrics, csv to every column")
   rs.set_defaults(func=cmd_results)
 
   t = sub.add_parser("train", help="train a model from a config, with orbax checkpoints")

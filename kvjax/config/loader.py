@@ -71,13 +71,18 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
 
 def flat(data: dict | None) -> dict[str, Any]:
   """A YAML mapping of sections as {dotted key: value} (`model: {d_model: 64}` ->
-  `model.d_model`); top-level keys (seed, params, grid, ...) stay as they are."""
+  `model.d_model`); top-level keys (seed, params, grid, ...) stay as they are. `model:` may
+  name a packaged shape (`model: smollm2-135m`, or `model: {shape: smollm2-135m,
+  n_kv_heads: 1}` with keys that replace the shape's)."""
   if data is None:
     return {}
   if not isinstance(data, dict):
     raise KvjaxError("config must be a YAML mapping of sections (model:, cache:, ...)")
   out: dict[str, Any] = {}
   for key, value in data.items():
+    if key == "model" and (isinstance(value, str) or (isinstance(value, dict)
+                                                      and "shape" in value)):
+      value = shape_model(value)
     if key in SECTIONS:
       if value is None:
         continue
@@ -150,6 +155,18 @@ SHAPES_DIR = Path(__file__).resolve().parent.parent / "shapes"  # package data
 def shape_names() -> list[str]:
   """Real model shapes shipped inside the package (`kvjax/shapes/<name>.yaml`)."""
   return sorted(p.stem for p in SHAPES_DIR.glob("*.yaml"))
+
+
+def shape_model(value: str | dict) -> dict[str, Any]:
+  """The `model:` section a packaged shape name stands for, with any other keys given
+  beside `shape:` replacing the shape's."""
+  name = value if isinstance(value, str) else value["shape"]
+  if not isinstance(name, str) or not (SHAPES_DIR / f"{name}.yaml").is_file():
+    raise KvjaxError(f"model: {name!r} is not a packaged model shape; use one of "
+                     f"{', '.join(shape_names())} or give the model's keys")
+  model = dict((yamlfile.read(SHAPES_DIR / f"{name}.yaml") or {}).get("model") or {})
+  extra = {} if isinstance(value, str) else {k: v for k, v in value.items() if k != "shape"}
+  return {**model, **extra}
 
 
 def shape_path(ref: str | Path) -> Path:

@@ -14,10 +14,14 @@ BYTE_VOCAB = 260  # 256 bytes + BOS, EOS, PAD + one spare (a multiple of 4)
 
 
 class ByteTokenizer:
+  """Bytes as ids; no chat template and no stop tokens (the models it serves are random)."""
+
   vocab_size = BYTE_VOCAB
   bos_id, eos_id, pad_id = BOS, EOS, PAD
+  chat = None
+  stop_ids: frozenset = frozenset()
 
-  def encode(self, text: str) -> list[int]:
+  def encode(self, text: str, bos: bool = True) -> list[int]:
     return list(text.encode("utf-8"))
 
   def decode(self, ids) -> str:
@@ -25,7 +29,10 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-  """A `tokenizers.Tokenizer` from a tokenizer.json file (or an already built one)."""
+  """A `tokenizers.Tokenizer` from a tokenizer.json file (or an already built one); `chat`
+  holds the model's chat template and stop ids (kvjax.io.chat) when its metadata has them."""
+
+  chat = None
 
   def __init__(self, path: str | Path | None = None, *, built=None, bos_id: int | None = None):
     self.bos_id = bos_id  # prepended by encode() when the model's tokenizer asks for it
@@ -46,27 +53,44 @@ class HFTokenizer:
       raise KvjaxError(f"cannot read tokenizer {path}: {first}; the file is corrupt: restore "
                        "it or delete it to run without a tokenizer (--prompt-ids)") from None
 
-  def encode(self, text: str) -> list[int]:
+  def encode(self, text: str, bos: bool = True) -> list[int]:
+    """Ids of `text` (special tokens written in it become their ids); BOS first when the
+    model asks for one and `bos` (a chat template prints its own)."""
     ids = self._tok.encode(text).ids
-    return [self.bos_id, *ids] if self.bos_id is not None else ids
+    return [self.bos_id, *ids] if bos and self.bos_id is not None else ids
 
   def decode(self, ids) -> str:
     return self._tok.decode([int(i) for i in ids])
+
+  def token_to_id(self, token: str) -> int | None:
+    return self._tok.token_to_id(token)
+
+  @property
+  def stop_ids(self) -> frozenset:
+    """Ids that end a reply: EOS and the end-of-turn ids of the metadata."""
+    return self.chat.stop_ids if self.chat is not None else frozenset()
 
 
 def get_tokenizer(name: str, folder: str | Path | None = None):
   """`bytes`, `none`, `gguf:PATH` or a path to tokenizer.json; a checkpoint folder's
   tokenizer.json wins."""
+  from kvjax.io import chat
+
   if folder is not None and (Path(folder) / "tokenizer.json").is_file():
-    return HFTokenizer(Path(folder) / "tokenizer.json")
+    name = str(Path(folder) / "tokenizer.json")
   if name.startswith("gguf:"):
-    from kvjax.io import gguf_tokenizer
-    built, add_bos, bos = gguf_tokenizer.tokenizer_json(name[len("gguf:"):])
-    return HFTokenizer(built=built, bos_id=bos if add_bos else None)
+    from kvjax.io import gguf, gguf_tokenizer
+    path = name[len("gguf:"):]
+    built, add_bos, bos = gguf_tokenizer.tokenizer_json(path)
+    tok = HFTokenizer(built=built, bos_id=bos if add_bos else None)
+    tok.chat = chat.from_gguf(gguf.metadata(path), built.id_to_token, origin=Path(path).name)
+    return tok
   if name == "bytes":
     return ByteTokenizer()
   if name in ("", "none"):
     return None
   if Path(name).is_file():
-    return HFTokenizer(name)
+    tok = HFTokenizer(name)
+    tok.chat = chat.from_hf(Path(name).parent, tok.token_to_id)
+    return tok
   raise KvjaxError(f"unknown tokenizer '{name}'; use bytes, none, gguf:FILE or a path to tokenizer.json")

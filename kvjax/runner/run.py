@@ -21,14 +21,15 @@ from kvjax.runner import claims
 from kvjax.runner import shard as shard_lib
 from kvjax.runner.grid import Cell, check_params, coords_str, expand, load_experiment
 from kvjax.runner.rows import check_rows, complete_rows, describe, encode, repair, scan, warn
-from kvjax.runner.table import flatten, format_table
+from kvjax.runner.table import flatten, format_table, identity, with_identity
 
 
 CELL_CACHE_KEYS = ("k_codec", "v_codec", "k_axis", "group_size", "residual", "layout")
 
 
-def cell_record(cell: Cell) -> dict:
-  """What `--dry-run` lists for a cell: its grid coordinates, setting and resolved cache."""
+def cell_record(cell: Cell, differs: dict | None = None) -> dict:
+  """What `--dry-run` lists for a cell: its grid coordinates, setting, resolved cache and
+  `differs`, the other cache keys that differ between the cells (`table.identity`)."""
   c, m = cell.cfg.cache, cell.cfg.model
   rec = {"cell": cell.index}
   rec.update({k.split(".")[-1]: v for k, v in cell.coords.items()})
@@ -36,6 +37,8 @@ def cell_record(cell: Cell) -> dict:
     rec["setting"] = cell.cfg.param("setting")
   rec["variant"] = m.variant
   rec.update({k: getattr(c, k) for k in CELL_CACHE_KEYS})
+  shown = set(rec) | {"codec"}  # (the K and V codecs are there)
+  rec.update({k: v for k, v in (differs or {}).items() if k not in shown})
   return rec
 
 
@@ -75,7 +78,9 @@ def dry_run(path: str | Path, overrides: list[str] | dict | None = None,
   shard, base, cells, _, mine = _select(path, overrides, shard)
   folder = _folder(base, out_dir)
   done = complete_rows(merged_rows(folder, base.experiment))[1]
-  recs = [{**cell_record(c), "status": "done" if c.hash in done else "to run"} for c in mine]
+  ids = identity([c.cfg.to_dict() for c in mine])
+  recs = [{**cell_record(c, d), "status": "done" if c.hash in done else "to run"}
+          for c, d in zip(mine, ids)]
   part = f" shard {shard[0]}/{shard[1]}" if shard else ""
   print(f"kvjax run --dry-run: {base.experiment}{part}: {len(mine)} cells "
         f"({sum(r['status'] == 'done' for r in recs)} already in {folder}); nothing run")
@@ -219,6 +224,7 @@ def run_file(path: str | Path, overrides: list[str] | dict | None = None,
   rows.sort(key=lambda r: (r["cell"]["index"], r["cell"]["row"]))
   records, plain = _summary(module, name, rows)
   for title, recs in (records if isinstance(records, dict) else {"": records}).items():
+    recs = with_identity(recs, rows)  # every key that tells the cells apart, in front
     print(f"\n{title}" if title else "")
     print(format_table(recs, drop_constant=plain))
   files = [p for p in shard_lib.results_files(folder, name) if p.is_file()]

@@ -1,0 +1,78 @@
+"""The model's own chat template (rendered in jinja2's sandbox) and its set of stop tokens."""
+
+import pytest
+
+from conftest import tiny_config, tiny_params
+from kvjax import cli, program
+from kvjax.errors import KvjaxError
+from kvjax.io import chat
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_render_follows_the_template_and_its_variables():
+  info = chat.ChatInfo(CHATML + "{{ eos_token }}", frozenset({2}), "<s>", "</s>")
+  text = chat.render(info, [{"role": "user", "content": "Hi"}])
+  assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n</s>"
+  assert "assistant" not in chat.render(info, [{"role": "user", "content": "Hi"}],
+                                        add_generation_prompt=False)
+
+
+@pytest.mark.parametrize("template, words", [
+    ("{% for m in messages %}{{ m.content }", "malformed (line 1"),
+    ("{{ raise_exception('only user turns') }}", "refused the messages: only user turns"),
+    ("{{ ''.__class__.__mro__ }}", "failed while rendering"),   # the sandbox says no
+    ("{{ messages.append(1) }}", "failed while rendering"),     # immutable sandbox
+])
+def test_a_bad_template_is_one_line(template, words):
+  with pytest.raises(KvjaxError, match=r"^[^\n]*$") as e:
+    chat.render(chat.ChatInfo(template), [{"role": "user", "content": "x"}])
+  assert words in str(e.value)
+
+
+def test_no_template_names_the_fix():
+  with pytest.raises(KvjaxError, match="has no chat template; drop --chat"):
+    chat.render(chat.ChatInfo(None), [{"role": "user", "content": "x"}])
+
+
+def test_gguf_stop_ids_are_in_the_vocabulary():
+  meta = {"tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.eot_token_id": 99,
+          "tokenizer.ggml.bos_token_id": 1, "tokenizer.chat_template": CHATML}
+  info = chat.from_gguf(meta, {1: "<s>", 2: "</s>"}.get)
+  assert (info.stop_ids, info.bos_token, info.eos_token) == ({2}, "<s>", "</s>")
+  assert info.template == CHATML
+
+
+def test_hf_folder_metadata(tmp_path):
+  (tmp_path / "tokenizer_config.json").write_text(
+      '{"chat_template": "T", "eos_token": {"content": "<eot>"}, "bos_token": "<s>"}')
+  (tmp_path / "generation_config.json").write_text('{"eos_token_id": [7, 9]}')
+  (tmp_path / "config.json").write_text('{"eos_token_id": 3}')
+  info = chat.from_hf(tmp_path, {"<eot>": 11}.get)
+  assert (info.template, info.stop_ids, info.bos_token) == ("T", {3, 7, 9, 11}, "<s>")
+
+
+def test_gguf_metadata_of_the_instruct_model(smollm2):
+  tok = smollm2[2]  # built by kvjax.io.tokenizer from the GGUF file's metadata
+  assert tok.stop_ids == {2} and tok.decode([2]) == "" and tok.token_to_id("<|im_end|>") == 2
+  ids = tok.encode(chat.render(tok.chat, [{"role": "user", "content": "Hi"}]), bos=False)
+  assert ids[0] == tok.token_to_id("<|im_start|>") and ids.count(2) == 2  # system + user turns
+
+
+def test_generation_stops_at_any_stop_token():
+  cfg = tiny_config(**{"workload.temperature": 0.0})
+  params = tiny_params(cfg)
+  full = program.generate(cfg, params, [[1, 2, 3]], 8, timed=False)["tokens"][0]
+  assert len(full) == 8
+  cut = program.generate(cfg, params, [[1, 2, 3]], 8, timed=False,
+                         stop={full[3], 10**6})["tokens"][0]
+  assert cut == full[:full.index(full[3]) + 1]
+
+
+def test_cli_chat_without_a_template_is_one_line(capsys):
+  assert cli.main(["generate", "--set", "tokenizer=bytes", "--prompt", "x", "--chat"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert "no chat template" in err and len(err.splitlines()) == 1
+  assert cli.main(["generate", "--prompt-ids", "1,2", "--chat"]) == 2
+  assert "--chat renders a text prompt" in capsys.readouterr().err

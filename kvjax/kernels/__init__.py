@@ -139,7 +139,7 @@ def bf16_dot(x, w, nt: bool = False):
     N = w.shape[0] if nt else w.shape[1]
     out = jax.ShapeDtypeStruct((rows, N), jnp.float32)
     y = jax.ffi.ffi_call(MATVEC, out, vmap_method="sequential")(
-        x.reshape(rows, E), jax.lax.bitcast_convert_type(w, jnp.uint16), nt=int(nt))
+        x.reshape(rows, E), w, nt=int(nt))
     return y.reshape(*x.shape[:-1], N)
 
   return jax.lax.platform_dependent(x, w, cpu=kernel, default=xla_dot)

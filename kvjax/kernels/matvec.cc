@@ -128,15 +128,17 @@ void nt_task(const float* x, int64_t M, int64_t E, const uint16_t* t, int64_t N,
   }
 }
 
-ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> w,
+ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                   ffi::ResultBuffer<ffi::F32> y, int64_t nt) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2)
     return ffi::Error::InvalidArgument("kvjax_matvec: x must be [M, E] and w two-dimensional");
   const int64_t M = xd[0], E = xd[1], N = nt ? wd[0] : wd[1];
   if ((nt ? wd[1] : wd[0]) != E) return ffi::Error::InvalidArgument("kvjax_matvec: E differs");
+  if (w.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("kvjax_matvec: w must be bfloat16");
   const float* xp = x.typed_data();
-  const uint16_t* wp = w.typed_data();
+  const uint16_t* wp = static_cast<const uint16_t*>(w.untyped_data());  // bf16 bits
   float* yp = y->typed_data();
   if (nt) {
     kvjax::parallel_for(pool, (N + NT_ROWS - 1) / NT_ROWS, [&](int64_t it) {
@@ -156,6 +158,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatvec, Matvec,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("nt"));

@@ -230,18 +230,22 @@ def merge(state, m_BKZGT, l_BKZGT, acc_BKZGTD):
           acc0 * c0[..., None] + jnp.sum(acc_BKZGTD * c[..., None], axis=2))
 
 
-def attend_segment(q_BKGTD, seg, state):
-  """`xla.attend_segment` with the kernel's read, or the XLA read where it has none."""
+def attend_segment(q_BKGTD, seg, state, program: str = "cpu", bucket: int = 0):
+  """`xla.attend_segment` with the kernel's read, or the XLA read of `program` where it
+  has none."""
   if seg.mask_BS.shape[1] == 0:
     return state
   if not (_kernel_reads(seg.k_codec) and _kernel_reads(seg.v_codec)):
-    return xla.attend_segment(q_BKGTD, seg, state)
+    return xla.attend_segment(q_BKGTD, seg, state, program=program, bucket=bucket)
   return merge(state, *segment_state(q_BKGTD, seg))
 
 
-def pallas(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments) -> jax.Array:
-  """`xla.grouped` with every stored segment read by the Pallas kernel."""
-  return xla.grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, read=attend_segment)
+def pallas(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, *, program: str = "cpu",
+           bucket: int = 0) -> jax.Array:
+  """`xla.grouped` with every stored segment read by the Pallas kernel (its own loop stops
+  at each row's live length, so it takes no bucket)."""
+  read = functools.partial(attend_segment, program=program, bucket=bucket)
+  return xla.grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, read=read)
 
 
 base.register("pallas", pallas, check=check_config)

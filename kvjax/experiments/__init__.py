@@ -37,7 +37,8 @@ def variant(cfg: config_lib.Config, **extra) -> dict:
   """What identifies the cache variant in a results row."""
   m, c = cfg.model, cfg.cache
   codec = c.k_codec if c.k_codec == c.v_codec else f"K{c.k_codec}/V{c.v_codec}"
-  return {"variant": m.variant, "attention": attention.resolve(m.attention), "heads": m.n_heads,
+  return {"variant": m.variant, "attention": attention.resolve(m.attention, m.program),
+          "program": attention.program(m.program), "heads": m.n_heads,
           "kv_heads": m.n_kv_heads, "k_codec": c.k_codec, "v_codec": c.v_codec, "codec": codec,
           "layout": c.layout, **extra}
 

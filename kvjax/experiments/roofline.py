@@ -114,7 +114,7 @@ def attention_dot(cfg: config_lib.Config) -> str:
   """The operand type of the attention's arithmetic: float32 in the CPU read kernel (and the
   XLA read, which widens codes first); bf16 or int8 in the stored-type dots."""
   from kvjax import attention, kernels  # noqa: PLC0415
-  if attention.resolve(cfg.model.attention) != "native" or kernels.available():
+  if attention.resolve(cfg.model.attention, cfg.model.program) != "native" or kernels.available():
     return "f32"
   return "s8" if cfg.cache.k_codec in ("int8", "int4", "int2") else \
       "bf16" if cfg.cache.k_codec in ("bf16", "fp8_e4m3", "fp8_e5m2") else "f32"

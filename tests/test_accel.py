@@ -196,3 +196,48 @@ def test_bucketed_decode_equals_full_read_and_compiles_once_per_bucket(over):
   short, _ = decode.decode(params, cache, tok, jax.random.PRNGKey(1), **kw, steps=n * steps,
                            bucket=8)
   assert not np.array_equal(np.asarray(short), np.asarray(want))
+
+
+# -- the memory estimate -------------------------------------------------------------------------
+def test_prompt_temporaries_formula_and_the_compiled_prefill_fits_it():
+  """The accelerator program reads a stored segment NEW_BLOCK queries at a time: its prefill
+  of 512 tokens into 1024 slots allocates no more than the estimate (tiles of [128, S]
+  logits, not [512, S]; unfused, as XLA:CPU at the suite's optimization level leaves
+  them), and the estimate is the documented closed form."""
+  from kvjax import memory
+  cfg = _cfg("accelerator", **{"cache.capacity": 1024, "model.max_seq_len": 1024})
+  m, B, T, S = cfg.model, 2, 512, 1024
+  acts = B * T * (4 * m.d_model + 3 * m.F + 2 * m.n_heads * m.D)
+  tiles = B * m.n_heads * 128 * T + B * m.n_heads * 128 * S
+  widened = 2 * B * m.n_kv_heads * S * m.D * 4
+  want = 4 * (B * m.vocab_size + acts + 4 * tiles) + widened
+  assert memory.temp_bytes(cfg, B, T, S) == want
+  cpu = _cfg("cpu", **{"cache.capacity": 1024})
+  assert memory.temp_bytes(cpu, B, T, S) == 4 * (B * m.vocab_size + acts + 4 * (
+      B * m.n_heads * 128 * T + B * m.n_heads * T * 512)) + 2 * B * m.n_kv_heads * 512 * m.D * 4
+  params = decode.prepare_params(cfg, tiny_params(cfg))
+  tokens = jnp.ones((B, T), jnp.int32)
+  lowered = decode.prefill.lower(params, tokens, jnp.full((B,), T, jnp.int32),
+                                 cache_lib.init_cache(cfg, B, S), jax.random.PRNGKey(0),
+                                 **program.statics(cfg, decode.Sampler()))
+  temp = lowered.compile().memory_analysis().temp_size_in_bytes
+  assert 0 < temp <= want
+  assert temp < 4 * 2 * B * m.n_heads * T * S  # below two unblocked [T, S] tiles
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8", "int4", "fp8_e4m3"])
+def test_llama3_8b_roofline_cells_pass_the_host_check_on_an_h200(monkeypatch, codec):
+  """configs/accel/roofline_llama3_8b.yaml at batch 16 x 32k (the bf16 cache 64 GiB) and
+  8 x 8k fit what an H200 leaves JAX (0.92 of 139 GiB): weights, one donated cache, a
+  decode step's temporaries. Counted as a prompt pass with two caches they would not."""
+  from kvjax import memory
+  from kvjax.experiments import roofline
+  monkeypatch.setenv("KVJAX_MEMORY_LIMIT", f"{int(0.92 * 139 * 2**30)}")
+  for batch, prompt in ((16, 32760), (8, 8184)):
+    cfg = config_lib.load("configs/accel/roofline_llama3_8b.yaml", {
+        "cache.codec": codec, "workload.batch": batch, "workload.prompt_len": prompt,
+        "model.program": "accelerator"})
+    roofline.check(cfg)
+  if codec == "bf16":
+    with pytest.raises(KvjaxError, match="not enough memory"):
+      memory.check(cfg, 16, 32768, 32760, params=True)

@@ -132,7 +132,10 @@ def grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, read=None, *,
   f32 = jnp.float32
   state = (jnp.full((B, K, G, T), base.MASKED, f32), jnp.zeros((B, K, G, T), f32),
            jnp.zeros((B, K, G, T, D), f32))
-  for seg in segments:
+  # The accelerator program reads each stored segment in one block, so a prompt's logits
+  # against it would be [T, S] at once: it reads them NEW_BLOCK queries at a time instead.
+  per_block = read is None and program == "accelerator" and T > NEW_BLOCK
+  for seg in [] if per_block else segments:
     state = read(q_BKGTD, seg, state) if read else \
         attend_segment(q_BKGTD, seg, state, program=program, bucket=bucket)
   # The new tokens: causal by position; padding (position -1) is never a key. A prompt is
@@ -141,6 +144,8 @@ def grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, read=None, *,
   for t0 in range(0, T, NEW_BLOCK):
     t1 = min(T, t0 + NEW_BLOCK)
     st = jax.tree.map(lambda a: a[:, :, :, t0:t1], state)  # noqa: B023
+    for seg in segments if per_block else []:
+      st = attend_segment(q_BKGTD[:, :, :, t0:t1], seg, st, program=program, bucket=bucket)
     _, s, acc = base.update(st, *_new_tokens(q_BKGTD[:, :, :, t0:t1], k_BKTD[:, :, :t1],
                                          v_BKTD[:, :, :t1], positions_BT[:, t0:t1],
                                          positions_BT[:, :t1]))

@@ -87,8 +87,9 @@ def check_context(cfg: config_lib.Config, tokens: int) -> None:
                      "raise model.max_seq_len or shorten the context")
 
 
-def check_memory(cfg: config_lib.Config, batch: int, capacity: int, tokens: int) -> None:
+def check_memory(cfg: config_lib.Config, batch: int, capacity: int, tokens: int,
+                 caches: int = 2) -> None:
   """A cell's weights + cache + temporaries must fit the device (kvjax.memory), checked
   for every cell before any runs rather than failing in XLA halfway through a sweep."""
   from kvjax import memory
-  memory.check(cfg, batch, capacity, tokens, params=True, what="this cell")
+  memory.check(cfg, batch, capacity, tokens, params=True, what="this cell", caches=caches)

@@ -241,3 +241,24 @@ def test_llama3_8b_roofline_cells_pass_the_host_check_on_an_h200(monkeypatch, co
   if codec == "bf16":
     with pytest.raises(KvjaxError, match="not enough memory"):
       memory.check(cfg, 16, 32768, 32760, params=True)
+
+
+def test_device_plan_dry_run_checks_every_stage_on_the_host(monkeypatch, capsys):
+  """scripts/device_check.sh --dry-run: every stage's config loads, expands and passes its
+  host checks at an H200's memory; a cell that cannot fit is refused in its stage's line."""
+  import sys
+  from pathlib import Path
+  scripts = str(Path(__file__).resolve().parent.parent / "scripts")
+  monkeypatch.syspath_prepend(scripts)
+  import bench_accelerator
+  import device_plan
+  monkeypatch.setenv("KVJAX_MEMORY_LIMIT", str(device_plan.H200_LIMIT))
+  plan = device_plan.stages()
+  assert [s["name"] for s in plan][:2] == ["roofline-8b-long", "roofline-8b"]
+  assert sum(s["seconds"] for s in plan) <= 900
+  assert device_plan.dry_run(plan, bench_accelerator._config_path) == 0
+  out = capsys.readouterr().out
+  assert out.count(" ok") == len(plan) and "REFUSED" not in out
+  too_big = [{**plan[0], "set": {**plan[0]["set"], "grid.workload.batch": [64]}}]
+  assert device_plan.dry_run(too_big, bench_accelerator._config_path) == 2
+  assert "REFUSED" in capsys.readouterr().out and "bench_accelerator" in sys.modules

@@ -42,6 +42,7 @@ ROW_BLOCK = 64    # query rows per program (prefill tiles its G*T rows)
 ROW_MIN = 1       # rows are padded to at least this many (16 makes decode use `dot`)
 DOT_MIN = 16      # every dim of a `dot` must reach this, else multiply-reduce
 NUM_WARPS = 4     # Triton only
+NUM_STAGES = 2    # Triton only: software-pipelining stages
 INTERPRET = None  # None: interpret mode unless the default backend is a GPU
 
 
@@ -96,9 +97,10 @@ def _mm(a, b, contract_b: int, dt):
   """a [rows, inner] with b [cols, inner] (contract_b=1, -> [rows, cols]) or b [inner, cols]
   (contract_b=0), in float32: `dot` on `dt` operands (the query's dtype: bf16 models use the
   tensor cores) when every dim is big enough for Triton, else a float32 multiply-reduce."""
-  if min(*a.shape, *b.shape) >= DOT_MIN:
+  if min(*a.shape, *b.shape) >= DOT_MIN:  # float32 operands at full precision (no TF32)
+    prec = jax.lax.Precision.HIGHEST if jnp.dtype(dt) == jnp.float32 else None
     return jax.lax.dot_general(a.astype(dt), b.astype(dt), (((1,), (contract_b,)), ((), ())),
-                               preferred_element_type=jnp.float32)
+                               precision=prec, preferred_element_type=jnp.float32)
   if contract_b == 1:
     return jnp.sum(a[:, None, :] * b[None, :, :], axis=2)
   return jnp.sum(a[:, :, None] * b[None, :, :], axis=1)
@@ -199,7 +201,7 @@ def segment_state(q_BKGTD, seg):
   extra = {}
   if not interpret:
     from jax.experimental.pallas import triton as plgpu  # GPU-only: imported when used
-    extra["compiler_params"] = plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=2)
+    extra["compiler_params"] = plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
   f32 = jnp.float32
   m, l, acc = pl.pallas_call(
       kernel, grid=(B, K, n_pad // tile, Z),

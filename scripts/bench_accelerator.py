@@ -18,7 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-import device_plan  # scripts/device_plan.py, beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import device_plan  # noqa: E402  (scripts/device_plan.py, beside this file)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -240,7 +241,7 @@ def main() -> int:
   args = ap.parse_args()
   if args.dry_run:
     sys.path.insert(0, str(ROOT))
-    return device_plan.dry_run(device_plan.stages(), _config_path)
+    return device_plan.dry_run(device_plan.stages())
   env = dict(os.environ)
   env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # one child at a time holds the device
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

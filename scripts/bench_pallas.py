@@ -43,7 +43,7 @@ GPU = {"heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bfloat16",
        "contexts": "4096,8192,16384,32768", "batches": "1,8", "repeats": 20}
 SMOKE = {"heads": 4, "kv_heads": 2, "head_dim": 16, "dtype": "float32",
          "contexts": "80", "batches": "1,2", "repeats": 2}
-SWEEP = [{"BLOCK": 32}, {"BLOCK": 128}, {"ROW_MIN": 16}, {"ROW_MIN": 16, "BLOCK": 128},
+SWEEP = [{"BLOCK": 32}, {"BLOCK": 128}, {"ROW_MIN": 1}, {"ROW_MIN": 1, "BLOCK": 128},
          {"SPLITS": 32}]
 
 
@@ -239,7 +239,7 @@ def main() -> int:
   with open(args.out, "a") as f:
     cells = [(c, B, S) for S in contexts for B in batches for c in args.codecs.split(",")]
     sweep = [(s, ("int8", B, max(contexts))) for B in batches for s in SWEEP] if gpu else \
-        [(SWEEP[2], ("int8", batches[0], max(contexts)))]  # smoke: the dot path once
+        [(SWEEP[2], ("int8", batches[0], max(contexts)))]  # smoke: one setting once
     if args.no_sweep:
       sweep = []
     if args.sweep:  # the listed cells' XLA baselines, then every setting on every cell

@@ -16,7 +16,7 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ "${1:-}" = "--dry-run" ]; then
-  exec "$PY" scripts/bench_accelerator.py /tmp/kvjax_device_dry --plan device --dry-run
+  exec "$PY" scripts/device_plan.py --dry-run
 fi
 OUT=${OUT:-/tmp/kvjax_device}
 BUDGET=${1:-600}

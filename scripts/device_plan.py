@@ -1,7 +1,8 @@
 """The prepared device run behind scripts/device_check.sh: its stages, in priority order,
 each with the seconds it may take, and a dry run that checks them on any machine.
 
-    python scripts/bench_accelerator.py RESULTS_DIR --plan device [--budget SECONDS] [--dry-run]
+    python scripts/bench_accelerator.py RESULTS_DIR --plan device [--budget SECONDS]
+    python scripts/device_plan.py [--dry-run]     (the plan; --dry-run: check it, run nothing)
 
 Stages run in this order; each gets min(its seconds, what is left of the budget), and a
 stage that would start with under 20 s left is skipped, so the lower priorities go first
@@ -25,7 +26,9 @@ memory (KVJAX_MEMORY_LIMIT, default 0.92 x 139 GiB), and runs nothing.
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,7 +68,13 @@ def stages() -> list[dict]:
   ]
 
 
-def dry_run(plan: list[dict], config_path) -> int:
+def config_path(name: str) -> Path:
+  """A stage's config: the accelerator version (configs/accel/) where there is one."""
+  accel = ROOT / "configs" / "accel" / f"{name}.yaml"
+  return accel if accel.is_file() else ROOT / "configs" / f"{name}.yaml"
+
+
+def dry_run(plan: list[dict]) -> int:
   """Load, expand and host-check every stage's cells as the device would (accelerator
   program, an H200's memory); print one line per stage; 0 when all pass, else 2."""
   os.environ.setdefault("KVJAX_MEMORY_LIMIT", str(H200_LIMIT))
@@ -80,7 +89,7 @@ def dry_run(plan: list[dict], config_path) -> int:
             + (f"MISSING {missing}" if missing else "ok (no config)"))
       bad += bool(missing)
       continue
-    path = config_path(stage["config"], True)
+    path = config_path(stage["config"])
     try:
       base, cells = grid.expand(path, {**stage["set"], "model.program": "accelerator"})
       module = grid.load_experiment(base.experiment)
@@ -94,3 +103,21 @@ def dry_run(plan: list[dict], config_path) -> int:
       bad += 1
       print(f"  {stage['name']:<18} {stage['seconds']:>4} s  REFUSED: {e}")
   return 2 if bad else 0
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser(description="the prepared device run's stages (see the "
+                               "module docstring); scripts/device_check.sh runs them")
+  ap.add_argument("--dry-run", action="store_true", help="load and host-check every "
+                  "stage's cells (accelerator program, an H200's memory); run nothing")
+  args = ap.parse_args()
+  if args.dry_run:
+    sys.path.insert(0, str(ROOT))
+    return dry_run(stages())
+  for stage in stages():
+    print(f"{stage['name']:<18} {stage['seconds']:>4} s")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -32,7 +32,7 @@ def merge(state, part):
   return m, s1 * c1 + s2 * c2, a1 * c1[..., None] + a2 * c2[..., None]
 
 
-def read_segment(q_BKGTD, seg, state, program: str = "cpu", bucket: int = 0):
+def read_segment(q_BKGTD, seg, state, program: str | None = None, bucket: int = 0):
   """One stored segment into the state: through the kernel where it reads the segment,
   else through the stored-type dots (blocks of `program`, `xla.block_size`)."""
   if seg.mask_BS.shape[1] == 0:
@@ -44,7 +44,7 @@ def read_segment(q_BKGTD, seg, state, program: str = "cpu", bucket: int = 0):
   return merge(state, part)
 
 
-def native(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, *, program: str = "cpu",
+def native(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, *, program: str | None = None,
            bucket: int = 0):
   """`xla.grouped` with the stored segments read by `read_segment`."""
   read = functools.partial(read_segment, program=program, bucket=bucket)

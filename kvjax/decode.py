@@ -118,8 +118,8 @@ def prepare_params(cfg: Config, params):
   dtype = jnp.dtype(cfg.model.param_dtype)
   if attn_base.program(cfg.model.program) == "accelerator" and \
       not model_lib.unrolled(cfg.model) and cfg.model.attention != "pallas":
-    # The accelerator program keeps the stacked params and runs nn.scan: slicing a layer's weights is
-    # fused into its matmuls there, while the switched scan's conditionals would each
+    # The accelerator program keeps the stacked params and runs nn.scan: slicing a layer's
+    # weights is fused into its matmuls there, while the switched scan's conditionals would each
     # copy their branch index to the host and sync (30 a step at SmolLM2's depth). The
     # Pallas kernel inside nn.scan failed Flax's loop-invariance check on the H200
     # (docs/gpu.md), so `pallas` keeps the switched scan.

@@ -187,6 +187,29 @@ def test_accelerator_read_equals_reference(name):
     c = cache_lib.layout_of(c).write(c, k, v, pos)
 
 
+@pytest.mark.parametrize("name", ["bf16", "int8"])
+def test_accelerator_prompt_read_by_query_blocks_equals_reference(name):
+  """A prompt chunk of more than 128 tokens into a filled cache reads the stored segment
+  128 queries at a time (ragged rows, one row's chunk shorter than a block)."""
+  from test_pallas import TOL
+  cfg = _cfg("accelerator", **{"model.head_dim": 8, **CODECS[name]})
+  B, S, K, H, D = 2, 320, 2, 4, 8
+  rng = np.random.default_rng(2)
+  c = cache_lib.init_cache(cfg, B, S)
+  for T, lens in ((100, [100, 60]), (150, [150, 90])):
+    pos = np.where(np.arange(T)[None] < np.array(lens)[:, None],
+                   np.asarray(c.lengths)[:, None] + np.arange(T)[None], -1)
+    k, v = (jnp.asarray(rng.normal(size=(2, B, T, K, D)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
+    segs, pos = cache_lib.segments(c, 1), jnp.asarray(pos, jnp.int32)
+    got = attention.ATTENTIONS["grouped"](q, k[1], v[1], pos, segs, program="accelerator")
+    want = attention.ATTENTIONS["reference"](q, k[1], v[1], pos, segs)
+    ok = np.asarray(pos >= 0)[:, :, None, None]
+    np.testing.assert_allclose(np.where(ok, got, 0), np.where(ok, want, 0), atol=TOL[name],
+                               rtol=0)
+    c = cache_lib.layout_of(c).write(c, k, v, pos)
+
+
 # -- bucketed capacity ---------------------------------------------------------------------------
 def test_bucket_is_the_smallest_power_of_two_the_call_stays_within():
   acc, cpu = decode.Static.of(_cfg("accelerator")), decode.Static.of(_cfg("cpu"))

@@ -117,6 +117,19 @@ def _new_tokens(q_BKGTD, k_BKID, v_BKID, pos_q_BT, pos_k_BI):
   return l_new, causal_BTI[:, None, None], pv_new
 
 
+def _by_query_block(q_BKGTD, seg, state, bucket: int):
+  """The accelerator program's read of one stored segment for a prompt: NEW_BLOCK queries
+  at a time, so no [T, S] logits exist. Each block skips an empty segment on its own (one
+  `cond` each): under one `cond` for all blocks, XLA:CPU kept every block's logits alive
+  at once (the compiled prefill's temporaries, tests/test_accel.py)."""
+  T = q_BKGTD.shape[3]
+  parts = [attend_segment(q_BKGTD[:, :, :, t0:t0 + NEW_BLOCK], seg,
+                          jax.tree.map(lambda a: a[:, :, :, t0:t0 + NEW_BLOCK], state),  # noqa: B023
+                          program="accelerator", bucket=bucket)
+           for t0 in range(0, T, NEW_BLOCK)]
+  return jax.tree.map(lambda *a: jnp.concatenate(a, axis=3), *parts)
+
+
 def grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, read=None, *,
             program: str | None = None, bucket: int = 0) -> jax.Array:
   """Grouped-query attention over stored segments + the new tokens. Returns [B, T, H, D].
@@ -137,17 +150,18 @@ def grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, read=None, *,
   # The accelerator program reads each stored segment in one block, so a prompt's logits
   # against it would be [T, S] at once: it reads them NEW_BLOCK queries at a time instead.
   per_block = read is None and program == "accelerator" and T > NEW_BLOCK
-  for seg in [] if per_block else segments:
-    state = read(q_BKGTD, seg, state) if read else \
-        attend_segment(q_BKGTD, seg, state, program=program, bucket=bucket)
+  for seg in segments:
+    if per_block:
+      state = _by_query_block(q_BKGTD, seg, state, bucket)
+    else:
+      state = read(q_BKGTD, seg, state) if read else \
+          attend_segment(q_BKGTD, seg, state, program=program, bucket=bucket)
   # The new tokens: causal by position; padding (position -1) is never a key. A prompt is
   # read NEW_BLOCK queries at a time, each block against the keys up to its own end only.
   outs = []
   for t0 in range(0, T, NEW_BLOCK):
     t1 = min(T, t0 + NEW_BLOCK)
     st = jax.tree.map(lambda a: a[:, :, :, t0:t1], state)  # noqa: B023
-    for seg in segments if per_block else []:
-      st = attend_segment(q_BKGTD[:, :, :, t0:t1], seg, st, program=program, bucket=bucket)
     _, s, acc = base.update(st, *_new_tokens(q_BKGTD[:, :, :, t0:t1], k_BKTD[:, :, :t1],
                                          v_BKTD[:, :, :t1], positions_BT[:, t0:t1],
                                          positions_BT[:, :t1]))

@@ -163,6 +163,14 @@ def test_pallas_kernel_has_only_unpack_and_convert_before_each_dot(monkeypatch, 
   assert len(reached) >= 2
 
 
+@jax.jit
+def _both(q, k, v, pos, c):
+  """The accelerator program's read and the reference over layer 1's segments of `c`."""
+  segs = cache_lib.segments(c, 1)
+  return (attention.ATTENTIONS["grouped"](q, k, v, pos, segs, program="accelerator"),
+          attention.ATTENTIONS["reference"](q, k, v, pos, segs))
+
+
 @pytest.mark.parametrize("name", sorted(CODECS))
 def test_accelerator_read_equals_reference(name):
   """One decode step and a prompt chunk over a partly filled cache (ragged live lengths),
@@ -177,10 +185,8 @@ def test_accelerator_read_equals_reference(name):
                    np.asarray(c.lengths)[:, None] + np.arange(T)[None], -1)
     k, v = (jnp.asarray(rng.normal(size=(2, B, T, K, D)) * 2, jnp.float32) for _ in range(2))
     q = jnp.asarray(rng.normal(size=(B, T, H, D)) * 2, jnp.float32)
-    segs = cache_lib.segments(c, 1)
     pos = jnp.asarray(pos, jnp.int32)
-    got = attention.ATTENTIONS["grouped"](q, k[1], v[1], pos, segs, program="accelerator")
-    want = attention.ATTENTIONS["reference"](q, k[1], v[1], pos, segs)
+    got, want = _both(q, k[1], v[1], pos, c)
     ok = np.asarray(pos >= 0)[:, :, None, None]
     tol = TOL[name.split("-")[0].replace("kivi4", "int4")]
     np.testing.assert_allclose(np.where(ok, got, 0), np.where(ok, want, 0), atol=tol, rtol=0)
@@ -201,9 +207,8 @@ def test_accelerator_prompt_read_by_query_blocks_equals_reference(name):
                    np.asarray(c.lengths)[:, None] + np.arange(T)[None], -1)
     k, v = (jnp.asarray(rng.normal(size=(2, B, T, K, D)), jnp.float32) for _ in range(2))
     q = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
-    segs, pos = cache_lib.segments(c, 1), jnp.asarray(pos, jnp.int32)
-    got = attention.ATTENTIONS["grouped"](q, k[1], v[1], pos, segs, program="accelerator")
-    want = attention.ATTENTIONS["reference"](q, k[1], v[1], pos, segs)
+    pos = jnp.asarray(pos, jnp.int32)
+    got, want = _both(q, k[1], v[1], pos, c)
     ok = np.asarray(pos >= 0)[:, :, None, None]
     np.testing.assert_allclose(np.where(ok, got, 0), np.where(ok, want, 0), atol=TOL[name],
                                rtol=0)

@@ -24,6 +24,7 @@ from flax import struct
 from kvjax import cache as cache_lib
 from kvjax import model as model_lib
 from kvjax import sharding
+from kvjax.attention import base as attn_base
 from kvjax.config import CacheConfig, Config, MeshConfig, ModelConfig
 from kvjax.model import Transformer
 
@@ -43,7 +44,28 @@ class Static:
 
   @classmethod
   def of(cls, cfg: Config) -> "Static":
-    return cls(cfg.model, cfg.cache, cfg.mesh, cfg.workload.eos_id)
+    """The spec of `cfg`, its `model.program` resolved (auto: per backend) on the host, so
+    that what jit hashes names the program it compiles."""
+    return cls(resolved(cfg.model), cfg.cache, cfg.mesh, cfg.workload.eos_id)
+
+
+def resolved(m: ModelConfig) -> ModelConfig:
+  """`m` with `program` resolved to `cpu` or `accelerator` (`attention.base.program`)."""
+  prog = attn_base.program(m.program)
+  return m if m.program == prog else dataclasses.replace(m, program=prog)
+
+
+def bucket_for(spec: "Static", live: int, steps: int, capacity: int) -> int:
+  """The read bucket of one decode call of `steps` steps from a cache holding at most
+  `live` tokens a sequence: in the accelerator program the smallest power of two that
+  every step's live length stays within, so the call's one-block reads cover that many
+  slots and its time follows what the cache holds; 0 (every slot) in the CPU program,
+  whose reads stop at the live length anyway, or when the bucket would reach `capacity`.
+  Each distinct bucket is one compile of `decode`."""
+  if spec.model.program != "accelerator":
+    return 0
+  b = 1 << max(live + steps - 1, 0).bit_length()  # the smallest power of two >= live + steps
+  return 0 if b >= capacity else b
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,18 +108,18 @@ class LoopState:
 
 
 def prepare_params(cfg: Config, params):
-  """Params as the compiled programs want them: on the CPU split per layer once, here
-  (`model.split_layers`), so that no call pays for the split and no step copies a weight
-  (`model.switched_layers`, or the unrolled loop when `model.unrolled`); on an
-  accelerator left stacked for nn.scan (see below); and stored in
+  """Params as the compiled programs want them: in the CPU program split per layer once,
+  here (`model.split_layers`), so that no call pays for the split and no step copies a
+  weight (`model.switched_layers`, or the unrolled loop when `model.unrolled`); in the
+  accelerator program (`model.program`) left stacked for nn.scan (see below); and stored in
   `model.param_dtype` whatever their source (an imported checkpoint keeps its own dtype
   until here). A second copy of the layer weights for as long as the caller also keeps
   the stacked ones; params already split and in that dtype come back as they are."""
   dtype = jnp.dtype(cfg.model.param_dtype)
-  if jax.default_backend() != "cpu" and not model_lib.unrolled(cfg.model) and \
-      cfg.model.attention != "pallas":
-    # Accelerators keep the stacked params and run nn.scan: slicing a layer's weights is
-    # fused into its matmuls there, while the switched scan's conditionals would each
+  if attn_base.program(cfg.model.program) == "accelerator" and \
+      not model_lib.unrolled(cfg.model) and cfg.model.attention != "pallas":
+    # The accelerator program keeps the stacked params and runs nn.scan: slicing a layer's
+    # weights is fused into its matmuls there, while the switched scan's conditionals would each
     # copy their branch index to the host and sync (30 a step at SmolLM2's depth). The
     # Pallas kernel inside nn.scan failed Flax's loop-invariance check on the H200
     # (docs/gpu.md), so `pallas` keeps the switched scan.
@@ -165,12 +187,15 @@ def prefill(params, tokens_BT, lengths_B, cache, key, *, spec: Static, sampler: 
   return sampler(last_BV, key), last_BV, cache
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "sampler", "steps"),
+@functools.partial(jax.jit, static_argnames=("spec", "sampler", "steps", "bucket"),
                    donate_argnames=("cache",))
-def decode(params, cache, token_B, key, *, spec: Static, sampler: Sampler, steps: int):
-  """`steps` decode steps in one `lax.scan`; returns the sampled tokens [B, steps]."""
+def decode(params, cache, token_B, key, *, spec: Static, sampler: Sampler, steps: int,
+           bucket: int = 0):
+  """`steps` decode steps in one `lax.scan`; returns the sampled tokens [B, steps].
+  `bucket` > 0 (`bucket_for`): the stored slots the accelerator program's reads cover;
+  every sequence must hold fewer than `bucket - steps + 1` tokens when the call starts."""
   TRACES["decode"] += 1
-  model, params = network(spec, params)
+  model, params = network(spec, params, read_bucket=bucket)
   eos = spec.eos_id
 
   def step(state: LoopState, _):

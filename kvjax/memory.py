@@ -7,11 +7,13 @@ The estimate is a closed form, host-side, before anything is traced:
 
 - params: every weight of the model at `model.param_dtype` (twice with `model.unrolled`,
   which splits the stacked weights into a second per-layer copy);
-- cache: the layout's `closed_form_bytes` for `batch` x `capacity`, counted twice (a fresh
-  cache is built for each timed run while the previous one is still referenced);
-- temporaries of the widest call: the float32 logits [B, T, V], one layer's activations
-  and one block of attention logits, where T is the prompt (the whole capacity for the
-  `none` layout, which recomputes the prefix).
+- cache: the layout's `closed_form_bytes` for `batch` x `capacity`, counted `caches`
+  times (default twice: a fresh cache is built for each timed run while the previous one
+  may still be referenced; once where a program donates its only cache);
+- temporaries of the widest call (`temp_bytes`): the last token's logits, one layer's
+  activations, the attention's widest tile of logits and one widened block of codes, for
+  a prompt of `tokens` tokens (1: decode only; the whole capacity for the `none` layout,
+  which recomputes the prefix).
 
 The limit is what the device has free now: `memory_stats()` (bytes_limit - bytes_in_use)
 on a GPU/TPU, MemAvailable from /proc/meminfo (else `os.sysconf`) for the CPU backend,
@@ -66,15 +68,38 @@ def cache_bytes(cfg: Config, batch: int, capacity: int) -> int:
 
 
 def temp_bytes(cfg: Config, batch: int, tokens: int, capacity: int) -> int:
-  """The widest call's temporaries (float32): logits, one layer's activations, one block
-  of attention logits."""
+  """The widest call's temporaries, for a pass of `tokens` new tokens a sequence (a prompt;
+  1: a decode step) over a cache of `capacity` slots, float32 unless said:
+
+  - logits: each row's last token only, B x V (prefill and decode keep no others);
+  - one layer's activations: B x T x (4E + 3F + 2HD);
+  - the attention's widest tile, 4 x (logits, masked logits, probabilities and their cast
+    to the dot's type, where the compiler fuses none of them): the new tokens read
+    NEW_BLOCK queries at a time against the prompt's keys, B x H x min(T, 128) x T; a
+    stored segment read by the CPU program in blocks of READ_CHUNK slots, B x H x T x
+    min(S, 512), by the accelerator program in one block, NEW_BLOCK queries at a time,
+    B x H x min(T, 128) x S;
+  - one widened block of K and V codes (2 x B x K x C x D in the compute dtype; C the
+    slots a block reads), in case the compiler does not fuse the convert into the dot.
+
+  T is the whole capacity for the `none` layout, which recomputes the prefix."""
   from kvjax import codecs
+  from kvjax.attention import base, xla
   m = cfg.model
-  T = capacity if cfg.cache.layout == "none" else tokens  # `none` recomputes the prefix
-  logits = batch * tokens * m.vocab_size
-  acts = batch * T * (4 * m.d_model + 3 * m.F + 2 * m.n_heads * m.D)
-  scores = 2 * batch * m.n_heads * T * min(capacity, codecs.READ_CHUNK)
-  return 4 * (logits + acts + scores)
+  none = cfg.cache.layout == "none"
+  T = capacity if none else tokens
+  S = 0 if none else capacity
+  B, H, K, D, NB = batch, m.n_heads, m.n_kv_heads, m.D, xla.NEW_BLOCK
+  logits = B * m.vocab_size
+  acts = B * T * (4 * m.d_model + 3 * m.F + 2 * H * D)
+  new = B * H * min(T, NB) * T
+  if base.program(m.program) == "accelerator":
+    C, stored = S, B * H * min(T, NB) * S
+  else:
+    C = min(S, codecs.READ_CHUNK)
+    stored = B * H * T * C
+  widened = 2 * B * K * C * D * _ITEMSIZE[m.dtype]
+  return 4 * (logits + acts + 4 * (new + stored)) + widened
 
 
 def available_bytes() -> tuple[int | None, str]:
@@ -127,22 +152,23 @@ def check_params(cfg: Config, what: str = "the model's weights") -> int:
 
 
 def estimate(cfg: Config, batch: int, capacity: int, tokens: int,
-             params: bool = False) -> dict:
-  """Bytes per device by part: params (when not yet allocated), cache (x2), temporaries."""
+             params: bool = False, caches: int = 2) -> dict:
+  """Bytes per device by part: params (when not yet allocated), cache (x `caches`),
+  temporaries."""
   n = _devices(cfg)
   parts = {"params": param_bytes(cfg.model) // max(cfg.mesh.model, 1) if params else 0,
-           "cache x2": 2 * cache_bytes(cfg, batch, capacity) // n,
+           f"cache x{caches}": caches * cache_bytes(cfg, batch, capacity) // n,
            "temporaries": temp_bytes(cfg, batch, tokens, capacity) // n}
   return parts
 
 
 def check(cfg: Config, batch: int, capacity: int, tokens: int, params: bool = False,
-          what: str = "this request") -> int:
+          what: str = "this request", caches: int = 2) -> int:
   """Refuse, in one line with the estimate and the limit, a request that cannot fit.
 
   `params=False` when the weights are already allocated (the free memory excludes them).
   Returns the estimate in bytes."""
-  parts = estimate(cfg, batch, capacity, tokens, params)
+  parts = estimate(cfg, batch, capacity, tokens, params, caches)
   limit, source = available_bytes()
   if limit is not None and sum(parts.values()) > limit:
     _refuse(what, parts, limit, source)

@@ -50,13 +50,30 @@ def _cpu_isa() -> str:
   return "other"
 
 
+def _jaxlib_version() -> str:
+  try:
+    import jaxlib
+    return jaxlib.__version__
+  except (ImportError, AttributeError):
+    return "unknown"
+
+
+def _platform_version(device) -> str:
+  try:
+    return str(device.client.platform_version).strip().replace("\n", " ")
+  except AttributeError:
+    return "unknown"
+
+
 def environment() -> dict:
   """The machine and software every number was measured on; `load_avg` (1, 5 and 15
   minutes) says how busy a shared machine was when the row was written."""
   devices = jax.devices()
   return {
       "jax": jax.__version__,
+      "jaxlib": _jaxlib_version(),
       "backend": jax.default_backend(),
+      "platform_version": _platform_version(devices[0]),  # the CUDA / ROCm runtime on a GPU
       "device_kind": devices[0].device_kind,
       "device_count": len(devices),
       "host": platform.node(),

@@ -126,6 +126,7 @@ class Program:
     self.place = Placement(cfg, shape.batch)
     self.params = self.place.params(params, prepare)
     self.pre = self.dec = self.token = self.prompts = None
+    self.bucket = 0  # slots decode's reads cover (`decode.bucket_for`; 0: all)
     self.compile_s = 0.0
 
   def fresh(self):
@@ -146,9 +147,11 @@ class Program:
         self.token, _, cache = self.pre(self.params, *self.prompts, cache, self.keys[0])
     else:
       self.token, cache = self.place.full(s.batch, 0), self.fresh()
-    if s.steps > 0:
-      self.dec = decode.decode.lower(self.params, cache, self.token, self.keys[1],
-                                     **statics(cfg, self.sampler, steps=s.steps)).compile()
+    if s.steps > 0:  # the accelerator program reads a bucket of slots, not the capacity
+      kw = statics(cfg, self.sampler, steps=s.steps)
+      self.bucket = decode.bucket_for(kw["spec"], s.width or s.context, s.steps, s.capacity)
+      self.dec = decode.decode.lower(self.params, cache, self.token, self.keys[1], **kw,
+                                     bucket=self.bucket).compile()
     self.compile_s = time.perf_counter() - t0
     jax.block_until_ready(cache)
     return self

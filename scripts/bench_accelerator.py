@@ -18,6 +18,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import device_plan  # noqa: E402  (scripts/device_plan.py, beside this file)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Llama-3-8B's shape (kvjax/shapes/llama3-8b.yaml) in bf16, random weights.
@@ -118,8 +121,10 @@ def _set_args(items: dict) -> list[str]:
 
 
 def _device(env: dict) -> dict:
-  code = ("import jax, json; d = jax.devices(); print(json.dumps({'backend': "
-          "jax.default_backend(), 'count': len(d), 'kind': d[0].device_kind}))")
+  code = ("import jax, jaxlib, json; d = jax.devices(); print(json.dumps({'backend': "
+          "jax.default_backend(), 'count': len(d), 'kind': d[0].device_kind, 'jax': "
+          "jax.__version__, 'jaxlib': jaxlib.__version__, 'platform_version': "
+          "str(d[0].client.platform_version)}))")
   try:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=180, cwd=ROOT)
@@ -144,7 +149,10 @@ def _command(stage: dict, results: Path, accel: bool, dev: dict) -> tuple[list[s
                  "--max-new-tokens", str(stage["new"]), "--greedy", "--json"], ""
   if stage.get("kind") == "script":
     return [sys.executable, str(ROOT / stage["script"]),
-            str(results / stage["out"] / f"{stage['out']}.jsonl")], ""
+            str(results / stage["out"] / f"{stage['out']}.jsonl"), *stage.get("args", [])], ""
+  if stage.get("kind") == "pytest":
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+            f"--junitxml={results / stage['out'] / 'junit.xml'}", *stage["tests"]], ""
   exp = stage.get("experiment", stage["config"])
   if not _experiment_exists(exp):
     return None, f"no experiment '{exp}' (experiments/{exp}.py) yet"
@@ -162,12 +170,13 @@ def _command(stage: dict, results: Path, accel: bool, dev: dict) -> tuple[list[s
                *_set_args(stage["set"])], ""
 
 
-def run(results: Path, budget: float, tiny: bool, env: dict) -> dict:
+def run(results: Path, budget: float, tiny: bool, env: dict, plan: str = "auto") -> dict:
   t_start = time.monotonic()
   deadline = t_start + budget
   dev = _device(env)
   accel = dev["backend"] not in ("cpu", "unknown") and not tiny
-  stages = accelerator_stages() if accel else tiny_stages()
+  stages = device_plan.stages() if plan == "device" else \
+      accelerator_stages() if accel else tiny_stages()
   (results / "logs").mkdir(parents=True, exist_ok=True)
   manifest = {"device": dev, "mode": "accelerator" if accel else "tiny", "budget_s": budget,
               "stages": []}
@@ -178,7 +187,8 @@ def run(results: Path, budget: float, tiny: bool, env: dict) -> dict:
     rec = {"name": stage["name"]}
     left = deadline - time.monotonic()
     weights = sum(s.get("weight", 1) for s, c, _ in plan[i:] if c is not None)
-    timeout = left * stage.get("weight", 1) / max(weights, 1)
+    timeout = min(stage["seconds"], left) if "seconds" in stage else \
+        left * stage.get("weight", 1) / max(weights, 1)
     if cmd is None:
       rec.update(status="skipped", reason=why)
     elif timeout < 15:
@@ -190,8 +200,9 @@ def run(results: Path, budget: float, tiny: bool, env: dict) -> dict:
         f.write(" ".join(cmd) + "\n")
         f.flush()
         try:
-          proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True, env=env,
-                                timeout=timeout, cwd=ROOT)
+          (results / stage["out"]).mkdir(parents=True, exist_ok=True)
+          proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True,
+                                env={**env, **stage.get("env", {})}, timeout=timeout, cwd=ROOT)
           rec["status"] = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
           if stage.get("kind") == "generate" and proc.returncode == 0:
             (results / stage["out"]).mkdir(parents=True, exist_ok=True)
@@ -223,13 +234,20 @@ def main() -> int:
                   help="wall-clock seconds for all stages (default 420: with device "
                        "detection and plots the whole run stays under 8 minutes)")
   ap.add_argument("--tiny", action="store_true", help="the tiny version even on an accelerator")
+  ap.add_argument("--plan", choices=("auto", "device"), default="auto",
+                  help="device: the prepared device run in priority order (device_plan.py)")
+  ap.add_argument("--dry-run", action="store_true", help="with --plan device: load and "
+                  "host-check every stage's cells (accelerator program, an H200's memory)")
   args = ap.parse_args()
+  if args.dry_run:
+    sys.path.insert(0, str(ROOT))
+    return device_plan.dry_run(device_plan.stages())
   env = dict(os.environ)
   env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # one child at a time holds the device
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   results = Path(args.results).resolve()
   results.mkdir(parents=True, exist_ok=True)
-  manifest = run(results, args.budget, args.tiny, env)
+  manifest = run(results, args.budget, args.tiny, env, args.plan)
   bad = [s["name"] for s in manifest["stages"] if s["status"] not in ("ok", "skipped")]
   return 1 if bad else 0
 

@@ -43,7 +43,7 @@ GPU = {"heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bfloat16",
        "contexts": "4096,8192,16384,32768", "batches": "1,8", "repeats": 20}
 SMOKE = {"heads": 4, "kv_heads": 2, "head_dim": 16, "dtype": "float32",
          "contexts": "80", "batches": "1,2", "repeats": 2}
-SWEEP = [{"BLOCK": 32}, {"BLOCK": 128}, {"ROW_MIN": 16}, {"ROW_MIN": 16, "BLOCK": 128},
+SWEEP = [{"BLOCK": 32}, {"BLOCK": 128}, {"ROW_MIN": 1}, {"ROW_MIN": 1, "BLOCK": 128},
          {"SPLITS": 32}]
 
 
@@ -106,7 +106,8 @@ def _bench(out_f, shape, codec_name, B, S, repeats, settings, base, want=None):
     for k, v in (settings or {}).items():
       setattr(pa, k, v)
     if settings is not None:
-      row["settings"] = {k: getattr(pa, k) for k in ("BLOCK", "SPLITS", "ROW_BLOCK", "ROW_MIN")}
+      row["settings"] = {k: getattr(pa, k) for k in ("BLOCK", "SPLITS", "ROW_BLOCK", "ROW_MIN",
+                                                     "NUM_WARPS", "NUM_STAGES")}
     try:
       med, got = _time(_step(impl, codec, S), args, repeats)
     finally:
@@ -193,6 +194,20 @@ def _bench_jax(out_f, shape, codec_name, B, S, repeats, base, interpret, page=16
   return row
 
 
+def sweep_plan(path: str, gpu: bool) -> dict:
+  """The cells ([codec, batch, context]) and kernel settings of a sweep file; off GPU its
+  first cell shrunk to the smoke shape and its first two settings."""
+  import yaml
+  plan = yaml.safe_load(Path(path).read_text())
+  unknown = {k for st in plan["settings"] for k in st if not hasattr(pa, k)}
+  if unknown:
+    raise SystemExit(f"bench_pallas: {path}: no kernel setting {sorted(unknown)}")
+  cells = [tuple(c) for c in plan["cells"]]
+  if not gpu:
+    cells, plan["settings"] = [(cells[0][0], 1, 80)], plan["settings"][:2]
+  return {**plan, "cells": cells}
+
+
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("out", metavar="OUT.jsonl")
@@ -201,6 +216,9 @@ def main() -> int:
   ap.add_argument("--codecs", default="bf16,int8,int4")
   ap.add_argument("--repeats", type=int)
   ap.add_argument("--budget", type=float, default=300.0, help="seconds; no new cell after")
+  ap.add_argument("--sweep", metavar="FILE.yaml", help="time only the cells and kernel "
+                  "settings this file lists (configs/accel/pallas_sweep.yaml)")
+  ap.add_argument("--no-sweep", action="store_true", help="skip the built-in knob sweep")
   args = ap.parse_args()
   gpu = jax.default_backend() == "gpu"
   shape = GPU if gpu else SMOKE
@@ -210,15 +228,24 @@ def main() -> int:
   contexts = [int(c) for c in (args.contexts or shape["contexts"]).split(",")]
   batches = [int(b) for b in (args.batches or shape["batches"]).split(",")]
   repeats = args.repeats or shape["repeats"]
+  from kvjax import metrics
+  env = metrics.environment()
   base = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
           "smoke": not gpu, "heads": shape["heads"], "kv_heads": shape["kv_heads"],
-          "head_dim": shape["head_dim"], "q_dtype": shape["dtype"], "jax": jax.__version__}
+          "head_dim": shape["head_dim"], "q_dtype": shape["dtype"], "jax": jax.__version__,
+          "jaxlib": env["jaxlib"], "platform_version": env["platform_version"]}
   deadline = time.monotonic() + args.budget
   Path(args.out).parent.mkdir(parents=True, exist_ok=True)
   with open(args.out, "a") as f:
     cells = [(c, B, S) for S in contexts for B in batches for c in args.codecs.split(",")]
     sweep = [(s, ("int8", B, max(contexts))) for B in batches for s in SWEEP] if gpu else \
-        [(SWEEP[2], ("int8", batches[0], max(contexts)))]  # smoke: the dot path once
+        [(SWEEP[2], ("int8", batches[0], max(contexts)))]  # smoke: one setting once
+    if args.no_sweep:
+      sweep = []
+    if args.sweep:  # the listed cells' XLA baselines, then every setting on every cell
+      plan = sweep_plan(args.sweep, gpu)
+      cells, sweep = plan["cells"], [(st, c) for c in plan["cells"] for st in plan["settings"]]
+      repeats = plan.get("repeats", repeats)
     wants = {}
     for settings, cell in [(None, cell) for cell in cells] + sweep:
       if time.monotonic() > deadline:
@@ -226,6 +253,8 @@ def main() -> int:
         break
       if settings is None:  # the XLA baseline, the kernel with its defaults, JAX's kernel
         _, wants[cell] = _bench(f, shape, *cell, repeats, None, base)
+        if args.sweep:
+          continue
         _bench(f, shape, *cell, repeats, {}, base, wants.get(cell))
         if cell[0] in JAX_CODECS:
           _bench_jax(f, shape, *cell, repeats, base, interpret=not gpu)

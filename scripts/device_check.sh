@@ -1,36 +1,37 @@
 #!/usr/bin/env bash
 # The one prepared command for a lent GPU machine (results/gpu/ come from it):
 #
-#   OUT=DIR scripts/device_check.sh [BUDGET_SECONDS]     (0: step 1 only)
+#   OUT=DIR scripts/device_check.sh [BUDGET_SECONDS]      (default 600)
+#   scripts/device_check.sh --dry-run                     (any machine: check, run nothing)
 #
-# 1. (JAX_PLATFORMS=cuda: the suite's conftest defaults to the CPU) the Pallas tests
-#    executed for real on the GPU (tests/test_pallas.py: the kernel
-#    against the XLA read and the dequantized reference, every codec, contiguous and
-#    paged) and the decode tests (tests/test_decode.py: cached decode = the full forward
-#    pass, through the accelerator's one-block read and stacked layer scan), log in
-#    $OUT/gpu_tests.log;
-# 2. scripts/bench_accelerator.sh with the remaining budget (default 300 s), its whole
-#    results folder packed as $OUT/accel.tgz (rows, logs, plots, manifest with the device).
-# Every step has its own timeout, so the whole run ends within about BUDGET + 200 s.
+# Runs scripts/bench_accelerator.py --plan device: the stages of scripts/device_plan.py in
+# priority order, each within its stated seconds and what is left of the budget, which
+# the script enforces itself (a stage that would start with under 20 s left is skipped):
+#   roofline-8b-long 150 s | roofline-8b 100 s | pallas 110 s | pallas-sweep 120 s |
+#   gpu-tests 150 s | roofline-smollm2 60 s | peer 60 s
+# Rows, logs, the manifest (device, JAX, jaxlib, CUDA versions; per-stage status and
+# seconds) and plots go to $OUT/accel and are packed as $OUT/accel.tgz; $OUT/env.txt holds
+# nvidia-smi and `jax.print_environment_info()`. The whole run ends within BUDGET + 60 s.
 set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ "${1:-}" = "--dry-run" ]; then
+  exec "$PY" scripts/device_plan.py --dry-run
+fi
 OUT=${OUT:-/tmp/kvjax_device}
-BUDGET=${1:-300}
+BUDGET=${1:-600}
 case "$BUDGET" in
-  ''|*[!0-9]*) echo "device_check: BUDGET_SECONDS must be a whole number of seconds (0: tests only), got '$BUDGET'" >&2
+  ''|*[!0-9]*) echo "device_check: BUDGET_SECONDS must be a whole number of seconds, got '$BUDGET'" >&2
                exit 2 ;;
 esac
 mkdir -p "$OUT"
-cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
 {
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-  "$PY" -c "import jax, jaxlib, flax; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, jax.devices())"
+  "$PY" -c "import jax; jax.print_environment_info()" || true
 } 2>&1 | tee "$OUT/env.txt"
-JAX_PLATFORMS=cuda timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_pallas.py tests/test_decode.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-echo "pytest exit ${PIPESTATUS[0]}"
-[ "$BUDGET" -gt 0 ] || exit 0  # 0: the tests only
-PYTHON="$PY" timeout $((BUDGET + 40)) bash scripts/bench_accelerator.sh /tmp/kvjax_accel --budget "$BUDGET"
+PYTHON="$PY" timeout $((BUDGET + 60)) "$PY" scripts/bench_accelerator.py "$OUT/accel" \
+  --plan device --budget "$BUDGET"
 echo "bench exit $?"
-tar czf "$OUT/accel.tgz" -C /tmp kvjax_accel && ls -la "$OUT"
+tar czf "$OUT/accel.tgz" -C "$OUT" accel && ls -la "$OUT"

@@ -300,6 +300,7 @@ def test_roofline_pairs_bandwidth_with_each_repeat(monkeypatch):
   bws, tps = iter([4e9, 1e9, 1e9]), iter([0.0, 1.0, 4.0, 2.0])  # decode: warm-up first
   monkeypatch.setattr(roofline.Bandwidth, "__init__", lambda self, mib: None)
   monkeypatch.setattr(roofline.Bandwidth, "measure", lambda self, passes=3: next(bws))
+  monkeypatch.setattr(roofline.Bandwidth, "measure_copy", lambda self, passes=3: 8e9)
   monkeypatch.setattr(roofline.FilledDecode, "__init__", lambda self, *a: None)
   monkeypatch.setattr(roofline.FilledDecode, "once", lambda self: next(tps))
   cfg = config.load(None, {"model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2,
@@ -309,6 +310,7 @@ def test_roofline_pairs_bandwidth_with_each_repeat(monkeypatch):
   assert m["bandwidth_Bps"] == 1e9 and m["tpot_s"] == 2.0 and m["repeats"] == 3
   assert m["roofline_fraction"] == pytest.approx(m["step_bytes"] / 4e9)
   assert m["ideal_s"] / m["tpot_s"] == pytest.approx(m["step_bytes"] / 2e9)
+  assert m["copy_Bps"] == 8e9 and m["copy_fraction"] == pytest.approx(m["step_bytes"] / 16e9)
 
 
 @pytest.mark.parametrize("mib", [0, -4, 1.5, "512"])

@@ -3,8 +3,8 @@ registry and the shared online softmax are in `base`; `pallas` reads each stored
 with a Pallas kernel. Every module of this folder is imported here and registers itself."""
 
 from kvjax import plugins
-from kvjax.attention.base import (ATTENTIONS, MASKED, check, get, register, resolve,  # noqa: F401
-                                  update)
+from kvjax.attention.base import (ATTENTIONS, MASKED, check, get, program, register,  # noqa: F401
+                                  resolve, update)
 
 plugins.import_all(__name__, __path__)
 

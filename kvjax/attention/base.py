@@ -3,13 +3,16 @@
 A variant is a function `(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments) -> out_BTHD`:
 the T new tokens' queries, keys and values, and the stored `Segment`s its cache layout
 hands it (`kvjax.cache.base`). Each module of this folder registers its variants:
-`xla` (grouped, reference), `native` (the CPU default) and `pallas`; `auto`, the default
-name, resolves to `native` on the CPU and `grouped` elsewhere (`resolve`). Adding a variant
-= one module here that calls `register`.
+`xla` (grouped, reference), `native` (the CPU program's default) and `pallas`; `auto`, the
+default name, resolves to `native` in the CPU program and `grouped` in the accelerator
+program (`resolve`, `program`). A variant may also take the keywords `program` and `bucket`
+(`get` binds them where it does). Adding a variant = one module here that calls `register`.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Callable
 
 import jax.numpy as jnp
@@ -30,20 +33,43 @@ def register(name: str, fn: Callable, check: Callable | None = None) -> Callable
   return fn
 
 
-def resolve(name: str) -> str:
-  """The variant `name` runs: `auto` (the default) is `native` on the CPU, where the read
-  kernel and the stored-type dots pay, and `grouped` (the XLA read) on accelerators."""
-  if name != "auto":
+def program(name: str | None = "auto") -> str:
+  """The compiled program `model.program` names: `cpu` (per-layer weights in the switched
+  layer scan, stored segments read block by block up to their live length) or
+  `accelerator` (stacked weights in nn.scan, each stored segment one masked block: no
+  data-dependent loop, see `xla.block_size`); `auto` (or None) is `cpu` on the CPU
+  backend and `accelerator` elsewhere. Either runs on any backend."""
+  if name not in (None, "auto"):
     return name
   import jax  # noqa: PLC0415 (kept out of the registry's import for the config floor)
-  return "native" if jax.default_backend() == "cpu" else "grouped"
+  return "cpu" if jax.default_backend() == "cpu" else "accelerator"
 
 
-def get(name: str) -> Callable:
+def resolve(name: str, prog: str | None = "auto") -> str:
+  """The variant `name` runs: `auto` (the default) is `native` in the CPU program, where
+  the read kernel and the stored-type dots pay, and `grouped` (the XLA read) in the
+  accelerator program."""
+  if name != "auto":
+    return name
+  return "native" if program(prog) == "cpu" else "grouped"
+
+
+def get(name: str, prog: str | None = "auto", bucket: int = 0) -> Callable:
+  """The variant `name` of program `prog` as `fn(q, k, v, positions, segments)`; `bucket`
+  > 0 (accelerator program) bounds the slots of each stored segment its one-block read
+  covers (`xla.block_size`)."""
   try:
-    return ATTENTIONS[resolve(name)]
+    fn = ATTENTIONS[resolve(name, prog)]
   except KeyError:
     raise KvjaxError(f"unknown attention '{name}'; known: {', '.join(ATTENTIONS)}") from None
+  if not _takes_program(fn):  # a variant of the plain five-argument form
+    return fn
+  return functools.partial(fn, program=program(prog), bucket=bucket)
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_program(fn: Callable) -> bool:
+  return "program" in inspect.signature(fn).parameters
 
 
 def check(cache_cfg, model_cfg) -> None:

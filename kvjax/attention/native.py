@@ -14,6 +14,8 @@ block is widened there, so a block only bounds the logits of one online-softmax 
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 
 from kvjax import kernels
@@ -30,25 +32,29 @@ def merge(state, part):
   return m, s1 * c1 + s2 * c2, a1 * c1[..., None] + a2 * c2[..., None]
 
 
-def read_segment(q_BKGTD, seg, state):
+def read_segment(q_BKGTD, seg, state, program: str | None = None, bucket: int = 0):
   """One stored segment into the state: through the kernel where it reads the segment,
-  else through the stored-type dots."""
+  else through the stored-type dots (blocks of `program`, `xla.block_size`)."""
   if seg.mask_BS.shape[1] == 0:
     return state
   part = kernels.read(q_BKGTD, seg)
   if part is None:
-    return xla.attend_segment(q_BKGTD, seg, state, native=True, chunk=CHUNK)
+    return xla.attend_segment(q_BKGTD, seg, state, native=True, chunk=CHUNK, program=program,
+                              bucket=bucket)
   return merge(state, part)
 
 
-def native(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments):
+def native(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, *, program: str | None = None,
+           bucket: int = 0):
   """`xla.grouped` with the stored segments read by `read_segment`."""
-  return xla.grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, read=read_segment)
+  read = functools.partial(read_segment, program=program, bucket=bucket)
+  return xla.grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, read=read)
 
 
-def auto(*args):
-  """The default variant: `base.resolve("auto")` (native on the CPU, grouped elsewhere)."""
-  return base.get("auto")(*args)
+def auto(*args, program: str | None = None, bucket: int = 0):
+  """The default variant: `base.resolve("auto", program)` (native in the CPU program,
+  grouped in the accelerator program)."""
+  return base.get("auto", program, bucket)(*args)
 
 
 base.register("native", native)

@@ -3,9 +3,12 @@ Pallas kernel straight from the codec storage.
 
 The kernel reads what the cache holds and nothing else: fp32, bf16/fp16 bit patterns,
 int8 codes + per-token scales, packed int4/int2 codes + scale/zero, fp8 bits + scale. Each
-step loads one block of stored tokens and dequantizes it in registers, one column chunk
-at a time (a chunk = one packed bit plane x one scale group, so no unpack/concatenate is
-ever needed); no full-precision copy of the cache exists. Contiguous storage (also the
+step loads one block of stored tokens, one column chunk at a time (a chunk = one packed bit
+plane x one scale group, so no unpack/concatenate is ever needed), and its codes reach each
+dot through the unpack and a convert to the query's dtype only: the scales multiply the
+logits after the key dot and the probabilities before the value dot, the asymmetric
+offsets add (row sums) x offset, as in `attention.folded`. No full-precision copy of the
+cache exists. Contiguous storage (also the
 stacked-by-layer store, `Segment.layer`) is read `BLOCK` tokens per step; paged storage one
 page per step, the page found through the block table inside the kernel.
 
@@ -14,8 +17,11 @@ softmax over its blocks up to its row's last valid slot (at most the live length
 with a data-dependent trip count, so nothing retraces as the cache fills and a short row
 of a ragged batch stops early) and writes a partial (m, l, acc); the splits, the
 other segments and the new tokens are merged in XLA by `xla.grouped` ("flash
-decoding"). Query rows are the G query heads x T new tokens of one kv head, padded to a
-power of two; below 16 rows (decode) the kernel multiply-reduces instead of `dot`.
+decoding"). Query rows are the G query heads x T new tokens of one kv head, so a kv head's
+bytes are read once for all its query heads, padded to a power of two and to at least
+ROW_MIN = 16 rows (the MMA tile: decode's few rows still multiply through `dot`); a `dot`
+with any dimension below 16 multiply-reduces instead. BLOCK, SPLITS, ROW_MIN, ROW_BLOCK,
+NUM_WARPS and NUM_STAGES are the knobs `configs/accel/pallas_sweep.yaml` sweeps.
 
 Falls back to the XLA read (`xla.attend_segment`) for segments it does not take:
 per-channel key scales (`cache.k_axis=channel`, whose scales span token blocks).
@@ -39,9 +45,10 @@ from kvjax.errors import KvjaxError
 BLOCK = 64        # contiguous storage: stored tokens per kernel step (a power of two)
 SPLITS = 8        # token-axis splits per (batch, kv head): parallelism for small batches
 ROW_BLOCK = 64    # query rows per program (prefill tiles its G*T rows)
-ROW_MIN = 1       # rows are padded to at least this many (16 makes decode use `dot`)
+ROW_MIN = 16      # rows are padded to at least this many (16: decode uses `dot`)
 DOT_MIN = 16      # every dim of a `dot` must reach this, else multiply-reduce
 NUM_WARPS = 4     # Triton only
+NUM_STAGES = 2    # Triton only: software-pipelining stages
 INTERPRET = None  # None: interpret mode unless the default backend is a GPU
 
 
@@ -79,26 +86,40 @@ def _chunks(codec, D: int):
   return [(e, cs, e % pw, e // pw * codec.bits, e // g) for e in range(0, D, cs)]
 
 
-def _dequant(codec, load, chunk):
-  """One column chunk of the loaded block as float32 [C, width]. `load(leaf, col, width)`
-  reads that leaf's columns for the block's tokens."""
-  _, cs, off, shift, j = chunk
+def _codes(codec, load, chunk, dt):
+  """One column chunk of the loaded block's codes as `dt` [C, width]: the unpack (shift
+  and mask of a packed plane) and a convert, nothing else. `load(leaf, col, width)` reads
+  that leaf's columns for the block's tokens."""
+  _, cs, off, shift, _ = chunk
   if not isinstance(codec, quant.ScaledCodec):
-    return codec_base.load_bits(load("x", 0, cs), codec.dtype).astype(jnp.float32)
-  raw, s = load("codes", off, cs), packing.load_meta(load("scale", j, 1))
+    return codec_base.load_bits(load("x", 0, cs), codec.dtype).astype(dt)
+  raw = load("codes", off, cs)
   if codec.asym:
-    c = ((raw >> shift) & (2 ** codec.bits - 1)).astype(jnp.float32)
-    return packing.load_meta(load("zero", j, 1)) + (c - codec.half) * s
-  return codec_base.load_bits(raw, codec.dtype).astype(jnp.float32) * s
+    return ((raw >> shift) & (2 ** codec.bits - 1)).astype(dt)
+  return codec_base.load_bits(raw, codec.dtype).astype(dt)
+
+
+def _scales(codec, load, chunk):
+  """The chunk's per-token scale and asymmetric offset z - h s, float32 [C] (None, None
+  for a float codec; offset None when symmetric): applied around the dots, never to codes."""
+  if not isinstance(codec, quant.ScaledCodec):
+    return None, None
+  j = chunk[4]
+  s = packing.load_meta(load("scale", j, 1))[:, 0]
+  if not codec.asym:
+    return s, None
+  return s, packing.load_meta(load("zero", j, 1))[:, 0] - codec.half * s
 
 
 def _mm(a, b, contract_b: int, dt):
   """a [rows, inner] with b [cols, inner] (contract_b=1, -> [rows, cols]) or b [inner, cols]
   (contract_b=0), in float32: `dot` on `dt` operands (the query's dtype: bf16 models use the
   tensor cores) when every dim is big enough for Triton, else a float32 multiply-reduce."""
-  if min(*a.shape, *b.shape) >= DOT_MIN:
+  if min(*a.shape, *b.shape) >= DOT_MIN:  # float32 operands at full precision (no TF32)
+    prec = jax.lax.Precision.HIGHEST if jnp.dtype(dt) == jnp.float32 else None
     return jax.lax.dot_general(a.astype(dt), b.astype(dt), (((1,), (contract_b,)), ((), ())),
-                               preferred_element_type=jnp.float32)
+                               precision=prec, preferred_element_type=jnp.float32)
+  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
   if contract_b == 1:
     return jnp.sum(a[:, None, :] * b[None, :, :], axis=2)
   return jnp.sum(a[:, :, None] * b[None, :, :], axis=1)
@@ -112,7 +133,7 @@ def _kernel(meta_ref, q_ref, mask_ref, bt_ref, *refs, names, kc, vc, S, C, per_s
   m_ref, l_ref, acc_ref = refs[nk + len(names[1]):]
   layer, end = meta_ref[0], meta_ref[1]
   tile, D = q_ref.shape
-  f32 = jnp.float32
+  f32, dt = jnp.float32, q_ref.dtype
   k_chunks, v_chunks = _chunks(kc, D), _chunks(vc, D)
 
   def block(i, state):
@@ -128,17 +149,29 @@ def _kernel(meta_ref, q_ref, mask_ref, bt_ref, *refs, names, kc, vc, S, C, per_s
       valid = (mask_ref[pl.ds(start, C)] != 0) & (idx >= i * C)
       tok = (pl.ds(start, C),)
     load_from = lambda refs: lambda n, col, w: refs[n][(layer, *tok, pl.ds(col, w))]  # noqa
+    kl, vl = load_from(k_refs), load_from(v_refs)
     logits = jnp.zeros((tile, C), f32)
-    for ch in k_chunks:
-      q = q_ref[:, pl.ds(ch[0], ch[1])].astype(f32)
-      logits += _mm(q, _dequant(kc, load_from(k_refs), ch), 1, q_ref.dtype)
+    for ch in k_chunks:  # per-token scales multiply the logits after the dot
+      q = q_ref[:, pl.ds(ch[0], ch[1])]
+      part = _mm(q, _codes(kc, kl, ch, dt), 1, dt)
+      s, off = _scales(kc, kl, ch)
+      if s is not None:
+        part = part * s[None, :]
+      if off is not None:
+        part = part + jnp.sum(q.astype(f32), axis=1)[:, None] * off[None, :]
+      logits += part
     logits = jnp.where(valid[None, :], logits, base.MASKED)
     m_new = jnp.maximum(m, jnp.max(logits, axis=1))
     p = jnp.where(valid[None, :], jnp.exp(logits - m_new[:, None]), 0.0)
     corr = jnp.exp(m - m_new)
-    accs = tuple(a * corr[:, None] + _mm(p, _dequant(vc, load_from(v_refs), ch), 0, q_ref.dtype)
-                 for a, ch in zip(accs, v_chunks))
-    return m_new, l * corr + jnp.sum(p, axis=1), accs
+    new = []
+    for a, ch in zip(accs, v_chunks):  # per-token scales fold into the probabilities
+      s, off = _scales(vc, vl, ch)
+      part = _mm(p if s is None else p * s[None, :], _codes(vc, vl, ch, dt), 0, dt)
+      if off is not None:
+        part = part + jnp.sum(p * off[None, :], axis=1)[:, None]
+      new.append(a * corr[:, None] + part)
+    return m_new, l * corr + jnp.sum(p, axis=1), tuple(new)
 
   s = pl.program_id(3)
   lo = s * per_split
@@ -199,7 +232,7 @@ def segment_state(q_BKGTD, seg):
   extra = {}
   if not interpret:
     from jax.experimental.pallas import triton as plgpu  # GPU-only: imported when used
-    extra["compiler_params"] = plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=2)
+    extra["compiler_params"] = plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
   f32 = jnp.float32
   m, l, acc = pl.pallas_call(
       kernel, grid=(B, K, n_pad // tile, Z),
@@ -230,18 +263,22 @@ def merge(state, m_BKZGT, l_BKZGT, acc_BKZGTD):
           acc0 * c0[..., None] + jnp.sum(acc_BKZGTD * c[..., None], axis=2))
 
 
-def attend_segment(q_BKGTD, seg, state):
-  """`xla.attend_segment` with the kernel's read, or the XLA read where it has none."""
+def attend_segment(q_BKGTD, seg, state, program: str | None = None, bucket: int = 0):
+  """`xla.attend_segment` with the kernel's read, or the XLA read of `program` where it
+  has none."""
   if seg.mask_BS.shape[1] == 0:
     return state
   if not (_kernel_reads(seg.k_codec) and _kernel_reads(seg.v_codec)):
-    return xla.attend_segment(q_BKGTD, seg, state)
+    return xla.attend_segment(q_BKGTD, seg, state, program=program, bucket=bucket)
   return merge(state, *segment_state(q_BKGTD, seg))
 
 
-def pallas(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments) -> jax.Array:
-  """`xla.grouped` with every stored segment read by the Pallas kernel."""
-  return xla.grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, read=attend_segment)
+def pallas(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, *, program: str | None = None,
+           bucket: int = 0) -> jax.Array:
+  """`xla.grouped` with every stored segment read by the Pallas kernel (its own loop stops
+  at each row's live length, so it takes no bucket)."""
+  read = functools.partial(attend_segment, program=program, bucket=bucket)
+  return xla.grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, read=read)
 
 
 base.register("pallas", pallas, check=check_config)

@@ -12,46 +12,65 @@ a `lax.while_loop` whose trip count is the segment's *live* length (`Segment.liv
 not shape), so a decode step reads the tokens the cache holds, not its allocated
 capacity, and prefill into an empty cache reads nothing. Nothing retraces as lengths
 grow. Only one block of codes is ever widened at a time (XLA:CPU materializes the
-converted operand of a dot), so no full-precision copy of the cache exists. On an
-accelerator a segment is one block (`block_size`): no loop and no host round trip.
+converted operand of a dot), so no full-precision copy of the cache exists. That is the
+CPU program (`model.program`, `attention.base.program`); in the accelerator program a
+segment is one block (`block_size`, bounded by the decode call's bucket): no loop and no
+host round trip, each block read through `folded` (only a convert before each dot).
 
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from kvjax import codecs
-from kvjax.attention import base
+from kvjax.attention import base, folded
 
-def block_size(seg, S: int, chunk: int | None = None) -> int:
-  """Tokens per block: `chunk` (default READ_CHUNK) rounded to whole units of the segment (codec token
-  blocks, pages), at most S; on an accelerator the whole segment (one block, no loop).
+def block_size(seg, S: int, chunk: int | None = None, program: str | None = None,
+               bucket: int = 0) -> int:
+  """Tokens per block. The CPU program: `chunk` (default READ_CHUNK) rounded to whole units
+  of the segment (codec token blocks, pages), at most S. The accelerator program: one
+  block of the whole segment (no loop), or, with a `bucket` and a segment whose valid
+  slots lie below its live length, of its first `bucket` slots (rounded up to whole units):
+  the host picks the bucket per decode call so that every step's live length stays within
+  it (`decode.bucket_for`), and the call reads what the cache holds, not its capacity.
 
   The loop is for XLA:CPU, whose dot materializes a widened operand. On a GPU the
   convert fuses into the dot, and a `while` whose trip count is data costs a device-to-host
-  copy of its predicate and a stream sync per iteration: SmolLM2's shape at 4k tokens ran
-  8 blocks x 30 layers of them per step (and the switched layer scan's 30 branch picks,
-  see `decode.prepare_params`): 12.7 ms a step where the bytes take 0.9 ms (H200). One block reads every allocated slot, masked, instead of the live
-  ones: a cache sized for its request reads about what it holds, and a step's time follows
-  the capacity (docs/gpu.md). A prompt's pass skips an empty segment (`attend_segment`)."""
-  if jax.default_backend() != "cpu":
-    return S
+  copy of its predicate and a stream sync per iteration (and the switched layer scan a
+  branch pick per projection, see `decode.prepare_params`), which dominated the step on the
+  H200 (docs/gpu.md). One block reads every slot it covers, masked; a prompt's pass skips an
+  empty segment (`attend_segment`)."""
   U = seg.unit
+  if base.program(program) == "accelerator":
+    if bucket and seg.live is not None:
+      return min(S, -(-bucket // U) * U)
+    return S
   return min(S, max(U, (chunk or codecs.READ_CHUNK) // U * U))
 
 
-def attend_segment(q_BKGTD, seg, state, native: bool = False, chunk: int | None = None):
+def attend_segment(q_BKGTD, seg, state, native: bool = False, chunk: int | None = None,
+                   program: str | None = None, bucket: int = 0):
   """Online softmax over the stored tokens [0, live) of one segment, block by block,
   `chunk` tokens at a time; `native` reads each block through the codecs' stored-type
-  dots (`Codec.qk_native` / `pv_native`) instead of `qk_block` / `pv_block`."""
+  dots (`Codec.qk_native` / `pv_native`) instead of `qk_block` / `pv_block`. The
+  accelerator program reads one block (`block_size`) through `folded`, where only a convert
+  precedes each dot."""
   S = seg.mask_BS.shape[1]
   if S == 0:
     return state
-  C = block_size(seg, S, chunk)
-  qk = seg.k_codec.qk_native if native else seg.k_codec.qk_block
-  pv = seg.v_codec.pv_native if native else seg.v_codec.pv_block
+  C = block_size(seg, S, chunk, program, bucket)
+  accel = base.program(program) == "accelerator"
+  if native:
+    qk, pv = seg.k_codec.qk_native, seg.v_codec.pv_native
+  elif accel:
+    qk = functools.partial(folded.qk, seg.k_codec)
+    pv = lambda p, v: folded.pv(seg.v_codec, p, v, q_BKGTD.dtype)  # noqa: E731
+  else:
+    qk, pv = seg.k_codec.qk_block, seg.v_codec.pv_block
   live = S if seg.live is None else seg.live
 
   def block(i, st):
@@ -65,12 +84,14 @@ def attend_segment(q_BKGTD, seg, state, native: bool = False, chunk: int | None 
     mask = mask_BC[:, None, None, None, :]
     return base.update(st, qk(q_BKGTD, k), mask, lambda p: pv(p, v))
 
-  if C == S:  # one block: no loop
-    if q_BKGTD.shape[3] > 1 and seg.live is not None and jax.default_backend() != "cpu":
+  if accel:  # one block: no loop
+    if q_BKGTD.shape[3] > 1 and seg.live is not None:
       # A prompt's pass (T > 1) skips a segment with nothing live (prefill into an empty
       # cache) at the cost of one host round trip per layer; a decode step never branches.
       return jax.lax.cond(jnp.asarray(seg.live) > 0, lambda st: block(0, st), lambda st: st,
                           state)
+    return block(0, state)
+  if C == S:
     return block(0, state)
   n = (jnp.asarray(live, jnp.int32) + C - 1) // C
   return jax.lax.fori_loop(0, n, block, state)
@@ -96,11 +117,26 @@ def _new_tokens(q_BKGTD, k_BKID, v_BKID, pos_q_BT, pos_k_BI):
   return l_new, causal_BTI[:, None, None], pv_new
 
 
-def grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments,
-            read=None) -> jax.Array:
+def _by_query_block(q_BKGTD, seg, state, bucket: int):
+  """The accelerator program's read of one stored segment for a prompt: NEW_BLOCK queries
+  at a time, so no [T, S] logits exist. Each block skips an empty segment on its own (one
+  `cond` each): under one `cond` for all blocks, XLA:CPU kept every block's logits alive
+  at once (the compiled prefill's temporaries, tests/test_accel.py)."""
+  T = q_BKGTD.shape[3]
+  parts = [attend_segment(q_BKGTD[:, :, :, t0:t0 + NEW_BLOCK], seg,
+                          jax.tree.map(lambda a: a[:, :, :, t0:t0 + NEW_BLOCK], state),  # noqa: B023
+                          program="accelerator", bucket=bucket)
+           for t0 in range(0, T, NEW_BLOCK)]
+  return jax.tree.map(lambda *a: jnp.concatenate(a, axis=3), *parts)
+
+
+def grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, read=None, *,
+            program: str | None = None, bucket: int = 0) -> jax.Array:
   """Grouped-query attention over stored segments + the new tokens. Returns [B, T, H, D].
-  `read(q_BKGTD, seg, state) -> state` reads one stored segment (default: the
-  XLA blockwise read; `kvjax.attention.pallas` plugs in its kernel)."""
+  `read(q_BKGTD, seg, state) -> state` reads one stored segment (default: the XLA read of
+  `program`, `attend_segment`; None: the backend's, `base.program`; `kvjax.attention.pallas`
+  plugs in its kernel)."""
+  program = base.program(program)
   B, T, H, D = q_BTHD.shape
   K = k_BTKD.shape[2]
   G = H // K
@@ -111,8 +147,15 @@ def grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments,
   f32 = jnp.float32
   state = (jnp.full((B, K, G, T), base.MASKED, f32), jnp.zeros((B, K, G, T), f32),
            jnp.zeros((B, K, G, T, D), f32))
+  # The accelerator program reads each stored segment in one block, so a prompt's logits
+  # against it would be [T, S] at once: it reads them NEW_BLOCK queries at a time instead.
+  per_block = read is None and program == "accelerator" and T > NEW_BLOCK
   for seg in segments:
-    state = (read or attend_segment)(q_BKGTD, seg, state)
+    if per_block:
+      state = _by_query_block(q_BKGTD, seg, state, bucket)
+    else:
+      state = read(q_BKGTD, seg, state) if read else \
+          attend_segment(q_BKGTD, seg, state, program=program, bucket=bucket)
   # The new tokens: causal by position; padding (position -1) is never a key. A prompt is
   # read NEW_BLOCK queries at a time, each block against the keys up to its own end only.
   outs = []

@@ -145,8 +145,8 @@ class Codec:
 
 def per_head(G: int, D: int, read: str = "qk") -> bool:
   """Split the G query heads sharing a KV head into G batched matvecs for one of the two
-  reads (`read`: "qk", the logits; "pv", the values)? CPU only; accelerators keep one GEMM,
-  which reads each block once.
+  reads (`read`: "qk", the logits; "pv", the values)? Only the CPU program's reads ask;
+  the accelerator program keeps one GEMM, which reads each block once (`attention.folded`).
 
   Logits: XLA:CPU ran the [G*T, D] x [D, C] GEMM (contracting the block's minor axis, so
   the block is transposed for it) 1.3-1.8x slower than G matvecs for G = 2-4 at head_dim
@@ -161,7 +161,7 @@ def per_head(G: int, D: int, read: str = "qk") -> bool:
   (fp32/bf16/int8; `python scripts/bench_xla_cpu.py`, `attend_pv_split` vs `attend`, in
   one run). At head_dim 128 the split was as fast or faster in throwaway runs, so it stays
   there."""
-  if jax.default_backend() != "cpu" or not 1 < G <= min(4, D // 8):
+  if not 1 < G <= min(4, D // 8):
     return False
   return read == "qk" or D >= 128
 

@@ -101,6 +101,8 @@ def check_number(key: str, value: Any, rng: tuple, integer: bool) -> None:
 
 # What kvjax.model.rope implements: no scaling, or Llama-3's with exactly these numbers.
 ROPE_TYPES = ("default", "llama3")
+# The compiled programs (`kvjax.attention.base.program`): auto resolves per backend.
+PROGRAMS = ("auto", "cpu", "accelerator")
 _LLAMA3 = {"factor": _POS_F, "low_freq_factor": _POS_F, "high_freq_factor": _POS_F,
            "original_max_position_embeddings": (1, True, I32, True)}
 
@@ -178,6 +180,8 @@ def validate(cfg: Config) -> Config:
   for name in ("dtype", "param_dtype"):
     if getattr(m, name) not in DTYPES:
       raise KvjaxError(f"unknown model.{name} '{getattr(m, name)}'; use one of {', '.join(DTYPES)}")
+  if m.program not in PROGRAMS:
+    raise KvjaxError(f"unknown model.program '{m.program}'; use one of {', '.join(PROGRAMS)}")
   if m.attention not in attention.ATTENTIONS:
     raise KvjaxError(f"unknown attention '{m.attention}'; known: {', '.join(attention.ATTENTIONS)}")
   if c.layout not in cache.LAYOUTS:

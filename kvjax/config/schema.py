@@ -38,6 +38,8 @@ class ModelConfig:
                                  # run them unrolled over per-layer weights (model.unrolled)
   max_seq_len: int = 4096        # longest position the model is meant for (RoPE tables, checks)
   latent_rank: int = 0           # A > 0: rank-A K/V projections, cacheable as latents (kvjax.cache.latent)
+  program: str = "auto"          # cpu | accelerator | auto (per backend): the layer loop and
+                                 # cache read the compiled programs use (attention.base.program)
 
   @property
   def D(self) -> int:

@@ -37,7 +37,8 @@ def variant(cfg: config_lib.Config, **extra) -> dict:
   """What identifies the cache variant in a results row."""
   m, c = cfg.model, cfg.cache
   codec = c.k_codec if c.k_codec == c.v_codec else f"K{c.k_codec}/V{c.v_codec}"
-  return {"variant": m.variant, "attention": attention.resolve(m.attention), "heads": m.n_heads,
+  return {"variant": m.variant, "attention": attention.resolve(m.attention, m.program),
+          "program": attention.program(m.program), "heads": m.n_heads,
           "kv_heads": m.n_kv_heads, "k_codec": c.k_codec, "v_codec": c.v_codec, "codec": codec,
           "layout": c.layout, **extra}
 
@@ -86,8 +87,9 @@ def check_context(cfg: config_lib.Config, tokens: int) -> None:
                      "raise model.max_seq_len or shorten the context")
 
 
-def check_memory(cfg: config_lib.Config, batch: int, capacity: int, tokens: int) -> None:
+def check_memory(cfg: config_lib.Config, batch: int, capacity: int, tokens: int,
+                 caches: int = 2) -> None:
   """A cell's weights + cache + temporaries must fit the device (kvjax.memory), checked
   for every cell before any runs rather than failing in XLA halfway through a sweep."""
   from kvjax import memory
-  memory.check(cfg, batch, capacity, tokens, params=True, what="this cell")
+  memory.check(cfg, batch, capacity, tokens, params=True, what="this cell", caches=caches)

@@ -6,7 +6,8 @@ codec's scales, a residual window and lengths, `kvjax.held`) divided by
 the memory bandwidth. This experiment times `workload.gen_len - 1` compiled decode steps
 from a cache already holding `workload.prompt_len` tokens per sequence, `workload.repeats`
 times, and right before each repeat measures the bandwidth (a large streaming reduction,
-`params.bandwidth_mib` MiB, median of 3 passes). It reports
+`params.bandwidth_mib` MiB, median of 3 passes; and a streaming copy of the same array,
+`copy_Bps`, with `copy_fraction` = achieved / copy bandwidth). It reports
 
   roofline_fraction = median over repeats of (step_bytes / bandwidth_i) / tpot_i
 
@@ -48,7 +49,9 @@ def capacity(cfg: config_lib.Config) -> int:
 
 def check(cfg: config_lib.Config) -> None:
   ex.check_context(cfg, capacity(cfg))
-  ex.check_memory(cfg, cfg.workload.batch, capacity(cfg), cfg.workload.prompt_len)
+  # No prompt runs (the cache is filled by length) and each run's one cache is donated to
+  # decode: the widest call is a decode step, with one cache alive.
+  ex.check_memory(cfg, cfg.workload.batch, capacity(cfg), 1, caches=1)
   check_bandwidth_mib(cfg)
 
 
@@ -67,12 +70,19 @@ class Bandwidth:
     self.nbytes = n * 4
     self._x = jax.block_until_ready(jnp.ones((n,), jnp.float32))
     self._sum = jax.jit(jnp.sum).lower(self._x).compile()
-    jax.block_until_ready(self._sum(self._x))  # warm-up
+    self._copy = jax.jit(lambda x: x + 1.0).lower(self._x).compile()
+    jax.block_until_ready((self._sum(self._x), self._copy(self._x)))  # warm-up
 
   def measure(self, passes: int = 3) -> float:
     """Median over `passes` timed passes."""
     return self.nbytes / metrics.time_call(lambda: self._sum(self._x), repeats=passes,
                                            warmup=0)["median"]
+
+  def measure_copy(self, passes: int = 3) -> float:
+    """Bytes/s of a streaming copy (read the array, write a new one: 2 x its bytes a pass),
+    the device's copy bandwidth when `mib` is large enough not to be launch-bound."""
+    return 2 * self.nbytes / metrics.time_call(lambda: self._copy(self._x), repeats=passes,
+                                               warmup=0)["median"]
 
 
 class DotProbe:
@@ -118,7 +128,7 @@ def attention_dot(cfg: config_lib.Config) -> str:
   """The operand type of the attention's arithmetic: float32 in the CPU read kernel (and the
   XLA read, which widens codes first); bf16 or int8 in the stored-type dots."""
   from kvjax import attention, kernels  # noqa: PLC0415
-  if attention.resolve(cfg.model.attention) != "native" or kernels.available():
+  if attention.resolve(cfg.model.attention, cfg.model.program) != "native" or kernels.available():
     return "f32"
   return "s8" if cfg.cache.k_codec in ("int8", "int4", "int2") else \
       "bf16" if cfg.cache.k_codec in ("bf16", "fp8_e4m3", "fp8_e5m2") else "f32"
@@ -145,7 +155,9 @@ def roofs(cfg: config_lib.Config, params, batch: int, held_from: int, steps: int
   `roof_fraction` (roof_s / tpot_s)."""
   m = {**step_bytes(cfg, params, batch, held_from, steps),
        **step_flops(cfg, params, batch, held_from, steps)}
-  wdot = "bf16" if cfg.model.param_dtype == "bfloat16" else "f32"
+  # the weights' products run in the compute dtype (bf16 weights under float32 activations
+  # are widened, by the CPU kernel in registers or by XLA into a copy)
+  wdot = "bf16" if cfg.model.dtype == "bfloat16" else "f32"
   adot = attention_dot(cfg)
   ideal = m["step_bytes"] / bandwidth_Bps
   flops_s = m["weight_flops"] / dot_Fps[wdot] + m["attention_flops"] / dot_Fps[adot]
@@ -187,9 +199,10 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
   timer.once()  # warm-up
   # Each repeat measures the bandwidth right before its decode and pairs the two: a slow
   # phase of a shared machine (seconds long) slows both, and their ratio stands.
-  bws, ts, dots = [], [], []
+  bws, ts, dots, copies = [], [], [], []
   for _ in range(w.repeats):
     bws.append(meter.measure())
+    copies.append(meter.measure_copy())
     dots.append(probe.measure())
     ts.append(timer.once())
   del meter, probe
@@ -199,6 +212,8 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
   fractions = metrics.summarize([m["step_bytes"] / b / s for b, s in zip(bws, ts)])
   m.update({"tpot_s": t["median"], "tpot_s_iqr": t["iqr"], "tpot_s_min": t["min"],
             "repeats": t["n"], "bandwidth_Bps": bw, "ideal_s": m["step_bytes"] / bw,
+            "copy_Bps": statistics.median(copies),
+            "copy_fraction": m["step_bytes"] / t["median"] / statistics.median(copies),
             "roofline_fraction": fractions["median"],
             "roofline_fraction_iqr": fractions["iqr"],
             "achieved_Bps": m["step_bytes"] / t["median"],
@@ -217,8 +232,9 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
 
 def summary(rows: list[dict]) -> list[dict]:
   """One line per cell, with decode time relative to the same variant's bf16 cache read by
-  the same attention."""
+  the same attention with the same weights' dtype."""
   key = lambda r: (r["variant"]["variant"], r["variant"].get("attention"),  # noqa: E731
+                   r.get("config", {}).get("model", {}).get("param_dtype"),
                    r["workload"]["batch"], r["workload"]["context"])
   ref = {key(r): r["metrics"]["tpot_s"] for r in rows if r["variant"]["codec"] == "bf16"}
   out = []

@@ -30,6 +30,8 @@ class LayerInput:
   lengths_B: Any = None     # [B] tokens the cache held before this call (None: no cache)
   store: Any = None         # the cache's stacked leaves (`Layout.store`), None: no cache
   spec: Any = struct.field(pytree_node=False, default=None)  # its CacheSpec
+  bucket: int = struct.field(pytree_node=False, default=0)  # slots a one-block read covers
+                                                            # (0: all; `decode.bucket_for`)
 
 
 def rms_norm(x, weight, eps: float, dtype):
@@ -111,7 +113,8 @@ def block_forward(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):
 
   layout = None if inp.spec is None else cache_base.get(inp.spec.layout)
   segments = [] if layout is None else layout.read(inp.spec, inp.store, inp.lengths_B, layer)
-  attn_BTHD = attention.get(cfg.attention)(q_BTHD, k_BTKD, v_BTKD, inp.positions_BT, segments)
+  attend = attention.get(cfg.attention, cfg.program, inp.bucket)
+  attn_BTHD = attend(q_BTHD, k_BTKD, v_BTKD, inp.positions_BT, segments)
   (o,) = dense(attn_BTHD.reshape(B, T, H * D), [("o_proj", cfg.d_model, False)])
   x_BTE = x_BTE + o
 

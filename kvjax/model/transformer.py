@@ -74,6 +74,7 @@ class Transformer(nn.Module):
   # `switched_layers`; the default of prefill and decode) or "unrolled" (a Python loop
   # over per-layer weights, `model.scan_unroll >= n_layers`).
   layer_loop: str = "scan"
+  read_bucket: int = 0  # > 0: the accelerator program's reads cover that many stored slots
 
   @nn.compact
   def __call__(self, tokens_BT, positions_BT, cache=None, logits_at=None):
@@ -90,7 +91,8 @@ class Transformer(nn.Module):
     if cache is not None:  # the layers read the whole stacked store, each at its own layer
       layout = cache_base.layout_of(cache)
       cache = layout.attach(cache, self.variables.get("params", {}))
-      inp = LayerInput(positions_BT, cos, sin, cache.lengths, layout.store(cache), cache.spec)
+      inp = LayerInput(positions_BT, cos, sin, cache.lengths, layout.store(cache), cache.spec,
+                       self.read_bucket)
 
     if self.layer_loop == "unrolled":  # a Python loop, one weight tree per layer
       kv = []

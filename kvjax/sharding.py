@@ -226,15 +226,12 @@ def put_batch(x, mesh: Mesh):
   return _put(x, NamedSharding(mesh, P("data", *([None] * (np.ndim(x) - 1)))))
 
 
-@contextlib.contextmanager
 def visible(cfg: Config):
-  """Inside jit: the mesh, as an abstract mesh, for what is traced in this block (the CPU
-  read kernel runs per device under it, `kvjax.kernels.read`); nothing on one device."""
+  """Inside jit: the mesh made visible (abstract) to what is traced under this context (the
+  CPU kernels read it, `kvjax.kernels`); nothing on one device."""
   if not is_sharded(cfg):
-    yield
-    return
-  with jax.sharding.use_abstract_mesh(make_mesh(cfg).abstract_mesh):
-    yield
+    return contextlib.nullcontext()
+  return jax.sharding.use_abstract_mesh(make_mesh(cfg).abstract_mesh)
 
 
 def constrain_cache(cache: Any, cfg: Config) -> Any:

@@ -75,10 +75,14 @@ def prefill(cfg, params, ids, capacity: int, chunk: int = 512):
 @functools.partial(jax.jit, static_argnames=("spec", "capacity"))
 def _reencode(k_LKSD, v_LKSD, n, *, spec, capacity: int):
   from kvjax import cache as cache_lib
+  from kvjax.codecs import rotate
 
   c = cache_lib.init_cache(spec, 1, capacity)
   k = jnp.swapaxes(k_LKSD, 1, 2)[:, None]  # [L, 1, S, K, D]: the S slots fed as T new tokens
   v = jnp.swapaxes(v_LKSD, 1, 2)[:, None]
+  rot_DD = rotate.of(spec.cache, k.shape[-1])  # stored in the basis the model reads it in
+  if rot_DD is not None:
+    k, v = rotate.apply(k, rot_DD), rotate.apply(v, rot_DD)
   pos = jnp.where(jnp.arange(k.shape[2]) < n, jnp.arange(k.shape[2]), -1)[None, :]
   return cache_lib.layout_of(c).write(c, k, v, pos.astype(jnp.int32))
 

@@ -80,7 +80,7 @@ class Contiguous(base.Layout):
   def read(self, spec, store, lengths_B, layer):
     k, v = store[:2]
     N, wc = spec.keep_first, spec.window_codec
-    n_B = jnp.maximum(lengths_B - N, 0)  # tokens held after the first N
+    n_B = jnp.maximum(lengths_B - N, 0) if N else lengths_B  # tokens held after the first N
     q_B = spec.quantized_len(n_B)
     segs = []
     if N:
@@ -113,9 +113,10 @@ class Contiguous(base.Layout):
       cache = dataclasses.replace(cache, k_first=put(cache.k_first, k_LBKTD),
                                   v_first=put(cache.v_first, v_LBKTD))
       positions_BT = jnp.where(positions_BT >= N, positions_BT - N, -1)
-    n0, n1 = jnp.maximum(cache.lengths - N, 0), jnp.maximum(lengths - N, 0)
     if spec.residual:
-      skip_B = jnp.maximum(N - cache.lengths, 0)  # this call's tokens that went to the first N
+      n0, n1 = (jnp.maximum(n - N, 0) for n in (cache.lengths, lengths)) if N else \
+          (cache.lengths, lengths)
+      skip_B = jnp.maximum(N - cache.lengths, 0) if N else None  # new tokens now in the first N
       kv = self._write_windowed(cache, k_LBKTD, v_LBKTD, positions_BT, n0, n1, skip_B)
       return dataclasses.replace(cache, **kv, lengths=lengths)
     slots_BT = jnp.where(positions_BT >= 0, positions_BT, spec.history)  # padding: dropped
@@ -126,7 +127,7 @@ class Contiguous(base.Layout):
   def _write_windowed(self, cache, k_LBKTD, v_LBKTD, positions_BT, n0, n1, skip_B) -> dict:
     """The history and window after the write, as KVCache fields (positions and the tokens
     held before (n0) and after (n1) it count from position N; the first skip_B new tokens
-    of each row went to the first N's store)."""
+    of each row went to the first N's store, None: no first store)."""
     spec = cache.spec
     R, U = spec.residual, spec.block
     q0, q1 = spec.quantized_len(n0), spec.quantized_len(n1)
@@ -135,7 +136,9 @@ class Contiguous(base.Layout):
     # The O = J * U positions leaving the window, gathered from (old window ++ new tokens)
     # in full precision.
     p_BO = q0[:, None] + jnp.arange(J * U)[None, :]
-    new_BO = R + p_BO - n0[:, None] + skip_B[:, None]  # index of a new token in (window ++ new)
+    new_BO = R + p_BO - n0[:, None]  # index of a new token in (window ++ new)
+    if skip_B is not None:
+      new_BO = new_BO + skip_B[:, None]
     src_BO = jnp.clip(jnp.where(p_BO < n0[:, None], p_BO % R, new_BO), 0, R + T - 1)
     blk = q0[:, None] // U + jnp.arange(J)[None, :]
     blk_BJ = jnp.where((jnp.arange(J)[None, :] + 1) * U <= (q1 - q0)[:, None], blk,

@@ -136,16 +136,21 @@ def evict_prefix(cfg, prefix: Prefix, room: int):
   then compacted by `cache.policy` to its budget (`kvjax.evict.compact`), with `room` free
   slots for the question and the answer (a ring of `budget` slots for window/sinks, which
   keep evicting). The same cache `kvjax.evict.prefill` returns for this prefix with `cfg`
-  (a call's queries and fresh K/V do not depend on the codec). `full`: the encoded
-  contiguous cache, `width + room` slots."""
+  (a call's queries and fresh K/V do not depend on the codec; under `cache.rotate` the
+  fp32 prefix's queries are rotated into the basis its keys are stored in). `full`: the
+  encoded contiguous cache, `width + room` slots."""
   from kvjax import evict, policies
+  from kvjax.codecs import rotate
 
   n = prefix.kv[2]
   if cfg.cache.policy == "full":
     return encode_prefix(cfg, prefix.kv, prefix.width + room)
   policies.check_lengths(cfg.cache, [n])
   c = encode_prefix(cfg, prefix.kv, prefix.width)
-  return evict.compact(c, jnp.array([n], jnp.int32), prefix.q, room=room, T=prefix.width)
+  q, rot_DD = prefix.q, rotate.of(cfg.cache, prefix.q.shape[-1])
+  if rot_DD is not None:
+    q = rotate.apply(q, rot_DD)
+  return evict.compact(c, jnp.array([n], jnp.int32), q, room=room, T=prefix.width)
 
 
 def answer_through_cache(cfg, params, cache, tail_ids, steps: int, tail_pad: int = 0):

@@ -20,6 +20,7 @@ from kvjax import cache as cache_lib
 from kvjax import policies
 from kvjax.cache import paged_compact
 from kvjax.cache.compact import compress
+from kvjax.codecs import rotate
 from kvjax.errors import KvjaxError
 
 
@@ -56,6 +57,9 @@ def _forward_capture(params, tokens_BT, lengths_B, cache, spec, queries: bool):
       model_lib.apply_rope(inter[f"layers_{i}"]["q_proj"]["__call__"][0]
                            .reshape(B, T, m.n_heads, m.D), cos, sin)
       for i in range(m.n_layers)])
+  rot_DD = rotate.of(cache.spec.cache_cfg, m.D)  # the stored keys' basis (cache.rotate)
+  if rot_DD is not None:
+    q_LBTHD = rotate.apply(q_LBTHD, rot_DD)
   return logits_B1V, cache, q_LBTHD
 
 

@@ -7,7 +7,7 @@
 leaves, `cache.tree_bytes`, divided by the batch): the layout's `closed_form_bytes` at the
 capacity the cache is built with, so everything the tree holds is in it: codes, scales and
 zeros, the full-precision residual window (`cache.residual`, allocated whole even before it
-fills), the quantized history rounded up to whole key blocks, pages rounded up to whole
+fills) and first tokens (`cache.keep_first`), the quantized history rounded up to whole key blocks, pages rounded up to whole
 pages (a configured `cache.num_pages` pool is shared out evenly), a policy's budget in
 place of the context (`cache.policy`: the compacted layouts) with its per-token state
 (h2o's scores, `Policy.state_bytes_per_token`), and the int32 lengths / block tables.
@@ -118,7 +118,7 @@ def window_warning(cfg: Config, tokens: int) -> str | None:
 
 # -- results rows of any vintage --------------------------------------------------------------
 _CACHE_KEYS = ("layout", "k_codec", "v_codec", "k_axis", "group_size", "residual", "page_size",
-               "policy", "budget", "ratio", "window", "sinks")
+               "policy", "budget", "ratio", "window", "sinks", "keep_first")
 
 
 _CONFIGS: dict = {}

@@ -65,7 +65,8 @@ def _kl(v: float) -> str:
 
 
 def describe(variant: dict) -> str:
-  """What a setting is, from the row: codec(s), key axis, group size, residual window."""
+  """What a setting is, from the row: codec(s), key axis, group size, residual window, first
+  tokens kept, rotation."""
   k, v = variant["k_codec"], variant["v_codec"]
   parts = [k if k == v else f"K {k} / V {v}"]
   if variant.get("k_axis") == "channel":
@@ -74,8 +75,12 @@ def describe(variant: dict) -> str:
     parts.append(f"groups of {variant['group_size']}")
   if variant.get("residual"):
     parts.append(f"R={variant['residual']}")
-  if len(parts) == 1 and k == v and k.startswith("int"):
+  if len(parts) == 1 and k == v and k.startswith(("int", "nf")):
     parts.append("per token, whole head")
+  if variant.get("keep_first"):
+    parts.append(f"first {variant['keep_first']} kept")
+  if variant.get("rotate"):
+    parts.append(f"{variant['rotate']} rotation")
   return ", ".join(parts)
 
 

@@ -182,8 +182,9 @@ def test_question_reads_the_encoded_cache():
   assert np.abs(split2 - split32).max() > 1e-3            # through the cache: it is seen
 
 
-@pytest.mark.parametrize("over", [INT2, KIVI4, {"cache.k_codec": "int8", "cache.v_codec": "int4"}],
-                         ids=["int2", "int4-kivi", "k8v4"])
+@pytest.mark.parametrize("over", [INT2, KIVI4, {"cache.k_codec": "int8", "cache.v_codec": "int4"},
+                                  {**KIVI4, "cache.rotate": "hadamard", "cache.keep_first": 4}],
+                         ids=["int2", "int4-kivi", "k8v4", "kivi-rotated-first4"])
 def test_encode_prefix_is_the_prefill_write(over):
   """Storing an fp32 prefill's K/V through a codec gives the cache a one-shot prefill with
   that codec writes, so the answer after it is the same (shared fp32 prefill is exact)."""
@@ -196,8 +197,8 @@ def test_encode_prefix_is_the_prefill_write(over):
   moved = tasks.encode_prefix(cfg, tasks.prefix_kv(ref), 128)
   direct = tasks.prefill(cfg, params, prefix, 128, chunk=128)
   assert int(moved.lengths[0]) == int(direct.lengths[0]) == 100
-  for a, b in zip(jax.tree.leaves((moved.k, moved.v, moved.k_win, moved.v_win)),
-                  jax.tree.leaves((direct.k, direct.v, direct.k_win, direct.v_win))):
+  leaves = lambda c: jax.tree.leaves((c.k, c.v, c.k_win, c.v_win, c.k_first, c.v_first))  # noqa: E731
+  for a, b in zip(leaves(moved), leaves(direct)):
     assert a.shape == b.shape and a.dtype == b.dtype
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                atol=1e-5 if a.dtype.kind == "f" else 1)
@@ -238,7 +239,8 @@ def _gqa():
 
 @pytest.mark.parametrize("over", [SNAP8, {"cache.policy": "knorm", "cache.budget": 20},
                                   {"cache.policy": "sinks", "cache.ratio": 0.25,
-                                   "cache.sinks": 2}], ids=["snapkv-int8", "knorm", "sinks"])
+                                   "cache.sinks": 2}, {**SNAP8, "cache.rotate": "hadamard"}],
+                         ids=["snapkv-int8", "knorm", "sinks", "snapkv-int8-rotated"])
 def test_evict_prefix_is_the_policy_prefill(over):
   """One fp32 prefill with its queries, stored through the codec and compacted, is the cache
   `evict.prefill` makes for the prefix with that setting; the question reads `budget`

@@ -64,23 +64,30 @@ class CacheSpec:
     return self.cache_cfg.residual
 
   @property
+  def keep_first(self) -> int:
+    """N: the first tokens of each sequence kept in full precision (0: none)."""
+    return self.cache_cfg.keep_first
+
+  @property
   def block(self) -> int:
     """U: tokens quantized together when they leave the window (KIVI key groups)."""
     return self.kc.token_block
 
   @property
   def history(self) -> int:
-    """Quantized slots: all of `capacity` without a window, else what can ever leave it."""
-    R, U = self.residual, self.block
-    return self.capacity if not R else U * -(-max(self.capacity - R, 0) // U)
+    """Quantized slots: all of `capacity` (less the first N kept apart) without a window,
+    else what can ever leave it."""
+    R, U, S = self.residual, self.block, self.capacity - self.keep_first
+    return S if not R else U * -(-max(S - R, 0) // U)
 
   @property
   def window_codec(self) -> codecs.Codec:
     return codecs.get(codecs.DTYPE_TO_CODEC[self.dtype])
 
   def quantized_len(self, lengths_B: jax.Array) -> jax.Array:
-    """q(n): tokens held in the quantized history when n are cached. The window keeps the
-    newest n - q <= R tokens; a block of U leaves it only when the window would overflow."""
+    """q(n): tokens held in the quantized history when n of its tokens are cached (n counts
+    from position N under `cache.keep_first`). The window keeps the newest n - q <= R
+    tokens; a block of U leaves it only when the window would overflow."""
     R, U = self.residual, self.block
     if not R:
       return lengths_B

@@ -1,6 +1,7 @@
 """The `contiguous` layout: `capacity` preallocated slots per sequence, every leaf stacked
 over layers [L, B, K, S, ...] (K heads only, never the repeated query-group copies), with
-an optional full-precision window of recent tokens (`cache.residual`, KIVI's R)."""
+an optional full-precision window of recent tokens (`cache.residual`, KIVI's R) and the
+first tokens of each sequence kept apart in full precision (`cache.keep_first`, N)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.cache import base
+from kvjax.errors import KvjaxError
 
 
 @struct.dataclass
@@ -22,6 +24,16 @@ class KVCache:
   spec: base.CacheSpec = struct.field(pytree_node=False)
   k_win: Any = None      # full-precision window [L, B, K, R, D] (cache.residual > 0), else None
   v_win: Any = None
+  k_first: Any = None    # the first N tokens in full precision [L, B, K, N, D] (cache.keep_first)
+  v_first: Any = None
+
+
+def check_capacity(spec: base.CacheSpec) -> None:
+  """`cache.keep_first` must leave room for the tokens after it (host side, at build)."""
+  N = spec.keep_first
+  if N >= spec.capacity:
+    raise KvjaxError(f"cache.keep_first={N} must be below the cache capacity {spec.capacity}; "
+                     "keep fewer first tokens or raise cache.capacity (or the context)")
 
 
 class Contiguous(base.Layout):
@@ -33,6 +45,12 @@ class Contiguous(base.Layout):
   of U tokens (U = the K codec's token block: 1, or the KIVI group) is encoded once and
   appended to the history; history is never decoded or re-encoded. Everything is data-
   driven by per-sequence lengths, so prefill and decode never retrace.
+
+  With `cache.keep_first` = N > 0, positions [0, N) live in their own full-precision store
+  (slot = position, in the window's codec: the model's dtype) and everything above is the
+  cache just described over positions p - N: history slot p - N, window slot (p - N) mod R.
+  The first tokens are one more segment of the read, so every attention variant and the
+  read kernel see them as they see the window.
   """
 
   name = "contiguous"
@@ -45,17 +63,29 @@ class Contiguous(base.Layout):
     if R:
       win = lambda: spec.window_codec.init((L, B, K, R, D))  # noqa: E731
       cache = dataclasses.replace(cache, k_win=win(), v_win=win())
+    if spec.keep_first:
+      check_capacity(spec)
+      first = lambda: spec.window_codec.init((L, B, K, spec.keep_first, D))  # noqa: E731
+      cache = dataclasses.replace(cache, k_first=first(), v_first=first())
     return cache
 
   def store(self, cache: KVCache) -> Any:
-    if cache.k_win is None:
-      return (cache.k, cache.v)
-    return (cache.k, cache.v, cache.k_win, cache.v_win)
+    out = (cache.k, cache.v)
+    if cache.k_win is not None:
+      out += (cache.k_win, cache.v_win)
+    if cache.k_first is not None:
+      out += (cache.k_first, cache.v_first)
+    return out
 
   def read(self, spec, store, lengths_B, layer):
     k, v = store[:2]
-    q_B = spec.quantized_len(lengths_B)
+    N, wc = spec.keep_first, spec.window_codec
+    n_B = jnp.maximum(lengths_B - N, 0) if N else lengths_B  # tokens held after the first N
+    q_B = spec.quantized_len(n_B)
     segs = []
+    if N:
+      mask_BN = jnp.arange(N)[None, :] < lengths_B[:, None]
+      segs.append(base.LayerSegment(store[-2], store[-1], mask_BN, wc, wc, layer=layer))
     if spec.history:
       mask_BS = jnp.arange(spec.history)[None, :] < q_B[:, None]
       segs.append(base.LayerSegment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(q_B),
@@ -64,8 +94,7 @@ class Contiguous(base.Layout):
       R = spec.residual
       slot_R = jnp.arange(R)[None, :]
       pos_BR = q_B[:, None] + (slot_R - q_B[:, None]) % R  # the position each slot holds
-      wc = spec.window_codec
-      segs.append(base.LayerSegment(store[2], store[3], pos_BR < lengths_B[:, None], wc, wc,
+      segs.append(base.LayerSegment(store[2], store[3], pos_BR < n_B[:, None], wc, wc,
                                        layer=layer))
     return segs
 
@@ -75,24 +104,42 @@ class Contiguous(base.Layout):
     k_LBKTD = jnp.swapaxes(k_LBTKD, 2, 3)
     v_LBKTD = jnp.swapaxes(v_LBTKD, 2, 3)
     lengths = cache.lengths + jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
+    N = spec.keep_first
+    if N:  # positions [0, N) to their own store; the rest is the cache over p - N
+      first_BT = jnp.where((positions_BT >= 0) & (positions_BT < N), positions_BT, N)
+
+      def put(store, new):
+        return base.scatter(first_BT)(store, spec.window_codec.encode(new))
+      cache = dataclasses.replace(cache, k_first=put(cache.k_first, k_LBKTD),
+                                  v_first=put(cache.v_first, v_LBKTD))
+      positions_BT = jnp.where(positions_BT >= N, positions_BT - N, -1)
     if spec.residual:
-      return self._write_windowed(cache, k_LBKTD, v_LBKTD, positions_BT, lengths)
+      n0, n1 = (jnp.maximum(n - N, 0) for n in (cache.lengths, lengths)) if N else \
+          (cache.lengths, lengths)
+      skip_B = jnp.maximum(N - cache.lengths, 0) if N else None  # new tokens now in the first N
+      kv = self._write_windowed(cache, k_LBKTD, v_LBKTD, positions_BT, n0, n1, skip_B)
+      return dataclasses.replace(cache, **kv, lengths=lengths)
     slots_BT = jnp.where(positions_BT >= 0, positions_BT, spec.history)  # padding: dropped
     k = jax.tree.map(base.scatter(slots_BT), cache.k, spec.kc.encode(k_LBKTD))
     v = jax.tree.map(base.scatter(slots_BT), cache.v, spec.vc.encode(v_LBKTD))
     return dataclasses.replace(cache, k=k, v=v, lengths=lengths)
 
-  def _write_windowed(self, cache, k_LBKTD, v_LBKTD, positions_BT, lengths):
+  def _write_windowed(self, cache, k_LBKTD, v_LBKTD, positions_BT, n0, n1, skip_B) -> dict:
+    """The history and window after the write, as KVCache fields (positions and the tokens
+    held before (n0) and after (n1) it count from position N; the first skip_B new tokens
+    of each row went to the first N's store, None: no first store)."""
     spec = cache.spec
     R, U = spec.residual, spec.block
-    n0, n1 = cache.lengths, lengths
     q0, q1 = spec.quantized_len(n0), spec.quantized_len(n1)
     T = positions_BT.shape[1]
     J = -(-T // U)  # q1 - q0 < T + U, so at most J = ceil(T / U) blocks leave per call
     # The O = J * U positions leaving the window, gathered from (old window ++ new tokens)
     # in full precision.
     p_BO = q0[:, None] + jnp.arange(J * U)[None, :]
-    src_BO = jnp.clip(jnp.where(p_BO < n0[:, None], p_BO % R, R + p_BO - n0[:, None]), 0, R + T - 1)
+    new_BO = R + p_BO - n0[:, None]  # index of a new token in (window ++ new)
+    if skip_B is not None:
+      new_BO = new_BO + skip_B[:, None]
+    src_BO = jnp.clip(jnp.where(p_BO < n0[:, None], p_BO % R, new_BO), 0, R + T - 1)
     blk = q0[:, None] // U + jnp.arange(J)[None, :]
     blk_BJ = jnp.where((jnp.arange(J)[None, :] + 1) * U <= (q1 - q0)[:, None], blk,
                        spec.history // U)  # beyond the history: dropped
@@ -109,12 +156,14 @@ class Contiguous(base.Layout):
 
     k, k_win = update(spec.kc, cache.k, cache.k_win, k_LBKTD)
     v, v_win = update(spec.vc, cache.v, cache.v_win, v_LBKTD)
-    return dataclasses.replace(cache, k=k, v=v, k_win=k_win, v_win=v_win, lengths=lengths)
+    return {"k": k, "v": v, "k_win": k_win, "v_win": v_win}
 
   def closed_form_bytes(self, spec: base.CacheSpec) -> int:
+    check_capacity(spec)
     per_token = (spec.kc.bytes_per_token(spec.n_kv_heads, spec.head_dim)
                  + spec.vc.bytes_per_token(spec.n_kv_heads, spec.head_dim))
-    window = 2 * spec.residual * spec.window_codec.bytes_per_token(spec.n_kv_heads, spec.head_dim)
+    window = 2 * (spec.residual + spec.keep_first) * \
+        spec.window_codec.bytes_per_token(spec.n_kv_heads, spec.head_dim)
     return int(round(spec.n_layers * spec.batch * (spec.history * per_token + window))) \
         + 4 * spec.batch
 

@@ -60,6 +60,9 @@ def check_config(c, m) -> None:
   if c.residual or c.k_axis == "channel":
     raise KvjaxError("cache.layout=latent stores single latents; set cache.residual=0 and "
                      "cache.k_axis=token")
+  if c.rotate != "none" or c.keep_first:
+    raise KvjaxError("cache.layout=latent stores rank-A latents, not per-head keys: set "
+                     "cache.rotate=none and cache.keep_first=0")
 
 
 

@@ -61,6 +61,9 @@ def check_config(c, m=None) -> None:
   if c.k_axis == "channel":
     raise KvjaxError("cache.layout=paged does not support per-channel key scales; set "
                      "cache.k_axis=token or use cache.layout=contiguous")
+  if c.keep_first:
+    raise KvjaxError(f"cache.layout=paged does not support cache.keep_first={c.keep_first}; "
+                     "set cache.keep_first=0 or use cache.layout=contiguous")
 
 
 

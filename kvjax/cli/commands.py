@@ -41,7 +41,8 @@ def _sampling_overrides(args) -> dict:
 # -- size ---------------------------------------------------------------------------------
 # Names listed in --help (tests hold them equal to codecs.CODECS and cache.LAYOUTS; the
 # registries themselves would import JAX just to print help).
-CODEC_NAMES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2")
+CODEC_NAMES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2", "nf4",
+               "nf2")
 LAYOUT_NAMES = ("none", "contiguous", "paged", "latent")
 DEFAULT_CODEC = "bf16"  # the common serving dtype, for every way of naming the model
 
@@ -121,7 +122,8 @@ def cmd_size(args) -> dict:
       "max_seq_len": m.max_seq_len if (args.hf or args.config or args.gguf) else None,
       "k_codec": cfg.cache.k_codec, "v_codec": cfg.cache.v_codec, "layout": layout.name,
       "k_axis": cfg.cache.k_axis, "group_size": cfg.cache.group_size,
-      "residual": cfg.cache.residual, "notes": notes, "warnings": warnings,
+      "residual": cfg.cache.residual, "keep_first": cfg.cache.keep_first,
+      "rotate": cfg.cache.rotate, "notes": notes, "warnings": warnings,
       "policy": cfg.cache.policy, "held_tokens": held,
       **sharding.size_report(cfg, args.batch, held,
                              with_params=bool(args.hf or args.config or args.gguf)),

@@ -13,9 +13,10 @@ def print_size(result: dict) -> None:
   """`kvjax size`: the shape and cache, bytes per token and in all, the mesh, the budget."""
   cache = f"K:{result['k_codec']} V:{result['v_codec']}"
   for key, text in (("k_axis", "keys per channel"), ("group_size", "groups of {}"),
-                    ("residual", "window {}")):
+                    ("residual", "window {}"), ("keep_first", "first {} kept"),
+                    ("rotate", "{} rotation")):
     val = result.get(key)
-    if val and val != "token":
+    if val and val not in ("token", "none"):
       cache += ", " + text.format(val)
   print(f"{result['variant']} L={result['layers']} H={result['heads']} K={result['kv_heads']} "
         f"D={result['head_dim']}  cache {cache}, {result['layout']}")

@@ -3,7 +3,9 @@
 The contract and the registry are in `kvjax.codecs.base`; every module of this folder is
 imported here and registers its codecs: `floats` (fp32, bf16, fp16) and `quant` (int8,
 int4, int2, fp8_e4m3, fp8_e5m2, with optional groups and per-channel keys; its bit packing
-and scale arithmetic in `packing`). Adding a codec = one module in this folder with a
+and scale arithmetic in `packing`), `normal` (nf4, nf2: normal-float levels on the same
+scales); `rotate` registers nothing: the `cache.rotate` basis change the model applies
+around any codec. Adding a codec = one module in this folder with a
 `Codec` subclass and its `register(...)` calls.
 
 Non-finite input: the float codecs propagate NaN and +-Inf unchanged (a cast), and
@@ -19,6 +21,9 @@ plugins.import_all(__name__, __path__)
 
 
 def check(cache_cfg, model_cfg) -> None:
-  """The codec registry's config checks: both names known, each codec's own limits."""
+  """The codec registry's config checks: both names known, each codec's own limits, and
+  the rotation around them (`rotate`)."""
+  from kvjax.codecs import rotate
+  rotate.check(cache_cfg, model_cfg)
   for role in ("k", "v"):
     get(getattr(cache_cfg, f"{role}_codec")).check(cache_cfg, model_cfg, role)

@@ -34,7 +34,7 @@ _RANGES = {
     "model.norm_eps": (F32_TINY, True, 1, True),
     "model.scan_unroll": _POS, "model.max_seq_len": _POS, "model.latent_rank": _NONNEG,
     "cache.budget": _NONNEG, "cache.ratio": _UNIT, "cache.sinks": _NONNEG,
-    "cache.window": _NONNEG,
+    "cache.window": _NONNEG, "cache.rotate_seed": _NONNEG, "cache.keep_first": _NONNEG,
     "cache.capacity": _NONNEG, "cache.group_size": _NONNEG, "cache.residual": _NONNEG,
     "cache.page_size": _POS, "cache.num_pages": _NONNEG,
     "workload.batch": _POS, "workload.prompt_len": _POS, "workload.gen_len": _NONNEG,
@@ -157,6 +157,9 @@ def _check_numbers(cfg: Config) -> None:
   if c.capacity and c.residual > c.capacity:
     raise KvjaxError(f"cache.residual={c.residual} exceeds cache.capacity={c.capacity}; "
                      f"use a window of at most {c.capacity} tokens or raise the capacity")
+  if c.capacity and c.keep_first >= c.capacity:
+    raise KvjaxError(f"cache.keep_first={c.keep_first} must be below cache.capacity={c.capacity}; "
+                     f"keep fewer first tokens or raise the capacity")
 
 
 def validate(cfg: Config) -> Config:

@@ -82,6 +82,9 @@ class CacheConfig:
   ratio: float = 0.0             # alternative to budget: fraction of each prompt kept, (0, 1]
   sinks: int = 4                 # first tokens always kept by policy `sinks`
   window: int = 0                # recent (window/sinks/h2o) or snapkv observation window
+  rotate: str = "none"           # none | hadamard | random: K, Q, V rotated per head (kvjax.codecs.rotate)
+  rotate_seed: int = 0           # the seed of `rotate: random`'s orthogonal matrix
+  keep_first: int = 0            # the first N tokens of each sequence kept in full precision
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ from flax import struct
 
 from kvjax import attention, kernels
 from kvjax.cache import base as cache_base
+from kvjax.codecs import rotate
 from kvjax.config import ModelConfig
 from kvjax.model.rope import apply_rope
 
@@ -100,7 +101,8 @@ def block_forward(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):
   entries share their input), `norm(name, x)` applies a named RMSNorm. `layer` is this
   layer's index (a traced scalar inside a scan); the cache's layout reads its segments.
   Returns x and this layer's new (k, v), plus the rotated queries when the layout
-  `wants_queries` (it scores tokens by attention when it writes)."""
+  `wants_queries` (it scores tokens by attention when it writes); under `cache.rotate`
+  k, v and those queries are in the rotated basis (`kvjax.codecs.rotate`)."""
   cos, sin = inp.cos_BTD, inp.sin_BTD
   B, T, _ = x_BTE.shape
   H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.D
@@ -112,9 +114,15 @@ def block_forward(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):
   q_BTHD, k_BTKD = apply_rope(q_BTHD, cos, sin), apply_rope(k_BTKD, cos, sin)
 
   layout = None if inp.spec is None else cache_base.get(inp.spec.layout)
+  # cache.rotate: K, Q and V in a rotated basis around the cache, the output rotated back
+  rot_DD = None if layout is None else rotate.of(inp.spec.cache_cfg, D)
+  if rot_DD is not None:
+    q_BTHD, k_BTKD, v_BTKD = (rotate.apply(x, rot_DD) for x in (q_BTHD, k_BTKD, v_BTKD))
   segments = [] if layout is None else layout.read(inp.spec, inp.store, inp.lengths_B, layer)
   attend = attention.get(cfg.attention, cfg.program, inp.bucket)
   attn_BTHD = attend(q_BTHD, k_BTKD, v_BTKD, inp.positions_BT, segments)
+  if rot_DD is not None:
+    attn_BTHD = rotate.apply(attn_BTHD, rot_DD, back=True)
   (o,) = dense(attn_BTHD.reshape(B, T, H * D), [("o_proj", cfg.d_model, False)])
   x_BTE = x_BTE + o
 

@@ -180,6 +180,9 @@ def check_config(c, m=None) -> None:
   if c.residual or c.k_axis == "channel":
     raise KvjaxError(f"cache.policy={c.policy} compacts single tokens; set cache.residual=0 and "
                      "cache.k_axis=token (KIVI token blocks cannot be split)")
+  if c.keep_first:
+    raise KvjaxError(f"cache.policy={c.policy} compacts one store; set cache.keep_first=0 (the "
+                     "sinks policy keeps first tokens: cache.policy=sinks, cache.sinks=N)")
   if not (effective_budget(c) or c.ratio):
     raise KvjaxError(f"cache.policy={c.policy} needs cache.budget (tokens kept per sequence) "
                      "or cache.ratio (fraction kept)")

@@ -105,9 +105,9 @@ def check_config(cfg: Config) -> None:
     raise KvjaxError(f"the serving engine cannot run cache.policy={c.policy}: it scores the "
                      "prompt's queries, which chunked prefill does not keep; use knorm, window "
                      "or sinks (or kvjax generate)")
-  if cfg.cache.residual:
-    raise KvjaxError("the serving engine does not support cache.residual yet; set "
-                     "cache.residual=0")
+  if cfg.cache.residual or cfg.cache.keep_first:
+    raise KvjaxError("the serving engine does not support cache.residual or cache.keep_first "
+                     "yet; set both to 0")
   if sharding.is_sharded(cfg):
     raise KvjaxError("the serving engine runs on one device; drop the mesh.* overrides")
 

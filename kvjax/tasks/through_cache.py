@@ -75,10 +75,14 @@ def prefill(cfg, params, ids, capacity: int, chunk: int = 512):
 @functools.partial(jax.jit, static_argnames=("spec", "capacity"))
 def _reencode(k_LKSD, v_LKSD, n, *, spec, capacity: int):
   from kvjax import cache as cache_lib
+  from kvjax.codecs import rotate
 
   c = cache_lib.init_cache(spec, 1, capacity)
   k = jnp.swapaxes(k_LKSD, 1, 2)[:, None]  # [L, 1, S, K, D]: the S slots fed as T new tokens
   v = jnp.swapaxes(v_LKSD, 1, 2)[:, None]
+  rot_DD = rotate.of(spec.cache, k.shape[-1])  # stored in the basis the model reads it in
+  if rot_DD is not None:
+    k, v = rotate.apply(k, rot_DD), rotate.apply(v, rot_DD)
   pos = jnp.where(jnp.arange(k.shape[2]) < n, jnp.arange(k.shape[2]), -1)[None, :]
   return cache_lib.layout_of(c).write(c, k, v, pos.astype(jnp.int32))
 
@@ -132,16 +136,21 @@ def evict_prefix(cfg, prefix: Prefix, room: int):
   then compacted by `cache.policy` to its budget (`kvjax.evict.compact`), with `room` free
   slots for the question and the answer (a ring of `budget` slots for window/sinks, which
   keep evicting). The same cache `kvjax.evict.prefill` returns for this prefix with `cfg`
-  (a call's queries and fresh K/V do not depend on the codec). `full`: the encoded
-  contiguous cache, `width + room` slots."""
+  (a call's queries and fresh K/V do not depend on the codec; under `cache.rotate` the
+  fp32 prefix's queries are rotated into the basis its keys are stored in). `full`: the
+  encoded contiguous cache, `width + room` slots."""
   from kvjax import evict, policies
+  from kvjax.codecs import rotate
 
   n = prefix.kv[2]
   if cfg.cache.policy == "full":
     return encode_prefix(cfg, prefix.kv, prefix.width + room)
   policies.check_lengths(cfg.cache, [n])
   c = encode_prefix(cfg, prefix.kv, prefix.width)
-  return evict.compact(c, jnp.array([n], jnp.int32), prefix.q, room=room, T=prefix.width)
+  q, rot_DD = prefix.q, rotate.of(cfg.cache, prefix.q.shape[-1])
+  if rot_DD is not None:
+    q = rotate.apply(q, rot_DD)
+  return evict.compact(c, jnp.array([n], jnp.int32), q, room=room, T=prefix.width)
 
 
 def answer_through_cache(cfg, params, cache, tail_ids, steps: int, tail_pad: int = 0):

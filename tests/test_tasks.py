@@ -328,6 +328,7 @@ def cell_rows(tmp_path_factory):
 
 
 def test_run_cell_end_to_end(cell_rows):
+  from kvjax import intervals
   from kvjax.experiments import long_context
 
   rows, fp32 = cell_rows
@@ -353,7 +354,8 @@ def test_run_cell_end_to_end(cell_rows):
     got = [r["metrics"]["accuracy"] for r in rows + fp32
            if (r["variant"]["setting"], r["workload"]["task"]) == (t["setting"], t["task"])]
     assert (t["correct"], t["n"]) == (sum(got), 2) and t["accuracy"] == sum(got) / 2
-    lo, hi = t["accuracy_ci95"]
+    lo, hi = intervals.wilson(t["correct"], 2)
+    assert t["accuracy_ci95"] == f"[{lo:.2f}, {hi:.2f}]"
     assert 0 <= lo <= t["accuracy"] <= hi <= 1 and hi - lo > 0.5  # two queries say little
 
 

@@ -292,5 +292,6 @@ def summary(rows: list[dict]) -> list[dict]:
     k = (v.get("model"), v.get("setting") or v["codec"], w["task"], w["context"])
     acc.setdefault(k, ([], []))[0].append(r["metrics"]["accuracy"])
     acc[k][1].append(r["metrics"]["bytes_per_token"])  # a policy's kept fraction varies a little
-  return [{"model": m, "setting": s, "task": t, "context": n, **intervals.tally(a),
-           "bytes_per_token": sum(b) / len(b)} for (m, s, t, n), (a, b) in acc.items()]
+  out = [{"model": m, "setting": s, "task": t, "context": n, **intervals.tally(a),
+          "bytes_per_token": sum(b) / len(b)} for (m, s, t, n), (a, b) in acc.items()]
+  return [{**o, "accuracy_ci95": intervals.text(o["accuracy_ci95"], "{:.2f}")} for o in out]

@@ -14,6 +14,8 @@ Metrics against the same model with an fp32 cache, on the same tokens:
              along a fixed continuation (teacher-forced, so one early flip does not
              poison the rest)
   recall     accuracy on associative-recall answers (kvjax.data) at a given context
+dppl_rel, kl and agreement each come with a 95 % interval (`*_ci95`, [lo, hi]): a paired
+bootstrap over blocks of 32 contiguous tokens of the windows (kvjax.intervals).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
-from kvjax import data, decode, held, program
+from kvjax import data, decode, held, intervals, program
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
@@ -107,34 +109,45 @@ def stream_logprobs(cfg: Config, params, tokens_BM, chunk: int = 1):
   return jnp.concatenate(parts, axis=1), nbytes
 
 
+def token_terms(lp_BmV, ref_BmV, nxt_Bn) -> tuple:
+  """Per-position numbers of m positions: NLL through the cache and the reference of the
+  n <= m next tokens `nxt_Bn` ([B, n]), KL(ref || cache) and argmax matches ([B, m])."""
+  idx = jnp.asarray(nxt_Bn)[..., None]
+  n = idx.shape[1]
+  nll = -jnp.take_along_axis(lp_BmV[:, :n], idx, -1)[..., 0]
+  nll_ref = -jnp.take_along_axis(ref_BmV[:, :n], idx, -1)[..., 0]
+  kl = jnp.sum(jnp.exp(ref_BmV) * (ref_BmV - lp_BmV), -1)
+  agree = jnp.argmax(lp_BmV, -1) == jnp.argmax(ref_BmV, -1)
+  return tuple(np.asarray(x, np.float64) for x in (nll, nll_ref, kl, agree))
+
+
+def metrics_of(nll_BN, nll_ref_BN, kl_BM, agree_BM) -> dict:
+  """ppl, ppl_ref, dppl_rel, kl, agreement of per-position numbers (`token_terms`), each
+  with its 95 % interval (`kvjax.intervals`: a paired bootstrap over token blocks)."""
+  ppl, ppl_ref = float(np.exp(np.mean(nll_BN))), float(np.exp(np.mean(nll_ref_BN)))
+  return {"ppl": ppl, "ppl_ref": ppl_ref, "dppl_rel": ppl / ppl_ref - 1.0,
+          "kl": max(float(np.mean(kl_BM)), 0.0), "agreement": float(np.mean(agree_BM)),
+          **intervals.quality_ci(nll_BN, nll_ref_BN, kl_BM, agree_BM)}
+
+
 class Comparison:
   """`compare` accumulated segment by segment against a stored fp32-cache reference, so a
-  long evaluation never holds the test log-probabilities whole."""
+  long evaluation never holds the test log-probabilities whole (only per-position
+  numbers, for the intervals)."""
 
   def __init__(self, ref_BMV, tokens_BM):
     self.ref, self.tokens = ref_BMV, np.asarray(tokens_BM)
-    self.nll = self.nll_ref = self.kl = self.agree = 0.0
-    self.n_pred = self.n_pos = 0
+    self.parts: list = []
 
   def add(self, start: int, lp_BmV) -> None:
     """One segment: the log-probabilities of m of the M positions, from `start`."""
     m = lp_BmV.shape[1]
     ref = jnp.asarray(self.ref[:, start:start + m])
     nxt = self.tokens[:, start + 1:start + m + 1]  # targets; the window's last position has none
-    n_nxt = nxt.shape[1]
-    if n_nxt:
-      idx = jnp.asarray(nxt)[..., None]
-      self.nll -= float(jnp.sum(jnp.take_along_axis(lp_BmV[:, :n_nxt], idx, -1)))
-      self.nll_ref -= float(jnp.sum(jnp.take_along_axis(ref[:, :n_nxt], idx, -1)))
-      self.n_pred += nxt.size
-    self.kl += float(jnp.sum(jnp.exp(ref) * (ref - lp_BmV)))
-    self.agree += float(jnp.sum(jnp.argmax(lp_BmV, -1) == jnp.argmax(ref, -1)))
-    self.n_pos += m * lp_BmV.shape[0]
+    self.parts.append(token_terms(lp_BmV, ref, nxt))
 
   def result(self) -> dict:
-    ppl, ppl_ref = float(np.exp(self.nll / self.n_pred)), float(np.exp(self.nll_ref / self.n_pred))
-    return {"ppl": ppl, "ppl_ref": ppl_ref, "dppl_rel": ppl / ppl_ref - 1.0,
-            "kl": max(self.kl / self.n_pos, 0.0), "agreement": self.agree / self.n_pos}
+    return metrics_of(*(np.concatenate(x, axis=1) for x in zip(*self.parts)))
 
 
 def compare_streamed(cfg: Config, params, tokens_BM, ref_BMV, chunk: int = 1,
@@ -172,12 +185,9 @@ def nll(logprobs_BMV, tokens_BM) -> float:
 
 
 def compare(lp_BMV, ref_BMV, tokens_BM) -> dict:
-  """ppl, ppl_ref, kl (mean KL(ref || test)), agreement, and the relative Δppl."""
-  ppl, ppl_ref = float(np.exp(nll(lp_BMV, tokens_BM))), float(np.exp(nll(ref_BMV, tokens_BM)))
-  kl = float(jnp.mean(jnp.sum(jnp.exp(ref_BMV) * (ref_BMV - lp_BMV), axis=-1)))
-  agree = float(jnp.mean(jnp.argmax(lp_BMV, -1) == jnp.argmax(ref_BMV, -1)))
-  return {"ppl": ppl, "ppl_ref": ppl_ref, "dppl_rel": ppl / ppl_ref - 1.0, "kl": max(kl, 0.0),
-          "agreement": agree}
+  """ppl, ppl_ref, kl (mean KL(ref || test)), agreement, and the relative Δppl, each with
+  its 95 % interval (`metrics_of`)."""
+  return metrics_of(*token_terms(lp_BMV, ref_BMV, np.asarray(tokens_BM)[:, 1:]))
 
 
 def recall_accuracy(cfg: Config, params, batch_BM, mask_BM, chunk: int = 1) -> float:
@@ -271,7 +281,7 @@ def eval_loaded(cfg: Config, params, tok, src, text: str, tokens: int, seqs: int
                      "with one (--gguf, --hf, or a config with tokenizer: bytes)")
   windows = text_windows(tok, text_source, tokens, seqs)
   B, M = windows.shape
-  warning = held.window_warning(cfg, M)
+  warnings = [w for w in (held.window_warning(cfg, M), intervals.few_blocks(M, B)) if w]
   with tqdm(total=2 * B * M, desc="eval", unit="tok", disable=None if progress else True,
             leave=False) as bar:
     ref = reference_logprobs(cfg, params, windows, chunk, progress=bar)
@@ -283,4 +293,4 @@ def eval_loaded(cfg: Config, params, tok, src, text: str, tokens: int, seqs: int
           "seqs": B, "chunk": chunk, "text": text, "source": str(src),
           "variant": m.variant, "layout": c.layout, "k_codec": c.k_codec, "v_codec": c.v_codec,
           "k_axis": c.k_axis, "group_size": c.group_size, "residual": c.residual,
-          "warnings": [warning] if warning else []}
+          "warnings": warnings}

@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's kvjax, whichever is installed
-from kvjax import held  # noqa: E402  (the one count of cache bytes)
+from kvjax import held, intervals  # noqa: E402  (the one count of cache bytes)
 
 DOC = ROOT / "docs" / "experiments.md"
 SOURCES = {"quality": ROOT / "results" / "quality.jsonl",
@@ -62,6 +62,30 @@ def _kl(v: float) -> str:
     return "0"
   return re.sub(r"e([+-])0*(\d)", lambda m: f"e{'' if m.group(1) == '+' else '-'}{m.group(2)}",
                 f"{v:.2g}")
+
+
+def _ci(ci, fmt=None) -> str:
+  """' [lo, hi]' of a 95 % interval in a table cell ('' for rows written without one)."""
+  if not ci:
+    return ""
+  f = fmt or (lambda v: _signed(v).removesuffix(" %"))
+  return " [" + ", ".join(f(v) for v in ci) + "]"
+
+
+def _pct_ci(m: dict) -> str:
+  """A row's Δppl interval in percent, as the Δppl column prints its point."""
+  ci = m.get("dppl_rel_ci95")
+  return _ci([100 * v for v in ci] if ci else None)
+
+
+def _wilson_text(right: float, n: int) -> str:
+  lo, hi = intervals.wilson(round(right), n)
+  return f"[{lo:.2f}, {hi:.2f}]"
+
+
+def _apart(a: list | None, b: list | None) -> str:
+  """How two 95 % intervals relate, for a sentence that compares two numbers."""
+  return "separated" if intervals.separated(a, b) else "overlapping: not told apart"
 
 
 def describe(variant: dict) -> str:
@@ -99,7 +123,8 @@ def quality_table(rows: list[dict]) -> str:
     vals = []
     for m in models:
       r = cell.get((s, m))
-      vals += [_signed(100 * r["metrics"]["dppl_rel"]), _kl(r["metrics"]["kl"])] if r \
+      vals += [_signed(100 * r["metrics"]["dppl_rel"]) + _pct_ci(r["metrics"]),
+               _kl(r["metrics"]["kl"]) + _ci(r["metrics"].get("kl_ci95"), _kl)] if r \
           else ["not run", ""]
     lines.append(f"| `{s}` ({desc}) | " + " | ".join(vals) + " |")
   # what every number rests on
@@ -167,8 +192,9 @@ def real_table(rows: list[dict]) -> str:
                                        else f"{limit:,.0f}")
     lines.append(f"| `{v['setting']}` | {what} | {h['bytes_per_token']:,.0f} | "
                  f"{h['bits_per_element']:.2f} | {limit} | "
-                 f"{h['bytes_per_token'] / full:.1%} | {_signed(100 * m['dppl_rel'])} | "
-                 f"{_kl(m['kl'])} | {m['agreement']:.3f} |")
+                 f"{h['bytes_per_token'] / full:.1%} | {_signed(100 * m['dppl_rel'])}"
+                 f"{_pct_ci(m)} | {_kl(m['kl'])}{_ci(m.get('kl_ci95'), _kl)} | "
+                 f"{m['agreement']:.3f}{_ci(m.get('agreement_ci95'), '{:.3f}'.format)} |")
   model = text[0]["variant"].get("model")
   out = "\n".join(lines) + (
       f"\n\nRows: `results/real/quality.jsonl`: model `{model}`, {w['batch']} × {w['context']} = "
@@ -200,6 +226,10 @@ def real_table(rows: list[dict]) -> str:
             f"{pb['bytes_per_token']:,.0f} B/token ({pb['bits_per_element']:.2f} bits), both "
             f"windows counted: {ratio} for kvjax, at {abs(more):.0%} "
             f"{'more' if more > 0 else 'fewer'} bytes.")
+    pc, bc = p["metrics"].get("dppl_rel_ci95"), best["metrics"].get("dppl_rel_ci95")
+    if pc and bc:  # a difference is called one only where the intervals separate
+      out += (f" The 95 % intervals of Δppl,{_pct_ci(best['metrics'])} % and"
+              f"{_pct_ci(p['metrics'])} %, are {_apart(pc, bc)}.")
     cheaper = [r for r in own if _bpt(r) <= pb["bytes_per_token"]]
     if cheaper:
       c = min(cheaper, key=lambda r: abs(r["metrics"]["dppl_rel"]))
@@ -282,12 +312,14 @@ def evict_table(rows: list[dict]) -> str:
         _first_number(r["metrics"]["output"]) == ref.get(qkey(r)))
   order = sorted(settings, key=lambda s: (-round(info[s]["bpt"]), settings.index(s)))
   head = ("| setting | what | bytes/token | of fp32 | " + " | ".join(
-      f"{n // 1024}k" for n in contexts) + " | " + " | ".join(tasks) + " | all | same as fp32 |")
-  lines = [head, "|" + "---|" * (6 + len(contexts) + len(tasks))]
+      f"{n // 1024}k" for n in contexts) + " | " + " | ".join(tasks) +
+      " | all | all, 95 % interval | same as fp32 |")
+  lines = [head, "|" + "---|" * (7 + len(contexts) + len(tasks))]
   for s in order:
     i = info[s]
     vals = [_frac(*cell[(s, n, "*")]) for n in contexts] + \
-        [_frac(*cell[(s, "*", t)]) for t in tasks] + [_frac(*cell[(s, "*", "*")])]
+        [_frac(*cell[(s, "*", t)]) for t in tasks] + [_frac(*cell[(s, "*", "*")]),
+                                                      _wilson_text(*cell[(s, "*", "*")])]
     lines.append(f"| `{s}` | {describe_evict(i['variant'])} | {i['bpt']:,.0f} | "
                  f"{i['bpt'] / full:.1%} | " + " | ".join(vals) +
                  f" | {sum(same[s])}/{len(same[s])} |")
@@ -303,7 +335,8 @@ def evict_table(rows: list[dict]) -> str:
       "holds for the prefix per prefix token (`kvjax.held`: the kept tokens' codes and "
       "scales, a policy's per-token state and the cache's counters, averaged over the "
       "prompts); the question and answer tokens are not counted. "
-      "\"same as fp32\": queries whose first number written equals the fp32 cache's.")
+      "\"same as fp32\": queries whose first number written equals the fp32 cache's; the "
+      "interval is Wilson's 95 % interval of the accuracy over every query of the setting.")
   # the targets
   niah = "niah" if "niah" in tasks else tasks[-1]
 
@@ -319,6 +352,8 @@ def evict_table(rows: list[dict]) -> str:
     best = pick([s for s in half if (info[s]["variant"].get("policy") or "full") != "full"]
                 or half)
     ok = all(cell[(best, n, niah)][0] == cell[("fp32", n, niah)][0] for n in contexts)
+    ci_best, ci_ref = (intervals.wilson(round(cell[(x, "*", niah)][0]), cell[(x, "*", niah)][1])
+                       for x in (best, "fp32"))
     key = (acc(best, niah), acc(best))
     ties = [s for s in half if s != best and (acc(s, niah), acc(s)) == key
             and (info[s]["variant"].get("policy") or "full") != "full"]
@@ -330,8 +365,12 @@ def evict_table(rows: list[dict]) -> str:
                 f"{_frac(*cell[(best, n, niah)])} at {n // 1024}k" for n in contexts)
             + " against the full fp32 cache's " + ", ".join(
                 f"{_frac(*cell[('fp32', n, niah)])}" for n in contexts)
-            + (". It keeps the needle accuracy of the full cache"
-               if ok else ". It does not keep the needle accuracy of the full cache"))
+            + (". It keeps the needle accuracy of the full cache" if ok else
+               ". It does not keep the needle accuracy of the full cache"
+               if intervals.separated(ci_best, ci_ref) else
+               ". Its needle count differs from the full cache's, but the Wilson 95 % "
+               f"intervals over both contexts overlap ({_wilson_text(*cell[(best, '*', niah)])}"
+               f" against {_wilson_text(*cell[('fp32', '*', niah)])}): no difference is shown"))
     hits = {s: sorted((r["workload"]["context"], r["workload"]["depth"]) for r in rows
                       if r["variant"]["setting"] == s and r["workload"]["task"] == niah
                       and r["metrics"]["accuracy"]) for s in ("fp32", best)}
@@ -353,7 +392,12 @@ def evict_table(rows: list[dict]) -> str:
             f"eviction and quantization is `{best}` ({describe_evict(info[best]['variant'])}, "
             f"{info[best]['bpt'] / full:.1%}): {_frac(*cell[(best, '*', '*')])} queries right "
             f"({', '.join(f'{_frac(*cell[(best, n, chr(42))])} at {n // 1024}k' for n in contexts)}"
-            f"), against {_frac(*cell[('fp32', '*', '*')])} for the full fp32 cache"
+            f"; Wilson 95 % {_wilson_text(*cell[(best, '*', '*')])}), against "
+            f"{_frac(*cell[('fp32', '*', '*')])} for the full fp32 cache "
+            f"({_wilson_text(*cell[('fp32', '*', '*')])}, "
+            + _apart(intervals.wilson(round(cell[(best, '*', '*')][0]), cell[(best, '*', '*')][1]),
+                     intervals.wilson(round(cell[('fp32', '*', '*')][0]),
+                                      cell[('fp32', '*', '*')][1])) + ")"
             + "".join(f" and {_frac(*cell[(q, '*', '*')])} for `{q}` alone "
                       f"({info[q]['bpt'] / full:.1%} of the bytes)" for q in settings
                       if (info[q]["variant"].get("policy") or "full") == "full"

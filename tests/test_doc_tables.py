@@ -89,11 +89,48 @@ def test_evict_table_and_its_targets_follow_the_rows(doc_tables):
                            0.5, "int8"))
   text = doc_tables.evict_table(rows)
   assert "| `window_50` | window, half of the prefix | 23,063 | 50.0% | 2/4 | 2/4 | 2/4 | 2/4 " \
-      "| 4/8 | 8/8 |" in text
+      "| 4/8 | [0.22, 0.78] | 8/8 |" in text  # Wilson's interval of 4/8
   assert "| `sinks_50_int8` | sinks, half of the prefix, 4 sinks; int8 | 5,900 | 12.8% |" in text
   assert "the eviction setting with the most needles (then the most queries) is `window_50`" \
       in text and "It keeps the needle accuracy of the full cache, on the same needles" in text
   assert "the best combination of eviction and quantization is `sinks_50_int8`" in text
-  assert "2/8 queries right (2/4 at 1k, 0/4 at 2k), against 4/8 for the full fp32 cache" in text
+  assert "2/8 queries right (2/4 at 1k, 0/4 at 2k; Wilson 95 % [0.07, 0.59]), against 4/8 " \
+      "for the full fp32 cache ([0.22, 0.78], overlapping: not told apart)" in text
   worse = [r for r in rows if r["variant"]["setting"] != "window_50"]
-  assert "It does not keep the needle accuracy" in doc_tables.evict_table(worse)
+  text = doc_tables.evict_table(worse)  # 1/4 needles against 2/4: a count apart, no more
+  assert "Its needle count differs from the full cache's, but the Wilson 95 % intervals " \
+      "over both contexts overlap ([0.05, 0.70] against [0.15, 0.85]): no difference is " \
+      "shown" in text and "It does not keep" not in text
+  many = [dict(r, workload={**r["workload"], "seed": i}) for r in rows for i in range(30)
+          if r["variant"]["setting"] in ("fp32", "sinks_50_int8")]
+  for r in many:  # 30 times the queries: every needle right through fp32, a quarter here
+    if r["workload"]["task"] == "niah":
+      fp32 = r["variant"]["setting"] == "fp32"
+      r["metrics"] = {**r["metrics"], "accuracy": float(fp32 or r["workload"]["seed"] % 4 == 0)}
+  assert "It does not keep the needle accuracy" in doc_tables.evict_table(many)
+
+
+def test_real_table_prints_intervals_when_rows_have_them(doc_tables):
+  rows = [row("fp32", "GQA-3", 0.0, 0.0, k_codec="fp32", v_codec="fp32"),
+          row("int4", "GQA-3", 0.022, 4e-3)]
+  for r in rows:
+    r["variant"]["heads"], r["variant"]["kv_heads"] = 9, 3
+    r["metrics"].update(agreement=0.95, bytes_per_token=100.0, cache_bytes=12800,
+                        bytes_per_token_asymptotic=100.0, bits_per_element=4.5)
+    r["workload"]["data"] = "stdlib"
+  old = doc_tables.real_table(rows)
+  assert "[" not in old.split("\n\n")[0]  # rows without intervals: the table as before
+  rows[1]["metrics"].update(dppl_rel_ci95=[0.018, 0.026], kl_ci95=[3.5e-3, 4.5e-3],
+                            agreement_ci95=[0.94, 0.96])
+  text = doc_tables.real_table(rows)
+  assert "| +2.2 % [+1.8, +2.6] | 0.004 [0.0035, 0.0045] | 0.950 [0.940, 0.960] |" in text
+  assert "| +2.2 % [" in doc_tables.quality_table(rows)
+  peer = row("quanto_int4", "transformers", 0.016, 5e-3, k_codec="quanto-int4",
+             v_codec="quanto-int4", peer="quanto", residual=128)
+  peer["metrics"].update(agreement=0.94, bytes_per_token=90.0, bytes_per_token_asymptotic=None,
+                         bits_per_element=4.0, dppl_rel_ci95=[0.012, 0.020])
+  text = doc_tables.real_table(rows + [peer])  # +2.2 % [1.8, 2.6] against +1.6 % [1.2, 2.0]
+  assert "The 95 % intervals of Δppl, [+1.8, +2.6] % and [+1.2, +2] %, are overlapping: " \
+      "not told apart." in text
+  peer["metrics"]["dppl_rel_ci95"] = [0.012, 0.017]
+  assert "are separated." in doc_tables.real_table(rows + [peer])

@@ -57,6 +57,30 @@ def test_lossy_codec_changes_perplexity(tiny):
   whole = evaluate.compare(lp, ref, windows)
   for key in ("ppl", "ppl_ref", "kl", "agreement"):
     assert m[key] == pytest.approx(whole[key], rel=1e-5), key
+  for key in ("dppl_rel_ci95", "kl_ci95", "agreement_ci95"):  # same tokens, same resamples
+    assert m[key] == pytest.approx(whole[key], rel=1e-4, abs=1e-9), key
+    point = m[key.removesuffix("_ci95")]
+    assert m[key][0] <= point <= m[key][1] and m[key][0] < m[key][1], key
+
+
+def test_eval_json_carries_intervals_around_its_points(tiny, capsys):
+  argv = ["eval", "--config", str(tiny / "model.yaml"), "--text", str(tiny / "text.txt"),
+          "--tokens", "160", "--seqs", "2", "--chunk", "16", "--codec", "int2"]
+  assert cli.main(argv + ["--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  for key in ("dppl_rel", "kl", "agreement"):
+    lo, hi = out[f"{key}_ci95"]
+    assert lo <= out[key] <= hi, key
+  assert out["warnings"] == []  # 2 x 160 tokens: 10 blocks of 32, enough
+  assert cli.main(argv) == 0  # the person's output prints the intervals
+  text = capsys.readouterr().out
+  assert "{:+.3f}".format(100 * out["dppl_rel_ci95"][0]) in text and "bootstrap" in text
+  # the fp32 cache against itself: intervals of zero width at no difference
+  ref = evaluate.eval_cli(sources.parse(str(tiny / "model.yaml")), {"cache.codec": "fp32"},
+                          text=str(tiny / "text.txt"), tokens=96, seqs=1, progress=False)
+  assert ref["dppl_rel_ci95"] == pytest.approx([0.0, 0.0], abs=1e-6)
+  assert ref["agreement_ci95"] == [1.0, 1.0]
+  assert any("bootstrap blocks" in w for w in ref["warnings"])  # 3 blocks: rough, said
 
 
 def test_first_window_is_the_start_of_the_text(tiny):

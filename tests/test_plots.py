@@ -215,3 +215,64 @@ def test_every_docs_image_is_redrawable_or_names_its_command(tmp_path):
     shutil.copy(src, folder / src.name)
     drawn = {p.name for p in plot_all.plot_all(folder, tmp_path / "out" / where)}
     assert set(names) <= drawn, (rows_file, names, drawn)
+
+
+def _capture(module, monkeypatch) -> list:
+  """Figures a plot module would save, kept open for inspection."""
+  figs = []
+  monkeypatch.setattr(module, "save", lambda fig, out_dir, stem: figs.append((stem, fig)) or [])
+  return figs
+
+
+def _bars(ax) -> list:
+  from matplotlib.container import ErrorbarContainer
+  return [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+
+
+def test_quality_plots_draw_intervals_where_rows_have_them(monkeypatch, tmp_path):
+  load_plot_all()
+  from plots import quality
+
+  def qrow(setting, dppl, kl, ci=True):
+    m = {"dppl_rel": dppl, "kl": kl, "agreement": 0.9, "bytes_per_token": 100.0}
+    if ci:
+      m.update(dppl_rel_ci95=[dppl - 0.002, dppl + 0.003], kl_ci95=[kl / 2, kl * 2])
+    return {"experiment": "quality", "variant": {"variant": "GQA-3", "setting": setting,
+                                                 "k_codec": "int4", "v_codec": "int4"},
+            "workload": {"task": "text", "batch": 2, "context": 64, "chunk": 1},
+            "metrics": m}
+
+  figs = _capture(quality, monkeypatch)
+  quality.plot([qrow("a", 0.01, 1e-3), qrow("b", 0.02, 2e-3, ci=False)], tmp_path)
+  (_, dppl), (_, kl) = figs
+  (bar,) = _bars(dppl.axes[0])  # one interval: row b is an older row without one
+  (seg,) = bar.lines[2][0].get_segments()
+  assert [p[0] for p in seg] == pytest.approx([0.8, 1.3])  # 100 x [0.008, 0.013]
+  (kbar,) = _bars(kl.axes[0])
+  segs = kbar.lines[2][0].get_segments()
+  assert [tuple(p[1] for p in seg) for seg in segs] == [pytest.approx((5e-4, 2e-3)),
+                                                        pytest.approx((2e-3, 2e-3))]
+
+
+def test_long_context_accuracy_bars_are_wilson_intervals(monkeypatch, tmp_path):
+  load_plot_all()
+  from plots import long_context
+
+  from kvjax import intervals
+
+  rows = []
+  for s, right in (("fp32", 7), ("int4", 3)):
+    for i in range(10):
+      rows.append({"experiment": "long_context",
+                   "variant": {"setting": s, "codec": s, "k_codec": s, "v_codec": s,
+                               "model": "m"},
+                   "workload": {"task": "passkey", "context": 1024, "depth": 0.5, "seed": i,
+                                "key": ""},
+                   "metrics": {"accuracy": float(i < right), "bytes_per_token": 100.0
+                               if s == "fp32" else 20.0, "output": str(i), "answer": "1"}})
+  figs = _capture(long_context, monkeypatch)
+  long_context.accuracy_vs_bytes(rows, tmp_path)
+  ((_, fig),) = figs
+  (bar,) = _bars(fig.axes[0])
+  spans = sorted(tuple(p[1] for p in seg) for seg in bar.lines[2][0].get_segments())
+  assert spans == [pytest.approx(intervals.wilson(3, 10)), pytest.approx(intervals.wilson(7, 10))]

@@ -119,6 +119,14 @@ def test_quality_run_cell_rows(tmp_path, setup):
   assert text_row["variant"]["k_codec"] == "bf16" and text_row["variant"]["kv_heads"] == 2
   for key in ("ppl", "ppl_ref", "kl", "agreement", "gen_agreement", "cache_bytes"):
     assert key in text_row["metrics"]
+  for key in ("dppl_rel", "kl", "agreement"):  # each with its bootstrap interval around it
+    lo, hi = text_row["metrics"][f"{key}_ci95"]
+    assert lo <= text_row["metrics"][key] <= hi, key
+  line = quality.summary(rows)[0]
+  assert line["dppl_%_ci95"].startswith("[") and line["kl_ci95"].startswith("[")
+  assert quality.summary([{**text_row, "metrics": {  # an older row, without intervals
+      k: v for k, v in text_row["metrics"].items() if not k.endswith("_ci95")}}])[0][
+          "kl_ci95"] == ""
   # bf16 stores half the fp32 payload; both carry the same int32 lengths (4 bytes x 2 seqs)
   assert text_row["metrics"]["cache_bytes"] - 8 == (text_row["metrics"]["cache_bytes_ref"] - 8) // 2
   m = text_row["metrics"]  # bytes per token: what the cache held over the 2 x 32 tokens

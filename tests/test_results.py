@@ -19,7 +19,8 @@ def rows_dir(tmp_path_factory):
                  "params: {contexts: [4, 8]}\n")
   runner.run_file(cfg, out_dir=folder / "out", progress=False)
   other = {"experiment": "latency", "config_hash": "x", "variant": {"variant": "MQA"},
-           "workload": {"batch": 1, "context": 8}, "metrics": {"tpot_s": 0.002, "extra": 7}}
+           "workload": {"batch": 1, "context": 8}, "metrics": {"tpot_s": 0.002, "extra": 7,
+                                                            "tokens_per_s_ci95": [480.0, 520.0]}}
   (folder / "out" / "lat.jsonl").write_text(json.dumps(other) + "\n")
   return folder / "out"
 
@@ -53,6 +54,8 @@ def test_markdown_is_one_table_per_experiment(rows_dir, capsys):
   assert cli.main(["results", str(rows_dir), "--experiment", "latency", "--format", "csv"]) == 0
   table = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
   assert len(table) == 1 and table[0]["extra"] == "7" and table[0]["tpot_s"] == "0.002"
+  # an interval ([lo, hi]) becomes two columns
+  assert (table[0]["tokens_per_s_ci95_lo"], table[0]["tokens_per_s_ci95_hi"]) == ("480.0", "520.0")
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -330,6 +330,7 @@ def cell_rows(tmp_path_factory):
 
 
 def test_run_cell_end_to_end(cell_rows):
+  from kvjax import intervals
   from kvjax.experiments import long_context
 
   rows, fp32 = cell_rows
@@ -351,6 +352,13 @@ def test_run_cell_end_to_end(cell_rows):
   table = long_context.summary(rows + fp32)
   assert {(t["setting"], t["task"]) for t in table} == {
       (s, t) for s in ("fp32", "int4_kivi") for t in ("passkey", "niah", "vt")}
+  for t in table:  # two queries a task: the count right, the number asked, Wilson's interval
+    got = [r["metrics"]["accuracy"] for r in rows + fp32
+           if (r["variant"]["setting"], r["workload"]["task"]) == (t["setting"], t["task"])]
+    assert (t["correct"], t["n"]) == (sum(got), 2) and t["accuracy"] == sum(got) / 2
+    lo, hi = intervals.wilson(t["correct"], 2)
+    assert t["accuracy_ci95"] == f"[{lo:.2f}, {hi:.2f}]"
+    assert 0 <= lo <= t["accuracy"] <= hi <= 1 and hi - lo > 0.5  # two queries say little
 
 
 def test_plots_from_rows(cell_rows, tmp_path):

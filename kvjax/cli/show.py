@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import sys
 
+from kvjax.intervals import BLOCK, RESAMPLES
+from kvjax.intervals import text as ci_text
 from kvjax.memory import human
+
+
+def _ci(ci, fmt: str, scale: float = 1.0) -> str:
+  return f" {ci_text(ci, fmt, scale)}" if ci else ""
 
 
 def print_size(result: dict) -> None:
@@ -65,9 +71,14 @@ def print_human(command: str, result: dict) -> None:
   elif command == "eval":
     print(f"{result['source']}  K:{result['k_codec']} V:{result['v_codec']}  "
           f"{result['seqs']} x {result['tokens']} tokens, chunk {result['chunk']}")
+    ci = {k: result.get(f"{k}_ci95") for k in ("dppl_rel", "kl", "agreement")}
     print(f"ppl {result['ppl']:.4f} (fp32 cache {result['ppl_ref']:.4f}, "
-          f"{100 * result['dppl_rel']:+.3f} %)  KL {result['kl']:.3g}  "
-          f"agreement {result['agreement']:.4f}")
+          f"{100 * result['dppl_rel']:+.3f} %{_ci(ci['dppl_rel'], '{:+.3f}', 100)})  "
+          f"KL {result['kl']:.3g}{_ci(ci['kl'], '{:.3g}')}  "
+          f"agreement {result['agreement']:.4f}{_ci(ci['agreement'], '{:.4f}')}")
+    if ci["dppl_rel"]:
+      print(f"  (95 % intervals: a paired bootstrap over blocks of {BLOCK} tokens, "
+            f"{RESAMPLES} resamples)")
     print(f"cache {result['bytes_per_token']:,.0f} B/token held at {result['tokens']} tokens "
           f"({result['bits_per_element']:.2f} bits/element all-in), "
           f"{result['bytes_per_token_asymptotic']:,.0f} B/token in the long-context limit")

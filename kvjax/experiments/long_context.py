@@ -5,12 +5,15 @@ A cell is one context length (`params.context`, tokens) and one cache setting
 model in `params.models` (any source `kvjax.io.sources.parse` takes: `gguf:smollm2-135m`,
 `checkpoint:DIR`, `hf:DIR`, `config:FILE.yaml`) and each task in `params.tasks`
 (kvjax.tasks: passkey, niah, vt) it generates `params.seeds` examples whose prompt and
-`params.gen_len` answer tokens fit that context length (and the model's window), facts at `params.depths` (passkey: one example per depth; niah and vt: one
-example holding a fact per depth, each queried in turn) and returns one row per query:
+`params.gen_len` answer tokens fit that context length (and the model's window), facts at
+`params.depths` (passkey: one example per depth; niah and vt: one example holding a fact
+per depth, each queried in turn) and returns one row per query:
 `accuracy` (1.0 or 0.0, `tasks.score`), the greedy continuation, the depth and token
 position of the fact, and `bytes_per_token`: what the setting's cache holds for the prefix
 per prefix token (`kvjax.held`: window, scales and lengths in), with
-`bytes_per_token_asymptotic` (the long-context cost per stored token) beside it.
+`bytes_per_token_asymptotic` (the long-context cost per stored token) beside it. The
+summary gives each setting, task and context the number right (`correct`), the number
+asked (`n`) and a Wilson 95 % interval of the accuracy (`accuracy_ci95`, kvjax.intervals).
 
 How a query is answered (see kvjax/tasks/): the prefix (instructions + haystack) is
 prefilled once through an fp32 cache, `params.chunk` tokens per call; its K/V are stored
@@ -52,7 +55,7 @@ import functools
 from kvjax import experiments as ex
 from kvjax import config as config_lib
 from kvjax import cache as cache_lib
-from kvjax import evaluate, policies, tasks
+from kvjax import evaluate, intervals, policies, tasks
 from kvjax import held as held_lib
 from kvjax.io import convert, sources
 from kvjax.errors import KvjaxError
@@ -281,14 +284,14 @@ def run_cell(cfg) -> list[dict]:
 
 
 def summary(rows: list[dict]) -> list[dict]:
-  """Accuracy per setting and context, over tasks, depths and seeds."""
+  """Accuracy per setting and context, over tasks, depths and seeds: the number right, the
+  number asked and the Wilson 95 % interval (`kvjax.intervals.tally`)."""
   acc: dict = {}
   for r in rows:
     v, w = r["variant"], r["workload"]
     k = (v.get("model"), v.get("setting") or v["codec"], w["task"], w["context"])
-    acc.setdefault(k, [0.0, 0, 0.0])
-    acc[k][0] += r["metrics"]["accuracy"]
-    acc[k][1] += 1
-    acc[k][2] += r["metrics"]["bytes_per_token"]  # a policy's kept fraction varies a little
-  return [{"model": m, "setting": s, "task": t, "context": n, "accuracy": a / c, "n": c,
-           "bytes_per_token": b / c} for (m, s, t, n), (a, c, b) in acc.items()]
+    acc.setdefault(k, ([], []))[0].append(r["metrics"]["accuracy"])
+    acc[k][1].append(r["metrics"]["bytes_per_token"])  # a policy's kept fraction varies a little
+  out = [{"model": m, "setting": s, "task": t, "context": n, **intervals.tally(a),
+          "bytes_per_token": sum(b) / len(b)} for (m, s, t, n), (a, b) in acc.items()]
+  return [{**o, "accuracy_ci95": intervals.text(o["accuracy_ci95"], "{:.2f}")} for o in out]

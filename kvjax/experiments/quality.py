@@ -10,7 +10,9 @@ uptraining) and measured against the unconverted model's fp32 cache. For each mo
 
   - a `task: text` row: validation text streamed token by token (`params.chunk`) through
     the cache; `ppl`, `ppl_ref` (same model, fp32 cache), `dppl_rel`, `kl`, `agreement`
-    (teacher-forced greedy tokens vs the fp32 cache), `gen_agreement` (free-running greedy
+    (teacher-forced greedy tokens vs the fp32 cache), each of the last three with its 95 %
+    interval (`dppl_rel_ci95`, `kl_ci95`, `agreement_ci95`: kvjax.intervals, a paired
+    bootstrap over 32-token blocks), `gen_agreement` (free-running greedy
     decode of `workload.gen_len` tokens after `workload.prompt_len`), `cache_bytes` (the
     cache tree after the windows), `bytes_per_token` (what it held per token, window and
     scales in: `kvjax.held`), `bytes_per_token_asymptotic` (the long-context cost) and
@@ -45,7 +47,7 @@ from kvjax import experiments as ex
 import numpy as np
 
 from kvjax import cache as cache_lib
-from kvjax import data, evaluate, held
+from kvjax import data, evaluate, held, intervals
 from kvjax.io import convert
 from kvjax.io import sources
 from kvjax import config as config_lib
@@ -283,7 +285,9 @@ def summary(rows: list[dict]) -> list[dict]:
       v, m = r["variant"], r["metrics"]
       out.append({"model": v.get("variant"), "setting": v.get("setting"),
                   "ppl": m["ppl"], "ppl_ref": m["ppl_ref"], "dppl_%": 100 * m["dppl_rel"],
-                  "kl": m["kl"], "agreement": m["agreement"],
+                  "dppl_%_ci95": intervals.text(m.get("dppl_rel_ci95"), "{:+.3f}", 100),
+                  "kl": m["kl"], "kl_ci95": intervals.text(m.get("kl_ci95")),
+                  "agreement": m["agreement"],
                   "bytes_per_token": m.get("bytes_per_token"),
                   "bytes_per_token_asymptotic": m.get("bytes_per_token_asymptotic"),
                   "bits_per_element": m.get("bits_per_element")})

@@ -42,7 +42,9 @@ def flatten(row: dict, all_metrics: bool = False) -> dict:
       rec[k] = metrics[k]
   if all_metrics:
     for k, v in metrics.items():
-      if k not in rec and not isinstance(v, (dict, list)):
+      if k.endswith("_ci95") and isinstance(v, list) and len(v) == 2:  # 95 % intervals
+        rec[f"{k}_lo"], rec[f"{k}_hi"] = v
+      elif k not in rec and not isinstance(v, (dict, list)):
         rec[k] = v
   return rec
 

@@ -27,15 +27,35 @@ CODEC_STYLES = {"fp32": ("-", "o"), "bf16": ("--", "s"), "fp16": ((0, (8, 2)), "
 LAYOUT_COLORS = {"none": "#444444", "contiguous": "#1f77b4", "paged": "#2ca02c"}
 
 
+def _kvjax(name: str):
+  """This checkout's `kvjax.<name>`, whichever kvjax is installed."""
+  import importlib
+  import sys
+  root = str(Path(__file__).resolve().parents[2])
+  if root not in sys.path:
+    sys.path.insert(0, root)
+  return importlib.import_module(f"kvjax.{name}")
+
+
 def bytes_per_token(row: dict) -> float:
   """A row's cache bytes per token as `kvjax.held` counts them: what the cache held at the
   row's context (window, scales, a policy's state in), for rows of any vintage."""
-  import sys
-  root = str(Path(__file__).resolve().parents[2])
-  if root not in sys.path:  # this checkout's kvjax, whichever is installed
-    sys.path.insert(0, root)
-  from kvjax import held
-  return held.row_bytes(row)["bytes_per_token"]
+  return _kvjax("held").row_bytes(row)["bytes_per_token"]
+
+
+def wilson(right: float, asked: int) -> list[float]:
+  """Wilson 95 % interval of `right` out of `asked` (`kvjax.intervals.wilson`)."""
+  return _kvjax("intervals").wilson(int(round(right)), int(asked))
+
+
+def wilson_yerr(right, asked) -> list:
+  """[[below], [above]] distances from right/asked to its Wilson interval, for errorbar."""
+  lo, hi = [], []
+  for k, n in zip(right, asked):
+    a, b = wilson(k, n)
+    lo.append(max(k / n - a, 0.0))
+    hi.append(max(b - k / n, 0.0))
+  return [lo, hi]
 
 
 def variant_color(name: str) -> str:

@@ -10,6 +10,9 @@
     queries whose first number written equals the fp32 cache's, which separates what the
     codec changes from what the model cannot do at any precision.
 
+The accuracy plots draw each point's Wilson 95 % interval (its count right of the
+queries asked, `kvjax.intervals.wilson`), from the per-query rows of any vintage.
+
 Rows with eviction policies (`variant.policy`, configs/long_context_evict.yaml) get their
 own three plots instead:
 
@@ -32,7 +35,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from plots import BYTES, TOKENS, bytes_per_token, save
+from plots import BYTES, TOKENS, bytes_per_token, save, wilson_yerr
 
 
 def _setting(r) -> str:
@@ -117,25 +120,30 @@ def accuracy_vs_bytes(rows, out_dir: Path) -> list[Path]:
   fig, axes = plt.subplots(1, panels, figsize=(6.2 * panels, 4.6), squeeze=False)
   cmap = plt.get_cmap("viridis")
   for k, n in enumerate(contexts):
-    xs, acc, same, labels = [], [], [], []
+    xs, acc, same, labels, right, asked = [], [], [], [], [], []
     for s in settings:
       sel = [r for r in rows if _setting(r) == s and r["workload"]["context"] == n]
       if sel:
         xs.append(bytes_per_token(sel[0]))
-        acc.append(np.mean([r["metrics"]["accuracy"] for r in sel]))
+        right.append(sum(r["metrics"]["accuracy"] for r in sel))
+        asked.append(len(sel))
+        acc.append(right[-1] / asked[-1])
         hits = [_first_number(r["metrics"]["output"]) == ref[_query(r)] for r in sel
                 if _query(r) in ref]
         same.append(np.mean(hits) if hits else np.nan)
         labels.append(s)
     order = np.argsort(xs)
     color = cmap(0.85 * k / max(len(contexts) - 1, 1))
-    asked = len([r for r in rows if r["workload"]["context"] == n]) // max(len(settings), 1)
+    per = len([r for r in rows if r["workload"]["context"] == n]) // max(len(settings), 1)
     for ax, ys in zip(axes[0], (acc, same)):
       ax.plot(np.array(xs)[order], np.array(ys)[order], "-o", color=color,
-              label=f"{TOKENS(n)} tokens ({asked} queries per setting)")
+              label=f"{TOKENS(n)} tokens ({per} queries per setting)")
       if k == 0:
         for x, y, lab in zip(xs, ys, labels):
           ax.annotate(lab, (x, y), textcoords="offset points", xytext=(3, 4), fontsize=7)
+    err = wilson_yerr(right, asked)  # the accuracy's Wilson 95 % interval
+    axes[0][0].errorbar(xs, acc, yerr=err, ls="none", color=color, lw=0.8, capsize=2,
+                        alpha=0.7)
   for ax in axes[0]:
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(BYTES)
@@ -144,7 +152,7 @@ def accuracy_vs_bytes(rows, out_dir: Path) -> list[Path]:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
   axes[0][0].set_ylabel("accuracy (exact digits)")
-  axes[0][0].set_title("accuracy", fontsize=10)
+  axes[0][0].set_title("accuracy (bars: Wilson 95 % intervals)", fontsize=10)
   if panels == 2:
     axes[0][1].set_ylabel("fraction of answers equal to fp32's")
     axes[0][1].set_title("same answer as the fp32 cache (first number written)", fontsize=10)
@@ -222,15 +230,18 @@ def evict_accuracy_vs_bytes(rows, out_dir: Path) -> list[Path]:
     ref = _full_fp32(cells, n)
     labels: list = []
     for i, m in enumerate(methods):
-      pts = [(c["bpt"], c["acc"], s) for s, c in here.items() if c["method"] == m]
+      pts = [(c["bpt"], c["acc"], s, c) for s, c in here.items() if c["method"] == m]
       if ref is not None and m in METHOD_COLORS and m not in ("quantization", "GQA→MQA"):
-        pts.append((ref["bpt"], ref["acc"], ""))  # every policy line ends at the full cache
+        pts.append((ref["bpt"], ref["acc"], "", ref))  # every policy line ends at the full cache
       if not pts:
         continue
-      pts.sort()
+      pts.sort(key=lambda p: p[:3])
       # methods share their x (the same ratio): spread them a little so none hides another
       jit = 1 + 0.015 * (i - (len(methods) - 1) / 2)
       xs, ys = [p[0] * jit for p in pts], [p[1] for p in pts]
+      ax.errorbar(xs, ys, yerr=wilson_yerr([p[3]["right"] for p in pts],
+                                           [p[3]["n"] for p in pts]),
+                  ls="none", color=_color(m), lw=0.6, capsize=1.5, alpha=0.5)
       style = dict(color=_color(m), label=m)
       if m == "GQA→MQA":
         ax.plot(xs, ys, "D", ms=8, **style)
@@ -239,7 +250,7 @@ def evict_accuracy_vs_bytes(rows, out_dir: Path) -> list[Path]:
       else:
         ax.plot(xs, ys, "-o", lw=2 if m == "quantization" else 1.5, **style)
       if m.endswith("+ codec") or m in ("quantization", "GQA→MQA"):
-        labels += [(x, y, s, _color(m)) for x, y, (_, _, s) in zip(xs, ys, pts) if s]
+        labels += [(x, y, s, _color(m)) for x, y, (_, _, s, _) in zip(xs, ys, pts) if s]
     _stacked_labels(ax, labels)
     if ref is not None:
       for frac, txt in ((0.5, "50 %"), (0.125, "12.5 %")):
@@ -261,7 +272,8 @@ def evict_accuracy_vs_bytes(rows, out_dir: Path) -> list[Path]:
         labels.append(lab)
   fig.legend(handles, labels, loc="outside right center", fontsize=8)
   fig.suptitle(_title(rows) + ": accuracy vs bytes, by method\n(prefix compacted before the "
-               "question; points spread a little in x where methods coincide)", fontsize=10)
+               "question; points spread a little in x where methods coincide; bars: Wilson "
+               "95 % intervals)", fontsize=10)
   return save(fig, out_dir, "long_context_evict_accuracy_vs_bytes")
 
 
@@ -276,9 +288,11 @@ def evict_accuracy_vs_context(rows, out_dir: Path) -> list[Path]:
                            layout="constrained")
   for ax, mode in zip(axes[0], ("ratio", "tokens")):
     ref = [(n, _full_fp32(cells, n)) for n in contexts]
-    ref = [(n, c["acc"]) for n, c in ref if c is not None]
+    ref = [(n, c) for n, c in ref if c is not None]
     if ref:
-      ax.plot(*zip(*ref), "-s", color="black", lw=2, label="full cache (fp32)")
+      ax.errorbar([n for n, _ in ref], [c["acc"] for _, c in ref], fmt="-s", color="black",
+                  lw=2, capsize=2, label="full cache (fp32)",
+                  yerr=wilson_yerr([c["right"] for _, c in ref], [c["n"] for _, c in ref]))
     for i, pol in enumerate(policies):
       jit = 1 + 0.015 * (i - (len(policies) - 1) / 2)  # policies often tie: spread them
       pts = []
@@ -290,11 +304,13 @@ def evict_accuracy_vs_context(rows, out_dir: Path) -> list[Path]:
           cand = [c for c in cand if abs(c["held"] - target) <= 0.15 * target]
         if cand:
           best = min(cand, key=lambda c: abs(c["held"] - (target or 0)))
-          pts.append((n * jit, best["acc"], best["ratio"]))
+          pts.append((n * jit, best["acc"], best["ratio"], best["right"], best["n"]))
       if pts:
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", color=_color(pol), label=pol)
+        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], fmt="-o", color=_color(pol),
+                    label=pol, capsize=1.5, elinewidth=0.6,
+                    yerr=wilson_yerr([p[3] for p in pts], [p[4] for p in pts]))
         if mode == "tokens":
-          for x, y, r in pts:
+          for x, y, r, _, _ in pts:
             ax.annotate(f"{r:g}", (x, y), textcoords="offset points", xytext=(4, -9),
                         fontsize=6.5, color=_color(pol))
     ax.set_xscale("log", base=2)
@@ -307,7 +323,8 @@ def evict_accuracy_vs_context(rows, out_dir: Path) -> list[Path]:
                        if target else "fixed budget: no ratio-0.5 rows", fontsize=10)
   axes[0][0].set_ylabel("accuracy (exact digits)")
   axes[0][1].legend(fontsize=8)
-  fig.suptitle(_title(rows) + ": accuracy vs context at a fixed budget", fontsize=10)
+  fig.suptitle(_title(rows) + ": accuracy vs context at a fixed budget (bars: Wilson 95 % "
+               "intervals)", fontsize=10)
   return save(fig, out_dir, "long_context_evict_accuracy_vs_context")
 
 

@@ -5,6 +5,8 @@
     cut at 5 %, larger values printed beside an arrow.
   quality_kl: mean KL vs the fp32 cache per setting (log scale), bars per model; the fp32
     reference itself (KL 0) is not drawn.
+  Both draw each row's 95 % interval (`dppl_rel_ci95`, `kl_ci95`: a paired bootstrap over
+  token blocks, kvjax.intervals) where the row has one; older rows are drawn without.
   quality_recall (only when the rows hold recall, i.e. params.recall_contexts): recall
     accuracy vs context, one panel per model, one line per setting (dashed grey: the same
     model through the fp32 cache). configs/quality.yaml measures no recall.
@@ -62,6 +64,11 @@ def _dppl(rows, out_dir):
         continue
       v, val = r["variant"]["variant"], 100 * r["metrics"]["dppl_rel"]
       x = min(val, CAP)
+      ci = r["metrics"].get("dppl_rel_ci95")
+      if ci and val <= CAP:  # the 95 % interval, cut at the axis edge like the point
+        lo, hi = 100 * ci[0], min(100 * ci[1], CAP)
+        ax.errorbar(x, y + offsets[v], xerr=[[max(x - lo, 0)], [max(hi - x, 0)]], ls="none",
+                    lw=1, capsize=2.5, color=variant_color(v))
       ax.plot(x, y + offsets[v], marker=">" if val > CAP else "o", ms=6, ls="none",
               color=variant_color(v))
       if val > CAP:
@@ -82,8 +89,10 @@ def _dppl(rows, out_dir):
   ax.text(1.0, 0.005, " 1 %", fontsize=7, color="gray", ha="left", va="bottom",
           transform=ax.get_xaxis_transform())
   n = rows[0]["workload"]
+  bars = any("dppl_rel_ci95" in r["metrics"] for r in rows)
   ax.set_xlabel(f"Δ perplexity vs the fp32 cache (%), axis cut at {CAP:g} % (values beside "
-                "the arrows)")
+                "the arrows)" + ("; bars: 95 % intervals (paired bootstrap over blocks of "
+                                 "tokens)" if bars else ""))
   ax.set_title(f"Quality vs cache size: settings from most to fewest measured bytes per token\n"
                f"(per model: {'/'.join(variants)}); {n.get('batch')}×{n.get('context')} "
                f"validation tokens per model, fed {n.get('chunk')} at a time", fontsize=9)
@@ -105,16 +114,24 @@ def _kl(rows, out_dir):
   width = 0.8 / len(variants)
   x = np.arange(len(settings))
   for i, v in enumerate(variants):
-    vals = []
+    vals, err = [], [[], []]
     for s in settings:
-      m = [r["metrics"]["kl"] for r in rows if r["variant"]["variant"] == v and _setting(r) == s]
-      vals.append(m[0] if m and m[0] > 0 else np.nan)
-    ax.bar(x + i * width - 0.4 + width / 2, vals, width, color=variant_color(v), label=v)
+      m = [r["metrics"] for r in rows if r["variant"]["variant"] == v and _setting(r) == s]
+      val = m[0]["kl"] if m and m[0]["kl"] > 0 else np.nan
+      ci = m[0].get("kl_ci95") if m else None
+      vals.append(val)  # the 95 % interval as an error bar where the row has one
+      err[0].append(max(val - ci[0], 0) if ci and val > 0 else 0)
+      err[1].append(max(ci[1] - val, 0) if ci and val > 0 else 0)
+    ax.bar(x + i * width - 0.4 + width / 2, vals, width, color=variant_color(v), label=v,
+           yerr=err if any(err[1]) else None, error_kw=dict(lw=0.8, capsize=2))
   ax.set_yscale("log")
   ax.set_xticks(x, settings, rotation=45, ha="right", fontsize=8)
   ax.set_ylabel("mean KL(fp32 cache ‖ this cache), nats")
+  bars = any("kl_ci95" in r["metrics"] for r in rows)
   ax.set_title("Next-token KL divergence from the fp32 cache (the reference, KL 0, not drawn;"
-               " no bar: setting not run on that model)", fontsize=9)
+               " no bar: setting not run on that model)"
+               + ("\nerror bars: 95 % intervals (paired bootstrap over blocks of tokens)"
+                  if bars else ""), fontsize=9)
   ax.grid(True, axis="y", alpha=0.3)
   ax.legend(fontsize=8)
   return save(fig, out_dir, "quality_kl")

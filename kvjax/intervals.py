@@ -1,0 +1,115 @@
+"""95 % intervals of the quality numbers, so two settings are told apart only where their
+intervals separate.
+
+Perplexity, KL and agreement (`kvjax eval`, the `quality` experiment) come from a *paired
+block bootstrap*. The tested cache and the fp32 reference read the same tokens, so their
+per-token numbers are resampled together: each window is cut into contiguous blocks of
+`BLOCK` positions, and each block gives five sums: NLL through the cache minus NLL
+through the reference (its targets), its number of targets, KL, argmax matches, and its
+number of positions. Blocks, not tokens, are resampled because a passage that is hard
+for the model is hard for several tokens in a row. `scipy.stats.bootstrap` (paired,
+percentile method, `RESAMPLES` resamples, seeded with `SEED` so a row's interval is the
+same every run) resamples whole blocks and recomputes each statistic as a ratio of means
+over them: Δppl = exp(ΣΔNLL / Σtargets) − 1, KL = ΣKL / Σpositions, agreement =
+Σmatches / Σpositions. Fewer than `MIN_BLOCKS` blocks give a rough interval (`kvjax eval`
+warns).
+
+Task accuracies (long-context retrieval) get a Wilson score interval of the number right
+out of the number asked (`scipy.stats.binomtest(k, n).proportion_ci(method="wilson")`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+LEVEL = 0.95      # confidence level of every interval
+BLOCK = 32        # token positions per bootstrap block (within one window)
+RESAMPLES = 2000  # bootstrap resamples of the blocks
+SEED = 0          # the bootstrap's random state: a row's interval is reproducible
+MIN_BLOCKS = 10   # fewer blocks than this: the interval is rough
+
+
+def block_sums(x_BN, n: int, block: int = BLOCK) -> np.ndarray:
+  """Sums of `x_BN` over consecutive blocks of `block` positions of each window, the windows'
+  first `n` positions cut into ceil(n / block) blocks (positions past x's end add 0):
+  [B * ceil(n / block)], window by window."""
+  x = np.asarray(x_BN, np.float64)
+  B, N = x.shape
+  nb = -(-n // block)
+  pad = np.zeros((B, nb * block))
+  pad[:, :min(N, n)] = x[:, :n]
+  return pad.reshape(B, nb, block).sum(-1).reshape(-1)
+
+
+def n_blocks(M: int, B: int = 1, block: int = BLOCK) -> int:
+  """Bootstrap blocks of B windows of M tokens."""
+  return B * -(-M // block)
+
+
+def few_blocks(M: int, B: int = 1) -> str | None:
+  """A warning when B windows of M tokens give fewer than MIN_BLOCKS bootstrap blocks."""
+  n = n_blocks(M, B)
+  if n >= MIN_BLOCKS:
+    return None
+  return (f"{B} x {M} tokens make {n} bootstrap blocks of {BLOCK}, so the 95 % intervals are "
+          f"rough; evaluate at least {MIN_BLOCKS * BLOCK} tokens (--tokens, --seqs)")
+
+
+def _quality_stat(dnll, n_t, kl, agree, n_p, axis=-1):
+  """(Δppl, KL, agreement) as ratios of block means, along `axis` (vectorized)."""
+  nt, npos = n_t.sum(axis), n_p.sum(axis)
+  return np.stack([np.expm1(dnll.sum(axis) / nt), kl.sum(axis) / npos, agree.sum(axis) / npos])
+
+
+def quality_ci(nll_BN, nll_ref_BN, kl_BM, agree_BM, block: int = BLOCK,
+               n_resamples: int = RESAMPLES, seed: int = SEED) -> dict:
+  """`dppl_rel_ci95`, `kl_ci95`, `agreement_ci95` ([lo, hi]) of B windows of M positions:
+  the next-token NLLs through the cache and the reference ([B, M-1], the prediction at t
+  scoring token t+1), per-position KL(ref || cache) and argmax matches ([B, M])."""
+  from scipy import stats
+  kl = np.asarray(kl_BM, np.float64)
+  M = kl.shape[1]
+  dnll = np.asarray(nll_BN, np.float64) - np.asarray(nll_ref_BN, np.float64)
+  data = (block_sums(dnll, M, block), block_sums(np.ones_like(dnll), M, block),
+          block_sums(kl, M, block), block_sums(agree_BM, M, block),
+          block_sums(np.ones_like(kl), M, block))
+  if len(data[0]) < 2 or not data[1].sum():  # one block: nothing to resample
+    lo = hi = _quality_stat(*data)
+  else:
+    r = stats.bootstrap(data, _quality_stat, paired=True, vectorized=True,
+                        confidence_level=LEVEL, n_resamples=n_resamples, method="percentile",
+                        random_state=seed)
+    lo, hi = r.confidence_interval.low, r.confidence_interval.high
+  names = ("dppl_rel_ci95", "kl_ci95", "agreement_ci95")
+  out = {k: [float(a), float(b)] for k, a, b in zip(names, lo, hi)}
+  out["kl_ci95"] = [max(x, 0.0) for x in out["kl_ci95"]]  # as the point: KL >= 0
+  return out
+
+
+def wilson(k: int, n: int) -> list[float] | None:
+  """95 % Wilson score interval of k successes in n trials ([lo, hi]; None for n = 0)."""
+  if n <= 0:
+    return None
+  from scipy import stats
+  ci = stats.binomtest(int(k), int(n)).proportion_ci(confidence_level=LEVEL, method="wilson")
+  return [float(ci.low), float(ci.high)]
+
+
+def tally(scores) -> dict:
+  """`correct`, `n`, `accuracy` and its Wilson `accuracy_ci95` of 0/1 scores."""
+  s = [float(x) for x in scores]
+  k = int(round(sum(s)))
+  return {"correct": k, "n": len(s), "accuracy": k / len(s) if s else float("nan"),
+          "accuracy_ci95": wilson(k, len(s))}
+
+
+def separated(a: list[float] | None, b: list[float] | None) -> bool:
+  """Whether two intervals do not overlap (a difference worth calling one)."""
+  return bool(a and b) and (a[1] < b[0] or b[1] < a[0])
+
+
+def text(ci: list[float] | None, fmt: str = "{:.3g}", scale: float = 1.0) -> str:
+  """An interval as `[lo, hi]` ('' when absent: rows written before intervals existed)."""
+  if not ci:
+    return ""
+  return "[" + ", ".join(fmt.format(scale * x) for x in ci) + "]"

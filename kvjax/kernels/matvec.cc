@@ -52,50 +52,64 @@ inline float hsum(v8 v) {
   return t;
 }
 
-constexpr int COLS = 32;  // [E, N]: columns a task holds in registers (one 64-byte line a row)
-constexpr int KB = 128;   // weight rows per pass over the task's row groups (an L1 block)
+constexpr int CW = 256;  // [E, N]: columns a task owns (512 contiguous bytes of each row)
+constexpr int PF = 8;    // weight rows prefetched ahead
 
-// y[:, c0 : c0 + COLS] for R rows of x, weight rows [k0, k1).
+// y[j][c0 : c0 + cw] for R rows of x: the task's stripe of every weight row in turn, four
+// rows at a time, the accumulators in L1, the stripe PF rows ahead prefetched.
 template <int R>
-void nn_block(const float* x, int64_t E, const uint16_t* w, int64_t N, int64_t c0,
-              int64_t k0, int64_t k1, float* y) {
-  v8 a[R][COLS / 8] = {};
-  for (int64_t k = k0; k < k1; ++k) {
-    const uint16_t* wk = w + k * N + c0;
-    v8 c[COLS / 8];
-    for (int b = 0; b < COLS / 8; ++b) c[b] = widen8(wk + 8 * b);
-    for (int j = 0; j < R; ++j) {
-      float xj = x[j * E + k];
-      for (int b = 0; b < COLS / 8; ++b) a[j][b] += xj * c[b];
+void nn_rows(const float* x, int64_t E, const uint16_t* w, int64_t N, int64_t c0, int cw,
+             float* y) {
+  alignas(32) float acc[R][CW];
+  for (int j = 0; j < R; ++j) std::fill(acc[j], acc[j] + cw, 0.f);
+  int64_t k = 0;
+  for (; k + 4 <= E; k += 4) {
+    const uint16_t* w0 = w + k * N + c0;
+    float xs[R][4];
+    for (int j = 0; j < R; ++j)
+      for (int i = 0; i < 4; ++i) xs[j][i] = x[j * E + k + i];
+    for (int c = 0; c < cw; c += 8) {
+      if ((c & 31) == 0 && k + PF + 4 <= E)
+        for (int i = 0; i < 4; ++i) __builtin_prefetch(w0 + (PF + i) * N + c);
+      v8 a0 = widen8(w0 + c), a1 = widen8(w0 + N + c), a2 = widen8(w0 + 2 * N + c),
+         a3 = widen8(w0 + 3 * N + c);
+      for (int j = 0; j < R; ++j) {
+        v8 s;
+        std::memcpy(&s, acc[j] + c, 32);
+        s += xs[j][0] * a0 + xs[j][1] * a1 + xs[j][2] * a2 + xs[j][3] * a3;
+        std::memcpy(acc[j] + c, &s, 32);
+      }
     }
   }
-  for (int j = 0; j < R; ++j)
-    for (int b = 0; b < COLS / 8; ++b)
-      for (int i = 0; i < 8; ++i) y[j * N + c0 + 8 * b + i] += a[j][b][i];
+  for (; k < E; ++k)
+    for (int j = 0; j < R; ++j)
+      for (int c = 0; c < cw; ++c) acc[j][c] += x[j * E + k] * widen1(w[k * N + c0 + c]);
+  for (int j = 0; j < R; ++j) std::memcpy(y + j * N + c0, acc[j], cw * 4);
 }
 
-template <int R>
-void nn_rows(const float* x, int64_t E, const uint16_t* w, int64_t N, int64_t c0, float* y) {
-  for (int64_t k0 = 0; k0 < E; k0 += KB) nn_block<R>(x, E, w, N, c0, k0, std::min(E, k0 + KB), y);
-}
-
-// One task: columns [c0, c0 + COLS) of every row (the last task may be narrower).
+// One task: columns [c0, c0 + CW) of every row (the last task may be narrower).
 void nn_task(const float* x, int64_t M, int64_t E, const uint16_t* w, int64_t N, int64_t c0,
              float* y) {
-  for (int64_t m = 0; m < M; ++m) std::fill(y + m * N + c0, y + m * N + std::min(N, c0 + COLS), 0.f);
-  if (c0 + COLS > N) {  // a ragged tail: plainly
+  int cw = int(std::min<int64_t>(CW, N - c0));
+  if (cw % 8) {  // a ragged tail: plainly
     for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < E; ++k)
-        for (int64_t c = c0; c < N; ++c) y[m * N + c] += x[m * E + k] * widen1(w[k * N + c]);
+      for (int64_t c = c0; c < c0 + cw; ++c) {
+        float s = 0.f;
+        for (int64_t k = 0; k < E; ++k) s += x[m * E + k] * widen1(w[k * N + c]);
+        y[m * N + c] = s;
+      }
     return;
   }
-  for (int64_t m0 = 0; m0 < M; m0 += 3) {  // rows three at a time: 12 accumulators + 4 codes
-    int R = int(std::min<int64_t>(3, M - m0));
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    int R = int(std::min<int64_t>(4, M - m0));
     const float* xm = x + m0 * E;
     float* ym = y + m0 * N;
-    if (R == 3) nn_rows<3>(xm, E, w, N, c0, ym);
-    else if (R == 2) nn_rows<2>(xm, E, w, N, c0, ym);
-    else nn_rows<1>(xm, E, w, N, c0, ym);
+    switch (R) {
+      case 4: nn_rows<4>(xm, E, w, N, c0, cw, ym); break;
+      case 3: nn_rows<3>(xm, E, w, N, c0, cw, ym); break;
+      case 2: nn_rows<2>(xm, E, w, N, c0, cw, ym); break;
+      default: nn_rows<1>(xm, E, w, N, c0, cw, ym);
+    }
   }
 }
 
@@ -145,8 +159,8 @@ ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
       nt_task(xp, M, E, wp, N, it * NT_ROWS, yp);
     });
   } else {
-    kvjax::parallel_for(pool, (N + COLS - 1) / COLS, [&](int64_t it) {
-      nn_task(xp, M, E, wp, N, it * COLS, yp);
+    kvjax::parallel_for(pool, (N + CW - 1) / CW, [&](int64_t it) {
+      nn_task(xp, M, E, wp, N, it * CW, yp);
     });
   }
   return ffi::Error::Success();

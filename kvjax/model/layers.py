@@ -88,10 +88,9 @@ class Head(nn.Module):
 
 
 def lm_head(x_BTE, table_VE, dtype):
-  """Logits from a tied embedding table, as `nn.Embed.attend` computes them (bfloat16
-  tables under float32 activations through `kernels.bf16_dot`, read transposed)."""
-  if table_VE.dtype == jnp.bfloat16 and jnp.dtype(dtype) == jnp.float32:
-    return kernels.bf16_dot(x_BTE.astype(dtype), table_VE, nt=True)
+  """Logits from a tied embedding table, as `nn.Embed.attend` computes them. A bf16 table
+  under float32 activations stays with XLA, which fuses its widening into this product's
+  operand (the table is read once, at its bytes)."""
   return x_BTE.astype(dtype) @ table_VE.astype(dtype).T
 
 

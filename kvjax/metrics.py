@@ -124,38 +124,9 @@ def program_bytes(*compiled) -> int | None:
   return int(max(peaks)) if peaks else None
 
 
-class DecodeTimer:
-  """Compiled prefill + decode for one config and shape (a `kvjax.program.Program`), timed
-  one repeat at a time.
-
-  Both programs donate the cache, so every repeat allocates a fresh cache *outside* the
-  timed region. `once()` returns (ttft_s, decode_s); several timers can be called in
-  turn (`bench_interleaved`) so that A-vs-B ratios share the same machine noise.
-  """
-
-  def __init__(self, cfg, params, tokens_BT, lengths_B, steps: int, capacity: int = 0,
-               prepare: bool = True):
-    from kvjax import program  # the program imports the model; keep it lazy
-
-    self.steps = max(int(steps), 1)
-    B, T = tokens_BT.shape
-    self.capacity = capacity or T + self.steps + 1
-    shape = program.Shape(B, T, self.capacity, self.steps)
-    # prepare=False: the params as given (stacked ones run the nn.scan program)
-    self.program = program.Program(cfg, params, shape, prepare=prepare).compile(tokens_BT,
-                                                                                lengths_B)
-    self.compile_s = self.program.compile_s
-    self.cache_bytes = None
-    self.peak_bytes = self.program.peak_bytes
-
-  def once(self) -> tuple[float, float]:
-    run = self.program.run()
-    self.cache_bytes = tree_bytes(run.cache)
-    return run.prefill_s, run.decode_s / self.steps
-
-
 def bench_interleaved(timers: dict, repeats: int = 5, warmup: int = 1) -> dict:
-  """Round-robin repeats over named DecodeTimers; per name: TTFT/TPOT medians and spreads."""
+  """Round-robin repeats over named timers (`program.DecodeTimer`, or anything with its
+  `once()`, `compile_s` and `cache_bytes`); per name: TTFT/TPOT medians and spreads."""
   samples = {name: ([], []) for name in timers}
   for i in range(warmup + repeats):
     for name, timer in timers.items():

@@ -1,7 +1,7 @@
 """One program: placement, compiled prefill and decode, fresh caches, timed runs.
 
 Every driver of the jitted programs goes through `Program` (`generate` below,
-`metrics.DecodeTimer`, the roofline and peer experiments, scripts/bench_*.py; the serving
+`DecodeTimer`, the roofline and peer experiments, scripts/bench_*.py; the serving
 engine through `statics` and `Placement`):
 
     prog = Program(cfg, params, Shape(batch, width, capacity, steps)).compile(tokens, lengths)
@@ -257,3 +257,31 @@ def generate(cfg: Config, params, prompts: list[list[int]], max_new_tokens: int,
       "compile_s": prog.compile_s,
       "capacity": capacity,
   }
+
+
+class DecodeTimer:
+  """Compiled prefill + decode for one config and shape (a `Program`), timed
+  one repeat at a time.
+
+  Both programs donate the cache, so every repeat allocates a fresh cache *outside* the
+  timed region. `once()` returns (ttft_s, decode_s); several timers can be called in
+  turn (`bench_interleaved`) so that A-vs-B ratios share the same machine noise.
+  """
+
+  def __init__(self, cfg, params, tokens_BT, lengths_B, steps: int, capacity: int = 0,
+               prepare: bool = True):
+    self.steps = max(int(steps), 1)
+    B, T = tokens_BT.shape
+    self.capacity = capacity or T + self.steps + 1
+    shape = Shape(B, T, self.capacity, self.steps)
+    # prepare=False: the params as given (stacked ones run the nn.scan program)
+    self.program = Program(cfg, params, shape, prepare=prepare).compile(tokens_BT,
+                                                                                lengths_B)
+    self.compile_s = self.program.compile_s
+    self.cache_bytes = None
+    self.peak_bytes = self.program.peak_bytes
+
+  def once(self) -> tuple[float, float]:
+    run = self.program.run()
+    self.cache_bytes = metrics.tree_bytes(run.cache)
+    return run.prefill_s, run.decode_s / self.steps

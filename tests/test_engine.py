@@ -314,7 +314,7 @@ def test_workload_stream_is_seeded_skewed_and_shares_system_prompts():
 
 
 def test_generate_timer_and_engine_share_the_program(served, monkeypatch):
-  """One driver: `program.generate`, `metrics.DecodeTimer` and the engine's step all build
+  """One driver: `program.generate`, `program.DecodeTimer` and the engine's step all build
   their jitted calls' static arguments through `kvjax.program.statics`, and give the same
   greedy tokens for one config."""
   cfg, params, prompts, news, _ = served
@@ -326,7 +326,7 @@ def test_generate_timer_and_engine_share_the_program(served, monkeypatch):
   got = program.generate(cfg, params, [prompt], n, timed=False)["tokens"][0]
   assert len(calls) == 2  # prefill and decode
   tokens, lengths = np.array([prompt], np.int32), np.array([len(prompt)], np.int32)
-  timer = metrics.DecodeTimer(cfg, params, tokens, lengths, steps=n - 1)
+  timer = program.DecodeTimer(cfg, params, tokens, lengths, steps=n - 1)
   assert len(calls) == 4 and isinstance(timer.program, program.Program)
   assert timer.program.run().tokens()[0].tolist() == got
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from kvjax import config as config_lib
 from kvjax import experiments as ex
-from kvjax import metrics
+from kvjax import metrics, program
 from kvjax.errors import KvjaxError
 
 # The params.NAME options this experiment reads (`setting` and `settings` are every
@@ -50,7 +50,7 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
   tokens, lengths = ex.prompts(cfg, w.batch, w.prompt_len)
   cfgs = {lay: config_lib.apply_overrides(cfg, {"cache.layout": lay})
           for lay in cfg.param("layouts", ["none", "contiguous"])}
-  timers = {lay: metrics.DecodeTimer(c, params, tokens, lengths, steps=steps, capacity=S)
+  timers = {lay: program.DecodeTimer(c, params, tokens, lengths, steps=steps, capacity=S)
             for lay, c in cfgs.items()}
   res = metrics.bench_interleaved(timers, repeats=w.repeats)
   rows = []

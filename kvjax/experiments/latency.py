@@ -4,7 +4,7 @@ One cell = one attention variant x codec x layout x batch x prompt length. The p
 (`workload.prompt_len` random tokens per sequence) is prefilled, then `gen_len - 1`
 tokens are decoded in one compiled `lax.scan`; TTFT and TPOT are the medians of
 `workload.repeats` timed repeats after a warm-up, each with a fresh cache allocated
-outside the timed region (kvjax.metrics.DecodeTimer). The cache holds
+outside the timed region (kvjax.program.DecodeTimer). The cache holds
 `prompt_len + gen_len` tokens (`context` in the rows), so TPOT is the decode cost at
 that context. Weights are random: speed does not depend on their values.
 
@@ -38,7 +38,7 @@ from kvjax import cache as cache_lib
 from kvjax import held
 from kvjax import config as config_lib
 from kvjax import experiments as ex
-from kvjax import metrics
+from kvjax import metrics, program
 from kvjax.experiments import roofline
 from kvjax.errors import KvjaxError
 
@@ -97,10 +97,10 @@ class StepTimer:
   """Decode steps of one config from one prefilled cache. The prompt is prefilled once
   (through `cache.policy`'s compaction; `ttft_s` is that one run), then each `once()`
   decodes `steps` tokens from a copy of that cache, copied before the clock starts (decode
-  donates its cache). Same interface as `metrics.DecodeTimer` for `bench_interleaved`."""
+  donates its cache). Same interface as `program.DecodeTimer` for `bench_interleaved`."""
 
   def __init__(self, cfg, params, tokens_BT, lengths_B, steps: int, capacity: int):
-    from kvjax import decode, program
+    from kvjax import decode
 
     self.steps = max(int(steps), 1)
     B, T = tokens_BT.shape
@@ -165,7 +165,7 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
   params = ex.random_params(cfg.model, cfg.seed)
   tokens, lengths = ex.prompts(cfg, w.batch, w.prompt_len)
   S = capacity(cfg)
-  timer = metrics.DecodeTimer(cfg, params, tokens, lengths, steps=max(w.gen_len - 1, 1),
+  timer = program.DecodeTimer(cfg, params, tokens, lengths, steps=max(w.gen_len - 1, 1),
                               capacity=S)
   m = metrics.bench_interleaved({"cell": timer}, repeats=w.repeats)["cell"]
   spec = cache_lib.CacheSpec.from_config(cfg, w.batch, S)

@@ -29,7 +29,7 @@ import numpy as np
 
 from kvjax import experiments as ex
 from kvjax import config as config_lib
-from kvjax import metrics
+from kvjax import metrics, program
 from kvjax.serve import engine
 from kvjax.errors import KvjaxError
 
@@ -118,7 +118,7 @@ def _gather_bench(cfg, params) -> dict:
   """Decode time per token through the block table vs contiguous, interleaved."""
   B, ctx = int(cfg.param("bench_batch", 8)), int(cfg.param("bench_context", 192))
   tokens, lengths = ex.prompts(cfg, B, ctx - 16)
-  timers = {lay: metrics.DecodeTimer(config_lib.replace(cfg, **{"cache.layout": lay,
+  timers = {lay: program.DecodeTimer(config_lib.replace(cfg, **{"cache.layout": lay,
                                                                 "cache.num_pages": 0}),
                                      params, tokens, lengths, steps=15, capacity=ctx)
             for lay in ("contiguous", "paged")}

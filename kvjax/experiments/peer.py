@@ -123,7 +123,7 @@ def _kvjax_config(cfg: config_lib.Config, folder: str) -> tuple[config_lib.Confi
 
 
 # -- kvjax timers: one `kvjax.program.Program` each -------------------------------------------
-class KvjaxTimer(metrics.DecodeTimer):
+class KvjaxTimer(program.DecodeTimer):
   """DecodeTimer that also hands back one run's greedy tokens, from the program it already
   compiled (a second `program.generate` would compile it again)."""
 

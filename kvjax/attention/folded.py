@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import codecs
-from kvjax.codecs import packing, quant
+from kvjax.codecs import logits, packing, quant
 
 f32 = jnp.float32
 
@@ -64,16 +64,8 @@ def qk(codec, q_BKGTD: jax.Array, k_enc) -> jax.Array:
     return codec.qk_block(q_BKGTD, k_enc)
   c_BKCD = codes(codec, k_enc, dt)
   s, off = _meta(codec, k_enc)
-  B, K, G, T, D = q_BKGTD.shape
-  C = c_BKCD.shape[-2]
   if codec.axis == "channel":  # s, off [B, K, J, D]: J groups of U tokens
-    J = s.shape[-2]
-    qs_BKGTJD = (q_BKGTD[:, :, :, :, None].astype(f32) * s[:, :, None, None]).astype(dt)
-    l = jnp.einsum("bkgtjd,bkjud->bkgtju", qs_BKGTJD, c_BKCD.reshape(B, K, J, C // J, D),
-                   preferred_element_type=f32)
-    if off is not None:
-      l = l + jnp.einsum("bkgtd,bkjd->bkgtj", q_BKGTD.astype(f32), off)[..., None]
-    return l.reshape(B, K, G, T, C)
+    return logits.channel_logits(q_BKGTD, c_BKCD, s, off)
   n = s.shape[-1]  # per-token scales [B, K, C, n], n groups along head_dim
   if n == 1:
     l = jnp.einsum("bkgtd,bkcd->bkgtc", q_BKGTD, c_BKCD, preferred_element_type=f32)
@@ -81,13 +73,7 @@ def qk(codec, q_BKGTD: jax.Array, k_enc) -> jax.Array:
     if off is not None:
       l = l + jnp.sum(q_BKGTD.astype(f32), -1)[..., None] * off[:, :, None, None, :, 0]
     return l
-  qn = q_BKGTD.reshape(B, K, G, T, n, D // n)
-  l = jnp.einsum("bkgtnd,bkcnd->bkgtcn", qn, c_BKCD.reshape(B, K, C, n, D // n),
-                 preferred_element_type=f32)
-  l = jnp.einsum("bkgtcn,bkcn->bkgtc", l, s)
-  if off is not None:
-    l = l + jnp.einsum("bkgtn,bkcn->bkgtc", jnp.sum(qn.astype(f32), -1), off)
-  return l
+  return logits.group_logits(q_BKGTD, c_BKCD, s, off)
 
 
 def pv(codec, p_BKGTC: jax.Array, v_enc, dtype) -> jax.Array:

@@ -46,7 +46,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvjax.codecs import base, native, packing
+from kvjax.codecs import base, logits, native, packing
 from kvjax.codecs.packing import SCALE_BYTES, SCALE_DTYPE, pack, unpack  # noqa: F401 (the face)
 from kvjax.errors import KvjaxError
 
@@ -227,23 +227,16 @@ class ScaledCodec(base.Codec):
   def _qk_block(self, q_BKGTD, enc):
     """Logits over a block of C stored tokens, scales folded in: [B, K, G, T, C]."""
     c_BKCD, s, off = self._parts(enc, q_BKGTD.dtype)
-    B, K, G, T, D = q_BKGTD.shape
-    C = c_BKCD.shape[-2]
+    G, D = q_BKGTD.shape[2], q_BKGTD.shape[4]
     f32 = jnp.float32
     if self.axis == "channel":  # s, off [B, K, J, D]: scale the query once per token group
-      J = s.shape[-2]
-      qs_BKGTJD = (q_BKGTD[:, :, :, :, None].astype(f32) * s[:, :, None, None]).astype(q_BKGTD.dtype)
-      l = jnp.einsum("bkgtjd,bkjud->bkgtju", qs_BKGTJD, c_BKCD.reshape(B, K, J, C // J, D),
-                     preferred_element_type=f32)
-      if off is not None:
-        l = l + jnp.einsum("bkgtd,bkjd->bkgtj", q_BKGTD.astype(f32), off)[..., None]
-      return l.reshape(B, K, G, T, C)
+      return logits.channel_logits(q_BKGTD, c_BKCD, s, off)
     n = s.shape[-1]  # per-token scales [B, K, C, n]: fold into the logits per group
     if n == 1 and (self.asym or base.per_head(G, D)):
       # Whole-head scales: the plain einsum, one per bit plane of packed codes (q's matching
       # columns), or G matvecs. int8/fp8 keys otherwise take the grouped form below, which
-      # measured faster for them at batch 1 (int8 0.78x -> 0.57x bf16, head_dim 64, 4k) and
-      # the same at batch 4; unpacked int4/int2 keys were faster in this one.
+      # measured faster for them (docs/architecture.md); unpacked int4/int2 keys were faster
+      # in this one.
       planes = self._planes(enc, q_BKGTD.dtype)
       pw = D // len(planes)  # plane width
       l = sum(base.dot_qk(q_BKGTD[..., i * pw:(i + 1) * pw], c) for i, c in enumerate(planes))
@@ -251,13 +244,7 @@ class ScaledCodec(base.Codec):
       if off is not None:
         l = l + jnp.sum(q_BKGTD.astype(f32), -1)[..., None] * off[:, :, None, None, :, 0]
       return l
-    qn = q_BKGTD.reshape(B, K, G, T, n, D // n)
-    l = jnp.einsum("bkgtnd,bkcnd->bkgtcn", qn, c_BKCD.reshape(B, K, C, n, D // n),
-                   preferred_element_type=f32)
-    l = jnp.einsum("bkgtcn,bkcn->bkgtc", l, s)
-    if off is not None:
-      l = l + jnp.einsum("bkgtn,bkcn->bkgtc", jnp.sum(qn.astype(f32), -1), off)
-    return l
+    return logits.group_logits(q_BKGTD, c_BKCD, s, off)
 
   def _pv_block(self, p_BKGTC, enc):
     """Probability-weighted values of a block of C tokens, scales folded into p: [B,K,G,T,D]."""
@@ -297,3 +284,4 @@ base.register(ScaledCodec("int4", jnp.uint8, kind="uint", bits=4))
 base.register(ScaledCodec("int2", jnp.uint8, kind="uint", bits=2))
 base.register(ScaledCodec("fp8_e4m3", jnp.float8_e4m3fn, kind="fp8", bits=8))
 base.register(ScaledCodec("fp8_e5m2", jnp.float8_e5m2, kind="fp8", bits=8))
+

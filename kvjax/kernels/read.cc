@@ -70,20 +70,25 @@ struct Fp8Tables {
 };
 const Fp8Tables kFp8;
 
+// 2^f on [-1/2, 1/2] (a float or eight lanes): the polynomial both exponentials share.
+template <typename T>
+inline T exp2_poly(T f) {
+  T p = f * 0.f + 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  return p * f + 1.0f;
+}
+
 // exp(x) for x <= 0 (x below -87 gives 0), written to vectorize: 2^(x log2 e) split into
 // an integer power (exponent bits) and a polynomial on [-1/2, 1/2]; relative error ~2e-7.
 inline float fast_exp(float x) {
   x = std::max(x, -87.0f);
   float y = x * 1.44269504088896341f;
   float n = std::nearbyint(y);
-  float f = y - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
+  float p = exp2_poly(y - n);
   int32_t bits = (int32_t(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, 4);
@@ -372,14 +377,7 @@ inline v8 exp8(v8 x) {
   x = vmax(x, splat(-87.f));
   v8 y = x * 1.44269504088896341f;
   v8 n = (y + 12582912.f) - 12582912.f;
-  v8 f = y - n;
-  v8 p = splat(1.535336188319500e-4f);
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
+  v8 p = exp2_poly(y - n);
   vi8 bits = (__builtin_convertvector(n, vi8) + 127) << 23;
   v8 scale;
   std::memcpy(&scale, &bits, 32);

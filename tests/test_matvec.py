@@ -19,18 +19,16 @@ def _kernel():
     pytest.skip(f"the CPU kernels are not available here ({kernels.status()})")
 
 
-@pytest.mark.parametrize("M,E,N,nt", [(1, 64, 96, False), (3, 40, 264, False), (5, 24, 40, False),
-                                      (16, 32, 32, False), (1, 64, 96, True), (4, 20, 33, True),
-                                      (7, 24, 16, True)])
-def test_bf16_dot_equals_the_widened_product(M, E, N, nt):
+@pytest.mark.parametrize("M,E,N", [(1, 64, 96), (3, 40, 264), (5, 24, 40), (16, 32, 32),
+                                   (4, 22, 33)])
+def test_bf16_dot_equals_the_widened_product(M, E, N):
   """Row groups of 1-4, a task narrower than 256 columns, a ragged column tail, E not a
-  multiple of 4 or 8; the transposed form (nt) too."""
+  multiple of 4 or 8."""
   kx, kw = jax.random.split(jax.random.PRNGKey(M * 100 + N))
   x = jax.random.normal(kx, (M, E), f32)
-  w = jax.random.normal(kw, (N, E) if nt else (E, N), f32).astype(bf16)
-  got = jax.jit(lambda x, w: kernels.bf16_dot(x, w, nt=nt))(x, w)
-  wf = w.astype(f32)
-  want = x @ (wf.T if nt else wf)
+  w = jax.random.normal(kw, (E, N), f32).astype(bf16)
+  got = jax.jit(kernels.bf16_dot)(x, w)
+  want = x @ w.astype(f32)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 

@@ -117,18 +117,17 @@ def status() -> str:
   return "active" if available() else (_load() or "inactive")
 
 
-def bf16_dot(x, w, nt: bool = False):
-  """x [..., E] times bfloat16 weights `w` ([E, N]; [N, E] read transposed when `nt`) in
-  float32, through the kernel where it applies: few rows (at most MATVEC_ROWS, a decode
-  step's), float32 x, the kernel built, no device mesh traced (a split weight is XLA's to
-  multiply). Elsewhere, and on any other platform (`lax.platform_dependent`), the weights
-  are widened and multiplied by XLA as before. Same values up to float32 summation order."""
+def bf16_dot(x, w):
+  """x [..., E] times bfloat16 weights `w` [E, N] in float32, through the kernel where it
+  applies: few rows (at most MATVEC_ROWS, a decode step's), float32 x, the kernel built, no
+  device mesh traced (a split weight is XLA's to multiply). Elsewhere, and on any other
+  platform (`lax.platform_dependent`), the weights are widened and multiplied by XLA as
+  before. Same values up to float32 summation order."""
   E = x.shape[-1]
   rows = x.size // E if E else 0
 
   def xla_dot(x, w):
-    wf = w.astype(x.dtype)
-    return x @ (wf.T if nt else wf)
+    return x @ w.astype(x.dtype)
 
   mesh = jax.sharding.get_abstract_mesh()
   if (w.dtype != jnp.bfloat16 or x.dtype != jnp.float32 or not 0 < rows <= MATVEC_ROWS
@@ -136,11 +135,9 @@ def bf16_dot(x, w, nt: bool = False):
     return xla_dot(x, w)
 
   def kernel(x, w):
-    N = w.shape[0] if nt else w.shape[1]
-    out = jax.ShapeDtypeStruct((rows, N), jnp.float32)
-    y = jax.ffi.ffi_call(MATVEC, out, vmap_method="sequential")(
-        x.reshape(rows, E), w, nt=int(nt))
-    return y.reshape(*x.shape[:-1], N)
+    out = jax.ShapeDtypeStruct((rows, w.shape[1]), jnp.float32)
+    y = jax.ffi.ffi_call(MATVEC, out, vmap_method="sequential")(x.reshape(rows, E), w)
+    return y.reshape(*x.shape[:-1], w.shape[1])
 
   return jax.lax.platform_dependent(x, w, cpu=kernel, default=xla_dot)
 
@@ -192,8 +189,7 @@ def _specs(args, page: int, codes_ndim: int) -> tuple:
 
   def stored(a):
     return P(*lead) if a.ndim >= len(lead) else P()
-  q, kc, ks, kz, vc, vs, vz, mask, pages = args[:9]
-  return (P("data", "kv", "rep"), *map(stored, (kc, ks, kz, vc, vs, vz)), P("data"),
+  return (P("data", "kv", "rep"), *map(stored, args[1:7]), P("data"),
           P("data") if page else P(), P(), P())
 
 

@@ -1,9 +1,8 @@
 // Products of a few float32 rows with a bfloat16 weight matrix, as an XLA FFI custom
-// call: y[M, N] = x[M, E] . W, with W stored [E, N] (a projection's kernel) or [N, E] (a
-// tied embedding table read as the lm_head, `nt`). Each weight is widened in a register
-// where it is used (bf16 is the top half of a float32) and read from memory once per
-// call, so a decode step reads its weights at their stored bytes; XLA:CPU widens a
-// bf16 matrix into a float32 copy first. Columns (or table rows) are split across XLA's
+// call: y[M, N] = x[M, E] . W, W stored [E, N] (a projection's kernel). Each weight is
+// widened in a register where it is used (bf16 is the top half of a float32) and read from
+// memory once per call, so a decode step reads its weights at their stored bytes; XLA:CPU
+// widens a bf16 matrix into a float32 copy first. Column stripes are split across XLA's
 // intra-op thread pool. For the few rows of a decode step (M <= 16); longer inputs stay
 // with XLA's dot.
 
@@ -44,12 +43,6 @@ inline float widen1(uint16_t w) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
-}
-
-inline float hsum(v8 v) {
-  float t = 0.f;
-  for (int i = 0; i < 8; ++i) t += v[i];
-  return t;
 }
 
 constexpr int CW = 256;  // [E, N]: columns a task owns (512 contiguous bytes of each row)
@@ -113,56 +106,21 @@ void nn_task(const float* x, int64_t M, int64_t E, const uint16_t* w, int64_t N,
   }
 }
 
-constexpr int NT_ROWS = 16;  // [N, E]: table rows (outputs) per task
-
-// y[:, n] = x . table[n] for the task's table rows, four x rows at a time.
-void nt_task(const float* x, int64_t M, int64_t E, const uint16_t* t, int64_t N, int64_t n0,
-             float* y) {
-  int64_t n1 = std::min(N, n0 + NT_ROWS), E8 = E - E % 8;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint16_t* tn = t + n * E;
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      int R = int(std::min<int64_t>(4, M - m0));
-      v8 a[4] = {};
-      for (int64_t e = 0; e < E8; e += 8) {
-        v8 c = widen8(tn + e);
-        for (int j = 0; j < 4; ++j)
-          if (j < R) {
-            v8 xv;
-            std::memcpy(&xv, x + (m0 + j) * E + e, 32);
-            a[j] += xv * c;
-          }
-      }
-      for (int j = 0; j < R; ++j) {
-        float s = hsum(a[j]);
-        for (int64_t e = E8; e < E; ++e) s += x[(m0 + j) * E + e] * widen1(tn[e]);
-        y[(m0 + j) * N + n] = s;
-      }
-    }
-  }
-}
-
 ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                  ffi::ResultBuffer<ffi::F32> y, int64_t nt) {
+                  ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2)
     return ffi::Error::InvalidArgument("kvjax_matvec: x must be [M, E] and w two-dimensional");
-  const int64_t M = xd[0], E = xd[1], N = nt ? wd[0] : wd[1];
-  if ((nt ? wd[1] : wd[0]) != E) return ffi::Error::InvalidArgument("kvjax_matvec: E differs");
+  const int64_t M = xd[0], E = xd[1], N = wd[1];
+  if (wd[0] != E) return ffi::Error::InvalidArgument("kvjax_matvec: E differs");
   if (w.element_type() != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("kvjax_matvec: w must be bfloat16");
   const float* xp = x.typed_data();
   const uint16_t* wp = static_cast<const uint16_t*>(w.untyped_data());  // bf16 bits
   float* yp = y->typed_data();
-  if (nt) {
-    kvjax::parallel_for(pool, (N + NT_ROWS - 1) / NT_ROWS, [&](int64_t it) {
-      nt_task(xp, M, E, wp, N, it * NT_ROWS, yp);
-    });
-  } else {
-    kvjax::parallel_for(pool, (N + CW - 1) / CW, [&](int64_t it) {
-      nn_task(xp, M, E, wp, N, it * CW, yp);
-    });
-  }
+  kvjax::parallel_for(pool, (N + CW - 1) / CW, [&](int64_t it) {
+    nn_task(xp, M, E, wp, N, it * CW, yp);
+  });
   return ffi::Error::Success();
 }
 
@@ -173,5 +131,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatvec, Matvec,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("nt"));
+                                  .Ret<ffi::Buffer<ffi::F32>>());

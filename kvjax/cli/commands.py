@@ -56,7 +56,8 @@ def _names_codec(args, over: dict, file_cfg: dict) -> bool:
 
 
 def cmd_size(args) -> dict:
-  from kvjax import cache, codecs, sizing  # noqa: F401
+  from kvjax import sizing
+  from kvjax.registries import cache, codecs  # (every registry: config.validate knows names)
 
   over, file_items, notes = {}, {}, []
   param_dtype = None

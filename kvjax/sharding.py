@@ -276,8 +276,9 @@ def size_report(cfg: Config, batch: int, capacity: int, with_params: bool) -> di
 
   p = plan(cfg)
   check_batch(cfg, batch)
-  if cfg.cache.layout == "none":
-    cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, layout="contiguous"))
+  sized_as = cache_lib.get(cfg.cache.layout).sized_as  # `none`: the K/V it recomputes
+  if sized_as:
+    cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, layout=sized_as))
   if cfg.cache.policy != "full":  # what the policy builds (kvjax.cache.compact): `capacity`
     # held slots plus its own leaves (held, budget; h2o's acc and pos per slot and KV head)
     spec = dataclasses.replace(

@@ -197,6 +197,7 @@ class Layout:
 
   name = "base"
   internal = False  # True: built by something else (a cache.policy), never chosen by name
+  sized_as = ""  # the layout `kvjax size` and the memory estimate count instead ("": itself)
 
   def check(self, cache_cfg: CacheConfig, model_cfg: ModelConfig) -> None:
     """Host-side limits of this layout, when `cache.layout` names it."""

@@ -1,7 +1,8 @@
 """A codec or a layout is one module: dropped into a copy of the package, with no other file
 edited, it is in the command line's help, `kvjax size` takes it and compares it under
 `--budget`, and a run's summary shows it. And the names are checked in a fresh process:
-the config imports no registry, so the entry points must load them before validating."""
+the config imports no registry, so the entry points must load them before validating. And
+a codec says what the Pallas read needs, or that read refuses it."""
 
 import json
 import shutil
@@ -9,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -108,3 +111,36 @@ def test_an_unknown_name_is_one_line_in_a_fresh_process(tmp_path):
                          "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2
   assert proc.stderr.count("\n") == 1 and "unknown codec 'nope'" in proc.stderr, proc.stderr
+
+
+def test_a_codec_with_storage_of_its_own_is_refused_by_the_pallas_read(monkeypatch, capsys):
+  """The Pallas read loads what a codec says it stores (`Codec.pallas_read`); a codec that
+  changes the storage without saying is refused there in one line (exit 2), not read as
+  its parent's bit patterns, and the other reads still take it."""
+  import jax.numpy as jnp
+
+  from kvjax import cli, codecs, config
+  from kvjax.codecs.base import Codec
+  from kvjax.errors import KvjaxError
+
+  class Twice(Codec):  # stores 2x: the kernel's float read would double every logit
+    def encode(self, x_TD):
+      return super().encode(2 * x_TD)
+
+    def decode(self, enc, dtype=jnp.float32):
+      return super().decode(enc, dtype) / 2
+
+  class Said(Twice):
+    pallas_read = "xla"  # says the kernel has no read: its segments take the XLA one
+
+  assert Twice("t").pallas_read is None and Codec("c").pallas_read == "float"
+  monkeypatch.setitem(codecs.CODECS, "tw_twice", Twice("tw_twice", jnp.float32))
+  monkeypatch.setitem(codecs.CODECS, "tw_said", Said("tw_said", jnp.float32))
+  with pytest.raises(KvjaxError, match="model.attention=pallas has no read for tw_twice's"):
+    config.load(None, {"cache.k_codec": "tw_twice", "model.attention": "pallas"})
+  assert config.load(None, {"cache.codec": "tw_twice"}).cache.k_codec == "tw_twice"
+  assert config.load(None, {"cache.codec": "tw_said", "model.attention": "pallas"})
+  rc = cli.main(["size", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
+                 "--seq-len", "8", "--v-codec", "tw_twice", "--set", "model.attention=pallas"])
+  err = capsys.readouterr().err
+  assert rc == 2 and err.count("\n") == 1 and "cache.v_codec" in err, err

@@ -79,6 +79,12 @@ class ScaledCodec(base.Codec):
   def token_block(self) -> int:
     return self.group if self.axis == "channel" else 1
 
+  @property
+  def pallas_read(self) -> str:
+    """The kernel reads codes with per-token scales; per-channel key scales (which span a
+    block of tokens) take the XLA read."""
+    return "xla" if self.axis == "channel" else "scaled"
+
   def configure(self, cache_cfg, role: str) -> "ScaledCodec":
     axis = cache_cfg.k_axis if role == "k" else "token"
     return dataclasses.replace(self, group=cache_cfg.group_size, axis=axis)

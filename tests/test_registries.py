@@ -114,7 +114,7 @@ def test_an_unknown_name_is_one_line_in_a_fresh_process(tmp_path):
 
 
 def test_a_codec_with_storage_of_its_own_is_refused_by_the_pallas_read(monkeypatch, capsys):
-  """The Pallas read loads what a codec says it stores (`Codec.pallas_read`); a codec that
+  """The Pallas read loads what a codec says it stores (`Codec.storage`); a codec that
   changes the storage without saying is refused there in one line (exit 2), not read as
   its parent's bit patterns, and the other reads still take it."""
   import jax.numpy as jnp
@@ -130,12 +130,13 @@ def test_a_codec_with_storage_of_its_own_is_refused_by_the_pallas_read(monkeypat
     def decode(self, enc, dtype=jnp.float32):
       return super().decode(enc, dtype) / 2
 
-  class Said(Twice):
-    pallas_read = "xla"  # says the kernel has no read: its segments take the XLA one
+  class Checked(Codec):  # limits of its own, the storage its parent's
+    def check(self, cache_cfg, model_cfg, role):
+      super().check(cache_cfg, model_cfg, role)
 
-  assert Twice("t").pallas_read is None and Codec("c").pallas_read == "float"
+  assert Twice("t").storage is None and Checked("c").storage == Codec("c").storage == "float"
   monkeypatch.setitem(codecs.CODECS, "tw_twice", Twice("tw_twice", jnp.float32))
-  monkeypatch.setitem(codecs.CODECS, "tw_said", Said("tw_said", jnp.float32))
+  monkeypatch.setitem(codecs.CODECS, "tw_said", Checked("tw_said", jnp.float32))
   with pytest.raises(KvjaxError, match="model.attention=pallas has no read for tw_twice's"):
     config.load(None, {"cache.k_codec": "tw_twice", "model.attention": "pallas"})
   assert config.load(None, {"cache.codec": "tw_twice"}).cache.k_codec == "tw_twice"
@@ -144,3 +145,26 @@ def test_a_codec_with_storage_of_its_own_is_refused_by_the_pallas_read(monkeypat
                  "--seq-len", "8", "--v-codec", "tw_twice", "--set", "model.attention=pallas"])
   err = capsys.readouterr().err
   assert rc == 2 and err.count("\n") == 1 and "cache.v_codec" in err, err
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "int4", "int8", "nf4", "nf2"])
+def test_the_folded_read_takes_what_each_codec_stores(name):
+  """The accelerator program's folded read agrees with the codec's own read for every kind
+  of storage; nf4/nf2 (a ScaledCodec whose codes index levels) read through their own."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from kvjax import codecs
+  from kvjax.attention import folded
+
+  rng = np.random.default_rng(0)
+  q_BKGTD = jnp.asarray(rng.normal(size=(1, 2, 2, 3, 16)), jnp.float32)
+  x_BKCD = jnp.asarray(rng.normal(size=(1, 2, 8, 16)), jnp.float32)
+  codec = codecs.get(name)
+  enc = codec.encode(x_BKCD)
+  want = codec.qk_block(q_BKGTD, enc)
+  np.testing.assert_allclose(folded.qk(codec, q_BKGTD, enc), want, rtol=1e-5, atol=1e-5)
+  p_BKGTC = jax.nn.softmax(want, axis=-1)
+  np.testing.assert_allclose(folded.pv(codec, p_BKGTC, enc, jnp.float32),
+                             codec.pv_block(p_BKGTC, enc), rtol=1e-5, atol=1e-5)

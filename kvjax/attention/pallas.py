@@ -2,7 +2,7 @@
 Pallas kernel straight from the codec storage.
 
 The kernel reads what the cache holds and nothing else, as each codec says
-(`Codec.pallas_read`): "float", fp32 or bf16/fp16 bit patterns; "scaled", int8 codes +
+(`Codec.storage`): "float", fp32 or bf16/fp16 bit patterns; "scaled", int8 codes +
 per-token scales, packed int4/int2 codes + scale/zero, fp8 bits + scale. Each
 step loads one block of stored tokens, one column chunk at a time (a chunk = one packed bit
 plane x one scale group, so no unpack/concatenate is ever needed), and its codes reach each
@@ -24,10 +24,10 @@ ROW_MIN = 16 rows (the MMA tile: decode's few rows still multiply through `dot`)
 with any dimension below 16 multiply-reduces instead. BLOCK, SPLITS, ROW_MIN, ROW_BLOCK,
 NUM_WARPS and NUM_STAGES are the knobs `configs/accel/pallas_sweep.yaml` sweeps.
 
-Falls back to the XLA read (`xla.attend_segment`) for a codec that says "xla": per-channel
-key scales (`cache.k_axis=channel`, whose scales span token blocks). A codec that says None
-(nf4/nf2's level tables, or any codec with storage of its own that does not say) is refused
-on the host in one line. Off GPU the kernel runs in Pallas interpret mode (slow, for tests
+Falls back to the XLA read (`xla.attend_segment`) for per-channel key scales
+(`cache.k_axis=channel`, whose scales span token blocks). A codec whose storage is its own
+(`storage` None: nf4/nf2's level tables, or any codec that changes the storage without
+saying what it is) is refused on the host in one line. Off GPU the kernel runs in Pallas interpret mode (slow, for tests
 and smoke runs). Shape limits (also one-line `KvjaxError`s): head_dim and the page size
 must be powers of two (Triton tensors are).
 """
@@ -74,17 +74,17 @@ def check_config(c, m) -> None:
   check_shapes(m.D, c.page_size if c.layout == "paged" else 0)
   for role in ("k", "v"):
     codec = for_role(getattr(c, f"{role}_codec"), c, role)
-    if codec.pallas_read not in ("float", "scaled", "xla"):
+    if codec.storage not in ("float", "scaled"):
       raise KvjaxError(f"model.attention=pallas has no read for {codec.name}'s storage "
                        f"(cache.{role}_codec); use model.attention=grouped or native")
 
 
 def _kernel_reads(codec) -> bool:
-  return codec.pallas_read in ("float", "scaled")
+  return codec.storage == "float" or (codec.storage == "scaled" and codec.axis != "channel")
 
 
 def _scaled(codec) -> bool:
-  return codec.pallas_read == "scaled"
+  return codec.storage == "scaled"
 
 
 def _chunks(codec, D: int):
@@ -280,7 +280,7 @@ def attend_segment(q_BKGTD, seg, state, program: str | None = None, bucket: int 
   has none."""
   if seg.mask_BS.shape[1] == 0:
     return state
-  if not (_kernel_reads(seg.k_codec) and _kernel_reads(seg.v_codec)):  # "xla": its read
+  if not (_kernel_reads(seg.k_codec) and _kernel_reads(seg.v_codec)):
     return xla.attend_segment(q_BKGTD, seg, state, program=program, bucket=bucket)
   return merge(state, *segment_state(q_BKGTD, seg))
 

@@ -19,7 +19,8 @@ Bytes: the packed codes plus one bf16 scale per group (no zero point): int4's by
 its zeros. Reads: `qk_block` / `pv_block` are `ScaledCodec`'s with the codes looked up in
 the levels, so the grouped, reference and native (XLA dots) reads all hold; the CPU read
 kernel has no level table (`kernel_kind` None) and neither has the Pallas kernel
-(`pallas_read` None), so `model.attention=pallas` is refused for these codecs.
+(`storage` None: not `ScaledCodec`'s integer codes), so `model.attention=pallas` is refused
+for these codecs, and the accelerator program's folded read takes their own reads.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class NormalFloat(quant.ScaledCodec):
   """`ScaledCodec` (symmetric, absmax scales) with codes that index fixed normal levels."""
 
   kind: str = "nf"
-  pallas_read = None  # the kernel reads integer codes, not looked-up levels
+  storage = None  # codes index levels: read through its own qk_block / pv_block only
 
   def _quantize(self, xg, red):
     lv = jnp.asarray(levels(self.bits), jnp.float32)

@@ -61,6 +61,8 @@ PLANE_MIN = 64
 class ScaledCodec(base.Codec):
   """Codes plus per-group scales (and zeros). `dtype` is the stored code type."""
 
+  storage = "scaled"  # (base.Codec.storage)
+
   kind: str = "int"      # int: symmetric | uint: asymmetric, packed | fp8
   bits: int = 8
   group: int = 0         # token axis: elements per group along head_dim (0: whole head)
@@ -78,12 +80,6 @@ class ScaledCodec(base.Codec):
   @property
   def token_block(self) -> int:
     return self.group if self.axis == "channel" else 1
-
-  @property
-  def pallas_read(self) -> str:
-    """The kernel reads codes with per-token scales; per-channel key scales (which span a
-    block of tokens) take the XLA read."""
-    return "xla" if self.axis == "channel" else "scaled"
 
   def configure(self, cache_cfg, role: str) -> "ScaledCodec":
     axis = cache_cfg.k_axis if role == "k" else "token"

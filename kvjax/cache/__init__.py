@@ -8,36 +8,36 @@ rank-r vector per token) and `none` (token ids only: the recompute mode of
 `kvjax.decode.forward`). Adding a layout = one module here that calls `base.register`.
 """
 
-from kvjax import config as config_lib
 from kvjax import plugins
 from kvjax.cache.base import (LAYOUTS, CacheSpec, Layout, LayerSegment,  # noqa: F401
                               PagedSegment, Segment, get, layout_of, register, scatter,
                               tree_bytes)
+from kvjax.config import Config, add_check
 from kvjax.errors import KvjaxError
 
-
-def check(cache_cfg, model_cfg) -> None:
-  """The layout registry's config checks (added to `config.validate`): the chosen layout
-  exists, and every layout checks what concerns it (its own limits when chosen; the latent
-  rank of any model)."""
-  get(cache_cfg.layout)
-  for layout in LAYOUTS.values():
-    layout.check(cache_cfg, model_cfg)
-
-
-config_lib.add_check(check)  # added first: a layout's name before a policy's rules
 plugins.import_all(__name__, __path__)
 
 from kvjax.cache.contiguous import KVCache  # noqa: E402,F401  (the face)
 from kvjax.cache.none import TokenBuffer  # noqa: E402,F401
 
 
-def init_cache(cfg: config_lib.Config, batch: int, capacity: int):
+def init_cache(cfg: Config, batch: int, capacity: int):
   """A fresh cache (or token buffer for layout `none`) for `batch` sequences."""
   if capacity <= 0:
     raise KvjaxError(f"cache capacity must be positive, got {capacity}")
   spec = CacheSpec.from_config(cfg, batch, capacity)
   return get(spec.layout).init(spec)
+
+
+def check(cache_cfg, model_cfg) -> None:
+  """The layout registry's config checks: the chosen layout exists, and every layout checks
+  what concerns it (its own limits when chosen; the latent rank of any model)."""
+  get(cache_cfg.layout)
+  for layout in LAYOUTS.values():
+    layout.check(cache_cfg, model_cfg)
+
+
+add_check(check)  # config.validate runs it (the config imports no registry)
 
 
 def segments(cache, layer) -> list[Segment]:

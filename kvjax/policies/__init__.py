@@ -14,8 +14,8 @@ plugins.import_all(__name__, __path__)
 
 
 def check(cache_cfg, model_cfg) -> None:
-  """The policy registry's config checks (added to `config.validate`)."""
+  """The policy registry's config checks (`config.validate`)."""
   check_config(cache_cfg, model_cfg)
 
 
-config_lib.add_check(check)
+config_lib.add_check(check)  # config.validate runs it (the config imports no registry)

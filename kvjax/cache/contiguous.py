@@ -84,8 +84,8 @@ class Contiguous(base.Layout):
     q_B = spec.quantized_len(n_B)
     segs = []
     if N:
-      mask_BN = jnp.arange(N)[None, :] < lengths_B[:, None]
-      segs.append(base.LayerSegment(store[-2], store[-1], mask_BN, wc, wc, layer=layer))
+      first_BS = jnp.arange(N)[None, :] < lengths_B[:, None]  # S: this segment's N slots
+      segs.append(base.LayerSegment(store[-2], store[-1], first_BS, wc, wc, layer=layer))
     if spec.history:
       mask_BS = jnp.arange(spec.history)[None, :] < q_B[:, None]
       segs.append(base.LayerSegment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(q_B),

@@ -213,9 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
   e.add_argument("--text", default="stdlib",
                  help="a text file, or `stdlib` (Python's own sources and docs; the default)")
   e.add_argument("--tokens", type=_number("--tokens", _POS), default=512,
-                 help="tokens per window (N)")
+                 help="tokens per window (M)")
   e.add_argument("--seqs", type=_number("--seqs", _POS), default=1,
-                 help="windows (B); 1 = the first N tokens")
+                 help="windows (B); 1 = the first M tokens")
   e.add_argument("--chunk", type=_number("--chunk", _POS), default=1,
                  help="tokens per step (1 = pure decode)")
   e.add_argument("--codec", help=Listed("cache codec for K and V: {codecs}"))

@@ -198,6 +198,8 @@ class Layout:
   name = "base"
   internal = False  # True: built by something else (a cache.policy), never chosen by name
   sized_as = ""  # the layout `kvjax size` and the memory estimate count instead ("": itself)
+  shared_pool = False  # True: leaves [L, P, K, ...] any sequence's pages may use (sharding
+                       # replicates them over the data axis instead of splitting the batch)
 
   def check(self, cache_cfg: CacheConfig, model_cfg: ModelConfig) -> None:
     """Host-side limits of this layout, when `cache.layout` names it."""

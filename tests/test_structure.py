@@ -140,6 +140,19 @@ def test_no_import_cycle():
       + "; ".join(found)
 
 
+# The ground floor: what these import, at any depth, is each other and nothing else, so any
+# module may import them (the registries add their checks to the config, `config.add_check`).
+GROUND = ("kvjax.config", "kvjax.errors", "kvjax.plugins")
+
+
+def test_config_is_the_ground_floor():
+  graph = _graph(MODULES)
+  ground = {n for n in MODULES if any(n == g or n.startswith(g + ".") for g in GROUND)}
+  found = [f"{n} ({MODULES[n].relative_to(ROOT)}:{line}) imports {m}"
+           for n in sorted(ground) for m, line in sorted(graph[n].items()) if m not in ground]
+  assert not found, "the ground floor imports from above it: " + "; ".join(found)
+
+
 def test_a_cycle_through_a_function_level_import_is_reported(tmp_path):
   """The check itself: a throwaway package whose two modules import each other, one of them
   only inside a function, is reported with both files and lines; without that import the

@@ -44,7 +44,8 @@ from kvjax.errors import KvjaxError
 
 def statics(cfg: Config, sampler: decode.Sampler, **extra) -> dict:
   """Static keyword arguments of the jitted programs (`extra`: `steps` of decode, the serving
-  step's widths). Every call site builds them here."""
+  step's widths). The program, the paired timer and the serving step build them here;
+  evict.py and tasks/through_cache.py still build `decode.Static` themselves."""
   return {"spec": decode.Static.of(cfg), "sampler": sampler, **extra}
 
 

@@ -1,8 +1,9 @@
 """One program: placement, compiled prefill and decode, fresh caches, timed runs.
 
-Every driver of the jitted programs goes through `Program` (`generate` below,
-`DecodeTimer`, the roofline and peer experiments, scripts/bench_*.py; the serving
-engine through `statics` and `Placement`):
+The drivers that compile prefill and decode ahead of time go through `Program`
+(`generate` below, `DecodeTimer`, the roofline and peer experiments,
+scripts/bench_prefill.py and bench_sharding.py; the serving engine through `statics` and
+`Placement`):
 
     prog = Program(cfg, params, Shape(batch, width, capacity, steps)).compile(tokens, lengths)
     run = prog.run()        # run.tokens(), run.cache, run.prefill_s, run.decode_s
@@ -43,7 +44,8 @@ from kvjax.errors import KvjaxError
 
 def statics(cfg: Config, sampler: decode.Sampler, **extra) -> dict:
   """Static keyword arguments of the jitted programs (`extra`: `steps` of decode, the serving
-  step's widths). Every call site builds them here."""
+  step's widths). The program, the paired timer and the serving step build them here;
+  evict.py and tasks/through_cache.py still build `decode.Static` themselves."""
   return {"spec": decode.Static.of(cfg), "sampler": sampler, **extra}
 
 

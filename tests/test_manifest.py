@@ -54,7 +54,7 @@ def test_reproduce_runs_exactly_the_recorded_commands(tmp_path, manifest):
   python.chmod(0o755)
   out = tmp_path / "regen"
   env = {**os.environ, "KVJAX": f"{fake} kvjax-bin", "PYTHON": str(python)}
-  only = ["results/cpu/roofline.jsonl", "results/cpu/bench_decode.jsonl"]
+  only = ["results/cpu/roofline.jsonl", "results/cpu/xla_cpu.jsonl"]
   proc = subprocess.run(["bash", "scripts/reproduce.sh", str(out), str(tmp_path / "plots"),
                          *only], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr

@@ -101,8 +101,8 @@ def attend_segment(q_BKGTD, seg, state, native: bool = False, chunk: int | None 
 # last query are skipped, which assumes that within one call the valid positions of a row
 # increase with the token index (prefill, engine chunks, recompute and training all place
 # token t at position start + t, padding at -1). The [B, K, G, T, T] logits of a whole
-# prompt, and the several passes over them (mask, max, exp, sum), were the bulk of prefill:
-# 67 MB per intermediate at batch 8 x 512 tokens, GQA-2 (docs/architecture.md).
+# prompt, and the several passes over them (mask, max, exp, sum), were the bulk of prefill
+# (docs/experiments.md, "CPU decode", *A prompt attends to itself in query blocks*).
 NEW_BLOCK = 128
 
 

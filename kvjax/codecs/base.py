@@ -47,10 +47,9 @@ _BITS = {jnp.dtype(jnp.bfloat16): jnp.uint16, jnp.dtype(jnp.float8_e4m3fn): jnp.
 
 def store_bits(x: jax.Array) -> jax.Array:
   """bfloat16 and float8 are stored as their unsigned bit patterns: XLA:CPU has no native
-  scatter for them and "normalizes" each one to float32 over the *whole* array (measured:
-  a one-token write into a bf16 cache allocated a float32 copy of the cache; fp8_e4m3
-  decode ran 5-8x slower than bf16), while an integer scatter updates in place. The
-  bitcast is free on every backend."""
+  scatter for them and "normalizes" each one to float32 over the *whole* array (a
+  one-token write into a bf16 cache allocated a float32 copy of the cache), while an
+  integer scatter updates in place. The bitcast is free on every backend."""
   bits = _BITS.get(jnp.dtype(x.dtype))
   return x if bits is None else jax.lax.bitcast_convert_type(x, bits)
 
@@ -164,19 +163,16 @@ def per_head(G: int, D: int, read: str = "qk") -> bool:
   reads (`read`: "qk", the logits; "pv", the values)? Only the CPU program's reads ask;
   the accelerator program keeps one GEMM, which reads each block once (`attention.folded`).
 
-  Logits: XLA:CPU ran the [G*T, D] x [D, C] GEMM (contracting the block's minor axis, so
-  the block is transposed for it) 1.3-1.8x slower than G matvecs for G = 2-4 at head_dim
-  32-128. Each matvec is one more operation per block, though, and that overhead won for
-  G = 8 (7-80% slower split) and for G = 4 at head_dim 16 (5-14%); G = 2 at head_dim 16
-  still gained 15-20% (decode, batch 4, 4k, bench_codecs). Hence G <= min(4, D / 8).
+  Logits: XLA:CPU runs the [G*T, D] x [D, C] GEMM (contracting the block's minor axis, so
+  the block is transposed for it) slower than G matvecs for a few query heads; each
+  matvec is one more operation per block, though, which costs more than it saves for
+  many heads or short head_dims. Hence G <= min(4, D / 8).
 
   Values: the [G*T, C] x [C, D] GEMM contracts the block's major axis and needs no
-  transpose, so it reads the widened block once where the split reads it G times. Up to
-  head_dim 64 the one GEMM is faster: at SmolLM2's shape (GQA-3, head_dim 64) the split
-  took 1.14-1.23x the attention read's time at batch 8 x 4k and 1.04-1.22x at batch 1 x 1k
-  (fp32/bf16/int8; `python scripts/bench_xla_cpu.py`, `attend_pv_split` vs `attend`, in
-  one run). At head_dim 128 the split was as fast or faster in throwaway runs, so it stays
-  there."""
+  transpose, so it reads the widened block once where the split reads it G times: below
+  head_dim 128 the one GEMM is faster (`python scripts/bench_xla_cpu.py`, `attend_pv_split`
+  vs `attend`). The measurements: docs/experiments.md, "CPU decode", *GQA and MQA* and
+  *The values' read*."""
   if not 1 < G <= min(4, D // 8):
     return False
   return read == "qk" or D >= 128

@@ -34,8 +34,8 @@ def unpack(packed: jax.Array, bits: int) -> jax.Array:
   per = 8 // bits
   if per == 1:
     return packed
-  # (A concatenation of constant-shifted int32 planes measured 1.6-3x slower here on the
-  # grouped reads; the whole-head reads avoid unpacking altogether, see `ScaledCodec._planes`.)
+  # (A concatenation of constant-shifted int32 planes measured slower here on the grouped
+  # reads; the whole-head reads avoid unpacking altogether, see `ScaledCodec._planes`.)
   *lead, W = packed.shape
   shifts = (jnp.arange(per, dtype=jnp.uint8) * bits)[:, None]
   planes = (packed[..., None, :] >> shifts) & jnp.uint8(2 ** bits - 1)

@@ -50,10 +50,9 @@ from kvjax.codecs import base, logits, native, packing
 from kvjax.codecs.packing import SCALE_BYTES, SCALE_DTYPE, pack, unpack  # noqa: F401 (the face)
 from kvjax.errors import KvjaxError
 
-# Plane-wise reads (`ScaledCodec._planes`) only for planes at least this wide. Measured
-# (bench_codecs, 4k context, int4/int2 vs bf16): 64-wide planes (int4, head_dim 128) were
-# 1.4x faster at batch 1 and 2.5x at batch 4 than unpacking; 32-wide planes (int4 at
-# head_dim 64, int2 at 128) were 1.2-1.6x slower (dots too short for XLA:CPU).
+# Plane-wise reads (`ScaledCodec._planes`) only for planes at least this wide: 64-wide
+# planes (int4 at head_dim 128) read faster plane by plane than unpacked, narrower ones
+# slower (dots too short for XLA:CPU); docs/experiments.md, "CPU decode".
 PLANE_MIN = 64
 
 
@@ -237,7 +236,7 @@ class ScaledCodec(base.Codec):
     if n == 1 and (self.asym or base.per_head(G, D)):
       # Whole-head scales: the plain einsum, one per bit plane of packed codes (q's matching
       # columns), or G matvecs. int8/fp8 keys otherwise take the grouped form below, which
-      # measured faster for them (docs/architecture.md); unpacked int4/int2 keys were faster
+      # measured faster for them (docs/experiments.md); unpacked int4/int2 keys were faster
       # in this one.
       planes = self._planes(enc, q_BKGTD.dtype)
       pw = D // len(planes)  # plane width

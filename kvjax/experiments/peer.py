@@ -14,7 +14,7 @@ interleaved in one process (round-robin repeats, medians; `kvjax.metrics.bench_i
               before, which copies every weight matrix out of the stack each step;
   kvjax_unrolled  the same with `model.scan_unroll = n_layers`: a Python layer loop over
               weights split per layer once (compile time grows with depth;
-              docs/architecture.md);
+              docs/experiments.md, "The layer loop");
   dynamic     `model.generate` with transformers' DynamicCache (its default);
   static      `generate` with a preallocated StaticCache (reset outside the timed region);
   quanto      `generate` with QuantizedCache(backend="quanto", int4, residual 128), when

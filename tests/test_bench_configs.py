@@ -1,0 +1,59 @@
+"""The experiment configs that replaced scripts/bench_codecs.py and the cache-vs-recompute
+part of scripts/bench_decode.py: they expand to the cells those scripts timed, every
+paired setting passes the host checks, and a tiny run gives the fields the scripts wrote
+(per setting: tpot_s, tpot_s_iqr, its ratio to bf16, cache_bytes; the program that ran)."""
+
+from pathlib import Path
+
+from kvjax import runner
+from kvjax.experiments import latency
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# scripts/bench_codecs.py's VARIANTS, by name
+CODECS = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "bf16"), "fp16": ("fp16", "fp16"),
+          "fp8_e4m3": ("fp8_e4m3", "fp8_e4m3"), "fp8_e5m2": ("fp8_e5m2", "fp8_e5m2"),
+          "int8": ("int8", "int8"), "int4": ("int4", "int4"), "int4_g32": ("int4", "int4"),
+          "int2": ("int2", "int2"), "int2_kivi": ("int2", "int2"), "k8v4": ("int8", "int4")}
+
+
+def test_codec_speed_pairs_every_codec_with_bf16_at_each_context_and_read():
+  _, cells = runner.expand(ROOT / "configs" / "codec_speed.yaml")
+  got = {(c.cfg.model.attention, c.cfg.workload.prompt_len + c.cfg.workload.gen_len)
+         for c in cells}
+  assert got == {(a, s) for a in ("native", "grouped") for s in (256, 1024, 4096)}
+  for cell in cells:
+    latency.check(cell.cfg)  # every paired setting fits and validates on the host
+    cfgs = latency._interleave(cell.cfg)
+    assert next(iter(cfgs)) == "bf16"  # the reference, first
+    assert {n: (c.cache.k_codec, c.cache.v_codec) for n, c in cfgs.items()} == CODECS
+    kivi = cfgs["int2_kivi"].cache
+    assert (kivi.k_axis, kivi.group_size, kivi.residual) == ("channel", 32, 128)
+    assert cfgs["int4_g32"].cache.group_size == 32
+
+
+def test_codec_speed_rows_carry_what_bench_codecs_wrote(tmp_path):
+  out = tmp_path / "out"
+  runner.run_file(ROOT / "configs" / "codec_speed.yaml", out_dir=out, progress=False, overrides=[
+      "model.d_model=64", "model.n_layers=1", "model.max_seq_len=64", "workload.gen_len=3",
+      "workload.repeats=1", "grid.workload.prompt_len=[8]", "grid.model.attention=[grouped]",
+      "params.bandwidth_mib=4",
+      "params.interleave={bf16: {}, k8v4: {cache.k_codec: int8, cache.v_codec: int4}}"])
+  rows = runner.read_rows(out / "latency.jsonl")
+  by = {r["variant"]["setting"]: r for r in rows}
+  assert list(by) == ["bf16", "k8v4"]
+  assert by["bf16"]["metrics"]["tpot_vs_ref"] == 1.0
+  assert by["k8v4"]["metrics"]["cache_bytes"] < by["bf16"]["metrics"]["cache_bytes"]
+  for r in rows:
+    assert r["workload"]["context"] == 11 and r["workload"]["batch"] == 1
+    assert r["variant"]["program"] == "cpu" and r["variant"]["attention"] == "grouped"
+    assert r["metrics"]["tpot_s"] > 0 and r["metrics"]["tpot_s_iqr"] >= 0
+
+
+def test_cache_vs_recompute_b8_is_bench_decodes_grid():
+  _, cells = runner.expand(ROOT / "configs" / "cache_vs_recompute_b8.yaml")
+  assert sorted(c.cfg.workload.prompt_len for c in cells) == [128, 512, 1024]
+  for c in cells:
+    assert c.cfg.workload.batch == 8 and c.cfg.workload.repeats == 5
+    assert (c.cfg.cache.k_codec, c.cfg.param("steps")) == ("fp32", 16)
+    assert list(c.cfg.param("layouts")) == ["none", "contiguous"]

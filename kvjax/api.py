@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from kvjax import config as config_lib
+from kvjax import registries  # noqa: F401  (config.validate then knows every registry's names)
 from kvjax.api_types import (CacheConfig, EvalResult, GenerateResult, RunReport, SizeResult,
                              cache_items)
 from kvjax.errors import KvjaxError

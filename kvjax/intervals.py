@@ -29,15 +29,15 @@ SEED = 0          # the bootstrap's random state: a row's interval is reproducib
 MIN_BLOCKS = 10   # fewer blocks than this: the interval is rough
 
 
-def block_sums(x_BN, n: int, block: int = BLOCK) -> np.ndarray:
-  """Sums of `x_BN` over consecutive blocks of `block` positions of each window, the windows'
+def block_sums(x_BM, n: int, block: int = BLOCK) -> np.ndarray:
+  """Sums of `x_BM` over consecutive blocks of `block` positions of each window, the windows'
   first `n` positions cut into ceil(n / block) blocks (positions past x's end add 0):
   [B * ceil(n / block)], window by window."""
-  x = np.asarray(x_BN, np.float64)
-  B, N = x.shape
+  x = np.asarray(x_BM, np.float64)
+  B, M = x.shape
   nb = -(-n // block)
   pad = np.zeros((B, nb * block))
-  pad[:, :min(N, n)] = x[:, :n]
+  pad[:, :min(M, n)] = x[:, :n]
   return pad.reshape(B, nb, block).sum(-1).reshape(-1)
 
 
@@ -61,15 +61,15 @@ def _quality_stat(dnll, n_t, kl, agree, n_p, axis=-1):
   return np.stack([np.expm1(dnll.sum(axis) / nt), kl.sum(axis) / npos, agree.sum(axis) / npos])
 
 
-def quality_ci(nll_BN, nll_ref_BN, kl_BM, agree_BM, block: int = BLOCK,
+def quality_ci(nll_Bm, nll_ref_Bm, kl_BM, agree_BM, block: int = BLOCK,
                n_resamples: int = RESAMPLES, seed: int = SEED) -> dict:
   """`dppl_rel_ci95`, `kl_ci95`, `agreement_ci95` ([lo, hi]) of B windows of M positions:
-  the next-token NLLs through the cache and the reference ([B, M-1], the prediction at t
-  scoring token t+1), per-position KL(ref || cache) and argmax matches ([B, M])."""
+  the next-token NLLs through the cache and the reference ([B, m], m = M - 1: the
+  prediction at t scoring token t+1), per-position KL(ref || cache) and argmax matches ([B, M])."""
   from scipy import stats
   kl = np.asarray(kl_BM, np.float64)
   M = kl.shape[1]
-  dnll = np.asarray(nll_BN, np.float64) - np.asarray(nll_ref_BN, np.float64)
+  dnll = np.asarray(nll_Bm, np.float64) - np.asarray(nll_ref_Bm, np.float64)
   data = (block_sums(dnll, M, block), block_sums(np.ones_like(dnll), M, block),
           block_sums(kl, M, block), block_sums(agree_BM, M, block),
           block_sums(np.ones_like(kl), M, block))

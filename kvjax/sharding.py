@@ -177,7 +177,8 @@ def cache_leaf_spec(path: list[str], ndim: int, paged: bool = False) -> P:
 
 def cache_specs(cache: Any) -> Any:
   """The PartitionSpec of every leaf of a cache (any layout: its spec names it)."""
-  paged = cache.spec.layout == "paged"
+  from kvjax import cache as cache_lib
+  paged = cache_lib.get(cache.spec.layout).shared_pool  # the layout says (`Layout`)
   return jax.tree_util.tree_map_with_path(
       lambda path, x: cache_leaf_spec(_names(path), x.ndim, paged), cache)
 
@@ -271,18 +272,17 @@ def measured_device_bytes(tree: Any) -> int:
 def size_report(cfg: Config, batch: int, capacity: int, with_params: bool) -> dict:
   """Bytes per device of the cache (and parameters) under cfg.mesh, computed abstractly:
   no device is needed, so a laptop can size a 64-chip slice."""
-  from kvjax import cache as cache_lib
-  from kvjax import model
+  from kvjax import cache as cache_lib, held, model
 
   p = plan(cfg)
   check_batch(cfg, batch)
-  if cfg.cache.layout == "none":
-    cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, layout="contiguous"))
-  if cfg.cache.policy != "full":  # what the policy builds (kvjax.cache.compact): `capacity`
+  sized_as = cache_lib.get(cfg.cache.layout).sized_as  # `none`: the K/V it recomputes
+  if sized_as:
+    cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, layout=sized_as))
+  if cfg.cache.policy != "full":  # what the policy builds (`held.layout_name`): `capacity`
     # held slots plus its own leaves (held, budget; h2o's acc and pos per slot and KV head)
-    spec = dataclasses.replace(
-        cache_lib.CacheSpec.from_config(cfg, batch, capacity),
-        layout="paged_compacted" if cfg.cache.layout == "paged" else "compacted")
+    spec = dataclasses.replace(cache_lib.CacheSpec.from_config(cfg, batch, capacity),
+                               layout=held.layout_name(cfg))
     c = jax.eval_shape(lambda: cache_lib.get(spec.layout).init(spec))
   else:
     c = jax.eval_shape(lambda: cache_lib.init_cache(cfg, batch, capacity))

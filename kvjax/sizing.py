@@ -1,4 +1,5 @@
-"""`kvjax size --budget`: how many sequences fit in a memory budget, in closed form.
+"""`kvjax size`: what a cache setting holds at a context, and with `--budget` how many
+sequences fit in a memory budget, in closed form (`report`, the command's whole result).
 
     sequences = floor((budget - weight bytes) / cache bytes of one sequence)
 
@@ -20,8 +21,6 @@ from kvjax.errors import KvjaxError
 
 UNITS = {"b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
-# Whole-head codecs compared next to the chosen one.
-COMPARE = ("fp32", "bf16", "fp8_e4m3", "int8", "int4", "int2")
 NOT_COUNTED = ("activations and temporaries (a long prefill's are large), logits, "
                "allocator/runtime overhead")
 HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
@@ -71,13 +70,20 @@ def fit(budget: int, weight_bytes: int, per_seq: int) -> int:
   return int(free // per_seq) if free > 0 else 0
 
 
+def compared_codecs() -> list[str]:
+  """The codecs `--budget` compares next to the chosen one, each at whole-head scales:
+  every registered codec (`kvjax.registries`), so a codec added as a module is compared."""
+  from kvjax import registries
+  return registries.names("codec")
+
+
 def budget_report(cfg: config_lib.Config, seq_len: int, batch: int, budget: int,
                   weight_bytes: int | None) -> dict:
   """Sequences of `seq_len` tokens that fit in `budget` bytes after the weights."""
   weights = weight_bytes or 0
   per_seq = seq_bytes(cfg, seq_len)
   others = {}
-  for name in COMPARE:
+  for name in compared_codecs():
     c = dataclasses.replace(cfg.cache, codec="", k_codec=name, v_codec=name, k_axis="token",
                             group_size=0, residual=0)
     others[name] = fit(budget, weights, seq_bytes(dataclasses.replace(cfg, cache=c), seq_len))
@@ -92,3 +98,57 @@ def budget_report(cfg: config_lib.Config, seq_len: int, batch: int, budget: int,
       "not_counted": NOT_COUNTED + ("" if weight_bytes is not None else
                                     "; weights (no model given: use --config or --hf)"),
   }
+
+
+def sized(cfg: config_lib.Config) -> config_lib.Config:
+  """`cfg` as `size` counts it: the layout stands in for what it holds (`Layout.sized_as`:
+  `none` as the contiguous K/V it recomputes), and the cache reserves exactly the context
+  asked for, whatever cache.capacity says."""
+  from kvjax import cache
+  layout = cache.get(cfg.cache.layout)
+  c = dataclasses.replace(cfg.cache, layout=layout.sized_as or layout.name, capacity=0)
+  return dataclasses.replace(cfg, cache=c)
+
+
+def report(cfg: config_lib.Config, seq_len: int, batch: int, named: bool = False,
+           notes: list[str] = (), param_dtype: str | None = None,
+           budget: str | None = None) -> dict:
+  """`kvjax size`'s result for a validated config: bytes one sequence holds at `seq_len`
+  (`kvjax.held`: window, scales, policy state and pages in), the total for `batch`, bytes
+  per device under cfg.mesh (`sharding.size_report`), and with `budget` ("80GiB") what
+  fits. `named`: the model came from a file or folder (its weights are counted, and a
+  `seq_len` beyond its max_seq_len is warned about)."""
+  from kvjax import cache, held as held_lib, sharding
+  if seq_len <= 0 or batch <= 0:
+    raise KvjaxError("--seq-len and --batch must be positive")
+  m, warnings = cfg.model, []
+  if named and seq_len > m.max_seq_len:
+    warnings.append(f"--seq-len {seq_len} exceeds this model's max_seq_len "
+                    f"{m.max_seq_len}: sized anyway, but the model is not meant for it")
+  cfg = sized(cfg)
+  h = held_lib.count(cfg, seq_len, batch=batch)
+  if held_lib.window_warning(cfg, seq_len):
+    warnings.append(held_lib.window_warning(cfg, seq_len))
+  c = cfg.cache
+  out = {
+      **h.fields(),  # bytes_per_token: held at seq_len; and the long-context limit
+      "total_bytes": int(round(h.bytes * batch)),
+      "layers": m.n_layers, "heads": m.n_heads, "kv_heads": m.n_kv_heads, "head_dim": m.D,
+      "seq_len": seq_len, "batch": batch, "variant": m.variant,
+      "max_seq_len": m.max_seq_len if named else None,
+      "k_codec": c.k_codec, "v_codec": c.v_codec, "layout": cache.get(h.layout).name,
+      "k_axis": c.k_axis, "group_size": c.group_size, "residual": c.residual,
+      "keep_first": c.keep_first, "rotate": c.rotate, "notes": list(notes),
+      "warnings": warnings, "policy": c.policy, "held_tokens": h.tokens,
+      **sharding.size_report(cfg, batch, h.tokens, with_params=named),
+  }
+  if param_dtype:
+    out["param_dtype"] = param_dtype
+  if budget:
+    if out["devices"] > 1:
+      raise KvjaxError("--budget sizes one device; drop the mesh.* overrides (or divide the "
+                       "model yourself) to size a single device")
+    n, unit = parse_bytes(budget)
+    out["budget"] = {"text": budget, "unit": unit,
+                     **budget_report(cfg, h.tokens, batch, n, out.get("param_bytes"))}
+  return out

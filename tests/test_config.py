@@ -1,6 +1,7 @@
 import pytest
 
 from kvjax import config as config_lib
+from kvjax import registries  # noqa: F401  (the registries add their name checks to validate)
 from kvjax.config import checks as config_checks
 from kvjax.errors import KvjaxError
 

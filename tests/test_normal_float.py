@@ -92,5 +92,5 @@ def test_reads_agree(over, attention):
 
 
 def test_pallas_is_refused():
-  with pytest.raises(KvjaxError, match="model.attention=pallas reads integer codes, not nf4"):
+  with pytest.raises(KvjaxError, match="model.attention=pallas has no read for nf4's storage"):
     config.apply_overrides(config.Config(), {"cache.codec": "nf4", "model.attention": "pallas"})

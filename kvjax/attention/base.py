@@ -73,7 +73,10 @@ def _takes_program(fn: Callable) -> bool:
 
 
 def check(cache_cfg, model_cfg) -> None:
-  """The registry's config checks: the chosen variant's own limits."""
+  """The registry's config checks (`kvjax.attention` adds them to `config.validate`): the
+  chosen variant exists, and its own limits."""
+  if model_cfg.attention not in ATTENTIONS:
+    raise KvjaxError(f"unknown attention '{model_cfg.attention}'; known: {', '.join(ATTENTIONS)}")
   if model_cfg.attention in CHECKS:
     CHECKS[model_cfg.attention](cache_cfg, model_cfg)
 

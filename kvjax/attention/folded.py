@@ -19,8 +19,9 @@ zero point is applied on the dot's other side or to its result:
 
 Both dots run in the compute dtype (the query's) with float32 accumulation, so a bf16
 model's reads meet the tensor cores; int8, int4, int2 and fp8 codes are exact in bf16, and
-the probabilities are cast to the compute dtype as they are for the new tokens. A codec that
-is neither a float codec nor a `ScaledCodec` reads through its own `qk_block` / `pv_block`.
+the probabilities are cast to the compute dtype as they are for the new tokens. What a
+codec stores is what it says (`Codec.storage`): "float" or "scaled" storage is read here, any
+other (nf4/nf2's level indices, a codec's own storage) through its own `qk_block` / `pv_block`.
 """
 
 from __future__ import annotations
@@ -29,13 +30,17 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import codecs
-from kvjax.codecs import logits, packing, quant
+from kvjax.codecs import logits, packing
 
 f32 = jnp.float32
 
 
 def _float(codec) -> bool:
-  return type(codec) is codecs.Codec
+  return codec.storage == "float"
+
+
+def _scaled(codec) -> bool:
+  return codec.storage == "scaled"
 
 
 def codes(codec, enc, dtype) -> jax.Array:
@@ -60,7 +65,7 @@ def qk(codec, q_BKGTD: jax.Array, k_enc) -> jax.Array:
   if _float(codec):
     return jnp.einsum("bkgtd,bkcd->bkgtc", q_BKGTD, codes(codec, k_enc, dt),
                       preferred_element_type=f32)
-  if not isinstance(codec, quant.ScaledCodec):
+  if not _scaled(codec):
     return codec.qk_block(q_BKGTD, k_enc)
   c_BKCD = codes(codec, k_enc, dt)
   s, off = _meta(codec, k_enc)
@@ -82,7 +87,7 @@ def pv(codec, p_BKGTC: jax.Array, v_enc, dtype) -> jax.Array:
   if _float(codec):
     return jnp.einsum("bkgtc,bkcd->bkgtd", p_BKGTC.astype(dtype), codes(codec, v_enc, dtype),
                       preferred_element_type=f32)
-  if not isinstance(codec, quant.ScaledCodec):
+  if not _scaled(codec):
     return codec.pv_block(p_BKGTC, v_enc)
   c_BKCD = codes(codec, v_enc, dtype)
   s, off = _meta(codec, v_enc)

@@ -1,8 +1,9 @@
 """`model.attention: pallas`: the `grouped` attention with each stored segment read by a
 Pallas kernel straight from the codec storage.
 
-The kernel reads what the cache holds and nothing else: fp32, bf16/fp16 bit patterns,
-int8 codes + per-token scales, packed int4/int2 codes + scale/zero, fp8 bits + scale. Each
+The kernel reads what the cache holds and nothing else, as each codec says
+(`Codec.storage`): "float", fp32 or bf16/fp16 bit patterns; "scaled", int8 codes +
+per-token scales, packed int4/int2 codes + scale/zero, fp8 bits + scale. Each
 step loads one block of stored tokens, one column chunk at a time (a chunk = one packed bit
 plane x one scale group, so no unpack/concatenate is ever needed), and its codes reach each
 dot through the unpack and a convert to the query's dtype only: the scales multiply the
@@ -23,11 +24,12 @@ ROW_MIN = 16 rows (the MMA tile: decode's few rows still multiply through `dot`)
 with any dimension below 16 multiply-reduces instead. BLOCK, SPLITS, ROW_MIN, ROW_BLOCK,
 NUM_WARPS and NUM_STAGES are the knobs `configs/accel/pallas_sweep.yaml` sweeps.
 
-Falls back to the XLA read (`xla.attend_segment`) for segments it does not take:
-per-channel key scales (`cache.k_axis=channel`, whose scales span token blocks).
-Off GPU the kernel runs in Pallas interpret mode (slow, for tests and smoke runs).
-Shape limits (checked on the host, one-line `KvjaxError`): head_dim and the page size must
-be powers of two (Triton tensors are).
+Falls back to the XLA read (`xla.attend_segment`) for per-channel key scales
+(`cache.k_axis=channel`, whose scales span token blocks). A codec whose storage is its own
+(`storage` None: nf4/nf2's level tables, or any codec that changes the storage without
+saying what it is) is refused on the host in one line. Off GPU the kernel runs in Pallas interpret mode (slow, for tests
+and smoke runs). Shape limits (also one-line `KvjaxError`s): head_dim and the page size
+must be powers of two (Triton tensors are).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kvjax.attention import base, xla
-from kvjax.codecs import base as codec_base, packing, quant
+from kvjax.codecs import base as codec_base, for_role, packing
 from kvjax.errors import KvjaxError
 
 BLOCK = 64        # contiguous storage: stored tokens per kernel step (a power of two)
@@ -67,18 +69,28 @@ def check_shapes(head_dim: int, page_size: int = 0) -> None:
 
 
 def check_config(c, m) -> None:
-  """The registry's config check (`attention.check`): the same limits, before tracing."""
+  """The registry's config check (`attention.check`): the same limits, and a read for the
+  storage of both codecs, before tracing."""
   check_shapes(m.D, c.page_size if c.layout == "paged" else 0)
+  for role in ("k", "v"):
+    codec = for_role(getattr(c, f"{role}_codec"), c, role)
+    if codec.storage not in ("float", "scaled"):
+      raise KvjaxError(f"model.attention=pallas has no read for {codec.name}'s storage "
+                       f"(cache.{role}_codec); use model.attention=grouped or native")
 
 
 def _kernel_reads(codec) -> bool:
-  return not (isinstance(codec, quant.ScaledCodec) and codec.axis == "channel")
+  return codec.storage == "float" or (codec.storage == "scaled" and codec.axis != "channel")
+
+
+def _scaled(codec) -> bool:
+  return codec.storage == "scaled"
 
 
 def _chunks(codec, D: int):
   """Static plan of a codec's column chunks: (first element, width, packed-byte offset,
   bit shift, scale column). Chunks never straddle a bit plane or a scale group."""
-  if not isinstance(codec, quant.ScaledCodec):
+  if not _scaled(codec):
     return [(0, D, 0, 0, 0)]
   per = 8 // codec.bits if codec.asym else 1
   pw, g = D // per, codec.group or D
@@ -91,7 +103,7 @@ def _codes(codec, load, chunk, dt):
   and mask of a packed plane) and a convert, nothing else. `load(leaf, col, width)` reads
   that leaf's columns for the block's tokens."""
   _, cs, off, shift, _ = chunk
-  if not isinstance(codec, quant.ScaledCodec):
+  if not _scaled(codec):
     return codec_base.load_bits(load("x", 0, cs), codec.dtype).astype(dt)
   raw = load("codes", off, cs)
   if codec.asym:
@@ -102,7 +114,7 @@ def _codes(codec, load, chunk, dt):
 def _scales(codec, load, chunk):
   """The chunk's per-token scale and asymmetric offset z - h s, float32 [C] (None, None
   for a float codec; offset None when symmetric): applied around the dots, never to codes."""
-  if not isinstance(codec, quant.ScaledCodec):
+  if not _scaled(codec):
     return None, None
   j = chunk[4]
   s = packing.load_meta(load("scale", j, 1))[:, 0]

@@ -12,7 +12,7 @@ from kvjax import plugins
 from kvjax.cache.base import (LAYOUTS, CacheSpec, Layout, LayerSegment,  # noqa: F401
                               PagedSegment, Segment, get, layout_of, register, scatter,
                               tree_bytes)
-from kvjax.config import Config
+from kvjax.config import Config, add_check
 from kvjax.errors import KvjaxError
 
 plugins.import_all(__name__, __path__)
@@ -35,6 +35,9 @@ def check(cache_cfg, model_cfg) -> None:
   get(cache_cfg.layout)
   for layout in LAYOUTS.values():
     layout.check(cache_cfg, model_cfg)
+
+
+add_check(check)  # config.validate runs it (the config imports no registry)
 
 
 def segments(cache, layer) -> list[Segment]:

@@ -65,7 +65,7 @@ class CacheSpec:
 
   @property
   def keep_first(self) -> int:
-    """N: the first tokens of each sequence kept in full precision (0: none)."""
+    """The first tokens of each sequence kept in full precision (0: none)."""
     return self.cache_cfg.keep_first
 
   @property
@@ -75,7 +75,7 @@ class CacheSpec:
 
   @property
   def history(self) -> int:
-    """Quantized slots: all of `capacity` (less the first N kept apart) without a window,
+    """Quantized slots: all of `capacity` (less the first tokens kept apart) without a window,
     else what can ever leave it."""
     R, U, S = self.residual, self.block, self.capacity - self.keep_first
     return S if not R else U * -(-max(S - R, 0) // U)
@@ -86,7 +86,7 @@ class CacheSpec:
 
   def quantized_len(self, lengths_B: jax.Array) -> jax.Array:
     """q(n): tokens held in the quantized history when n of its tokens are cached (n counts
-    from position N under `cache.keep_first`). The window keeps the newest n - q <= R
+    past the `cache.keep_first` first tokens). The window keeps the newest n - q <= R
     tokens; a block of U leaves it only when the window would overflow."""
     R, U = self.residual, self.block
     if not R:
@@ -197,6 +197,9 @@ class Layout:
 
   name = "base"
   internal = False  # True: built by something else (a cache.policy), never chosen by name
+  sized_as = ""  # the layout `kvjax size` and the memory estimate count instead ("": itself)
+  shared_pool = False  # True: leaves [L, P, K, ...] any sequence's pages may use (sharding
+                       # replicates them over the data axis instead of splitting the batch)
 
   def check(self, cache_cfg: CacheConfig, model_cfg: ModelConfig) -> None:
     """Host-side limits of this layout, when `cache.layout` names it."""

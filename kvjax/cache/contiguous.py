@@ -1,7 +1,7 @@
 """The `contiguous` layout: `capacity` preallocated slots per sequence, every leaf stacked
 over layers [L, B, K, S, ...] (K heads only, never the repeated query-group copies), with
 an optional full-precision window of recent tokens (`cache.residual`, KIVI's R) and the
-first tokens of each sequence kept apart in full precision (`cache.keep_first`, N)."""
+first tokens of each sequence kept apart in full precision (`cache.keep_first`)."""
 
 from __future__ import annotations
 
@@ -24,15 +24,15 @@ class KVCache:
   spec: base.CacheSpec = struct.field(pytree_node=False)
   k_win: Any = None      # full-precision window [L, B, K, R, D] (cache.residual > 0), else None
   v_win: Any = None
-  k_first: Any = None    # the first N tokens in full precision [L, B, K, N, D] (cache.keep_first)
+  k_first: Any = None    # the first tokens in full precision [L, B, K, S, D], S = cache.keep_first
   v_first: Any = None
 
 
 def check_capacity(spec: base.CacheSpec) -> None:
   """`cache.keep_first` must leave room for the tokens after it (host side, at build)."""
-  N = spec.keep_first
-  if N >= spec.capacity:
-    raise KvjaxError(f"cache.keep_first={N} must be below the cache capacity {spec.capacity}; "
+  first = spec.keep_first
+  if first >= spec.capacity:
+    raise KvjaxError(f"cache.keep_first={first} must be below the cache capacity {spec.capacity}; "
                      "keep fewer first tokens or raise cache.capacity (or the context)")
 
 
@@ -46,9 +46,9 @@ class Contiguous(base.Layout):
   appended to the history; history is never decoded or re-encoded. Everything is data-
   driven by per-sequence lengths, so prefill and decode never retrace.
 
-  With `cache.keep_first` = N > 0, positions [0, N) live in their own full-precision store
+  With `cache.keep_first` = f > 0, positions [0, f) live in their own full-precision store
   (slot = position, in the window's codec: the model's dtype) and everything above is the
-  cache just described over positions p - N: history slot p - N, window slot (p - N) mod R.
+  cache just described over positions p - f: history slot p - f, window slot (p - f) mod R.
   The first tokens are one more segment of the read, so every attention variant and the
   read kernel see them as they see the window.
   """
@@ -65,8 +65,8 @@ class Contiguous(base.Layout):
       cache = dataclasses.replace(cache, k_win=win(), v_win=win())
     if spec.keep_first:
       check_capacity(spec)
-      first = lambda: spec.window_codec.init((L, B, K, spec.keep_first, D))  # noqa: E731
-      cache = dataclasses.replace(cache, k_first=first(), v_first=first())
+      store = lambda: spec.window_codec.init((L, B, K, spec.keep_first, D))  # noqa: E731
+      cache = dataclasses.replace(cache, k_first=store(), v_first=store())
     return cache
 
   def store(self, cache: KVCache) -> Any:
@@ -79,13 +79,13 @@ class Contiguous(base.Layout):
 
   def read(self, spec, store, lengths_B, layer):
     k, v = store[:2]
-    N, wc = spec.keep_first, spec.window_codec
-    n_B = jnp.maximum(lengths_B - N, 0) if N else lengths_B  # tokens held after the first N
+    first, wc = spec.keep_first, spec.window_codec
+    n_B = jnp.maximum(lengths_B - first, 0) if first else lengths_B  # held after the first
     q_B = spec.quantized_len(n_B)
     segs = []
-    if N:
-      mask_BN = jnp.arange(N)[None, :] < lengths_B[:, None]
-      segs.append(base.LayerSegment(store[-2], store[-1], mask_BN, wc, wc, layer=layer))
+    if first:
+      first_BS = jnp.arange(first)[None, :] < lengths_B[:, None]  # S: this segment's slots
+      segs.append(base.LayerSegment(store[-2], store[-1], first_BS, wc, wc, layer=layer))
     if spec.history:
       mask_BS = jnp.arange(spec.history)[None, :] < q_B[:, None]
       segs.append(base.LayerSegment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(q_B),
@@ -104,19 +104,19 @@ class Contiguous(base.Layout):
     k_LBKTD = jnp.swapaxes(k_LBTKD, 2, 3)
     v_LBKTD = jnp.swapaxes(v_LBTKD, 2, 3)
     lengths = cache.lengths + jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
-    N = spec.keep_first
-    if N:  # positions [0, N) to their own store; the rest is the cache over p - N
-      first_BT = jnp.where((positions_BT >= 0) & (positions_BT < N), positions_BT, N)
+    first = spec.keep_first
+    if first:  # positions [0, first) to their own store; the rest is the cache over p - first
+      first_BT = jnp.where((positions_BT >= 0) & (positions_BT < first), positions_BT, first)
 
       def put(store, new):
         return base.scatter(first_BT)(store, spec.window_codec.encode(new))
       cache = dataclasses.replace(cache, k_first=put(cache.k_first, k_LBKTD),
                                   v_first=put(cache.v_first, v_LBKTD))
-      positions_BT = jnp.where(positions_BT >= N, positions_BT - N, -1)
+      positions_BT = jnp.where(positions_BT >= first, positions_BT - first, -1)
     if spec.residual:
-      n0, n1 = (jnp.maximum(n - N, 0) for n in (cache.lengths, lengths)) if N else \
+      n0, n1 = (jnp.maximum(n - first, 0) for n in (cache.lengths, lengths)) if first else \
           (cache.lengths, lengths)
-      skip_B = jnp.maximum(N - cache.lengths, 0) if N else None  # new tokens now in the first N
+      skip_B = jnp.maximum(first - cache.lengths, 0) if first else None  # now in the first store
       kv = self._write_windowed(cache, k_LBKTD, v_LBKTD, positions_BT, n0, n1, skip_B)
       return dataclasses.replace(cache, **kv, lengths=lengths)
     slots_BT = jnp.where(positions_BT >= 0, positions_BT, spec.history)  # padding: dropped
@@ -126,8 +126,8 @@ class Contiguous(base.Layout):
 
   def _write_windowed(self, cache, k_LBKTD, v_LBKTD, positions_BT, n0, n1, skip_B) -> dict:
     """The history and window after the write, as KVCache fields (positions and the tokens
-    held before (n0) and after (n1) it count from position N; the first skip_B new tokens
-    of each row went to the first N's store, None: no first store)."""
+    held before (n0) and after (n1) it count from position keep_first; the first skip_B new
+    tokens of each row went to the first tokens' store, None: no first store)."""
     spec = cache.spec
     R, U = spec.residual, spec.block
     q0, q1 = spec.quantized_len(n0), spec.quantized_len(n1)

@@ -80,6 +80,7 @@ class Paged(base.Layout):
   """Pages of `cache.page_size` tokens from a shared pool, found through a block table."""
 
   name = "paged"
+  shared_pool = True
 
   def check(self, cache_cfg, model_cfg) -> None:
     if cache_cfg.layout == self.name:

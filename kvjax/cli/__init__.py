@@ -19,12 +19,13 @@ import os
 import sys
 from pathlib import Path
 
-from kvjax.cli.commands import CODEC_NAMES, DEFAULT_CODEC, LAYOUT_NAMES
+from kvjax.cli.commands import DEFAULT_CODEC, codec_names, layout_names
 from kvjax.cli.parser import NUMBER_FLAGS, build_parser
 from kvjax.cli.show import print_human
 from kvjax.errors import KvjaxError
 
-__all__ = ["CODEC_NAMES", "DEFAULT_CODEC", "LAYOUT_NAMES", "build_parser", "main", "parse_args"]
+__all__ = ["DEFAULT_CODEC", "build_parser", "codec_names", "layout_names", "main",
+           "parse_args"]
 
 
 def _silence_stdout() -> None:

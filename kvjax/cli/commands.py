@@ -39,12 +39,20 @@ def _sampling_overrides(args) -> dict:
 
 
 # -- size ---------------------------------------------------------------------------------
-# Names listed in --help (tests hold them equal to codecs.CODECS and cache.LAYOUTS; the
-# registries themselves would import JAX just to print help).
-CODEC_NAMES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2", "nf4",
-               "nf2")
-LAYOUT_NAMES = ("none", "contiguous", "paged", "latent")
 DEFAULT_CODEC = "bf16"  # the common serving dtype, for every way of naming the model
+
+
+def codec_names() -> list[str]:
+  """Every registered codec (`kvjax.registries`; importing the registries imports JAX, so
+  the parser asks only when it prints help)."""
+  from kvjax import registries
+  return registries.names("codec")
+
+
+def layout_names() -> list[str]:
+  """Every layout a user chooses as cache.layout (not those a policy builds)."""
+  from kvjax import registries
+  return registries.names("layout")
 
 
 def _names_codec(args, over: dict, file_cfg: dict) -> bool:
@@ -56,7 +64,8 @@ def _names_codec(args, over: dict, file_cfg: dict) -> bool:
 
 
 def cmd_size(args) -> dict:
-  from kvjax import cache, codecs, sizing  # noqa: F401
+  from kvjax import sizing
+  from kvjax.registries import codecs  # (every registry: config.validate knows names)
 
   over, file_items, notes = {}, {}, []
   param_dtype = None
@@ -93,52 +102,9 @@ def cmd_size(args) -> dict:
     notes.append(f"no codec given: {DEFAULT_CODEC} cache assumed; --codec, --k-codec/--v-codec "
                  "or --dtype to change")
   cfg = config_lib.apply_overrides(cfg, _cache_overrides(args, over))
-  if args.seq_len <= 0 or args.batch <= 0:
-    raise KvjaxError("--seq-len and --batch must be positive")
-  m = cfg.model
-  warnings = []
-  if (args.hf or args.config or args.gguf) and args.seq_len > m.max_seq_len:
-    warnings.append(f"--seq-len {args.seq_len} exceeds this model's max_seq_len "
-                    f"{m.max_seq_len}: sized anyway, but the model is not meant for it")
-  import dataclasses
-
-  from kvjax import held as held_lib
-  # What one sequence holds at --seq-len (kvjax.held: window, scales, policy state, pages
-  # in); `none` is sized as the K/V it recomputes, a contiguous cache; --seq-len is the
-  # reservation, whatever cache.capacity says.
-  layout_name = "contiguous" if cfg.cache.layout == "none" else cfg.cache.layout
-  cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, layout=layout_name,
-                                                           capacity=0))
-  h = held_lib.count(cfg, args.seq_len, batch=args.batch)
-  held, layout = h.tokens, cache.LAYOUTS[h.layout]
-  if held_lib.window_warning(cfg, args.seq_len):
-    warnings.append(held_lib.window_warning(cfg, args.seq_len))
-  from kvjax import sharding  # bytes per device under mesh.data x mesh.model (no devices needed)
-  out = {
-      **h.fields(),  # bytes_per_token: held at --seq-len; and the long-context limit
-      "total_bytes": int(round(h.bytes * args.batch)),
-      "layers": m.n_layers, "heads": m.n_heads, "kv_heads": m.n_kv_heads, "head_dim": m.D,
-      "seq_len": args.seq_len, "batch": args.batch, "variant": m.variant,
-      "max_seq_len": m.max_seq_len if (args.hf or args.config or args.gguf) else None,
-      "k_codec": cfg.cache.k_codec, "v_codec": cfg.cache.v_codec, "layout": layout.name,
-      "k_axis": cfg.cache.k_axis, "group_size": cfg.cache.group_size,
-      "residual": cfg.cache.residual, "keep_first": cfg.cache.keep_first,
-      "rotate": cfg.cache.rotate, "notes": notes, "warnings": warnings,
-      "policy": cfg.cache.policy, "held_tokens": held,
-      **sharding.size_report(cfg, args.batch, held,
-                             with_params=bool(args.hf or args.config or args.gguf)),
-  }
-  if param_dtype:
-    out["param_dtype"] = param_dtype
-  if args.budget:
-    if out["devices"] > 1:
-      raise KvjaxError("--budget sizes one device; drop the mesh.* overrides (or divide the "
-                       "model yourself) to size a single device")
-    budget, unit = sizing.parse_bytes(args.budget)
-    out["budget"] = {"text": args.budget, "unit": unit,
-                     **sizing.budget_report(cfg, held, args.batch, budget,
-                                            out.get("param_bytes"))}
-  return out
+  return sizing.report(cfg, args.seq_len, args.batch, named=bool(args.hf or args.config
+                                                                 or args.gguf),
+                       notes=notes, param_dtype=param_dtype, budget=args.budget)
 
 
 # -- generate -----------------------------------------------------------------------------

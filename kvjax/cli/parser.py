@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import argparse
 
-from kvjax.cli.commands import (CODEC_NAMES, DEFAULT_CODEC, LAYOUT_NAMES, cmd_convert, cmd_eval,
-                                cmd_generate, cmd_models, cmd_results, cmd_run, cmd_size,
-                                cmd_train)
+from kvjax.cli.commands import (DEFAULT_CODEC, cmd_convert, cmd_eval, cmd_generate, cmd_models,
+                                cmd_results, cmd_run, cmd_size, cmd_train, codec_names,
+                                layout_names)
 from kvjax.errors import KvjaxError
 
 
@@ -43,9 +43,32 @@ _I32 = 2**31 - 1
 _POS, _NONNEG = (0, False, _I32, True), (0, True, _I32, True)
 
 
+class Listed:
+  """A help text naming what a registry holds, written out only when help is printed: the
+  registries import JAX, which parsing a command line must not wait for. `{codecs}`,
+  `{layouts}` in `text` become the registered names (`codec_names`, `layout_names`)."""
+
+  def __init__(self, text: str):
+    self.text = text
+
+  def __str__(self) -> str:
+    return self.text.format(codecs=", ".join(codec_names()), layouts=", ".join(layout_names()))
+
+
 class _Parser(argparse.ArgumentParser):
   def error(self, message):  # one line, not the usage block
     raise KvjaxError(f"{message} (see {self.prog} --help)")
+
+  def format_help(self) -> str:
+    """Help with every `Listed` text written out from the registries."""
+    if isinstance(self.description, Listed):
+      self.description = str(self.description)
+    if isinstance(self.epilog, Listed):
+      self.epilog = str(self.epilog)
+    for action in self._actions:
+      if isinstance(action.help, Listed):
+        action.help = str(action.help).replace("%", "%%")
+    return super().format_help()
 
 
 def _add_distributed(p):
@@ -64,16 +87,19 @@ def _add_set(p):
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = _Parser(prog="kvjax", description="Compare KV-cache variants: memory, speed, quality.")
+  p = _Parser(prog="kvjax", description="Compare KV-cache variants: memory, speed, quality.",
+              epilog=Listed("Cache codecs (cache.codec, --codec): {codecs}. Layouts "
+                            "(cache.layout): {layouts}."))
   sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
   s = sub.add_parser(
       "size", help="closed-form KV-cache bytes for a model shape, and what fits a budget",
-      description="Closed-form KV-cache bytes (per token, and for --batch x --seq-len) of a "
-      "model given by its shape flags, a kvjax config, a Hugging Face folder or a GGUF file; with --budget, "
-      "how many sequences fit after the weights. The cache is bf16 unless a codec is given, "
-      "whichever way the model is named. Codecs: " + ", ".join(CODEC_NAMES) + ". Layouts "
-      "(--set cache.layout=): " + ", ".join(LAYOUT_NAMES) + " (none is sized as contiguous).")
+      description=Listed(
+          "Closed-form KV-cache bytes (per token, and for --batch x --seq-len) of a model "
+          "given by its shape flags, a kvjax config, a Hugging Face folder or a GGUF file; "
+          "with --budget, how many sequences fit after the weights. The cache is bf16 unless "
+          "a codec is given, whichever way the model is named. Codecs: {codecs}. Layouts "
+          "(--set cache.layout=): {layouts} (none is sized as contiguous)."))
   s.add_argument("--layers", type=_number("--layers", "model.n_layers"),
                  help="decoder layers (shape-only form)")
   s.add_argument("--heads", type=_number("--heads", "model.n_heads"),
@@ -93,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="sequences (default 1)")
   s.add_argument("--dtype", help="float32 | bfloat16 | float16: the same as --codec "
                  "fp32/bf16/fp16")
-  s.add_argument("--codec", help=f"cache codec for K and V (default {DEFAULT_CODEC}): "
-                 + ", ".join(CODEC_NAMES))
+  s.add_argument("--codec", help=Listed(f"cache codec for K and V (default {DEFAULT_CODEC}): "
+                                        "{codecs}"))
   s.add_argument("--k-codec", help="codec for K only (beats --codec)")
   s.add_argument("--v-codec", help="codec for V only (beats --codec)")
   s.add_argument("--budget", metavar="SIZE", help="memory to fill, e.g. 80GiB or 80GB "
@@ -119,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                  "through the model's own chat template (GGUF/Hugging Face metadata)")
   g.add_argument("--no-stop", action="store_true", help="generate --max-new-tokens tokens "
                  "even past the model's stop tokens (EOS, end of turn)")
-  g.add_argument("--codec", help="cache codec for K and V")
+  g.add_argument("--codec", help=Listed("cache codec for K and V: {codecs}"))
   g.add_argument("--k-codec", help="cache codec for K only (e.g. int8 with --v-codec int4)")
   g.add_argument("--v-codec", help="cache codec for V only")
   g.add_argument("--greedy", action="store_true")
@@ -187,12 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
   e.add_argument("--text", default="stdlib",
                  help="a text file, or `stdlib` (Python's own sources and docs; the default)")
   e.add_argument("--tokens", type=_number("--tokens", _POS), default=512,
-                 help="tokens per window (N)")
+                 help="tokens per window (M)")
   e.add_argument("--seqs", type=_number("--seqs", _POS), default=1,
-                 help="windows (B); 1 = the first N tokens")
+                 help="windows (B); 1 = the first M tokens")
   e.add_argument("--chunk", type=_number("--chunk", _POS), default=1,
                  help="tokens per step (1 = pure decode)")
-  e.add_argument("--codec", help="cache codec for K and V")
+  e.add_argument("--codec", help=Listed("cache codec for K and V: {codecs}"))
   e.add_argument("--k-codec")
   e.add_argument("--v-codec")
   e.add_argument("--json", action="store_true", help="print one JSON object")

@@ -13,17 +13,26 @@ saturate finite values at the storage type's largest finite value, so finite inp
 never becomes Inf (fp16 would otherwise overflow above 65504, bf16 just below 2**128).
 """
 
+from kvjax import config as config_lib
 from kvjax import plugins
 from kvjax.codecs.base import (CODECS, DTYPE_TO_CODEC, READ_CHUNK, Codec,  # noqa: F401
                                dot_pv, dot_qk, for_role, get, load_bits, register, store_bits)
+from kvjax.errors import KvjaxError
 
 plugins.import_all(__name__, __path__)
 
 
 def check(cache_cfg, model_cfg) -> None:
-  """The codec registry's config checks: both names known, each codec's own limits, and
-  the rotation around them (`rotate`)."""
+  """The codec registry's config checks (added to `config.validate`): both names known,
+  each codec's own limits, and the rotation around them (`rotate`)."""
   from kvjax.codecs import rotate
+  for role in ("k", "v"):
+    name = getattr(cache_cfg, f"{role}_codec")
+    if name not in CODECS:
+      raise KvjaxError(f"unknown codec '{name}' (cache.{role}_codec); known: {', '.join(CODECS)}")
   rotate.check(cache_cfg, model_cfg)
   for role in ("k", "v"):
     get(getattr(cache_cfg, f"{role}_codec")).check(cache_cfg, model_cfg, role)
+
+
+config_lib.add_check(check)

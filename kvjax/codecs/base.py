@@ -72,6 +72,22 @@ class Codec:
   # codec's storage in whole blocks of this many tokens.
   token_block = 1
 
+  # What the storage is, for the reads that load it directly rather than through
+  # `qk_block` / `pv_block` (the Pallas kernel, `attention.pallas`; the accelerator
+  # program's folded reads, `attention.folded`): "float" (one array of `dtype` values or
+  # bit patterns), "scaled" (`quant.ScaledCodec`'s codes, scales and zeros, read by its
+  # bits, kind, group and axis), or None: its own, read only through its own methods, and
+  # refused by `model.attention=pallas` on the host. A subclass that changes the storage or
+  # its reads without saying what it is gets None (below), never its parent's kind.
+  storage = "float"
+  _STORAGE = ("init", "encode", "decode", "codes", "_quantize", "qk_block", "pv_block",
+              "_qk_block", "_pv_block")
+
+  def __init_subclass__(cls, **kw):
+    super().__init_subclass__(**kw)
+    if "storage" not in vars(cls) and any(n in vars(cls) for n in Codec._STORAGE):
+      cls.storage = None
+
   def configure(self, cache_cfg, role: str) -> "Codec":
     """This codec with the granularity knobs of `cache_cfg` for K (`role="k"`) or V bound
     in (group size, key axis); the float codecs have none."""

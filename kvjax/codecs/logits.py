@@ -20,15 +20,16 @@ def channel_logits(q_BKGTD, c_BKCD, s_BKJD, off_BKJD):
   return l.reshape(B, K, G, T, C)
 
 
-def group_logits(q_BKGTD, c_BKCD, s_BKCN, off_BKCN):
-  """Logits of codes with per-token scales (and zero points) for N groups along head_dim:
-  one product per group, the scales applied to its partial logits."""
+def group_logits(q_BKGTD, c_BKCD, s_BKCX, off_BKCX):
+  """Logits of codes with per-token scales (and zero points) for X groups along head_dim
+  (the scale leaves' storage width): one product per group, the scales applied to its
+  partial logits."""
   B, K, G, T, D = q_BKGTD.shape
-  C, n, f32 = c_BKCD.shape[-2], s_BKCN.shape[-1], jnp.float32
+  C, n, f32 = c_BKCD.shape[-2], s_BKCX.shape[-1], jnp.float32
   qn = q_BKGTD.reshape(B, K, G, T, n, D // n)
   l = jnp.einsum("bkgtnd,bkcnd->bkgtcn", qn, c_BKCD.reshape(B, K, C, n, D // n),
                  preferred_element_type=f32)
-  l = jnp.einsum("bkgtcn,bkcn->bkgtc", l, s_BKCN)
-  if off_BKCN is not None:
-    l = l + jnp.einsum("bkgtn,bkcn->bkgtc", jnp.sum(qn.astype(f32), -1), off_BKCN)
+  l = jnp.einsum("bkgtcn,bkcn->bkgtc", l, s_BKCX)
+  if off_BKCX is not None:
+    l = l + jnp.einsum("bkgtn,bkcn->bkgtc", jnp.sum(qn.astype(f32), -1), off_BKCX)
   return l

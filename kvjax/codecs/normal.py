@@ -18,8 +18,9 @@ bits has the same bound at every magnitude, these levels are denser near zero.
 Bytes: the packed codes plus one bf16 scale per group (no zero point): int4's bytes less
 its zeros. Reads: `qk_block` / `pv_block` are `ScaledCodec`'s with the codes looked up in
 the levels, so the grouped, reference and native (XLA dots) reads all hold; the CPU read
-kernel has no level table (`kernel_kind` None) and the Pallas kernel reads integer codes
-only, so `model.attention=pallas` is refused for these codecs.
+kernel has no level table (`kernel_kind` None) and neither has the Pallas kernel
+(`storage` None: not `ScaledCodec`'s integer codes), so `model.attention=pallas` is refused
+for these codecs, and the accelerator program's folded read takes their own reads.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.codecs import base, packing, quant
-from kvjax.errors import KvjaxError
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,12 +52,7 @@ class NormalFloat(quant.ScaledCodec):
   """`ScaledCodec` (symmetric, absmax scales) with codes that index fixed normal levels."""
 
   kind: str = "nf"
-
-  def check(self, cache_cfg, model_cfg, role: str) -> None:
-    super().check(cache_cfg, model_cfg, role)
-    if model_cfg.attention == "pallas":
-      raise KvjaxError(f"model.attention=pallas reads integer codes, not {self.name}'s levels; "
-                       "use model.attention=grouped or native")
+  storage = None  # codes index levels: read through its own qk_block / pv_block only
 
   def _quantize(self, xg, red):
     lv = jnp.asarray(levels(self.bits), jnp.float32)

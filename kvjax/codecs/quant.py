@@ -60,6 +60,8 @@ PLANE_MIN = 64
 class ScaledCodec(base.Codec):
   """Codes plus per-group scales (and zeros). `dtype` is the stored code type."""
 
+  storage = "scaled"  # (base.Codec.storage)
+
   kind: str = "int"      # int: symmetric | uint: asymmetric, packed | fp8
   bits: int = 8
   group: int = 0         # token axis: elements per group along head_dim (0: whole head)

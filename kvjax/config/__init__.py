@@ -11,10 +11,11 @@ Y = 2·K·D, W policy window, X codec storage width, Z Pallas splits, I a call's
 
 This package face re-exports the public names of its modules: `schema` (the dataclasses
 and their keys), `loader` (YAML, `--set`, overrides, packaged shapes), `checks` (ranges
-and validation) and `yamlfile` (strict YAML: duplicate keys, alias cycles, non-UTF-8 refused).
+and validation, with the checks each registry adds: `add_check`) and `yamlfile` (strict
+YAML: duplicate keys, alias cycles, non-UTF-8 refused). It imports no other kvjax module.
 """
 
-from kvjax.config.checks import check_number, range_of, validate
+from kvjax.config.checks import add_check, check_number, range_of, validate
 from kvjax.config.yamlfile import read as read_yaml
 from kvjax.config.loader import (SHAPES_DIR, apply_overrides, expand_codec, flat, from_dict,
                                  load, parse_set, replace, resolve, shape_names, shape_path)
@@ -22,6 +23,7 @@ from kvjax.config.schema import (DTYPES, SECTIONS, CacheConfig, Config, MeshConf
                                  TrainConfig, WorkloadConfig, field_type, known_keys)
 
 __all__ = ["DTYPES", "SECTIONS", "SHAPES_DIR", "CacheConfig", "Config", "MeshConfig",
-           "ModelConfig", "TrainConfig", "WorkloadConfig", "apply_overrides", "check_number",
-           "expand_codec", "field_type", "flat", "from_dict", "known_keys", "load", "parse_set",
-           "range_of", "read_yaml", "replace", "resolve", "shape_names", "shape_path", "validate"]
+           "ModelConfig", "TrainConfig", "WorkloadConfig", "add_check", "apply_overrides",
+           "check_number", "expand_codec", "field_type", "flat", "from_dict", "known_keys",
+           "load", "parse_set", "range_of", "read_yaml", "replace", "resolve", "shape_names",
+           "shape_path", "validate"]

@@ -1,12 +1,18 @@
 """Host-side checks of a built config: the allowed range of every numeric field, the
-cross-field rules (heads divide, codecs and layouts exist, KIVI settings fit), each failure
-one line naming the key, the value and the fix.
+cross-field rules (heads divide, dtypes and programs exist), each failure one line naming
+the key, the value and the fix; then the checks the registries added (`add_check`).
+
+The config is the ground floor: it imports no other kvjax module. Which attention variants,
+layouts, codecs and policies exist, and what each allows, is known to the registries
+(`kvjax.attention`, `kvjax.cache`, `kvjax.codecs`, `kvjax.policies`), and each registry adds
+its own check here when it is imported; `kvjax.registries` imports them all, and every
+entry point that builds a config from user input imports it first.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 from kvjax.config.schema import DTYPES, SECTIONS, Config, field_type
 from kvjax.errors import KvjaxError
@@ -162,14 +168,26 @@ def _check_numbers(cfg: Config) -> None:
                      f"keep fewer first tokens or raise the capacity")
 
 
+# The registries' checks, `check(cache_cfg, model_cfg)` each, in the order they were added.
+REGISTRY_CHECKS: list[Callable[[Any, Any], None]] = []
+
+
+def add_check(check: Callable[[Any, Any], None]) -> None:
+  """Run `check(cache_cfg, model_cfg)` in every `validate` from now on (a registry's own
+  names and limits; added once however often its package is reloaded)."""
+  key = (check.__module__, check.__qualname__)
+  REGISTRY_CHECKS[:] = [c for c in REGISTRY_CHECKS if (c.__module__, c.__qualname__) != key]
+  REGISTRY_CHECKS.append(check)
+
+
 def validate(cfg: Config) -> Config:
   """Host-side checks with one-line messages that name the key, the value and the fix.
 
   Every numeric field is checked against `_RANGES` (type, finiteness, range) whatever
   built the config: YAML, `--set`, a checkpoint's config.yaml or an imported checkpoint's
-  metadata, since all of them come through `apply_overrides`."""
-  from kvjax import attention, cache, codecs, policies  # registries check their own config
-
+  metadata, since all of them come through `apply_overrides`. Then every registry check
+  added so far (`add_check`): the names of the attention, layout, codecs and policy, and
+  each one's own limits."""
   m, c = cfg.model, cfg.cache
   _check_numbers(cfg)
   if m.n_heads % m.n_kv_heads:
@@ -185,16 +203,8 @@ def validate(cfg: Config) -> Config:
       raise KvjaxError(f"unknown model.{name} '{getattr(m, name)}'; use one of {', '.join(DTYPES)}")
   if m.program not in PROGRAMS:
     raise KvjaxError(f"unknown model.program '{m.program}'; use one of {', '.join(PROGRAMS)}")
-  if m.attention not in attention.ATTENTIONS:
-    raise KvjaxError(f"unknown attention '{m.attention}'; known: {', '.join(attention.ATTENTIONS)}")
-  if c.layout not in cache.LAYOUTS:
-    raise KvjaxError(f"unknown cache.layout '{c.layout}'; known: {', '.join(cache.LAYOUTS)}")
-  for name in ("k_codec", "v_codec"):
-    if getattr(c, name) not in codecs.CODECS:
-      raise KvjaxError(f"unknown codec '{getattr(c, name)}' (cache.{name}); "
-                       f"known: {', '.join(codecs.CODECS)}")
   if c.k_axis not in ("token", "channel"):
     raise KvjaxError(f"unknown cache.k_axis '{c.k_axis}'; use token or channel")
-  for registry in (codecs, cache, attention, policies):
-    registry.check(c, m)
+  for check in REGISTRY_CHECKS:
+    check(c, m)
   return cfg

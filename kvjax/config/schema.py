@@ -84,7 +84,7 @@ class CacheConfig:
   window: int = 0                # recent (window/sinks/h2o) or snapkv observation window
   rotate: str = "none"           # none | hadamard | random: K, Q, V rotated per head (kvjax.codecs.rotate)
   rotate_seed: int = 0           # the seed of `rotate: random`'s orthogonal matrix
-  keep_first: int = 0            # the first N tokens of each sequence kept in full precision
+  keep_first: int = 0            # tokens at each sequence's start kept in full precision
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import config as config_lib
+from kvjax import registries  # noqa: F401  (config.validate then knows every registry's names)
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from kvjax import config as config_lib
+from kvjax import registries  # noqa: F401  (config.validate then knows every registry's names)
 from kvjax.errors import KvjaxError
 
 

@@ -197,6 +197,7 @@ class Layout:
 
   name = "base"
   internal = False  # True: built by something else (a cache.policy), never chosen by name
+  compacts = None   # the layout whose caches a cache.policy compacts into this one
 
   def check(self, cache_cfg: CacheConfig, model_cfg: ModelConfig) -> None:
     """Host-side limits of this layout, when `cache.layout` names it."""

@@ -249,3 +249,10 @@ def test_compacting_a_filled_paged_cache_is_what_prefill_returns():
   assert got.spec == want.spec and got.spec.layout == "paged_compacted"
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # The compaction of a layout is found as data: the layout that names it (`compacts`).
+  layout = cache_lib.compacted(filled.spec.layout)
+  assert layout.name == "paged_compacted" and cache_lib.compacted("latent") is None
+  by_layout = jax.jit(layout.compress, static_argnames=("room", "T"))(
+      filled, jnp.asarray(lengths), room=room, T=T)
+  for a, b in zip(jax.tree.leaves(by_layout), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

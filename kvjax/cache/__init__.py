@@ -30,7 +30,8 @@ def init_cache(cfg: Config, batch: int, capacity: int):
 
 
 def compacted(name: str) -> Layout | None:
-  """The layout a cache.policy compacts a `name` cache into (None: it cannot evict)."""
+  """The layout a cache.policy compacts a `name` cache into (None: it cannot evict); its
+  `compress(cache, lengths_B, room, q_LBTHD, T=)` does it."""
   return next((lay for lay in LAYOUTS.values() if lay.compacts == name), None)
 
 

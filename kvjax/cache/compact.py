@@ -83,6 +83,10 @@ class Compacted(base.Layout):
   def wants_queries(self, spec: base.CacheSpec) -> bool:
     return policy_of(spec).decode_queries
 
+  def compress(self, cache, lengths_B, room: int, q_LBTHD=None, T: int | None = None):
+    """A prefilled `contiguous` cache compacted into this layout (`compress` below)."""
+    return compress(cache, lengths_B, room, q_LBTHD, T=T)
+
   def store(self, cache: EvictedCache) -> Any:
     """The stacked stores and the held counts (a read slices (layer, block) itself)."""
     return (cache.k, cache.v, cache.held)

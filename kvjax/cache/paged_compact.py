@@ -89,6 +89,10 @@ class PagedCompacted(base.Layout):
   def wants_queries(self, spec: base.CacheSpec) -> bool:
     return compact.policy_of(spec).decode_queries
 
+  def compress(self, cache, lengths_B, room: int, q_LBTHD=None, T: int | None = None):
+    """A prefilled `paged` cache compacted into this layout (`compress` below)."""
+    return compress(cache, lengths_B, room, q_LBTHD, T=T)
+
   def store(self, cache: EvictedPagedCache) -> Any:
     return (cache.k, cache.v, cache.block_table, cache.held)
 

@@ -89,11 +89,10 @@ def asymptotic(cfg: Config) -> float:
 def count(cfg: Config, context: int, batch: int = 1, capacity: int = 0) -> Held:
   """What one of `batch` sequences holds after `context` tokens; the cache is built for
   `max(capacity, cache.capacity, context)` tokens (a policy: for the tokens it keeps)."""
-  from kvjax import cache
-  from kvjax.cache import compact
+  from kvjax import cache, policies
   if context <= 0:
     raise KvjaxError(f"a context of {context} tokens holds nothing; use a positive context")
-  kept = compact.held_tokens(cfg.cache, context)
+  kept = policies.held_tokens(cfg.cache, context)
   cap = kept if cfg.cache.policy != "full" else max(capacity, cfg.cache.capacity, context)
   name = layout_name(cfg)
   spec = cache.CacheSpec.from_config(cfg, batch, cap)

@@ -12,9 +12,9 @@ import pytest
 from conftest import tiny_config, tiny_params
 
 from kvjax import cache as cache_lib
-from kvjax import cli, program
+from kvjax import cli, policies, program
 from kvjax import config as config_lib
-from kvjax.cache import compact, paged, paged_compact
+from kvjax.cache import paged, paged_compact
 from kvjax.errors import KvjaxError
 from kvjax.serve import engine, request
 
@@ -84,12 +84,12 @@ def test_paged_h2o_tova_evict_during_decode_as_contiguous_does(policy, extra):
     np.testing.assert_array_equal(np.where(m, np.asarray(a)[:, :, :, :S], 0),
                                   np.where(m, np.asarray(b), 0))
   if policy == "h2o":
-    np.testing.assert_array_equal(np.asarray(c.pos), np.asarray(ref.pos))
-    np.testing.assert_array_equal(np.asarray(c.acc), np.asarray(ref.acc))
+    np.testing.assert_array_equal(np.asarray(c.state["pos"]), np.asarray(ref.state["pos"]))
+    np.testing.assert_array_equal(np.asarray(c.state["acc"]), np.asarray(ref.state["acc"]))
     prompt_B = np.asarray([len(p) for p in PROMPTS])[None, :, None, None]
-    assert (np.asarray(c.pos) >= prompt_B).any(axis=-1).all()  # decode tokens held
+    assert (np.asarray(c.state["pos"]) >= prompt_B).any(axis=-1).all()  # decode tokens held
   else:
-    assert c.acc is None and c.pos is None
+    assert c.state == {}
   assert got["cache_bytes"] == cache_lib.tree_bytes(c)
   assert got["cache_bytes"] == cache_lib.LAYOUTS["paged_compacted"].closed_form_bytes(c.spec)
   assert c.block_table.shape == (2, 2)  # two pages of 4 hold the 6 slots of each sequence
@@ -116,7 +116,7 @@ def test_size_and_generate_json_report_the_paged_budget(capsys):
   assert rc == 0 and [len(t) for t in res["tokens"]] == [3, 3]
   cfg = config_lib.apply_overrides(config_lib.load("configs/quickstart.yaml"), {
       **{s.split("=")[0]: s.split("=")[1] for s in (quick + sets)[1::2]}})
-  spec = cache_lib.CacheSpec.from_config(cfg, 2, compact.capacity(cfg.cache, 6, 3))
+  spec = cache_lib.CacheSpec.from_config(cfg, 2, policies.capacity(cfg.cache, 6, 3))
   assert res["cache_bytes"] == cache_lib.LAYOUTS["paged_compacted"].closed_form_bytes(spec)
   assert spec.capacity == 4  # one page of 4 per sequence, where the prefill held 3 each
 
@@ -248,4 +248,11 @@ def test_compacting_a_filled_paged_cache_is_what_prefill_returns():
   got = evict.compact(filled, jnp.asarray(lengths), None, room=room, T=T)
   assert got.spec == want.spec and got.spec.layout == "paged_compacted"
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # The compaction of a layout is found as data: the layout that names it (`compacts`).
+  layout = cache_lib.compacted(filled.spec.layout)
+  assert layout.name == "paged_compacted" and cache_lib.compacted("latent") is None
+  by_layout = jax.jit(layout.compress, static_argnames=("room", "T"))(
+      filled, jnp.asarray(lengths), room=room, T=T)
+  for a, b in zip(jax.tree.leaves(by_layout), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

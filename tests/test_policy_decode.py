@@ -1,4 +1,5 @@
-"""Decode-time eviction of `h2o` and `tova` (kvjax/policies/attn.py, kvjax/cache/compact.py).
+"""Decode-time eviction of `h2o` and `tova` (kvjax/policies/replace.py and attn.py, through
+kvjax/cache/compact.py).
 
 One write step is checked on a hand-made compacted cache against a numpy replay of each
 method's rule; decoding through the model is checked against a full forward pass in which
@@ -39,7 +40,7 @@ def hand_made(policy, codec="fp32", seed=0):
                           v=spec.vc.encode(jnp.asarray(vals)), held=jnp.array(HELD, jnp.int32),
                           budget=jnp.array(BUDGET, jnp.int32),
                           lengths=jnp.array(LENGTHS, jnp.int32))
-  if c.acc is not None:
+  if c.state:
     pos = np.full((L, B, K, S), -1, np.int32)
     acc = np.zeros((L, B, K, S), np.float32)
     for l in range(L):
@@ -49,7 +50,7 @@ def hand_made(policy, codec="fp32", seed=0):
         pos[l, 1, k, :3] = rng.permutation(3)
     acc[:, :, :, :5] = rng.uniform(0.5, 3.0, (L, B, K, 5))
     acc[pos == 19] = 0.0  # the lowest score, but protected by the window
-    c = dataclasses.replace(c, acc=jnp.asarray(acc), pos=jnp.asarray(pos))
+    c = dataclasses.replace(c, state={"acc": jnp.asarray(acc), "pos": jnp.asarray(pos)})
   new_k, new_v = rng.normal(size=(2, L, B, 1, K, D)).astype(np.float32)
   q = 2 * rng.normal(size=(L, B, 1, H, D)).astype(np.float32)
   if policy == "tova":  # in (layer 0, row 0, head 1) the new key points away from the queries
@@ -76,12 +77,12 @@ def reference_step(c, new_k, q, policy):
         logits = np.concatenate([qs @ kd[l, b, k, :n].T, qs @ np.asarray(new_k)[l, b, 0, k][:, None]], 1)
         p = np.exp(logits - logits.max(1, keepdims=True))
         p = (p / p.sum(1, keepdims=True)).mean(0)  # [n + 1]
-        s = p[:n] + (np.asarray(c.acc)[l, b, k, :n] if policy == "h2o" else 0)
+        s = p[:n] + (np.asarray(c.state["acc"])[l, b, k, :n] if policy == "h2o" else 0)
         score[l, b, k, :n] = s
         if n < BUDGET[b]:
           slot[l, b, k] = n
         elif policy == "h2o":
-          cand = np.asarray(c.pos)[l, b, k, :n] < LENGTHS[b] + 1 - WINDOW
+          cand = np.asarray(c.state["pos"])[l, b, k, :n] < LENGTHS[b] + 1 - WINDOW
           slot[l, b, k] = np.flatnonzero(cand)[np.argmin(s[cand])]
           unprotected[l, b, k] = np.argmin(s)
           current_only[l, b, k] = np.flatnonzero(cand)[np.argmin(p[:n][cand])]
@@ -103,14 +104,14 @@ def check_step(c, after, new_k, slot, score, policy):
   assert list(after.held) == [5, 4] and list(after.lengths) == [21, 4]
   if policy == "h2o":
     held = np.arange(S)[None, :] < np.array([5, 4])[:, None]
-    np.testing.assert_allclose(np.where(held[None, :, None], np.asarray(after.acc), 0), score,
+    np.testing.assert_allclose(np.where(held[None, :, None], np.asarray(after.state["acc"]), 0), score,
                                rtol=1e-5, atol=1e-6)
-    want_pos = np.asarray(c.pos).copy()
+    want_pos = np.asarray(c.state["pos"]).copy()
     for l, b, k in np.ndindex(L, B, K):
       want_pos[l, b, k, slot[l, b, k]] = LENGTHS[b]
-    np.testing.assert_array_equal(np.asarray(after.pos), want_pos)
+    np.testing.assert_array_equal(np.asarray(after.state["pos"]), want_pos)
   else:
-    assert after.acc is None and after.pos is None
+    assert after.state == {}
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
@@ -210,7 +211,7 @@ def test_greedy_decode_equals_the_masked_full_forward(policy, size, budgets, ful
   pos = held_positions(caches, full[0])
   if policy == "h2o":
     for i, cache in enumerate(caches):
-      np.testing.assert_array_equal(np.asarray(cache.pos), pos[i])
+      np.testing.assert_array_equal(np.asarray(cache.state["pos"]), pos[i])
   sets = [{(l, b, k): set(p[l, b, k][p[l, b, k] >= 0].tolist())
            for l, b, k in np.ndindex(L, B, K)} for p in pos]
   # Decode evicted prompt tokens, in every row, and layers or heads differ in which.

@@ -130,8 +130,8 @@ def test_policies_keep_the_same_tokens(policy, knobs):
   np.testing.assert_array_equal(np.asarray(c0.held), np.asarray(c1.held))
   np.testing.assert_allclose(np.asarray(c1.k), np.asarray(c0.k) @ rotate.matrix("hadamard", 8),
                              atol=1e-5)
-  if c0.pos is not None:
-    np.testing.assert_array_equal(np.asarray(c0.pos), np.asarray(c1.pos))
+  if "pos" in c0.state:
+    np.testing.assert_array_equal(np.asarray(c0.state["pos"]), np.asarray(c1.state["pos"]))
   assert runs[0]["tokens"] == runs[1]["tokens"]
 
 

@@ -8,7 +8,7 @@ rank-r vector per token) and `none` (token ids only: the recompute mode of
 `kvjax.decode.forward`). Adding a layout = one module here that calls `base.register`.
 """
 
-from kvjax import plugins
+from kvjax import plugins, policies
 from kvjax.cache.base import (LAYOUTS, CacheSpec, Layout, LayerSegment,  # noqa: F401
                               PagedSegment, Segment, get, layout_of, register, scatter,
                               tree_bytes)
@@ -29,10 +29,26 @@ def init_cache(cfg: Config, batch: int, capacity: int):
   return get(spec.layout).init(spec)
 
 
+def compacted(name: str) -> Layout | None:
+  """The layout a cache.policy compacts a `name` cache into (None: it cannot evict); its
+  `compress(cache, lengths_B, room, q_LBTHD, T=)` does it."""
+  return next((lay for lay in LAYOUTS.values() if lay.compacts == name), None)
+
+
 def check(cache_cfg, model_cfg) -> None:
-  """The layout registry's config checks: the chosen layout exists, and every layout checks
-  what concerns it (its own limits when chosen; the latent rank of any model)."""
-  get(cache_cfg.layout)
+  """The layout registry's config checks: the chosen layout exists and is not one only a
+  policy builds, a policy other than `full` has a layout it can compact, and every layout
+  checks what concerns it (its own limits when chosen; the latent rank of any model)."""
+  c = cache_cfg
+  chosen = get(c.layout)
+  sources = " or ".join(lay.compacts for lay in LAYOUTS.values() if lay.compacts)
+  if chosen.internal:
+    evicting = ", ".join(p for p in policies.POLICIES if p != "full")
+    raise KvjaxError(f"cache.layout={c.layout} is what a policy builds; set cache.policy "
+                     f"({evicting}) with cache.layout={sources}")
+  if c.policy != "full" and compacted(c.layout) is None:
+    raise KvjaxError(f"cache.policy={c.policy} needs cache.layout={sources} (the {c.layout} "
+                     "layout cannot evict tokens)")
   for layout in LAYOUTS.values():
     layout.check(cache_cfg, model_cfg)
 

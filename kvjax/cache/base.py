@@ -200,6 +200,7 @@ class Layout:
   sized_as = ""  # the layout `kvjax size` and the memory estimate count instead ("": itself)
   shared_pool = False  # True: leaves [L, P, K, ...] any sequence's pages may use (sharding
                        # replicates them over the data axis instead of splitting the batch)
+  compacts = None   # the layout whose caches a cache.policy compacts into this one
 
   def check(self, cache_cfg: CacheConfig, model_cfg: ModelConfig) -> None:
     """Host-side limits of this layout, when `cache.layout` names it."""

@@ -6,7 +6,7 @@ through the block table as one contiguous view, lets the policy select the kept 
 gathers them exactly as the contiguous path does (`kvjax.cache.compact.compress`, reused
 unchanged), then stores them into pages: each sequence owns
 
-    Q = ceil(capacity / page_size) pages,   capacity = `compact.capacity(...)`
+    Q = ceil(capacity / page_size) pages,   capacity = `Policy.capacity(...)`
 
 (the budget plus the decode room, or the ring for window/sinks), in a fresh pool of B x Q
 pages with an identity block table (sequence b owns pages [b Q, (b + 1) Q)). The prefill
@@ -19,15 +19,13 @@ kvjax/serve/step.py).
 
 Slots: `lengths` counts every token seen (the next token's position, which RoPE needs),
 `held` the slots [0, held) that hold a token; slot s lives in logical page s // page_size
-at offset s % page_size. Decode appends at slot `held` (policies that evict at prefill
-only) or, for window/sinks (`decode_evicts`), writes the ring of `budget` slots: sinks stay
-in slots [0, sinks), position p >= sinks goes to sinks + (p - sinks) mod (budget - sinks),
-the rule of `compact.write_slots`, which both layouts call. The ring works on pages
-unchanged: it is slot arithmetic, and the table maps slots to pages (`locate`). h2o and tova (`DecodeScored`) evict by
-attention: the write gathers the held keys as one contiguous view, picks per (layer,
-sequence, KV head) the slot exactly as the contiguous cache does (`compact.choose_slots`),
-and scatters the new K/V into that slot's page and offset for that head; h2o's `acc` and
-`pos` ([L, B, K, capacity], per slot) sit beside the pool.
+at offset s % page_size. Like `compact`, this is storage only: the policy's decode rule
+(`Policy.decode_write`: append, the window/sinks ring, score-and-replace) decides the
+slots and writes through this layout's `Slots`: `put_tokens` maps each slot to its page
+and offset through the table (`locate`), `put_heads` does the same per (layer, KV head),
+and `keys` is the held slots' contiguous view, which h2o and tova score exactly as on the
+contiguous layout. The policy's per-slot `state` (h2o's `acc` and `pos`, [L, B, K,
+capacity]) sits beside the pool.
 """
 
 from __future__ import annotations
@@ -40,7 +38,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax import policies
 from kvjax.cache import base, compact
 from kvjax.cache.paged import num_pages, page_size, pages_per_seq
 
@@ -53,8 +50,7 @@ class EvictedPagedCache:
   lengths: jax.Array      # [B] int32 tokens seen (= position of the next token)
   held: jax.Array         # [B] int32 slots holding a token (slots [0, held) are valid)
   budget: jax.Array       # [B] int32 tokens kept per sequence (ring size of window/sinks)
-  acc: Any                # [L, B, K, S] float32 accumulated attention per slot (h2o), else None
-  pos: Any                # [L, B, K, S] int32 position held in each slot, -1 none (h2o), else None
+  state: Any              # {name: [L, B, K, S]}: the policy's own leaves per slot (h2o: acc, pos)
   spec: base.CacheSpec = struct.field(pytree_node=False)
 
 
@@ -81,6 +77,7 @@ class PagedCompacted(base.Layout):
 
   name = "paged_compacted"
   internal = True  # built by a cache.policy on cache.layout=paged, never chosen by name
+  compacts = "paged"
 
   def init(self, spec: base.CacheSpec) -> EvictedPagedCache:
     """An empty pool, page j of sequence b at physical page b Q + j (as `Paged.init`)."""
@@ -90,7 +87,11 @@ class PagedCompacted(base.Layout):
                                .reshape(B, Q) % num_pages(spec))
 
   def wants_queries(self, spec: base.CacheSpec) -> bool:
-    return compact.scored(spec) is not None
+    return compact.policy_of(spec).decode_queries
+
+  def compress(self, cache, lengths_B, room: int, q_LBTHD=None, T: int | None = None):
+    """A prefilled `paged` cache compacted into this layout (`compress` below)."""
+    return compress(cache, lengths_B, room, q_LBTHD, T=T)
 
   def store(self, cache: EvictedPagedCache) -> Any:
     return (cache.k, cache.v, cache.block_table, cache.held)
@@ -103,25 +104,44 @@ class PagedCompacted(base.Layout):
                               layer=layer, pages=bt_BQ, page_size=page_size(spec))]
 
   def write(self, cache: EvictedPagedCache, k_LBTKD, v_LBTKD, positions_BT, q_LBTHD=None):
+    return compact.policy_of(cache.spec).decode_write(cache.spec, self, cache, k_LBTKD,
+                                                      v_LBTKD, positions_BT, q_LBTHD)
+
+  # -- Slots: what the policy's decode rule writes through -------------------------------------
+  def keys(self, cache: EvictedPagedCache) -> Any:
+    S = cache.spec.capacity
+    return jax.tree.map(lambda a: a[:, :, :, :S], contiguous_view(cache, S).k)
+
+  def put_tokens(self, cache: EvictedPagedCache, slot_BT, k_LBTKD, v_LBTKD, **fields):
     spec = cache.spec
-    pol = compact.scored(spec)
-    if pol is not None:
-      return compact.scored_write(cache, pol, k_LBTKD, v_LBTKD, positions_BT, q_LBTHD,
-                                  step=scored_step)
-    slot_BT, lengths, held = compact.write_slots(spec.cache_cfg, positions_BT, cache.lengths,
-                                                 cache.held, cache.budget)
     P = jax.tree.leaves(cache.k)[0].shape[1]
     k_LBKTD, v_LBKTD = jnp.swapaxes(k_LBTKD, 2, 3), jnp.swapaxes(v_LBTKD, 2, 3)
     put = lambda pool, enc: put_pages(pool, cache.block_table, slot_BT, enc, P)  # noqa: E731
     k = jax.tree.map(put, cache.k, spec.kc.encode(k_LBKTD))
     v = jax.tree.map(put, cache.v, spec.vc.encode(v_LBKTD))
-    return dataclasses.replace(cache, k=k, v=v, lengths=lengths, held=held)
+    return dataclasses.replace(cache, k=k, v=v, **fields)
+
+  def put_heads(self, cache: EvictedPagedCache, slot_LBK, k_LBKD, v_LBKD, **fields):
+    """Each (layer, sequence, KV head)'s token into its slot's page and offset."""
+    spec = cache.spec
+    S, ps = spec.capacity, page_size(spec)
+    L, B, K = slot_LBK.shape
+    P = jax.tree.leaves(cache.k)[0].shape[1]
+    page_LBK, off_LBK = locate(cache.block_table, jnp.arange(B)[None, :, None],
+                               jnp.where(slot_LBK < S, slot_LBK, -1), ps, P)  # S: none
+    idx = (jnp.arange(L)[:, None, None], page_LBK, jnp.arange(K)[None, None, :], off_LBK)
+    put = lambda pool, e: pool.at[idx].set(e[:, :, :, 0].astype(pool.dtype),  # noqa: E731
+                                           mode="drop")
+    new = lambda a: a[:, :, :, None]  # noqa: E731  [L, B, K, D] -> one token [L, B, K, 1, D]
+    k = jax.tree.map(put, cache.k, spec.kc.encode(new(k_LBKD)))
+    v = jax.tree.map(put, cache.v, spec.vc.encode(new(v_LBKD)))
+    return dataclasses.replace(cache, k=k, v=v, **fields)
 
   def closed_form_bytes(self, spec: base.CacheSpec) -> int:
     K, D = spec.n_kv_heads, spec.head_dim
     per_token = spec.kc.bytes_per_token(K, D) + spec.vc.bytes_per_token(K, D)
     pool = spec.n_layers * num_pages(spec) * page_size(spec) * per_token
-    state = policies.get(spec.cache_cfg.policy).state_bytes_per_token(K)  # h2o's acc, pos
+    state = compact.policy_of(spec).state_bytes_per_token(K)  # h2o's acc, pos
     pool += spec.n_layers * spec.batch * spec.capacity * state
     return int(round(pool)) + 4 * spec.batch * pages_per_seq(spec) + 3 * 4 * spec.batch
 
@@ -135,11 +155,10 @@ def init_pool(spec: base.CacheSpec) -> EvictedPagedCache:
   P, Q = num_pages(spec), pages_per_seq(spec)
   shape = (L, P, K, page_size(spec), D)
   zeros = jnp.zeros((B,), jnp.int32)
-  acc, pos = compact.init_scores(spec)
   return EvictedPagedCache(k=spec.kc.init(shape), v=spec.vc.init(shape),
                            block_table=jnp.full((B, Q), P, jnp.int32), lengths=zeros,
-                           held=zeros, budget=zeros + spec.capacity, acc=acc, pos=pos,
-                           spec=spec)
+                           held=zeros, budget=zeros + spec.capacity,
+                           state=compact.init_state(spec), spec=spec)
 
 
 def contiguous_view(cache, T: int):
@@ -174,8 +193,8 @@ def to_pages(ev: compact.EvictedCache) -> EvictedPagedCache:
   B = spec.batch
   return EvictedPagedCache(k=jax.tree.map(pool, ev.k), v=jax.tree.map(pool, ev.v),
                            block_table=jnp.arange(B * Q, dtype=jnp.int32).reshape(B, Q),
-                           lengths=ev.lengths, held=ev.held, budget=ev.budget, acc=ev.acc,
-                           pos=ev.pos, spec=spec)
+                           lengths=ev.lengths, held=ev.held, budget=ev.budget,
+                           state=ev.state, spec=spec)
 
 
 def compress(cache, lengths_B, room: int, q_LBTHD=None, T: int | None = None):
@@ -183,25 +202,3 @@ def compress(cache, lengths_B, room: int, q_LBTHD=None, T: int | None = None):
   its contiguous view), stored into a pool of the pages the budget needs."""
   T = T or cache.spec.capacity
   return to_pages(compact.compress(contiguous_view(cache, T), lengths_B, room, q_LBTHD, T=T))
-
-
-def scored_step(cache: EvictedPagedCache, pol, k_LBKD, v_LBKD, q_LBHD, p_B):
-  """One token per sequence into the pages of an attention-scored policy (h2o/tova): the
-  slot each (layer, sequence, KV head) takes, chosen on the contiguous view of the held
-  slots exactly as `compact` chooses it (`compact.choose_slots`), then the new K/V
-  scattered into that slot's page and offset, per (layer, KV head)."""
-  spec = cache.spec
-  S, ps = spec.capacity, page_size(spec)
-  k_view = jax.tree.map(lambda a: a[:, :, :, :S], contiguous_view(cache, S).k)
-  slot_LBK, fields = compact.choose_slots(spec, pol, k_view, cache, k_LBKD, q_LBHD, p_B)
-  L, B, K = slot_LBK.shape
-  P = jax.tree.leaves(cache.k)[0].shape[1]
-  page_LBK, off_LBK = locate(cache.block_table, jnp.arange(B)[None, :, None],
-                             jnp.where(slot_LBK < S, slot_LBK, -1), ps, P)  # S: none
-  idx = (jnp.arange(L)[:, None, None], page_LBK, jnp.arange(K)[None, None, :], off_LBK)
-  put = lambda pool, e: pool.at[idx].set(e[:, :, :, 0].astype(pool.dtype),  # noqa: E731
-                                         mode="drop")
-  new = lambda a: a[:, :, :, None]  # noqa: E731  [L, B, K, D] -> one token [L, B, K, 1, D]
-  k = jax.tree.map(put, cache.k, spec.kc.encode(new(k_LBKD)))
-  v = jax.tree.map(put, cache.v, spec.vc.encode(new(v_LBKD)))
-  return dataclasses.replace(cache, k=k, v=v, **fields)

@@ -1,14 +1,20 @@
-"""Token eviction policies (`cache.policy`): which prompt tokens a cache keeps.
+"""Token eviction policies (`cache.policy`): which tokens a cache keeps, at prefill and
+during decode.
 
-The registry, the `Policy` contract and the budget rules are in `base`; every module of this
-folder is imported here and registers its policy (see `base` for the table of policies).
+The registry and the `Policy` contract (prefill selection, decode rule, the `Slots` a
+compacted layout lends it) are in `base`, the budgets and their checks in `budget`, the
+shared decode rules in `window` (ring) and `replace` (score-and-replace); every module of
+this folder is imported here, and each policy's module registers it (see `base` for the
+table of policies).
 """
 
 from kvjax import config as config_lib
 from kvjax import plugins
-from kvjax.policies.base import (KEEP, POLICIES, Context, Policy, budgets,  # noqa: F401
-                                 check_config, check_lengths, effective_budget, get, held,
-                                 register, static_budget, top_positions)
+from kvjax.policies.base import (KEEP, POLICIES, Context, Policy, Slots,  # noqa: F401
+                                 effective_budget, get, held, register, static_budget,
+                                 top_positions)
+from kvjax.policies.budget import (budgets, capacity, check_config,  # noqa: F401
+                                   check_lengths, held_tokens)
 
 plugins.import_all(__name__, __path__)
 

@@ -1,21 +1,24 @@
 """Attention mass of chosen prompt queries on every prompt key: the scores that `snapkv`,
 `h2o` and `tova` rank tokens by; and, for `h2o` and `tova`, which keep evicting during
-decode (`DecodeScored`), the attention of each new query over the tokens held.
+decode (`DecodeScored`, score-and-replace), the attention of each new query over the
+tokens held.
 
-Where a decode step's weights come from: `kvjax.cache.compact` recomputes them in the
-cache's write step (`step_attention`, called by `compact.choose_slots`, which the paged
-layout also runs, on its pages' contiguous view) from the layer's rotated query, which the model hands
-to a layout that asks for it (`Layout.wants_queries`). That reads the held keys a second
-time in each step (the attention read them once), but keeps the attention as it is: its
-online softmax never forms normalized weights (blockwise, running max and sum; the Pallas
-kernel likewise), so returning them would widen every attention variant's contract and
-cost every cache, evicting or not.
+Where a decode step's weights come from: the score-and-replace rule
+(`replace.ScoreAndReplace.step`) recomputes them in the cache's write (`step_attention`,
+on the held keys the layout lends it, `Slots.keys`: the pages' contiguous view on the
+paged layout) from the layer's rotated query, which the model hands to a layout whose
+policy asks for it (`decode_queries`, `Layout.wants_queries`). That reads the held keys a
+second time in each step (the attention read them once), but keeps the attention as it is:
+its online softmax never forms normalized weights (blockwise, running max and sum; the
+Pallas kernel likewise), so returning them would widen every attention variant's contract
+and cost every cache, evicting or not.
 """
 
 import jax
 import jax.numpy as jnp
 
 from kvjax import codecs
+from kvjax.policies.replace import ScoreAndReplace
 
 
 def attention_mass(q_LBTHD, k_LBKSD, lengths_B, qpos_BW):
@@ -67,30 +70,16 @@ def step_attention(q_NHD, k_store, kc, mask_NS, k_new_NKD):
   return (e_held / z[..., None]).mean(axis=2), (e_own / z).mean(axis=2)
 
 
-class DecodeScored:
-  """A policy that keeps evicting during decode by attention (mixed into `h2o`, `tova`).
+class DecodeScored(ScoreAndReplace):
+  """Score-and-replace by attention (mixed into `h2o`, `tova`): each new query's softmax
+  over the held tokens and its own key (`step_attention`) scores them."""
 
-  The compacted cache holds `budget` slots and never grows. Each new token's query scores
-  the held tokens and itself (`step_attention`); once the budget is full, the new token
-  takes the slot of the lowest-scored candidate: every held token except the last
-  `protected` tokens seen (the new one included); when nothing is protected, the new token
-  is a candidate too and is dropped when it scores strictly lowest. Equal lowest scores
-  evict the lowest slot. `accumulates`: the score adds up over every query so far (h2o),
-  kept in the cache with each slot's position (`EvictedCache.acc`, `pos`); otherwise it is
-  the current query's alone (tova) and the cache keeps nothing more than K/V.
-  """
+  decode_queries = True
 
-  accumulates = False
-  decode_scored = True
-
-  def state_bytes_per_token(self, n_kv_heads: int) -> int:
-    """h2o's `acc` (float32) and `pos` (int32) per KV head; tova stores nothing."""
-    return 8 * n_kv_heads if self.accumulates else 0
-
-  def protected(self, c) -> int:
-    """Recent tokens never evicted (at most budget - 1 of them are, in `compact`)."""
-    return 0
-
-  def select_scores(self, ctx, Sk: int):
-    """(`select`, the score each kept token starts decode with [L, B, K, Sk] or None)."""
-    return self.select(ctx, Sk), None
+  def step_scores(self, spec, keys, mask_BS, k_LBKD, q_LBHD):
+    L, B, K, _ = k_LBKD.shape
+    S = mask_BS.shape[1]
+    rows = lambda a: a.reshape(L * B, *a.shape[2:])  # noqa: E731  [L, B, ...] -> [L*B, ...]
+    own_held, own_new = step_attention(rows(q_LBHD), jax.tree.map(rows, keys), spec.kc,
+                                       jnp.tile(mask_BS, (L, 1)), rows(k_LBKD))
+    return own_held.reshape(L, B, K, S), own_new.reshape(L, B, K)

@@ -1,11 +1,5 @@
-"""Token eviction policies (`cache.policy`): which prompt tokens a cache keeps.
-
-A policy picks, for every layer, sequence and KV head, which of the prompt's tokens stay
-in the cache; `kvjax.cache.compact` then copies those tokens into a cache whose capacity is the
-budget (plus room for the decode tokens where the policy appends), so the memory is really
-freed. Keys are stored already rotated at their own positions, so attention needs no
-per-slot position: the new query is rotated at its true position (`cache.lengths` counts
-every token seen, not the tokens held) and every held token is older than it.
+"""Token eviction policies (`cache.policy`): which tokens a cache keeps, at prefill and
+while decoding. A policy is one module of this folder; everything it decides lives there.
 
 | policy   | at prefill (prompt -> budget)                              | during decode          |
 |----------|------------------------------------------------------------|------------------------|
@@ -23,27 +17,29 @@ every token seen, not the tokens held) and every held token is older than it.
 |          |                                                            | attention of the       |
 |          |                                                            | current query          |
 
-knorm and snapkv compress the prompt (SnapKV's selection is defined by the prompt's
-observation window) and decode appends after the kept tokens. h2o and tova keep evicting,
-as their methods define (`policies.attn.DecodeScored`): the cache holds `budget` tokens
-throughout, and each new token takes the slot of the lowest-scored one, per layer,
-sequence and KV head, on the contiguous and the paged layout alike (the paged write picks
-the slot with the same scoring, `compact.choose_slots`, and scatters into its page).
+The contract (`Policy`): at prefill, `select` (or `scores`, from which the default takes
+the top tokens; `keep` adds the policy's own per-slot state) picks, for every layer,
+sequence and KV head, which prompt tokens stay; `capacity` sizes the compacted cache. At
+decode, `decode_write` places the new tokens: append after the held ones (this base), a
+ring (`window.Window`), or score-and-replace per layer, sequence and KV head
+(`replace.ScoreAndReplace`; h2o and tova score by attention, `attn.DecodeScored`). The
+compacted layouts (`kvjax.cache.compact`, `kvjax.cache.paged_compact`) are generic storage:
+they copy the kept tokens, then call `decode_write` with themselves as `Slots` (how to read
+the held keys and put tokens into slots), so a policy never imports a layout. Keys are
+stored already rotated at their own positions, so attention needs no per-slot position: the
+new query is rotated at its true position (`cache.lengths` counts every token seen, not
+the tokens held) and every held token is older than it.
 
 Budget: `cache.budget` tokens per sequence (the same count in every layer and KV head;
 which tokens may differ per head where the policy scores per head), or `cache.ratio`, the
 fraction of each prompt kept (ceil(ratio * prompt length) tokens, per sequence). A prompt
-no longer than its budget is kept whole. For `window` and `sinks` a `cache.window` alone
-sets the budget (window, or sinks + window).
-
-A policy is one module of this folder that calls `register` (the package imports them all); it implements `select` (or `scores`,
-from which the default `select` takes the top tokens) and optional host-side `check`.
+no longer than its budget is kept whole (`budget`: the rules and host-side checks).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -82,12 +78,36 @@ class Context:
     self.cache_cfg, self.q_LBTHD = cache_cfg, q_LBTHD
 
 
+class Slots(Protocol):
+  """The storage a compacted layout lends a policy's decode rule (`Policy.decode_write`).
+
+  Its caches carry `lengths` (tokens seen), `held` (slots [0, held) hold a token) and
+  `budget` [B] int32, `state` (the policy's own leaves [L, B, K, S], `Policy.init_state`)
+  and `spec` (the CacheSpec: `capacity` S, the codecs `kc`, `vc`, `cache_cfg`). `put_*`
+  encode the new K/V through the codecs and return the cache with `fields` replaced."""
+
+  def keys(self, cache) -> Any:
+    """The K codec storage of the S slots seen contiguously, leaves [L, B, K, S, ...]."""
+
+  def put_tokens(self, cache, slot_BT, k_LBTKD, v_LBTKD, **fields) -> Any:
+    """Token t of sequence b into slot slot_BT[b, t] of every layer and KV head
+    (-1: not written)."""
+
+  def put_heads(self, cache, slot_LBK, k_LBKD, v_LBKD, **fields) -> Any:
+    """One token per (layer, sequence, KV head) into its own slot (S: not written)."""
+
+
 class Policy:
+  """Prefill selection and decode rule of one policy; this base keeps, at decode, every
+  new token after the held ones (append)."""
+
   name = "base"
-  decode_evicts = False  # True: the cache is a ring of `budget` slots that keeps evicting
-  decode_scored = False  # True: evicts by the new query's attention (`attn.DecodeScored`)
-  needs_queries = False  # True: `select` reads the prompt's queries (Context.q_LBTHD)
-  default_window = 0     # `cache.window` when it is 0
+  needs_queries = False   # True: `select` reads the prompt's queries (Context.q_LBTHD)
+  decode_queries = False  # True: `decode_write` reads each new token's rotated query
+  decode_evicts = False   # True: the cache holds `budget` slots and keeps evicting in decode
+  uniform_slots = True    # True: decode puts a token in the same slot of every layer and
+  #                         KV head (`write_slots`, which the host can replay: serving)
+  default_window = 0      # `cache.window` when it is 0
 
   def window(self, c) -> int:
     return c.window or self.default_window
@@ -95,13 +115,22 @@ class Policy:
   def sinks(self, c) -> int:
     return 0
 
-  def state_bytes_per_token(self, n_kv_heads: int) -> int:
-    """Bytes one held token costs per layer beside its K/V (what the policy stores)."""
+  def window_budget(self, c) -> int:
+    """The budget `cache.window` alone sets (window, sinks); 0: it sets none."""
     return 0
+
+  def floor(self, c) -> tuple[str, int]:
+    """(what, tokens) a budget must exceed: the window this policy always keeps."""
+    return "window", self.window(c)
 
   def check(self, c) -> None:
     """Policy-specific host-side checks of the CacheConfig `c` (budget resolved)."""
+    budget = effective_budget(c)
+    if budget and self.window(c) and budget <= self.window(c):
+      raise KvjaxError(f"cache.budget={budget} must exceed the {c.policy} window "
+                       f"{self.window(c)}; raise the budget or lower cache.window")
 
+  # -- prefill ---------------------------------------------------------------------------------
   def scores(self, ctx: Context) -> jax.Array:
     """[L, B, K, S] float32, higher = keep; `KEEP` for tokens always kept."""
     raise NotImplementedError
@@ -110,6 +139,48 @@ class Policy:
     """[L, B, K, Sk] int32: the prompt position each slot of the compacted cache takes.
     Slots [0, min(length, budget)) of a sequence are held; the rest are unused."""
     return top_positions(self.scores(ctx), ctx.lengths_B, ctx.budget_B, Sk)
+
+  def keep(self, ctx: Context, Sk: int) -> tuple[jax.Array, dict]:
+    """(`select`, the policy's state of each kept slot {name: [L, B, K, Sk]})."""
+    return self.select(ctx, Sk), {}
+
+  # -- decode ----------------------------------------------------------------------------------
+  def init_state(self, shape_LBKS: tuple) -> dict:
+    """The policy's own cache leaves, per slot and KV head, empty (none by default)."""
+    return {}
+
+  def state_bytes_per_token(self, n_kv_heads: int) -> int:
+    """Bytes one held token costs per layer beside its K/V (`init_state`'s leaves)."""
+    leaves = jax.tree.leaves(jax.eval_shape(lambda: self.init_state((1, 1, n_kv_heads, 1))))
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
+
+  def capacity(self, c, T: int, room: int) -> int:
+    """Slots of the compacted cache for prompts of width T and `room` decode tokens: the
+    kept prompt plus the room, or the budget alone for a policy that evicts in decode."""
+    budget = static_budget(c, T)
+    return min(budget, T + room) if self.decode_evicts else min(budget, T) + room
+
+  def write_slots(self, c, positions_BT, lengths_B, held_B, budget_B):
+    """Where decode writes new tokens (numpy or jax): (slot of each token [B, T], -1 when
+    evicted at once or padding; lengths [B]; held [B]). Append after the held tokens."""
+    xp, valid_BT, n1 = seen(positions_BT, lengths_B)
+    slot_BT = positions_BT - lengths_B[:, None] + held_B[:, None]
+    return xp.where(valid_BT, slot_BT, -1), n1, held_B + (n1 - lengths_B)
+
+  def decode_write(self, spec, slots: Slots, cache, k_LBTKD, v_LBTKD, positions_BT,
+                   q_LBTHD=None):
+    """The new tokens [L, B, T, K, D] at `positions_BT` (-1: padding) into `cache`, through
+    the storage `slots`: at `write_slots`, the same slot in every layer and KV head."""
+    slot_BT, n1, held = self.write_slots(spec.cache_cfg, positions_BT, cache.lengths,
+                                         cache.held, cache.budget)
+    return slots.put_tokens(cache, slot_BT, k_LBTKD, v_LBTKD, lengths=n1, held=held)
+
+
+def seen(positions_BT, lengths_B):
+  """(numpy or jax.numpy as the positions are, valid [B, T], tokens seen after them [B])."""
+  xp = jnp if isinstance(positions_BT, jax.Array) else np
+  valid_BT = positions_BT >= 0
+  return xp, valid_BT, lengths_B + xp.sum(valid_BT, axis=1).astype(xp.int32)
 
 
 def held(lengths_B: jax.Array, budget_B: jax.Array) -> jax.Array:
@@ -137,85 +208,8 @@ def static_budget(c, T: int) -> int:
 
 
 def effective_budget(c) -> int:
-  """`cache.budget`, or for window/sinks the window (+ sinks) when only that is given."""
+  """`cache.budget`, or the budget `cache.window` alone sets (window: the window; sinks:
+  sinks + window)."""
   if c.budget or c.ratio:
     return c.budget
-  pol = get(c.policy)
-  if pol.decode_evicts and c.window:
-    return pol.sinks(c) + c.window
-  return 0
-
-
-def budgets(c, lengths_B) -> Any:
-  """Per-sequence budgets [B] (jax or numpy, like `lengths_B`)."""
-  xp = jnp if isinstance(lengths_B, jax.Array) else np
-  if c.ratio:
-    return xp.maximum(1, xp.ceil(c.ratio * lengths_B)).astype(xp.int32)
-  return xp.full(lengths_B.shape, effective_budget(c), xp.int32)
-
-
-def check_config(c, m=None) -> None:
-  """Host-side checks of the policy settings (hooked into `config.validate`)."""
-  pol = get(c.policy)
-  if c.layout in ("compacted", "paged_compacted"):
-    raise KvjaxError(f"cache.layout={c.layout} is what a policy builds; set cache.policy "
-                     "(window, sinks, knorm, snapkv, h2o, tova) with cache.layout=contiguous "
-                     "or paged")
-  if c.budget < 0 or c.sinks < 0 or c.window < 0:
-    raise KvjaxError("cache.budget, cache.sinks and cache.window must be >= 0")
-  if c.ratio and not 0 < c.ratio <= 1:
-    raise KvjaxError(f"cache.ratio={c.ratio} is outside (0, 1]: it is the fraction of each "
-                     "prompt kept (0 leaves it unset)")
-  if c.budget and c.ratio:
-    raise KvjaxError("set cache.budget or cache.ratio, not both")
-  if pol.name == "full":
-    if c.budget or c.ratio:
-      raise KvjaxError("cache.policy=full keeps every token; drop cache.budget/cache.ratio or "
-                       "choose an evicting policy (" + ", ".join(p for p in POLICIES if p != "full")
-                       + ")")
-    return
-  if c.layout not in ("contiguous", "paged"):
-    raise KvjaxError(f"cache.policy={c.policy} needs cache.layout=contiguous or paged (the "
-                     f"{c.layout} layout cannot evict tokens)")
-  if c.residual or c.k_axis == "channel":
-    raise KvjaxError(f"cache.policy={c.policy} compacts single tokens; set cache.residual=0 and "
-                     "cache.k_axis=token (KIVI token blocks cannot be split)")
-  if c.keep_first:
-    raise KvjaxError(f"cache.policy={c.policy} compacts one store; set cache.keep_first=0 (the "
-                     "sinks policy keeps first tokens: cache.policy=sinks, cache.sinks=N)")
-  if not (effective_budget(c) or c.ratio):
-    raise KvjaxError(f"cache.policy={c.policy} needs cache.budget (tokens kept per sequence) "
-                     "or cache.ratio (fraction kept)")
-  budget = effective_budget(c)
-  if pol.decode_evicts and c.window and c.ratio:
-    raise KvjaxError(f"cache.policy={c.policy} with cache.ratio sizes its window from the ratio; "
-                     "drop cache.window")
-  if budget and c.window and pol.decode_evicts and c.budget and \
-      c.budget != pol.sinks(c) + c.window:
-    raise KvjaxError(f"cache.budget={c.budget} disagrees with cache.sinks + cache.window = "
-                     f"{pol.sinks(c) + c.window}; set only one of them")
-  if budget and budget <= pol.sinks(c):
-    raise KvjaxError(f"cache.budget={budget} must exceed cache.sinks={pol.sinks(c)}; raise the "
-                     "budget or lower cache.sinks")
-  if budget and not pol.decode_evicts and pol.window(c) and budget <= pol.window(c):
-    raise KvjaxError(f"cache.budget={budget} must exceed the {c.policy} window "
-                     f"{pol.window(c)}; raise the budget or lower cache.window")
-  pol.check(c)
-
-
-def check_lengths(c, lengths) -> None:
-  """Host-side checks that need the prompt lengths (per-sequence budgets from a ratio)."""
-  pol = get(c.policy)
-  lengths = np.asarray(lengths)
-  b = budgets(c, lengths)
-  # Sequences compressed at prefill; a policy that evicts during decode (the window/sinks
-  # ring, h2o/tova by attention) also evicts from the others once they grow past the budget.
-  ring = pol.decode_evicts
-  evicts = ring or pol.decode_scored
-  short = np.ones(lengths.shape, bool) if evicts else lengths > b
-  floor = pol.sinks(c) if ring else pol.window(c)
-  if np.any(short & (b <= floor)):
-    i = int(np.argmax(short & (b <= floor)))
-    raise KvjaxError(f"cache.ratio={c.ratio} keeps {int(b[i])} of sequence {i}'s "
-                     f"{int(lengths[i])} tokens, not more than the {c.policy} "
-                     f"{'sinks' if ring else 'window'} ({floor}); raise the ratio")
+  return get(c.policy).window_budget(c)

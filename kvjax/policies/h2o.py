@@ -3,9 +3,10 @@ far, per layer and KV head (averaged over the query heads sharing it), plus the 
 `window` tokens always kept (`cache.window`, default 16).
 
 Prefill: the prompt's own queries (causal) accumulate the scores; the `budget - window`
-best plus the last `window` prompt tokens are kept. Decode (`DecodeScored`): each new
-query's attention over the held tokens and itself adds to their scores (kept in the cache,
-`EvictedCache.acc`), and once the budget is full the new token takes the slot of the
+best plus the last `window` prompt tokens are kept, each with its score. Decode
+(`attn.DecodeScored`, score-and-replace): each new query's attention over the held tokens
+and itself adds to their scores (kept per slot in the cache's `state`, `acc`, with each
+slot's position `pos`), and once the budget is full the new token takes the slot of the
 lowest-accumulated token outside the recent window (the last `window` tokens seen, at most
 `budget - 1` of them), so the cache holds `budget` tokens throughout.
 """

@@ -2,10 +2,10 @@
 (averaged over the query heads sharing it).
 
 Prefill: the last prompt query ranks the prompt; the best `budget` tokens are kept.
-Decode (`DecodeScored`): each new query ranks the held tokens and itself afresh (nothing
-accumulates, nothing beyond K/V is stored), and once the budget is full the lowest-ranked
-of them is dropped (the new token itself when it ranks strictly lowest), so the cache holds
-`budget` tokens throughout.
+Decode (`attn.DecodeScored`, score-and-replace): each new query ranks the held tokens
+and itself afresh (nothing accumulates, nothing beyond K/V is stored), and once the budget
+is full the lowest-ranked of them is dropped (the new token itself when it ranks strictly
+lowest), so the cache holds `budget` tokens throughout.
 """
 
 from kvjax.policies.attn import DecodeScored, attention_mass

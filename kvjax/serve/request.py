@@ -4,12 +4,15 @@ A request is (tokens known, tokens cached). With an evicting `cache.policy` (pag
 it is also compacted once, when its prompt is cached: `held` >= 0 is then the slots that
 hold a token (the kept prompt tokens, then what decode appends, or the window/sinks ring
 of `budget` slots), and its pages cover slots, not positions: a compacted request of any
-length owns ceil(slots / page_size) pages (`kvjax.cache.paged_compact`).
+length owns ceil(slots / page_size) pages (`kvjax.cache.paged_compact`). Where its next
+tokens go is the policy's own slot rule, replayed here (`Policy.write_slots`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 from kvjax import policies
 
@@ -36,31 +39,33 @@ class Request:
     return self.prompt + self.output
 
 
+def _written(cache_cfg, r: Request, n: int):
+  """The policy's decode rule replayed on the host for r's next n tokens, as the device
+  runs it on r's row (`Policy.write_slots`): (slots [n], -1 not written; held after)."""
+  one = lambda x: np.array([x], np.int32)  # noqa: E731
+  slot_1T, _, held_1 = policies.get(cache_cfg.policy).write_slots(
+      cache_cfg, np.arange(r.cached, r.cached + n, dtype=np.int32)[None], one(r.cached),
+      one(r.held), one(r.budget))
+  return slot_1T[0], int(held_1[0])
+
+
 def slots_after(cache_cfg, r: Request, n: int) -> int:
   """Slots r occupies once its next n tokens are written (= tokens, until compacted)."""
   if r.held < 0:
     return r.cached + n
-  if policies.get(cache_cfg.policy).decode_evicts:
-    return min(r.held + n, r.budget)
-  return r.held + n
+  return _written(cache_cfg, r, n)[1]
 
 
 def next_slots(cache_cfg, r: Request, n: int) -> list[int]:
-  """The slots r's next n tokens are written to (positions, until compacted)."""
+  """The slots r's next n tokens are written to (positions, until compacted; once
+  compacted, by the policy's rule: appended, or the window/sinks ring)."""
   if r.held < 0:
     return list(range(r.cached, r.cached + n))
-  pol = policies.get(cache_cfg.policy)
-  if not pol.decode_evicts:
-    return list(range(r.held, r.held + n))
-  sinks, out = pol.sinks(cache_cfg), []
-  for p in range(r.cached, r.cached + n):  # the ring rule of kvjax.cache.paged_compact
-    out.append(p if p < sinks else sinks + (p - sinks) % max(r.budget - sinks, 1))
-  return out
+  return [int(s) for s in _written(cache_cfg, r, n)[0] if s >= 0]
 
 
 def compacted(cache_cfg, r: Request) -> tuple[int, int]:
   """(held, budget) of r once its `cached` tokens are compacted by the policy."""
-  import numpy as np
   b = int(policies.budgets(cache_cfg, np.array([r.cached], np.int32))[0])
   return min(r.cached, b), b
 

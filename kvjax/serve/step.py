@@ -92,7 +92,8 @@ def bucket_widths(capacity: int, smallest: int = 64) -> tuple[int, ...]:
 def check_config(cfg: Config) -> None:
   """What the step can run, refused in one line: the paged or contiguous layout, eviction
   (`cache.policy`) only on pages and only by policies that select from keys or positions
-  (chunked prefill keeps no prompt queries), no residual window, one device (it places
+  (chunked prefill keeps no prompt queries) and place decode tokens by slot arithmetic the
+  host replays (`Policy.uniform_slots`), no residual window, one device (it places
   nothing on a mesh, so `mesh.*` is refused rather than ignored)."""
   c = cfg.cache
   if c.layout not in ("paged", "contiguous"):
@@ -105,6 +106,11 @@ def check_config(cfg: Config) -> None:
     raise KvjaxError(f"the serving engine cannot run cache.policy={c.policy}: it scores the "
                      "prompt's queries, which chunked prefill does not keep; use knorm, window "
                      "or sinks (or kvjax generate)")
+  if not policies.get(c.policy).uniform_slots:
+    raise KvjaxError(f"the serving engine cannot run cache.policy={c.policy}: its decode "
+                     "chooses a slot per layer and KV head on the device, which the engine's "
+                     "page bookkeeping cannot follow; use knorm, window or sinks (or kvjax "
+                     "generate)")
   if cfg.cache.residual or cfg.cache.keep_first:
     raise KvjaxError("the serving engine does not support cache.residual or cache.keep_first "
                      "yet; set both to 0")

@@ -14,7 +14,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from plots import PLAIN, SPARSE, save, subtitle
+from kvjax.plots.style import PLAIN, SPARSE, save, subtitle
 
 PEER_ORDER = ("kvjax", "kvjax_nnscan", "kvjax_unrolled", "dynamic", "static", "quanto")
 PEER_COLORS = {"kvjax": "#1f77b4", "kvjax_nnscan": "#aec7e8", "kvjax_unrolled": "#17becf",

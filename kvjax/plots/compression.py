@@ -13,7 +13,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from plots import bytes_per_token, human_bytes, save
+from kvjax.plots.style import bytes_per_token, human_bytes, save
 
 
 def method(v: dict) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from plots import cache_label, codec_order, save, subtitle, variant_color
+from kvjax.plots.style import cache_label, codec_order, save, subtitle, variant_color
 
 
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:

@@ -17,10 +17,10 @@ from pathlib import Path
 from kvjax.errors import KvjaxError
 from kvjax.plots.rows import load_rows, scan_rows
 
-__all__ = ["load_rows", "plot_all", "scan_rows"]
+__all__ = ["load_rows", "plot_all", "plot_module", "scan_rows"]
 
 
-def _module(name: str):
+def plot_module(name: str):
   """`kvjax.plots.<name>` when it is a plot module (has `plot`), else None."""
   try:
     module = importlib.import_module(f"kvjax.plots.{name}")
@@ -47,7 +47,7 @@ def plot_all(results_dir: str | Path, out_dir: str | Path, log=print) -> list[Pa
                      "name the folder `kvjax run --out` wrote")
   written = []
   for name, rows in sorted(groups.items()):
-    module = _module(name)
+    module = plot_module(name)
     if module is None:
       print(f"kvjax plot: skipped experiment '{name}' ({len(rows)} rows): no plot module "
             f"kvjax/plots/{name}.py", file=sys.stderr)

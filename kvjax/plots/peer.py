@@ -35,8 +35,8 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
   vocabs = sorted({_vocab(r) for r in rows})
   metrics = [("tpot_s", "time per output token (ms)", "tpot_vs_kvjax"),
              ("ttft_s", "time to first token (ms)", "ttft_vs_kvjax")]
-  fig, axes = plt.subplots(len(metrics), len(vocabs), figsize=(5.6 * len(vocabs), 8.2),
-                           squeeze=False)
+  fig, axes = plt.subplots(len(metrics), len(vocabs), figsize=(5.6 * len(vocabs) + 1, 8.6),
+                           squeeze=False, layout="constrained")
   for col, vocab in enumerate(vocabs):
     sub = [r for r in rows if _vocab(r) == vocab]
     batches = sorted({r["workload"]["batch"] for r in sub})
@@ -70,8 +70,8 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
       ax.set_title(f"vocab {vocab}, prompt {w['prompt_len']}, {w['gen_len']} new tokens, "
                    f"threads: {w['threads']}", fontsize=9)
       ax.grid(True, axis="y", which="both", alpha=0.3)
-  fig.legend(loc="lower center", ncol=3, fontsize=8, frameon=False)
+  fig.legend(loc="outside lower center", ncol=3 if len(vocabs) > 1 else 2, fontsize=8,
+             frameon=False)
   fig.suptitle(f"kvjax vs transformers, same weights (median; labels = time / kvjax's)  "
                f"{subtitle(rows)}", fontsize=10)
-  fig.tight_layout(rect=(0, 0.07, 1, 1))
   return save(fig, out_dir, "peer_decode_speed")

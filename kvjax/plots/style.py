@@ -215,8 +215,25 @@ def subtitle(rows: list[dict]) -> str:
   return f"{shape}  {device}"
 
 
+def fit_text(fig) -> None:
+  """Wrap the figure's title, and each panel's title and x label, to the width they have."""
+  W = fig.get_figwidth()
+  for t in fig.texts:
+    if fig.get_suptitle() and t.get_text() == fig.get_suptitle():
+      t.set_text(fit(t.get_text(), fig, t.get_fontsize()))
+  for ax in fig.axes:
+    share = ax.get_position().width * 1.1
+    for t in (ax.title, ax.xaxis.label):
+      if t.get_text() and share * W > 1:
+        t.set_text(fit(t.get_text(), fig, t.get_fontsize(), share))
+
+
 def save(fig, out_dir: Path, stem: str) -> list[Path]:
+  """`stem`.png and .svg in `out_dir`, the texts wrapped to fit (`fit_text`) and the figure
+  laid out; the figure is closed."""
+  out_dir = Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
+  fit_text(fig)
   paths = [out_dir / f"{stem}.png", out_dir / f"{stem}.svg"]
   if not fig.get_layout_engine():
     fig.tight_layout()
@@ -226,11 +243,19 @@ def save(fig, out_dir: Path, stem: str) -> list[Path]:
   return paths
 
 
+def fit(text: str, fig, fontsize: float = 10, share: float = 0.95) -> str:
+  """`text` wrapped (at spaces, each line apart) to `share` of the figure's width at
+  `fontsize`, so a title or label never runs off the canvas."""
+  import textwrap
+  width = max(20, int(share * fig.get_figwidth() * 72 / (0.55 * fontsize)))
+  return "\n".join(textwrap.fill(line, width) for line in text.split("\n"))
+
+
 def clipped_text(fig) -> list[str]:
   """Every piece of text a drawn figure shows that lies (partly) outside its canvas, as
   'text' strings: a clipped title, label, legend or colour-bar label. Empty when all fits."""
   from matplotlib.text import Text
-  fig.canvas.draw()
+  fig.draw_without_rendering()  # the layout and every position, no pixels
   renderer = fig.canvas.get_renderer()
   W, H = fig.bbox.width, fig.bbox.height
   shown = set()

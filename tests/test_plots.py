@@ -190,9 +190,11 @@ def test_every_docs_image_is_redrawable_or_names_its_command(tmp_path):
   assert set(table) == {p.name for p in img.glob("*.png")}
   by_rows: dict = {}
   for name, (source, how) in table.items():
-    assert source in ("rows", "command"), name
+    assert source in ("rows", "command", "before"), name
     if source == "command":
       assert "kvjax run configs/" in how or how == "as above", name
+    elif source == "before":  # the look before a change, beside the image redrawn since
+      assert name.endswith("_before.png") and table[how.strip("`")][0] != "before", name
     else:
       by_rows.setdefault(how.strip("`"), []).append(name)
   assert by_rows

@@ -29,7 +29,7 @@ from kvjax.plots import long_context_evict as evict
 from kvjax.plots.long_common import setting as _setting
 from kvjax.plots.long_common import settings as _settings
 from kvjax.plots.long_common import title as _title
-from kvjax.plots.style import BYTES, TOKENS, bytes_per_token, save, wilson_yerr
+from kvjax.plots.style import BYTES, MARKERS, TOKENS, bytes_per_token, save, wilson_yerr
 
 
 def heatmap(rows, out_dir: Path) -> list[Path]:
@@ -95,7 +95,8 @@ def accuracy_vs_bytes(rows, out_dir: Path) -> list[Path]:
   ref = {_query(r): _first_number(r["metrics"]["output"]) for r in rows
          if _setting(r) == "fp32" and "output" in r["metrics"]}
   panels = 2 if ref else 1
-  fig, axes = plt.subplots(1, panels, figsize=(6.2 * panels, 4.6), squeeze=False)
+  fig, axes = plt.subplots(1, panels, figsize=(6.4 * panels, 4.8), squeeze=False,
+                           layout="constrained")
   cmap = plt.get_cmap("viridis")
   for k, n in enumerate(contexts):
     xs, acc, same, labels, right, asked = [], [], [], [], [], []
@@ -114,8 +115,11 @@ def accuracy_vs_bytes(rows, out_dir: Path) -> list[Path]:
     color = cmap(0.85 * k / max(len(contexts) - 1, 1))
     per = len([r for r in rows if r["workload"]["context"] == n]) // max(len(settings), 1)
     for ax, ys in zip(axes[0], (acc, same)):
-      ax.plot(np.array(xs)[order], np.array(ys)[order], "-o", color=color,
+      ax.plot(np.array(xs)[order], np.array(ys)[order], "-", color=color,
               label=f"{TOKENS(n)} tokens ({per} queries per setting)")
+      for x, y, lab in zip(xs, ys, labels):  # a marker per setting (kvjax.plots.style)
+        ax.plot(x, y, ls="none", ms=6, color=color, marker=MARKERS[settings.index(lab)
+                                                                 % len(MARKERS)])
       if k == 0:
         for x, y, lab in zip(xs, ys, labels):
           ax.annotate(lab, (x, y), textcoords="offset points", xytext=(3, 4), fontsize=7)

@@ -69,7 +69,7 @@ def _bytes_per_token(rows, out_dir):
   here = [r for r in rows if r["workload"]["context"] == ctx]
   look, style = Look(here), bar_look(here)
   per = {(r["variant"]["variant"], cache_label(r)): bytes_per_token(r) for r in here}
-  fig, ax = plt.subplots(figsize=(max(6.5, 1.0 * len(per) + 3), 4.6), layout="constrained")
+  fig, ax = plt.subplots(figsize=(min(14.0, max(6.5, 0.45 * len(per) + 3)), 4.6), layout="constrained")
   width = 0.8 / len(look.settings)
   for i, c in enumerate(look.settings):
     xs = [j + (i - (len(look.settings) - 1) / 2) * width for j in range(len(look.models))]

@@ -62,6 +62,8 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
             if q:
               ax.text(x, (y + e) * 1.04, f"{q:.1f}x", ha="center", va="bottom", fontsize=7)
       ax.set_yscale("log")
+      lo, hi = ax.get_ylim()
+      ax.set_ylim(lo, hi * 1.3)  # room for the ratio above the tallest bar
       ax.yaxis.set_major_formatter(PLAIN)  # 6 and 0.4, not 6x10^0 and 4x10^-1
       ax.yaxis.set_minor_formatter(SPARSE)
       ax.set_xticks(np.arange(len(batches)), [f"batch {b}" for b in batches])

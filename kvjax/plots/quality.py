@@ -53,8 +53,11 @@ CAP = 5.0  # Δppl (%) axis limit; larger values are drawn at the edge with thei
 
 def _dppl(rows, out_dir):
   """One line per setting (sorted by bytes per token, bytes in the label), one dot per
-  model: names never collide, and the axis is linear (no symlog bend at 0)."""
+  model (marker; colour: the setting's codec family): names never collide, and the axis is
+  linear (no symlog bend at 0)."""
   variants = _variants(rows)
+  look = Look(rows)
+  shape = {v: "osD^vP"[i % 6] for i, v in enumerate(variants)}
   settings = sorted({_setting(r) for r in rows},
                     key=lambda s: (-max(_bpt(r) for r in rows if _setting(r) == s), s))
   fig, ax = plt.subplots(figsize=(9.5, 0.5 * len(settings) + 1.6))
@@ -69,19 +72,21 @@ def _dppl(rows, out_dir):
       if ci and val <= CAP:  # the 95 % interval, cut at the axis edge like the point
         lo, hi = 100 * ci[0], min(100 * ci[1], CAP)
         ax.errorbar(x, y + offsets[v], xerr=[[max(x - lo, 0)], [max(hi - x, 0)]], ls="none",
-                    lw=1, capsize=2.5, color=variant_color(v))
-      ax.plot(x, y + offsets[v], marker=">" if val > CAP else "o", ms=6, ls="none",
-              color=variant_color(v))
+                    lw=1, capsize=2.5, color=look.color(s))
+      ax.plot(x, y + offsets[v], marker=">" if val > CAP else shape[v], ms=6, ls="none",
+              color=look.color(s))
       if val > CAP:
         ax.annotate(f"{val:+.1f}", (CAP, y + offsets[v]), xytext=(-8, 0),
                     textcoords="offset points", fontsize=7, ha="right", va="center",
-                    color=variant_color(v))
+                    color=look.color(s))
   labels = []
   for s in settings:
     bpt = {r["variant"]["variant"]: round(_bpt(r)) for r in rows if _setting(r) == s}
     labels.append(f"{s}  ({'/'.join(str(bpt[v]) if v in bpt else '-' for v in variants)} "
                   "B/token)")
   ax.set_yticks(range(len(settings)), labels, fontsize=8)
+  for tick, s in zip(ax.get_yticklabels(), settings):
+    tick.set_color(look.color(s))
   ax.invert_yaxis()
   lo = min(-0.5, min(100 * r["metrics"]["dppl_rel"] for r in rows) - 0.2)
   ax.set_xlim(lo, CAP + 0.3)
@@ -95,13 +100,14 @@ def _dppl(rows, out_dir):
                 "the arrows)" + ("; bars: 95 % intervals (paired bootstrap over blocks of "
                                  "tokens)" if bars else ""))
   ax.set_title(f"Quality vs cache size: settings from most to fewest measured bytes per token\n"
-               f"(per model: {'/'.join(variants)}); {n.get('batch')}×{n.get('context')} "
+               f"(per model: {'/'.join(look.names[v] for v in variants)}); {n.get('batch')}×{n.get('context')} "
                f"validation tokens per model, fed {n.get('chunk')} at a time", fontsize=9)
   ax.grid(True, axis="x", alpha=0.3)
   from matplotlib.lines import Line2D
-  ax.legend(handles=[Line2D([], [], marker="o", ls="none", color=variant_color(v), label=v)
-                     for v in variants], fontsize=8, loc="upper left",
-            bbox_to_anchor=(1.01, 1.0))
+  ax.legend(handles=[Line2D([], [], marker=shape[v], ls="none", color="#555555",
+                            label=look.names[v]) for v in variants], fontsize=8,
+            loc="upper left", bbox_to_anchor=(1.01, 1.0), title="model (colour: codec family)",
+            title_fontsize=7.5)
   return save(fig, out_dir, "quality_dppl_vs_bytes")
 
 

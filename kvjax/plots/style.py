@@ -86,7 +86,9 @@ def model_label(row: dict) -> str:
   ("smollm2-135m (GQA-3)"), else the variant with its heads ("MHA (H=4, K=4)")."""
   v = row.get("variant", {})
   name, variant = v.get("model"), v.get("variant", "?")
-  if name and str(name).lower() != str(variant).lower():
+  unnamed = {str(variant).lower(), str(row.get("experiment")),
+             str(row.get("config", {}).get("name"))}  # a model named after its run
+  if name and str(name).lower() not in unnamed:
     return f"{str(name).removeprefix('gguf:')} ({variant})"
   m = row.get("config", {}).get("model", {})
   heads, kv = v.get("heads") or m.get("n_heads"), v.get("kv_heads") or m.get("n_kv_heads")

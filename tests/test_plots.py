@@ -265,3 +265,29 @@ def test_long_context_accuracy_bars_are_wilson_intervals(monkeypatch, tmp_path):
   (bar,) = _bars(fig.axes[0])
   spans = sorted(tuple(p[1] for p in seg) for seg in bar.lines[2][0].get_segments())
   assert spans == [pytest.approx(intervals.wilson(3, 10)), pytest.approx(intervals.wilson(7, 10))]
+
+
+def test_kvjax_plot_command_and_api(results, tmp_path, capsys):
+  """`kvjax plot` draws what plot_all draws and says how many files; no folder or no rows is
+  one line and exit 2; `kvjax.plot` is the same call, raising KvjaxError."""
+  import kvjax
+  from kvjax import cli
+
+  sub = tmp_path / "res"
+  sub.mkdir()
+  rows = [r for r in runner.read_rows(results / "timing" / "rows.jsonl")
+          if r["experiment"] == "latency" and r["workload"]["context"] == 512
+          and r["workload"]["batch"] == 4]  # one figure: the bars
+  (sub / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  assert cli.main(["plot", str(sub), "--out", str(tmp_path / "a")]) == 0
+  out = capsys.readouterr().out
+  assert "latency_variants.png" in out and out.strip().endswith(f"files in {tmp_path / 'a'}")
+  paths = kvjax.plot(sub, out=tmp_path / "b", quiet=True)
+  assert sorted(p.name for p in paths) == sorted(p.name for p in (tmp_path / "a").iterdir())
+  for where in (tmp_path / "nothing", tmp_path / "empty"):
+    (tmp_path / "empty").mkdir(exist_ok=True)
+    assert cli.main(["plot", str(where)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvjax: error: no results"), err
+    with pytest.raises(KvjaxError, match="no results"):
+      kvjax.plot(where, out=tmp_path / "c")

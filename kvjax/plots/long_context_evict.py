@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from kvjax.plots.long_common import setting, title
-from kvjax.plots.style import BYTES, TOKENS, bytes_per_token, save, wilson_yerr
+from kvjax.plots.style import BYTES, MARKERS, TOKENS, bytes_per_token, save, wilson_yerr
 
 METHOD_COLORS = {"window": "#ff7f0e", "sinks": "#2ca02c", "snapkv": "#1f77b4", "h2o": "#9467bd",
                  "tova": "#8c564b", "knorm": "#7f7f7f", "quantization": "#d62728",
@@ -105,13 +105,13 @@ def evict_accuracy_vs_bytes(rows, out_dir: Path) -> list[Path]:
       ax.errorbar(xs, ys, yerr=wilson_yerr([p[3]["right"] for p in pts],
                                            [p[3]["n"] for p in pts]),
                   ls="none", color=_color(m), lw=0.6, capsize=1.5, alpha=0.5)
-      style = dict(color=_color(m), label=m)
+      style = dict(color=_color(m), label=m, marker=MARKERS[i % len(MARKERS)])  # one per method
       if m == "GQA→MQA":
-        ax.plot(xs, ys, "D", ms=8, **style)
+        ax.plot(xs, ys, ls="none", ms=8, **style)
       elif m.endswith("+ codec"):
-        ax.plot(xs, ys, "--^", ms=7, **style)
+        ax.plot(xs, ys, ls="--", ms=7, **style)
       else:
-        ax.plot(xs, ys, "-o", lw=2 if m == "quantization" else 1.5, **style)
+        ax.plot(xs, ys, ls="-", ms=6, lw=2 if m == "quantization" else 1.5, **style)
       if m.endswith("+ codec") or m in ("quantization", "GQA→MQA"):
         labels += [(x, y, s, _color(m)) for x, y, (_, _, s, _) in zip(xs, ys, pts) if s]
     _stacked_labels(ax, labels)

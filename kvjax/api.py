@@ -24,7 +24,6 @@ from typing import Any, Sequence
 from kvjax import config as config_lib
 from kvjax.api_types import (CacheConfig, EvalResult, GenerateResult, RunReport, SizeResult,
                              cache_items)
-from kvjax.errors import KvjaxError
 
 __all__ = ["CacheConfig", "EvalResult", "GenerateResult", "Model", "RunReport", "SizeResult",
            "load", "plot", "results", "run"]

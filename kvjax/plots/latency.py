@@ -3,9 +3,11 @@ a bar chart of every variant x codec at the longest context (the quickstart view
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MultipleLocator
 
 from kvjax.plots.style import (BYTES, PLAIN, TOKENS, Look, bar_look, bytes_per_token,
                                cache_label, codec_order, log2_axis, save, subtitle,
@@ -109,8 +111,7 @@ def _bars(rows, out_dir):
     bars = a1.bar(xs, rel, width, label=c, **style[c])
     a1.bar_label(bars, labels=[f"{y:.2f}x" if y else "" for y in rel], fontsize=7, padding=1)
     bars = a2.bar(xs, bpt, width, label=c, **style[c])
-    a2.bar_label(bars, labels=[BYTES(y) if y else "" for y in bpt], fontsize=6.5, padding=1,
-                 rotation=90)
+    a2.bar_label(bars, labels=[BYTES(y) if y else "" for y in bpt], fontsize=6.5, padding=1)
   for ax in (a1, a2):
     ax.set_xticks(range(len(look.models)), [look.names[v] for v in look.models], fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
@@ -119,8 +120,9 @@ def _bars(rows, out_dir):
   a1.set_ylim(0, max(r["metrics"]["tpot_s"] for r in here) / ref * 1.15)
   a1.set_ylabel(f"TPOT / TPOT of {ref_key[0]} {ref_key[1]} ({ref * 1e3:.3g} ms)")
   a1.set_title("Decode time per token, relative (lower is faster)", fontsize=9)
-  a2.set_yscale("log")
-  a2.set_ylim(top=max(bytes_per_token(r) for r in here) * 6)
+  top = max(bytes_per_token(r) for r in here) * 1.2
+  a2.set_ylim(0, top)  # linear: bars start at 0; ticks at whole powers of two of bytes
+  a2.yaxis.set_major_locator(MultipleLocator(2 ** math.floor(math.log2(max(top / 5, 1)))))
   a2.yaxis.set_major_formatter(BYTES)
   a2.set_ylabel(f"cache bytes held per token at context {ctx}")
   a2.set_title("Cache bytes per token (lower fits more)", fontsize=9)

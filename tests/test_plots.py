@@ -104,6 +104,16 @@ def test_rows_of_two_configs_are_plotted_apart(results, tmp_path):
   plots.plot_all(other, tmp_path / "plots")
   assert (tmp_path / "plots" / "tiny" / "latency_variants.png").is_file()
   assert (tmp_path / "plots" / "quickstart" / "latency_variants.png").is_file()
+  gpu = copy.deepcopy(renamed)  # one config on two devices: a subfolder per device
+  for r in gpu:
+    r["env"] = {"backend": "gpu", "device_kind": "NVIDIA H200"}
+  two = tmp_path / "two_devices"
+  (two / "gpu").mkdir(parents=True)  # (another machine's run: its own folder)
+  (two / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in renamed))
+  (two / "gpu" / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gpu))
+  plots.plot_all(two, tmp_path / "two")
+  for where in ("quickstart/cpu", "quickstart/gpu-nvidia-h200"):
+    assert (tmp_path / "two" / where / "latency_variants.png").is_file(), where
 
 
 def test_plot_all_on_an_empty_folder_is_a_one_line_error(tmp_path):

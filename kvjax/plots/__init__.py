@@ -31,6 +31,14 @@ def plot_module(name: str):
   return module if callable(getattr(module, "plot", None)) else None
 
 
+def _device(row: dict) -> str:
+  """The device a row was measured on, as a folder name ("cpu", "gpu-nvidia-h200")."""
+  env = row.get("env", {})
+  backend, kind = str(env.get("backend", "unknown")), str(env.get("device_kind", ""))
+  name = backend if kind in ("", backend) else f"{backend}-{kind}"
+  return "".join(c if c.isalnum() else "-" for c in name.lower())
+
+
 def plot_all(results_dir: str | Path, out_dir: str | Path, log=print) -> list[Path]:
   """Every plot the rows under `results_dir` support, written (PNG and SVG) into `out_dir`;
   the paths written. What was drawn goes to `log`, what was not (and why) to stderr. No
@@ -52,11 +60,16 @@ def plot_all(results_dir: str | Path, out_dir: str | Path, log=print) -> list[Pa
       print(f"kvjax plot: skipped experiment '{name}' ({len(rows)} rows): no plot module "
             f"kvjax/plots/{name}.py", file=sys.stderr)
       continue
-    # Runs of different configs (say quickstart and latency) are never mixed in one plot:
-    # when an experiment has rows from several configs, each gets its own subfolder.
+    # Runs of different configs (say quickstart and latency), or of one config on different
+    # devices, are never mixed in one plot: each gets its own subfolder (config/device).
     by_config: dict[str, list] = {}
     for row in rows:
       by_config.setdefault(row.get("config", {}).get("name") or name, []).append(row)
+    for config_name in list(by_config):
+      devices = {_device(r) for r in by_config[config_name]}
+      if len(devices) > 1:
+        for row in by_config.pop(config_name):
+          by_config.setdefault(f"{config_name}/{_device(row)}", []).append(row)
     for config_name, sub in sorted(by_config.items()):
       where = out_dir / config_name if len(by_config) > 1 else out_dir
       paths = module.plot(sub, where)

@@ -28,7 +28,7 @@ install-test: $(VENV)/.installed-test
 demo: install models
 	$(BIN)/kvjax run configs/quickstart.yaml --out $(OUT)
 	$(BIN)/kvjax run configs/demo_real.yaml --out $(OUT)
-	$(BIN)/python scripts/plot_all.py $(OUT) --out $(PLOTS)
+	$(BIN)/kvjax plot $(OUT) --out $(PLOTS)
 
 # Rerun the command recorded for every committed results file (results/MANIFEST.yaml) into
 # $(REPRO) (training the comparison models if missing; the peer race needs the test

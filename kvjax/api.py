@@ -10,7 +10,7 @@
 
 `generate` is `kvjax generate` (kvjax.generation), `evaluate` is `kvjax eval`
 (kvjax.evaluate), `size` is `kvjax size` (the CLI's own command on the same flags), `run`
-is `kvjax run` (kvjax.runner), `plot` is scripts/plot_all.py. The weights are read once, by
+is `kvjax run` (kvjax.runner), `plot` is `kvjax plot` (kvjax.plots). The weights are read once, by
 `load`; each call applies its cache settings to the loaded model's config, validated as
 `--set` validates them, so a bad value raises `KvjaxError` with the CLI's one-line message.
 """
@@ -25,7 +25,6 @@ from kvjax import config as config_lib
 from kvjax import registries  # noqa: F401  (config.validate then knows every registry's names)
 from kvjax.api_types import (CacheConfig, EvalResult, GenerateResult, RunReport, SizeResult,
                              cache_items)
-from kvjax.errors import KvjaxError
 
 __all__ = ["CacheConfig", "EvalResult", "GenerateResult", "Model", "RunReport", "SizeResult",
            "load", "plot", "results", "run"]
@@ -213,21 +212,10 @@ def results(path: str | Path, experiment: str | None = None) -> list[dict]:
 
 
 def plot(results_dir: str | Path, out: str | Path = "plots", quiet: bool = False) -> list[Path]:
-  """Redraw every plot the rows under `results_dir` support, into `out`, as
-  `python scripts/plot_all.py RESULTS_DIR --out OUT` does (the plots live in the
-  repository's scripts/, next to the package); what it drew and skipped printed unless
-  `quiet`."""
-  import importlib.util
+  """Redraw every plot the rows under `results_dir` support, into `out` (PNG and SVG), as
+  `kvjax plot RESULTS_DIR --out OUT` does (kvjax.plots); the paths written. What it drew
+  and skipped is printed unless `quiet`; no folder or no rows raises `KvjaxError`."""
+  from kvjax import plots
 
-  script = Path(__file__).resolve().parent.parent / "scripts" / "plot_all.py"
-  if not script.is_file():
-    raise KvjaxError(f"no {script}: kvjax.plot draws with the repository's scripts/plots; "
-                     "run it from a checkout of kvjax")
-  spec = importlib.util.spec_from_file_location("kvjax_plot_all", script)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  try:
-    with _quiet(quiet):
-      return module.plot_all(results_dir, out)
-  except SystemExit as e:  # plot_all's one-line errors
-    raise KvjaxError(str(e.code).removeprefix("plot_all: error: ")) from None
+  with _quiet(quiet):
+    return plots.plot_all(results_dir, out)

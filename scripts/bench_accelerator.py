@@ -216,7 +216,7 @@ def run(results: Path, budget: float, tiny: bool, env: dict, plan: str = "auto")
           + (f" ({rec['seconds']} s)" if "seconds" in rec else "")
           + (f": {rec['reason']}" if "reason" in rec else ""), flush=True)
     manifest["stages"].append(rec)
-  plots = subprocess.run([sys.executable, str(ROOT / "scripts/plot_all.py"), str(results),
+  plots = subprocess.run([sys.executable, "-m", "kvjax.cli", "plot", str(results),
                           "--out", str(results / "plots")], capture_output=True, text=True,
                          env=env, cwd=ROOT, timeout=30)
   manifest["plots"] = "ok" if plots.returncode == 0 else plots.stderr.strip()[-300:]

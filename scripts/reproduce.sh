@@ -42,7 +42,7 @@ while IFS= read -r cmd; do
   mkdir -p "$RESULTS"
   bash -c "$run" || failed+=("$cmd")
 done <<< "$cmds"
-"$PYTHON" scripts/plot_all.py "$RESULTS" --out "$PLOTS" || failed+=("plots")
+$KVJAX plot "$RESULTS" --out "$PLOTS" || failed+=("plots")  # (KVJAX may carry arguments)
 "$PYTHON" scripts/manifest.py compare "$RESULTS" ${only[@]:+--only "${only[@]}"} || failed+=("compare")
 if [ ${#failed[@]} -gt 0 ]; then
   printf 'reproduce: failed: %s\n' "${failed[@]}" >&2

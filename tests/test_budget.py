@@ -1,9 +1,6 @@
 """The `budget` experiment: the largest batch that fits a memory budget, its throughput
 with an interval, and its plot."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from kvjax import config
@@ -46,8 +43,7 @@ def test_run_cell_rows_interval_and_plot(tmp_path):
   assert m["tokens_per_s"] == pytest.approx(4 / m["tpot_s"])
   (line,) = budget.summary([row])
   assert line["batch"] == 4
-  sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-  from plots import budget as plot_budget
+  from kvjax.plots import budget as plot_budget
   row["env"] = {"backend": "cpu", "device_kind": "cpu"}
   paths = plot_budget.plot([row], tmp_path)
   assert {p.suffix for p in paths} == {".png", ".svg"} and all(p.stat().st_size for p in paths)

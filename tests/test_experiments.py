@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _plot(results: Path, out: Path) -> list[str]:
-  proc = subprocess.run([sys.executable, "scripts/plot_all.py", str(results), "--out", str(out)],
+  proc = subprocess.run([sys.executable, "-m", "kvjax.cli", "plot", str(results), "--out", str(out)],
                         cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   return sorted(p.name for p in out.rglob("*.png"))

@@ -367,8 +367,6 @@ def test_cli_bad_folder_exits_with_one_line(tmp_path, capsys):
 def test_peer_experiment_rows_and_plot(tmp_path):
   """The speed race runs the same function on both sides: transformers' dynamic and
   static caches give kvjax's greedy tokens, and rows feed the plot."""
-  import sys
-  from pathlib import Path
 
   from kvjax.experiments import peer
   from kvjax import config as config_lib
@@ -386,8 +384,7 @@ def test_peer_experiment_rows_and_plot(tmp_path):
     assert r["metrics"]["tpot_s"] > 0 and r["metrics"]["ttft_s"] > 0
     assert r["workload"]["threads"] == 1 == r["workload"]["torch_threads"]
   assert [r["metrics"].get("agreement") for r in rows[1:]] == [1.0, 1.0, 1.0]
-  sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-  from plots import peer as peer_plot
+  from kvjax.plots import peer as peer_plot
   for r in rows:
     r["config"] = cfg.to_dict()
   assert all(p.is_file() for p in peer_plot.plot(rows, tmp_path))

@@ -1,6 +1,7 @@
 """A non-editable install works: a wheel built from this tree, installed into a folder of its
 own, imports from there (not from the source tree or an editable install) and finds what it
-ships as package data (kvjax/shapes/*.yaml, named with `--config NAME`) from any directory.
+ships as package data (kvjax/shapes/*.yaml, named with `--config NAME`) from any directory,
+and runs an experiment and draws its plots there (`kvjax run`, `kvjax plot`).
 
 One wheel per test session (module fixture); each check is one `python -m kvjax.cli` process
 run from a scratch directory with only the installed folder on PYTHONPATH.
@@ -39,6 +40,7 @@ def installed(tmp_path_factory) -> Path:
   (wheel,) = (tmp / "dist").glob("kvjax-*.whl")
   names = zipfile.ZipFile(wheel).namelist()
   assert "kvjax/shapes/llama3-8b.yaml" in names and "kvjax/cli/__main__.py" in names
+  assert {"kvjax/plots/__init__.py", "kvjax/plots/style.py", "kvjax/plots/memory.py"} <= set(names)
   # the CPU kernels' sources, built on first use
   assert {"kvjax/kernels/read.cc", "kvjax/kernels/matvec.cc",
           "kvjax/kernels/parallel.h"} <= set(names)
@@ -110,3 +112,25 @@ def test_installed_generate_runs_a_packaged_shape_by_name(installed, tmp_path):
   assert out["variant"] == "GQA-3" and out["capacity"] == 5
   # fp32 cache: K and V x 1 layer x 3 KV heads x 64 x 4 bytes x 5 slots, + int32 length
   assert out["cache_bytes"] == 2 * 1 * 3 * 64 * 4 * 5 + 4
+
+
+def test_installed_run_and_plot_from_another_directory(installed, tmp_path):
+  """`kvjax run` a tiny config (the memory experiment: no compilation) and `kvjax plot` its
+  results, from a scratch directory, with only the installed copy importable."""
+  (tmp_path / "tiny.yaml").write_text(
+      "name: tiny\nexperiment: memory\n"
+      "model: {vocab_size: 64, d_model: 32, n_layers: 1, n_heads: 4, n_kv_heads: 4}\n"
+      "grid: {cache.codec: [fp32, int8]}\n"
+      "params: {contexts: [8, 64], shapes: [llama3-8b], concurrency_contexts: [1024]}\n")
+  proc = _kvjax(installed, tmp_path, "run", "tiny.yaml", "--out", "res")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert list((tmp_path / "res").glob("*.jsonl"))
+  proc = _kvjax(installed, tmp_path, "plot", "res", "--out", "figs")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  pngs = {p.name for p in (tmp_path / "figs").glob("*.png")}
+  assert {"memory_bytes_vs_context.png", "memory_bytes_per_token.png",
+          "memory_max_concurrency.png"} <= pngs, (pngs, proc.stdout)
+  assert all((tmp_path / "figs" / n).read_bytes()[:4] == b"\x89PNG" for n in pngs)
+  proc = _kvjax(installed, tmp_path, "plot", "nowhere")
+  assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+  assert "no results folder nowhere" in proc.stderr

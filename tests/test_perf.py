@@ -260,8 +260,6 @@ def ex_params(cfg):
 def test_roofline_experiment_rows_and_plot(tmp_path):
   """One tiny cell end to end: the bytes add up, the fraction is ideal / measured, and the
   plot writes PNG + SVG."""
-  import sys
-  from pathlib import Path
   from kvjax.experiments import roofline
   cfg = config.load(None, {"model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2,
                            "model.head_dim": 8, "model.n_layers": 2, "cache.codec": "int8",
@@ -285,8 +283,7 @@ def test_roofline_experiment_rows_and_plot(tmp_path):
   assert m["roof_s"] == max(m["ideal_s"], m["flops_s"])
   assert m["bound"] == ("bytes" if m["ideal_s"] >= m["flops_s"] else "flops")
   assert m["roof_fraction"] == pytest.approx(m["roof_s"] / m["tpot_s"])
-  sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-  from plots import roofline as plot_roofline
+  from kvjax.plots import roofline as plot_roofline
   row["env"] = {"backend": "cpu", "device_kind": "cpu"}
   paths = plot_roofline.plot([row], tmp_path)
   assert {p.suffix for p in paths} == {".png", ".svg"} and all(p.stat().st_size for p in paths)

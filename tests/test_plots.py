@@ -1,4 +1,4 @@
-"""Plot scripts: from a small results folder, every experiment's plots are written as
+"""Plots (kvjax.plots, `kvjax plot`): from a small results folder, every experiment's plots are written as
 non-empty PNG and SVG files, and `plot_all` keeps different configs apart.
 
 Memory rows come from a real tiny run (no compilation, fast); timing rows are built in
@@ -8,23 +8,16 @@ the results schema with made-up times (plots only read rows, so the shape is wha
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 from pathlib import Path
 
 import pytest
 
-from kvjax import runner
+from kvjax import plots, runner
+from kvjax.errors import KvjaxError
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_plot_all():
-  spec = importlib.util.spec_from_file_location("plot_all", ROOT / "scripts" / "plot_all.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def timing_row(experiment, variant, codec, layout, workload, tpot, name="tiny"):
@@ -74,7 +67,7 @@ def results(tmp_path_factory) -> Path:
 
 
 def test_plot_all_writes_non_empty_png_and_svg_per_experiment(results, tmp_path):
-  paths = load_plot_all().plot_all(results, tmp_path / "plots")
+  paths = plots.plot_all(results, tmp_path / "plots")
   names = {p.name for p in paths}
   for stem in ("memory_bytes_vs_context", "memory_bytes_per_token", "memory_max_concurrency",
                "latency_tpot_vs_context", "latency_ttft_vs_context",
@@ -90,9 +83,9 @@ def test_plot_all_writes_non_empty_png_and_svg_per_experiment(results, tmp_path)
 
 
 def test_one_context_still_gives_the_variant_bars(results, tmp_path):
-  from plots import latency, load_rows  # noqa: F401  (scripts/ is on sys.path via plot_all)
+  from kvjax.plots import latency
 
-  rows = [r for r in load_rows(results)["latency"] if r["workload"]["context"] == 512
+  rows = [r for r in plots.load_rows(results)["latency"] if r["workload"]["context"] == 512
           and r["workload"]["batch"] == 4]
   paths = latency.plot(rows, tmp_path)
   assert sorted(p.name for p in paths) == ["latency_variants.png", "latency_variants.svg"]
@@ -108,25 +101,34 @@ def test_rows_of_two_configs_are_plotted_apart(results, tmp_path):
   for r in renamed:
     r["config"]["name"] = "quickstart"
   (other / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + renamed))
-  load_plot_all().plot_all(other, tmp_path / "plots")
+  plots.plot_all(other, tmp_path / "plots")
   assert (tmp_path / "plots" / "tiny" / "latency_variants.png").is_file()
   assert (tmp_path / "plots" / "quickstart" / "latency_variants.png").is_file()
+  gpu = copy.deepcopy(renamed)  # one config on two devices: a subfolder per device
+  for r in gpu:
+    r["env"] = {"backend": "gpu", "device_kind": "NVIDIA H200"}
+  two = tmp_path / "two_devices"
+  (two / "gpu").mkdir(parents=True)  # (another machine's run: its own folder)
+  (two / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in renamed))
+  (two / "gpu" / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gpu))
+  plots.plot_all(two, tmp_path / "two")
+  for where in ("quickstart/cpu", "quickstart/gpu-nvidia-h200"):
+    assert (tmp_path / "two" / where / "latency_variants.png").is_file(), where
 
 
 def test_plot_all_on_an_empty_folder_is_a_one_line_error(tmp_path):
-  with pytest.raises(SystemExit) as err:
-    load_plot_all().plot_all(tmp_path, tmp_path / "plots")
+  with pytest.raises(KvjaxError) as err:
+    plots.plot_all(tmp_path, tmp_path / "plots")
   assert "no results rows" in str(err.value)
 
 
 def test_variant_colours_are_fixed_by_name():
-  load_plot_all()
-  from plots import variant_color
+  from kvjax.plots.style import variant_color
   assert len({variant_color(v) for v in ("MHA", "GQA-2", "GQA-4", "MQA")}) == 4
   # a variant without a fixed colour gets the same one in every process (not hash())
   import subprocess
   import sys
-  code = ("import sys; sys.path.insert(0, 'scripts'); from plots import variant_color; "
+  code = ("from kvjax.plots.style import variant_color; "
           "print(variant_color('GQA-3'), variant_color('GQA-5'))")
   seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "PYTHONHASHSEED": seed}, check=True,
@@ -138,8 +140,8 @@ def test_variant_colours_are_fixed_by_name():
 def test_points_are_keyed_by_the_whole_cache_variant(results, tmp_path):
   """Two settings of one codec (int4 whole-head vs int4 groups of 8, or two named settings)
   are two lines/bars, not one overwriting the other."""
-  load_plot_all()
-  from plots import cache_label, latency
+  from kvjax.plots import latency
+  from kvjax.plots.style import cache_label
 
   rows = [r for r in runner.read_rows(results / "timing" / "rows.jsonl")
           if r["experiment"] == "latency" and r["variant"]["codec"] == "int8"]
@@ -167,7 +169,7 @@ def test_plot_all_says_what_it_skipped_and_why(tmp_path, capsys):
   (folder / "rows.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(nomod) + "\n"
                                      + '{"torn": \n')
   (folder / "bench.jsonl").write_text('{"bench": "x", "speedup": 2}\n' * 3)
-  paths = load_plot_all().plot_all(folder, tmp_path / "plots")
+  paths = plots.plot_all(folder, tmp_path / "plots")
   err = capsys.readouterr().err.splitlines()
   assert any(p.name == "latency_variants.png" for p in paths)
   assert any("bench.jsonl: 3 rows that are not `kvjax run` results rows" in line for line in err)
@@ -177,8 +179,7 @@ def test_plot_all_says_what_it_skipped_and_why(tmp_path, capsys):
 
 
 def test_titles_do_not_repeat_the_device():
-  load_plot_all()
-  from plots import subtitle
+  from kvjax.plots.style import subtitle
   row = {"config": {"model": {"n_layers": 1, "d_model": 8, "n_heads": 2}},
          "env": {"backend": "cpu", "device_kind": "cpu"}}
   assert "cpu: cpu" not in subtitle([row]) and subtitle([row]).endswith("cpu")
@@ -199,13 +200,14 @@ def test_every_docs_image_is_redrawable_or_names_its_command(tmp_path):
   assert set(table) == {p.name for p in img.glob("*.png")}
   by_rows: dict = {}
   for name, (source, how) in table.items():
-    assert source in ("rows", "command"), name
+    assert source in ("rows", "command", "before"), name
     if source == "command":
       assert "kvjax run configs/" in how or how == "as above", name
+    elif source == "before":  # the look before a change, beside the image redrawn since
+      assert name.endswith("_before.png") and table[how.strip("`")][0] != "before", name
     else:
       by_rows.setdefault(how.strip("`"), []).append(name)
   assert by_rows
-  plot_all = load_plot_all()
   for rows_file, names in by_rows.items():
     src = ROOT / rows_file
     assert src.is_file(), rows_file
@@ -213,7 +215,7 @@ def test_every_docs_image_is_redrawable_or_names_its_command(tmp_path):
     folder = tmp_path / where
     folder.mkdir()
     shutil.copy(src, folder / src.name)
-    drawn = {p.name for p in plot_all.plot_all(folder, tmp_path / "out" / where)}
+    drawn = {p.name for p in plots.plot_all(folder, tmp_path / "out" / where)}
     assert set(names) <= drawn, (rows_file, names, drawn)
 
 
@@ -230,8 +232,7 @@ def _bars(ax) -> list:
 
 
 def test_quality_plots_draw_intervals_where_rows_have_them(monkeypatch, tmp_path):
-  load_plot_all()
-  from plots import quality
+  from kvjax.plots import quality
 
   def qrow(setting, dppl, kl, ci=True):
     m = {"dppl_rel": dppl, "kl": kl, "agreement": 0.9, "bytes_per_token": 100.0}
@@ -248,15 +249,13 @@ def test_quality_plots_draw_intervals_where_rows_have_them(monkeypatch, tmp_path
   (bar,) = _bars(dppl.axes[0])  # one interval: row b is an older row without one
   (seg,) = bar.lines[2][0].get_segments()
   assert [p[0] for p in seg] == pytest.approx([0.8, 1.3])  # 100 x [0.008, 0.013]
-  (kbar,) = _bars(kl.axes[0])
+  (kbar,) = _bars(kl.axes[0])  # row b's bar has no interval
   segs = kbar.lines[2][0].get_segments()
-  assert [tuple(p[1] for p in seg) for seg in segs] == [pytest.approx((5e-4, 2e-3)),
-                                                        pytest.approx((2e-3, 2e-3))]
+  assert [tuple(p[1] for p in seg) for seg in segs] == [pytest.approx((5e-4, 2e-3))]
 
 
 def test_long_context_accuracy_bars_are_wilson_intervals(monkeypatch, tmp_path):
-  load_plot_all()
-  from plots import long_context
+  from kvjax.plots import long_context
 
   from kvjax import intervals
 
@@ -276,3 +275,29 @@ def test_long_context_accuracy_bars_are_wilson_intervals(monkeypatch, tmp_path):
   (bar,) = _bars(fig.axes[0])
   spans = sorted(tuple(p[1] for p in seg) for seg in bar.lines[2][0].get_segments())
   assert spans == [pytest.approx(intervals.wilson(3, 10)), pytest.approx(intervals.wilson(7, 10))]
+
+
+def test_kvjax_plot_command_and_api(results, tmp_path, capsys):
+  """`kvjax plot` draws what plot_all draws and says how many files; no folder or no rows is
+  one line and exit 2; `kvjax.plot` is the same call, raising KvjaxError."""
+  import kvjax
+  from kvjax import cli
+
+  sub = tmp_path / "res"
+  sub.mkdir()
+  rows = [r for r in runner.read_rows(results / "timing" / "rows.jsonl")
+          if r["experiment"] == "latency" and r["workload"]["context"] == 512
+          and r["workload"]["batch"] == 4]  # one figure: the bars
+  (sub / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  assert cli.main(["plot", str(sub), "--out", str(tmp_path / "a")]) == 0
+  out = capsys.readouterr().out
+  assert "latency_variants.png" in out and out.strip().endswith(f"files in {tmp_path / 'a'}")
+  paths = kvjax.plot(sub, out=tmp_path / "b", quiet=True)
+  assert sorted(p.name for p in paths) == sorted(p.name for p in (tmp_path / "a").iterdir())
+  for where in (tmp_path / "nothing", tmp_path / "empty"):
+    (tmp_path / "empty").mkdir(exist_ok=True)
+    assert cli.main(["plot", str(where)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvjax: error: no results"), err
+    with pytest.raises(KvjaxError, match="no results"):
+      kvjax.plot(where, out=tmp_path / "c")

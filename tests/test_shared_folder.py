@@ -244,12 +244,7 @@ def test_every_reader_reads_a_cell_written_twice_once(cfg, tmp_path, capsys):
   """A folder two old runs (no locks) both wrote, plus a shard file repeating them: the
   table and the plots read each cell's rows once, the first file's. The same cell in a
   subfolder (another machine's run) is another measurement and is kept."""
-  import importlib
-  sys.path.insert(0, str(ROOT / "scripts"))
-  try:
-    plots = importlib.import_module("plots")
-  finally:
-    sys.path.remove(str(ROOT / "scripts"))
+  from kvjax import plots
   out = tmp_path / "out"
   runner.run_file(cfg, out_dir=out, progress=False)
   data = (out / "memory.jsonl").read_bytes()

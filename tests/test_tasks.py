@@ -362,20 +362,15 @@ def test_run_cell_end_to_end(cell_rows):
 
 
 def test_plots_from_rows(cell_rows, tmp_path):
-  import importlib.util
   import json
-  from pathlib import Path
 
-  root = Path(__file__).resolve().parent.parent
-  spec = importlib.util.spec_from_file_location("plot_all", root / "scripts" / "plot_all.py")
-  plot_all = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(plot_all)
+  from kvjax import plots
   res = tmp_path / "res"
   res.mkdir()
   with open(res / "long_context.jsonl", "w") as f:
     for r in cell_rows[0] + cell_rows[1]:
       f.write(json.dumps({"experiment": "long_context", **r}) + "\n")
-  written = plot_all.plot_all(res, tmp_path / "plots")
+  written = plots.plot_all(res, tmp_path / "plots")
   names = sorted(p.name for p in written)
   assert names == ["long_context_accuracy_vs_bytes.png", "long_context_accuracy_vs_bytes.svg",
                    "long_context_heatmap.png", "long_context_heatmap.svg"]
@@ -473,14 +468,9 @@ def test_eviction_rows_get_their_own_plots(cell_rows, tmp_path):
   """Rows with a policy draw accuracy vs bytes per method, vs context at a fixed budget and
   by depth, not the codec plots (whose names docs/img already holds)."""
   import copy
-  import importlib.util
   import json
-  from pathlib import Path
 
-  root = Path(__file__).resolve().parent.parent
-  spec = importlib.util.spec_from_file_location("plot_all", root / "scripts" / "plot_all.py")
-  plot_all = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(plot_all)
+  from kvjax import plots
   rows = []
   for ctx in (700, 1400):
     for r in cell_rows[1]:  # fp32, then each policy at two ratios
@@ -498,7 +488,7 @@ def test_eviction_rows_get_their_own_plots(cell_rows, tmp_path):
   res.mkdir()
   (res / "long_context.jsonl").write_text("".join(
       json.dumps({"experiment": "long_context", **r}) + "\n" for r in rows))
-  names = sorted(p.name for p in plot_all.plot_all(res, tmp_path / "plots") if p.suffix == ".png")
+  names = sorted(p.name for p in plots.plot_all(res, tmp_path / "plots") if p.suffix == ".png")
   assert names == ["long_context_evict_accuracy_vs_bytes.png",
                    "long_context_evict_accuracy_vs_context.png", "long_context_evict_depth.png"]
 

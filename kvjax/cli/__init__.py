@@ -1,5 +1,5 @@
-"""The `kvjax` command line: size, generate, eval, run, results, train, convert, models
-(README).
+"""The `kvjax` command line: size, generate, eval, run, results, plot, train, convert,
+models (README).
 
 User errors exit with status 2 and one line on stderr that names the problem and the fix. A
 result holding NaN or infinity is such an error too: it is never printed (JSON has no NaN).

@@ -166,3 +166,10 @@ def cmd_models(args) -> dict:
     print(f"{row['name']:14s} {state:14s} {row['path']}  ({row['about']}; from {row['package']})"
           + fix)
   return {}
+
+
+# -- plot ---------------------------------------------------------------------------------
+def cmd_plot(args) -> None:
+  from kvjax import plots
+  written = plots.plot_all(args.results_dir, args.out)
+  print(f"{len(written)} files in {args.out}")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 
 from kvjax.cli.commands import (DEFAULT_CODEC, cmd_convert, cmd_eval, cmd_generate, cmd_models,
-                                cmd_results, cmd_run, cmd_size, cmd_train, codec_names,
-                                layout_names)
+                                cmd_plot, cmd_results, cmd_run, cmd_size, cmd_train,
+                                codec_names, layout_names)
 from kvjax.errors import KvjaxError
 
 
@@ -229,4 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
   mo.add_argument("action", nargs="?", choices=("list", "fetch"), default="list")
   mo.add_argument("names", nargs="*", metavar="NAME")
   mo.set_defaults(func=cmd_models)
+
+  pl = sub.add_parser("plot", help="redraw every plot a results folder supports (PNG + SVG)",
+                      description="Read every *.jsonl under RESULTS_DIR (results rows of "
+                      "`kvjax run`), group the rows by experiment and draw each experiment's "
+                      "plots (kvjax/plots/EXPERIMENT.py) into --out; what is not drawn is "
+                      "said on stderr, one line each.")
+  pl.add_argument("results_dir", metavar="RESULTS_DIR", help="a results folder")
+  pl.add_argument("--out", metavar="DIR", default="plots", help="where the files go "
+                  "(default plots)")
+  pl.set_defaults(func=cmd_plot)
   return p

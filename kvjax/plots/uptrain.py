@@ -13,7 +13,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from plots import save, variant_color, variant_order
+from kvjax.plots.style import save, variant_color, variant_order
 
 
 def _label(r) -> str:

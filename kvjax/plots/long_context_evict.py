@@ -1,20 +1,5 @@
-"""Plots of the `long_context` experiment (retrieval through the cache).
-
-  long_context_heatmap: one panel per cache setting (most bytes first), depth of the fact
-    (rows) x context length (columns), accuracy over tasks and seeds, each cell labelled
-    "right/asked".
-  long_context_accuracy_vs_bytes: accuracy over every query of a context length against
-    the bytes the setting's cache holds for the prefix per prefix token (`kvjax.held`:
-    a residual window and scales in), one line per context length, points
-    labelled with their setting; beside it (when fp32 rows are present), the fraction of
-    queries whose first number written equals the fp32 cache's, which separates what the
-    codec changes from what the model cannot do at any precision.
-
-The accuracy plots draw each point's Wilson 95 % interval (its count right of the
-queries asked, `kvjax.intervals.wilson`), from the per-query rows of any vintage.
-
-Rows with eviction policies (`variant.policy`, configs/long_context_evict.yaml) get their
-own three plots instead:
+"""The eviction runs' plots of the `long_context` experiment (rows with `variant.policy`,
+configs/long_context_evict.yaml), drawn by kvjax.plots.long_context:
 
   long_context_evict_accuracy_vs_bytes: accuracy against the prefix's bytes per prefix
     token, one panel per context length, one line per method: each policy over its ratios
@@ -25,155 +10,33 @@ own three plots instead:
     half the shortest context: the ratio whose budget is nearest to it at each length).
   long_context_evict_depth: accuracy per setting (rows) by context and depth of the fact
     (columns), passkey and needles together, each cell labelled right/asked.
+
+Not a plot module of its own (no `plot`): `kvjax plot` finds it only through long_context.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 
-from plots import BYTES, TOKENS, bytes_per_token, save, wilson_yerr
+from kvjax.plots.long_common import setting, title
+from kvjax.plots.style import BYTES, MARKERS, TOKENS, bytes_per_token, save, wilson_yerr
 
-
-def _setting(r) -> str:
-  return r["variant"].get("setting") or r["variant"]["codec"]
-
-
-def _settings(rows) -> list[str]:
-  bpt: dict = {}
-  for r in rows:  # the most a setting holds per token (a window's share is largest early)
-    bpt[_setting(r)] = max(bpt.get(_setting(r), 0), bytes_per_token(r))
-  return sorted(bpt, key=lambda s: (-bpt[s], s))
-
-
-def _title(rows) -> str:
-  r = rows[0]
-  model = r["variant"].get("model", "")
-  tasks = sorted({x["workload"]["task"] for x in rows})
-  return f"{model}: {', '.join(tasks)} through the cache"
-
-
-def heatmap(rows, out_dir: Path) -> list[Path]:
-  settings = _settings(rows)
-  depths = sorted({r["workload"]["depth"] for r in rows})
-  contexts = sorted({r["workload"]["context"] for r in rows})
-  n = len(settings)
-  cols = min(n, 4)
-  nrows = -(-n // cols)
-  fig, axes = plt.subplots(nrows, cols, figsize=(2.6 * cols + 1.2, 2.3 * nrows + 0.8),
-                           squeeze=False, layout="constrained")
-  im = None
-  for i, s in enumerate(settings):
-    ax = axes[i // cols][i % cols]
-    right = np.zeros((len(depths), len(contexts)))
-    asked = np.zeros_like(right)
-    for r in rows:
-      if _setting(r) == s:
-        a, b = depths.index(r["workload"]["depth"]), contexts.index(r["workload"]["context"])
-        right[a, b] += r["metrics"]["accuracy"]
-        asked[a, b] += 1
-    acc = np.where(asked > 0, right / np.maximum(asked, 1), np.nan)
-    im = ax.imshow(acc, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
-    for a in range(len(depths)):
-      for b in range(len(contexts)):
-        if asked[a, b]:
-          ax.text(b, a, f"{right[a, b]:g}/{asked[a, b]:g}", ha="center", va="center",
-                  fontsize=8)
-    by_ctx = {r["workload"]["context"]: bytes_per_token(r) for r in rows if _setting(r) == s}
-    lo, hi = by_ctx[min(by_ctx)], by_ctx[max(by_ctx)]  # held: a window's share falls
-    held = f"{BYTES(lo)}/token" if round(lo) == round(hi) else \
-        f"{BYTES(lo)} → {BYTES(hi)}/token, {TOKENS(min(by_ctx))} → {TOKENS(max(by_ctx))}"
-    ax.set_title(f"{s} ({held})", fontsize=9)
-    ax.set_xticks(range(len(contexts)), [TOKENS(c) for c in contexts], fontsize=8)
-    ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=8)
-    if i % cols == 0:
-      ax.set_ylabel("depth of the fact")
-    if i // cols == nrows - 1:
-      ax.set_xlabel("context (tokens)")
-  for j in range(n, nrows * cols):
-    axes[j // cols][j % cols].axis("off")
-  fig.colorbar(im, ax=axes, shrink=0.8, label="accuracy")
-  fig.suptitle(_title(rows) + ": accuracy by depth and context", fontsize=10)
-  return save(fig, out_dir, "long_context_heatmap")
-
-
-def _first_number(text: str):
-  m = re.search(r"\d+", text)
-  return m.group(0) if m else None
-
-
-def _query(r) -> tuple:
-  w = r["workload"]
-  return (r["variant"].get("model"), w["context"], w["task"], w["depth"], w.get("seed"),
-          w.get("key"))
-
-
-def accuracy_vs_bytes(rows, out_dir: Path) -> list[Path]:
-  settings = _settings(rows)
-  contexts = sorted({r["workload"]["context"] for r in rows})
-  ref = {_query(r): _first_number(r["metrics"]["output"]) for r in rows
-         if _setting(r) == "fp32" and "output" in r["metrics"]}
-  panels = 2 if ref else 1
-  fig, axes = plt.subplots(1, panels, figsize=(6.2 * panels, 4.6), squeeze=False)
-  cmap = plt.get_cmap("viridis")
-  for k, n in enumerate(contexts):
-    xs, acc, same, labels, right, asked = [], [], [], [], [], []
-    for s in settings:
-      sel = [r for r in rows if _setting(r) == s and r["workload"]["context"] == n]
-      if sel:
-        xs.append(bytes_per_token(sel[0]))
-        right.append(sum(r["metrics"]["accuracy"] for r in sel))
-        asked.append(len(sel))
-        acc.append(right[-1] / asked[-1])
-        hits = [_first_number(r["metrics"]["output"]) == ref[_query(r)] for r in sel
-                if _query(r) in ref]
-        same.append(np.mean(hits) if hits else np.nan)
-        labels.append(s)
-    order = np.argsort(xs)
-    color = cmap(0.85 * k / max(len(contexts) - 1, 1))
-    per = len([r for r in rows if r["workload"]["context"] == n]) // max(len(settings), 1)
-    for ax, ys in zip(axes[0], (acc, same)):
-      ax.plot(np.array(xs)[order], np.array(ys)[order], "-o", color=color,
-              label=f"{TOKENS(n)} tokens ({per} queries per setting)")
-      if k == 0:
-        for x, y, lab in zip(xs, ys, labels):
-          ax.annotate(lab, (x, y), textcoords="offset points", xytext=(3, 4), fontsize=7)
-    err = wilson_yerr(right, asked)  # the accuracy's Wilson 95 % interval
-    axes[0][0].errorbar(xs, acc, yerr=err, ls="none", color=color, lw=0.8, capsize=2,
-                        alpha=0.7)
-  for ax in axes[0]:
-    ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(BYTES)
-    ax.set_ylim(-0.05, 1.05)
-    ax.set_xlabel("cache bytes held per prefix token (all layers, K + V, window and scales in)")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
-  axes[0][0].set_ylabel("accuracy (exact digits)")
-  axes[0][0].set_title("accuracy (bars: Wilson 95 % intervals)", fontsize=10)
-  if panels == 2:
-    axes[0][1].set_ylabel("fraction of answers equal to fp32's")
-    axes[0][1].set_title("same answer as the fp32 cache (first number written)", fontsize=10)
-  fig.suptitle(_title(rows) + ": accuracy vs cache bytes", fontsize=10)
-  return save(fig, out_dir, "long_context_accuracy_vs_bytes")
-
-
-# -- eviction runs -----------------------------------------------------------------------------
 METHOD_COLORS = {"window": "#ff7f0e", "sinks": "#2ca02c", "snapkv": "#1f77b4", "h2o": "#9467bd",
                  "tova": "#8c564b", "knorm": "#7f7f7f", "quantization": "#d62728",
                  "GQA→MQA": "#e377c2"}
 
 
-def _policy(r) -> str:
+def policy(r) -> str:
   return r["variant"].get("policy") or "full"
 
 
 def method(r) -> str:
   """The line a row belongs to: a policy over its ratios (fp32 cache), a policy with a
   codec ("snapkv + codec"), quantization of the whole cache, or GQA->MQA."""
-  v, pol = r["variant"], _policy(r)
+  v, pol = r["variant"], policy(r)
   if v.get("variant") == "MQA":
     return "GQA→MQA"
   if pol == "full":
@@ -189,9 +52,9 @@ def _cells(rows) -> dict:
   """(setting, context) -> {acc, n, right, bpt, held, method, policy, ratio, codec}."""
   out: dict = {}
   for r in rows:
-    k = (_setting(r), r["workload"]["context"])
+    k = (setting(r), r["workload"]["context"])
     c = out.setdefault(k, {"right": 0.0, "n": 0, "bpt": [], "held": [], "method": method(r),
-                           "policy": _policy(r), "ratio": r["variant"].get("ratio") or 1.0,
+                           "policy": policy(r), "ratio": r["variant"].get("ratio") or 1.0,
                            "codec": r["variant"]["codec"]})
     c["right"] += r["metrics"]["accuracy"]
     c["n"] += 1
@@ -242,13 +105,13 @@ def evict_accuracy_vs_bytes(rows, out_dir: Path) -> list[Path]:
       ax.errorbar(xs, ys, yerr=wilson_yerr([p[3]["right"] for p in pts],
                                            [p[3]["n"] for p in pts]),
                   ls="none", color=_color(m), lw=0.6, capsize=1.5, alpha=0.5)
-      style = dict(color=_color(m), label=m)
+      style = dict(color=_color(m), label=m, marker=MARKERS[i % len(MARKERS)])  # one per method
       if m == "GQA→MQA":
-        ax.plot(xs, ys, "D", ms=8, **style)
+        ax.plot(xs, ys, ls="none", ms=8, **style)
       elif m.endswith("+ codec"):
-        ax.plot(xs, ys, "--^", ms=7, **style)
+        ax.plot(xs, ys, ls="--", ms=7, **style)
       else:
-        ax.plot(xs, ys, "-o", lw=2 if m == "quantization" else 1.5, **style)
+        ax.plot(xs, ys, ls="-", ms=6, lw=2 if m == "quantization" else 1.5, **style)
       if m.endswith("+ codec") or m in ("quantization", "GQA→MQA"):
         labels += [(x, y, s, _color(m)) for x, y, (_, _, s, _) in zip(xs, ys, pts) if s]
     _stacked_labels(ax, labels)
@@ -271,7 +134,7 @@ def evict_accuracy_vs_bytes(rows, out_dir: Path) -> list[Path]:
         handles.append(h)
         labels.append(lab)
   fig.legend(handles, labels, loc="outside right center", fontsize=8)
-  fig.suptitle(_title(rows) + ": accuracy vs bytes, by method\n(prefix compacted before the "
+  fig.suptitle(title(rows) + ": accuracy vs bytes, by method\n(prefix compacted before the "
                "question; points spread a little in x where methods coincide; bars: Wilson "
                "95 % intervals)", fontsize=10)
   return save(fig, out_dir, "long_context_evict_accuracy_vs_bytes")
@@ -323,7 +186,7 @@ def evict_accuracy_vs_context(rows, out_dir: Path) -> list[Path]:
                        if target else "fixed budget: no ratio-0.5 rows", fontsize=10)
   axes[0][0].set_ylabel("accuracy (exact digits)")
   axes[0][1].legend(fontsize=8)
-  fig.suptitle(_title(rows) + ": accuracy vs context at a fixed budget (bars: Wilson 95 % "
+  fig.suptitle(title(rows) + ": accuracy vs context at a fixed budget (bars: Wilson 95 % "
                "intervals)", fontsize=10)
   return save(fig, out_dir, "long_context_evict_accuracy_vs_context")
 
@@ -336,7 +199,7 @@ def evict_depth(rows, out_dir: Path) -> list[Path]:
   right = np.zeros((len(settings), len(cols)))
   asked = np.zeros_like(right)
   for r in rows:
-    i = settings.index(_setting(r))
+    i = settings.index(setting(r))
     j = cols.index((r["workload"]["context"], r["workload"]["depth"]))
     right[i, j] += r["metrics"]["accuracy"]
     asked[i, j] += 1
@@ -352,16 +215,5 @@ def evict_depth(rows, out_dir: Path) -> list[Path]:
   ax.set_xticks(range(len(cols)), [f"{TOKENS(n)}\n{d:g}" for n, d in cols], fontsize=7)
   ax.set_xlabel("context (tokens) and depth of the fact")
   fig.colorbar(im, ax=ax, shrink=0.6, label="accuracy (passkey + needle)")
-  ax.set_title(_title(rows) + ": by setting (most bytes first), context and depth", fontsize=9)
+  ax.set_title(title(rows) + ": by setting (most bytes first), context and depth", fontsize=9)
   return save(fig, out_dir, "long_context_evict_depth")
-
-
-def plot(rows: list[dict], out_dir: Path) -> list[Path]:
-  out_dir = Path(out_dir)
-  rows = [r for r in rows if "accuracy" in r.get("metrics", {})]
-  if not rows:
-    return []
-  if any(_policy(r) != "full" for r in rows):  # an eviction run: its own plots
-    return (evict_accuracy_vs_bytes(rows, out_dir) + evict_accuracy_vs_context(rows, out_dir)
-            + evict_depth(rows, out_dir))
-  return heatmap(rows, out_dir) + accuracy_vs_bytes(rows, out_dir)

@@ -19,7 +19,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from plots import bytes_per_token, cache_label, save, variant_color, variant_order
+from kvjax.plots.style import (HATCHES, Look, bytes_per_token, cache_label, save, variant_color,
+                               variant_order)
 
 
 def _setting(r) -> str:
@@ -52,8 +53,11 @@ CAP = 5.0  # Δppl (%) axis limit; larger values are drawn at the edge with thei
 
 def _dppl(rows, out_dir):
   """One line per setting (sorted by bytes per token, bytes in the label), one dot per
-  model: names never collide, and the axis is linear (no symlog bend at 0)."""
+  model (marker; colour: the setting's codec family): names never collide, and the axis is
+  linear (no symlog bend at 0)."""
   variants = _variants(rows)
+  look = Look(rows)
+  shape = {v: "osD^vP"[i % 6] for i, v in enumerate(variants)}
   settings = sorted({_setting(r) for r in rows},
                     key=lambda s: (-max(_bpt(r) for r in rows if _setting(r) == s), s))
   fig, ax = plt.subplots(figsize=(9.5, 0.5 * len(settings) + 1.6))
@@ -68,19 +72,21 @@ def _dppl(rows, out_dir):
       if ci and val <= CAP:  # the 95 % interval, cut at the axis edge like the point
         lo, hi = 100 * ci[0], min(100 * ci[1], CAP)
         ax.errorbar(x, y + offsets[v], xerr=[[max(x - lo, 0)], [max(hi - x, 0)]], ls="none",
-                    lw=1, capsize=2.5, color=variant_color(v))
-      ax.plot(x, y + offsets[v], marker=">" if val > CAP else "o", ms=6, ls="none",
-              color=variant_color(v))
+                    lw=1, capsize=2.5, color=look.color(s))
+      ax.plot(x, y + offsets[v], marker=">" if val > CAP else shape[v], ms=6, ls="none",
+              color=look.color(s))
       if val > CAP:
         ax.annotate(f"{val:+.1f}", (CAP, y + offsets[v]), xytext=(-8, 0),
                     textcoords="offset points", fontsize=7, ha="right", va="center",
-                    color=variant_color(v))
+                    color=look.color(s))
   labels = []
   for s in settings:
     bpt = {r["variant"]["variant"]: round(_bpt(r)) for r in rows if _setting(r) == s}
     labels.append(f"{s}  ({'/'.join(str(bpt[v]) if v in bpt else '-' for v in variants)} "
                   "B/token)")
   ax.set_yticks(range(len(settings)), labels, fontsize=8)
+  for tick, s in zip(ax.get_yticklabels(), settings):
+    tick.set_color(look.color(s))
   ax.invert_yaxis()
   lo = min(-0.5, min(100 * r["metrics"]["dppl_rel"] for r in rows) - 0.2)
   ax.set_xlim(lo, CAP + 0.3)
@@ -94,46 +100,64 @@ def _dppl(rows, out_dir):
                 "the arrows)" + ("; bars: 95 % intervals (paired bootstrap over blocks of "
                                  "tokens)" if bars else ""))
   ax.set_title(f"Quality vs cache size: settings from most to fewest measured bytes per token\n"
-               f"(per model: {'/'.join(variants)}); {n.get('batch')}×{n.get('context')} "
+               f"(per model: {'/'.join(look.names[v] for v in variants)}); {n.get('batch')}×{n.get('context')} "
                f"validation tokens per model, fed {n.get('chunk')} at a time", fontsize=9)
   ax.grid(True, axis="x", alpha=0.3)
   from matplotlib.lines import Line2D
-  ax.legend(handles=[Line2D([], [], marker="o", ls="none", color=variant_color(v), label=v)
-                     for v in variants], fontsize=8, loc="upper left",
-            bbox_to_anchor=(1.01, 1.0))
+  ax.legend(handles=[Line2D([], [], marker=shape[v], ls="none", color="#555555",
+                            label=look.names[v]) for v in variants], fontsize=8,
+            loc="upper left", bbox_to_anchor=(1.01, 1.0), title="model (colour: codec family)",
+            title_fontsize=7.5)
   return save(fig, out_dir, "quality_dppl_vs_bytes")
 
 
 def _kl(rows, out_dir):
-  """KL per setting and model on a log axis; the fp32 cache is the reference (KL exactly 0)
-  and has no bar."""
+  """KL per setting (most bytes first) on a log axis, its value printed on the bar; one bar
+  per model (hatch) and setting (colour: codec family). The fp32 cache is the reference
+  (KL exactly 0) and has no bar."""
   variants = _variants(rows)
+  look = Look(rows)
+  names = {v: look.names[v] for v in variants}
   settings = [s for s in dict.fromkeys(_setting(r) for r in sorted(rows, key=lambda r: -_bpt(r)))
               if any(r["metrics"]["kl"] > 0 for r in rows if _setting(r) == s)]
-  fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(settings) + 2), 4.5))
-  width = 0.8 / len(variants)
+  kl = {(r["variant"]["variant"], _setting(r)): r["metrics"] for r in rows
+        if r["metrics"]["kl"] > 0}
+  present = [[v for v in variants if (v, s) in kl] for s in settings]  # bars side by side
+  width = 0.8 / max(len(p) for p in present)
+  n_bars = sum(len(p) for p in present)
+  fig, ax = plt.subplots(figsize=(min(15.0, max(7.0, 0.3 * n_bars + 0.3 * len(settings) + 2)),
+                                  5.0), layout="constrained")
   x = np.arange(len(settings))
-  for i, v in enumerate(variants):
-    vals, err = [], [[], []]
-    for s in settings:
-      m = [r["metrics"] for r in rows if r["variant"]["variant"] == v and _setting(r) == s]
-      val = m[0]["kl"] if m and m[0]["kl"] > 0 else np.nan
-      ci = m[0].get("kl_ci95") if m else None
-      vals.append(val)  # the 95 % interval as an error bar where the row has one
-      err[0].append(max(val - ci[0], 0) if ci and val > 0 else 0)
-      err[1].append(max(ci[1] - val, 0) if ci and val > 0 else 0)
-    ax.bar(x + i * width - 0.4 + width / 2, vals, width, color=variant_color(v), label=v,
-           yerr=err if any(err[1]) else None, error_kw=dict(lw=0.8, capsize=2))
+  for j, (s, here) in enumerate(zip(settings, present)):
+    for i, v in enumerate(here):
+      m = kl[(v, s)]
+      val, ci = m["kl"], m.get("kl_ci95")  # the 95 % interval as an error bar where it is
+      err = [[max(val - ci[0], 0)], [max(ci[1] - val, 0)]] if ci else None
+      bar = ax.bar(j + (i - (len(here) - 1) / 2) * width, val, width, color=look.color(s),
+                   hatch=HATCHES[variants.index(v) % len(HATCHES)], edgecolor="white", lw=0.5,
+                   yerr=err, error_kw=dict(lw=0.8, capsize=2))
+      ax.bar_label(bar, labels=[f"{val:.1e}"], fontsize=6, rotation=90, padding=2)
   ax.set_yscale("log")
+  top = np.nanmax([r["metrics"]["kl"] for r in rows if r["metrics"]["kl"] > 0])
+  ax.set_ylim(top=top * 30)
   ax.set_xticks(x, settings, rotation=45, ha="right", fontsize=8)
+  for tick, s in zip(ax.get_xticklabels(), settings):
+    tick.set_color(look.color(s))
   ax.set_ylabel("mean KL(fp32 cache ‖ this cache), nats")
   bars = any("kl_ci95" in r["metrics"] for r in rows)
-  ax.set_title("Next-token KL divergence from the fp32 cache (the reference, KL 0, not drawn;"
-               " no bar: setting not run on that model)"
-               + ("\nerror bars: 95 % intervals (paired bootstrap over blocks of tokens)"
-                  if bars else ""), fontsize=9)
+  ax.set_title("Next-token KL divergence from the fp32 cache, settings from most to fewest "
+               "bytes per token\n(fp32 itself, KL 0, not drawn; no bar: not run on that model"
+               + ("; error bars: 95 % intervals, paired bootstrap over blocks" if bars else "")
+               + ")", fontsize=9)
   ax.grid(True, axis="y", alpha=0.3)
-  ax.legend(fontsize=8)
+  if len(variants) > 1:
+    from matplotlib.patches import Patch
+    fig.legend(handles=[Patch(facecolor="#999999", edgecolor="white", hatch=HATCHES[i],
+                              label=names[v]) for i, v in enumerate(variants)],
+               fontsize=8, loc="outside lower center", ncol=min(4, len(variants)),
+               title="model (bar colour: codec family)", title_fontsize=7.5)
+  else:
+    ax.text(0.01, 0.98, names[variants[0]], transform=ax.transAxes, va="top", fontsize=8)
   return save(fig, out_dir, "quality_kl")
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from plots import LAYOUT_COLORS, cache_label, codec_order, save, subtitle, variant_order
+from kvjax.plots.style import LAYOUT_COLORS, cache_label, codec_order, save, subtitle, variant_order
 
 SERVERS = [("contiguous", False, "contiguous (reserve max length)", LAYOUT_COLORS["contiguous"]),
            ("paged", False, "paged", "#98df8a"),

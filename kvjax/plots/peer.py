@@ -14,7 +14,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from plots import PLAIN, SPARSE, save, subtitle
+from kvjax.plots.style import PLAIN, SPARSE, save, subtitle
 
 PEER_ORDER = ("kvjax", "kvjax_nnscan", "kvjax_unrolled", "dynamic", "static", "quanto")
 PEER_COLORS = {"kvjax": "#1f77b4", "kvjax_nnscan": "#aec7e8", "kvjax_unrolled": "#17becf",
@@ -35,8 +35,8 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
   vocabs = sorted({_vocab(r) for r in rows})
   metrics = [("tpot_s", "time per output token (ms)", "tpot_vs_kvjax"),
              ("ttft_s", "time to first token (ms)", "ttft_vs_kvjax")]
-  fig, axes = plt.subplots(len(metrics), len(vocabs), figsize=(5.6 * len(vocabs), 8.2),
-                           squeeze=False)
+  fig, axes = plt.subplots(len(metrics), len(vocabs), figsize=(5.6 * len(vocabs) + 1, 8.6),
+                           squeeze=False, layout="constrained")
   for col, vocab in enumerate(vocabs):
     sub = [r for r in rows if _vocab(r) == vocab]
     batches = sorted({r["workload"]["batch"] for r in sub})
@@ -62,6 +62,8 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
             if q:
               ax.text(x, (y + e) * 1.04, f"{q:.1f}x", ha="center", va="bottom", fontsize=7)
       ax.set_yscale("log")
+      lo, hi = ax.get_ylim()
+      ax.set_ylim(lo, hi * 1.3)  # room for the ratio above the tallest bar
       ax.yaxis.set_major_formatter(PLAIN)  # 6 and 0.4, not 6x10^0 and 4x10^-1
       ax.yaxis.set_minor_formatter(SPARSE)
       ax.set_xticks(np.arange(len(batches)), [f"batch {b}" for b in batches])
@@ -70,8 +72,8 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
       ax.set_title(f"vocab {vocab}, prompt {w['prompt_len']}, {w['gen_len']} new tokens, "
                    f"threads: {w['threads']}", fontsize=9)
       ax.grid(True, axis="y", which="both", alpha=0.3)
-  fig.legend(loc="lower center", ncol=3, fontsize=8, frameon=False)
+  fig.legend(loc="outside lower center", ncol=3 if len(vocabs) > 1 else 2, fontsize=8,
+             frameon=False)
   fig.suptitle(f"kvjax vs transformers, same weights (median; labels = time / kvjax's)  "
                f"{subtitle(rows)}", fontsize=10)
-  fig.tight_layout(rect=(0, 0.07, 1, 1))
   return save(fig, out_dir, "peer_decode_speed")

@@ -8,8 +8,9 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
 
-from plots import (BYTES, TOKENS, cache_label, codec_order, codec_style, legends, log2_axis,
-                   save, subtitle, variant_color, variant_order)
+from kvjax.plots.style import (BYTES, TOKENS, Look, bar_look, bytes_per_token, cache_label,
+                               codec_order, log2_axis, save, subtitle, variant_color,
+                               variant_order)
 
 
 def _keys(rows):
@@ -32,7 +33,8 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
 
 def _bytes_vs_context(rows, out_dir):
   variants, codecs = _keys(rows)
-  fig, ax = plt.subplots(figsize=(7.5, 5))
+  look = Look(rows)
+  fig, ax = plt.subplots(figsize=(8.5, 5), layout="constrained")
   for v in variants:
     for c in codecs:
       pts = sorted((r["workload"]["context"], r["metrics"]["closed_form_bytes"],
@@ -40,11 +42,11 @@ def _bytes_vs_context(rows, out_dir):
                    if r["variant"]["variant"] == v and cache_label(r) == c)
       if not pts:
         continue
-      ls, mk = codec_style(c)
-      ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, color=variant_color(v), lw=1.4)
+      kw = look.style(v, c)
+      ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=kw["ls"], color=kw["color"], lw=1.4)
       for x, _, y, how in pts:  # measured: filled if allocated, hollow if abstract pytree
-        ax.plot(x, y, marker=mk, ms=6, color=variant_color(v),
-                mfc=variant_color(v) if how == "allocated" else "none", ls="none")
+        ax.plot(x, y, marker=kw["marker"], ms=6, color=kw["color"],
+                mfc=kw["mfc"] if how == "allocated" else "none", ls="none")
   log2_axis(ax.xaxis, TOKENS)
   log2_axis(ax.yaxis, BYTES, every=2)
   batch = rows[0]["workload"]["batch"]
@@ -56,28 +58,31 @@ def _bytes_vs_context(rows, out_dir):
   extra = [Line2D([], [], color="gray", marker="o", ls="none", label="allocated"),
            Line2D([], [], color="gray", marker="o", mfc="none", ls="none",
                   label="abstract (eval_shape)")]
-  legends(ax, variants, codecs, loc="upper left", extra=extra)
+  look.legend(ax, loc="upper left", extra=extra)
   return save(fig, out_dir, "memory_bytes_vs_context")
 
 
 def _bytes_per_token(rows, out_dir):
-  variants, codecs = _keys(rows)
-  per = {(r["variant"]["variant"], cache_label(r)):  # the per-token cost, long context
-         r["metrics"].get("bytes_per_token_asymptotic", r["metrics"]["bytes_per_token"])
-         for r in rows}
-  fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(codecs) + 2), 4.5))
-  width = 0.8 / len(variants)
-  for i, v in enumerate(variants):
-    xs = [j + (i - (len(variants) - 1) / 2) * width for j in range(len(codecs))]
-    ys = [per.get((v, c), 0) for c in codecs]
-    bars = ax.bar(xs, ys, width, color=variant_color(v), label=v)
-    ax.bar_label(bars, labels=[f"{y:.0f}" for y in ys], fontsize=7, padding=1)
-  ax.set_xticks(range(len(codecs)), codecs)
-  ax.set_xlabel("cache codec (K and V)")
-  ax.set_ylabel("bytes per token (all layers, K + V)")
+  """Bytes the cache held per token at the longest context measured (kvjax.held), a group
+  per model, a bar per setting (colour: codec family)."""
+  ctx = max(r["workload"]["context"] for r in rows)
+  here = [r for r in rows if r["workload"]["context"] == ctx]
+  look, style = Look(here), bar_look(here)
+  per = {(r["variant"]["variant"], cache_label(r)): bytes_per_token(r) for r in here}
+  fig, ax = plt.subplots(figsize=(min(14.0, max(6.5, 0.45 * len(per) + 3)), 4.6), layout="constrained")
+  width = 0.8 / len(look.settings)
+  for i, c in enumerate(look.settings):
+    xs = [j + (i - (len(look.settings) - 1) / 2) * width for j in range(len(look.models))]
+    ys = [per.get((v, c), 0) for v in look.models]
+    bars = ax.bar(xs, ys, width, label=c, **style[c])
+    ax.bar_label(bars, labels=[f"{y:.0f}" if y else "" for y in ys], fontsize=7, padding=1)
+  ax.set_xticks(range(len(look.models)), [look.names[v] for v in look.models], fontsize=8)
+  ax.set_ylabel(f"bytes held per token at context {TOKENS(ctx)}\n(all layers, K + V)")
   ax.set_yscale("log")
-  ax.set_title(f"KV-cache bytes per token by variant and codec\n{subtitle(rows)}", fontsize=10)
-  ax.legend(fontsize=8)
+  ax.set_ylim(top=max(per.values()) * 3)
+  ax.set_title(f"KV-cache bytes per token by model and setting\n{subtitle(rows)}",
+               fontsize=10)
+  ax.legend(fontsize=7.5, title="cache setting", title_fontsize=7.5)
   ax.grid(True, axis="y", alpha=0.3)
   return save(fig, out_dir, "memory_bytes_per_token")
 

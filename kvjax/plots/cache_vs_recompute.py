@@ -8,7 +8,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from plots import LAYOUT_COLORS, PLAIN, TOKENS, log2_axis, save, subtitle
+from kvjax.plots.style import LAYOUT_COLORS, PLAIN, TOKENS, log2_axis, save, subtitle
 
 
 def _series(rows):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from plots import bytes_per_token, human_bytes, save
+from kvjax.plots.style import MARKERS, bytes_per_token, human_bytes, model_label, save
 
 
 def method(v: dict) -> str:
@@ -33,11 +33,12 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
   for r in rows:
     groups.setdefault(method(r["variant"]), []).append(r)
   fig, ax = plt.subplots(figsize=(7.5, 4.8))
-  for name, rs in sorted(groups.items()):
+  for i, (name, rs) in enumerate(sorted(groups.items())):  # a marker per method
     rs = sorted(rs, key=lambda r: bytes_per_token(r))
     xs = [bytes_per_token(r) for r in rs]
     ys = [r["metrics"]["ppl"] / r["metrics"]["ppl_ref"] for r in rs]
-    ax.plot(xs, ys, marker="o", ls="-" if len(rs) > 1 else "none", label=name)
+    ax.plot(xs, ys, marker=MARKERS[i % len(MARKERS)], ls="-" if len(rs) > 1 else "none",
+            label=name)
   ax.set_xscale("log", base=2)
   ax.xaxis.set_major_formatter(plt.FuncFormatter(human_bytes))
   ax.set_xlabel("cache bytes held per token seen")
@@ -45,7 +46,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
   ax.set_ylabel("perplexity / fp32 full cache's")
   ax.axhline(1, color="grey", lw=0.8)
   ax.legend(fontsize=8)
-  models = sorted({r["variant"].get("model", "") for r in rows})
+  models = sorted({model_label(r) for r in rows})
   w = rows[0]["workload"]
   ax.set_title(f"compression: eviction, latent and quantization — {', '.join(models)}, "
                f"context {w['context']}, {w['continuation']} tokens scored", fontsize=9)

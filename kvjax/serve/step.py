@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
-from kvjax import decode, policies, program, sharding
+from kvjax import decode, policies, program, sharding, step
 from kvjax.cache import compact, paged, paged_compact
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
@@ -43,14 +43,12 @@ STEP_TRACES: collections.Counter = collections.Counter()  # per tokens shape, at
 
 def _call(spec, sampler, params, cache, tokens_BT, positions_BT, last_B, key):
   STEP_TRACES[tokens_BT.shape] += 1
-  net, params = decode.network(spec, params)
-  logits_BTV, cache = decode.forward(net, params, tokens_BT, positions_BT, cache)
-  last_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
-  return sampler(last_BV, key), cache
+  out = step.run(spec, params, tokens_BT, positions_BT, cache, logits=last_B[:, None])
+  return sampler(out.logits[:, 0], key), out.cache
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "sampler"), donate_argnames=("cache",))
-def serve_step(params, cache, tokens_BT, positions_BT, last_B, key, *, spec: decode.Static,
+def serve_step(params, cache, tokens_BT, positions_BT, last_B, key, *, spec: step.Static,
                sampler):
   """One model call; returns the token sampled after each row's last token. The cache's
   `lengths` (and block table) say which rows are which: a paged cache may hold any number."""
@@ -60,7 +58,7 @@ def serve_step(params, cache, tokens_BT, positions_BT, last_B, key, *, spec: dec
 @functools.partial(jax.jit, static_argnames=("spec", "sampler", "width", "all_rows"),
                    donate_argnames=("cache",))
 def serve_contiguous(params, cache, slots_R, tokens_RT, positions_RT, last_R, key, *,
-                     spec: decode.Static, sampler, width: int, all_rows: bool):
+                     spec: step.Static, sampler, width: int, all_rows: bool):
   """`serve_step` on a contiguous cache's slots `slots_R` (all of them, in order, when
   `all_rows`) and its first `width` token slots: a window gathered, run and written back,
   so a step reads what the live requests can hold, not every reservation to its end."""

@@ -3,8 +3,9 @@
 and the likelihood of a continuation read through such a cache.
 
 `prefill_program(cfg, default)` is what a driver lowers for prefill: `default`
-(`decode.prefill`) when the policy is `full`, else `Program`, which checks the prompt
-lengths on the host and lowers `prefill` below.
+(`decode.prefill`) when the policy is `full`, else `CompactingPrefill`, which checks the
+prompt lengths on the host and lowers `prefill` below. Every model call here is one
+`kvjax.step.run`.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def compact(cache, lengths_B, q_LBTHD, *, room: int, T: int):
   return _squeeze(cache)(cache, lengths_B, room, q, T=T)
 
 
-class Program:
+class CompactingPrefill:
   """`prefill` with the host-side checks that need the prompt lengths, run at `lower`."""
 
   def lower(self, params, tokens_BT, lengths_B, cache, key, *, spec, sampler):
@@ -82,7 +83,7 @@ class Program:
 
 def prefill_program(cfg, default):
   """The prefill program `program.generate` lowers: `default` for `full`, else compaction."""
-  return default if cfg.cache.policy == "full" else Program()
+  return default if cfg.cache.policy == "full" else CompactingPrefill()
 
 
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
-from kvjax import data, decode, held, intervals, program
+from kvjax import data, held, intervals, program, step
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
@@ -42,22 +42,21 @@ def reference_config(cfg: Config) -> Config:
   return config_lib.validate(config_lib.resolve(ref))
 
 
-@functools.partial(jax.jit, static_argnames=("model_cfg", "chunk"))
-def _stream(params, tokens_BM, valid_BM, cache, *, model_cfg, chunk: int):
-  """Compiled per model and chunk; the cache's static spec carries codec and layout."""
+@functools.partial(jax.jit, static_argnames=("spec", "chunk"))
+def _stream(params, tokens_BM, valid_BM, cache, *, spec, chunk: int):
+  """Compiled per config and chunk: `chunk` tokens a step (`kvjax.step.run`) in one scan."""
   B, M = tokens_BM.shape
-  model = Transformer(model_cfg)
   toks = tokens_BM.reshape(B, M // chunk, chunk).swapaxes(0, 1)
   valid = valid_BM.reshape(B, M // chunk, chunk).swapaxes(0, 1)
   offs = jnp.arange(chunk, dtype=jnp.int32)
 
-  def step(c, xs):
+  def one(c, xs):
     tok_BT, valid_BT = xs
     positions = jnp.where(valid_BT, c.lengths[:, None] + offs, -1)
-    logits, c = decode.forward(model, params, tok_BT, positions, c)
-    return c, jax.nn.log_softmax(logits, axis=-1)
+    out = step.run(spec, params, tok_BT, positions, c)
+    return out.cache, jax.nn.log_softmax(out.logits, axis=-1)
 
-  c, lp = jax.lax.scan(step, cache, (toks, valid))
+  c, lp = jax.lax.scan(one, cache, (toks, valid))
   return lp.swapaxes(0, 1).reshape(B, M, -1), c
 
 
@@ -86,9 +85,9 @@ def stream_segments(cfg: Config, params, tokens_BM, chunk: int = 1, segment: int
   tok = np.pad(tokens_BM, ((0, 0), (0, total - M)))
   valid = np.arange(total)[None, :].repeat(B, 0) < M
   c = cache_lib.init_cache(cfg, B, max(cfg.cache.capacity, M))
+  params, kw = step.prepare_params(cfg, params), step.statics(cfg, chunk=chunk)
   for start in range(0, total, seg):
-    lp, c = _stream(params, tok[:, start:start + seg], valid[:, start:start + seg], c,
-                    model_cfg=cfg.model, chunk=chunk)
+    lp, c = _stream(params, tok[:, start:start + seg], valid[:, start:start + seg], c, **kw)
     if progress is not None:
       progress.update(min(seg, M - start) * B)
     yield start, lp[:, :max(0, min(seg, M - start))]

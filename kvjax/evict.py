@@ -3,64 +3,31 @@
 and the likelihood of a continuation read through such a cache.
 
 `prefill_program(cfg, default)` is what a driver lowers for prefill: `default`
-(`decode.prefill`) when the policy is `full`, else `Program`, which checks the prompt
-lengths on the host and lowers `prefill` below.
+(`decode.prefill`) when the policy is `full`, else `CompactingPrefill`, which checks the
+prompt lengths on the host and lowers `prefill` below. Every model call here is one
+`kvjax.step.run`.
 """
 
 from __future__ import annotations
 
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
-from kvjax import policies
+from kvjax import policies, step
 from kvjax.cache import paged_compact
 from kvjax.cache.compact import compress
-from kvjax.codecs import rotate
 from kvjax.errors import KvjaxError
 
 
-def _is_q_proj(mdl, method_name) -> bool:
-  return isinstance(mdl, nn.Dense) and mdl.name == "q_proj" and method_name == "__call__"
-
-
-def _forward_capture(params, tokens_BT, lengths_B, cache, spec, queries: bool):
-  """The prompt through `cache` in one call: (last logits [B, 1, V], the filled cache, the
-  prompt's rotated queries [L, B, T, H, D] when `queries`, else None). Capturing queries
-  runs the layers unrolled to read each layer's `q_proj` output (the scan does not carry
-  intermediates)."""
-  from kvjax import model as model_lib
-  from kvjax.model import Transformer
-
-  T = tokens_BT.shape[1]
-  t = jnp.arange(T, dtype=jnp.int32)[None, :]
-  positions_BT = jnp.where(t < lengths_B[:, None], cache.lengths[:, None] + t, -1)
-  m = spec.model
-  if queries or "layers" not in params or model_lib.unrolled(m):
-    model, p = Transformer(m, logits_last=True, layer_loop="unrolled"), model_lib.split_layers(params)
-  else:
-    model, p = Transformer(m, logits_last=True), params
-  if not queries:
-    logits_B1V, cache = model.apply({"params": p}, tokens_BT, positions_BT, cache)
-    return logits_B1V, cache, None
-  (logits_B1V, cache), state = model.apply({"params": p}, tokens_BT, positions_BT, cache,
-                                           capture_intermediates=_is_q_proj,
-                                           mutable=["intermediates"])
-  inter = state["intermediates"]
-  B = tokens_BT.shape[0]
-  cos, sin = model_lib.rope_cos_sin(positions_BT, m)
-  q_LBTHD = jnp.stack([
-      model_lib.apply_rope(inter[f"layers_{i}"]["q_proj"]["__call__"][0]
-                           .reshape(B, T, m.n_heads, m.D), cos, sin)
-      for i in range(m.n_layers)])
-  rot_DD = rotate.of(cache.spec.cache_cfg, m.D)  # the stored keys' basis (cache.rotate)
-  if rot_DD is not None:
-    q_LBTHD = rotate.apply(q_LBTHD, rot_DD)
-  return logits_B1V, cache, q_LBTHD
+def _prompt(params, tokens_BT, lengths_B, cache, spec, queries: bool) -> step.Out:
+  """The prompt through `cache` in one step (`kvjax.step.run`): each row's last logits, the
+  filled cache and, when `queries`, the prompt's rotated queries [L, B, T, H, D]."""
+  positions_BT = step.positions(cache.lengths, lengths_B, tokens_BT.shape[1])
+  return step.run(spec, params, tokens_BT, positions_BT, cache, logits="last", queries=queries)
 
 
 def _squeeze(cache):
@@ -74,14 +41,13 @@ def _squeeze(cache):
 def prefill(params, tokens_BT, lengths_B, cache, key, *, spec, sampler):
   """`decode.prefill` followed by compaction: returns the first token, its logits and the
   compacted cache (`compacted`, or `paged_compacted` when `cache` is paged). Policies that
-  read queries run the layers unrolled to capture each layer's `q_proj` output."""
-  pol = policies.get(spec.cache.policy)
+  score by attention get the prompt's rotated queries from the same step."""
   T = tokens_BT.shape[1]
-  logits_B1V, cache, q_LBTHD = _forward_capture(params, tokens_BT, lengths_B, cache, spec,
-                                                pol.needs_queries)
-  room = cache.spec.capacity - T
-  new_cache = _squeeze(cache)(cache, lengths_B, room, q_LBTHD, T=T)
-  last_BV = logits_B1V[:, 0]
+  out = _prompt(params, tokens_BT, lengths_B, cache, spec,
+                policies.get(spec.cache.policy).needs_queries)
+  room = out.cache.spec.capacity - T
+  new_cache = _squeeze(out.cache)(out.cache, lengths_B, room, out.queries, T=T)
+  last_BV = out.logits[:, 0]
   return sampler(last_BV, key), last_BV, new_cache
 
 
@@ -91,8 +57,8 @@ def prefill_queries(params, tokens_BT, lengths_B, cache, *, spec):
   queries [L, B, T, H, D]). One such prefill through an fp32 cache serves every policy and
   codec: a call attends to its own fresh K/V, so its queries and its keys before storage
   do not depend on the cache's codec (see `compact` below)."""
-  _, cache, q_LBTHD = _forward_capture(params, tokens_BT, lengths_B, cache, spec, True)
-  return cache, q_LBTHD
+  out = _prompt(params, tokens_BT, lengths_B, cache, spec, True)
+  return out.cache, out.queries
 
 
 @functools.partial(jax.jit, static_argnames=("room", "T"))
@@ -104,7 +70,7 @@ def compact(cache, lengths_B, q_LBTHD, *, room: int, T: int):
   return _squeeze(cache)(cache, lengths_B, room, q, T=T)
 
 
-class Program:
+class CompactingPrefill:
   """`prefill` with the host-side checks that need the prompt lengths, run at `lower`."""
 
   def lower(self, params, tokens_BT, lengths_B, cache, key, *, spec, sampler):
@@ -117,21 +83,18 @@ class Program:
 
 def prefill_program(cfg, default):
   """The prefill program `program.generate` lowers: `default` for `full`, else compaction."""
-  return default if cfg.cache.policy == "full" else Program()
+  return default if cfg.cache.policy == "full" else CompactingPrefill()
 
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
 def continue_tokens(params, cache, cont_BM, *, spec):
   """Feed cont_BM one token per step through the cache; log-probabilities [B, M, V]."""
-  from kvjax import decode
-  model, p = decode.network(spec, params)
+  def one(c, tok_B):
+    out = step.run(spec, params, tok_B[:, None], c.lengths[:, None], c)
+    return out.cache, jax.nn.log_softmax(out.logits[:, 0], axis=-1)
 
-  def step(c, tok_B):
-    logits, c = model.apply({"params": p}, tok_B[:, None], c.lengths[:, None], c)
-    return c, jax.nn.log_softmax(logits[:, 0], axis=-1)
-
-  cache, lp_MBV = jax.lax.scan(step, cache, cont_BM.T)
+  cache, lp_MBV = jax.lax.scan(one, cache, cont_BM.T)
   return jnp.swapaxes(lp_MBV, 0, 1), cache
 
 
@@ -140,15 +103,16 @@ def continuation_logprobs(cfg, params, context_BT, cont_BM):
   teacher-force the continuation token by token. Returns (log-probabilities [B, M, V] where
   row i predicts cont[:, i], the cache bytes held at the end)."""
   from kvjax import decode
+  params = step.prepare_params(cfg, params)
   context_BT, cont_BM = np.asarray(context_BT, np.int32), np.asarray(cont_BM, np.int32)
   (B, T), M = context_BT.shape, cont_BM.shape[1]
   lengths_B = np.full((B,), T, np.int32)
   cache = cache_lib.init_cache(cfg, B, T + M)
   key = jax.random.PRNGKey(0)
-  spec = decode.Static.of(cfg)
+  kw = step.statics(cfg, decode.Sampler())
   pre = prefill_program(cfg, decode.prefill).lower(params, context_BT, lengths_B, cache, key,
-                                                   spec=spec, sampler=decode.Sampler()).compile()
+                                                   **kw).compile()
   _, last_BV, cache = pre(params, context_BT, lengths_B, cache, key)
-  lp_BMV, cache = continue_tokens(params, cache, cont_BM[:, :-1], spec=spec)
+  lp_BMV, cache = continue_tokens(params, cache, cont_BM[:, :-1], spec=kw["spec"])
   first = jax.nn.log_softmax(last_BV, axis=-1)[:, None]
   return jnp.concatenate([first, lp_BMV], axis=1), cache_lib.tree_bytes(cache)

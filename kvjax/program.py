@@ -10,7 +10,7 @@ scripts/bench_prefill.py and bench_sharding.py; the serving engine through `stat
 
   placement  with more than one device in `mesh.*`, params, prompts and every cache are
              laid out on the mesh (kvjax.sharding) and jit follows; params are then
-             prepared once (`decode.prepare_params`);
+             prepared once (`step.prepare_params`);
   compile    prefill (through the compaction of `cache.policy` when it is not `full`,
              kvjax.evict) and `steps` decode steps, ahead of time: `compile_s`
              (both programs, and the one prefill run whose cache decode is lowered on),
@@ -21,9 +21,9 @@ scripts/bench_prefill.py and bench_sharding.py; the serving engine through `stat
 A shape of width 0 compiles no prefill: decode starts from a fresh cache whose lengths say
 it already holds `context` tokens (zeros: decode speed does not depend on values).
 
-`statics` builds the static keyword arguments of every call of a jitted program
-(decode.prefill, decode.decode, evict.prefill, the serving step): the one place that
-knows them: the narrow `decode.Static` spec and the sampler, never the experiment Config.
+`statics` (`kvjax.step.statics`) builds the static keyword arguments of every call of a
+jitted program (decode.prefill, decode.decode, evict.prefill, the serving step): the
+narrow `step.Static` spec and the sampler, never the experiment Config.
 """
 
 from __future__ import annotations
@@ -37,16 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
-from kvjax import decode, evict, metrics, sharding
+from kvjax import decode, evict, metrics, sharding, step
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
 
 
-def statics(cfg: Config, sampler: decode.Sampler, **extra) -> dict:
-  """Static keyword arguments of the jitted programs (`extra`: `steps` of decode, the serving
-  step's widths). The program, the paired timer and the serving step build them here;
-  evict.py and tasks/through_cache.py still build `decode.Static` themselves."""
-  return {"spec": decode.Static.of(cfg), "sampler": sampler, **extra}
+statics = step.statics  # the static keyword arguments of every jitted program's call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +68,7 @@ class Placement:
     stacked ones run the nn.scan program)."""
     if self.mesh is not None:
       params = sharding.shard_params(params, self.cfg, self.mesh)
-    return decode.prepare_params(self.cfg, params) if prepare else params
+    return step.prepare_params(self.cfg, params) if prepare else params
 
   def batch(self, x):
     """Prompt tokens [B, T] or a per-sequence vector [B]: the batch over `data`."""

@@ -18,6 +18,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import step
 from kvjax import decode, metrics, model, program
 from kvjax import config as config_lib
 from kvjax.attention import xla as attention_xla
@@ -41,7 +42,7 @@ def main() -> None:
   torch.set_num_threads(len(cores))
   cfg = config_lib.load(a.config, a.overrides)
   m, B, T = cfg.model, a.batch, a.tokens
-  params = decode.prepare_params(cfg, model.init_params(m, 0))
+  params = step.prepare_params(cfg, model.init_params(m, 0))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, m.vocab_size, (B, T)), jnp.int32)
   lengths = jnp.full((B,), T, jnp.int32)
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import tiny_config, tiny_params
 
+from kvjax import step
 from kvjax import attention, decode, experiments, program
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
@@ -42,14 +43,14 @@ def test_accelerator_program_tokens_equal_cpu_program(over):
   got = {}
   for prog in ("cpu", "accelerator"):
     cfg = _cfg(prog, **over)
-    assert decode.Static.of(cfg).model.program == prog
+    assert step.Static.of(cfg).model.program == prog
     assert experiments.variant(cfg)["program"] == prog
     got[prog] = program.generate(cfg, tiny_params(cfg), PROMPTS, 6, timed=False)["tokens"]
   assert got["accelerator"] == got["cpu"]
 
 
 def test_program_auto_resolves_per_backend_and_unknown_is_refused():
-  assert decode.Static.of(_cfg("auto")).model.program == "cpu"  # the suite runs on the CPU
+  assert step.Static.of(_cfg("auto")).model.program == "cpu"  # the suite runs on the CPU
   assert attention.resolve("auto", "accelerator") == "grouped"
   assert attention.resolve("auto", "cpu") == "native"
   with pytest.raises(KvjaxError, match="model.program 'gpu'.*auto, cpu, accelerator"):
@@ -217,7 +218,7 @@ def test_accelerator_prompt_read_by_query_blocks_equals_reference(name):
 
 # -- bucketed capacity ---------------------------------------------------------------------------
 def test_bucket_is_the_smallest_power_of_two_the_call_stays_within():
-  acc, cpu = decode.Static.of(_cfg("accelerator")), decode.Static.of(_cfg("cpu"))
+  acc, cpu = step.Static.of(_cfg("accelerator")), step.Static.of(_cfg("cpu"))
   assert [decode.bucket_for(acc, live, steps, 1024) for live, steps in
           ((5, 3), (5, 4), (1, 1), (100, 28), (100, 29))] == [8, 16, 2, 128, 256]
   assert decode.bucket_for(acc, 500, 100, 512) == 0  # would cover the whole capacity
@@ -230,7 +231,7 @@ def test_bucketed_decode_equals_full_read_and_compiles_once_per_bucket(over):
   """Decode in calls of 3 steps, each reading the bucket the host picks, gives the tokens
   of one unbucketed call; a call per bucket compiles, the calls of a seen bucket do not."""
   cfg = _cfg("accelerator", **{"cache.capacity": 64, **over})
-  params = decode.prepare_params(cfg, tiny_params(cfg))
+  params = step.prepare_params(cfg, tiny_params(cfg))
   tokens, lengths = program.pad_prompts(PROMPTS)
   kw = program.statics(cfg, decode.Sampler())
   spec, n, steps = kw["spec"], 8, 3
@@ -279,7 +280,7 @@ def test_prompt_temporaries_formula_and_the_compiled_prefill_fits_it():
   cpu = _cfg("cpu", **{"cache.capacity": 1024})
   assert memory.temp_bytes(cpu, B, T, S) == 4 * (B * m.vocab_size + acts + 4 * (
       B * m.n_heads * 128 * T + B * m.n_heads * T * 512)) + 2 * B * m.n_kv_heads * 512 * m.D * 4
-  params = decode.prepare_params(cfg, tiny_params(cfg))
+  params = step.prepare_params(cfg, tiny_params(cfg))
   tokens = jnp.ones((B, T), jnp.int32)
   lowered = decode.prefill.lower(params, tokens, jnp.full((B,), T, jnp.int32),
                                  cache_lib.init_cache(cfg, B, S), jax.random.PRNGKey(0),

@@ -15,7 +15,7 @@ import pytest
 from kvjax import program
 from kvjax.cache import contiguous
 from kvjax import cache as cache_lib
-from kvjax import cli, codecs, config, decode, model
+from kvjax import cli, codecs, config, decode, model, step
 
 # The layouts' writes and windows are held to a from-scratch reference here through the XLA
 # read (`grouped`), whose float32 arithmetic makes the comparison exact to 2e-5; the native
@@ -37,17 +37,16 @@ def tiny():
 @jax.jit
 def teacher_forced(params, cache):
   """Prefill the ragged prompts, then feed TOKS one at a time: logits [B, N, V] per step."""
-  m = model.Transformer(tiny()[0].model)
+  spec = step.Static.of(tiny()[0])
   t = jnp.arange(P)[None]
-  _, cache = decode.forward(m, params, TOKS[:, :P], jnp.where(t < LENS[:, None], t, -1),
-                                  cache)
+  cache = step.run(spec, params, TOKS[:, :P], jnp.where(t < LENS[:, None], t, -1), cache).cache
 
-  def step(c, _):
+  def one(c, _):
     tok = jnp.take_along_axis(jnp.asarray(TOKS), c.lengths[:, None], axis=1)
-    logits, c = decode.forward(m, params, tok, c.lengths[:, None], c)
-    return c, logits[:, 0]
+    out = step.run(spec, params, tok, c.lengths[:, None], c)
+    return out.cache, out.logits[:, 0]
 
-  _, logits = jax.lax.scan(step, cache, None, length=N)
+  _, logits = jax.lax.scan(one, cache, None, length=N)
   return jnp.swapaxes(logits, 0, 1)
 
 
@@ -251,12 +250,13 @@ def test_decode_step_never_materializes_a_dequantized_cache(name):
   m, S = cfg.model, 4096
   params = jax.eval_shape(lambda: model.init_params(m, 0))
   cache = jax.eval_shape(lambda: cache_lib.init_cache(cfg, 1, S))
-  net = model.Transformer(m)
+  spec = step.Static.of(cfg)
 
-  def step(params, tok, c):
-    return decode.forward(net, params, tok, c.lengths[:, None], c)
+  def one(params, tok, c):
+    out = step.run(spec, params, tok, c.lengths[:, None], c)
+    return out.logits, out.cache
 
-  compiled = jax.jit(step, donate_argnums=2).lower(
+  compiled = jax.jit(one, donate_argnums=2).lower(
       params, jax.ShapeDtypeStruct((1, 1), jnp.int32), cache).compile()
   temp = compiled.memory_analysis().temp_size_in_bytes
   layer_f32 = 2 * m.n_kv_heads * S * m.D * 4

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, tiny_params
+from kvjax import step
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
 from kvjax import decode
@@ -107,12 +108,12 @@ def test_unrolled_decode_writes_the_cache_in_place(case):
 
 
 def test_split_params_run_either_way():
-  """Params already split per layer (`decode.prepare_params`, whatever `model.scan_unroll`
+  """Params already split per layer (`step.prepare_params`, whatever `model.scan_unroll`
   says) run the default switched scan to the same tokens, and splitting twice changes
   nothing."""
   cfg = tiny_config(**{"model.n_kv_heads": 2})
   params = tiny_params(cfg)
-  split = decode.prepare_params(config_lib.replace(cfg, **{"model.scan_unroll": 2}), params)
+  split = step.prepare_params(config_lib.replace(cfg, **{"model.scan_unroll": 2}), params)
   assert "layers" not in split and model_lib.split_layers(split) is split
   want = program.generate(cfg, params, PROMPTS, 6, timed=False)["tokens"]
   assert program.generate(cfg, split, PROMPTS, 6, timed=False)["tokens"] == want

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import tiny_config, tiny_params
 
+from kvjax import step
 from kvjax import cache as cache_lib
 from kvjax import cli, policies, program
 from kvjax import config as config_lib
@@ -240,7 +241,7 @@ def test_compacting_a_filled_paged_cache_is_what_prefill_returns():
   params = tiny_params(cfg)
   tokens, lengths = program.pad_prompts(PROMPTS)
   T, room, key = tokens.shape[1], 3, jax.random.PRNGKey(0)
-  spec, sampler = decode.Static.of(cfg), decode.Sampler()
+  spec, sampler = step.Static.of(cfg), decode.Sampler()
   fresh = lambda: cache_lib.init_cache(cfg, 2, T + room)  # noqa: E731
   _, _, want = evict.prefill(params, tokens, lengths, fresh(), key, spec=spec, sampler=sampler)
   _, _, filled = decode.prefill(params, tokens, lengths, fresh(), key, spec=spec,

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, tiny_params
+from kvjax import step
 from kvjax import decode, kernels, model
 
 f32, bf16 = jnp.float32, jnp.bfloat16
@@ -47,7 +48,7 @@ def test_bf16_weights_decode_through_the_kernel(tied, monkeypatch):
   untied lm_head) through the kernel, and its logits equal XLA's product's; a tied table
   stays with XLA, which fuses its widening into the product."""
   cfg = tiny_config(**{"model.param_dtype": "bfloat16", "model.tie_embeddings": tied})
-  params = decode.prepare_params(cfg, tiny_params(cfg))
+  params = step.prepare_params(cfg, tiny_params(cfg))
   net = model.Transformer(cfg.model, layer_loop="switch")
   tokens = jnp.array([[3, 5], [7, 1]], jnp.int32)
   pos = jnp.array([[0, 1], [0, 1]], jnp.int32)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, tiny_params
-from kvjax import decode
+from kvjax import step
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
 from kvjax.model import Transformer, apply_rope, rope_cos_sin
@@ -31,18 +31,19 @@ def _full_forward(cfg, params, tokens):
 def _cached_forward(cfg, params, tokens, layout="contiguous"):
   """Ragged prefill of each row's prompt, then one decode step per remaining token."""
   cfg = config_lib.replace(cfg, **{"cache.layout": layout})
-  model = Transformer(cfg.model)
+  spec = step.Static.of(cfg)
   lengths = jnp.asarray(RAGGED, jnp.int32)
   B, T = tokens.shape
   t = jnp.arange(T, dtype=jnp.int32)[None]
   cache = cache_lib.init_cache(cfg, B, TOTAL)
-  fwd = jax.jit(lambda p, tok, pos, c: decode.forward(model, p, tok, pos, c))
+  run = jax.jit(lambda p, tok, pos, c: step.run(spec, p, tok, pos, c))
+  fwd = lambda *a: (lambda o: (o.logits, o.cache))(run(*a))  # noqa: E731
   prompt_pos = jnp.where(t < lengths[:, None], t, -1)
   logits, cache = fwd(params, tokens, prompt_pos, cache)
   out = np.zeros((B, TOTAL, cfg.model.vocab_size), np.float32)
   for b, n in enumerate(RAGGED):
     out[b, :n] = logits[b, :n]
-  for step in range(TOTAL - min(RAGGED)):
+  for _ in range(TOTAL - min(RAGGED)):
     pos = cache.lengths
     tok = jnp.take_along_axis(tokens, jnp.minimum(pos, TOTAL - 1)[:, None], axis=1)
     live = pos < TOTAL

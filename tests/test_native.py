@@ -187,9 +187,9 @@ def test_auto_is_native_on_the_cpu():
 _CHILD = r"""
 import json, sys
 import jax, jax.numpy as jnp
-from kvjax import cache as cache_lib, config, decode, kernels, model, program
+from kvjax import cache as cache_lib, config, decode, kernels, model, program, step
 cfg = config.load(None, {"model.n_kv_heads": 2, "cache.codec": sys.argv[1]})
-params = decode.prepare_params(cfg, model.init_params(cfg.model, 0))
+params = step.prepare_params(cfg, model.init_params(cfg.model, 0))
 cache = cache_lib.init_cache(cfg, 2, 24)
 low = decode.decode.lower(params, cache, jnp.zeros((2,), jnp.int32), jax.random.PRNGKey(0),
                           **program.statics(cfg, decode.Sampler(), steps=4))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import attention, codecs, config, decode, model, program
+from kvjax import attention, codecs, config, decode, model, program, step
 from kvjax import cache as cache_lib
 from kvjax.attention import xla
 from kvjax.codecs import base as codecs_base
@@ -177,22 +177,22 @@ def tiny(kv_heads: int, codec: str, attn: str = "grouped"):
 
 def teacher_forced(cfg, params, tokens_BN, lens_B, capacity):
   """Ragged prefill, then feed tokens one at a time; logits [B, steps, V] per step."""
-  net = model.Transformer(cfg.model)
+  spec = step.Static.of(cfg)
   cache = cache_lib.init_cache(cfg, tokens_BN.shape[0], capacity)
   P = int(lens_B.max())
 
   @jax.jit
   def run(params, cache):
     t = jnp.arange(P)[None]
-    _, c = decode.forward(net, params, tokens_BN[:, :P],
-                                jnp.where(t < lens_B[:, None], t, -1), cache)
+    c = step.run(spec, params, tokens_BN[:, :P], jnp.where(t < lens_B[:, None], t, -1),
+                 cache).cache
 
-    def step(c, _):
+    def one(c, _):
       tok = jnp.take_along_axis(tokens_BN, c.lengths[:, None], axis=1)
-      logits, c = decode.forward(net, params, tok, c.lengths[:, None], c)
-      return c, logits[:, 0]
+      out = step.run(spec, params, tok, c.lengths[:, None], c)
+      return out.cache, out.logits[:, 0]
 
-    return jax.lax.scan(step, c, None, length=tokens_BN.shape[1] - P - 1)[1]
+    return jax.lax.scan(one, c, None, length=tokens_BN.shape[1] - P - 1)[1]
 
   return np.asarray(run(params, cache))
 
@@ -350,13 +350,13 @@ def _weight_copies(hlo: str, params) -> list[str]:
                                    "cache.page_size": 8, "cache.codec": "bf16"}],
                          ids=["gqa-fp32", "mqa-int8", "mha-paged-bf16"])
 def test_default_decode_step_copies_no_weight(over):
-  """The compiled default decode (params from `decode.prepare_params`) holds no buffer of a
+  """The compiled default decode (params from `step.prepare_params`) holds no buffer of a
   weight matrix's shape and fewer temporary bytes than one layer's weights; the nn.scan
   program on stacked params copies every matrix each step (the check's positive control)."""
   cfg = config.load(None, {**NOCOPY, **over})
   params = model.init_params(cfg.model, 0)
   layer_bytes = sum(a[0].nbytes for a in jax.tree.leaves(params["layers"]) if a.ndim == 3)
-  hlo, temp = _program(cfg, decode.prepare_params(cfg, params))
+  hlo, temp = _program(cfg, step.prepare_params(cfg, params))
   assert _weight_copies(hlo, params) == [] and temp < layer_bytes
   assert " conditional(" in hlo  # the switched layer loop
   old_hlo, old_temp = _program(cfg, params)
@@ -398,7 +398,7 @@ def test_default_program_equals_previous_program(case):
   cfg = config.load(None, {**NOCOPY, **PROGRAM_CASES[case]})
   params = model.init_params(cfg.model, 1)
   prompts = [[3, 14, 15, 9, 2, 6, 5, 3, 5], [5, 35]]
-  new, c_new = _tokens_and_cache(cfg, decode.prepare_params(cfg, params), prompts, 10)
+  new, c_new = _tokens_and_cache(cfg, step.prepare_params(cfg, params), prompts, 10)
   old, c_old = _tokens_and_cache(cfg, params, prompts, 10)
   np.testing.assert_array_equal(new, old)
   for x, y in zip(jax.tree.leaves(c_new), jax.tree.leaves(c_old), strict=True):
@@ -418,9 +418,9 @@ def test_bf16_weights_from_fp32_params_end_to_end():
   tokens equal the full forward pass over the same bf16 weights (layout none)."""
   cfg = config.load(None, {**NOCOPY, "model.n_kv_heads": 2, "model.param_dtype": "bfloat16"})
   fp32 = model.init_params(config.replace(cfg, **{"model.param_dtype": "float32"}).model, 2)
-  prepared = decode.prepare_params(cfg, fp32)
+  prepared = step.prepare_params(cfg, fp32)
   assert {a.dtype for a in jax.tree.leaves(prepared)} == {jnp.dtype(jnp.bfloat16)}
-  assert decode.prepare_params(cfg, prepared) is prepared
+  assert step.prepare_params(cfg, prepared) is prepared
   prompts = [[3, 14, 15, 9, 2, 6], [5, 35]]
   got = program.generate(cfg, fp32, prompts, 8, timed=False)["tokens"]
   ref_cfg = config.replace(cfg, **{"cache.layout": "none"})

@@ -13,7 +13,7 @@ import pytest
 from conftest import tiny_config, tiny_params
 
 from kvjax import program
-from kvjax import attention, cache as cache_lib, cli, decode, evict, policies
+from kvjax import attention, cache as cache_lib, cli, decode, evict, policies, step
 from kvjax.cache import compact
 from kvjax import model as model_lib
 from kvjax.errors import KvjaxError
@@ -129,14 +129,14 @@ def run_cached(cfg, params, prompts=PROMPTS, cont=CONT):
   prefill = evict.prefill_program(cfg, decode.prefill)
   sampler = decode.Sampler()
   key = jax.random.PRNGKey(0)
-  _, last, cache = prefill.lower(params, tokens, lengths, c0, key, spec=decode.Static.of(cfg),
+  _, last, cache = prefill.lower(params, tokens, lengths, c0, key, spec=step.Static.of(cfg),
                                  sampler=sampler).compile()(params, tokens, lengths, c0, key)
-  model, p = decode.network(cfg, params)
-  step = jax.jit(lambda c, t: decode.forward(model, p, t, c.lengths[:, None], c))
+  one = jax.jit(lambda c, t: step.run(step.Static.of(cfg), params, t, c.lengths[:, None], c))
   out, caches = [last], [cache]
   for i in range(len(cont[0])):
-    logits, cache = step(cache, jnp.array([[c[i]] for c in cont], jnp.int32))
-    out.append(logits[:, 0])
+    res = one(cache, jnp.array([[c[i]] for c in cont], jnp.int32))
+    cache = res.cache
+    out.append(res.logits[:, 0])
     caches.append(cache)
   return jnp.stack(out, 1), caches
 

@@ -17,6 +17,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from kvjax import step
 from kvjax import program
 from kvjax import cli, sharding
 from kvjax import config as config_lib
@@ -102,7 +103,7 @@ def _kernel_operands() -> dict:
   from kvjax import decode, kernels, model
   c = _cfg(**{"model.n_kv_heads": 2, "cache.codec": "int8", "mesh.data": 2, "mesh.model": 2})
   mesh = sharding.make_mesh(c)
-  params = sharding.shard_params(decode.prepare_params(c, model.init_params(c.model, 0)), c, mesh)
+  params = sharding.shard_params(step.prepare_params(c, model.init_params(c.model, 0)), c, mesh)
   cache = sharding.init_cache(c, 4, 24, mesh)
   token = sharding.put_batch(jnp.zeros((4,), jnp.int32), mesh)
   text = decode.decode.lower(params, cache, token, jax.random.PRNGKey(0),

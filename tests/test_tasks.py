@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from conftest import tiny_config, tiny_params
 
+from kvjax import step
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
 from kvjax import evaluate, tasks
@@ -257,7 +258,7 @@ def test_evict_prefix_is_the_policy_prefill(over):
   got = tasks.evict_prefix(cfg, pre, room)
   tok, n = through_cache._pad(prefix, width)
   _, _, want = evict.prefill(params, tok, n, cache_lib.init_cache(cfg, 1, width + room),
-                             jax.random.PRNGKey(0), spec=decode.Static.of(cfg),
+                             jax.random.PRNGKey(0), spec=step.Static.of(cfg),
                              sampler=decode.Sampler())
   budget = over.get("cache.budget") or int(np.ceil(over["cache.ratio"] * 90))
   assert got.spec.layout == "compacted" and int(got.held[0]) == budget < 90

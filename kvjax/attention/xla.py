@@ -41,7 +41,7 @@ def block_size(seg, S: int, chunk: int | None = None, program: str | None = None
   The loop is for XLA:CPU, whose dot materializes a widened operand. On a GPU the
   convert fuses into the dot, and a `while` whose trip count is data costs a device-to-host
   copy of its predicate and a stream sync per iteration (and the switched layer scan a
-  branch pick per projection, see `decode.prepare_params`), which dominated the step on the
+  branch pick per projection, see `step.prepare_params`), which dominated the step on the
   H200 (docs/gpu.md). One block reads every slot it covers, masked; a prompt's pass skips an
   empty segment (`attend_segment`)."""
   U = seg.unit

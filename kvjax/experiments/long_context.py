@@ -55,7 +55,7 @@ import functools
 from kvjax import experiments as ex
 from kvjax import config as config_lib
 from kvjax import cache as cache_lib
-from kvjax import evaluate, intervals, policies, tasks
+from kvjax import evaluate, intervals, policies, step, tasks
 from kvjax import held as held_lib
 from kvjax.io import convert, sources
 from kvjax.errors import KvjaxError
@@ -142,12 +142,13 @@ def _kv_heads(cfg) -> int:
 
 
 def _model(spec: str, cfg):
-  """`_load`, with the K/V heads mean-pooled to `params.kv_heads` when the setting asks."""
+  """`_load`, with the K/V heads mean-pooled to `params.kv_heads` when the setting asks, the
+  params prepared as every step through a cache takes them (`kvjax.step.prepare_params`)."""
   src, mcfg, params, tok = _load(spec)
   kv = _kv_heads(cfg)
   if kv and kv != mcfg.model.n_kv_heads:
     mcfg, params = _pooled(spec, kv)
-  return src, mcfg, params, tok
+  return src, mcfg, step.prepare_params(mcfg, params), tok
 
 
 @functools.lru_cache(maxsize=1)

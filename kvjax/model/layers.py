@@ -33,6 +33,7 @@ class LayerInput:
   spec: Any = struct.field(pytree_node=False, default=None)  # its CacheSpec
   bucket: int = struct.field(pytree_node=False, default=0)  # slots a one-block read covers
                                                             # (0: all; `decode.bucket_for`)
+  queries: bool = struct.field(pytree_node=False, default=False)  # return the rotated queries
 
 
 def rms_norm(x, weight, eps: float, dtype):
@@ -100,7 +101,8 @@ def block_forward(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):
   entries share their input), `norm(name, x)` applies a named RMSNorm. `layer` is this
   layer's index (a traced scalar inside a scan); the cache's layout reads its segments.
   Returns x and this layer's new (k, v), plus the rotated queries when the layout
-  `wants_queries` (it scores tokens by attention when it writes); under `cache.rotate`
+  `wants_queries` (it scores tokens by attention when it writes) or the step asks for them
+  (`inp.queries`: a policy's prefill selection); under `cache.rotate`
   k, v and those queries are in the rotated basis (`kvjax.codecs.rotate`)."""
   cos, sin = inp.cos_BTD, inp.sin_BTD
   B, T, _ = x_BTE.shape
@@ -129,8 +131,8 @@ def block_forward(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):
   gate, up = dense(h, [("gate_proj", cfg.F, False), ("up_proj", cfg.F, False)])
   (down,) = dense(nn.silu(gate) * up, [("down_proj", cfg.d_model, False)])
   kv = (k_BTKD, v_BTKD)
-  if layout is not None and layout.wants_queries(inp.spec):  # for its `write`
-    kv += (q_BTHD,)
+  if layout is not None and (inp.queries or layout.wants_queries(inp.spec)):
+    kv += (q_BTHD,)  # for the layout's `write`, or asked for by the step (`kvjax.step`)
   return x_BTE + down, kv
 
 

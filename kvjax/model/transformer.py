@@ -10,7 +10,7 @@ of the stacked store (`Layout.read`), and the new K/V are written after the laye
 (`Layout.write`). `init` creates the layers' params stacked on a leading layer axis and
 `Transformer(cfg)` runs them as one `nn.scan`, which copies each weight matrix out of the
 stack on every step. Prefill, decode and the serving engine take params split per layer
-once (`split_layers`, via `decode.prepare_params`) and run `Transformer(layer_loop=
+once (`split_layers`, via `step.prepare_params`) and run `Transformer(layer_loop=
 "switch")`: one `lax.scan` whose projections pick their layer's buffer by `lax.switch`
 (`switched_layers`), so no weight is copied and the layer body is traced once; or, when
 `unrolled(cfg)` (`model.scan_unroll >= n_layers`), `layer_loop="unrolled"`, a Python loop
@@ -75,6 +75,8 @@ class Transformer(nn.Module):
   # over per-layer weights, `model.scan_unroll >= n_layers`).
   layer_loop: str = "scan"
   read_bucket: int = 0  # > 0: the accelerator program's reads cover that many stored slots
+  # True: also return the new tokens' rotated queries [L, B, T, H, D] (`kvjax.step.run`)
+  return_queries: bool = False
 
   @nn.compact
   def __call__(self, tokens_BT, positions_BT, cache=None, logits_at=None):
@@ -92,7 +94,7 @@ class Transformer(nn.Module):
       layout = cache_base.layout_of(cache)
       cache = layout.attach(cache, self.variables.get("params", {}))
       inp = LayerInput(positions_BT, cos, sin, cache.lengths, layout.store(cache), cache.spec,
-                       self.read_bucket)
+                       self.read_bucket, self.return_queries)
 
     if self.layer_loop == "unrolled":  # a Python loop, one weight tree per layer
       kv = []
@@ -127,7 +129,10 @@ class Transformer(nn.Module):
         # (An optimization_barrier did not order it; tests/test_decode.py checks the HLO.)
         tie_B1 = (jnp.max(x_BTE, axis=(1, 2)) > jnp.inf).astype(jnp.int32)[:, None]
         write_BT = positions_BT + tie_B1
-      cache = layout.write(cache, k_LBTKD, v_LBTKD, write_BT, *q)  # q: `wants_queries`
+      wants = layout.wants_queries(cache.spec)
+      cache = layout.write(cache, k_LBTKD, v_LBTKD, write_BT, *(q if wants else ()))
+    if self.return_queries:
+      return logits_BTV.astype(jnp.float32), cache, q[0]
     return logits_BTV.astype(jnp.float32), cache
 
 
@@ -154,7 +159,7 @@ def unrolled(cfg: ModelConfig) -> bool:
 def split_layers(params):
   """The scanned layers' stacked weights as one tree per layer (`layers_0`, `layers_1`,
   ...), the params `Transformer(layer_loop="switch" | "unrolled")` reads; params already
-  split come back as they are. A second copy of the layer weights: `decode.prepare_params` makes it once
+  split come back as they are. A second copy of the layer weights: `step.prepare_params` makes it once
   per model, where the nn.scan program slices (copies) its weights on every step."""
   if "layers" not in params:
     return params

@@ -237,25 +237,25 @@ class Engine:
   def _table_width(self, width: int) -> int:
     return min(-(-width // self.page), paged.pages_per_seq(self.spec)) if self.paged else 1
 
-  def _step(self, rows, T: int, R: int) -> dict:
-    """One call on R rows of T new tokens: all slots (row = slot) when R is the slot count,
-    else a narrow batch whose spare rows are distinct idle slots (they write nothing). The
-    call reads the smallest bucket width that holds its longest row."""
-    if R == self.slots:
-      slots = np.arange(R)
+  def _step(self, rows, T: int, n_rows: int) -> dict:
+    """One call on `n_rows` rows of T new tokens: all slots (row = slot) when that is the
+    slot count, else a narrow batch whose spare rows are distinct idle slots (they write
+    nothing). The call reads the smallest bucket width that holds its longest row."""
+    if n_rows == self.slots:
+      slots = np.arange(n_rows)
       order = {r.slot: r for r, _ in rows}
     else:
       used = [r.slot for r, _ in rows]
-      slots = np.array(used + [b for b in range(self.slots) if b not in used][:R - len(used)])
+      slots = np.array(used + [b for b in range(self.slots) if b not in used][:n_rows - len(used)])
       order = {i: r for i, (r, _) in enumerate(rows)}
     fed, c = dict(rows), self.cfg.cache
     width = min(w for w in self.widths if w >= max(request_lib.slots_after(c, r, n)
                                                     for r, n in rows))
-    tokens = np.zeros((R, T), np.int32)
-    positions = np.full((R, T), -1, np.int32)
-    last, lengths = np.zeros((R,), np.int32), np.zeros((R,), np.int32)
-    table = np.full((R, self._table_width(width)), self.n_pages if self.paged else 0, np.int32)
-    held = {"held": np.zeros((R,), np.int32), "budget": np.zeros((R,), np.int32)} \
+    tokens = np.zeros((n_rows, T), np.int32)
+    positions = np.full((n_rows, T), -1, np.int32)
+    last, lengths = np.zeros((n_rows,), np.int32), np.zeros((n_rows,), np.int32)
+    table = np.full((n_rows, self._table_width(width)), self.n_pages if self.paged else 0, np.int32)
+    held = {"held": np.zeros((n_rows,), np.int32), "budget": np.zeros((n_rows,), np.int32)} \
         if self.evicts else {}
     for i, r in order.items():
       n = fed[r]
@@ -289,11 +289,11 @@ class Engine:
 
   def warmup(self) -> None:
     """Compile (and run once) every step shape with every row idle: nothing is written."""
-    for R, T in sorted({(self.prefill_rows, self.chunk), (self.slots, 1)}):
+    for n, T in sorted({(self.prefill_rows, self.chunk), (self.slots, 1)}):
       for width in self.widths:
-        self.backend.step(np.zeros((R, T), np.int32), np.full((R, T), -1, np.int32),
-                          np.full((R, self._table_width(width)),
+        self.backend.step(np.zeros((n, T), np.int32), np.full((n, T), -1, np.int32),
+                          np.full((n, self._table_width(width)),
                                   self.n_pages if self.paged else 0, np.int32),
-                          np.zeros((R,), np.int32), np.zeros((R,), np.int32), np.arange(R), width,
-                          **({"held": np.zeros((R,), np.int32), "budget": np.zeros((R,), np.int32)}
+                          np.zeros((n,), np.int32), np.zeros((n,), np.int32), np.arange(n), width,
+                          **({"held": np.zeros((n,), np.int32), "budget": np.zeros((n,), np.int32)}
                              if self.evicts else {}))

@@ -1,8 +1,8 @@
 """The serving engine's device side: the jit-compiled step, its bucket widths and the
 backend that holds the cache (the host scheduler is kvjax/serve/engine.py).
 
-A step runs rows R of T new tokens through the model and samples the token after each row's
-last one: the engine's chunked prefill ([prefill_rows, chunk]) or decode ([slots, 1]).
+A step runs rows b (a slice of the slots B) of T new tokens through the model
+(`kvjax.step.run`) and samples the token after each row's last one: the engine's chunked prefill ([prefill_rows, chunk]) or decode ([slots, 1]).
 Keeping prefill narrow matters on compute-bound hardware: a [slots, chunk] step would pad
 every decode row to `chunk` tokens. Likewise a call reads only the smallest of a few
 bucket widths (64, 128, ... tokens, `bucket_widths`) that holds its longest request, not
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
-from kvjax import decode, policies, program, sharding
+from kvjax import decode, policies, program, sharding, step
 from kvjax.cache import compact, paged, paged_compact
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
@@ -43,14 +43,12 @@ STEP_TRACES: collections.Counter = collections.Counter()  # per tokens shape, at
 
 def _call(spec, sampler, params, cache, tokens_BT, positions_BT, last_B, key):
   STEP_TRACES[tokens_BT.shape] += 1
-  net, params = decode.network(spec, params)
-  logits_BTV, cache = decode.forward(net, params, tokens_BT, positions_BT, cache)
-  last_BV = jnp.take_along_axis(logits_BTV, last_B[:, None, None], axis=1)[:, 0]
-  return sampler(last_BV, key), cache
+  out = step.run(spec, params, tokens_BT, positions_BT, cache, logits=last_B[:, None])
+  return sampler(out.logits[:, 0], key), out.cache
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "sampler"), donate_argnames=("cache",))
-def serve_step(params, cache, tokens_BT, positions_BT, last_B, key, *, spec: decode.Static,
+def serve_step(params, cache, tokens_BT, positions_BT, last_B, key, *, spec: step.Static,
                sampler):
   """One model call; returns the token sampled after each row's last token. The cache's
   `lengths` (and block table) say which rows are which: a paged cache may hold any number."""
@@ -59,22 +57,22 @@ def serve_step(params, cache, tokens_BT, positions_BT, last_B, key, *, spec: dec
 
 @functools.partial(jax.jit, static_argnames=("spec", "sampler", "width", "all_rows"),
                    donate_argnames=("cache",))
-def serve_contiguous(params, cache, slots_R, tokens_RT, positions_RT, last_R, key, *,
-                     spec: decode.Static, sampler, width: int, all_rows: bool):
-  """`serve_step` on a contiguous cache's slots `slots_R` (all of them, in order, when
+def serve_contiguous(params, cache, slots_b, tokens_bT, positions_bT, last_b, key, *,
+                     spec: step.Static, sampler, width: int, all_rows: bool):
+  """`serve_step` on a contiguous cache's slots `slots_b` (all of them, in order, when
   `all_rows`) and its first `width` token slots: a window gathered, run and written back,
   so a step reads what the live requests can hold, not every reservation to its end."""
   def window(a):  # leaves [L, B, K, S, X]
-    return (a if all_rows else jnp.take(a, slots_R, axis=1))[:, :, :, :width]
+    return (a if all_rows else jnp.take(a, slots_b, axis=1))[:, :, :, :width]
 
   def put(full, part):
     return full.at[:, :, :, :width].set(part) if all_rows else \
-        full.at[:, slots_R, :, :width].set(part)
+        full.at[:, slots_b, :, :width].set(part)
 
   sub = dataclasses.replace(cache, k=jax.tree.map(window, cache.k), v=jax.tree.map(window, cache.v),
-                            lengths=cache.lengths[slots_R],
+                            lengths=cache.lengths[slots_b],
                             spec=dataclasses.replace(cache.spec, capacity=width))
-  nxt, sub = _call(spec, sampler, params, sub, tokens_RT, positions_RT, last_R, key)
+  nxt, sub = _call(spec, sampler, params, sub, tokens_bT, positions_bT, last_b, key)
   return nxt, dataclasses.replace(cache, k=jax.tree.map(put, cache.k, sub.k),
                                   v=jax.tree.map(put, cache.v, sub.v))
 
@@ -136,25 +134,25 @@ class ModelBackend:
     self.sampler = decode.Sampler.from_config(cfg)
     self.key = jax.random.PRNGKey(cfg.seed)
 
-  def step(self, tokens_RT, positions_RT, table_RN, lengths_R, last_R, slots_R,
+  def step(self, tokens_bT, positions_bT, table_bQ, lengths_b, last_b, slots_b,
            width: int, **held) -> np.ndarray:
-    """Run rows R (all slots, or the narrow prefill batch `slots_R`) reading `width` tokens
-    per row; host state goes in as data (with a policy, also `held` and `budget` [R])."""
+    """Run rows b (all slots, or the narrow prefill batch `slots_b`) reading `width` tokens
+    per row; host state goes in as data (with a policy, also `held` and `budget` [b])."""
     self.key, sub = jax.random.split(self.key)
-    args = [jnp.asarray(a) for a in (tokens_RT, positions_RT, last_R)] + [sub]
+    args = [jnp.asarray(a) for a in (tokens_bT, positions_bT, last_b)] + [sub]
     if self.paged:  # any rows, any width: it is all in the block table
-      cache = dataclasses.replace(self.cache, block_table=jnp.asarray(table_RN),
-                                  lengths=jnp.asarray(lengths_R),
+      cache = dataclasses.replace(self.cache, block_table=jnp.asarray(table_bQ),
+                                  lengths=jnp.asarray(lengths_b),
                                   **{k: jnp.asarray(v) for k, v in held.items()})
       nxt, self.cache = serve_step(self.params, cache, *args,
                                    **program.statics(self.cfg, self.sampler))
     else:
-      lengths_B = np.zeros((self.spec.batch,), np.int32)  # rows outside slots_R are not read
-      lengths_B[slots_R] = lengths_R
+      lengths_B = np.zeros((self.spec.batch,), np.int32)  # rows outside slots_b are not read
+      lengths_B[slots_b] = lengths_b
       cache = dataclasses.replace(self.cache, lengths=jnp.asarray(lengths_B))
-      all_rows = len(slots_R) == self.spec.batch and bool((np.diff(slots_R) == 1).all())
+      all_rows = len(slots_b) == self.spec.batch and bool((np.diff(slots_b) == 1).all())
       nxt, self.cache = serve_contiguous(
-          self.params, cache, jnp.asarray(slots_R), *args,
+          self.params, cache, jnp.asarray(slots_b), *args,
           **program.statics(self.cfg, self.sampler, width=width, all_rows=all_rows))
     return np.asarray(nxt)
 

@@ -13,42 +13,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import step
 from kvjax.errors import KvjaxError
 
 
 def _static(cfg):
-  from kvjax import decode
-  return decode.Static.of(cfg)
+  return step.statics(cfg)["spec"]
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
 def _forward(params, tokens_BT, lengths_B, cache, *, spec):
   """One call through the cache (not donated: a prefix cache serves several tails).
   Returns the last valid token's logits [B, V] and the new cache."""
-  from kvjax import decode
-
-  T = tokens_BT.shape[1]
-  t = jnp.arange(T, dtype=jnp.int32)[None, :]
-  positions = jnp.where(t < lengths_B[:, None], cache.lengths[:, None] + t, -1)
-  model, params = decode.network(spec, params, logits_last=True)  # lm_head on the last token
-  logits_B1V, cache = decode.forward(model, params, tokens_BT, positions, cache)
-  return logits_B1V[:, 0], cache
+  positions_BT = step.positions(cache.lengths, lengths_B, tokens_BT.shape[1])
+  out = step.run(spec, params, tokens_BT, positions_BT, cache, logits="last")
+  return out.logits[:, 0], out.cache
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "steps"))
 def _greedy(params, cache, logits_BV, *, spec, steps: int):
-  from kvjax import decode
-
-  model, params = decode.network(spec, params)
-
-  def step(carry, _):
+  def one(carry, _):
     c, tok = carry
-    logits, c = decode.forward(model, params, tok[:, None], c.lengths[:, None], c)
-    nxt = jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
-    return (c, nxt), nxt
+    out = step.run(spec, params, tok[:, None], c.lengths[:, None], c)
+    nxt = jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32)
+    return (out.cache, nxt), nxt
 
   first = jnp.argmax(logits_BV, -1).astype(jnp.int32)
-  _, rest = jax.lax.scan(step, (cache, first), None, length=steps - 1)
+  _, rest = jax.lax.scan(one, (cache, first), None, length=steps - 1)
   return jnp.concatenate([first[:, None], rest.T], axis=1)
 
 

@@ -1,0 +1,95 @@
+"""One step through the cache: every program that calls the model against a cache traces
+`kvjax.step.run` (prefill, decode, recompute, streamed evaluation, a policy's prefill and
+continuation, task prefixes and answers, the serving step, the latency timer), with the
+arguments its reading needs, and the position rule is the one in `step.positions`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_config, tiny_params
+from kvjax import evaluate, evict, program, step, tasks
+from kvjax.experiments import latency
+from kvjax.serve import engine
+
+
+@pytest.fixture
+def runs(monkeypatch):
+  """The keyword arguments of every `step.run` traced from here on (caches cleared, so each
+  program traces again)."""
+  seen, real = [], step.run
+
+  def spy(*args, **kw):
+    seen.append({"layout": args[4].spec.layout, **kw})
+    return real(*args, **kw)
+
+  jax.clear_caches()
+  monkeypatch.setattr(step, "run", spy)
+  return seen
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8]]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged", "none"])
+def test_generate_prefills_and_decodes_through_the_step(runs, layout):
+  cfg = tiny_config(**{"cache.layout": layout})
+  program.generate(cfg, tiny_params(cfg), PROMPTS, 3, timed=False)
+  assert [r.get("logits", "all") for r in runs] == ["last", "all"]  # prefill, then decode
+  assert {r["layout"] for r in runs} == {layout}
+
+
+def test_a_policy_prefill_asks_the_step_for_its_queries(runs):
+  cfg = tiny_config(**{"cache.policy": "snapkv", "cache.budget": 4, "cache.window": 2})
+  program.generate(cfg, tiny_params(cfg), PROMPTS, 3, timed=False)
+  assert runs[0]["queries"] is True and runs[0]["logits"] == "last"
+  knorm = tiny_config(**{"cache.policy": "knorm", "cache.budget": 4})
+  runs.clear()
+  evict.continuation_logprobs(knorm, tiny_params(knorm), np.array([PROMPTS[0]]),
+                              np.array([[9, 10, 11]]))
+  assert runs[0]["queries"] is False and len(runs) == 2  # the prompt, then one scanned step
+
+
+def test_evaluation_tasks_serving_and_timers_use_the_step(runs):
+  cfg = tiny_config()
+  params = tiny_params(cfg)
+  evaluate.stream_logprobs(cfg, params, np.arange(1, 17, dtype=np.int32)[None], chunk=4)
+  assert len(runs) == 1 and "logits" not in runs[0]  # every chunk's T logits
+  runs.clear()
+  c = tasks.prefill(cfg, params, [1, 2, 3, 4, 5, 6], capacity=16, chunk=4)
+  tasks.answer_through_cache(cfg, params, c, [7, 8], steps=3)
+  assert [r["logits"] for r in runs[:2]] == ["last", "last"] and len(runs) == 3
+  runs.clear()
+  e = engine.Engine(cfg, params, slots=2, max_len=16, chunk=4)
+  e.run([engine.Request([1, 2, 3], 3)])
+  assert runs and all(not isinstance(r["logits"], str) for r in runs)  # each row's last token
+  runs.clear()
+  toks, lens = np.array(PROMPTS[:1], np.int32), np.array([5], np.int32)
+  latency.StepTimer(cfg, params, toks, lens, steps=2, capacity=12).once()
+  assert [r.get("logits", "all") for r in runs] == ["last", "all"]
+
+
+def test_positions_continue_the_cache_and_pad_with_minus_one():
+  got = step.positions(jnp.array([0, 3]), jnp.array([2, 4]), 4)
+  np.testing.assert_array_equal(np.asarray(got), [[0, 1, -1, -1], [3, 4, 5, 6]])
+
+
+def test_the_step_returns_the_queries_the_layout_would_be_given():
+  """`queries=True` returns the new tokens' rotated queries, [L, B, T, H, D], the same for
+  any layer loop, and asking for them changes neither the logits nor the cache."""
+  cfg = tiny_config(**{"cache.rotate": "hadamard"})
+  from kvjax import cache as cache_lib
+  params = tiny_params(cfg)
+  toks = jnp.array([[1, 2, 3, 4]], jnp.int32)
+  pos = step.positions(jnp.array([0]), jnp.array([4]), 4)
+  spec = step.Static.of(cfg)
+  plain = step.run(spec, params, toks, pos, cache_lib.init_cache(cfg, 1, 8))
+  split = step.prepare_params(cfg, params)
+  outs = [step.run(spec, p, toks, pos, cache_lib.init_cache(cfg, 1, 8), queries=True)
+          for p in (params, split)]
+  m = cfg.model
+  assert plain.queries is None and outs[0].queries.shape == (m.n_layers, 1, 4, m.n_heads, m.D)
+  np.testing.assert_allclose(outs[0].queries, outs[1].queries, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(outs[0].logits, plain.logits, rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(outs[0].cache.lengths, plain.cache.lengths)

@@ -18,8 +18,6 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import policies, step
-from kvjax.cache import paged_compact
-from kvjax.cache.compact import compress
 from kvjax.errors import KvjaxError
 
 
@@ -31,8 +29,9 @@ def _prompt(params, tokens_BT, lengths_B, cache, spec, queries: bool) -> step.Ou
 
 
 def _squeeze(cache):
-  """The compaction of `cache`'s layout: into a `compacted` cache, or pages of the budget."""
-  return paged_compact.compress if cache.spec.layout == "paged" else compress
+  """The compaction of `cache`'s layout (the layout that says it `compacts` it: `compacted`
+  for contiguous, `paged_compacted` for paged)."""
+  return cache_lib.compacted(cache.spec.layout).compress
 
 
 # Not donated: the compacted cache has another shape, so XLA could not reuse the prompt's
@@ -56,13 +55,13 @@ def prefill_queries(params, tokens_BT, lengths_B, cache, *, spec):
   """The prompt in one call through `cache` (no compaction): (the filled cache, the rotated
   queries [L, B, T, H, D]). One such prefill through an fp32 cache serves every policy and
   codec: a call attends to its own fresh K/V, so its queries and its keys before storage
-  do not depend on the cache's codec (see `compact` below)."""
+  do not depend on the cache's codec (see `compress_filled` below)."""
   out = _prompt(params, tokens_BT, lengths_B, cache, spec, True)
   return out.cache, out.queries
 
 
 @functools.partial(jax.jit, static_argnames=("room", "T"))
-def compact(cache, lengths_B, q_LBTHD, *, room: int, T: int):
+def compress_filled(cache, lengths_B, q_LBTHD, *, room: int, T: int):
   """`compress` of a filled contiguous (or paged) cache (its own `cache.policy`, budget and
   codec) with the prompt's queries from `prefill_queries`: the cache `prefill` would return
   for the same prompt, when `cache` holds the same keys and values (tests/test_tasks.py)."""

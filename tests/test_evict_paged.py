@@ -233,7 +233,7 @@ def test_engine_returns_compacted_pages_to_the_pool_for_other_requests(policy, e
 
 
 def test_compacting_a_filled_paged_cache_is_what_prefill_returns():
-  """`evict.compact` (the long-context tasks' path) on a paged cache prefilled as usual
+  """`evict.compress_filled` (the long-context tasks' path) on a paged cache prefilled as usual
   equals `evict.prefill`'s paged compaction of the same prompts."""
   from kvjax import decode, evict
   cfg = tiny_config(**{"model.n_kv_heads": 2, "cache.layout": "paged", "cache.page_size": 4,
@@ -246,7 +246,7 @@ def test_compacting_a_filled_paged_cache_is_what_prefill_returns():
   _, _, want = evict.prefill(params, tokens, lengths, fresh(), key, spec=spec, sampler=sampler)
   _, _, filled = decode.prefill(params, tokens, lengths, fresh(), key, spec=spec,
                                 sampler=sampler)
-  got = evict.compact(filled, jnp.asarray(lengths), None, room=room, T=T)
+  got = evict.compress_filled(filled, jnp.asarray(lengths), None, room=room, T=T)
   assert got.spec == want.spec and got.spec.layout == "paged_compacted"
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -30,7 +30,7 @@ them; a codec may come with it): the prefix is prefilled in ONE call of `params.
 tokens (padded) through an fp32 cache with its queries kept (`params.chunk` does not apply:
 snapkv, h2o and tova score by the attention of prefix queries, all of which one call has),
 its K/V are stored through the setting's codec and compacted to the budget
-(`kvjax.evict.compact`, the cache `kvjax.evict.prefill` makes), and the question and the
+(`kvjax.evict.compress_filled`, the cache `kvjax.evict.prefill` makes), and the question and the
 answer read the compacted cache. The question is not in the prefix, so the selection never
 sees it (no policy is query-aware here). That prefill is shared by every policy setting of
 a context, like the fp32 one of the codec settings. Such rows also carry `held_tokens`

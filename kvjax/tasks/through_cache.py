@@ -124,7 +124,7 @@ def prefill_queries(ref_cfg, params, ids, width: int) -> Prefix:
 
 def evict_prefix(cfg, prefix: Prefix, room: int):
   """The cache `cfg` holds after prefilling the prefix: its K/V stored through the codec,
-  then compacted by `cache.policy` to its budget (`kvjax.evict.compact`), with `room` free
+  then compacted by `cache.policy` to its budget (`kvjax.evict.compress_filled`), with `room` free
   slots for the question and the answer (a ring of `budget` slots for window/sinks, which
   keep evicting). The same cache `kvjax.evict.prefill` returns for this prefix with `cfg`
   (a call's queries and fresh K/V do not depend on the codec; under `cache.rotate` the
@@ -141,7 +141,7 @@ def evict_prefix(cfg, prefix: Prefix, room: int):
   q, rot_DD = prefix.q, rotate.of(cfg.cache, prefix.q.shape[-1])
   if rot_DD is not None:
     q = rotate.apply(q, rot_DD)
-  return evict.compact(c, jnp.array([n], jnp.int32), q, room=room, T=prefix.width)
+  return evict.compress_filled(c, jnp.array([n], jnp.int32), q, room=room, T=prefix.width)
 
 
 def answer_through_cache(cfg, params, cache, tail_ids, steps: int, tail_pad: int = 0):

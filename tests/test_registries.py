@@ -1,6 +1,8 @@
 """A codec or a layout is one module: dropped into a copy of the package, with no other file
 edited, it is in the command line's help, `kvjax size` takes it and compares it under
-`--budget`, and a run's summary shows it. And the names are checked in a fresh process:
+`--budget`, and a run's summary shows it. So are an attention variant, a policy and an
+experiment with its plot: `kvjax run` runs the experiment through them and `kvjax plot`
+draws it. And the names are checked in a fresh process:
 the config imports no registry, so the entry points must load them before validating. And
 a codec says what the Pallas read needs, or that read refuses it."""
 
@@ -35,6 +37,67 @@ class Slots(Contiguous):
 
 base.register(Slots())
 '''
+ATTENTION = '''"""`tw_attend`: a throwaway attention variant (the reference read), added by a test."""
+
+from kvjax.attention import base, xla
+
+base.register("tw_attend", xla.reference)
+'''
+POLICY = '''"""`tw_far`: a throwaway policy (keep the keys of largest norm), added by a test."""
+
+import jax.numpy as jnp
+
+from kvjax.policies.base import Policy, register
+
+
+class Far(Policy):
+  name = "tw_far"
+
+  def scores(self, ctx):
+    return jnp.linalg.norm(ctx.k_LBKSD.astype(jnp.float32), axis=-1)
+
+
+register(Far())
+'''
+EXPERIMENT = '''"""`tw_greedy`: a throwaway experiment (greedy tokens of each cell), added by a test."""
+
+from kvjax import experiments as ex
+from kvjax import program
+
+PARAMS = frozenset()
+
+
+def run_cell(cfg):
+  params = ex.random_params(cfg.model, cfg.seed)
+  out = program.generate(cfg, params, [[1, 2, 3, 4, 5, 6, 7, 8]], 4, timed=False)
+  return [{"variant": ex.variant(cfg, policy=cfg.cache.policy),
+           "workload": {"prompt_len": 8, "gen_len": 4},
+           "metrics": {"tokens": out["tokens"][0], "cache_bytes": out["cache_bytes"]}}]
+'''
+PLOT = '''"""Plot of the throwaway `tw_greedy` experiment, added by a test."""
+
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+
+from kvjax.plots.style import save
+
+
+def plot(rows, out_dir):
+  fig, ax = plt.subplots(figsize=(4, 3))
+  ax.bar(range(len(rows)), [r["metrics"]["cache_bytes"] for r in rows])
+  ax.set_title("cache bytes per cell")
+  return save(fig, Path(out_dir), "tw_greedy_bytes")
+'''
+GREEDY = """\
+name: tw
+experiment: tw_greedy
+model: {vocab_size: 64, d_model: 32, n_layers: 1, n_heads: 4, n_kv_heads: 2, max_seq_len: 32,
+        attention: tw_attend}
+cache: {budget: 4}
+grid:
+  cache.policy: [knorm, tw_far]
+"""
 CONFIG = """\
 name: tiny
 experiment: memory
@@ -68,6 +131,9 @@ def _copy(tmp_path: Path) -> Path:
                   ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.o"))
   (tmp_path / "kvjax" / "codecs" / "tw_half.py").write_text(CODEC)
   (tmp_path / "kvjax" / "cache" / "tw_slots.py").write_text(LAYOUT)
+  for where, text in (("attention/tw_attend.py", ATTENTION), ("policies/tw_far.py", POLICY),
+                      ("experiments/tw_greedy.py", EXPERIMENT), ("plots/tw_greedy.py", PLOT)):
+    (tmp_path / "kvjax" / where).write_text(text)
   return tmp_path
 
 
@@ -77,7 +143,7 @@ def _python(cwd: Path, *args: str) -> subprocess.CompletedProcess:
                                           "PYTHONPATH": str(cwd), "JAX_PLATFORMS": "cpu"})
 
 
-def test_a_codec_and_a_layout_added_as_one_module_each_are_listed_everywhere(tmp_path):
+def test_each_kind_of_variant_added_as_one_module_is_listed_and_runs(tmp_path):
   root = _copy(tmp_path)
   (root / "tiny.yaml").write_text(CONFIG.replace("CODEC", "tw_half"))
   size = ["size", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
@@ -85,10 +151,21 @@ def test_a_codec_and_a_layout_added_as_one_module_each_are_listed_everywhere(tmp
   commands = {"help": ["--help"], "size_help": ["size", "--help"],
               "size": size + ["--codec", "tw_half", "--set", "cache.layout=tw_slots"],
               "run": ["run", "tiny.yaml", "--out", "out"]}
+  (root / "greedy.yaml").write_text(GREEDY)
+  commands.update({"greedy": ["run", "greedy.yaml", "--out", "gout"],
+                   "plot": ["plot", "gout", "--out", "figs"]})
   proc = _python(root, "-c", SCRIPT, json.dumps(commands))
   assert proc.returncode == 0, proc.stderr[-2000:]
   res = json.loads(proc.stdout.splitlines()[-1])
   assert Path(res["package"]).is_relative_to(root)  # the copy ran, not the worktree
+  assert res["greedy"]["rc"] == 0 and res["plot"]["rc"] == 0, res["greedy"]["out"]
+  greedy = [json.loads(line) for line in (root / "gout" / "tw_greedy.jsonl").read_text()
+            .splitlines()]
+  assert sorted(r["variant"]["policy"] for r in greedy) == ["knorm", "tw_far"]
+  assert {r["config"]["model"]["attention"] for r in greedy} == {"tw_attend"}
+  held = {r["variant"]["policy"]: r["metrics"]["cache_bytes"] for r in greedy}
+  assert held["tw_far"] == held["knorm"]  # the same budget of 4 tokens, another choice
+  assert (root / "figs" / "tw_greedy_bytes.png").stat().st_size > 0
   for key in ("help", "size_help"):
     text = " ".join(res[key]["out"].split())
     assert res[key]["rc"] == 0 and "tw_half" in text and "tw_slots" in text, text

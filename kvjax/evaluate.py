@@ -120,13 +120,13 @@ def token_terms(lp_BmV, ref_BmV, nxt_Bn) -> tuple:
   return tuple(np.asarray(x, np.float64) for x in (nll, nll_ref, kl, agree))
 
 
-def metrics_of(nll_BN, nll_ref_BN, kl_BM, agree_BM) -> dict:
+def metrics_of(nll_Bm, nll_ref_Bm, kl_BM, agree_BM) -> dict:
   """ppl, ppl_ref, dppl_rel, kl, agreement of per-position numbers (`token_terms`), each
   with its 95 % interval (`kvjax.intervals`: a paired bootstrap over token blocks)."""
-  ppl, ppl_ref = float(np.exp(np.mean(nll_BN))), float(np.exp(np.mean(nll_ref_BN)))
+  ppl, ppl_ref = float(np.exp(np.mean(nll_Bm))), float(np.exp(np.mean(nll_ref_Bm)))
   return {"ppl": ppl, "ppl_ref": ppl_ref, "dppl_rel": ppl / ppl_ref - 1.0,
           "kl": max(float(np.mean(kl_BM)), 0.0), "agreement": float(np.mean(agree_BM)),
-          **intervals.quality_ci(nll_BN, nll_ref_BN, kl_BM, agree_BM)}
+          **intervals.quality_ci(nll_Bm, nll_ref_Bm, kl_BM, agree_BM)}
 
 
 class Comparison:

@@ -48,22 +48,23 @@ def attention_mass(q_LBTHD, k_LBKSD, lengths_B, qpos_BW):
   return jax.lax.map(layer, (q_LBWHD, k_LBKSD))
 
 
-def step_attention(q_NHD, k_store, kc, mask_NS, k_new_NKD):
+def step_attention(q_HD, k_store, kc, mask_S, k_new_KD):
   """The softmax attention of one new query per row over its held keys and its own key,
   as the attention computes it (the held keys read through the codec `READ_CHUNK` slots at
   a time, the new key as it came), averaged over the G query heads of each KV head:
-  (held [N, K, S] float32, zero where `mask_NS` is False; own [N, K]). N rows: layers x
-  sequences; `k_store`: the K codec storage, leaves [N, K, S, ...]."""
-  N, H, D = q_NHD.shape
-  K, S = k_new_NKD.shape[1], mask_NS.shape[1]
-  q_NKGTD = (q_NHD * D ** -0.5).reshape(N, K, H // K, 1, D)
+  (held [L·B, K, S] float32, zero where `mask_S` is False; own [L·B, K]). Each argument's
+  one leading axis is the rows, layers x sequences flattened (named by its trailing axes
+  only); `k_store`: the K codec storage, leaves [L·B, K, S, ...]."""
+  rows, H, D = q_HD.shape
+  K, S = k_new_KD.shape[1], mask_S.shape[1]
+  q_KGTD = (q_HD * D ** -0.5).reshape(rows, K, H // K, 1, D)
   C = min(S, codecs.READ_CHUNK)
-  blocks = [kc.qk_block(q_NKGTD, jax.tree.map(lambda a: a[:, :, s:s + C], k_store))  # noqa: B023
+  blocks = [kc.qk_block(q_KGTD, jax.tree.map(lambda a: a[:, :, s:s + C], k_store))  # noqa: B023
             for s in range(0, S, C)]
-  l_held = jnp.concatenate(blocks, axis=-1)[:, :, :, 0]  # [N, K, G, S]
-  l_own = jnp.einsum("nkgd,nkd->nkg", q_NKGTD[:, :, :, 0], k_new_NKD.astype(q_NKGTD.dtype),
+  l_held = jnp.concatenate(blocks, axis=-1)[:, :, :, 0]  # [L·B, K, G, S]
+  l_own = jnp.einsum("nkgd,nkd->nkg", q_KGTD[:, :, :, 0], k_new_KD.astype(q_KGTD.dtype),
                      preferred_element_type=jnp.float32)
-  l_held = jnp.where(mask_NS[:, None, None], l_held, -jnp.inf)
+  l_held = jnp.where(mask_S[:, None, None], l_held, -jnp.inf)
   m = jnp.maximum(jnp.max(l_held, axis=-1), l_own)  # finite: the own key is always seen
   e_held, e_own = jnp.exp(l_held - m[..., None]), jnp.exp(l_own - m)
   z = jnp.sum(e_held, axis=-1) + e_own

@@ -3,7 +3,7 @@
 `program.generate` with `cache.policy` other than `full` prefills into an ordinary
 contiguous cache (the whole prompt, as every prompt pass needs its own keys anyway),
 asks the policy which tokens to keep (`Policy.keep`, `kvjax.policies`), and copies them
-into an `EvictedCache` (layout `compacted`) of `Policy.capacity` slots:
+into an `CompactedCache` (layout `compacted`) of `Policy.capacity` slots:
 
     capacity = min(budget, prompt width) + max_new_tokens   (knorm, snapkv: they append)
     capacity = min(budget, prompt width + max_new_tokens)    (window/sinks: a ring;
@@ -44,7 +44,7 @@ from kvjax.policies.replace import scatter_heads
 
 
 @struct.dataclass
-class EvictedCache:
+class CompactedCache:
   k: Any                 # K codec storage, leaves [L, B, K, S, ...] (S = compacted capacity)
   v: Any                 # V codec storage, leaves [L, B, K, S, ...]
   lengths: jax.Array     # [B] int32: tokens seen (= position of the next token)
@@ -72,11 +72,11 @@ class Compacted(base.Layout):
   internal = True  # built by a cache.policy, never chosen as cache.layout
   compacts = "contiguous"
 
-  def init(self, spec: base.CacheSpec) -> EvictedCache:
+  def init(self, spec: base.CacheSpec) -> CompactedCache:
     L, B, K, D = spec.n_layers, spec.batch, spec.n_kv_heads, spec.head_dim
     shape = (L, B, K, spec.capacity, D)
     zeros = jnp.zeros((B,), jnp.int32)
-    return EvictedCache(k=spec.kc.init(shape), v=spec.vc.init(shape), lengths=zeros,
+    return CompactedCache(k=spec.kc.init(shape), v=spec.vc.init(shape), lengths=zeros,
                         held=zeros, budget=zeros + spec.capacity, state=init_state(spec),
                         spec=spec)
 
@@ -87,7 +87,7 @@ class Compacted(base.Layout):
     """A prefilled `contiguous` cache compacted into this layout (`compress` below)."""
     return compress(cache, lengths_B, room, q_LBTHD, T=T)
 
-  def store(self, cache: EvictedCache) -> Any:
+  def store(self, cache: CompactedCache) -> Any:
     """The stacked stores and the held counts (a read slices (layer, block) itself)."""
     return (cache.k, cache.v, cache.held)
 
@@ -97,16 +97,16 @@ class Compacted(base.Layout):
     return [base.LayerSegment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(held_B),
                               layer=layer)]
 
-  def write(self, cache: EvictedCache, k_LBTKD, v_LBTKD, positions_BT,
-            q_LBTHD=None) -> EvictedCache:
+  def write(self, cache: CompactedCache, k_LBTKD, v_LBTKD, positions_BT,
+            q_LBTHD=None) -> CompactedCache:
     return policy_of(cache.spec).decode_write(cache.spec, self, cache, k_LBTKD, v_LBTKD,
                                               positions_BT, q_LBTHD)
 
   # -- Slots: what the policy's decode rule writes through -------------------------------------
-  def keys(self, cache: EvictedCache) -> Any:
+  def keys(self, cache: CompactedCache) -> Any:
     return cache.k
 
-  def put_tokens(self, cache: EvictedCache, slot_BT, k_LBTKD, v_LBTKD, **fields):
+  def put_tokens(self, cache: CompactedCache, slot_BT, k_LBTKD, v_LBTKD, **fields):
     spec = cache.spec
     slot_BT = jnp.where(slot_BT >= 0, slot_BT, spec.capacity)  # base.scatter drops slot S
     k_LBKTD, v_LBKTD = jnp.swapaxes(k_LBTKD, 2, 3), jnp.swapaxes(v_LBTKD, 2, 3)
@@ -114,7 +114,7 @@ class Compacted(base.Layout):
     v = jax.tree.map(base.scatter(slot_BT), cache.v, spec.vc.encode(v_LBKTD))
     return dataclasses.replace(cache, k=k, v=v, **fields)
 
-  def put_heads(self, cache: EvictedCache, slot_LBK, k_LBKD, v_LBKD, **fields):
+  def put_heads(self, cache: CompactedCache, slot_LBK, k_LBKD, v_LBKD, **fields):
     spec, put = cache.spec, scatter_heads(slot_LBK)
     new = lambda a: a[:, :, :, None]  # noqa: E731  [L, B, K, D] -> one token [L, B, K, 1, D]
     k = jax.tree.map(lambda s, e: put(s, e[:, :, :, 0]), cache.k, spec.kc.encode(new(k_LBKD)))
@@ -140,7 +140,7 @@ def _gather_tokens(pos_LBKS):
   return take
 
 
-def compress(cache, lengths_B, room: int, q_LBTHD=None, T: int | None = None) -> EvictedCache:
+def compress(cache, lengths_B, room: int, q_LBTHD=None, T: int | None = None) -> CompactedCache:
   """The prefilled contiguous `cache` (prompts of `lengths_B` tokens, width T) compacted
   to the policy's budget, with `room` free slots (or a ring, or the budget of a policy
   that evicts by attention) for the decode tokens."""
@@ -170,5 +170,5 @@ def compress(cache, lengths_B, room: int, q_LBTHD=None, T: int | None = None) ->
     return empty.at[:, :, :, :Sk].set(jnp.where(used_BS[None, :, None, :], kept,
                                                 empty[:, :, :, :Sk]))
   state = {name: place_state(fresh.state[name], kept_state[name]) for name in fresh.state}
-  return EvictedCache(k=k, v=v, lengths=cache.lengths, held=held_B, budget=budget_B,
+  return CompactedCache(k=k, v=v, lengths=cache.lengths, held=held_B, budget=budget_B,
                       state=state, spec=new_spec)

@@ -43,7 +43,7 @@ from kvjax.cache.paged import num_pages, page_size, pages_per_seq
 
 
 @struct.dataclass
-class EvictedPagedCache:
+class CompactedPagedCache:
   k: Any                  # K codec storage, pool leaves [L, P, K, page_size, ...]
   v: Any                  # V codec storage, pool leaves [L, P, K, page_size, ...]
   block_table: jax.Array  # [B, Q] int32 physical page of each logical page; P = none
@@ -79,7 +79,7 @@ class PagedCompacted(base.Layout):
   internal = True  # built by a cache.policy on cache.layout=paged, never chosen by name
   compacts = "paged"
 
-  def init(self, spec: base.CacheSpec) -> EvictedPagedCache:
+  def init(self, spec: base.CacheSpec) -> CompactedPagedCache:
     """An empty pool, page j of sequence b at physical page b Q + j (as `Paged.init`)."""
     B, Q = spec.batch, pages_per_seq(spec)
     cache = init_pool(spec)
@@ -93,7 +93,7 @@ class PagedCompacted(base.Layout):
     """A prefilled `paged` cache compacted into this layout (`compress` below)."""
     return compress(cache, lengths_B, room, q_LBTHD, T=T)
 
-  def store(self, cache: EvictedPagedCache) -> Any:
+  def store(self, cache: CompactedPagedCache) -> Any:
     return (cache.k, cache.v, cache.block_table, cache.held)
 
   def read(self, spec, store, lengths_B, layer):
@@ -103,16 +103,16 @@ class PagedCompacted(base.Layout):
     return [base.PagedSegment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(held_B),
                               layer=layer, pages=bt_BQ, page_size=page_size(spec))]
 
-  def write(self, cache: EvictedPagedCache, k_LBTKD, v_LBTKD, positions_BT, q_LBTHD=None):
+  def write(self, cache: CompactedPagedCache, k_LBTKD, v_LBTKD, positions_BT, q_LBTHD=None):
     return compact.policy_of(cache.spec).decode_write(cache.spec, self, cache, k_LBTKD,
                                                       v_LBTKD, positions_BT, q_LBTHD)
 
   # -- Slots: what the policy's decode rule writes through -------------------------------------
-  def keys(self, cache: EvictedPagedCache) -> Any:
+  def keys(self, cache: CompactedPagedCache) -> Any:
     S = cache.spec.capacity
     return jax.tree.map(lambda a: a[:, :, :, :S], contiguous_view(cache, S).k)
 
-  def put_tokens(self, cache: EvictedPagedCache, slot_BT, k_LBTKD, v_LBTKD, **fields):
+  def put_tokens(self, cache: CompactedPagedCache, slot_BT, k_LBTKD, v_LBTKD, **fields):
     spec = cache.spec
     P = jax.tree.leaves(cache.k)[0].shape[1]
     k_LBKTD, v_LBKTD = jnp.swapaxes(k_LBTKD, 2, 3), jnp.swapaxes(v_LBTKD, 2, 3)
@@ -121,7 +121,7 @@ class PagedCompacted(base.Layout):
     v = jax.tree.map(put, cache.v, spec.vc.encode(v_LBKTD))
     return dataclasses.replace(cache, k=k, v=v, **fields)
 
-  def put_heads(self, cache: EvictedPagedCache, slot_LBK, k_LBKD, v_LBKD, **fields):
+  def put_heads(self, cache: CompactedPagedCache, slot_LBK, k_LBKD, v_LBKD, **fields):
     """Each (layer, sequence, KV head)'s token into its slot's page and offset."""
     spec = cache.spec
     S, ps = spec.capacity, page_size(spec)
@@ -149,13 +149,13 @@ class PagedCompacted(base.Layout):
 base.register(PagedCompacted())
 
 
-def init_pool(spec: base.CacheSpec) -> EvictedPagedCache:
+def init_pool(spec: base.CacheSpec) -> CompactedPagedCache:
   """A zeroed pool with an empty block table (every entry = P): the serving engine's."""
   L, B, K, D = spec.n_layers, spec.batch, spec.n_kv_heads, spec.head_dim
   P, Q = num_pages(spec), pages_per_seq(spec)
   shape = (L, P, K, page_size(spec), D)
   zeros = jnp.zeros((B,), jnp.int32)
-  return EvictedPagedCache(k=spec.kc.init(shape), v=spec.vc.init(shape),
+  return CompactedPagedCache(k=spec.kc.init(shape), v=spec.vc.init(shape),
                            block_table=jnp.full((B, Q), P, jnp.int32), lengths=zeros,
                            held=zeros, budget=zeros + spec.capacity,
                            state=compact.init_state(spec), spec=spec)
@@ -178,7 +178,7 @@ def contiguous_view(cache, T: int):
                                lengths=cache.lengths, spec=spec)
 
 
-def to_pages(ev: compact.EvictedCache) -> EvictedPagedCache:
+def to_pages(ev: compact.CompactedCache) -> CompactedPagedCache:
   """A compacted contiguous cache [L, B, K, cap, X] stored into B x Q pages (slot s of
   sequence b in its logical page s // page_size, physical page b Q + s // page_size)."""
   spec = dataclasses.replace(ev.spec, layout="paged_compacted",  # a pool of just these pages
@@ -191,7 +191,7 @@ def to_pages(ev: compact.EvictedCache) -> EvictedPagedCache:
     a = a.reshape(L, B, K, Q, ps, *a.shape[4:])
     return jnp.swapaxes(a, 2, 3).reshape(L, B * Q, K, ps, *a.shape[5:])
   B = spec.batch
-  return EvictedPagedCache(k=jax.tree.map(pool, ev.k), v=jax.tree.map(pool, ev.v),
+  return CompactedPagedCache(k=jax.tree.map(pool, ev.k), v=jax.tree.map(pool, ev.v),
                            block_table=jnp.arange(B * Q, dtype=jnp.int32).reshape(B, Q),
                            lengths=ev.lengths, held=ev.held, budget=ev.budget,
                            state=ev.state, spec=spec)

@@ -280,6 +280,7 @@ def eval_loaded(cfg: Config, params, tok, src, text: str, tokens: int, seqs: int
                      "with one (--gguf, --hf, or a config with tokenizer: bytes)")
   windows = text_windows(tok, text_source, tokens, seqs)
   B, M = windows.shape
+  params = step.prepare_params(cfg, params)  # once for both passes (they reuse it as is)
   warnings = [w for w in (held.window_warning(cfg, M), intervals.few_blocks(M, B)) if w]
   with tqdm(total=2 * B * M, desc="eval", unit="tok", disable=None if progress else True,
             leave=False) as bar:

@@ -2,11 +2,13 @@
 
 Held to the XLA read (`grouped`) and to `reference` on a covering set:
   - segment level, both routes (the kernel, and XLA's stored-type dots with the kernel
-    off): every codec with GQA at T = 3, and MHA and MQA at T = 1, on a ragged mask with a live length
-    below the segment's size, the kernel's generic scan (mixed K/V kinds, > 16 query rows,
-    an uncompiled head_dim), plus head_dim groups and per-channel keys (which the kernel
-    leaves to the dots): 32 cases; tolerance 2e-5 of the output's scale (fp32 and the
-    kernel's float arithmetic), 5e-4 for the two-digit int8 and bf16 dots;
+    off): every codec with GQA at T = 3, and MHA and MQA at T = 1, on a ragged mask with a
+    live length below the segment's size, head_dim 64 with row groups of 1 to 4, head_dim
+    groups and per-channel keys (KIVI's layout) at head_dim 16 and 64, and mixed K/V kinds
+    through the kernel's fused and generic scans (int2 planes narrower than eight codes,
+    > 16 query rows, an uncompiled head_dim): 58 cases; tolerance 2e-5 of the output's
+    scale (fp32 and the kernel's float arithmetic), 1e-4 where integer keys meet the
+    15-bit query, 5e-4 (2e-4 for groups and channels) for the two-digit int8 and bf16 dots;
   - model level: the golden decode (`test_golden`: every variant x codec x layout x policy,
     recorded through the XLA read) holds under the native default; here the settings it
     does not cover (a residual window with per-token int4, the sinks policy's ring, h2o on
@@ -111,39 +113,49 @@ def _tol(route: str, name: str) -> float:
   return 1e-4 if route == "kernel" and name in ("int8", "int4", "int2") else 2e-5
 
 
-@pytest.mark.parametrize("k_codec,v_codec,T,D", [("int8", "int4", 1, 16), ("bf16", "fp32", 2, 16),
-                                                  ("int4", "int4", 6, 16), ("int8", "int8", 1, 24)])
-def test_kernel_generic_scan_equals_xla_read(k_codec, v_codec, T, D):
-  """The kernel's generic scan (K and V of different kinds, more than 16 query rows, a
-  head_dim without a compiled form) against the XLA read; the fused forms are the cases
-  above."""
+@pytest.mark.parametrize("k_codec,v_codec,T,D", [
+    ("int2", "int4", 1, 16), ("bf16", "fp32", 6, 16), ("int4", "int4", 6, 16),
+    ("int8", "int8", 1, 24),                                # the generic scan (see below)
+    ("int8", "int4", 1, 64), ("bf16", "int8", 2, 64), ("int4", "fp16", 1, 32),
+    ("fp8_e4m3", "int2", 1, 64)])                           # the fused scan, mixed kinds
+def test_kernel_mixed_kinds_equal_xla_read(k_codec, v_codec, T, D):
+  """K and V of different kinds: the fused scan (its K and V reads are chosen apart) and
+  the generic scan (int2 planes narrower than eight codes, more than 16 query rows, a
+  head_dim without a compiled form) against the XLA read."""
   if not kernels.available():
     pytest.skip(f"the read kernel is not available here ({kernels.status()})")
   kc, vc = codecs.get(k_codec), codecs.get(v_codec)
   x = jax.random.normal(jax.random.PRNGKey(5), (2, 2, 48, D), f32)
   mask = (jnp.arange(48) < 40)[None] & (jnp.arange(2)[:, None] < 2)
   seg = cache_base.Segment(kc.encode(x), vc.encode(-x), mask, kc, vc, live=jnp.int32(40))
-  q = jax.random.normal(jax.random.PRNGKey(6), (2, 2, 3, T, D), f32)
+  q = jax.random.normal(jax.random.PRNGKey(6), (2, 2, 3, T, D), f32) * (4 / D) ** 0.5
   want, got = _read(xla.attend_segment, q, seg), _read(native.read_segment, q, seg)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want),
-                             atol=2e-5 * float(jnp.max(jnp.abs(want))), rtol=0)
+                             atol=_tol("kernel", k_codec) * float(jnp.max(jnp.abs(want))), rtol=0)
 
 
-@pytest.mark.parametrize("name,knobs", [("int8", dict(group_size=4)), ("int4", dict(group_size=8)),
-                                        ("int4", dict(k_axis="channel", group_size=8,
-                                                      residual=16)),
-                                        ("int2", dict(k_axis="channel", group_size=8,
-                                                      residual=16))])
-def test_grouped_and_channel_scales_read_through_the_dots(name, knobs):
-  """Head_dim groups and per-channel keys: the kernel declines them (`kernel_kind` None)
-  and the stored-type dots read them, equal to the XLA read."""
-  seg = _segment(name, 2, 64, 16, CacheConfig(**knobs))
-  assert seg.k_codec.kernel_kind is None
-  assert kernels.read(jnp.zeros((2, 2, 3, 1, 16)), seg) is None
-  q = jax.random.normal(jax.random.PRNGKey(3), (2, 2, 3, 2, 16), f32)
+SCALE_CASES = [  # (codec, knobs, head_dim): groups of 4 take the generic scan, the rest fused
+    ("int8", dict(group_size=4), 16), ("int4", dict(group_size=8), 16),
+    ("int4", dict(group_size=32), 64), ("int2", dict(group_size=16), 64),
+    ("fp8_e4m3", dict(group_size=16), 64),
+    ("int4", dict(k_axis="channel", group_size=8, residual=16), 16),
+    ("int2", dict(k_axis="channel", group_size=8, residual=16), 16),     # generic: int2 at 16
+    ("int2", dict(k_axis="channel", group_size=32, residual=32), 64),    # KIVI's int2
+    ("int8", dict(k_axis="channel", group_size=16), 64)]
+
+
+@pytest.mark.parametrize("name,knobs,D", SCALE_CASES)
+def test_grouped_and_channel_scales_equal_xla_read(route, name, knobs, D):
+  """Head_dim groups and per-channel keys (KIVI's layout: one scale per channel per U
+  tokens) through the kernel, and through the stored-type dots with the kernel off."""
+  seg = _segment(name, 2, 64, D, CacheConfig(**knobs))
+  read = kernels.read(jnp.zeros((2, 2, 3, 2, D)), seg)
+  assert (read is not None) == (route == "kernel")
+  q = jax.random.normal(jax.random.PRNGKey(3), (2, 2, 3, 2, D), f32) * 0.5
   want, got = _read(xla.attend_segment, q, seg), _read(native.read_segment, q, seg)
+  tol = 2e-4 if route == "dots" else 2e-5
   np.testing.assert_allclose(np.asarray(got), np.asarray(want),
-                             atol=2e-4 * float(jnp.max(jnp.abs(want))), rtol=0)
+                             atol=tol * float(jnp.max(jnp.abs(want))), rtol=0)
 
 
 PROMPTS = [[3, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 32, 3, 8], [2, 7, 18, 28, 18]]

@@ -2,10 +2,10 @@
 `xla.grouped` with every stored segment read where its bytes are, not in a widened copy.
 
 A segment whose codecs and storage the CPU read kernel knows (`kvjax.kernels`: fp32, bf16,
-int8, int4, int2 and fp8 with per-token scales, contiguous, per-layer and paged storage)
-is read by it: codes widened a tile at a time in L1, scales applied as they are widened,
-the rows spread over XLA's threads. Any other segment (head_dim groups, per-channel keys,
-fp16), and every segment where the kernel is not built, is read block by block in its
+fp16, int8, int4, int2 and fp8 with whole-head or head_dim-group scales per token, or
+per-channel keys; contiguous, per-layer and paged storage) is read by it: each code
+converted where it is used, the rows spread over XLA's threads. Any other segment (the
+normal-float codecs), and every segment where the kernel is not built, is read block by block in its
 codes' own type through XLA's library dots (`Codec.qk_native` / `pv_native`,
 `kvjax.codecs.dots`): bf16 blocks through bf16 dots, int8 / int4 / int2 codes through int8
 dots, fp8 through bf16, each scale applied outside the dot. `CHUNK` tokens a block: no

@@ -134,8 +134,15 @@ class Codec:
   @property
   def kernel_kind(self) -> int | None:
     """How the CPU read kernel (`kvjax.kernels`) widens this codec's storage: a kind of
-    `read.cc` (0 fp32, 1 bf16), or None where the kernel does not read it (fp16)."""
-    return {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1}.get(jnp.dtype(self.dtype))
+    `read.cc` (0 fp32, 1 bf16, 2 fp16), or None where the kernel does not read it."""
+    return {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1,
+            jnp.dtype(jnp.float16): 2}.get(jnp.dtype(self.dtype))
+
+  @property
+  def kernel_scales(self) -> str:
+    """How the kernel finds this codec's scales: `whole` (one per token, or none),
+    `grouped` (head_dim groups per token) or `channel` (per channel per token block)."""
+    return "whole"
 
   def qk_native(self, q_BKGTD: jax.Array, k_enc: Any) -> jax.Array:
     """`qk_block` with the block read in its stored type (`codecs.dots`: the `native`

@@ -211,10 +211,12 @@ class ScaledCodec(base.Codec):
     return self.asym and enc["codes"].shape[-1] >= PLANE_MIN
 
   @property
+  def kernel_scales(self) -> str:  # (base.Codec.kernel_scales)
+    return "channel" if self.axis == "channel" else "grouped" if self.group else "whole"
+
+  @property
   def kernel_kind(self) -> int | None:
-    """The read kernel's kind for whole-head per-token scales; None for groups, channels."""
-    if self.axis != "token" or self.group:
-      return None
+    """The read kernel's kind (3 int8, 4 int4, 5 int2, 6 / 7 fp8), for every scale layout."""
     if self.kind == "fp8":
       return 6 if jnp.dtype(self.dtype) == jnp.dtype(jnp.float8_e4m3fn) else 7
     return {8: 3, 4: 4, 2: 5}[self.bits]

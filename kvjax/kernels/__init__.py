@@ -165,18 +165,31 @@ def read(q_BKGTD, seg):
   layer, n_layers, pages, page, pool_rows = view
   kc, ks, kz = _leaves(seg.k)
   vc, vs, vz = _leaves(seg.v)
+  scales = (_scales(seg.k_codec, ks), _scales(seg.v_codec, vs))
   S = seg.mask_BS.shape[1]
   live = S if seg.live is None else seg.live
   args = (q_BKGTD, kc, ks, kz, vc, vs, vz, seg.mask_BS, jnp.asarray(pages, jnp.int32),
           jnp.asarray(layer, jnp.int32).reshape(()), jnp.asarray(live, jnp.int32).reshape(()))
-  call = functools.partial(_call, kinds=(kk, vk), n_layers=n_layers, page=page,
-                           pool_rows=pool_rows)
+  call = functools.partial(_call, kinds=(kk, vk), scales=scales, n_layers=n_layers,
+                           page=page, pool_rows=pool_rows)
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return call(*args)
   return jax.shard_map(call, mesh=mesh, in_specs=_specs(args, page, kc.ndim),
                        out_specs=(P("data", "kv", "rep"),) * 3,
                        check_vma=False)(*args)
+
+
+MODES = {"whole": 0, "grouped": 1, "channel": 2}  # read.cc's Mode
+
+
+def _scales(codec, scale) -> tuple[int, int]:
+  """(mode, param) of a leaf's scales for the kernel: param is the scales per token of
+  head_dim groups ([..., S, n]) or the tokens U each per-channel row covers."""
+  mode = codec.kernel_scales
+  if mode == "channel":
+    return MODES[mode], int(codec.group)
+  return MODES[mode], int(scale.shape[-1]) if scale.ndim > 1 else 1
 
 
 def _specs(args, page: int, codes_ndim: int) -> tuple:
@@ -193,7 +206,7 @@ def _specs(args, page: int, codes_ndim: int) -> tuple:
           P("data") if page else P(), P(), P())
 
 
-def _call(q_BKGTD, kc, ks, kz, vc, vs, vz, mask_BS, pages, layer, live, *, kinds,
+def _call(q_BKGTD, kc, ks, kz, vc, vs, vz, mask_BS, pages, layer, live, *, kinds, scales,
           n_layers: int, page: int, pool_rows: int):
   """The custom call on (this device's) arrays: shapes read from the arrays themselves."""
   B, K, G, T, D = q_BKGTD.shape
@@ -204,6 +217,7 @@ def _call(q_BKGTD, kc, ks, kz, vc, vs, vz, mask_BS, pages, layer, live, *, kinds
   m, s, acc = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
       q_BKGTD.astype(f32).reshape(B * K, G * T, D), kc, ks, kz, vc, vs, vz, mask_BS, pages,
       layer, live, k_kind=kinds[0], v_kind=kinds[1], k_width=int(kc.shape[-1]),
-      v_width=int(vc.shape[-1]), n_layers=n_layers, batch=B, heads=K, seq=S, page=page,
+      v_width=int(vc.shape[-1]), k_mode=scales[0][0], k_param=scales[0][1],
+      v_mode=scales[1][0], v_param=scales[1][1], n_layers=n_layers, batch=B, heads=K, seq=S, page=page,
       pool_rows=pool_rows)
   return m.reshape(B, K, G, T), s.reshape(B, K, G, T), acc.reshape(B, K, G, T, D)

@@ -7,17 +7,23 @@
 // caller merges it with the state of the other segments.
 //
 // Two scans do it, never through a widened copy of the cache in memory. The fused scan
-// (one codec kind and head_dim 16-128, known at compile time) converts each code where it
-// is used and applies scales and zero points to the logits and probabilities; integer
-// codes meet a 15-bit integer copy of the query in exact int16 multiply-adds. The generic
-// scan widens a tile of TILE tokens at a time into a float buffer that stays in L1, each
-// token's scale and zero point applied as it is widened. Rows are split across XLA's intra-op thread pool; when there
-// are fewer rows than threads, each row's tokens are split too and the partial states
-// are merged by log-sum-exp.
+// (head_dim 16-128 known at compile time, K and V each read by functions compiled for
+// their codec kind and scale layout, so any K codec meets any V codec) converts each code
+// where it is used; whole-head scales and zero points are applied to the logits and
+// probabilities, head_dim groups and per-channel scales to the converted codes in
+// registers; integer codes with whole-head scales meet a 15-bit integer copy of the query
+// in exact int16 multiply-adds. The generic scan (any other head_dim, more than 16 query
+// rows, groups narrower than 8 elements) widens a tile of TILE tokens at a time into a
+// float buffer that stays in L1, scales and zero points applied as it is widened. Rows
+// are split across XLA's intra-op thread pool; when there are fewer rows than threads,
+// each row's tokens are split too and the partial states are merged by log-sum-exp.
 //
 // Storage: a leaf is [L, B, K, S, W] (W code elements per token), read at `layer`, or a
 // page pool [L, P, K, page, W] with a block table [B, S / page]; scales and zeros are
-// bfloat16 bits with W = 1 (none: an empty buffer); the mask is [B, S].
+// bfloat16 bits (none: an empty buffer) laid out by the leaf's mode: whole-head
+// [..., S, 1], head_dim groups [..., S, n] (n groups of D / n elements), or per channel
+// [..., S / U, D] (one scale per channel per U consecutive tokens: KIVI's keys). The mask
+// is [B, S].
 
 #include <algorithm>
 #include <atomic>
@@ -45,11 +51,24 @@ namespace {
 constexpr int TILE = 32;
 constexpr float MASKED = -1e30f;
 
-enum Kind : int64_t { F32 = 0, BF16 = 1, INT8 = 3, UINT4 = 4, UINT2 = 5, E4M3 = 6, E5M2 = 7 };
+enum Kind : int64_t { F32 = 0, BF16 = 1, F16 = 2, INT8 = 3, UINT4 = 4, UINT2 = 5, E4M3 = 6, E5M2 = 7 };
+enum Mode : int64_t { WHOLE = 0, GROUPED = 1, CHANNEL = 2 };  // how a leaf's scales are laid out
 
 inline float bf16(uint16_t b) {
   uint32_t u = uint32_t(b) << 16;
   float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float f16(uint16_t h) {  // IEEE half to float: subnormals, infinities and NaN included
+  uint32_t sign = uint32_t(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023;
+  float f;
+  if (e == 0) {
+    f = std::ldexp(float(m), -24);
+    return sign ? -f : f;
+  }
+  uint32_t u = sign | (e == 31 ? 0x7f800000u : (e + 112) << 23) | (m << 13);
   std::memcpy(&f, &u, 4);
   return f;
 }
@@ -123,7 +142,30 @@ struct Leaf {  // one codec's storage of one layer: codes, scales, zeros
   const uint16_t* scale;
   const uint16_t* zero;
   int64_t kind, width;  // width: bytes per token row
+  int64_t mode, groups, chan;  // GROUPED: n scales per token; CHANNEL: U tokens per scale row
+  float half() const { return kind == UINT4 ? 7.5f : kind == UINT2 ? 1.5f : 0.f; }
 };
+
+// x[0..D) = s c + (z - h s) for stored token `tok` (its codes already in x), whichever the
+// layout of the leaf's scales and zero points.
+inline void scale_row(const Leaf& lf, int64_t tok, int D, float* __restrict x) {
+  if (!lf.scale) return;
+  const float h = lf.half();
+  if (lf.mode == CHANNEL) {
+    const int64_t at = (tok / lf.chan) * D;
+    for (int d = 0; d < D; ++d) {
+      float s = bf16(lf.scale[at + d]);
+      x[d] = x[d] * s + (lf.zero ? bf16(lf.zero[at + d]) - h * s : 0.f);
+    }
+    return;
+  }
+  const int n = int(lf.groups), w = D / n;
+  for (int g = 0; g < n; ++g) {
+    float s = bf16(lf.scale[tok * n + g]);
+    float a = lf.zero ? bf16(lf.zero[tok * n + g]) - h * s : 0.f;
+    for (int d = g * w; d < (g + 1) * w; ++d) x[d] = x[d] * s + a;
+  }
+}
 
 // Widen the n tokens whose storage indices are idx[0..n) into x[n][D]. DD: head_dim
 // fixed at compile time (0: D at run time), so the loops over it unroll.
@@ -134,7 +176,6 @@ void widen(const Leaf& lf, const int64_t* __restrict idx, int n, int Dr, float* 
     int64_t tok = idx[t];
     const uint8_t* r = lf.codes + tok * lf.width;
     float* o = x + t * D;
-    float s = lf.scale ? bf16(lf.scale[tok]) : 1.f;
     switch (lf.kind) {
       case F32:
         std::memcpy(o, r, D * 4);
@@ -144,38 +185,38 @@ void widen(const Leaf& lf, const int64_t* __restrict idx, int n, int Dr, float* 
         for (int d = 0; d < D; ++d) o[d] = bf16(h[d]);
         break;
       }
+      case F16: {
+        const uint16_t* h = reinterpret_cast<const uint16_t*>(r);
+        for (int d = 0; d < D; ++d) o[d] = f16(h[d]);
+        break;
+      }
       case INT8: {
         const int8_t* c = reinterpret_cast<const int8_t*>(r);
-        for (int d = 0; d < D; ++d) o[d] = float(c[d]) * s;
+        for (int d = 0; d < D; ++d) o[d] = float(c[d]);
         break;
       }
       case UINT4: {  // byte j: element j (low bits), element j + D/2 (high bits)
-        float a = bf16(lf.zero[tok]) - 7.5f * s;
         int W = D / 2;
-        for (int j = 0; j < W; ++j) {
-          o[j] = a + float(r[j] & 15) * s;
-          o[j + W] = a + float(r[j] >> 4) * s;
-        }
+        for (int j = 0; j < W; ++j) o[j] = float(r[j] & 15), o[j + W] = float(r[j] >> 4);
         break;
       }
       case UINT2: {  // byte j: elements j + i D/4 at bits 2i
-        float a = bf16(lf.zero[tok]) - 1.5f * s;
         int W = D / 4;
         for (int i = 0; i < 4; ++i)
-          for (int j = 0; j < W; ++j) o[j + i * W] = a + float((r[j] >> (2 * i)) & 3) * s;
+          for (int j = 0; j < W; ++j) o[j + i * W] = float((r[j] >> (2 * i)) & 3);
         break;
       }
       case E4M3:
-        for (int d = 0; d < D; ++d) o[d] = kFp8.e4m3[r[d]] * s;
+        for (int d = 0; d < D; ++d) o[d] = kFp8.e4m3[r[d]];
         break;
       case E5M2:
-        for (int d = 0; d < D; ++d) o[d] = kFp8.e5m2[r[d]] * s;
+        for (int d = 0; d < D; ++d) o[d] = kFp8.e5m2[r[d]];
         break;
     }
+    scale_row(lf, tok, D, o);
   }
 }
 
-// The partial state of row `row` over tokens [t_begin, t_end): m[M], s[M], acc[M][D].
 // Whether any of the n slots of a tile holds a valid token (a tile of padding is skipped).
 inline bool any_valid(const bool* mask, int n) {
   bool any = false;
@@ -200,6 +241,7 @@ struct Geometry {
   }
 };
 
+// The partial state of row `row` over tokens [t_begin, t_end): m[M], s[M], acc[M][D].
 template <int DD>
 void scan(const float* __restrict q, const Leaf& kl, const Leaf& vl,
           const bool* __restrict mask_row, int64_t row, const Geometry& geo, int64_t t_begin,
@@ -296,16 +338,18 @@ void scan(const float* __restrict q, const Leaf& kl, const Leaf& vl,
   }
 }
 
-// The fused scan: the same computation with both codecs of one kind known at compile time.
-// Each code is converted where it is used (no widened tile), scales and zero points are
-// applied to the logits and probabilities, never to the codes:
+// The fused scan: the same computation with each codec's reads compiled for its kind and
+// scale layout. Each code is converted where it is used (no widened tile). Whole-head
+// scales and zero points are applied to the logits and probabilities, never to the codes:
 //   logit_t = s_t (q . c_t) + o_t sum(q),    acc += sum_t (p_t s_t) c_t + sum_t p_t o_t
-// with x = o + s c the codec's value (o = z - h s for int4/int2, else 0; s = 1 for floats).
-// Query rows go in groups of up to four (R, a template argument: no padded row); each
-// token's R products are reduced eight tokens at a time; the softmax step runs over the
-// tile's tokens in vector lanes. Integer codes (int8, int4, int2) meet the query as 15-bit
-// integers (each row rounded once, times its scale): one int16 multiply-add into int32
-// per two columns, exact, where the float route converts every code to float first.
+// with x = o + s c the codec's value (o = z - h s for int4/int2, else 0; s = 1 for floats);
+// head_dim groups and per-channel scales are applied to eight converted codes at a time
+// (x = s c + o in registers; a group is at least eight elements). Query rows go in groups
+// of up to four (R, a template argument: no padded row); each token's R products are
+// reduced eight tokens at a time; the softmax step runs over the tile's tokens in vector
+// lanes. Integer codes with whole-head scales (int8, int4, int2) meet the query as 15-bit
+// integers (each row rounded once, times its scale): one int16 multiply-add into int32 per
+// two columns, exact, where the float route converts every code to float first.
 template <int KIND>
 inline v8 codes8(const uint8_t* __restrict r, int d, int D) {
   v8 v;
@@ -314,6 +358,17 @@ inline v8 codes8(const uint8_t* __restrict r, int d, int D) {
   } else if constexpr (KIND == E4M3 || KIND == E5M2) {
     const float* tab = KIND == E4M3 ? kFp8.e4m3 : kFp8.e5m2;
     for (int i = 0; i < 8; ++i) v[i] = tab[r[d + i]];
+  } else if constexpr (KIND == F16) {
+#ifdef __F16C__
+    __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 2 * d)));
+    std::memcpy(&v, &f, 32);
+#else
+    for (int i = 0; i < 8; ++i) {
+      uint16_t h;
+      std::memcpy(&h, r + 2 * (d + i), 2);
+      v[i] = f16(h);
+    }
+#endif
   } else {
 #ifdef __AVX2__
     __m256i w;
@@ -353,16 +408,50 @@ inline v8 codes8(const uint8_t* __restrict r, int d, int D) {
   return v;
 }
 
-template <int KIND>
-inline void meta(const Leaf& lf, int64_t tok, float* s, float* o) {
-  *s = lf.scale ? bf16(lf.scale[tok]) : 1.f;
-  constexpr float h = KIND == UINT4 ? 7.5f : KIND == UINT2 ? 1.5f : 0.f;
-  *o = lf.zero ? bf16(lf.zero[tok]) - h * *s : 0.f;
+inline v8 splat(float x) { return v8{} + x; }
+
+inline v8 bf16x8(const uint16_t* p) {  // eight bfloat16 values as floats
+  v8 v;
+#ifdef __AVX2__
+  __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  std::memcpy(&v, &f, 32);
+#else
+  for (int i = 0; i < 8; ++i) v[i] = bf16(p[i]);
+#endif
+  return v;
+}
+
+// Columns [d, d + 8) of stored token `tok` as values: the codes, with a head_dim group's or
+// the channels' scales and zero points applied (MODE GROUPED / CHANNEL); WHOLE leaves the
+// codes as they are (their scales are applied to logits and probabilities).
+template <int KIND, int MODE>
+inline v8 value8(const Leaf& lf, const uint8_t* __restrict r, int64_t tok, int d, int D) {
+  v8 c = codes8<KIND>(r, d, D);
+  if constexpr (MODE == GROUPED) {
+    const int64_t at = tok * lf.groups + d / (D / int(lf.groups));
+    float s = bf16(lf.scale[at]);
+    float o = lf.zero ? bf16(lf.zero[at]) - lf.half() * s : 0.f;
+    return c * s + o;
+  } else if constexpr (MODE == CHANNEL) {
+    const int64_t at = (tok / lf.chan) * D + d;
+    v8 s = bf16x8(lf.scale + at);
+    v8 o = lf.zero ? bf16x8(lf.zero + at) - lf.half() * s : v8{};
+    return c * s + o;
+  }
+  return c;
+}
+
+// The whole-head scale s and offset o of each of the TILE tokens idx[0..TILE) (1 and 0
+// for a leaf without them, or whose scales `value8` applies).
+inline void metas(const Leaf& lf, const int64_t* idx, float* s, float* o) {
+  const float h = lf.half();
+  const bool whole = lf.mode == WHOLE && lf.scale;
+  for (int t = 0; t < TILE; ++t) s[t] = whole ? bf16(lf.scale[idx[t]]) : 1.f;
+  for (int t = 0; t < TILE; ++t) o[t] = whole && lf.zero ? bf16(lf.zero[idx[t]]) - h * s[t] : 0.f;
 }
 
 typedef int32_t vi8 __attribute__((vector_size(32)));
-
-inline v8 splat(float x) { return v8{} + x; }
 
 inline v8 vmax(v8 a, v8 b) { return a > b ? a : b; }
 
@@ -404,18 +493,28 @@ inline v8 reduce8(const v8* a) {
 #endif
 }
 
+// What a tile's reads need of the query rows: the rows, their sums (for zero points) and,
+// for integer keys, each row as 15-bit integers times a scale.
+struct Rows {
+  const float* q;
+  const int16_t* q16;
+  const float* qsc;
+};
+
 // Logits of R query rows over the n tokens idx[0..n) (n a multiple of 8 or the tile's
-// tail, padded with token idx[0]): lt[j][t] = q_j . c_t (scales applied by the caller).
-template <int KIND, int D, int R>
+// tail, padded with token idx[0]): lt[j][t] = q_j . x_t, x the values value8 gives (so
+// whole-head scales are still to be applied by the caller).
+template <int KIND, int MODE, int D, int R>
 inline void qk_rows(const float* __restrict q, const Leaf& kl, const int64_t* idx, int n,
                     float (*lt)[TILE]) {
   for (int t0 = 0; t0 < n; t0 += 8) {
     v8 part[R][8];
     for (int u = 0; u < 8; ++u) {
-      const uint8_t* r = kl.codes + idx[t0 + u < n ? t0 + u : 0] * kl.width;
+      const int64_t tok = idx[t0 + u < n ? t0 + u : 0];
+      const uint8_t* r = kl.codes + tok * kl.width;
       v8 a[R] = {};
       for (int d = 0; d < D; d += 8) {
-        v8 c = codes8<KIND>(r, d, D);
+        v8 c = value8<KIND, MODE>(kl, r, tok, d, D);
         for (int j = 0; j < R; ++j) a[j] += load8(q + j * D + d) * c;
       }
       for (int j = 0; j < R; ++j) part[j][u] = a[j];
@@ -427,15 +526,15 @@ inline void qk_rows(const float* __restrict q, const Leaf& kl, const int64_t* id
   }
 }
 
-// acc[j] += sum_t p[j][t] c_t for R rows, 16 columns at a time in registers.
-template <int KIND, int D, int R>
-inline void pv_rows(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE],
-                    float* __restrict acc) {
+// acc[j] += sum_t p[j][t] x_t for R rows, 16 columns at a time in registers.
+template <int KIND, int MODE, int D, int R>
+void pv_rows(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE], float* __restrict acc) {
   for (int d0 = 0; d0 < D; d0 += 16) {
     v8 a[R][2] = {};
     for (int t = 0; t < n; ++t) {
       const uint8_t* r = vl.codes + idx[t] * vl.width;
-      v8 c0 = codes8<KIND>(r, d0, D), c1 = codes8<KIND>(r, d0 + 8, D);
+      v8 c0 = value8<KIND, MODE>(vl, r, idx[t], d0, D);
+      v8 c1 = value8<KIND, MODE>(vl, r, idx[t], d0 + 8, D);
       for (int j = 0; j < R; ++j) {
         float pj = p[j][t];
         a[j][0] += pj * c0, a[j][1] += pj * c1;
@@ -451,12 +550,12 @@ inline void pv_rows(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE],
 }
 
 #ifdef __AVX2__
-// Integer codes against the 15-bit query: 16 codes widened to int16 once per token serve
-// every row; the query's scale joins the key's on the logit.
-template <int KIND, int D>
+// Integer codes with whole-head scales against the 15-bit query: 16 codes widened to int16
+// once per token serve every row; the query's scale joins the key's on the logit.
+template <int KIND, int MODE, int D>
 constexpr bool int_qk() {
-  return (KIND == INT8 && D % 16 == 0) || (KIND == UINT4 && (D / 2) % 16 == 0) ||
-         (KIND == UINT2 && (D / 4) % 16 == 0);
+  return MODE == WHOLE && ((KIND == INT8 && D % 16 == 0) || (KIND == UINT4 && (D / 2) % 16 == 0) ||
+                           (KIND == UINT2 && (D / 4) % 16 == 0));
 }
 
 template <int KIND>
@@ -481,10 +580,10 @@ inline __m256 reduce8i(const __m256i* b) {
   return _mm256_cvtepi32_ps(r);
 }
 
-// lt[j][t] = q16_j . c_t (integer), as floats.
+// lt[j][t] = (q16_j . c_t) * qsc_j (an exact integer sum, then its scale).
 template <int KIND, int D, int R>
-inline void qk_rows_int(const int16_t* __restrict q16, const Leaf& kl, const int64_t* idx,
-                        int n, float (*lt)[TILE]) {
+inline void qk_rows_int(const int16_t* __restrict q16, const float* qsc, const Leaf& kl,
+                        const int64_t* idx, int n, float (*lt)[TILE]) {
   for (int t0 = 0; t0 < n; t0 += 8) {
     __m256i part[R][8];
     for (int u = 0; u < 8; ++u) {
@@ -499,34 +598,45 @@ inline void qk_rows_int(const int16_t* __restrict q16, const Leaf& kl, const int
       }
       for (int j = 0; j < R; ++j) part[j][u] = a[j];
     }
-    for (int j = 0; j < R; ++j) _mm256_storeu_ps(lt[j] + t0, reduce8i(part[j]));
+    for (int j = 0; j < R; ++j)
+      _mm256_storeu_ps(lt[j] + t0, _mm256_mul_ps(reduce8i(part[j]), _mm256_set1_ps(qsc[j])));
   }
 }
 #endif
 
-template <int KIND, int D, int R>
-inline void tile_rows(const float* __restrict q, const Leaf& kl, const Leaf& vl,
-                      const int64_t* idx, int n, const float* ks, const float* ko,
-                      const float* vs, const float* vo, const float* okf, const float* qsum,
-                      const int16_t* q16, const float* qsc, float* m, float* s, float* acc) {
-  alignas(32) float lt[R][TILE];
-  float ksc[R];
+// One tile's logits for R rows (lt[j][t] = q_j . x_t, whole-head scales still to apply),
+// through the integer route where it applies.
+template <int KIND, int MODE, int D, int R>
+void qk_tile(const Rows& q, const Leaf& kl, const int64_t* idx, int n, float (*lt)[TILE]) {
 #ifdef __AVX2__
-  if constexpr (int_qk<KIND, D>()) {
-    qk_rows_int<KIND, D, R>(q16, kl, idx, n, lt);
-    for (int j = 0; j < R; ++j) ksc[j] = qsc[j];
-  } else
-#endif
-  {
-    qk_rows<KIND, D, R>(q, kl, idx, n, lt);
-    for (int j = 0; j < R; ++j) ksc[j] = 1.f;
+  if constexpr (int_qk<KIND, MODE, D>()) {
+    qk_rows_int<KIND, D, R>(q.q16, q.qsc, kl, idx, n, lt);
+    return;
   }
-  for (int j = 0; j < R; ++j) {  // the softmax step; lt becomes p * (value scale)
+#endif
+  qk_rows<KIND, MODE, D, R>(q.q, kl, idx, n, lt);
+}
+
+using QkFn = void (*)(const Rows&, const Leaf&, const int64_t*, int, float (*)[TILE]);
+using PvFn = void (*)(const Leaf&, const int64_t*, int, float (*)[TILE], float*);
+
+struct Fused {  // a leaf pair's reads for row groups of 1..4 (null: the generic scan)
+  QkFn qk[4];
+  PvFn pv[4];
+};
+
+// The softmax step of R rows over one tile: the logits lt (whole-head key scales applied
+// here), the running state (m, s, acc) rescaled; lt becomes p * (whole-head value scale).
+template <int D>
+inline void softmax_rows(int R, float (*lt)[TILE], const float* ks, const float* ko,
+                         const float* vs, const float* vo, const float* okf, const float* qsum,
+                         float* m, float* s, float* acc) {
+  for (int j = 0; j < R; ++j) {
     v8 l[TILE / 8];
     v8 mx8 = splat(m[j]);
     for (int b = 0; b < TILE / 8; ++b) {
       v8 ok = load8(okf + 8 * b);  // 1 where the slot holds a token, else 0
-      v8 x = load8(ks + 8 * b) * (load8(lt[j] + 8 * b) * ksc[j]) + load8(ko + 8 * b) * qsum[j];
+      v8 x = load8(ks + 8 * b) * load8(lt[j] + 8 * b) + load8(ko + 8 * b) * qsum[j];
       l[b] = ok > 0.5f ? x : splat(MASKED);
       mx8 = vmax(mx8, l[b]);
     }
@@ -550,16 +660,15 @@ inline void tile_rows(const float* __restrict q, const Leaf& kl, const Leaf& vl,
     s[j] = s[j] * corr + hsum(sum);
     m[j] = mx;
   }
-  pv_rows<KIND, D, R>(vl, idx, n, lt, acc);
 }
 
-template <int KIND, int D>
-void scan_fused(const float* __restrict q, const Leaf& kl, const Leaf& vl,
-                 const bool* __restrict mask_row, int64_t row, const Geometry& geo,
-                 int64_t t_begin, int64_t t_end, int M, float* __restrict m,
-                 float* __restrict s, float* __restrict acc) {
+template <int D>
+void scan_fused(const float* __restrict q, const Leaf& kl, const Leaf& vl, const Fused& fn,
+                const bool* __restrict mask_row, int64_t row, const Geometry& geo,
+                int64_t t_begin, int64_t t_end, int M, float* __restrict m,
+                float* __restrict s, float* __restrict acc) {
   static_assert(D % 16 == 0, "fused scan: head_dim a multiple of 16");
-  alignas(32) float ks[TILE], ko[TILE], vs[TILE], vo[TILE], okf[TILE];
+  alignas(32) float ks[TILE], ko[TILE], vs[TILE], vo[TILE], okf[TILE], lt[4][TILE];
   float qsum[16], qsc[16];
   alignas(32) int16_t q16[16 * D];
   int64_t idx[TILE];
@@ -574,53 +683,89 @@ void scan_fused(const float* __restrict q, const Leaf& kl, const Leaf& vl,
   for (int64_t t0 = t_begin; t0 < t_end; t0 += TILE) {
     int n = int(std::min<int64_t>(TILE, t_end - t0));
     if (!any_valid(mask_row + t0, n)) continue;
-    for (int t = 0; t < TILE; ++t) {  // slots past the tail: masked, reading token idx[0]
-      bool in = t < n;
-      idx[t] = geo.index(row, t0 + (in ? t : 0));
-      okf[t] = in && mask_row[t0 + t] ? 1.f : 0.f;
-      meta<KIND>(kl, idx[t], ks + t, ko + t);
-      meta<KIND>(vl, idx[t], vs + t, vo + t);
+    // Slots past the tail are masked and read token idx[0].
+    if (!geo.pages) {
+      const int64_t base = row * geo.S + t0;
+      for (int t = 0; t < TILE; ++t) idx[t] = base + (t < n ? t : 0);
+    } else {
+      for (int t = 0; t < TILE; ++t) idx[t] = geo.index(row, t0 + (t < n ? t : 0));
     }
+    for (int t = 0; t < TILE; ++t) okf[t] = t < n && mask_row[t0 + t] ? 1.f : 0.f;
+    metas(kl, idx, ks, ko);
+    metas(vl, idx, vs, vo);
     for (int i0 = 0; i0 < M; i0 += 4) {
-      int R = std::min(4, M - i0);
-      const float* qi = q + size_t(i0) * D;
-      float *mi = m + i0, *si = s + i0, *ai = acc + size_t(i0) * D;
-      const float* qs = qsum + i0;
-      switch (R) {
-        case 4: tile_rows<KIND, D, 4>(qi, kl, vl, idx, n, ks, ko, vs, vo, okf, qs, q16 + i0 * D, qsc + i0, mi, si, ai); break;
-        case 3: tile_rows<KIND, D, 3>(qi, kl, vl, idx, n, ks, ko, vs, vo, okf, qs, q16 + i0 * D, qsc + i0, mi, si, ai); break;
-        case 2: tile_rows<KIND, D, 2>(qi, kl, vl, idx, n, ks, ko, vs, vo, okf, qs, q16 + i0 * D, qsc + i0, mi, si, ai); break;
-        default: tile_rows<KIND, D, 1>(qi, kl, vl, idx, n, ks, ko, vs, vo, okf, qs, q16 + i0 * D, qsc + i0, mi, si, ai); break;
-      }
+      const int R = std::min(4, M - i0);
+      Rows rows{q + size_t(i0) * D, q16 + i0 * D, qsc + i0};
+      float* ai = acc + size_t(i0) * D;
+      fn.qk[R - 1](rows, kl, idx, n, lt);
+      softmax_rows<D>(R, lt, ks, ko, vs, vo, okf, qsum + i0, m + i0, s + i0, ai);
+      fn.pv[R - 1](vl, idx, n, lt, ai);
     }
   }
 }
 
-using ScanFn = void (*)(const float*, const Leaf&, const Leaf&, const bool*, int64_t,
-                        const Geometry&, int64_t, int64_t, int, float*, float*, float*);
+using ScanFn = void (*)(const float*, const Leaf&, const Leaf&, const Fused&, const bool*,
+                        int64_t, const Geometry&, int64_t, int64_t, int, float*, float*, float*);
 
+template <int KIND, int MODE, int D>
+void set_qk(Fused& f) {
+  f.qk[0] = qk_tile<KIND, MODE, D, 1>, f.qk[1] = qk_tile<KIND, MODE, D, 2>;
+  f.qk[2] = qk_tile<KIND, MODE, D, 3>, f.qk[3] = qk_tile<KIND, MODE, D, 4>;
+}
+
+template <int KIND, int MODE, int D>
+void set_pv(Fused& f) {
+  f.pv[0] = pv_rows<KIND, MODE, D, 1>, f.pv[1] = pv_rows<KIND, MODE, D, 2>;
+  f.pv[2] = pv_rows<KIND, MODE, D, 3>, f.pv[3] = pv_rows<KIND, MODE, D, 4>;
+}
+
+// The compiled reads of one leaf at head_dim D: false where there are none (the fp kinds
+// have no scales to lay out; per-channel scales are compiled for keys only).
 template <int D>
-ScanFn fused_for(int64_t kind) {
-  switch (kind) {
-    case F32: return scan_fused<F32, D>;
-    case BF16: return scan_fused<BF16, D>;
-    case INT8: return scan_fused<INT8, D>;
-    case UINT4: return scan_fused<UINT4, D>;
-    case UINT2: return scan_fused<UINT2, D>;
-    case E4M3: return scan_fused<E4M3, D>;
-    case E5M2: return scan_fused<E5M2, D>;
+bool reads_for(const Leaf& lf, bool key, Fused& f) {
+#define KVJAX_CASE(KIND, MODE) \
+  case KIND: key ? set_qk<KIND, MODE, D>(f) : set_pv<KIND, MODE, D>(f); return true;
+  if (lf.mode == WHOLE || !lf.scale) {
+    switch (lf.kind) {
+      KVJAX_CASE(F32, WHOLE) KVJAX_CASE(BF16, WHOLE) KVJAX_CASE(F16, WHOLE)
+      KVJAX_CASE(INT8, WHOLE) KVJAX_CASE(UINT4, WHOLE) KVJAX_CASE(UINT2, WHOLE)
+      KVJAX_CASE(E4M3, WHOLE) KVJAX_CASE(E5M2, WHOLE)
+    }
+  } else if (lf.mode == GROUPED) {
+    switch (lf.kind) {
+      KVJAX_CASE(INT8, GROUPED) KVJAX_CASE(UINT4, GROUPED) KVJAX_CASE(UINT2, GROUPED)
+      KVJAX_CASE(E4M3, GROUPED) KVJAX_CASE(E5M2, GROUPED)
+    }
+  } else if (key) {
+    switch (lf.kind) {
+      case INT8: set_qk<INT8, CHANNEL, D>(f); return true;
+      case UINT4: set_qk<UINT4, CHANNEL, D>(f); return true;
+      case UINT2: set_qk<UINT2, CHANNEL, D>(f); return true;
+    }
+  }
+#undef KVJAX_CASE
+  return false;
+}
+
+// Whether the fused reads take this leaf at head_dim D: codes8 reads eight columns from
+// one bit plane (int2 planes below head_dim 32, int4 below 16 are narrower), and a head_dim
+// group must hold whole eight-column vectors.
+bool fusable(const Leaf& lf, int D) {
+  if ((lf.kind == UINT2 && D < 32) || (lf.kind == UINT4 && D < 16)) return false;
+  if (lf.scale && lf.mode == GROUPED && (D % lf.groups || (D / lf.groups) % 8)) return false;
+  return true;
+}
+
+// The fused scan for this (K leaf, V leaf, head_dim, rows), or null: the generic scan then.
+ScanFn fused(const Leaf& kl, const Leaf& vl, int D, int M, Fused& f) {
+  if (M > 16 || !fusable(kl, D) || !fusable(vl, D)) return nullptr;
+  switch (D) {
+    case 16: return reads_for<16>(kl, true, f) && reads_for<16>(vl, false, f) ? scan_fused<16> : nullptr;
+    case 32: return reads_for<32>(kl, true, f) && reads_for<32>(vl, false, f) ? scan_fused<32> : nullptr;
+    case 64: return reads_for<64>(kl, true, f) && reads_for<64>(vl, false, f) ? scan_fused<64> : nullptr;
+    case 128: return reads_for<128>(kl, true, f) && reads_for<128>(vl, false, f) ? scan_fused<128> : nullptr;
   }
   return nullptr;
-}
-
-// The fused scan for this (kind, head_dim, rows), or null: the generic scan then.
-ScanFn fused(int64_t k_kind, int64_t v_kind, int D, int M) {
-  // codes8 reads eight columns from one bit plane: planes narrower than 8 codes (int2 below
-  // head_dim 32, int4 below 16) take the generic scan.
-  if (k_kind != v_kind || M > 16 || (k_kind == UINT2 && D < 32) || (k_kind == UINT4 && D < 16))
-    return nullptr;
-  return D == 64 ? fused_for<64>(k_kind) : D == 128 ? fused_for<128>(k_kind)
-         : D == 32 ? fused_for<32>(k_kind) : D == 16 ? fused_for<16>(k_kind) : nullptr;
 }
 
 // Fold the partial state (m2, s2, acc2) into (m1, s1, acc1).
@@ -635,19 +780,24 @@ void merge(int M, int D, float* m1, float* s1, float* a1, const float* m2, const
   }
 }
 
+// One leaf read at layer offset `off` tokens: `mode` lays out its scales, `param` is
+// their count per token (GROUPED) or the tokens each scale row covers (CHANNEL, U).
 Leaf leaf(const ffi::AnyBuffer& codes, const ffi::AnyBuffer& scale, const ffi::AnyBuffer& zero,
-          int64_t kind, int64_t width, int64_t layer_off_tokens) {
+          int64_t kind, int64_t width, int64_t mode, int64_t param, int D, int64_t off) {
   Leaf lf;
-  size_t esz = kind == F32 ? 4 : kind == BF16 ? 2 : 1;  // code elements per width unit
+  size_t esz = kind == F32 ? 4 : (kind == BF16 || kind == F16) ? 2 : 1;  // bytes per element
   lf.kind = kind;
   lf.width = width * esz;
-  lf.codes = static_cast<const uint8_t*>(codes.untyped_data()) + layer_off_tokens * lf.width;
-  lf.scale = scale.element_count() ? static_cast<const uint16_t*>(scale.untyped_data()) +
-                                         layer_off_tokens
-                                   : nullptr;
-  lf.zero = zero.element_count() ? static_cast<const uint16_t*>(zero.untyped_data()) +
-                                       layer_off_tokens
-                                 : nullptr;
+  lf.mode = mode;
+  lf.groups = mode == GROUPED ? std::max<int64_t>(param, 1) : 1;
+  lf.chan = mode == CHANNEL ? std::max<int64_t>(param, 1) : 1;
+  // Scale elements before this layer's: per token, n per token, or D per U tokens.
+  int64_t meta_off = mode == CHANNEL ? off / lf.chan * D : off * lf.groups;
+  lf.codes = static_cast<const uint8_t*>(codes.untyped_data()) + off * lf.width;
+  lf.scale = scale.element_count()
+                 ? static_cast<const uint16_t*>(scale.untyped_data()) + meta_off : nullptr;
+  lf.zero = zero.element_count()
+                ? static_cast<const uint16_t*>(zero.untyped_data()) + meta_off : nullptr;
   return lf;
 }
 
@@ -657,6 +807,7 @@ ffi::Error Read(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc
                 ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> m_out,
                 ffi::ResultBuffer<ffi::F32> s_out, ffi::ResultBuffer<ffi::F32> acc_out,
                 int64_t k_kind, int64_t v_kind, int64_t k_width, int64_t v_width,
+                int64_t k_mode, int64_t k_param, int64_t v_mode, int64_t v_param,
                 int64_t n_layers, int64_t batch, int64_t heads, int64_t seq,
                 int64_t page, int64_t pool_rows) {
   auto qd = q.dimensions();
@@ -670,14 +821,16 @@ ffi::Error Read(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc
   // Tokens per layer of the store: B rows of S (contiguous) or P pages of `page` tokens.
   int64_t off = L * heads * (page ? pool_rows * page : batch * seq);
   Geometry geo{seq, heads, page, pool_rows, page ? pages.typed_data() : nullptr};
-  Leaf kl = leaf(kc, ks, kz, k_kind, k_width, off), vl = leaf(vc, vs, vz, v_kind, v_width, off);
+  Leaf kl = leaf(kc, ks, kz, k_kind, k_width, k_mode, k_param, D, off);
+  Leaf vl = leaf(vc, vs, vz, v_kind, v_width, v_mode, v_param, D, off);
   const bool* mk = mask.typed_data();
   const float* qp = q.typed_data();
   float* mo = m_out->typed_data();
   float* so = s_out->typed_data();
   float* ao = acc_out->typed_data();
 
-  ScanFn fast = getenv("KVJAX_KERNEL_GENERIC") ? nullptr : fused(k_kind, v_kind, D, M);
+  Fused fns{};
+  ScanFn fast = getenv("KVJAX_KERNEL_GENERIC") ? nullptr : fused(kl, vl, D, M, fns);
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // Split each row's tokens when rows alone cannot keep every thread busy.
   int64_t splits = std::max<int64_t>(1, std::min<int64_t>((2 * threads + N - 1) / N, (T + 255) / 256));
@@ -696,7 +849,7 @@ ffi::Error Read(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc
     }
     int64_t t0 = sp * chunk, t1 = std::min(T, t0 + chunk);
     if (fast) {
-      fast(qp + row * M * D, kl, vl, mk + b * seq, row, geo, t0, std::max(t0, t1), M, m, s, a);
+      fast(qp + row * M * D, kl, vl, fns, mk + b * seq, row, geo, t0, std::max(t0, t1), M, m, s, a);
       return;
     }
     auto f = D == 64 ? scan<64> : D == 128 ? scan<128> : D == 32 ? scan<32> : scan<0>;
@@ -734,6 +887,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxRead, Read,
                                   .Attr<int64_t>("v_kind")
                                   .Attr<int64_t>("k_width")
                                   .Attr<int64_t>("v_width")
+                                  .Attr<int64_t>("k_mode")
+                                  .Attr<int64_t>("k_param")
+                                  .Attr<int64_t>("v_mode")
+                                  .Attr<int64_t>("v_param")
                                   .Attr<int64_t>("n_layers")
                                   .Attr<int64_t>("batch")
                                   .Attr<int64_t>("heads")

@@ -143,6 +143,7 @@ struct Leaf {  // one codec's storage of one layer: codes, scales, zeros
   const uint16_t* zero;
   int64_t kind, width;  // width: bytes per token row
   int64_t mode, groups, chan;  // GROUPED: n scales per token; CHANNEL: U tokens per scale row
+  int gshift, cshift;          // log2 of a group's width and of U where they are powers of 2
   float half() const { return kind == UINT4 ? 7.5f : kind == UINT2 ? 1.5f : 0.f; }
 };
 
@@ -356,8 +357,28 @@ inline v8 codes8(const uint8_t* __restrict r, int d, int D) {
   if constexpr (KIND == F32) {
     std::memcpy(&v, r + 4 * d, 32);
   } else if constexpr (KIND == E4M3 || KIND == E5M2) {
+#if defined(__F16C__) && defined(__AVX2__)
+    // Through half precision, exactly: an e5m2 byte is the top byte of the half with its
+    // value; an e4m3 byte's exponent and mantissa shifted into a half's are its value
+    // times 2^-8 (subnormals land on half subnormals), S.1111.111 is NaN.
+    __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + d)));
+    __m256 f;
+    if constexpr (KIND == E5M2) {
+      f = _mm256_cvtph_ps(_mm_slli_epi16(b, 8));
+    } else {
+      __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7f));
+      __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7),
+                               _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+      f = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+      __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(
+          _mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f))));
+      f = _mm256_blendv_ps(f, _mm256_set1_ps(NAN), nan);
+    }
+    std::memcpy(&v, &f, 32);
+#else
     const float* tab = KIND == E4M3 ? kFp8.e4m3 : kFp8.e5m2;
     for (int i = 0; i < 8; ++i) v[i] = tab[r[d + i]];
+#endif
   } else if constexpr (KIND == F16) {
 #ifdef __F16C__
     __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 2 * d)));
@@ -427,28 +448,40 @@ inline v8 bf16x8(const uint16_t* p) {  // eight bfloat16 values as floats
 // codes as they are (their scales are applied to logits and probabilities).
 template <int KIND, int MODE>
 inline v8 value8(const Leaf& lf, const uint8_t* __restrict r, int64_t tok, int d, int D) {
+  constexpr bool asym = KIND == UINT4 || KIND == UINT2;  // the kinds with zero points
+  constexpr float h = KIND == UINT4 ? 7.5f : 1.5f;
   v8 c = codes8<KIND>(r, d, D);
   if constexpr (MODE == GROUPED) {
-    const int64_t at = tok * lf.groups + d / (D / int(lf.groups));
+    const int64_t at = tok * lf.groups + (d >> lf.gshift);
     float s = bf16(lf.scale[at]);
-    float o = lf.zero ? bf16(lf.zero[at]) - lf.half() * s : 0.f;
-    return c * s + o;
+    return asym ? c * s + (bf16(lf.zero[at]) - h * s) : c * s;
   } else if constexpr (MODE == CHANNEL) {
-    const int64_t at = (tok / lf.chan) * D + d;
+    const int64_t at = (tok >> lf.cshift) * D + d;
     v8 s = bf16x8(lf.scale + at);
-    v8 o = lf.zero ? bf16x8(lf.zero + at) - lf.half() * s : v8{};
-    return c * s + o;
+    return asym ? c * s + (bf16x8(lf.zero + at) - h * s) : c * s;
   }
   return c;
 }
 
 // The whole-head scale s and offset o of each of the TILE tokens idx[0..TILE) (1 and 0
 // for a leaf without them, or whose scales `value8` applies).
-inline void metas(const Leaf& lf, const int64_t* idx, float* s, float* o) {
+// `run`: the TILE tokens are consecutive in storage (idx[t] = idx[0] + t), so their scales
+// are read eight at a time.
+inline void metas(const Leaf& lf, const int64_t* idx, bool run, float* s, float* o) {
   const float h = lf.half();
-  const bool whole = lf.mode == WHOLE && lf.scale;
-  for (int t = 0; t < TILE; ++t) s[t] = whole ? bf16(lf.scale[idx[t]]) : 1.f;
-  for (int t = 0; t < TILE; ++t) o[t] = whole && lf.zero ? bf16(lf.zero[idx[t]]) - h * s[t] : 0.f;
+  if (lf.mode != WHOLE || !lf.scale) {
+    for (int t = 0; t < TILE; ++t) s[t] = 1.f, o[t] = 0.f;
+  } else if (run) {
+    for (int t = 0; t < TILE; t += 8) {
+      v8 sv = bf16x8(lf.scale + idx[0] + t);
+      v8 ov = lf.zero ? bf16x8(lf.zero + idx[0] + t) - h * sv : v8{};
+      std::memcpy(s + t, &sv, 32);
+      std::memcpy(o + t, &ov, 32);
+    }
+  } else {
+    for (int t = 0; t < TILE; ++t) s[t] = bf16(lf.scale[idx[t]]);
+    for (int t = 0; t < TILE; ++t) o[t] = lf.zero ? bf16(lf.zero[idx[t]]) - h * s[t] : 0.f;
+  }
 }
 
 typedef int32_t vi8 __attribute__((vector_size(32)));
@@ -526,26 +559,30 @@ inline void qk_rows(const float* __restrict q, const Leaf& kl, const int64_t* id
   }
 }
 
-// acc[j] += sum_t p[j][t] x_t for R rows, 16 columns at a time in registers.
+// acc[j] += sum_t p[j][t] x_t for R rows: C eight-column vectors of each row held in
+// registers across the tile's tokens, R * C >= 8 independent sums where the registers
+// allow, so the multiply-adds' latency is hidden.
 template <int KIND, int MODE, int D, int R>
 void pv_rows(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE], float* __restrict acc) {
-  for (int d0 = 0; d0 < D; d0 += 16) {
-    v8 a[R][2] = {};
+  constexpr int C0 = R == 1 ? 8 : R == 4 ? 2 : 4;
+  constexpr int C = C0 * 8 <= D ? C0 : D / 8;
+  for (int d0 = 0; d0 < D; d0 += 8 * C) {
+    v8 a[R][C] = {};
     for (int t = 0; t < n; ++t) {
       const uint8_t* r = vl.codes + idx[t] * vl.width;
-      v8 c0 = value8<KIND, MODE>(vl, r, idx[t], d0, D);
-      v8 c1 = value8<KIND, MODE>(vl, r, idx[t], d0 + 8, D);
-      for (int j = 0; j < R; ++j) {
-        float pj = p[j][t];
-        a[j][0] += pj * c0, a[j][1] += pj * c1;
+      v8 pj[R];
+      for (int j = 0; j < R; ++j) pj[j] = splat(p[j][t]);
+      for (int k = 0; k < C; ++k) {  // each vector used as soon as it is converted
+        v8 c = value8<KIND, MODE>(vl, r, idx[t], d0 + 8 * k, D);
+        for (int j = 0; j < R; ++j) a[j][k] += pj[j] * c;
       }
     }
-    for (int j = 0; j < R; ++j) {
-      float* dst = acc + size_t(j) * D + d0;
-      v8 x0 = load8(dst) + a[j][0], x1 = load8(dst + 8) + a[j][1];
-      std::memcpy(dst, &x0, 32);
-      std::memcpy(dst + 8, &x1, 32);
-    }
+    for (int j = 0; j < R; ++j)
+      for (int k = 0; k < C; ++k) {
+        float* dst = acc + size_t(j) * D + d0 + 8 * k;
+        v8 x = load8(dst) + a[j][k];
+        std::memcpy(dst, &x, 32);
+      }
   }
 }
 
@@ -691,8 +728,9 @@ void scan_fused(const float* __restrict q, const Leaf& kl, const Leaf& vl, const
       for (int t = 0; t < TILE; ++t) idx[t] = geo.index(row, t0 + (t < n ? t : 0));
     }
     for (int t = 0; t < TILE; ++t) okf[t] = t < n && mask_row[t0 + t] ? 1.f : 0.f;
-    metas(kl, idx, ks, ko);
-    metas(vl, idx, vs, vo);
+    const bool run = n == TILE && idx[TILE - 1] - idx[0] == TILE - 1;
+    metas(kl, idx, run, ks, ko);
+    metas(vl, idx, run, vs, vo);
     for (int i0 = 0; i0 < M; i0 += 4) {
       const int R = std::min(4, M - i0);
       Rows rows{q + size_t(i0) * D, q16 + i0 * D, qsc + i0};
@@ -752,8 +790,9 @@ bool reads_for(const Leaf& lf, bool key, Fused& f) {
 // group must hold whole eight-column vectors.
 bool fusable(const Leaf& lf, int D) {
   if ((lf.kind == UINT2 && D < 32) || (lf.kind == UINT4 && D < 16)) return false;
-  if (lf.scale && lf.mode == GROUPED && (D % lf.groups || (D / lf.groups) % 8)) return false;
-  return true;
+  if (!lf.scale) return true;
+  if (lf.mode == GROUPED) return D % lf.groups == 0 && D / lf.groups >= 8 && lf.gshift >= 0;
+  return lf.mode != CHANNEL || lf.cshift >= 0;
 }
 
 // The fused scan for this (K leaf, V leaf, head_dim, rows), or null: the generic scan then.
@@ -791,6 +830,13 @@ Leaf leaf(const ffi::AnyBuffer& codes, const ffi::AnyBuffer& scale, const ffi::A
   lf.mode = mode;
   lf.groups = mode == GROUPED ? std::max<int64_t>(param, 1) : 1;
   lf.chan = mode == CHANNEL ? std::max<int64_t>(param, 1) : 1;
+  auto log2_of = [](int64_t x) {  // -1 unless a power of two
+    int k = 0;
+    while ((int64_t(1) << k) < x) ++k;
+    return (int64_t(1) << k) == x ? k : -1;
+  };
+  lf.gshift = D % lf.groups ? -1 : log2_of(D / lf.groups);
+  lf.cshift = log2_of(lf.chan);
   // Scale elements before this layer's: per token, n per token, or D per U tokens.
   int64_t meta_off = mode == CHANNEL ? off / lf.chan * D : off * lf.groups;
   lf.codes = static_cast<const uint8_t*>(codes.untyped_data()) + off * lf.width;

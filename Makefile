@@ -8,7 +8,7 @@ BIN     = $(VENV)/bin
 OUT    ?= results/quickstart
 PLOTS  ?= plots
 
-.PHONY: demo test install install-test models reproduce clean
+.PHONY: demo test install install-test models reproduce bench-read-kernel clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,14 @@ models: install
 
 test: install-test models
 	$(BIN)/python -m pytest
+
+# One thread of the CPU read kernel's fused scan per codec, without jax (scripts/bench_read_kernel.cc):
+# the kernel's own arithmetic, apart from the rest of a decode step. Run on an idle machine.
+bench-read-kernel: install
+	g++ -O3 -march=native -fopenmp-simd -fno-math-errno -std=c++17 -w \
+	  -I "$$($(BIN)/python -c 'import jax; print(jax.ffi.include_dir())')" \
+	  scripts/bench_read_kernel.cc -o $(VENV)/bench_read_kernel
+	$(VENV)/bench_read_kernel $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

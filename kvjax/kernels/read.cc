@@ -360,19 +360,17 @@ inline v8 codes8(const uint8_t* __restrict r, int d, int D) {
 #if defined(__F16C__) && defined(__AVX2__)
     // Through half precision, exactly: an e5m2 byte is the top byte of the half with its
     // value; an e4m3 byte's exponent and mantissa shifted into a half's are its value
-    // times 2^-8 (subnormals land on half subnormals), S.1111.111 is NaN.
+    // times 2^-8 (subnormals land on half subnormals). e4m3's NaN code S.1111.111 reads
+    // as 480 here: the codec stores it only for a group holding a NaN, whose scale it
+    // stores as NaN too, so the value read is NaN all the same.
     __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + d)));
     __m256 f;
     if constexpr (KIND == E5M2) {
       f = _mm256_cvtph_ps(_mm_slli_epi16(b, 8));
     } else {
-      __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7f));
-      __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7),
+      __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7),
                                _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
       f = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
-      __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(
-          _mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f))));
-      f = _mm256_blendv_ps(f, _mm256_set1_ps(NAN), nan);
     }
     std::memcpy(&v, &f, 32);
 #else

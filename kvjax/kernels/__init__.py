@@ -218,6 +218,6 @@ def _call(q_BKGTD, kc, ks, kz, vc, vs, vz, mask_BS, pages, layer, live, *, kinds
       q_BKGTD.astype(f32).reshape(B * K, G * T, D), kc, ks, kz, vc, vs, vz, mask_BS, pages,
       layer, live, k_kind=kinds[0], v_kind=kinds[1], k_width=int(kc.shape[-1]),
       v_width=int(vc.shape[-1]), k_mode=scales[0][0], k_param=scales[0][1],
-      v_mode=scales[1][0], v_param=scales[1][1], n_layers=n_layers, batch=B, heads=K, seq=S, page=page,
-      pool_rows=pool_rows)
+      v_mode=scales[1][0], v_param=scales[1][1], n_layers=n_layers, batch=B, heads=K, seq=S,
+      page=page, pool_rows=pool_rows)
   return m.reshape(B, K, G, T), s.reshape(B, K, G, T), acc.reshape(B, K, G, T, D)

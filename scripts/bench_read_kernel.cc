@@ -46,6 +46,7 @@ int main(int argc, char** argv) {
       {"int8", INT8, INT8, WHOLE, 1, WHOLE, 1},    {"int4", UINT4, UINT4, WHOLE, 1, WHOLE, 1},
       {"int2", UINT2, UINT2, WHOLE, 1, WHOLE, 1},  {"k8v4", INT8, UINT4, WHOLE, 1, WHOLE, 1},
       {"int4_g32", UINT4, UINT4, GROUPED, D / 32, GROUPED, D / 32},
+      {"int4_kivi", UINT4, UINT4, CHANNEL, 32, GROUPED, D / 32},
       {"int2_kivi", UINT2, UINT2, CHANNEL, 32, GROUPED, D / 32},
   };
   std::mt19937 gen(0);

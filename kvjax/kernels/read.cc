@@ -343,9 +343,13 @@ void scan(const float* __restrict q, const Leaf& kl, const Leaf& vl,
 // scale layout. Each code is converted where it is used (no widened tile). Whole-head
 // scales and zero points are applied to the logits and probabilities, never to the codes:
 //   logit_t = s_t (q . c_t) + o_t sum(q),    acc += sum_t (p_t s_t) c_t + sum_t p_t o_t
-// with x = o + s c the codec's value (o = z - h s for int4/int2, else 0; s = 1 for floats);
-// head_dim groups and per-channel scales are applied to eight converted codes at a time
-// (x = s c + o in registers; a group is at least eight elements). Query rows go in groups
+// with x = o + s c the codec's value (o = z - h s for int4/int2, else 0; s = 1 for floats).
+// Per-channel key scales (one row per U tokens) fold into the query once per U-token block:
+//   q . (s_b c + o_b) = (q * s_b) . c + q . o_b;
+// head_dim groups of 16 columns or more read their scale once per group and token, and on
+// values fold into the probabilities (p (s c + o) = (p s) c + p o); narrower groups apply
+// their scales to eight converted codes at a time (value8: x = s c + o in registers; a group
+// is at least eight elements). Query rows go in groups
 // of up to four (R, a template argument: no padded row); each token's R products are
 // reduced eight tokens at a time; the softmax step runs over the tile's tokens in vector
 // lanes. Integer codes with whole-head scales (int8, int4, int2) meet the query as 15-bit
@@ -557,6 +561,89 @@ inline void qk_rows(const float* __restrict q, const Leaf& kl, const int64_t* id
   }
 }
 
+// Logits of R query rows over keys with head_dim-group scales of exactly GW columns: each
+// group's scale and offset are read once per token and applied to its GW / 8 converted
+// vectors (value8 reads them for every vector).
+template <int KIND, int D, int R, int GW>
+void qk_rows_grouped(const Rows& rows, const Leaf& kl, const int64_t* idx, int n,
+                     float (*lt)[TILE]) {
+  const float* __restrict q = rows.q;
+  constexpr bool asym = KIND == UINT4 || KIND == UINT2;
+  constexpr float h = KIND == UINT4 ? 7.5f : 1.5f;
+  constexpr int G = D / GW;
+  for (int t0 = 0; t0 < n; t0 += 8) {
+    v8 part[R][8];
+    for (int u = 0; u < 8; ++u) {
+      const int64_t tok = idx[t0 + u < n ? t0 + u : 0];
+      const uint8_t* r = kl.codes + tok * kl.width;
+      v8 a[R] = {};
+      for (int g = 0; g < G; ++g) {
+        const float sg = bf16(kl.scale[tok * G + g]);
+        const v8 sv = splat(sg), ov = splat(asym ? bf16(kl.zero[tok * G + g]) - h * sg : 0.f);
+        for (int d = g * GW; d < (g + 1) * GW; d += 8) {
+          v8 c = codes8<KIND>(r, d, D) * sv;
+          if constexpr (asym) c += ov;
+          for (int j = 0; j < R; ++j) a[j] += load8(q + j * D + d) * c;
+        }
+      }
+      for (int j = 0; j < R; ++j) part[j][u] = a[j];
+    }
+    for (int j = 0; j < R; ++j) {
+      v8 v = reduce8(part[j]);
+      std::memcpy(lt[j] + t0, &v, 32);
+    }
+  }
+}
+
+// Logits over keys with per-channel scales (one scale row per U stored tokens), the scales
+// folded into the query: for the tokens of one scale row b,
+//   q_j . (s_b c + o_b) = (q_j * s_b) . c + q_j . o_b,
+// so each row b met costs one scaled copy of the R query rows and their offset, and the
+// tokens' inner loop is that of codes without scales. lt holds whole logits (the caller's
+// whole-head scale is 1 and its offset 0 for such a leaf).
+template <int KIND, int D, int R>
+inline void qk_rows_chan(const float* __restrict q, const Leaf& kl, const int64_t* idx, int n,
+                         float (*lt)[TILE]) {
+  constexpr bool asym = KIND == UINT4 || KIND == UINT2;
+  constexpr float h = KIND == UINT4 ? 7.5f : 1.5f;
+  alignas(32) float qf[R][D];
+  float bias[R];
+  int64_t blk = -1;
+  for (int t0 = 0; t0 < n; t0 += 8) {
+    v8 part[R][8];
+    alignas(32) float off[R][8];
+    for (int u = 0; u < 8; ++u) {
+      const int64_t tok = idx[t0 + u < n ? t0 + u : 0];
+      if ((tok >> kl.cshift) != blk) {  // fold scale row b into the query rows
+        blk = tok >> kl.cshift;
+        v8 bo[R] = {};
+        for (int d = 0; d < D; d += 8) {
+          const v8 sv = bf16x8(kl.scale + blk * D + d);
+          const v8 ov = asym ? bf16x8(kl.zero + blk * D + d) - h * sv : v8{};
+          for (int j = 0; j < R; ++j) {
+            const v8 qv = load8(q + j * D + d);
+            const v8 x = qv * sv;
+            std::memcpy(qf[j] + d, &x, 32);
+            if constexpr (asym) bo[j] += qv * ov;
+          }
+        }
+        for (int j = 0; j < R; ++j) bias[j] = asym ? hsum(bo[j]) : 0.f;
+      }
+      const uint8_t* r = kl.codes + tok * kl.width;
+      v8 a[R] = {};
+      for (int d = 0; d < D; d += 8) {
+        v8 c = codes8<KIND>(r, d, D);
+        for (int j = 0; j < R; ++j) a[j] += load8(qf[j] + d) * c;
+      }
+      for (int j = 0; j < R; ++j) part[j][u] = a[j], off[j][u] = bias[j];
+    }
+    for (int j = 0; j < R; ++j) {
+      v8 v = reduce8(part[j]) + load8(off[j]);
+      std::memcpy(lt[j] + t0, &v, 32);
+    }
+  }
+}
+
 // acc[j] += sum_t p[j][t] x_t for R rows: C eight-column vectors of each row held in
 // registers across the tile's tokens, R * C >= 8 independent sums where the registers
 // allow, so the multiply-adds' latency is hidden.
@@ -579,6 +666,46 @@ void pv_rows(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE], float*
       for (int k = 0; k < C; ++k) {
         float* dst = acc + size_t(j) * D + d0 + 8 * k;
         v8 x = load8(dst) + a[j][k];
+        std::memcpy(dst, &x, 32);
+      }
+  }
+}
+
+// P.V over values with head_dim-group scales of exactly GW columns, the scales folded into
+// the probabilities: for group g of token t, p (s c + o) = (p s) c + p o, so a group's
+// columns meet the codes times one number per (row, token), and p o sums apart (off),
+// added to the group's columns once per tile.
+template <int KIND, int D, int R, int GW>
+void pv_rows_grouped(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE],
+                     float* __restrict acc) {
+  constexpr bool asym = KIND == UINT4 || KIND == UINT2;
+  constexpr float h = KIND == UINT4 ? 7.5f : 1.5f;
+  constexpr int G = D / GW;
+  constexpr int C0 = R == 1 ? 8 : R == 4 ? 2 : 4;
+  constexpr int C = C0 * 8 <= GW ? C0 : GW / 8;  // a block of 8 C columns in one group
+  for (int d0 = 0; d0 < D; d0 += 8 * C) {
+    const int g = d0 / GW;
+    v8 a[R][C] = {};
+    float off[R] = {};
+    for (int t = 0; t < n; ++t) {
+      const int64_t at = idx[t] * G + g;
+      const float sg = bf16(vl.scale[at]);
+      const uint8_t* r = vl.codes + idx[t] * vl.width;
+      v8 pj[R];
+      for (int j = 0; j < R; ++j) pj[j] = splat(p[j][t] * sg);
+      if constexpr (asym) {
+        const float og = bf16(vl.zero[at]) - h * sg;
+        for (int j = 0; j < R; ++j) off[j] += p[j][t] * og;
+      }
+      for (int k = 0; k < C; ++k) {
+        v8 c = codes8<KIND>(r, d0 + 8 * k, D);
+        for (int j = 0; j < R; ++j) a[j][k] += pj[j] * c;
+      }
+    }
+    for (int j = 0; j < R; ++j)
+      for (int k = 0; k < C; ++k) {
+        float* dst = acc + size_t(j) * D + d0 + 8 * k;
+        v8 x = load8(dst) + a[j][k] + off[j];
         std::memcpy(dst, &x, 32);
       }
   }
@@ -649,6 +776,10 @@ void qk_tile(const Rows& q, const Leaf& kl, const int64_t* idx, int n, float (*l
     return;
   }
 #endif
+  if constexpr (MODE == CHANNEL) {
+    qk_rows_chan<KIND, D, R>(q.q, kl, idx, n, lt);
+    return;
+  }
   qk_rows<KIND, MODE, D, R>(q.q, kl, idx, n, lt);
 }
 
@@ -755,6 +886,30 @@ void set_pv(Fused& f) {
   f.pv[2] = pv_rows<KIND, MODE, D, 3>, f.pv[3] = pv_rows<KIND, MODE, D, 4>;
 }
 
+// Head_dim groups of GW columns: scales read once per group and token (keys) or folded
+// into the probabilities (values).
+template <int KIND, int D, int GW>
+void set_grouped(Fused& f, bool key) {
+  if (key) {
+    f.qk[0] = qk_rows_grouped<KIND, D, 1, GW>, f.qk[1] = qk_rows_grouped<KIND, D, 2, GW>;
+    f.qk[2] = qk_rows_grouped<KIND, D, 3, GW>, f.qk[3] = qk_rows_grouped<KIND, D, 4, GW>;
+  } else {
+    f.pv[0] = pv_rows_grouped<KIND, D, 1, GW>, f.pv[1] = pv_rows_grouped<KIND, D, 2, GW>;
+    f.pv[2] = pv_rows_grouped<KIND, D, 3, GW>, f.pv[3] = pv_rows_grouped<KIND, D, 4, GW>;
+  }
+}
+
+template <int KIND, int D>
+bool grouped_reads(const Leaf& lf, bool key, Fused& f) {
+  switch (D / lf.groups) {  // the group's width, where the leaf's groups are whole vectors
+    case 16: if constexpr (D >= 16) { set_grouped<KIND, D, 16>(f, key); return true; } break;
+    case 32: if constexpr (D >= 32) { set_grouped<KIND, D, 32>(f, key); return true; } break;
+    case 64: if constexpr (D >= 64) { set_grouped<KIND, D, 64>(f, key); return true; } break;
+    case 128: if constexpr (D >= 128) { set_grouped<KIND, D, 128>(f, key); return true; } break;
+  }
+  return false;
+}
+
 // The compiled reads of one leaf at head_dim D: false where there are none (the fp kinds
 // have no scales to lay out; per-channel scales are compiled for keys only).
 template <int D>
@@ -768,6 +923,13 @@ bool reads_for(const Leaf& lf, bool key, Fused& f) {
       KVJAX_CASE(E4M3, WHOLE) KVJAX_CASE(E5M2, WHOLE)
     }
   } else if (lf.mode == GROUPED) {
+    switch (lf.kind) {  // groups of 16 columns or more: their own reads
+      case INT8: if (grouped_reads<INT8, D>(lf, key, f)) return true; break;
+      case UINT4: if (grouped_reads<UINT4, D>(lf, key, f)) return true; break;
+      case UINT2: if (grouped_reads<UINT2, D>(lf, key, f)) return true; break;
+      case E4M3: if (grouped_reads<E4M3, D>(lf, key, f)) return true; break;
+      case E5M2: if (grouped_reads<E5M2, D>(lf, key, f)) return true; break;
+    }
     switch (lf.kind) {
       KVJAX_CASE(INT8, GROUPED) KVJAX_CASE(UINT4, GROUPED) KVJAX_CASE(UINT2, GROUPED)
       KVJAX_CASE(E4M3, GROUPED) KVJAX_CASE(E5M2, GROUPED)

@@ -24,7 +24,7 @@ def test_codec_speed_pairs_every_codec_with_bf16_at_each_context_and_read():
   assert got == {(a, s) for a in ("native", "grouped") for s in (256, 1024, 4096)}
   for cell in cells:
     latency.check(cell.cfg)  # every paired setting fits and validates on the host
-    cfgs = latency._interleave(cell.cfg)
+    cfgs = latency.interleaved(cell.cfg)
     assert next(iter(cfgs)) == "bf16"  # the reference, first
     assert {n: (c.cache.k_codec, c.cache.v_codec) for n, c in cfgs.items()} == CODECS
     kivi = cfgs["int2_kivi"].cache
@@ -57,3 +57,17 @@ def test_cache_vs_recompute_b8_is_bench_decodes_grid():
     assert c.cfg.workload.batch == 8 and c.cfg.workload.repeats == 5
     assert (c.cfg.cache.k_codec, c.cfg.param("steps")) == ("fp32", 16)
     assert list(c.cfg.param("layouts")) == ["none", "contiguous"]
+
+
+def test_roofline_smollm2_paired_times_every_codec_against_bf16_in_each_cell():
+  from kvjax.experiments import roofline
+  _, cells = runner.expand(ROOT / "configs" / "roofline_smollm2_paired.yaml")
+  assert sorted((c.cfg.workload.batch, c.cfg.workload.prompt_len) for c in cells) == [
+      (1, 1024), (1, 4096), (8, 1024), (8, 4096)]
+  for cell in cells:
+    roofline.check(cell.cfg)  # every variant's cache fits, all alive at once
+    cfgs = latency.interleaved(cell.cfg)
+    assert next(iter(cfgs)) == "bf16"
+    assert {n for n, c in cfgs.items() if c.model.attention == "grouped"} == {
+        "xla_bf16", "xla_int8", "xla_int4"}
+    assert cfgs["int4_kivi"].cache.k_axis == "channel" and cfgs["int4_g32"].cache.group_size == 32

@@ -310,6 +310,46 @@ def test_roofline_pairs_bandwidth_with_each_repeat(monkeypatch):
   assert m["copy_Bps"] == 8e9 and m["copy_fraction"] == pytest.approx(m["step_bytes"] / 16e9)
 
 
+def test_roofline_interleaves_variants_and_pairs_their_ratios(monkeypatch):
+  """`params.interleave`: every variant's decode is timed within each repeat, in an order
+  rotated from repeat to repeat; `tpot_vs_ref` is the median of the per-repeat ratios to
+  the reference, so a machine that slows by 3x between repeats leaves the ratio exact
+  where the ratio of the medians would not be."""
+  from kvjax.experiments import roofline
+  calls, phase = [], iter([1.0] * 2 + [1.0, 1.0, 3.0, 3.0, 1.0, 1.0])  # warm-ups, then 3 repeats
+  monkeypatch.setattr(roofline.Bandwidth, "__init__", lambda self, mib: None)
+  monkeypatch.setattr(roofline.Bandwidth, "measure", lambda self, passes=3: 1e9)
+  monkeypatch.setattr(roofline.DotProbe, "__init__", lambda self, n=512: None)
+  monkeypatch.setattr(roofline.DotProbe, "measure",
+                      lambda self, passes=3: {"f32": 1e10, "bf16": 1e10, "s8": 1e10})
+
+  def init(self, cfg, *a):
+    self.codec = cfg.cache.k_codec
+
+  def once(self):
+    calls.append(self.codec)
+    return {"bf16": 2.0, "int8": 1.0}[self.codec] * next(phase)
+  monkeypatch.setattr(roofline.FilledDecode, "__init__", init)
+  monkeypatch.setattr(roofline.FilledDecode, "once", once)
+  cfg = config.load(None, {"model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2,
+                           "model.n_layers": 1, "workload.prompt_len": 8,
+                           "workload.gen_len": 2, "workload.repeats": 3,
+                           "params": {"interleave": {"int8": {"cache.codec": "int8"},
+                                                     "bf16": {"cache.codec": "bf16"}},
+                                      "reference": "bf16"}})
+  rows = roofline.run_cell(cfg)
+  assert calls[2:] == ["bf16", "int8", "int8", "bf16", "bf16", "int8"]  # rotated per repeat
+  by = {r["variant"]["setting"]: r["metrics"] for r in rows}
+  assert [r["variant"]["setting"] for r in rows] == ["bf16", "int8"]  # the reference first
+  assert by["bf16"]["tpot_vs_ref"] == 1.0 and by["int8"]["tpot_vs_ref"] == 0.5
+  assert by["int8"]["tpot_vs_ref_ci95"] == [0.5, 0.5]
+  assert by["int8"]["tpot_s_samples"] == [1.0, 3.0, 1.0] and by["int8"]["tpot_s"] == 1.0
+  assert by["int8"]["kv_bytes"] < by["bf16"]["kv_bytes"]
+  assert "interleaved" in rows[0]["workload"]["timing"]
+  line = roofline.summary([{**r, "config": {}} for r in rows])[1]
+  assert line["setting"] == "int8" and line["tpot_vs_ref"] == 0.5
+
+
 @pytest.mark.parametrize("mib", [0, -4, 1.5, "512"])
 def test_roofline_refuses_a_bad_bandwidth_size(mib):
   """A bandwidth pass over 0 MiB would divide by zero after the cell's decode ran; the

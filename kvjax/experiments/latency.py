@@ -61,7 +61,7 @@ def _mapping(value) -> dict | None:
   return None
 
 
-def _interleave(cfg: config_lib.Config) -> dict:
+def interleaved(cfg: config_lib.Config) -> dict:
   """name -> the cell's config with that variant's overrides (`params.interleave`), the
   reference (`params.reference`, else the variant without overrides, else the first by
   name) first."""
@@ -89,7 +89,7 @@ def _interleave(cfg: config_lib.Config) -> dict:
 def check(cfg: config_lib.Config) -> None:
   ex.check_context(cfg, capacity(cfg))
   roofline.check_bandwidth_mib(cfg)
-  for c in (_interleave(cfg) or {"": cfg}).values():
+  for c in (interleaved(cfg) or {"": cfg}).values():
     ex.check_memory(c, cfg.workload.batch, capacity(cfg), cfg.workload.prompt_len)
 
 
@@ -130,7 +130,7 @@ def _interleaved_cell(cfg: config_lib.Config, cfgs: dict) -> list[dict]:
             for name, c in cfgs.items()}
   res = metrics.bench_interleaved(timers, repeats=w.repeats)
   rates = roofline.machine_rates(cfg.param("bandwidth_mib", 512))
-  ref = next(iter(res.values()))["tpot_s"]  # `_interleave` puts the reference first
+  ref = next(iter(res.values()))["tpot_s"]  # `interleaved` puts the reference first
   rows = []
   for name, m in res.items():
     c = cfgs[name].cache
@@ -152,7 +152,7 @@ def _interleaved_cell(cfg: config_lib.Config, cfgs: dict) -> list[dict]:
 
 
 def run_cell(cfg: config_lib.Config) -> list[dict]:
-  cfgs = _interleave(cfg)
+  cfgs = interleaved(cfg)
   if cfgs:
     return _interleaved_cell(cfg, cfgs)
   w = cfg.workload

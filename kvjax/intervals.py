@@ -113,3 +113,14 @@ def text(ci: list[float] | None, fmt: str = "{:.3g}", scale: float = 1.0) -> str
   if not ci:
     return ""
   return "[" + ", ".join(fmt.format(scale * x) for x in ci) + "]"
+
+
+def median_ci(samples: list[float]) -> list[float]:
+  """95 % bootstrap interval of the median of `samples` ([x, x] for one sample)."""
+  from scipy import stats
+  a = np.asarray(samples, float)
+  if len(a) < 2 or np.all(a == a[0]):
+    return [float(np.median(a))] * 2
+  r = stats.bootstrap((a,), np.median, confidence_level=0.95, n_resamples=2000,
+                      method="percentile", random_state=0)
+  return [float(r.confidence_interval.low), float(r.confidence_interval.high)]

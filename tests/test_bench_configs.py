@@ -6,6 +6,7 @@ paired setting passes the host checks, and a tiny run gives the fields the scrip
 from pathlib import Path
 
 from kvjax import runner
+from kvjax import experiments as ex
 from kvjax.experiments import latency
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +25,7 @@ def test_codec_speed_pairs_every_codec_with_bf16_at_each_context_and_read():
   assert got == {(a, s) for a in ("native", "grouped") for s in (256, 1024, 4096)}
   for cell in cells:
     latency.check(cell.cfg)  # every paired setting fits and validates on the host
-    cfgs = latency.interleaved(cell.cfg)
+    cfgs = ex.interleaved(cell.cfg)
     assert next(iter(cfgs)) == "bf16"  # the reference, first
     assert {n: (c.cache.k_codec, c.cache.v_codec) for n, c in cfgs.items()} == CODECS
     kivi = cfgs["int2_kivi"].cache
@@ -66,7 +67,7 @@ def test_roofline_smollm2_paired_times_every_codec_against_bf16_in_each_cell():
       (1, 1024), (1, 4096), (8, 1024), (8, 4096)]
   for cell in cells:
     roofline.check(cell.cfg)  # every variant's cache fits, all alive at once
-    cfgs = latency.interleaved(cell.cfg)
+    cfgs = ex.interleaved(cell.cfg)
     assert next(iter(cfgs)) == "bf16"
     assert {n for n, c in cfgs.items() if c.model.attention == "grouped"} == {
         "xla_bf16", "xla_int8", "xla_int4"}

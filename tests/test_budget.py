@@ -3,7 +3,7 @@ with an interval, and its plot."""
 
 import pytest
 
-from kvjax import config
+from kvjax import config, intervals
 from kvjax.errors import KvjaxError
 from kvjax.experiments import budget
 
@@ -51,7 +51,7 @@ def test_run_cell_rows_interval_and_plot(tmp_path):
 
 def test_median_interval_covers_and_ratio_interval_holds_one_for_equal_samples():
   s = [10.0, 11.0, 9.0, 10.5, 9.5]
-  lo, hi = budget.median_ci(s)
+  lo, hi = intervals.median_ci(s)
   assert lo <= 10.0 <= hi
   lo, hi = budget.ratio_ci(s, s)
   assert lo <= 1.0 <= hi

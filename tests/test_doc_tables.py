@@ -37,20 +37,28 @@ def test_table_lists_every_setting_and_the_limit_sentence_follows_the_rows(doc_t
   assert "| `int4_g8` (int4, groups of 8) | +3.7 % | 0.0025 | not run |  |" in text
   assert "| `k8v4` (K int8 / V int4) | +0.1 % | 0.0007 | not run |  |" in text
   assert "| `int4` (int4, per token, whole head) | +0.6 % | 0.004 | −0.1 % | 0.003 |" in text
-  assert "Within 1 % Δppl on every model that ran them: `int4`, `k8v4` (run on MHA only)." \
-      in text
-  assert "Above 1 % on at least one model: `int4_g8` (MHA +3.7 %)." in text
+  assert "Within 1 % Δppl (point estimate) on every model that ran them: `int4`, `k8v4` " \
+      "(run on MHA only)." in text
+  assert "Above 1 % on at least one model: `int4_g8` (MHA +3.7 %). Of those, the whole " \
+      "interval lies above 1 % for: none." in text
   assert "2 × 64 = 128 validation tokens fed 1 at a time" in text
   worse = copy.deepcopy(rows)
   worse[1]["metrics"]["dppl_rel"] = 0.02  # one row moves: the sentence moves with it
   assert "`int4` (MQA +2 %)" in doc_tables.quality_table(worse)
+  # with intervals: printed beside the point, and a setting is named as surely above the
+  # limit only where its whole interval is
+  worse[1]["metrics"]["dppl_rel_ci95"] = [0.012, 0.03]
+  worse[2]["metrics"]["dppl_rel_ci95"] = [0.005, 0.06]
+  text = doc_tables.quality_table(worse)
+  assert "`int4` (MQA +2 % [+1.2, +3])" in text and "(MHA +3.7 % [+0.5, +6])" in text
+  assert "the whole interval lies above 1 % for: `int4` (MQA)." in text
 
 
 def test_check_fails_when_the_docs_drift(doc_tables, tmp_path, monkeypatch):
   stale = tmp_path / "experiments.md"
-  cell = "| +2.2 % |"  # int4_g8 on MHA in the committed rows
+  cell = "| +2.6 % [+1.1, +4.4] |"  # int4_g8 on MHA in the committed rows
   assert cell in doc_tables.DOC.read_text()
-  stale.write_text(doc_tables.DOC.read_text().replace(cell, "| +0.9 % |"))
+  stale.write_text(doc_tables.DOC.read_text().replace(cell, "| +0.9 % [+0.1, +1.7] |"))
   monkeypatch.setattr(doc_tables, "DOC", stale)
   monkeypatch.setattr(doc_tables, "ROOT", tmp_path)
   assert doc_tables.main(["--check"]) == 1

@@ -96,3 +96,37 @@ def check_memory(cfg: config_lib.Config, batch: int, capacity: int, tokens: int,
   for every cell before any runs rather than failing in XLA halfway through a sweep."""
   from kvjax import memory
   memory.check(cfg, batch, capacity, tokens, params=True, what="this cell", caches=caches)
+
+
+def _mapping(value) -> dict | None:
+  """A YAML mapping as the config holds it (frozen to sorted (key, value) pairs), or None."""
+  if isinstance(value, dict):
+    return dict(value)
+  if isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
+    return dict(value)
+  return None
+
+
+def interleaved(cfg: config_lib.Config) -> dict:
+  """name -> the cell's config with that variant's overrides (`params.interleave`), the
+  reference (`params.reference`, else the variant without overrides, else the first by
+  name) first."""
+  raw = cfg.param("interleave", None)
+  if not raw:
+    return {}
+  table = _mapping(raw)
+  if table is None:
+    raise KvjaxError("params.interleave must map a variant name to config overrides, e.g. "
+                     "{window_50: {cache.policy: window, cache.ratio: 0.5}}")
+  out = {}
+  for name, over in table.items():
+    over = {} if over in (None, (), {}) else _mapping(over)
+    if over is None or any(str(k).startswith("params") for k in over):
+      raise KvjaxError(f"params.interleave.{name} must map cache/model keys to values")
+    out[str(name)] = config_lib.apply_overrides(cfg, {str(k): v for k, v in over.items()})
+  ref = cfg.param("reference", None) or next(
+      (str(n) for n, o in table.items() if o in (None, (), {})), next(iter(out)))
+  if ref not in out:
+    raise KvjaxError(f"params.reference '{ref}' is not a variant of params.interleave "
+                     f"({', '.join(out)})")
+  return {ref: out[ref], **{n: c for n, c in out.items() if n != ref}}

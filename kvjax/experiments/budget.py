@@ -24,7 +24,7 @@ import numpy as np
 
 from kvjax import config as config_lib
 from kvjax import experiments as ex
-from kvjax import held, memory, metrics, sizing
+from kvjax import held, intervals, memory, metrics, sizing
 from kvjax.errors import KvjaxError
 
 PARAMS = frozenset({"budget", "max_batch", "reference"})
@@ -78,17 +78,6 @@ def check(cfg: config_lib.Config) -> None:
   ex.check_memory(cfg, b, capacity(cfg), 1)
 
 
-def median_ci(samples: list[float]) -> list[float]:
-  """95 % bootstrap interval of the median of `samples` ([x, x] for one sample)."""
-  from scipy import stats
-  a = np.asarray(samples, float)
-  if len(a) < 2 or np.all(a == a[0]):
-    return [float(np.median(a))] * 2
-  r = stats.bootstrap((a,), np.median, confidence_level=0.95, n_resamples=2000,
-                      method="percentile", random_state=0)
-  return [float(r.confidence_interval.low), float(r.confidence_interval.high)]
-
-
 def run_cell(cfg: config_lib.Config) -> list[dict]:
   from kvjax.experiments import roofline
   w = cfg.workload
@@ -102,7 +91,7 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
   t = metrics.summarize(ts)
   m = {"batch": batch, "budget_bytes": _budget(cfg), "need_bytes": need(cfg, batch),
        "tpot_s": t["median"], "tpot_s_iqr": t["iqr"], "repeats": t["n"],
-       "tokens_per_s": float(np.median(tps)), "tokens_per_s_ci95": median_ci(tps),
+       "tokens_per_s": float(np.median(tps)), "tokens_per_s_ci95": intervals.median_ci(tps),
        "tokens_per_s_samples": tps, **held.count(cfg, w.prompt_len).fields()}
   return [{"variant": ex.variant(cfg),
            "workload": {"batch": batch, "prompt_len": w.prompt_len, "gen_len": w.gen_len,

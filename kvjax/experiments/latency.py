@@ -52,44 +52,10 @@ def capacity(cfg: config_lib.Config) -> int:
   return cfg.cache.capacity or w.prompt_len + max(w.gen_len, 2)
 
 
-def _mapping(value) -> dict | None:
-  """A YAML mapping as the config holds it (frozen to sorted (key, value) pairs), or None."""
-  if isinstance(value, dict):
-    return dict(value)
-  if isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
-    return dict(value)
-  return None
-
-
-def interleaved(cfg: config_lib.Config) -> dict:
-  """name -> the cell's config with that variant's overrides (`params.interleave`), the
-  reference (`params.reference`, else the variant without overrides, else the first by
-  name) first."""
-  raw = cfg.param("interleave", None)
-  if not raw:
-    return {}
-  table = _mapping(raw)
-  if table is None:
-    raise KvjaxError("params.interleave must map a variant name to config overrides, e.g. "
-                     "{window_50: {cache.policy: window, cache.ratio: 0.5}}")
-  out = {}
-  for name, over in table.items():
-    over = {} if over in (None, (), {}) else _mapping(over)
-    if over is None or any(str(k).startswith("params") for k in over):
-      raise KvjaxError(f"params.interleave.{name} must map cache/model keys to values")
-    out[str(name)] = config_lib.apply_overrides(cfg, {str(k): v for k, v in over.items()})
-  ref = cfg.param("reference", None) or next(
-      (str(n) for n, o in table.items() if o in (None, (), {})), next(iter(out)))
-  if ref not in out:
-    raise KvjaxError(f"params.reference '{ref}' is not a variant of params.interleave "
-                     f"({', '.join(out)})")
-  return {ref: out[ref], **{n: c for n, c in out.items() if n != ref}}
-
-
 def check(cfg: config_lib.Config) -> None:
   ex.check_context(cfg, capacity(cfg))
   roofline.check_bandwidth_mib(cfg)
-  for c in (interleaved(cfg) or {"": cfg}).values():
+  for c in (ex.interleaved(cfg) or {"": cfg}).values():
     ex.check_memory(c, cfg.workload.batch, capacity(cfg), cfg.workload.prompt_len)
 
 
@@ -130,7 +96,7 @@ def _interleaved_cell(cfg: config_lib.Config, cfgs: dict) -> list[dict]:
             for name, c in cfgs.items()}
   res = metrics.bench_interleaved(timers, repeats=w.repeats)
   rates = roofline.machine_rates(cfg.param("bandwidth_mib", 512))
-  ref = next(iter(res.values()))["tpot_s"]  # `interleaved` puts the reference first
+  ref = next(iter(res.values()))["tpot_s"]  # `ex.interleaved` puts the reference first
   rows = []
   for name, m in res.items():
     c = cfgs[name].cache
@@ -152,7 +118,7 @@ def _interleaved_cell(cfg: config_lib.Config, cfgs: dict) -> list[dict]:
 
 
 def run_cell(cfg: config_lib.Config) -> list[dict]:
-  cfgs = interleaved(cfg)
+  cfgs = ex.interleaved(cfg)
   if cfgs:
     return _interleaved_cell(cfg, cfgs)
   w = cfg.workload

@@ -23,13 +23,10 @@ its lengths (contents are zeros: decode speed does not depend on values), so no 
 is timed and a cell at 8k context costs seconds, not minutes. The embedding table is not
 counted (a step gathers B rows of it) unless it is tied to the lm_head.
 
-Paired variants in one cell (`params.interleave`: name -> config overrides, as in `latency`,
-with `params.reference`): every variant is compiled and warmed up, then each repeat
-measures the bandwidth and the dots once and times every variant's decode in turn, the
-order rotated from repeat to repeat. Rows: one per variant (`variant.setting` = its name),
-`tpot_vs_ref` = the median over repeats of its step over the reference's in the same
-repeat, with `tpot_vs_ref_ci95` (a bootstrap over repeats of that median), the ratio a
-noisy machine still tells apart.
+Paired variants (`params.interleave` and `params.reference`, as in `latency`): each repeat
+probes bandwidth and dots once, then times every variant in turn (order rotated per
+repeat); `tpot_vs_ref` is the median of per-repeat ratios to the reference, with
+`tpot_vs_ref_ci95` (a bootstrap over repeats), one row per variant (`variant.setting`).
 """
 
 from __future__ import annotations
@@ -42,7 +39,7 @@ import numpy as np
 
 from kvjax import config as config_lib
 from kvjax import experiments as ex
-from kvjax import held, metrics, program
+from kvjax import held, intervals, metrics, program
 from kvjax.errors import KvjaxError
 
 # The params.NAME options this experiment reads (`setting` and `settings` are every
@@ -56,12 +53,10 @@ def capacity(cfg: config_lib.Config) -> int:
 
 
 def check(cfg: config_lib.Config) -> None:
-  from kvjax.experiments import latency  # noqa: PLC0415
   ex.check_context(cfg, capacity(cfg))
-  # No prompt runs (the cache is filled by length) and each run's one cache is allocated
-  # fresh and donated to decode: the widest call is a decode step, with one cache alive
-  # (interleaved variants run one at a time, each on its own fresh cache).
-  for c in (latency.interleaved(cfg) or {"": cfg}).values():
+  # No prompt runs (the cache is filled by length); each run allocates one fresh cache and
+  # donates it to decode, and interleaved variants run one at a time: one cache alive.
+  for c in (ex.interleaved(cfg) or {"": cfg}).values():
     ex.check_memory(c, cfg.workload.batch, capacity(cfg), 1, caches=1)
   check_bandwidth_mib(cfg)
 
@@ -115,11 +110,9 @@ class DotProbe:
 
   def measure(self, passes: int = 3) -> dict:
     """FLOP/s (2 per multiply-add) per operand type, median over `passes`."""
-    out = {}
-    for name, (comp, a) in self._calls.items():
-      t = metrics.time_call(lambda comp=comp, a=a: comp(a, a), repeats=passes, warmup=0)
-      out[name] = 2 * self.n ** 3 / t["median"]
-    return out
+    return {name: 2 * self.n ** 3 / metrics.time_call(lambda c=comp, a=a: c(a, a), repeats=passes,
+                                                      warmup=0)["median"]
+            for name, (comp, a) in self._calls.items()}
 
 
 def step_flops(cfg: config_lib.Config, params, batch: int, held_from: int, steps: int) -> dict:
@@ -201,47 +194,41 @@ class FilledDecode:
 
 
 def _workload(cfg: config_lib.Config, steps: int, **extra) -> dict:
-  w = cfg.workload
-  return {"batch": w.batch, "prompt_len": w.prompt_len, "gen_len": w.gen_len,
-          "context": w.prompt_len, "capacity": capacity(cfg), "decode_steps": steps, **extra}
+  return {"batch": cfg.workload.batch, "prompt_len": cfg.workload.prompt_len, "gen_len":
+          cfg.workload.gen_len, "context": cfg.workload.prompt_len, "capacity": capacity(cfg),
+          "decode_steps": steps, **extra}
 
 
 def _interleaved_cell(cfg: config_lib.Config, cfgs: dict) -> list[dict]:
-  """The variants of `params.interleave` timed in turn within each repeat (the order
-  rotated from repeat to repeat), so their ratios share one stretch of machine noise."""
-  from kvjax.experiments import budget  # noqa: PLC0415
+  """`params.interleave`'s variants timed in turn in each repeat (module docstring)."""
   w = cfg.workload
   params = ex.random_params(cfg.model, cfg.seed)
   steps = max(w.gen_len - 1, 1)
   timers = {n: FilledDecode(c, params, w.batch, w.prompt_len, steps, capacity(cfg))
             for n, c in cfgs.items()}
   meter, probe = Bandwidth(cfg.param("bandwidth_mib", 512)), DotProbe()
-  for t in timers.values():
-    t.once()  # warm-up
-  names = list(timers)
+  names, bws, dots = list(timers), [], []
   ts = {n: [] for n in names}
-  bws, dots = [], []
+  [timers[n].once() for n in names]  # warm-up
   for i in range(w.repeats):
     bws.append(meter.measure())
     dots.append(probe.measure())
     for n in names[i % len(names):] + names[:i % len(names)]:
       ts[n].append(timers[n].once())
-  del meter, probe
   bw = statistics.median(bws)
   rate = {k: statistics.median(d[k] for d in dots) for k in DotProbe.TYPES}
-  ref = names[0]  # `latency.interleaved` puts the reference first
+  ref = names[0]  # `ex.interleaved` puts the reference first
   rows = []
   for n in names:
     t = metrics.summarize(ts[n])
     paired = [a / b for a, b in zip(ts[n], ts[ref])]
     m = {"tpot_s": t["median"], "tpot_s_iqr": t["iqr"], "tpot_s_min": t["min"],
          "repeats": t["n"], "tpot_vs_ref": float(np.median(paired)),
-         "tpot_vs_ref_ci95": budget.median_ci(paired), "tpot_s_samples": ts[n],
+         "tpot_vs_ref_ci95": intervals.median_ci(paired), "tpot_s_samples": ts[n],
          "tokens_per_s": w.batch / t["median"], **held.count(cfgs[n], w.prompt_len).fields()}
     m.update(roofs(cfgs[n], params, w.batch, w.prompt_len, steps, t["median"], bw, rate))
-    m["roofline_fraction"] = m["ideal_s"] / t["median"]
-    m["achieved_Bps"] = m["step_bytes"] / t["median"]
-    m["kv_fraction"] = m["kv_bytes"] / m["step_bytes"]
+    m.update({"roofline_fraction": m["ideal_s"] / t["median"], "kv_fraction": m["kv_bytes"]
+              / m["step_bytes"], "achieved_Bps": m["step_bytes"] / t["median"]})
     rows.append({"variant": ex.variant(cfgs[n], setting=n),
                  "workload": _workload(cfg, steps, timing=f"interleaved with {', '.join(names)}"),
                  "metrics": m})
@@ -249,8 +236,7 @@ def _interleaved_cell(cfg: config_lib.Config, cfgs: dict) -> list[dict]:
 
 
 def run_cell(cfg: config_lib.Config) -> list[dict]:
-  from kvjax.experiments import latency  # noqa: PLC0415
-  cfgs = latency.interleaved(cfg)
+  cfgs = ex.interleaved(cfg)
   if cfgs:
     return _interleaved_cell(cfg, cfgs)
   w = cfg.workload
@@ -309,6 +295,6 @@ def summary(rows: list[dict]) -> list[dict]:
                 "bandwidth_GBps": m["bandwidth_Bps"] / 1e9,
                 "tpot_vs_bf16": m["tpot_s"] / base if base else float(np.nan)})
     if "tpot_vs_ref" in m:  # interleaved: the paired ratio to the cell's reference variant
-      out[-1].update({"setting": v.get("setting", ""), "tpot_vs_ref": m["tpot_vs_ref"],
-                      "vs_ref_ci95": "[{:.2f}, {:.2f}]".format(*m["tpot_vs_ref_ci95"])})
+      out[-1].update(setting=v.get("setting", ""), tpot_vs_ref=m["tpot_vs_ref"],
+                     vs_ref_ci95="[{:.2f}, {:.2f}]".format(*m["tpot_vs_ref_ci95"]))
   return out

@@ -207,9 +207,9 @@ def _interleaved_cell(cfg: config_lib.Config, cfgs: dict) -> list[dict]:
   timers = {n: FilledDecode(c, params, w.batch, w.prompt_len, steps, capacity(cfg))
             for n, c in cfgs.items()}
   meter, probe = Bandwidth(cfg.param("bandwidth_mib", 512)), DotProbe()
-  names, bws, dots = list(timers), [], []
-  ts = {n: [] for n in names}
-  [timers[n].once() for n in names]  # warm-up
+  names, bws, dots, ts = list(timers), [], [], {n: [] for n in timers}
+  for t in timers.values():
+    t.once()  # warm-up
   for i in range(w.repeats):
     bws.append(meter.measure())
     dots.append(probe.measure())

@@ -536,29 +536,41 @@ struct Rows {
   const float* qsc;
 };
 
-// Logits of R query rows over the n tokens idx[0..n) (n a multiple of 8 or the tile's
-// tail, padded with token idx[0]): lt[j][t] = q_j . x_t, x the values value8 gives (so
-// whole-head scales are still to be applied by the caller).
-template <int KIND, int MODE, int D, int R>
-inline void qk_rows(const float* __restrict q, const Leaf& kl, const int64_t* idx, int n,
-                    float (*lt)[TILE]) {
+// The logits of R query rows over the n tokens idx[0..n) (n a multiple of 8 or the tile's
+// tail, padded with token idx[0]), eight tokens at a time: dot(tok, a, off) adds token
+// tok's R products into the eight-lane sums a[0..R) and, where OFF, sets the offset
+// off[0..R) its logits take; the eight tokens' sums are reduced into lt[j][t0..t0+8).
+template <int R, bool OFF, class Dot>
+inline void logits8(const int64_t* idx, int n, float (*lt)[TILE], Dot&& dot) {
   for (int t0 = 0; t0 < n; t0 += 8) {
     v8 part[R][8];
+    alignas(32) float off[R][8];
     for (int u = 0; u < 8; ++u) {
-      const int64_t tok = idx[t0 + u < n ? t0 + u : 0];
-      const uint8_t* r = kl.codes + tok * kl.width;
       v8 a[R] = {};
-      for (int d = 0; d < D; d += 8) {
-        v8 c = value8<KIND, MODE>(kl, r, tok, d, D);
-        for (int j = 0; j < R; ++j) a[j] += load8(q + j * D + d) * c;
-      }
-      for (int j = 0; j < R; ++j) part[j][u] = a[j];
+      float o[R] = {};
+      dot(idx[t0 + u < n ? t0 + u : 0], a, o);
+      for (int j = 0; j < R; ++j) part[j][u] = a[j], off[j][u] = o[j];
     }
     for (int j = 0; j < R; ++j) {
       v8 v = reduce8(part[j]);
+      if constexpr (OFF) v += load8(off[j]);
       std::memcpy(lt[j] + t0, &v, 32);
     }
   }
+}
+
+// lt[j][t] = q_j . x_t, x the values value8 gives (so whole-head scales are still to be
+// applied by the caller).
+template <int KIND, int MODE, int D, int R>
+inline void qk_rows(const float* __restrict q, const Leaf& kl, const int64_t* idx, int n,
+                    float (*lt)[TILE]) {
+  logits8<R, false>(idx, n, lt, [&](int64_t tok, v8* a, float*) {
+    const uint8_t* r = kl.codes + tok * kl.width;
+    for (int d = 0; d < D; d += 8) {
+      v8 c = value8<KIND, MODE>(kl, r, tok, d, D);
+      for (int j = 0; j < R; ++j) a[j] += load8(q + j * D + d) * c;
+    }
+  });
 }
 
 // Logits of R query rows over keys with head_dim-group scales of exactly GW columns: each
@@ -571,28 +583,18 @@ void qk_rows_grouped(const Rows& rows, const Leaf& kl, const int64_t* idx, int n
   constexpr bool asym = KIND == UINT4 || KIND == UINT2;
   constexpr float h = KIND == UINT4 ? 7.5f : 1.5f;
   constexpr int G = D / GW;
-  for (int t0 = 0; t0 < n; t0 += 8) {
-    v8 part[R][8];
-    for (int u = 0; u < 8; ++u) {
-      const int64_t tok = idx[t0 + u < n ? t0 + u : 0];
-      const uint8_t* r = kl.codes + tok * kl.width;
-      v8 a[R] = {};
-      for (int g = 0; g < G; ++g) {
-        const float sg = bf16(kl.scale[tok * G + g]);
-        const v8 sv = splat(sg), ov = splat(asym ? bf16(kl.zero[tok * G + g]) - h * sg : 0.f);
-        for (int d = g * GW; d < (g + 1) * GW; d += 8) {
-          v8 c = codes8<KIND>(r, d, D) * sv;
-          if constexpr (asym) c += ov;
-          for (int j = 0; j < R; ++j) a[j] += load8(q + j * D + d) * c;
-        }
+  logits8<R, false>(idx, n, lt, [&](int64_t tok, v8* a, float*) {
+    const uint8_t* r = kl.codes + tok * kl.width;
+    for (int g = 0; g < G; ++g) {
+      const float sg = bf16(kl.scale[tok * G + g]);
+      const v8 sv = splat(sg), ov = splat(asym ? bf16(kl.zero[tok * G + g]) - h * sg : 0.f);
+      for (int d = g * GW; d < (g + 1) * GW; d += 8) {
+        v8 c = codes8<KIND>(r, d, D) * sv;
+        if constexpr (asym) c += ov;
+        for (int j = 0; j < R; ++j) a[j] += load8(q + j * D + d) * c;
       }
-      for (int j = 0; j < R; ++j) part[j][u] = a[j];
     }
-    for (int j = 0; j < R; ++j) {
-      v8 v = reduce8(part[j]);
-      std::memcpy(lt[j] + t0, &v, 32);
-    }
-  }
+  });
 }
 
 // Logits over keys with per-channel scales (one scale row per U stored tokens), the scales
@@ -609,39 +611,29 @@ inline void qk_rows_chan(const float* __restrict q, const Leaf& kl, const int64_
   alignas(32) float qf[R][D];
   float bias[R];
   int64_t blk = -1;
-  for (int t0 = 0; t0 < n; t0 += 8) {
-    v8 part[R][8];
-    alignas(32) float off[R][8];
-    for (int u = 0; u < 8; ++u) {
-      const int64_t tok = idx[t0 + u < n ? t0 + u : 0];
-      if ((tok >> kl.cshift) != blk) {  // fold scale row b into the query rows
-        blk = tok >> kl.cshift;
-        v8 bo[R] = {};
-        for (int d = 0; d < D; d += 8) {
-          const v8 sv = bf16x8(kl.scale + blk * D + d);
-          const v8 ov = asym ? bf16x8(kl.zero + blk * D + d) - h * sv : v8{};
-          for (int j = 0; j < R; ++j) {
-            const v8 qv = load8(q + j * D + d);
-            const v8 x = qv * sv;
-            std::memcpy(qf[j] + d, &x, 32);
-            if constexpr (asym) bo[j] += qv * ov;
-          }
-        }
-        for (int j = 0; j < R; ++j) bias[j] = asym ? hsum(bo[j]) : 0.f;
-      }
-      const uint8_t* r = kl.codes + tok * kl.width;
-      v8 a[R] = {};
+  logits8<R, true>(idx, n, lt, [&](int64_t tok, v8* a, float* off) {
+    if ((tok >> kl.cshift) != blk) {  // fold scale row b into the query rows
+      blk = tok >> kl.cshift;
+      v8 bo[R] = {};
       for (int d = 0; d < D; d += 8) {
-        v8 c = codes8<KIND>(r, d, D);
-        for (int j = 0; j < R; ++j) a[j] += load8(qf[j] + d) * c;
+        const v8 sv = bf16x8(kl.scale + blk * D + d);
+        const v8 ov = asym ? bf16x8(kl.zero + blk * D + d) - h * sv : v8{};
+        for (int j = 0; j < R; ++j) {
+          const v8 qv = load8(q + j * D + d);
+          const v8 x = qv * sv;
+          std::memcpy(qf[j] + d, &x, 32);
+          if constexpr (asym) bo[j] += qv * ov;
+        }
       }
-      for (int j = 0; j < R; ++j) part[j][u] = a[j], off[j][u] = bias[j];
+      for (int j = 0; j < R; ++j) bias[j] = asym ? hsum(bo[j]) : 0.f;
     }
-    for (int j = 0; j < R; ++j) {
-      v8 v = reduce8(part[j]) + load8(off[j]);
-      std::memcpy(lt[j] + t0, &v, 32);
+    const uint8_t* r = kl.codes + tok * kl.width;
+    for (int d = 0; d < D; d += 8) {
+      v8 c = codes8<KIND>(r, d, D);
+      for (int j = 0; j < R; ++j) a[j] += load8(qf[j] + d) * c;
     }
-  }
+    for (int j = 0; j < R; ++j) off[j] = bias[j];
+  });
 }
 
 // acc[j] += sum_t p[j][t] x_t for R rows: C eight-column vectors of each row held in

@@ -124,21 +124,28 @@ def program_bytes(*compiled) -> int | None:
   return int(max(peaks)) if peaks else None
 
 
-def bench_interleaved(timers: dict, repeats: int = 5, warmup: int = 1) -> dict:
+def bench_interleaved(timers: dict, repeats: int = 5, warmup: int = 1,
+                      before_repeat=None, samples: bool = False) -> dict:
   """Round-robin repeats over named timers (`program.DecodeTimer`, or anything with its
-  `once()`, `compile_s` and `cache_bytes`); per name: TTFT/TPOT medians and spreads."""
-  samples = {name: ([], []) for name in timers}
+  `once()`, `compile_s` and `cache_bytes`); per name: TTFT/TPOT medians and spreads; with
+  `samples`, also the per-repeat TPOTs (`tpot_s_samples`, in repeat order, for paired
+  ratios). `before_repeat()`, when given, runs before each timed repeat (a bandwidth probe)."""
+  per = {name: ([], []) for name in timers}
   for i in range(warmup + repeats):
+    if i >= warmup and before_repeat is not None:
+      before_repeat()
     for name, timer in timers.items():
       ttft, tpot = timer.once()
       if i >= warmup:
-        samples[name][0].append(ttft)
-        samples[name][1].append(tpot)
+        per[name][0].append(ttft)
+        per[name][1].append(tpot)
   out = {}
-  for name, (ttfts, tpots) in samples.items():
+  for name, (ttfts, tpots) in per.items():
     a, b = summarize(ttfts), summarize(tpots)
     out[name] = {"ttft_s": a["median"], "ttft_s_iqr": a["iqr"], "tpot_s": b["median"],
                  "tpot_s_iqr": b["iqr"], "tpot_s_min": b["min"], "repeats": b["n"],
                  "compile_s": timers[name].compile_s, "cache_bytes": timers[name].cache_bytes,
                  "peak_bytes": getattr(timers[name], "peak_bytes", None)}
+    if samples:
+      out[name]["tpot_s_samples"] = tpots
   return out

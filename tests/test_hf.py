@@ -375,15 +375,28 @@ def test_peer_experiment_rows_and_plot(tmp_path):
                                "model.n_heads": 4, "model.n_kv_heads": 2, "model.max_seq_len": 64,
                                "cache.codec": "fp32", "workload.batch": 2, "workload.prompt_len": 4,
                                "workload.gen_len": 3, "workload.repeats": 1,
-                               "params": {"peers": ["kvjax", "kvjax_unrolled", "dynamic",
-                                                    "static"], "threads": 1}})
+                               "params": {"peers": ["kvjax", "kvjax_unrolled", "kvjax_bf16w",
+                                                    "dynamic", "static"], "threads": 1}})
   peer.check(cfg)
   rows = peer.run_cell(cfg)
-  assert [r["variant"]["peer"] for r in rows] == ["kvjax", "kvjax_unrolled", "dynamic", "static"]
+  names = [r["variant"]["peer"] for r in rows]
+  assert names == ["kvjax", "kvjax_unrolled", "kvjax_bf16w", "dynamic", "static"]
+  by = dict(zip(names, (r["metrics"] for r in rows)))
   for r in rows:
-    assert r["metrics"]["tpot_s"] > 0 and r["metrics"]["ttft_s"] > 0
+    m = r["metrics"]
+    assert m["tpot_s"] > 0 and m["ttft_s"] > 0 and m["bandwidth_Bps"] > 0
+    assert set(m["dot_Fps"]) == {"f32", "bf16", "s8"}
     assert r["workload"]["threads"] == 1 == r["workload"]["torch_threads"]
-  assert [r["metrics"].get("agreement") for r in rows[1:]] == [1.0, 1.0, 1.0]
+    lo, hi = m["tpot_vs_kvjax_ci95"]
+    assert lo <= m["tpot_vs_kvjax"] <= hi
+  assert [by[p].get("agreement") for p in ("kvjax_unrolled", "dynamic", "static")] == [1.0] * 3
+  # kvjax rows carry both roofs of their own step; bf16 weights are half the weight bytes
+  for p in ("kvjax", "kvjax_unrolled", "kvjax_bf16w"):
+    assert by[p]["bound"] in ("bytes", "flops")
+    assert by[p]["roof_s"] == max(by[p]["ideal_s"], by[p]["flops_s"])
+  assert by["kvjax_bf16w"]["weight_bytes"] * 2 == by["kvjax"]["weight_bytes"]
+  assert by["kvjax_bf16w"]["kv_bytes"] == by["kvjax"]["kv_bytes"]
+  assert "bound" not in by["dynamic"]
   from kvjax.plots import peer as peer_plot
   for r in rows:
     r["config"] = cfg.to_dict()

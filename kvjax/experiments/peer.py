@@ -15,6 +15,9 @@ interleaved in one process (round-robin repeats, medians; `kvjax.metrics.bench_i
   kvjax_unrolled  the same with `model.scan_unroll = n_layers`: a Python layer loop over
               weights split per layer once (compile time grows with depth;
               docs/experiments.md, "The layer loop");
+  kvjax_bf16w the default program with the weights cast to bfloat16
+              (`model.param_dtype`: half the weight bytes a step reads; activations and
+              the cache as the others);
   dynamic     `model.generate` with transformers' DynamicCache (its default);
   static      `generate` with a preallocated StaticCache (reset outside the timed region);
   quanto      `generate` with QuantizedCache(backend="quanto", int4, residual 128), when
@@ -37,6 +40,12 @@ of threads (`params.threads`, default all cores this process may use): torch thr
 `set_num_threads`, XLA by pinning the process to that many cores. Greedy tokens of every
 transformers peer are compared with kvjax's (`agreement`), so a speed row is also a
 check that the same function was computed.
+
+Before each timed repeat the process measures its memory bandwidth and dot throughputs
+(`roofline.Bandwidth`, `roofline.DotProbe`, as the roofline rows do); every row carries
+their medians, and each kvjax row both roofs of its step (`roofline.roofs`: bytes or
+FLOPs, which binds, the fraction reached). `tpot_vs_kvjax` is the median of per-repeat
+ratios to the default kvjax program, with `tpot_vs_kvjax_ci95` (a bootstrap over repeats).
 """
 
 from __future__ import annotations
@@ -50,16 +59,18 @@ import numpy as np
 
 from kvjax import config as config_lib
 from kvjax import experiments as ex
-from kvjax import metrics, program
+from kvjax import intervals, metrics, program
 from kvjax import model as model_lib
 from kvjax.experiments import _hf_peers as hf_peers
+from kvjax.experiments import roofline
 from kvjax.errors import KvjaxError
 
 # The params.NAME options this experiment reads (`setting` and `settings` are every
 # experiment's); `kvjax run` refuses any other, which would be accepted and ignored.
 PARAMS = frozenset({"fill_from", "gguf", "peers", "threads"})
 
-PEERS = ("kvjax", "kvjax_nnscan", "kvjax_unrolled", "dynamic", "static", "quanto")
+PEERS = ("kvjax", "kvjax_nnscan", "kvjax_unrolled", "kvjax_bf16w", "dynamic", "static",
+         "quanto")
 
 
 def _peers(cfg: config_lib.Config) -> list[str]:
@@ -158,25 +169,29 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
   threads = int(cfg.param("threads", 0))
   with tempfile.TemporaryDirectory() as folder, hf_peers.same_threads(threads) as n:
     hf_model, kcfg, params = _models(cfg, folder)
-    timers, cfgs = {}, {}
+    timers, cfgs, pparams = {}, {}, {}
     filled = _filled(cfg)
     for peer in peers:
       if peer.startswith("kvjax"):
-        pcfg = kcfg if peer != "kvjax_unrolled" else config_lib.replace(
-            kcfg, **{"model.scan_unroll": kcfg.model.n_layers})
-        cfgs[peer] = pcfg
+        cfgs[peer], pparams[peer] = pcfg, pp = _kvjax_peer(peer, kcfg, params)
         prepare = peer != "kvjax_nnscan"  # stacked params run the nn.scan program
-        timers[peer] = (KvjaxFilledTimer(pcfg, params, w.batch, w.prompt_len, w.gen_len - 1,
+        timers[peer] = (KvjaxFilledTimer(pcfg, pp, w.batch, w.prompt_len, w.gen_len - 1,
                                          prepare=prepare)
                         if filled else
-                        KvjaxTimer(pcfg, params, tokens, lengths, steps=w.gen_len - 1,
+                        KvjaxTimer(pcfg, pp, tokens, lengths, steps=w.gen_len - 1,
                                    capacity=w.prompt_len + w.gen_len, prepare=prepare))
       elif filled:
         timers[peer] = hf_peers.HFFilledTimer(hf_model, w.batch, w.prompt_len, w.gen_len - 1,
                                               peer)
       else:
         timers[peer] = hf_peers.HFTimer(hf_model, tokens, w.gen_len, peer)
-    results = metrics.bench_interleaved(timers, repeats=w.repeats)
+    meter, probe, bws, dots = roofline.Bandwidth(512), roofline.DotProbe(), [], []
+    results = metrics.bench_interleaved(
+        timers, repeats=w.repeats, samples=True,
+        before_repeat=lambda: (bws.append(meter.measure()), dots.append(probe.measure())))
+    del meter, probe
+    bw = float(np.median(bws))
+    rate = {k: float(np.median([d[k] for d in dots])) for k in roofline.DotProbe.TYPES}
     ours = (timers["kvjax"] if "kvjax" in timers else
             KvjaxFilledTimer(kcfg, params, w.batch, w.prompt_len, w.gen_len - 1) if filled else
             KvjaxTimer(kcfg, params, tokens, lengths, steps=w.gen_len - 1)).greedy_tokens()
@@ -184,13 +199,19 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
               for p, t in timers.items() if p != "kvjax"}
     torch_threads = hf_peers.hf_model_threads()
 
-  base = results.get("kvjax", {}).get("tpot_s")
+  base = results.get("kvjax", {}).get("tpot_s_samples")
   rows = []
   for peer in peers:
     m = dict(results[peer])
     m["tokens_per_s"] = w.batch / m["tpot_s"]
+    m.update(bandwidth_Bps=bw, dot_Fps=rate)
+    if peer in cfgs:
+      m.update(roofline.roofs(cfgs[peer], pparams[peer], w.batch, w.prompt_len, w.gen_len - 1,
+                              m["tpot_s"], bw, rate))
     if base:
-      m["tpot_vs_kvjax"] = m["tpot_s"] / base
+      paired = [a / b for a, b in zip(m["tpot_s_samples"], base)]
+      m["tpot_vs_kvjax"] = float(np.median(paired))
+      m["tpot_vs_kvjax_ci95"] = intervals.median_ci(paired)
       m["ttft_vs_kvjax"] = m["ttft_s"] / results["kvjax"]["ttft_s"]  # NaN when filled
     if peer != "kvjax":
       m["agreement"] = float(np.mean(theirs[peer] == ours))
@@ -205,6 +226,18 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
         "metrics": m,
     })
   return rows
+
+
+def _kvjax_peer(peer: str, cfg: config_lib.Config, params) -> tuple[config_lib.Config, dict]:
+  """The config and params a kvjax peer runs: the default's, unrolled, or bf16 weights."""
+  if peer == "kvjax_unrolled":
+    return config_lib.replace(cfg, **{"model.scan_unroll": cfg.model.n_layers}), params
+  if peer == "kvjax_bf16w":
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    return (config_lib.replace(cfg, **{"model.param_dtype": "bfloat16"}),
+            jax.tree.map(lambda a: a.astype(jnp.bfloat16), params))
+  return cfg, params
 
 
 def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int:
@@ -238,5 +271,7 @@ def summary(rows: list[dict]) -> list[dict]:
         "model", {}).get("vocab_size"), "batch": w["batch"], "threads": w["threads"],
         "ttft_s": m["ttft_s"], "tpot_s": m["tpot_s"], "tpot_iqr_s": m["tpot_s_iqr"],
         "tokens_per_s": m["tokens_per_s"], "tpot_vs_kvjax": m.get("tpot_vs_kvjax"),
-        "agreement": m.get("agreement")})
+        "vs_kvjax_ci95": "[{:.2f}, {:.2f}]".format(*m["tpot_vs_kvjax_ci95"])
+        if m.get("tpot_vs_kvjax_ci95") else "", "bound": m.get("bound", ""),
+        "roof_fraction": m.get("roof_fraction"), "agreement": m.get("agreement")})
   return out

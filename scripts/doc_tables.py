@@ -429,7 +429,8 @@ def evict_speed_table(rows: list[dict]) -> str:
     v, m = r["variant"], r["metrics"]
     lines.append(f"| `{v['setting']}` | {describe_evict(v, 'the prompt')} | "
                  f"{m['cache_bytes'] / 2**20:,.1f} MiB | {1e3 * m['tpot_s']:.1f} ms | "
-                 f"{m['tpot_vs_ref']:.2f}× | {1e3 * m['tpot_s_iqr']:.1f} ms | "
+                 f"{m['tpot_vs_ref']:.2f}×{_ci(m.get('tpot_vs_ref_ci95'), '{:.2f}'.format)} | "
+                 f"{1e3 * m['tpot_s_iqr']:.1f} ms | "
                  f"{m['ttft_s']:.1f} s |")
   w, env = ref["workload"], ref["env"]
   load = env.get("load_avg")
@@ -438,8 +439,9 @@ def evict_speed_table(rows: list[dict]) -> str:
       f"({ref['config']['model']['n_layers']} layers, GQA-3, fp32 weights, random values), "
       f"batch {w['batch']}, a {w['prompt_len']:,}-token prompt, {w['decode_steps']} decode "
       f"steps per repeat, medians of {ref['metrics']['repeats']} repeats timed round-robin "
-      f"over the variants in one process. {env['cpu_count']} CPU cores ({env['backend']}), "
-      "shared with other jobs: load average "
+      f"over the variants in one process; `vs fp32` is the median of the per-repeat ratios, "
+      f"with a bootstrap 95 % interval over the repeats where the rows have one. "
+      f"{env['cpu_count']} CPU cores ({env['backend']}): load average "
       + (f"{load[0]:g} / {load[1]:g} / {load[2]:g} (1 / 5 / 15 min) when the rows were written"
          if load else "not recorded") + ".")
   return out

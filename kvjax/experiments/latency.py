@@ -14,8 +14,9 @@ is compiled and prefilled once (its `ttft_s` is that one prefill, with the compa
 `cache.policy`), then the variants' decode steps are timed in turn, round-robin, each
 repeat from a copy of its prefilled cache made outside the clock (`StepTimer`), so their
 ratios share one run's machine noise. Rows: one per variant, `variant.setting` = its name,
-`tpot_vs_ref` = its TPOT over the reference variant's (`params.reference`, else the one
-without overrides). A policy's cache holds its budget
+`tpot_vs_ref` = the median over repeats of its TPOT over the reference variant's in the same
+repeat (`params.reference`, else the one without overrides), with `tpot_vs_ref_ci95` (a
+bootstrap over repeats) and the per-repeat TPOTs (`tpot_s_samples`). A policy's cache holds its budget
 plus the decode steps (`cache_bytes`). `bytes_per_token` is what the cache holds per token
 of its `context` (`kvjax.held`, = cache_bytes / (batch x context); for paired variants the
 measured cache over batch x context), `bytes_per_token_asymptotic` the long-context cost.
@@ -35,7 +36,7 @@ import numpy as np
 import jax.numpy as jnp
 
 from kvjax import cache as cache_lib
-from kvjax import held
+from kvjax import held, intervals
 from kvjax import config as config_lib
 from kvjax import experiments as ex
 from kvjax import metrics, program
@@ -94,14 +95,16 @@ def _interleaved_cell(cfg: config_lib.Config, cfgs: dict) -> list[dict]:
   S = capacity(cfg)
   timers = {name: StepTimer(c, params, tokens, lengths, steps=max(w.gen_len - 1, 1), capacity=S)
             for name, c in cfgs.items()}
-  res = metrics.bench_interleaved(timers, repeats=w.repeats)
+  res = metrics.bench_interleaved(timers, repeats=w.repeats, samples=True)
   rates = roofline.machine_rates(cfg.param("bandwidth_mib", 512))
-  ref = next(iter(res.values()))["tpot_s"]  # `ex.interleaved` puts the reference first
+  ref = next(iter(res.values()))["tpot_s_samples"]  # `ex.interleaved` puts the reference first
   rows = []
   for name, m in res.items():
     c = cfgs[name].cache
+    paired = [a / b for a, b in zip(m["tpot_s_samples"], ref)]
     # what the prefilled cache held (a policy's budget plus the decode room), per slot
-    m.update({"tokens_per_s": w.batch / m["tpot_s"], "tpot_vs_ref": m["tpot_s"] / ref,
+    m.update({"tokens_per_s": w.batch / m["tpot_s"], "tpot_vs_ref": float(np.median(paired)),
+              "tpot_vs_ref_ci95": intervals.median_ci(paired),
               "bytes_per_token": m["cache_bytes"] / (w.batch * S),
               "bytes_per_token_asymptotic": held.asymptotic(cfgs[name]),
               **roofline.roofs(cfgs[name], params, w.batch, w.prompt_len, timers[name].steps,

@@ -345,9 +345,26 @@ def test_roofline_interleaves_variants_and_pairs_their_ratios(monkeypatch):
   assert by["int8"]["tpot_vs_ref_ci95"] == [0.5, 0.5]
   assert by["int8"]["tpot_s_samples"] == [1.0, 3.0, 1.0] and by["int8"]["tpot_s"] == 1.0
   assert by["int8"]["kv_bytes"] < by["bf16"]["kv_bytes"]
+  assert by["int8"]["weight_bytes"] == by["bf16"]["weight_bytes"]
   assert "interleaved" in rows[0]["workload"]["timing"]
   line = roofline.summary([{**r, "config": {}} for r in rows])[1]
   assert line["setting"] == "int8" and line["tpot_vs_ref"] == 0.5
+
+
+def test_step_bytes_count_the_weights_at_their_stored_dtype():
+  """A variant with bf16 weights reads half the weight bytes of the same params in float32
+  (the step casts them to `model.param_dtype`), whatever dtype they were handed in."""
+  from kvjax.experiments import roofline
+  cfg = config.load(None, {"model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2,
+                           "model.n_layers": 1, "model.vocab_size": 64})
+  params = model.init_params(cfg.model, 0)
+  f32 = roofline.step_bytes(cfg, params, 1, 8, 2)
+  bf16 = roofline.step_bytes(config.replace(cfg, **{"model.param_dtype": "bfloat16"}), params,
+                             1, 8, 2)
+  table = params["embed_tokens"]["embedding"].nbytes  # untied: gathered, not read whole
+  assert f32["weight_bytes"] == sum(a.nbytes for a in jax.tree.leaves(params)) - table > 0
+  assert bf16["weight_bytes"] * 2 == f32["weight_bytes"]
+  assert bf16["kv_bytes"] == f32["kv_bytes"]
 
 
 @pytest.mark.parametrize("mib", [0, -4, 1.5, "512"])

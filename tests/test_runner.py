@@ -269,6 +269,11 @@ def test_latency_interleaves_paired_variants_from_one_prefill(tmp_path):
   by = {r["variant"]["setting"]: r for r in rows}
   assert list(by)[0] == "full" and set(by) == {"full", "window_50", "snapkv_50", "int8"}
   assert by["full"]["metrics"]["tpot_vs_ref"] == 1.0
+  for r in rows:  # the median of per-repeat ratios, inside its interval
+    m, ref = r["metrics"], by["full"]["metrics"]["tpot_s_samples"]
+    paired = sorted(a / b for a, b in zip(m["tpot_s_samples"], ref))
+    assert m["tpot_vs_ref"] == pytest.approx((paired[0] + paired[1]) / 2)
+    assert m["tpot_vs_ref_ci95"][0] <= m["tpot_vs_ref"] <= m["tpot_vs_ref_ci95"][1]
   assert by["window_50"]["variant"]["policy"] == "window"
   assert all(r["metrics"]["tpot_s"] > 0 and r["metrics"]["repeats"] == 2 for r in rows)
   full, win = by["full"]["metrics"]["cache_bytes"], by["window_50"]["metrics"]["cache_bytes"]

@@ -140,11 +140,13 @@ def attention_dot(cfg: config_lib.Config) -> str:
 
 def step_bytes(cfg: config_lib.Config, params, batch: int, held_from: int, steps: int) -> dict:
   """Bytes one decode step must read, averaged over `steps` steps whose caches hold
-  `held_from + 1` ... `held_from + steps` tokens: weights (embedding only if tied) + the live
-  cache (`kvjax.held`: K/V codes, scales, a residual window, lengths), not the capacity."""
-  weights = metrics.tree_bytes(params)
+  `held_from + 1` ... `held_from + steps` tokens: weights at `model.param_dtype` (embedding
+  only if tied) + the live cache (`kvjax.held`: K/V codes, scales, a residual window,
+  lengths), not the capacity."""
+  size = jnp.dtype(cfg.model.param_dtype).itemsize
+  weights = size * sum(a.size for a in jax.tree.leaves(params))
   if not cfg.model.tie_embeddings:
-    weights -= metrics.tree_bytes(params["embed_tokens"])
+    weights -= size * params["embed_tokens"]["embedding"].size
   live = config_lib.replace(cfg, **{"cache.capacity": 0})
   kv = batch * sum(held.count(live, held_from + i).bytes for i in range(1, steps + 1)) / steps
   return {"weight_bytes": weights, "kv_bytes": kv, "step_bytes": weights + kv}
@@ -239,12 +241,10 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
   cfgs = ex.interleaved(cfg)
   if cfgs:
     return _interleaved_cell(cfg, cfgs)
-  w = cfg.workload
-  params = ex.random_params(cfg.model, cfg.seed)
+  w, params = cfg.workload, ex.random_params(cfg.model, cfg.seed)
   steps = max(w.gen_len - 1, 1)
   timer = FilledDecode(cfg, params, w.batch, w.prompt_len, steps, capacity(cfg))
-  meter = Bandwidth(cfg.param("bandwidth_mib", 512))
-  probe = DotProbe()
+  meter, probe = Bandwidth(cfg.param("bandwidth_mib", 512)), DotProbe()
   timer.once()  # warm-up
   # Each repeat measures the bandwidth right before its decode and pairs the two: a slow
   # phase of a shared machine (seconds long) slows both, and their ratio stands.

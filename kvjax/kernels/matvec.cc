@@ -2,13 +2,17 @@
 // call: y[M, N] = x[M, E] . W, W stored [E, N] (a projection's kernel). Each weight is
 // widened in a register where it is used (bf16 is the top half of a float32) and read from
 // memory once per call, so a decode step reads its weights at their stored bytes; XLA:CPU
-// widens a bf16 matrix into a float32 copy first. Column stripes are split across XLA's
-// intra-op thread pool. For the few rows of a decode step (M <= 16); longer inputs stay
-// with XLA's dot.
+// widens a bf16 matrix into a float32 copy first. The work is split across XLA's intra-op
+// thread pool in one of two ways: for one or two rows of x (batch-1 and -2 decode, where
+// streaming W in memory order decides the time) by blocks of W's rows, each thread's
+// partial sums added after; otherwise by stripes of columns, each weight widened once for
+// every row of x. For the few rows of a decode step (M <= 16); longer inputs stay with
+// XLA's dot.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -45,7 +49,7 @@ inline float widen1(uint16_t w) {
   return f;
 }
 
-constexpr int CW = 256;  // [E, N]: columns a task owns (512 contiguous bytes of each row)
+constexpr int CW = 256;  // [E, N]: most columns a task owns (512 contiguous bytes of each row)
 constexpr int PF = 8;    // weight rows prefetched ahead
 
 // y[j][c0 : c0 + cw] for R rows of x: the task's stripe of every weight row in turn, four
@@ -80,10 +84,10 @@ void nn_rows(const float* x, int64_t E, const uint16_t* w, int64_t N, int64_t c0
   for (int j = 0; j < R; ++j) std::memcpy(y + j * N + c0, acc[j], cw * 4);
 }
 
-// One task: columns [c0, c0 + CW) of every row (the last task may be narrower).
+// One task: columns [c0, c0 + width) of every row (the last task may be narrower).
 void nn_task(const float* x, int64_t M, int64_t E, const uint16_t* w, int64_t N, int64_t c0,
-             float* y) {
-  int cw = int(std::min<int64_t>(CW, N - c0));
+             int64_t width, float* y) {
+  int cw = int(std::min<int64_t>(width, N - c0));
   if (cw % 8) {  // a ragged tail: plainly
     for (int64_t m = 0; m < M; ++m)
       for (int64_t c = c0; c < c0 + cw; ++c) {
@@ -106,6 +110,77 @@ void nn_task(const float* x, int64_t M, int64_t E, const uint16_t* w, int64_t N,
   }
 }
 
+constexpr int64_t ROW_SPLIT_MAX_N = 4096;  // the row-split form's widest output
+constexpr int64_t ROW_SPLIT_MAX_M = 2;     // and most rows of x (each row re-widens W)
+
+#ifdef __AVX2__
+// The row-split form: rows [k0, k1) of W, every column, added into acc[M][N], which holds
+// each 16 columns in even/odd order (unpermute16 restores it). W is streamed front to
+// back, KB rows at a time: one 32-byte load is 16 bf16, whose even and odd halves become
+// floats by one shift and one mask (no widening shuffle), and the accumulators are loaded
+// and stored once per KB rows. Rows PF_ROWS ahead are prefetched.
+template <int KB>
+void nn_rowblock(const float* x, int64_t M, int64_t E, const uint16_t* w, int64_t N,
+                 int64_t k0, int64_t k1, float* acc) {
+  constexpr int PF_ROWS = 32;
+  const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
+  for (int64_t k = k0; k + KB <= k1; k += KB) {
+    const uint16_t* w0 = w + k * N;
+    const bool pf = KB > 1 && k + PF_ROWS + KB <= k1;
+    for (int64_t j = 0; j < M; ++j) {
+      __m256 xs[KB];
+      for (int i = 0; i < KB; ++i) xs[i] = _mm256_set1_ps(x[j * E + k + i]);
+      float* a = acc + j * N;
+      for (int64_t c = 0; c < N; c += 16) {
+        if (pf && j == 0 && (c & 31) == 0)
+          for (int i = 0; i < KB; ++i) __builtin_prefetch(w0 + (PF_ROWS + i) * N + c);
+        __m256 se = _mm256_loadu_ps(a + c), so = _mm256_loadu_ps(a + c + 8);
+        for (int i = 0; i < KB; ++i) {
+          __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + i * N + c));
+          se = _mm256_fmadd_ps(xs[i], _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), se);
+          so = _mm256_fmadd_ps(xs[i], _mm256_castsi256_ps(_mm256_and_si256(v, high)), so);
+        }
+        _mm256_storeu_ps(a + c, se);
+        _mm256_storeu_ps(a + c + 8, so);
+      }
+    }
+  }
+}
+
+// y[0 : n] from acc in even/odd order per 16 columns (n a multiple of 16).
+void unpermute16(const float* acc, int64_t n, float* y) {
+  for (int64_t c = 0; c < n; c += 16) {
+    __m256 e = _mm256_loadu_ps(acc + c), o = _mm256_loadu_ps(acc + c + 8);
+    __m256 a = _mm256_unpacklo_ps(e, o), b = _mm256_unpackhi_ps(e, o);  // 0-3|8-11, 4-7|12-15
+    _mm256_storeu_ps(y + c, _mm256_permute2f128_ps(a, b, 0x20));
+    _mm256_storeu_ps(y + c + 8, _mm256_permute2f128_ps(a, b, 0x31));
+  }
+}
+
+// y = x . W by row blocks of W, one per thread (a multiple of 8 rows each), the threads'
+// partial sums added after: for one or two rows of x, where each weight is used once or
+// twice and streaming W in order is what decides the time.
+void row_split(ffi::ThreadPool& pool, int64_t threads, const float* x, int64_t M, int64_t E,
+               const uint16_t* w, int64_t N, float* y) {
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(threads, E / 8));
+  const int64_t rows = (E / 8 + tasks - 1) / tasks * 8;
+  std::vector<float> part(size_t(tasks) * M * N, 0.f);
+  kvjax::parallel_for(pool, tasks, [&](int64_t t) {
+    const int64_t k0 = std::min<int64_t>(E, t * rows);
+    const int64_t k1 = t + 1 == tasks ? E : std::min<int64_t>(E, k0 + rows);
+    float* acc = part.data() + t * M * N;
+    const int64_t k8 = k0 + (k1 - k0) / 8 * 8;
+    nn_rowblock<8>(x, M, E, w, N, k0, k8, acc);
+    nn_rowblock<1>(x, M, E, w, N, k8, k1, acc);
+  });
+  for (int64_t t = 1; t < tasks; ++t) {
+    const float* p = part.data() + t * M * N;
+    for (int64_t i = 0; i < M * N; ++i) part[i] += p[i];
+  }
+  for (int64_t j = 0; j < M; ++j) unpermute16(part.data() + j * N, N, y + j * N);
+}
+#endif
+
 ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                   ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions();
@@ -118,8 +193,22 @@ ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   const float* xp = x.typed_data();
   const uint16_t* wp = static_cast<const uint16_t*>(w.untyped_data());  // bf16 bits
   float* yp = y->typed_data();
-  kvjax::parallel_for(pool, (N + CW - 1) / CW, [&](int64_t it) {
-    nn_task(xp, M, E, wp, N, it * CW, yp);
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+#ifdef __AVX2__
+  if (M <= ROW_SPLIT_MAX_M && N % 16 == 0 && N <= ROW_SPLIT_MAX_N) {
+    row_split(pool, threads, xp, M, E, wp, N, yp);
+    return ffi::Error::Success();
+  }
+#endif
+  // Stripes of at most CW columns, a multiple of 8 wide, as many as a multiple of the
+  // pool's threads where the columns allow: a projection of 576 columns is 4 stripes of
+  // 144 on 2 threads, not 3 of 256 with one thread doing two.
+  const int64_t groups = (N + 7) / 8;
+  int64_t parts = std::max<int64_t>((N + CW - 1) / CW, threads);
+  parts = std::min<int64_t>((parts + threads - 1) / threads * threads, groups);
+  const int64_t width = (groups + parts - 1) / parts * 8;
+  kvjax::parallel_for(pool, (N + width - 1) / width, [&](int64_t it) {
+    nn_task(xp, M, E, wp, N, it * width, width, yp);
   });
   return ffi::Error::Success();
 }

@@ -262,3 +262,30 @@ def test_decode_step_never_materializes_a_dequantized_cache(name):
   layer_f32 = 2 * m.n_kv_heads * S * m.D * 4
   assert temp < layer_f32
   assert temp < m.n_layers * layer_f32 / 4
+
+
+@pytest.mark.parametrize("k_axis", ["token", "channel"])
+def test_windowed_write_updates_the_store_in_place(k_axis):
+  """A decode step with a residual window writes the block leaving it into the history
+  without copying the history: no instruction of the compiled step outputs a buffer of the
+  whole store's shape except the in-place update itself (one per stored K/V leaf). Writing
+  whole blocks through a reshaped view of the store made XLA:CPU change its layout and copy
+  every code of every layer back, each step (a per-token cost the read never saw)."""
+  import re
+  from kvjax import experiments as ex
+  cfg = config.load(None, {"model.vocab_size": 64, "model.d_model": 32, "model.n_layers": 2,
+                           "model.n_heads": 4, "model.n_kv_heads": 2, "model.d_ff": 48,
+                           "cache.codec": "int4", "cache.group_size": 4, "cache.residual": 16,
+                           "cache.k_axis": k_axis})
+  params = ex.random_params(cfg.model, 0)
+  prog = program.Program(cfg, params, program.Shape(1, 0, 512 + 8, 4, context=512)).compile()
+  cache = prog.fresh()
+  stores = {tuple(a.shape) for a in jax.tree.leaves((cache.k, cache.v)) if a.size >= 512}
+  assert stores
+  hits = []
+  for line in prog.dec.as_text().split("\n"):
+    m = re.search(r"= \w+\[([\d,]*)\]\{[^}]*\} (\w[\w\-]*)\(", line)
+    if m and m.group(1) and tuple(int(x) for x in m.group(1).split(",")) in stores:
+      hits.append(m.group(2))
+  assert "copy" not in hits, hits
+  assert {"fusion", "scatter", "dynamic-update-slice"} & set(hits)  # the write itself

@@ -169,15 +169,15 @@ class Contiguous(base.Layout):
 
 
 def scatter_blocks(blk_BJ):
-  """Like `base.scatter`, for leaves holding J encoded blocks: block j goes to block blk_BJ[b, j]."""
+  """Like `base.scatter`, for leaves holding J encoded blocks: block j goes to block
+  blk_BJ[b, j] (a block beyond the store is dropped). Written as a scatter of the blocks'
+  rows on the store's own shape: a scatter of whole blocks on a [.., S / r, r, ..] view of
+  it made XLA:CPU give the result another layout and copy the whole store back, every step."""
   def put(store, new):
     J = blk_BJ.shape[1]
-    L, B, K, rows = new.shape[:4]
-    r = rows // J  # leaf rows per block (U codes rows, or 1 scale row for a channel codec)
-    store5 = store.reshape(L, B, K, store.shape[3] // r, r, *store.shape[4:])
-    new5 = new.reshape(L, B, K, J, r, *new.shape[4:])
-    out = base.scatter(blk_BJ)(store5, new5)
-    return out.reshape(store.shape)
+    r = new.shape[3] // J  # leaf rows per block (U code rows, or 1 scale row of a channel codec)
+    rows_BJr = blk_BJ[:, :, None] * r + jnp.arange(r)[None, None, :]
+    return base.scatter(rows_BJr.reshape(blk_BJ.shape[0], J * r))(store, new)
   return put
 
 

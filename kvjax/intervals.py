@@ -124,3 +124,10 @@ def median_ci(samples: list[float]) -> list[float]:
   r = stats.bootstrap((a,), np.median, confidence_level=0.95, n_resamples=2000,
                       method="percentile", random_state=0)
   return [float(r.confidence_interval.low), float(r.confidence_interval.high)]
+
+
+def paired_ratio(samples: list[float], reference: list[float]) -> tuple[float, list[float]]:
+  """The median of per-repeat ratios samples[i] / reference[i] (times taken in the same
+  repeat), with its 95 % bootstrap interval (`median_ci`)."""
+  ratios = [a / b for a, b in zip(samples, reference)]
+  return float(np.median(ratios)), median_ci(ratios)

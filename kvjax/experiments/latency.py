@@ -101,10 +101,10 @@ def _interleaved_cell(cfg: config_lib.Config, cfgs: dict) -> list[dict]:
   rows = []
   for name, m in res.items():
     c = cfgs[name].cache
-    paired = [a / b for a, b in zip(m["tpot_s_samples"], ref)]
+    ratio, ci = intervals.paired_ratio(m["tpot_s_samples"], ref)
     # what the prefilled cache held (a policy's budget plus the decode room), per slot
-    m.update({"tokens_per_s": w.batch / m["tpot_s"], "tpot_vs_ref": float(np.median(paired)),
-              "tpot_vs_ref_ci95": intervals.median_ci(paired),
+    m.update({"tokens_per_s": w.batch / m["tpot_s"], "tpot_vs_ref": ratio,
+              "tpot_vs_ref_ci95": ci,
               "bytes_per_token": m["cache_bytes"] / (w.batch * S),
               "bytes_per_token_asymptotic": held.asymptotic(cfgs[name]),
               **roofline.roofs(cfgs[name], params, w.batch, w.prompt_len, timers[name].steps,

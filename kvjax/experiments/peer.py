@@ -169,16 +169,16 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
   threads = int(cfg.param("threads", 0))
   with tempfile.TemporaryDirectory() as folder, hf_peers.same_threads(threads) as n:
     hf_model, kcfg, params = _models(cfg, folder)
-    timers, cfgs, pparams = {}, {}, {}
+    timers, cfgs = {}, {}
     filled = _filled(cfg)
     for peer in peers:
       if peer.startswith("kvjax"):
-        cfgs[peer], pparams[peer] = pcfg, pp = _kvjax_peer(peer, kcfg, params)
+        cfgs[peer] = pcfg = _kvjax_config_of(peer, kcfg)
         prepare = peer != "kvjax_nnscan"  # stacked params run the nn.scan program
-        timers[peer] = (KvjaxFilledTimer(pcfg, pp, w.batch, w.prompt_len, w.gen_len - 1,
+        timers[peer] = (KvjaxFilledTimer(pcfg, params, w.batch, w.prompt_len, w.gen_len - 1,
                                          prepare=prepare)
                         if filled else
-                        KvjaxTimer(pcfg, pp, tokens, lengths, steps=w.gen_len - 1,
+                        KvjaxTimer(pcfg, params, tokens, lengths, steps=w.gen_len - 1,
                                    capacity=w.prompt_len + w.gen_len, prepare=prepare))
       elif filled:
         timers[peer] = hf_peers.HFFilledTimer(hf_model, w.batch, w.prompt_len, w.gen_len - 1,
@@ -206,12 +206,11 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
     m["tokens_per_s"] = w.batch / m["tpot_s"]
     m.update(bandwidth_Bps=bw, dot_Fps=rate)
     if peer in cfgs:
-      m.update(roofline.roofs(cfgs[peer], pparams[peer], w.batch, w.prompt_len, w.gen_len - 1,
+      m.update(roofline.roofs(cfgs[peer], params, w.batch, w.prompt_len, w.gen_len - 1,
                               m["tpot_s"], bw, rate))
     if base:
-      paired = [a / b for a, b in zip(m["tpot_s_samples"], base)]
-      m["tpot_vs_kvjax"] = float(np.median(paired))
-      m["tpot_vs_kvjax_ci95"] = intervals.median_ci(paired)
+      m["tpot_vs_kvjax"], m["tpot_vs_kvjax_ci95"] = intervals.paired_ratio(
+          m["tpot_s_samples"], base)
       m["ttft_vs_kvjax"] = m["ttft_s"] / results["kvjax"]["ttft_s"]  # NaN when filled
     if peer != "kvjax":
       m["agreement"] = float(np.mean(theirs[peer] == ours))
@@ -228,16 +227,14 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
   return rows
 
 
-def _kvjax_peer(peer: str, cfg: config_lib.Config, params) -> tuple[config_lib.Config, dict]:
-  """The config and params a kvjax peer runs: the default's, unrolled, or bf16 weights."""
+def _kvjax_config_of(peer: str, cfg: config_lib.Config) -> config_lib.Config:
+  """The config a kvjax peer runs: the default's, unrolled, or with bf16 weights (the step
+  casts the shared params to `model.param_dtype`, `step.prepare_params`)."""
   if peer == "kvjax_unrolled":
-    return config_lib.replace(cfg, **{"model.scan_unroll": cfg.model.n_layers}), params
+    return config_lib.replace(cfg, **{"model.scan_unroll": cfg.model.n_layers})
   if peer == "kvjax_bf16w":
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
-    return (config_lib.replace(cfg, **{"model.param_dtype": "bfloat16"}),
-            jax.tree.map(lambda a: a.astype(jnp.bfloat16), params))
-  return cfg, params
+    return config_lib.replace(cfg, **{"model.param_dtype": "bfloat16"})
+  return cfg
 
 
 def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int:

@@ -223,10 +223,10 @@ def _interleaved_cell(cfg: config_lib.Config, cfgs: dict) -> list[dict]:
   rows = []
   for n in names:
     t = metrics.summarize(ts[n])
-    paired = [a / b for a, b in zip(ts[n], ts[ref])]
+    ratio, ci = intervals.paired_ratio(ts[n], ts[ref])
     m = {"tpot_s": t["median"], "tpot_s_iqr": t["iqr"], "tpot_s_min": t["min"],
-         "repeats": t["n"], "tpot_vs_ref": float(np.median(paired)),
-         "tpot_vs_ref_ci95": intervals.median_ci(paired), "tpot_s_samples": ts[n],
+         "repeats": t["n"], "tpot_vs_ref": ratio,
+         "tpot_vs_ref_ci95": ci, "tpot_s_samples": ts[n],
          "tokens_per_s": w.batch / t["median"], **held.count(cfgs[n], w.prompt_len).fields()}
     m.update(roofs(cfgs[n], params, w.batch, w.prompt_len, steps, t["median"], bw, rate))
     m.update({"roofline_fraction": m["ideal_s"] / t["median"], "kv_fraction": m["kv_bytes"]

@@ -17,6 +17,9 @@ A generated block sits between `<!-- doc_tables:NAME begin -->` and
             targets (needles at 50 % of the fp32 bytes, the best combination at 12.5 %).
   evict_speed  results/cpu/compression_speed/latency.jsonl: decode step time per policy
             and codec at ~4k tokens, relative to the full fp32 cache, with the load.
+  paired    results/cpu/roofline_smollm2_paired/roofline.jsonl: every codec's decode step
+            against bf16's in the same (batch, context) cells, with its interval and the
+            fraction of the binding roof.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ DOC = ROOT / "docs" / "experiments.md"
 SOURCES = {"quality": ROOT / "results" / "quality.jsonl",
            "real": ROOT / "results" / "real" / "quality.jsonl",
            "evict": ROOT / "results" / "real" / "evict" / "long_context.jsonl",
-           "evict_speed": ROOT / "results" / "cpu" / "compression_speed" / "latency.jsonl"}
+           "evict_speed": ROOT / "results" / "cpu" / "compression_speed" / "latency.jsonl",
+           "paired": ROOT / "results" / "cpu" / "roofline_smollm2_paired" / "roofline.jsonl"}
 MODEL_ORDER = ("MHA", "GQA-2", "GQA-4", "GQA-8", "MQA")
 LIMIT = 1.0  # the Δppl (%) that the "within" sentence tests
 
@@ -447,8 +451,50 @@ def evict_speed_table(rows: list[dict]) -> str:
   return out
 
 
+def paired_table(rows: list[dict]) -> str:
+  """One line per setting, one column per (batch, context) cell: step time, the median of the
+  per-repeat ratios to the reference's step with its interval, and the fraction of the
+  binding roof (b: bytes bind, f: FLOPs bind)."""
+  rows = [r for r in rows if r["experiment"] == "roofline" and "tpot_vs_ref" in r["metrics"]]
+  if not rows:
+    raise SystemExit("doc_tables: no paired roofline rows; run `kvjax run "
+                     "configs/roofline_smollm2_paired.yaml --out results/cpu/roofline_smollm2_paired`")
+  cells = sorted({(r["workload"]["batch"], r["workload"]["context"]) for r in rows})
+  by = {(r["variant"]["setting"], r["workload"]["batch"], r["workload"]["context"]): r
+        for r in rows}
+  ref = next(r["variant"]["setting"] for r in rows if r["metrics"]["tpot_vs_ref_ci95"] == [1.0, 1.0])
+  settings = sorted({r["variant"]["setting"] for r in rows}, key=lambda s: (s != ref, s))
+  last = cells[-1]
+  lines = [f"| setting | bits/elt at {last[1] // 1024}k | "
+           + " | ".join(f"batch {b} × {c // 1024}k" for b, c in cells) + " |",
+           "|---|---|" + "---|" * len(cells)]
+  for s in settings:
+    out = []
+    for b, c in cells:
+      r = by.get((s, b, c))
+      if r is None:
+        out.append("not run")
+        continue
+      m = r["metrics"]
+      out.append(f"{1e3 * m['tpot_s']:.1f} ms, {m['tpot_vs_ref']:.2f}×"
+                 f"{_ci(m.get('tpot_vs_ref_ci95'), '{:.2f}'.format)} "
+                 f"({m['roof_fraction']:.2f} {m['bound'][0]})")
+    bits = by.get((s, *last), {}).get("metrics", {}).get("bits_per_element")
+    lines.append(f"| {s} | {'' if bits is None else f'{bits:.1f}'} | " + " | ".join(out) + " |")
+  env = rows[0]["env"]
+  bw = [r["metrics"]["bandwidth_Bps"] / 1e9 for r in rows]
+  loads = [r["env"]["load_avg"][0] for r in rows if r["env"].get("load_avg")]
+  return "\n".join(lines) + (
+      f"\n\nRows: `results/cpu/roofline_smollm2_paired/roofline.jsonl` (commit "
+      f"{env.get('git_commit', '?')}), {rows[0]['metrics']['repeats']} repeats per cell, "
+      f"ratios to `{ref}`. {env['cpu_count']} CPU cores: bandwidth probe "
+      f"{min(bw):.1f}–{max(bw):.1f} GB/s"
+      + (f", 1-minute load average {min(loads):.2f}–{max(loads):.2f} when the rows were written"
+         if loads else "") + ".")
+
+
 BUILDERS = {"quality": quality_table, "real": real_table, "evict": evict_table,
-            "evict_speed": evict_speed_table}
+            "evict_speed": evict_speed_table, "paired": paired_table}
 
 
 def render(doc: str, blocks: dict[str, str]) -> str:

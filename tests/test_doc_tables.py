@@ -142,3 +142,27 @@ def test_real_table_prints_intervals_when_rows_have_them(doc_tables):
       "not told apart." in text
   peer["metrics"]["dppl_rel_ci95"] = [0.012, 0.017]
   assert "are separated." in doc_tables.real_table(rows + [peer])
+
+
+def test_paired_table_has_a_column_per_cell_and_follows_the_rows(doc_tables):
+  def paired(setting, batch, context, tpot, ratio, ci, bound="bytes", frac=0.5):
+    return {"experiment": "roofline", "variant": {"setting": setting},
+            "workload": {"batch": batch, "context": context},
+            "metrics": {"tpot_s": tpot, "tpot_vs_ref": ratio, "tpot_vs_ref_ci95": ci,
+                        "roof_fraction": frac, "bound": bound, "bits_per_element": 4.5,
+                        "bandwidth_Bps": 15e9, "repeats": 7},
+            "env": {"cpu_count": 2, "git_commit": "abc1234", "load_avg": [1.5, 1.0, 1.0]}}
+  rows = [paired("bf16", 1, 1024, 0.05, 1.0, [1.0, 1.0]),
+          paired("int4", 1, 1024, 0.045, 0.9, [0.85, 0.95]),
+          paired("bf16", 8, 4096, 0.3, 1.0, [1.0, 1.0], "flops", 0.42),
+          paired("int4", 8, 4096, 0.27, 0.9, [0.8, 1.02], "flops", 0.47)]
+  text = doc_tables.paired_table(rows)
+  assert "| setting | bits/elt at 4k | batch 1 × 1k | batch 8 × 4k |" in text
+  assert "| int4 | 4.5 | 45.0 ms, 0.90× [0.85, 0.95] (0.50 b) | " \
+      "270.0 ms, 0.90× [0.80, 1.02] (0.47 f) |" in text
+  assert text.index("| bf16 |") < text.index("| int4 |")  # the reference first
+  assert "(commit abc1234), 7 repeats per cell, ratios to `bf16`" in text
+  rows[3]["metrics"]["tpot_vs_ref"] = 0.7  # one row moves: its cell moves with it
+  assert "0.70× [0.80, 1.02]" in doc_tables.paired_table(rows)
+  assert "| int4 |  | 45.0 ms, 0.90× [0.85, 0.95] (0.50 b) | not run |" in \
+      doc_tables.paired_table(rows[:3])

@@ -20,6 +20,8 @@ A generated block sits between `<!-- doc_tables:NAME begin -->` and
   paired    results/cpu/roofline_smollm2_paired/roofline.jsonl: every codec's decode step
             against bf16's in the same (batch, context) cells, with its interval and the
             fraction of the binding roof.
+  codec_speed  results/cpu/codec_speed/latency.jsonl: every codec's decode step against
+            bf16's per read and context at a small MHA shape, with its interval.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ SOURCES = {"quality": ROOT / "results" / "quality.jsonl",
            "real": ROOT / "results" / "real" / "quality.jsonl",
            "evict": ROOT / "results" / "real" / "evict" / "long_context.jsonl",
            "evict_speed": ROOT / "results" / "cpu" / "compression_speed" / "latency.jsonl",
-           "paired": ROOT / "results" / "cpu" / "roofline_smollm2_paired" / "roofline.jsonl"}
+           "paired": ROOT / "results" / "cpu" / "roofline_smollm2_paired" / "roofline.jsonl",
+           "codec_speed": ROOT / "results" / "cpu" / "codec_speed" / "latency.jsonl"}
 MODEL_ORDER = ("MHA", "GQA-2", "GQA-4", "GQA-8", "MQA")
 LIMIT = 1.0  # the Δppl (%) that the "within" sentence tests
 
@@ -493,8 +496,52 @@ def paired_table(rows: list[dict]) -> str:
          if loads else "") + ".")
 
 
+_READS = {"native": "native", "grouped": "grouped (XLA)"}
+
+
+def codec_speed_table(rows: list[dict]) -> str:
+  """One line per (read, context), one column per setting but the reference: the median of
+  the per-repeat ratios to the reference's step, with its interval; the reference's own
+  step time and binding roof in the last two columns."""
+  rows = [r for r in rows if r["experiment"] == "latency" and "tpot_vs_ref" in r["metrics"]]
+  if not rows:
+    raise SystemExit("doc_tables: no codec step-time rows; run `kvjax run "
+                     "configs/codec_speed.yaml --out results/cpu/codec_speed`")
+  is_ref = lambda r: r["metrics"].get("tpot_vs_ref_ci95") == [1.0, 1.0] or (  # noqa: E731
+      "tpot_vs_ref_ci95" not in r["metrics"] and r["metrics"]["tpot_vs_ref"] == 1.0)
+  ref = next(r["variant"]["setting"] for r in rows if is_ref(r))
+  settings = list(dict.fromkeys(r["variant"]["setting"] for r in rows if
+                                r["variant"]["setting"] != ref))
+  keys = list(dict.fromkeys((r["variant"]["attention"], r["workload"]["context"]) for r in rows))
+  keys.sort(key=lambda k: (list(_READS).index(k[0]) if k[0] in _READS else len(_READS), k[1]))
+  by = {(r["variant"]["attention"], r["workload"]["context"], r["variant"]["setting"]): r
+        for r in rows}
+  ctx = lambda c: f"{c // 1024}k" if c % 1024 == 0 else f"{c}"  # noqa: E731
+  lines = ["| read, context | " + " | ".join(settings) + f" | {ref} step | {ref} bound |",
+           "|---|" + "---|" * (len(settings) + 2)]
+  for a, c in keys:
+    cells = []
+    for s in settings:
+      r = by.get((a, c, s))
+      cells.append("not run" if r is None else f"{r['metrics']['tpot_vs_ref']:.2f}"
+                   f"{_ci(r['metrics'].get('tpot_vs_ref_ci95'), '{:.2f}'.format)}")
+    m = by[(a, c, ref)]["metrics"]
+    lines.append(f"| {_READS.get(a, a)}, {ctx(c)} | " + " | ".join(cells) +
+                 f" | {1e3 * m['tpot_s']:.2f} ms | {m.get('bound', '?')} |")
+  env = rows[0]["env"]
+  loads = [r["env"]["load_avg"][0] for r in rows if r["env"].get("load_avg")]
+  return "\n".join(lines) + (
+      f"\n\nRows: `results/cpu/codec_speed/latency.jsonl` (commit {env.get('git_commit', '?')}), "
+      f"{rows[0]['metrics']['repeats']} repeats per cell; each cell is the median of the "
+      f"per-repeat ratios to `{ref}`, in brackets its bootstrap 95 % interval. "
+      f"{env['cpu_count']} CPU cores"
+      + (f", 1-minute load average {min(loads):.2f}–{max(loads):.2f} when the rows were written"
+         if loads else "") + ".")
+
+
 BUILDERS = {"quality": quality_table, "real": real_table, "evict": evict_table,
-            "evict_speed": evict_speed_table, "paired": paired_table}
+            "evict_speed": evict_speed_table, "paired": paired_table,
+            "codec_speed": codec_speed_table}
 
 
 def render(doc: str, blocks: dict[str, str]) -> str:

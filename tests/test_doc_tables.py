@@ -166,3 +166,21 @@ def test_paired_table_has_a_column_per_cell_and_follows_the_rows(doc_tables):
   assert "0.70× [0.80, 1.02]" in doc_tables.paired_table(rows)
   assert "| int4 |  | 45.0 ms, 0.90× [0.85, 0.95] (0.50 b) | not run |" in \
       doc_tables.paired_table(rows[:3])
+
+
+def test_codec_speed_table_has_a_line_per_read_and_context(doc_tables):
+  def lat(setting, attention, context, ratio, ci, tpot=0.002):
+    return {"experiment": "latency", "variant": {"setting": setting, "attention": attention},
+            "workload": {"context": context},
+            "metrics": {"tpot_s": tpot, "tpot_vs_ref": ratio, "tpot_vs_ref_ci95": ci,
+                        "bound": "bytes", "repeats": 11},
+            "env": {"cpu_count": 2, "git_commit": "abc1234", "load_avg": [1.0, 1.0, 1.0]}}
+  rows = [lat("bf16", "grouped", 256, 1.0, [1.0, 1.0], 0.004), lat("int8", "grouped", 256, 0.9, [0.85, 0.95]),
+          lat("bf16", "native", 4096, 1.0, [1.0, 1.0]), lat("int8", "native", 4096, 0.8, [0.75, 0.82]),
+          lat("bf16", "native", 256, 1.0, [1.0, 1.0])]
+  text = doc_tables.codec_speed_table(rows)
+  assert "| read, context | int8 | bf16 step | bf16 bound |" in text
+  lines = [ln for ln in text.splitlines() if ln.startswith("| native") or ln.startswith("| grouped")]
+  assert lines == ["| native, 256 | not run | 2.00 ms | bytes |",  # native first, by context
+                   "| native, 4k | 0.80 [0.75, 0.82] | 2.00 ms | bytes |",
+                   "| grouped (XLA), 256 | 0.90 [0.85, 0.95] | 4.00 ms | bytes |"]

@@ -42,8 +42,13 @@ reproduce: install-test
 models: install
 	$(BIN)/kvjax models fetch
 
+# The suite on every core, up to TEST_WORKERS processes (pytest-xdist): it is compile-bound
+# and XLA compiles on one thread. loadfile keeps each test module on one worker, so a
+# module's fixtures are built once (worksteal, which splits modules, ran longer here).
+# `pytest` alone runs it in one process.
+TEST_WORKERS ?= 4
 test: install-test models
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --maxprocesses $(TEST_WORKERS) --dist loadfile
 
 # One thread of the CPU read kernel's fused scan per codec, without jax (scripts/bench_read_kernel.cc):
 # the kernel's own arithmetic, apart from the rest of a decode step. Run on an idle machine.

@@ -22,6 +22,8 @@ A generated block sits between `<!-- doc_tables:NAME begin -->` and
             fraction of the binding roof.
   codec_speed  results/cpu/codec_speed/latency.jsonl: every codec's decode step against
             bf16's per read and context at a small MHA shape, with its interval.
+  layer_bits  results/real/layer_bits.jsonl: SmolLM2's Δppl with K and V codecs chosen per
+            layer (scripts/layer_bits.py), with bits per element and intervals.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ SOURCES = {"quality": ROOT / "results" / "quality.jsonl",
            "evict": ROOT / "results" / "real" / "evict" / "long_context.jsonl",
            "evict_speed": ROOT / "results" / "cpu" / "compression_speed" / "latency.jsonl",
            "paired": ROOT / "results" / "cpu" / "roofline_smollm2_paired" / "roofline.jsonl",
-           "codec_speed": ROOT / "results" / "cpu" / "codec_speed" / "latency.jsonl"}
+           "codec_speed": ROOT / "results" / "cpu" / "codec_speed" / "latency.jsonl",
+           "layer_bits": ROOT / "results" / "real" / "layer_bits.jsonl"}
 MODEL_ORDER = ("MHA", "GQA-2", "GQA-4", "GQA-8", "MQA")
 LIMIT = 1.0  # the Δppl (%) that the "within" sentence tests
 
@@ -539,9 +542,42 @@ def codec_speed_table(rows: list[dict]) -> str:
          if loads else "") + ".")
 
 
+def _layers(text: str) -> str:
+  a, _, b = text.partition("-")
+  return f"layer {a}" if not b or a == b else f"layers {a}–{b}"
+
+
+def describe_layer_bits(v: dict) -> str:
+  kind, _, arg = v["setting"].partition(":")
+  base = f"{v['base']}" + (" (rotated)" if v.get("rotate", "none") != "none" else "")
+  return {"all4": f"{base} on every layer, K and V",
+          "k4": f"{base} keys only, values float32",
+          "v4": f"{base} values only, keys float32",
+          "only": f"{base} on {_layers(arg)} only, float32 elsewhere",
+          "k8": f"all4, keys of {_layers(arg)} in int8",
+          "kv8": f"all4, keys and values of {_layers(arg)} in int8"}.get(kind, v["setting"])
+
+
+def layer_bits_table(rows: list[dict]) -> str:
+  rows = [r for r in rows if r["experiment"] == "layer_bits"]
+  if not rows:
+    raise SystemExit("doc_tables: no layer_bits rows; run the commands of "
+                     "results/real/layer_bits.jsonl in results/MANIFEST.yaml")
+  lines = ["| setting | what | bits/elt | Δppl |", "|---|---|---|---|"]
+  for r in rows:
+    m = r["metrics"]
+    lines.append(f"| {r['variant']['setting']} | {describe_layer_bits(r['variant'])} | "
+                 f"{m['bits_per_element']:.2f} | {_signed(100 * m['dppl_rel'])}{_pct_ci(m)} |")
+  w = rows[0]["workload"]
+  return "\n".join(lines) + (
+      f"\n\nRows: `results/real/layer_bits.jsonl`, {w['model']}, {w['seqs']} × "
+      f"{w['tokens']:,} {w['text']} tokens fed {w['chunk']} per step; Δppl = ppl / ppl of the "
+      f"fp32 cache − 1, in brackets its paired-bootstrap 95 % interval.")
+
+
 BUILDERS = {"quality": quality_table, "real": real_table, "evict": evict_table,
             "evict_speed": evict_speed_table, "paired": paired_table,
-            "codec_speed": codec_speed_table}
+            "codec_speed": codec_speed_table, "layer_bits": layer_bits_table}
 
 
 def render(doc: str, blocks: dict[str, str]) -> str:

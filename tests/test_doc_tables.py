@@ -184,3 +184,18 @@ def test_codec_speed_table_has_a_line_per_read_and_context(doc_tables):
   assert lines == ["| native, 256 | not run | 2.00 ms | bytes |",  # native first, by context
                    "| native, 4k | 0.80 [0.75, 0.82] | 2.00 ms | bytes |",
                    "| grouped (XLA), 256 | 0.90 [0.85, 0.95] | 4.00 ms | bytes |"]
+
+
+def test_layer_bits_table_describes_each_setting(doc_tables):
+  def lb(setting, bits, dppl, ci):
+    return {"experiment": "layer_bits",
+            "variant": {"setting": setting, "base": "int4", "rotate": "hadamard"},
+            "workload": {"model": "gguf:m", "seqs": 2, "tokens": 64, "text": "stdlib", "chunk": 8},
+            "metrics": {"bits_per_element": bits, "dppl_rel": dppl, "dppl_rel_ci95": ci}}
+  text = doc_tables.layer_bits_table([lb("all4", 4.5, 0.0139, [0.0102, 0.0176]),
+                                      lb("k8:10-29", 5.75, 0.0027, [0.0008, 0.0046]),
+                                      lb("only:3", 27.4, 0.001, [-0.001, 0.002])])
+  assert "| all4 | int4 (rotated) on every layer, K and V | 4.50 | +1.4 % [+1, +1.8] |" in text
+  assert "| k8:10-29 | all4, keys of layers 10–29 in int8 | 5.75 | +0.27 % [+0.08, +0.46] |" in text
+  assert "| only:3 | int4 (rotated) on layer 3 only, float32 elsewhere |" in text
+  assert "2 × 64 stdlib tokens fed 8 per step" in text

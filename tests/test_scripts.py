@@ -88,3 +88,51 @@ def test_bench_pallas_smoke(tmp_path):
   assert proc.returncode == 0, proc.stderr[-2000:]
   rows = _rows(out)
   assert rows and all(r["smoke"] for r in rows)  # CPU: interpret mode, flagged as a smoke run
+
+
+def test_layer_bits_simulated_cache_reads_what_the_codec_cache_holds():
+  """scripts/layer_bits.py's per-layer cache (a float32 store whose writes pass each layer
+  through its own codec) gives the log-probabilities of the real codec cache when every
+  layer has that codec, in a rotated basis too; and its bits per element follow the
+  per-layer codecs."""
+  import importlib.util
+
+  import jax.numpy as jnp
+  import numpy as np
+
+  from conftest import tiny_config, tiny_params
+  from kvjax import config as config_lib, evaluate
+  from kvjax.codecs import base as codecs
+
+  spec = importlib.util.spec_from_file_location("layer_bits", ROOT / "scripts" / "layer_bits.py")
+  lb = importlib.util.module_from_spec(spec)
+  sys.modules.setdefault("layer_bits", lb)  # dataclasses look their module up there
+  spec.loader.exec_module(lb)
+  cfg = tiny_config(**{"model.n_kv_heads": 2, "cache.rotate": "hadamard",
+                       "model.attention": "reference"})
+  params = tiny_params(cfg)
+  tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 24)).astype(np.int32)
+  n, K, D = cfg.model.n_layers, cfg.model.n_kv_heads, cfg.model.D
+  int4 = codecs.for_role("int4", cfg.cache, "k")
+  k, v = lb.assignment("all4", n, int4, codecs.for_role("int8", cfg.cache, "k"))
+  codecs.register(lb.LayerMix("layer_mix_test_k", jnp.float32, tuple(k)))
+  codecs.register(lb.LayerMix("layer_mix_test_v", jnp.float32, tuple(v)))
+  try:
+    sim = config_lib.apply_overrides(cfg, {"cache.k_codec": "layer_mix_test_k",
+                                           "cache.v_codec": "layer_mix_test_v"})
+    real = config_lib.apply_overrides(cfg, {"cache.codec": "int4"})
+    lp_sim, _ = evaluate.stream_logprobs(sim, params, tokens, chunk=4)
+    lp_real, _ = evaluate.stream_logprobs(real, params, tokens, chunk=4)
+    fp32, _ = evaluate.stream_logprobs(config_lib.apply_overrides(cfg, {"cache.codec": "fp32"}),
+                                       params, tokens, chunk=4)
+  finally:
+    for name in ("layer_mix_test_k", "layer_mix_test_v"):
+      codecs.CODECS.pop(name)
+  np.testing.assert_allclose(np.asarray(lp_sim), np.asarray(lp_real), atol=2e-5)
+  assert float(np.max(np.abs(np.asarray(lp_real) - np.asarray(fp32)))) > 1e-3  # int4 is lossy
+  assert lb.bits_per_element(k, v, K, D) == 8 * int4.bytes_per_token(K, D) / (K * D)
+  k, v = lb.assignment("only:1-1", n, int4, None)  # layer 0 full precision, layer 1 int4
+  assert k == v == [lb.FULL, int4]
+  assert lb.bits_per_element(k, v, K, D) == (32 + 8 * int4.bytes_per_token(K, D) / (K * D)) / 2
+  with pytest.raises(lb.KvjaxError, match="outside 0-1"):
+    lb.assignment("k8:0-2", n, int4, int4)

@@ -489,14 +489,18 @@ def paired_table(rows: list[dict]) -> str:
     lines.append(f"| {s} | {'' if bits is None else f'{bits:.1f}'} | " + " | ".join(out) + " |")
   env = rows[0]["env"]
   bw = [r["metrics"]["bandwidth_Bps"] / 1e9 for r in rows]
-  loads = [r["env"]["load_avg"][0] for r in rows if r["env"].get("load_avg")]
   return "\n".join(lines) + (
       f"\n\nRows: `results/cpu/roofline_smollm2_paired/roofline.jsonl` (commit "
       f"{env.get('git_commit', '?')}), {rows[0]['metrics']['repeats']} repeats per cell, "
       f"ratios to `{ref}`. {env['cpu_count']} CPU cores: bandwidth probe "
-      f"{min(bw):.1f}–{max(bw):.1f} GB/s"
-      + (f", 1-minute load average {min(loads):.2f}–{max(loads):.2f} when the rows were written"
-         if loads else "") + ".")
+      f"{min(bw):.1f}–{max(bw):.1f} GB/s{_loads(rows)}.")
+
+
+def _loads(rows: list[dict]) -> str:
+  """', 1-minute load average lo–hi when the rows were written' ('' without a record)."""
+  loads = [r["env"]["load_avg"][0] for r in rows if r["env"].get("load_avg")]
+  return (f", 1-minute load average {min(loads):.2f}–{max(loads):.2f} when the rows were "
+          "written") if loads else ""
 
 
 _READS = {"native": "native", "grouped": "grouped (XLA)"}
@@ -532,14 +536,11 @@ def codec_speed_table(rows: list[dict]) -> str:
     lines.append(f"| {_READS.get(a, a)}, {ctx(c)} | " + " | ".join(cells) +
                  f" | {1e3 * m['tpot_s']:.2f} ms | {m.get('bound', '?')} |")
   env = rows[0]["env"]
-  loads = [r["env"]["load_avg"][0] for r in rows if r["env"].get("load_avg")]
   return "\n".join(lines) + (
       f"\n\nRows: `results/cpu/codec_speed/latency.jsonl` (commit {env.get('git_commit', '?')}), "
       f"{rows[0]['metrics']['repeats']} repeats per cell; each cell is the median of the "
       f"per-repeat ratios to `{ref}`, in brackets its bootstrap 95 % interval. "
-      f"{env['cpu_count']} CPU cores"
-      + (f", 1-minute load average {min(loads):.2f}–{max(loads):.2f} when the rows were written"
-         if loads else "") + ".")
+      f"{env['cpu_count']} CPU cores{_loads(rows)}.")
 
 
 def _layers(text: str) -> str:

@@ -427,12 +427,19 @@ def evict_table(rows: list[dict]) -> str:
   return out
 
 
+def _reference(rows: list[dict]) -> dict:
+  """The first row timed against itself: a ratio of exactly 1 (the median of x / x) and,
+  where the rows carry one, the interval [1, 1]."""
+  return next(r for r in rows if r["metrics"]["tpot_vs_ref"] == 1.0
+              and r["metrics"].get("tpot_vs_ref_ci95", [1.0, 1.0]) == [1.0, 1.0])
+
+
 def evict_speed_table(rows: list[dict]) -> str:
   rows = [r for r in rows if r["experiment"] == "latency" and "tpot_vs_ref" in r["metrics"]]
   if not rows:
     raise SystemExit("doc_tables: no step-time rows; run `kvjax run "
                      "configs/compression_speed.yaml --out results/cpu/compression_speed`")
-  ref = next(r for r in rows if r["metrics"]["tpot_vs_ref"] == 1.0)
+  ref = _reference(rows)
   lines = ["| variant | what | cache bytes | decode step | vs fp32 | interquartile range | "
            "prefill (one run) |", "|---|---|---|---|---|---|---|"]
   for r in sorted(rows, key=lambda r: -r["metrics"]["cache_bytes"]):
@@ -468,7 +475,7 @@ def paired_table(rows: list[dict]) -> str:
   cells = sorted({(r["workload"]["batch"], r["workload"]["context"]) for r in rows})
   by = {(r["variant"]["setting"], r["workload"]["batch"], r["workload"]["context"]): r
         for r in rows}
-  ref = next(r["variant"]["setting"] for r in rows if r["metrics"]["tpot_vs_ref_ci95"] == [1.0, 1.0])
+  ref = _reference(rows)["variant"]["setting"]
   settings = sorted({r["variant"]["setting"] for r in rows}, key=lambda s: (s != ref, s))
   last = cells[-1]
   lines = [f"| setting | bits/elt at {last[1] // 1024}k | "
@@ -514,9 +521,7 @@ def codec_speed_table(rows: list[dict]) -> str:
   if not rows:
     raise SystemExit("doc_tables: no codec step-time rows; run `kvjax run "
                      "configs/codec_speed.yaml --out results/cpu/codec_speed`")
-  is_ref = lambda r: r["metrics"].get("tpot_vs_ref_ci95") == [1.0, 1.0] or (  # noqa: E731
-      "tpot_vs_ref_ci95" not in r["metrics"] and r["metrics"]["tpot_vs_ref"] == 1.0)
-  ref = next(r["variant"]["setting"] for r in rows if is_ref(r))
+  ref = _reference(rows)["variant"]["setting"]
   settings = list(dict.fromkeys(r["variant"]["setting"] for r in rows if
                                 r["variant"]["setting"] != ref))
   keys = list(dict.fromkeys((r["variant"]["attention"], r["workload"]["context"]) for r in rows))

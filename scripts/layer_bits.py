@@ -11,8 +11,9 @@ each layer's new keys and values go through that layer's codec, encoded then dec
 the attention reads what a cache of those codes would hold, dequantized. This is exact for
 per-token codecs (a token's codes depend on that token alone), the only ones used here.
 The rows' Δppl and KL come with the paired-bootstrap 95 % intervals of `kvjax eval`, on the
-real_quality windows (4 × 2,048 stdlib tokens, 64 per step); bits per element count every
-layer's codes and scales (no window, no first tokens).
+real_quality windows (4 × 2,048 stdlib tokens, 64 per step); bits per element are
+`kvjax.held`'s count of the setting, whose codec knows each layer's codes and scales (no
+window, no first tokens).
 
 Settings (LAYERS as `A-B`, inclusive, 0-based):
 
@@ -37,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 import jax.numpy as jnp  # noqa: E402
 
-from kvjax import config as config_lib, evaluate, metrics  # noqa: E402
+from kvjax import config as config_lib, evaluate, held, metrics  # noqa: E402
 from kvjax.codecs import base as codecs  # noqa: E402
 from kvjax.errors import KvjaxError  # noqa: E402
 from kvjax.io import sources  # noqa: E402
@@ -61,10 +62,20 @@ class LayerMix(codecs.Codec):
     return jnp.stack([x[i] if c is FULL else c.decode(c.encode(x[i]), jnp.float32)
                       for i, c in enumerate(self.layers)])
 
+  def bytes_per_token(self, n_kv_heads: int, head_dim: int) -> float:
+    """What the cache of these codes would hold for one token, per layer on average (the
+    layers times this is every layer's codes and scales; float32 where a layer is FULL)."""
+    per = [4.0 * n_kv_heads * head_dim if c is FULL else c.bytes_per_token(n_kv_heads, head_dim)
+           for c in self.layers]
+    return sum(per) / len(per)
+
 
 def _range(text: str, n: int) -> range:
   a, _, b = text.partition("-")
-  lo, hi = int(a), int(b or a)
+  try:
+    lo, hi = int(a), int(b or a)
+  except ValueError:
+    raise KvjaxError(f"layer range '{text}' is not A-B (0-based layer numbers)") from None
   if not 0 <= lo <= hi < n:
     raise KvjaxError(f"layer range '{text}' is outside 0-{n - 1}")
   return range(lo, hi + 1)
@@ -93,9 +104,11 @@ def assignment(setting: str, n: int, base, int8) -> tuple[list, list]:
   return k, v
 
 
-def bits_per_element(k: list, v: list, K: int, D: int) -> float:
-  per = lambda c: 4.0 * K * D if c is FULL else c.bytes_per_token(K, D)  # noqa: E731
-  return 8 * sum(per(c) for c in [*k, *v]) / (len(k) * 2 * K * D)
+def bits_per_element(cfg) -> float:
+  """Bits per K/V element all-in of a setting's config (`held.asymptotic`: no window, no
+  first tokens, no policy state in these settings)."""
+  m = cfg.model
+  return 8 * held.asymptotic(cfg) / (m.n_layers * 2 * m.n_kv_heads * m.D)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,24 +124,26 @@ def main(argv: list[str] | None = None) -> int:
                  "only:20-24,only:25-29")
   args = p.parse_args(argv)
   try:
+    text = evaluate.eval_inputs("stdlib", args.tokens, args.seqs, args.chunk)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.open("a").close()  # writable before minutes of work, not after
     cfg, params, tok = sources.load(sources.parse(args.model))
+    evaluate.check_tokens(args.tokens, cfg.model.max_seq_len)
     cfg = config_lib.apply_overrides(cfg, {"cache.codec": "fp32", "cache.rotate": args.rotate,
                                            "cache.layout": "contiguous"})
-    n, K, D = cfg.model.n_layers, cfg.model.n_kv_heads, cfg.model.D
+    n = cfg.model.n_layers
     base = codecs.for_role(args.base, cfg.cache, "k")
     int8 = codecs.for_role("int8", cfg.cache, "k")
     plans = {s: assignment(s, n, base, int8) for s in args.settings.split(",")}
-    windows = evaluate.text_windows(tok, evaluate.data.eval_text("stdlib"), args.tokens,
-                                    args.seqs)
-  except KvjaxError as e:
+    windows = evaluate.text_windows(tok, text, args.tokens, args.seqs)
+  except (KvjaxError, OSError) as e:
     print(f"layer_bits: {e}", file=sys.stderr)
     return 2
   t0 = time.time()
   ref = evaluate.reference_logprobs(cfg, params, windows, args.chunk)
   print(f"reference: {time.time() - t0:.0f} s", file=sys.stderr)
   env = metrics.environment()
-  out = Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
   for i, (setting, (k, v)) in enumerate(plans.items()):
     t0 = time.time()
     # a codec name per setting: its own static config, so its own compiled program
@@ -137,15 +152,19 @@ def main(argv: list[str] | None = None) -> int:
     codecs.register(LayerMix(vname, jnp.float32, tuple(v)))
     c = config_lib.apply_overrides(cfg, {"cache.k_codec": kname, "cache.v_codec": vname})
     m, _ = evaluate.compare_streamed(c, params, windows, ref, args.chunk)
-    name = lambda c: "fp32" if c is FULL else c.name  # noqa: E731
+    name = lambda x: "fp32" if x is FULL else x.name  # noqa: E731
     row = {"experiment": "layer_bits", "variant": {
                "setting": setting, "base": args.base, "rotate": args.rotate,
                "k_codecs": [name(x) for x in k], "v_codecs": [name(x) for x in v]},
            "workload": {"model": args.model, "text": "stdlib", "tokens": args.tokens,
                         "seqs": args.seqs, "chunk": args.chunk},
-           "metrics": {**m, "bits_per_element": bits_per_element(k, v, K, D)}, "env": env}
-    with out.open("a") as f:
-      f.write(json.dumps(row) + "\n")
+           "metrics": {**m, "bits_per_element": bits_per_element(c)}, "env": env}
+    try:
+      with out.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    except OSError as e:  # the rows already written stay
+      print(f"layer_bits: cannot write {out}: {e}", file=sys.stderr)
+      return 2
     ci = [f"{100 * x:+.2f}" for x in m["dppl_rel_ci95"]]
     print(f"{setting:14s} {row['metrics']['bits_per_element']:5.2f} bits  "
           f"Δppl {100 * m['dppl_rel']:+.3f} % [{ci[0]}, {ci[1]}]  kl {m['kl']:.2e}  "

@@ -125,14 +125,19 @@ def test_layer_bits_simulated_cache_reads_what_the_codec_cache_holds():
     lp_real, _ = evaluate.stream_logprobs(real, params, tokens, chunk=4)
     fp32, _ = evaluate.stream_logprobs(config_lib.apply_overrides(cfg, {"cache.codec": "fp32"}),
                                        params, tokens, chunk=4)
+    bits = lb.bits_per_element(sim)
   finally:
     for name in ("layer_mix_test_k", "layer_mix_test_v"):
       codecs.CODECS.pop(name)
   np.testing.assert_allclose(np.asarray(lp_sim), np.asarray(lp_real), atol=2e-5)
   assert float(np.max(np.abs(np.asarray(lp_real) - np.asarray(fp32)))) > 1e-3  # int4 is lossy
-  assert lb.bits_per_element(k, v, K, D) == 8 * int4.bytes_per_token(K, D) / (K * D)
+  assert bits == 8 * int4.bytes_per_token(K, D) / (K * D)
   k, v = lb.assignment("only:1-1", n, int4, None)  # layer 0 full precision, layer 1 int4
   assert k == v == [lb.FULL, int4]
-  assert lb.bits_per_element(k, v, K, D) == (32 + 8 * int4.bytes_per_token(K, D) / (K * D)) / 2
+  mix = lb.LayerMix("layer_mix_test", jnp.float32, tuple(k))
+  assert 8 * mix.bytes_per_token(K, D) / (K * D) == \
+      (32 + 8 * int4.bytes_per_token(K, D) / (K * D)) / 2
   with pytest.raises(lb.KvjaxError, match="outside 0-1"):
     lb.assignment("k8:0-2", n, int4, int4)
+  with pytest.raises(lb.KvjaxError, match="is not A-B"):
+    lb.assignment("only:", n, int4, int4)

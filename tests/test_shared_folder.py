@@ -137,6 +137,26 @@ def test_rows_follow_the_file_when_another_run_repairs_it(cfg, tmp_path, calls, 
   assert sorted(h for _, h in calls) == sorted(c.hash for c in cells)
 
 
+def test_a_lock_folder_tidied_between_mkdir_and_its_check_is_made_again(tmp_path, monkeypatch):
+  """Another run's `tidy` removes the lock folder just after this run's mkdir found it there
+  (mkdir's EEXIST, then no folder: `Path.mkdir(exist_ok=True)` raises FileExistsError): the
+  lock is still taken, the folder made again, and it is released and tidied as usual."""
+  import os as os_mod
+  real, raced = os_mod.mkdir, []
+
+  def mkdir(path, *a, **kw):
+    if str(path).endswith(claims.LOCK_DIR) and not raced:
+      raced.append(path)  # the folder "existed", and is gone by the time it is checked
+      raise FileExistsError(17, "File exists", str(path))
+    return real(path, *a, **kw)
+
+  monkeypatch.setattr(os_mod, "mkdir", mkdir)
+  with claims.locked(tmp_path, "x.jsonl"):
+    assert (tmp_path / claims.LOCK_DIR / "x.jsonl.lock").is_file()
+  claims.tidy(tmp_path)
+  assert raced and not (tmp_path / claims.LOCK_DIR).exists()
+
+
 def test_a_claim_whose_holder_dies_does_not_block(cfg, tmp_path, calls, capsys):
   """Another process claims cell 0 and is killed before it writes a row: the run takes the
   other cells, waits for cell 0, and runs it once its holder is gone."""

@@ -30,11 +30,11 @@ def _acquire(out: str | Path, name: str, wait: bool) -> tuple[int, Path] | None:
   another process holds it)."""
   path = Path(out) / LOCK_DIR / name
   while True:
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
+      path.parent.mkdir(parents=True, exist_ok=True)
       fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except FileNotFoundError:  # the folder was tidied away in between
-      continue
+    except (FileNotFoundError, FileExistsError):  # the folder was tidied away in between
+      continue  # (mkdir raises FileExistsError when it is removed after mkdir's own EEXIST)
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:

@@ -39,6 +39,21 @@ def test_bf16_dot_equals_the_widened_product(M, E, N):
   assert np.all(np.abs(np.asarray(got) - np.asarray(want)) <= bound + 1e-6)
 
 
+@pytest.mark.parametrize("M,E,V", [(1, 576, 2048), (8, 64, 300), (16, 40, 17), (3, 7, 5),
+                                   (2, 33, 64)])
+def test_bf16_dot_of_table_rows_equals_the_widened_product(M, E, V):
+  """The table form (a tied lm_head, `transposed=True`, the table [V, E]): E a multiple of
+  the 32-wide blocks or not, a block-less E, fewer table rows than chunks, 1 to 16 rows."""
+  kx, kw = jax.random.split(jax.random.PRNGKey(M * 100 + V))
+  x = jax.random.normal(kx, (M, E), f32)
+  t = jax.random.normal(kw, (V, E), f32).astype(bf16)
+  got = jax.jit(lambda x, t: kernels.bf16_dot(x, t, transposed=True))(x, t)
+  want = x @ t.astype(f32).T
+  bound = 4 * np.finfo(np.float32).eps * np.asarray(jnp.abs(x) @ jnp.abs(t.astype(f32)).T)
+  assert got.shape == (M, V)
+  assert np.all(np.abs(np.asarray(got) - np.asarray(want)) <= bound + 1e-6)
+
+
 def test_the_kernel_takes_decode_rows_only():
   w = jnp.ones((32, 64), bf16)
   lowered = lambda M: jax.jit(kernels.bf16_dot).lower(jnp.ones((M, 32), f32), w).as_text()  # noqa: E731
@@ -50,9 +65,9 @@ def test_the_kernel_takes_decode_rows_only():
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_bf16_weights_decode_through_the_kernel(tied, monkeypatch):
-  """The default CPU decode step with bf16 weights multiplies every projection (and an
-  untied lm_head) through the kernel, and its logits equal XLA's product's; a tied table
-  stays with XLA, which fuses its widening into the product."""
+  """The default CPU decode step with bf16 weights multiplies every projection and the
+  lm_head (untied, or tied: the table-rows form) through the kernel, and its logits equal
+  XLA's product's."""
   cfg = tiny_config(**{"model.param_dtype": "bfloat16", "model.tie_embeddings": tied})
   params = step.prepare_params(cfg, tiny_params(cfg))
   net = model.Transformer(cfg.model, layer_loop="switch")
@@ -61,7 +76,8 @@ def test_bf16_weights_decode_through_the_kernel(tied, monkeypatch):
   run = jax.jit(lambda p, t: net.apply({"params": p}, t, pos)[0])
   text = run.lower(params, tokens).as_text()
   per_layer = 4 + 3  # q, k, v, o; gate, up, down (in the switch's branches: one each)
-  assert text.count("kvjax_matvec") >= per_layer * cfg.model.n_layers + (0 if tied else 1)
+  assert text.count("kvjax_matvec") >= per_layer * cfg.model.n_layers + 1
+  assert ("kvjax_matvec_t" in text) == tied
   got = run(params, tokens)
   monkeypatch.setattr(kernels, "available", lambda: False)
   want = jax.jit(lambda p, t: net.apply({"params": p}, t, pos)[0])(params, tokens)

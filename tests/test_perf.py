@@ -482,3 +482,17 @@ def test_bf16_weights_from_fp32_params_end_to_end():
   got = program.generate(cfg, fp32, prompts, 8, timed=False)["tokens"]
   ref_cfg = config.replace(cfg, **{"cache.layout": "none"})
   assert got == program.generate(ref_cfg, fp32, prompts, 8, timed=False)["tokens"]
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_bf16_embedding_is_never_widened_whole_in_decode(tied):
+  """With bf16 weights the decode loop reads the embedding table (lookup and, tied, the
+  lm_head) at its stored bytes: the compiled program holds no float32 copy of the table,
+  which XLA would otherwise widen once per call outside the loop and read every step."""
+  V = 4096
+  cfg = config.load(None, {**NOCOPY, "model.vocab_size": V, "model.param_dtype": "bfloat16",
+                           "model.tie_embeddings": tied})
+  params = step.prepare_params(cfg, model.init_params(cfg.model, 0))
+  hlo, temp = _program(cfg, params)
+  table_f32 = V * cfg.model.d_model * 4
+  assert temp < table_f32 // 2, (temp, table_f32)

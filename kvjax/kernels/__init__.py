@@ -37,6 +37,7 @@ SOURCES = (SOURCE, SOURCE.with_name("matvec.cc"))  # one library; parallel.h is 
 HEADERS = (SOURCE.with_name("parallel.h"),)
 TARGET = "kvjax_read"
 MATVEC = "kvjax_matvec"
+MATVEC_T = "kvjax_matvec_t"
 MATVEC_ROWS = 16  # the most rows `bf16_dot` hands to the kernel (a decode step's)
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17",
          "-shared", "-fPIC", "-w"]
@@ -95,6 +96,7 @@ def _load() -> str | None:
     lib = ctypes.CDLL(str(build()))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.KvjaxRead), platform="cpu")
     jax.ffi.register_ffi_target(MATVEC, jax.ffi.pycapsule(lib.KvjaxMatvec), platform="cpu")
+    jax.ffi.register_ffi_target(MATVEC_T, jax.ffi.pycapsule(lib.KvjaxMatvecT), platform="cpu")
   except subprocess.CalledProcessError as e:
     return f"its build failed: {(e.stderr or '').strip().splitlines()[-1:]}"
   except OSError as e:
@@ -117,17 +119,19 @@ def status() -> str:
   return "active" if available() else (_load() or "inactive")
 
 
-def bf16_dot(x, w):
-  """x [..., E] times bfloat16 weights `w` [E, N] in float32, through the kernel where it
+def bf16_dot(x, w, transposed: bool = False):
+  """x [..., E] times bfloat16 weights `w` [E, N] (`transposed`: w [N, E], as a tied
+  lm_head multiplies by its embedding table) in float32, through the kernel where it
   applies: few rows (at most MATVEC_ROWS, a decode step's), float32 x, the kernel built, no
   device mesh traced (a split weight is XLA's to multiply). Elsewhere, and on any other
   platform (`lax.platform_dependent`), the weights are widened and multiplied by XLA as
   before. Same values up to float32 summation order."""
   E = x.shape[-1]
   rows = x.size // E if E else 0
+  N = w.shape[0 if transposed else 1]
 
   def xla_dot(x, w):
-    return x @ w.astype(x.dtype)
+    return x @ (w.T if transposed else w).astype(x.dtype)
 
   mesh = jax.sharding.get_abstract_mesh()
   if (w.dtype != jnp.bfloat16 or x.dtype != jnp.float32 or not 0 < rows <= MATVEC_ROWS
@@ -135,9 +139,10 @@ def bf16_dot(x, w):
     return xla_dot(x, w)
 
   def kernel(x, w):
-    out = jax.ShapeDtypeStruct((rows, w.shape[1]), jnp.float32)
-    y = jax.ffi.ffi_call(MATVEC, out, vmap_method="sequential")(x.reshape(rows, E), w)
-    return y.reshape(*x.shape[:-1], w.shape[1])
+    out = jax.ShapeDtypeStruct((rows, N), jnp.float32)
+    y = jax.ffi.ffi_call(MATVEC_T if transposed else MATVEC, out,
+                         vmap_method="sequential")(x.reshape(rows, E), w)
+    return y.reshape(*x.shape[:-1], N)
 
   return jax.lax.platform_dependent(x, w, cpu=kernel, default=xla_dot)
 

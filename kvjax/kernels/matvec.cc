@@ -7,7 +7,8 @@
 // streaming W in memory order decides the time) by blocks of W's rows, each thread's
 // partial sums added after; otherwise by stripes of columns, each weight widened once for
 // every row of x. For the few rows of a decode step (M <= 16); longer inputs stay with
-// XLA's dot.
+// XLA's dot. A second call (`MatvecT`) multiplies by a table stored [N, E] (a tied
+// lm_head's embedding), row by row.
 
 #include <algorithm>
 #include <cstdint>
@@ -213,7 +214,66 @@ ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   return ffi::Error::Success();
 }
 
+// y[m][v] = x[m] . T[v] for rows [v0, v1) of a bfloat16 table T [V, E] (a tied lm_head's
+// embedding, whose rows are contiguous): each row is read once, from memory in order, and
+// stays in L1 while every row of x is multiplied by it, four accumulators per dot.
+void nt_rows(const float* x, int64_t M, int64_t E, const uint16_t* t, int64_t V, int64_t v0,
+             int64_t v1, float* y) {
+  for (int64_t v = v0; v < v1; ++v) {
+    const uint16_t* row = t + v * E;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * E;
+      v8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      int64_t e = 0;
+      for (; e + 32 <= E; e += 32) {
+        v8 x0, x1, x2, x3;
+        std::memcpy(&x0, xm + e, 32);
+        std::memcpy(&x1, xm + e + 8, 32);
+        std::memcpy(&x2, xm + e + 16, 32);
+        std::memcpy(&x3, xm + e + 24, 32);
+        a0 += x0 * widen8(row + e);
+        a1 += x1 * widen8(row + e + 8);
+        a2 += x2 * widen8(row + e + 16);
+        a3 += x3 * widen8(row + e + 24);
+      }
+      v8 a = (a0 + a1) + (a2 + a3);
+      float sum = 0.f;
+      for (int i = 0; i < 8; ++i) sum += a[i];
+      for (; e < E; ++e) sum += xm[e] * widen1(row[e]);
+      y[m * V + v] = sum;
+    }
+  }
+}
+
+ffi::Error MatvecT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer t,
+                   ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), td = t.dimensions();
+  if (xd.size() != 2 || td.size() != 2)
+    return ffi::Error::InvalidArgument("kvjax_matvec_t: x must be [M, E] and t [V, E]");
+  const int64_t M = xd[0], E = xd[1], V = td[0];
+  if (td[1] != E) return ffi::Error::InvalidArgument("kvjax_matvec_t: E differs");
+  if (t.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("kvjax_matvec_t: t must be bfloat16");
+  const float* xp = x.typed_data();
+  const uint16_t* tp = static_cast<const uint16_t*>(t.untyped_data());
+  float* yp = y->typed_data();
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(V, 8 * threads));
+  const int64_t rows = (V + chunks - 1) / chunks;
+  kvjax::parallel_for(pool, (V + rows - 1) / rows, [&](int64_t it) {
+    nt_rows(xp, M, E, tp, V, it * rows, std::min<int64_t>(V, (it + 1) * rows), yp);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatvecT, MatvecT,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatvec, Matvec,
                               ffi::Ffi::Bind()

@@ -88,11 +88,28 @@ class Head(nn.Module):
     return linear(x_BTE, {"kernel": kernel}, self.dtype)
 
 
+def embed_rows(table_VE, tokens_BT, dtype):
+  """The embedding rows of `tokens_BT` (as `nn.Embed` looks them up), widened to `dtype`
+  after the lookup. As in `lm_head`, a barrier ties the table to the tokens: XLA would
+  otherwise widen the whole table first and hoist that out of a decode loop."""
+  if table_VE.dtype != jnp.dtype(dtype):
+    table_VE, tokens_BT = jax.lax.optimization_barrier((table_VE, tokens_BT))
+  return jnp.take(table_VE, tokens_BT, axis=0).astype(dtype)
+
+
 def lm_head(x_BTE, table_VE, dtype):
   """Logits from a tied embedding table, as `nn.Embed.attend` computes them. A bf16 table
-  under float32 activations stays with XLA, which fuses its widening into this product's
-  operand (the table is read once, at its bytes)."""
-  return x_BTE.astype(dtype) @ table_VE.astype(dtype).T
+  under float32 activations goes through `kernels.bf16_dot` (its table-rows form), which
+  reads it at its stored bytes for a decode step's few rows. Where XLA multiplies it, a
+  barrier ties the table to this call's activations, so that a decode loop cannot hoist
+  the widening out of its body as a loop-invariant float32 copy of the table (made on
+  every decode call, then read at twice the table's bytes on every step)."""
+  x_BTE = x_BTE.astype(dtype)
+  if table_VE.dtype != x_BTE.dtype:
+    table_VE, x_BTE = jax.lax.optimization_barrier((table_VE, x_BTE))
+  if table_VE.dtype == jnp.bfloat16 and x_BTE.dtype == jnp.float32:
+    return kernels.bf16_dot(x_BTE, table_VE, transposed=True)
+  return x_BTE @ table_VE.astype(dtype).T
 
 
 def block_forward(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 
 from kvjax.cache import base as cache_base
 from kvjax.config import ModelConfig
-from kvjax.model.layers import (Block, Head, LayerInput, RMSNorm, block_forward, linear, lm_head,
-                                rms_norm)
+from kvjax.model.layers import (Block, Head, LayerInput, RMSNorm, block_forward, embed_rows,
+                                linear, lm_head, rms_norm)
 from kvjax.model.rope import rope_cos_sin
 
 
@@ -87,7 +87,7 @@ class Transformer(nn.Module):
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype,
                      param_dtype=jnp.dtype(cfg.param_dtype), name="embed_tokens",
                      embedding_init=nn.initializers.normal(0.02))
-    x_BTE = embed(tokens_BT)
+    x_BTE = embed_rows(embed.embedding, tokens_BT, dtype)  # not `embed(...)`: see there
     cos, sin = rope_cos_sin(positions_BT, cfg)
     inp = LayerInput(positions_BT, cos, sin)
     if cache is not None:  # the layers read the whole stacked store, each at its own layer

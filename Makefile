@@ -8,7 +8,7 @@ BIN     = $(VENV)/bin
 OUT    ?= results/quickstart
 PLOTS  ?= plots
 
-.PHONY: demo test install install-test models reproduce bench-read-kernel clean
+.PHONY: demo test install install-test models kernels reproduce bench-read-kernel clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,7 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
-demo: install models
+demo: install models kernels
 	$(BIN)/kvjax run configs/quickstart.yaml --out $(OUT)
 	$(BIN)/kvjax run configs/demo_real.yaml --out $(OUT)
 	$(BIN)/kvjax plot $(OUT) --out $(PLOTS)
@@ -42,12 +42,18 @@ reproduce: install-test
 models: install
 	$(BIN)/kvjax models fetch
 
+# The CPU kernels (kvjax/kernels: the decode read and the bf16-weight products), compiled
+# once for this machine into ~/.cache/kvjax/kernels, as the first process that needs them
+# would (a program's first decode would otherwise wait for the compile).
+kernels: install
+	$(BIN)/python -c "from kvjax import kernels; print('kvjax: CPU kernels', kernels.status())"
+
 # The suite on every core, up to TEST_WORKERS processes (pytest-xdist): it is compile-bound
 # and XLA compiles on one thread. loadfile keeps each test module on one worker, so a
 # module's fixtures are built once (worksteal, which splits modules, ran longer here).
 # `pytest` alone runs it in one process.
 TEST_WORKERS ?= 4
-test: install-test models
+test: install-test models kernels
 	$(BIN)/python -m pytest -n auto --maxprocesses $(TEST_WORKERS) --dist loadfile
 
 # One thread of the CPU read kernel's fused scan per codec, without jax (scripts/bench_read_kernel.cc):

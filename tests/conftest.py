@@ -110,20 +110,28 @@ def smollm2_path():
 
 
 @pytest.fixture(scope="session")
-def smollm2():
+def smollm2_kvjax():
+  """(cfg, params, tokenizer) for SmolLM2-135M as kvjax reads its GGUF file, once per test
+  session (per xdist worker): for the modules that need no transformers side."""
+  smollm2_path()
+  from kvjax.io import sources
+  return sources.load(sources.parse("gguf:smollm2-135m"))
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_kvjax):
   """(cfg, params, tokenizer, transformers tokenizer, transformers model) for SmolLM2-135M,
-  both sides loaded from the same GGUF file, once per test session."""
+  both sides loaded from the same GGUF file, once per test session (per xdist worker); a
+  worker whose modules need only kvjax's side never loads transformers' model."""
   path = smollm2_path()
   import gguf
   from transformers import AutoModelForCausalLM, AutoTokenizer
 
-  from kvjax.io import sources
-  # Both loaders read the file through gguf-py, whose slow parts are pure and read-only: the
-  # GGUFReader's parse of the metadata (49k-token vocabulary and merges; transformers parses
-  # the file once for the tokenizer and once for the model, kvjax once more) and the tensor
-  # name map (transformers builds it afresh for each of ~400 modules). Here the three loads
-  # share one parse and one map per architecture; how each side converts what it reads
-  # stays its own.
+  # transformers reads the file through gguf-py, whose slow parts are pure and read-only:
+  # the GGUFReader's parse of the metadata (49k-token vocabulary and merges; transformers
+  # parses the file once for the tokenizer and once for the model) and the tensor name map
+  # (transformers builds it afresh for each of ~400 modules). Here its two loads share one
+  # parse and one map per architecture; how it converts what it reads stays its own.
   real_reader, real_map, readers = gguf.GGUFReader, gguf.get_tensor_name_map, {}
 
   def shared_reader(file, *args, **kwargs):
@@ -138,8 +146,7 @@ def smollm2():
     kw = {"gguf_file": path.name}
     ref_tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)
     ref_model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype="float32", **kw)
-    cfg, params, tok = sources.load(sources.parse("gguf:smollm2-135m"))
   finally:
     gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
-  assert len(readers) == 1  # all three went through the shared parse
-  return cfg, params, tok, ref_tok, ref_model
+  assert len(readers) == 1  # both went through the shared parse
+  return (*smollm2_kvjax, ref_tok, ref_model)

@@ -53,8 +53,8 @@ def test_hf_folder_metadata(tmp_path):
   assert (info.template, info.stop_ids, info.bos_token) == ("T", {3, 7, 9, 11}, "<s>")
 
 
-def test_gguf_metadata_of_the_instruct_model(smollm2):
-  tok = smollm2[2]  # built by kvjax.io.tokenizer from the GGUF file's metadata
+def test_gguf_metadata_of_the_instruct_model(smollm2_kvjax):
+  tok = smollm2_kvjax[2]  # built by kvjax.io.tokenizer from the GGUF file's metadata
   assert tok.stop_ids == {2} and tok.decode([2]) == "" and tok.token_to_id("<|im_end|>") == 2
   ids = tok.encode(chat.render(tok.chat, [{"role": "user", "content": "Hi"}]), bos=False)
   assert ids[0] == tok.token_to_id("<|im_start|>") and ids.count(2) == 2  # system + user turns

@@ -226,14 +226,14 @@ def test_default_cpu_decode_program_calls_the_kernel():
   assert got["calls"] >= 1  # the layer loop's body reads its contiguous segment through it
 
 
-def test_fidelity_on_smollm2(smollm2):
+def test_fidelity_on_smollm2(smollm2_kvjax):
   """Δppl through the native read equals the XLA read's, codec by codec, on a short
   window of held-out text (the full windows are the `real_quality` experiment's): within
   the larger of 0.02 percentage points, 2 % of its value, and the XLA read's own distance
   from `reference` (every slot dequantized in float32). On windows this short a last-bit
   difference in a key or value before it is quantized can flip its int4 code, so two exact
   reads of one cache already differ by that much."""
-  cfg, params, tok, _, _ = smollm2
+  cfg, params, tok = smollm2_kvjax
   windows = evaluate.text_windows(tok, evaluate.data.eval_text("stdlib"), 128, 1)
   ref, _ = evaluate.stream_logprobs(cfg, params, windows, chunk=64)
   for over in ({"cache.codec": "int4"},

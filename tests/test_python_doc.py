@@ -45,8 +45,8 @@ def same(printed: str, expected: str) -> bool:
   return True
 
 
-def test_page_snippets_run_and_print_what_the_page_says(smollm2, tmp_path, monkeypatch):
-  cfg, params, tok = smollm2[:3]
+def test_page_snippets_run_and_print_what_the_page_says(smollm2_kvjax, tmp_path, monkeypatch):
+  cfg, params, tok = smollm2_kvjax
   real_load = api.load
 
   def load(source="smollm2-135m", overrides=None):

@@ -107,9 +107,7 @@ def lm_head(x_BTE, table_VE, dtype):
   x_BTE = x_BTE.astype(dtype)
   if table_VE.dtype != x_BTE.dtype:
     table_VE, x_BTE = jax.lax.optimization_barrier((table_VE, x_BTE))
-  if table_VE.dtype == jnp.bfloat16 and x_BTE.dtype == jnp.float32:
-    return kernels.bf16_dot(x_BTE, table_VE, transposed=True)
-  return x_BTE @ table_VE.astype(dtype).T
+  return kernels.bf16_dot(x_BTE, table_VE, transposed=True)  # XLA's product elsewhere
 
 
 def block_forward(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):

@@ -461,8 +461,10 @@ def test_default_program_equals_previous_program(case):
   for x, y in zip(jax.tree.leaves(c_new), jax.tree.leaves(c_old), strict=True):
     if jnp.issubdtype(x.dtype, jnp.floating):
       np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
-    else:
-      np.testing.assert_array_equal(x, y)
+    else:  # codes: the decode step's projections (the CPU kernel) and nn.scan's (XLA's dot)
+      # sum in another order, so a value at a rounding boundary may land one code apart
+      d = np.abs(np.asarray(x).astype(np.int64) - np.asarray(y).astype(np.int64))
+      assert d.max() <= 1 and np.mean(d > 0) <= 1e-3
   if cfg.cache.k_codec == cfg.cache.v_codec == "fp32":
     ref, _ = _tokens_and_cache(config.replace(cfg, **{"cache.layout": "none"}), params,
                                prompts, 10)

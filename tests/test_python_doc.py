@@ -32,7 +32,8 @@ def snippets(text: str) -> list[tuple[str, list[str]]]:
 
 
 def same(printed: str, expected: str) -> bool:
-  """Equal text; numbers within 5 % (any number on a line of times)."""
+  """Equal text; numbers within 5 % or one unit of the page's last printed digit (a value
+  rounded at a boundary), any number on a line of times."""
   if NUMBER.sub("#", printed) != NUMBER.sub("#", expected):
     return False
   if "ms" in expected:
@@ -40,7 +41,8 @@ def same(printed: str, expected: str) -> bool:
   for a, b in zip(NUMBER.findall(printed), NUMBER.findall(expected)):
     x, y = float(a.replace(",", "")), float(b.replace(",", ""))
     exact = not any(c in a + b for c in ".e")  # ids, bytes, counts: equal
-    if x != y if exact else not math.isclose(x, y, rel_tol=0.05, abs_tol=1e-3):
+    digit = 10.0 ** -len(b.split(".")[1]) if "." in b and "e" not in b else 1e-3
+    if x != y if exact else not math.isclose(x, y, rel_tol=0.05, abs_tol=digit * 1.001):
       return False
   return True
 

@@ -1,5 +1,6 @@
 """The CPU kernels (XLA FFI custom calls) and their build: the decode read (`read.cc`,
-`read`) and the few-row product with bfloat16 weights (`matvec.cc`, `bf16_dot`).
+`read`) and the few-row product with weights stored in bfloat16 or float32 (`matvec.cc`,
+`weight_dots`).
 
 The kernels are C++ against the header-only XLA FFI API that jax ships
 (`jax.ffi.include_dir()`), compiled with the machine's g++ the first time a process needs
@@ -38,7 +39,7 @@ HEADERS = (SOURCE.with_name("parallel.h"),)
 TARGET = "kvjax_read"
 MATVEC = "kvjax_matvec"
 MATVEC_T = "kvjax_matvec_t"
-MATVEC_ROWS = 16  # the most rows `bf16_dot` hands to the kernel (a decode step's)
+MATVEC_ROWS = 16  # the most rows `weight_dots` hands to the kernel (a decode step's)
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17",
          "-shared", "-fPIC", "-w"]
 
@@ -119,32 +120,41 @@ def status() -> str:
   return "active" if available() else (_load() or "inactive")
 
 
-def bf16_dot(x, w, transposed: bool = False):
-  """x [..., E] times bfloat16 weights `w` [E, N] (`transposed`: w [N, E], as a tied
-  lm_head multiplies by its embedding table) in float32, through the kernel where it
-  applies: few rows (at most MATVEC_ROWS, a decode step's), float32 x, the kernel built, no
-  device mesh traced (a split weight is XLA's to multiply). Elsewhere, and on any other
-  platform (`lax.platform_dependent`), the weights are widened and multiplied by XLA as
-  before. Same values up to float32 summation order."""
+def weight_dots(x, ws, transposed: bool = False):
+  """x [..., E] times each weight matrix of `ws` (each [E, N_i] and stored in bfloat16 or
+  float32; `transposed`: one table [N, E], as a tied lm_head multiplies by its embedding)
+  in float32: a tuple of [..., N_i]. Through the kernel where it applies: few rows (at most
+  MATVEC_ROWS, a decode step's), float32 x, every weight bf16 or float32, the kernel built,
+  no device mesh traced (a split weight is XLA's to multiply); the matrices of one call
+  share one dispatch (q/k/v, gate/up). Elsewhere, and on any other platform
+  (`lax.platform_dependent`), XLA multiplies them (bf16 weights widened first). Same values
+  up to float32 summation order."""
+  ws = tuple(ws)
   E = x.shape[-1]
   rows = x.size // E if E else 0
-  N = w.shape[0 if transposed else 1]
+  Ns = [w.shape[0 if transposed else 1] for w in ws]
 
-  def xla_dot(x, w):
-    return x @ (w.T if transposed else w).astype(x.dtype)
+  def xla_dots(x, *ws):
+    return tuple(x @ (w.T if transposed else w).astype(x.dtype) for w in ws)
 
   mesh = jax.sharding.get_abstract_mesh()
-  if (w.dtype != jnp.bfloat16 or x.dtype != jnp.float32 or not 0 < rows <= MATVEC_ROWS
+  if (not ws or any(w.dtype not in (jnp.bfloat16, jnp.float32) for w in ws)
+      or x.dtype != jnp.float32 or not 0 < rows <= MATVEC_ROWS or (transposed and len(ws) > 1)
       or not (mesh.empty or mesh.size == 1) or not available()):
-    return xla_dot(x, w)
+    return xla_dots(x, *ws)
 
-  def kernel(x, w):
-    out = jax.ShapeDtypeStruct((rows, N), jnp.float32)
-    y = jax.ffi.ffi_call(MATVEC_T if transposed else MATVEC, out,
-                         vmap_method="sequential")(x.reshape(rows, E), w)
-    return y.reshape(*x.shape[:-1], N)
+  def kernel(x, *ws):
+    outs = tuple(jax.ShapeDtypeStruct((rows, N), jnp.float32) for N in Ns)
+    ys = jax.ffi.ffi_call(MATVEC_T if transposed else MATVEC, outs,
+                          vmap_method="sequential")(x.reshape(rows, E), *ws)
+    return tuple(y.reshape(*x.shape[:-1], N) for y, N in zip(ys, Ns))
 
-  return jax.lax.platform_dependent(x, w, cpu=kernel, default=xla_dot)
+  return jax.lax.platform_dependent(x, *ws, cpu=kernel, default=xla_dots)
+
+
+def weight_dot(x, w, transposed: bool = False):
+  """`weight_dots` of one matrix."""
+  return weight_dots(x, (w,), transposed)[0]
 
 
 def _leaves(enc):

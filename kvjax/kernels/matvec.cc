@@ -1,14 +1,15 @@
-// Products of a few float32 rows with a bfloat16 weight matrix, as an XLA FFI custom
-// call: y[M, N] = x[M, E] . W, W stored [E, N] (a projection's kernel). Each weight is
-// widened in a register where it is used (bf16 is the top half of a float32) and read from
-// memory once per call, so a decode step reads its weights at their stored bytes; XLA:CPU
-// widens a bf16 matrix into a float32 copy first. The work is split across XLA's intra-op
-// thread pool in one of two ways: for one or two rows of x (batch-1 and -2 decode, where
-// streaming W in memory order decides the time) by blocks of W's rows, each thread's
-// partial sums added after; otherwise by stripes of columns, each weight widened once for
-// every row of x. For the few rows of a decode step (M <= 16); longer inputs stay with
-// XLA's dot. A second call (`MatvecT`) multiplies by a table stored [N, E] (a tied
-// lm_head's embedding), row by row.
+// Products of a few float32 rows with weight matrices stored in bfloat16 or float32, as an
+// XLA FFI custom call: y_i[M, N_i] = x[M, E] . W_i, each W_i stored [E, N_i] (a projection's
+// kernel). Each weight is loaded (a bf16 one widened: it is the top half of a float32) in a
+// register where it is used and read from memory once per call, so a decode step reads its
+// weights at their stored bytes; XLA:CPU widens a bf16 matrix into a float32 copy first. One
+// call takes every matrix that shares an input (q/k/v, gate/up), so they cost one dispatch
+// over XLA's intra-op thread pool, split in one of two ways: for one or two rows of x
+// (batch-1 and -2 decode, where streaming W in memory order decides the time) by blocks of
+// each W's rows, the blocks' partial sums added after; otherwise by stripes of columns,
+// each weight loaded once for every row of x. For the few rows of a decode step (M <= 16);
+// longer inputs stay with XLA's dot. A second call (`MatvecT`) multiplies by a table stored
+// [N, E] (a tied lm_head's embedding), row by row.
 
 #include <algorithm>
 #include <cstdint>
@@ -28,7 +29,7 @@ namespace {
 
 typedef float v8 __attribute__((vector_size(32)));
 
-inline v8 widen8(const uint16_t* w) {  // eight bf16 -> eight float32
+inline v8 load8(const uint16_t* w) {  // eight bf16 -> eight float32
   v8 v;
 #ifdef __AVX2__
   __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(
@@ -43,34 +44,42 @@ inline v8 widen8(const uint16_t* w) {  // eight bf16 -> eight float32
   return v;
 }
 
-inline float widen1(uint16_t w) {
+inline v8 load8(const float* w) {
+  v8 v;
+  std::memcpy(&v, w, 32);
+  return v;
+}
+
+inline float load1(uint16_t w) {
   uint32_t u = uint32_t(w) << 16;
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
 
-constexpr int CW = 256;  // [E, N]: most columns a task owns (512 contiguous bytes of each row)
+inline float load1(float w) { return w; }
+
+constexpr int CW = 256;  // [E, N]: most columns a stripe task owns
 constexpr int PF = 8;    // weight rows prefetched ahead
 
 // y[j][c0 : c0 + cw] for R rows of x: the task's stripe of every weight row in turn, four
 // rows at a time, the accumulators in L1, the stripe PF rows ahead prefetched.
-template <int R>
-void nn_rows(const float* x, int64_t E, const uint16_t* w, int64_t N, int64_t c0, int cw,
-             float* y) {
+template <int R, typename T>
+void nn_rows(const float* x, int64_t E, const T* w, int64_t N, int64_t c0, int cw, float* y) {
   alignas(32) float acc[R][CW];
   for (int j = 0; j < R; ++j) std::fill(acc[j], acc[j] + cw, 0.f);
+  constexpr int LINE = 64 / sizeof(T);  // weights per cache line
   int64_t k = 0;
   for (; k + 4 <= E; k += 4) {
-    const uint16_t* w0 = w + k * N + c0;
+    const T* w0 = w + k * N + c0;
     float xs[R][4];
     for (int j = 0; j < R; ++j)
       for (int i = 0; i < 4; ++i) xs[j][i] = x[j * E + k + i];
     for (int c = 0; c < cw; c += 8) {
-      if ((c & 31) == 0 && k + PF + 4 <= E)
+      if ((c % LINE) == 0 && k + PF + 4 <= E)
         for (int i = 0; i < 4; ++i) __builtin_prefetch(w0 + (PF + i) * N + c);
-      v8 a0 = widen8(w0 + c), a1 = widen8(w0 + N + c), a2 = widen8(w0 + 2 * N + c),
-         a3 = widen8(w0 + 3 * N + c);
+      v8 a0 = load8(w0 + c), a1 = load8(w0 + N + c), a2 = load8(w0 + 2 * N + c),
+         a3 = load8(w0 + 3 * N + c);
       for (int j = 0; j < R; ++j) {
         v8 s;
         std::memcpy(&s, acc[j] + c, 32);
@@ -81,19 +90,20 @@ void nn_rows(const float* x, int64_t E, const uint16_t* w, int64_t N, int64_t c0
   }
   for (; k < E; ++k)
     for (int j = 0; j < R; ++j)
-      for (int c = 0; c < cw; ++c) acc[j][c] += x[j * E + k] * widen1(w[k * N + c0 + c]);
+      for (int c = 0; c < cw; ++c) acc[j][c] += x[j * E + k] * load1(w[k * N + c0 + c]);
   for (int j = 0; j < R; ++j) std::memcpy(y + j * N + c0, acc[j], cw * 4);
 }
 
-// One task: columns [c0, c0 + width) of every row (the last task may be narrower).
-void nn_task(const float* x, int64_t M, int64_t E, const uint16_t* w, int64_t N, int64_t c0,
+// One stripe task: columns [c0, c0 + width) of every row (the last may be narrower).
+template <typename T>
+void nn_task(const float* x, int64_t M, int64_t E, const T* w, int64_t N, int64_t c0,
              int64_t width, float* y) {
   int cw = int(std::min<int64_t>(width, N - c0));
   if (cw % 8) {  // a ragged tail: plainly
     for (int64_t m = 0; m < M; ++m)
       for (int64_t c = c0; c < c0 + cw; ++c) {
         float s = 0.f;
-        for (int64_t k = 0; k < E; ++k) s += x[m * E + k] * widen1(w[k * N + c]);
+        for (int64_t k = 0; k < E; ++k) s += x[m * E + k] * load1(w[k * N + c]);
         y[m * N + c] = s;
       }
     return;
@@ -112,34 +122,48 @@ void nn_task(const float* x, int64_t M, int64_t E, const uint16_t* w, int64_t N,
 }
 
 constexpr int64_t ROW_SPLIT_MAX_N = 4096;  // the row-split form's widest output
-constexpr int64_t ROW_SPLIT_MAX_M = 2;     // and most rows of x (each row re-widens W)
+constexpr int64_t ROW_SPLIT_MAX_M = 2;     // and most rows of x (each row re-reads W)
 
 #ifdef __AVX2__
-// The row-split form: rows [k0, k1) of W, every column, added into acc[M][N], which holds
-// each 16 columns in even/odd order (unpermute16 restores it). W is streamed front to
-// back, KB rows at a time: one 32-byte load is 16 bf16, whose even and odd halves become
-// floats by one shift and one mask (no widening shuffle), and the accumulators are loaded
-// and stored once per KB rows. Rows PF_ROWS ahead are prefetched.
-template <int KB>
-void nn_rowblock(const float* x, int64_t M, int64_t E, const uint16_t* w, int64_t N,
-                 int64_t k0, int64_t k1, float* acc) {
+// Sixteen columns of one weight row as two float32 vectors. bf16: one 32-byte load, whose
+// even and odd halves become floats by one shift and one mask (no widening shuffle), so the
+// pair holds the columns in even/odd order (`unpermute16` restores it); float32: two loads,
+// in order.
+inline void load16(const uint16_t* w, __m256& lo, __m256& hi) {
+  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+}
+
+inline void load16(const float* w, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(w);
+  hi = _mm256_loadu_ps(w + 8);
+}
+
+// The row-split form: rows [k0, k1) of W, every column, added into acc[M][N]. W is streamed
+// front to back, KB rows at a time, the accumulators loaded and stored once per KB rows;
+// rows PF_ROWS ahead are prefetched.
+template <int KB, typename T>
+void nn_rowblock(const float* x, int64_t M, int64_t E, const T* w, int64_t N, int64_t k0,
+                 int64_t k1, float* acc) {
   constexpr int PF_ROWS = 32;
-  const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
+  constexpr int LINE = 64 / sizeof(T);
   for (int64_t k = k0; k + KB <= k1; k += KB) {
-    const uint16_t* w0 = w + k * N;
+    const T* w0 = w + k * N;
     const bool pf = KB > 1 && k + PF_ROWS + KB <= k1;
     for (int64_t j = 0; j < M; ++j) {
       __m256 xs[KB];
       for (int i = 0; i < KB; ++i) xs[i] = _mm256_set1_ps(x[j * E + k + i]);
       float* a = acc + j * N;
       for (int64_t c = 0; c < N; c += 16) {
-        if (pf && j == 0 && (c & 31) == 0)
+        if (pf && j == 0 && (c % LINE) == 0)
           for (int i = 0; i < KB; ++i) __builtin_prefetch(w0 + (PF_ROWS + i) * N + c);
         __m256 se = _mm256_loadu_ps(a + c), so = _mm256_loadu_ps(a + c + 8);
         for (int i = 0; i < KB; ++i) {
-          __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + i * N + c));
-          se = _mm256_fmadd_ps(xs[i], _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), se);
-          so = _mm256_fmadd_ps(xs[i], _mm256_castsi256_ps(_mm256_and_si256(v, high)), so);
+          __m256 lo, hi;
+          load16(w0 + i * N + c, lo, hi);
+          se = _mm256_fmadd_ps(xs[i], lo, se);
+          so = _mm256_fmadd_ps(xs[i], hi, so);
         }
         _mm256_storeu_ps(a + c, se);
         _mm256_storeu_ps(a + c + 8, so);
@@ -158,69 +182,145 @@ void unpermute16(const float* acc, int64_t n, float* y) {
   }
 }
 
-// y = x . W by row blocks of W, one per thread (a multiple of 8 rows each), the threads'
-// partial sums added after: for one or two rows of x, where each weight is used once or
-// twice and streaming W in order is what decides the time.
-void row_split(ffi::ThreadPool& pool, int64_t threads, const float* x, int64_t M, int64_t E,
-               const uint16_t* w, int64_t N, float* y) {
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(threads, E / 8));
-  const int64_t rows = (E / 8 + tasks - 1) / tasks * 8;
-  std::vector<float> part(size_t(tasks) * M * N, 0.f);
-  kvjax::parallel_for(pool, tasks, [&](int64_t t) {
-    const int64_t k0 = std::min<int64_t>(E, t * rows);
-    const int64_t k1 = t + 1 == tasks ? E : std::min<int64_t>(E, k0 + rows);
-    float* acc = part.data() + t * M * N;
-    const int64_t k8 = k0 + (k1 - k0) / 8 * 8;
-    nn_rowblock<8>(x, M, E, w, N, k0, k8, acc);
-    nn_rowblock<1>(x, M, E, w, N, k8, k1, acc);
-  });
-  for (int64_t t = 1; t < tasks; ++t) {
-    const float* p = part.data() + t * M * N;
-    for (int64_t i = 0; i < M * N; ++i) part[i] += p[i];
-  }
-  for (int64_t j = 0; j < M; ++j) unpermute16(part.data() + j * N, N, y + j * N);
+template <typename T>
+void rows_task(const float* x, int64_t M, int64_t E, const T* w, int64_t N, int64_t k0,
+               int64_t k1, float* acc) {
+  const int64_t k8 = k0 + (k1 - k0) / 8 * 8;
+  nn_rowblock<8>(x, M, E, w, N, k0, k8, acc);
+  nn_rowblock<1>(x, M, E, w, N, k8, k1, acc);
 }
 #endif
 
-ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                  ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2)
-    return ffi::Error::InvalidArgument("kvjax_matvec: x must be [M, E] and w two-dimensional");
-  const int64_t M = xd[0], E = xd[1], N = wd[1];
-  if (wd[0] != E) return ffi::Error::InvalidArgument("kvjax_matvec: E differs");
-  if (w.element_type() != ffi::DataType::BF16)
-    return ffi::Error::InvalidArgument("kvjax_matvec: w must be bfloat16");
-  const float* xp = x.typed_data();
-  const uint16_t* wp = static_cast<const uint16_t*>(w.untyped_data());  // bf16 bits
-  float* yp = y->typed_data();
+// One weight matrix [E, N] of a call and its output [M, N].
+struct Product {
+  const void* w;
+  bool bf16;
+  int64_t N;
+  float* y;
+};
+
+// y_i = x . W_i for every matrix of the call, as one set of tasks over the pool, so the
+// projections that share an input (q/k/v, gate/up) cost one dispatch.
+//  - M <= ROW_SPLIT_MAX_M (batch-1 and -2 decode, where streaming W in memory order decides
+//    the time): each matrix by blocks of its rows (a multiple of 8), one per thread, each
+//    block's partial sums in its own buffer, added after;
+//  - otherwise by stripes of at most CW columns (a multiple of 8 wide, as many per matrix as
+//    a multiple of the pool's threads where the columns allow: 576 columns are 4 stripes of
+//    144 on 2 threads, not 3 of 256), each weight loaded once for every row of x.
+void products(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t E,
+              const std::vector<Product>& ps) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  struct Task {
+    int p;
+    int64_t a, b;  // rows [a, b) (row split) or columns [a, b) (stripes)
+    float* acc;    // the row split's partial sums, [M, N]
+  };
+  std::vector<Task> tasks;
+  bool split = M <= ROW_SPLIT_MAX_M;
 #ifdef __AVX2__
-  if (M <= ROW_SPLIT_MAX_M && N % 16 == 0 && N <= ROW_SPLIT_MAX_N) {
-    row_split(pool, threads, xp, M, E, wp, N, yp);
-    return ffi::Error::Success();
+  for (const Product& p : ps) split = split && p.N % 16 == 0 && p.N <= ROW_SPLIT_MAX_N;
+#else
+  split = false;
+#endif
+  std::vector<float> part;
+  if (split) {
+    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, E / 8));
+    const int64_t rows = (E / 8 + parts - 1) / parts * 8;
+    size_t total = 0;
+    for (const Product& p : ps) total += size_t(parts * M * p.N);
+    part.assign(total, 0.f);
+    float* at = part.data();
+    for (int i = 0; i < int(ps.size()); ++i)
+      for (int64_t t = 0; t < parts; ++t, at += M * ps[i].N) {
+        const int64_t k0 = std::min<int64_t>(E, t * rows);
+        tasks.push_back({i, k0, t + 1 == parts ? E : std::min<int64_t>(E, k0 + rows), at});
+      }
+  } else {
+    for (int i = 0; i < int(ps.size()); ++i) {
+      const int64_t N = ps[i].N, groups = (N + 7) / 8;
+      int64_t n = std::max<int64_t>((N + CW - 1) / CW, threads);
+      n = std::min<int64_t>((n + threads - 1) / threads * threads, groups);
+      const int64_t width = (groups + n - 1) / n * 8;
+      for (int64_t c = 0; c < N; c += width)
+        tasks.push_back({i, c, std::min<int64_t>(N, c + width), nullptr});
+    }
+  }
+  kvjax::parallel_for(pool, int64_t(tasks.size()), [&](int64_t it) {
+    const Task& t = tasks[it];
+    const Product& p = ps[t.p];
+#ifdef __AVX2__
+    if (split) {
+      if (p.bf16)
+        rows_task(x, M, E, static_cast<const uint16_t*>(p.w), p.N, t.a, t.b, t.acc);
+      else
+        rows_task(x, M, E, static_cast<const float*>(p.w), p.N, t.a, t.b, t.acc);
+      return;
+    }
+#endif
+    if (p.bf16)
+      nn_task(x, M, E, static_cast<const uint16_t*>(p.w), p.N, t.a, t.b - t.a, p.y);
+    else
+      nn_task(x, M, E, static_cast<const float*>(p.w), p.N, t.a, t.b - t.a, p.y);
+  });
+#ifdef __AVX2__
+  if (!split) return;
+  size_t first = 0;  // each matrix's first partial buffer: the others are added into it
+  for (int i = 0; i < int(ps.size()); ++i) {
+    const int64_t n = M * ps[i].N;
+    size_t count = 0;
+    for (const Task& t : tasks) count += t.p == i;
+    float* acc = tasks[first].acc;
+    for (size_t t = first + 1; t < first + count; ++t)
+      for (int64_t e = 0; e < n; ++e) acc[e] += tasks[t].acc[e];
+    for (int64_t j = 0; j < M; ++j) {
+      if (ps[i].bf16)
+        unpermute16(acc + j * ps[i].N, ps[i].N, ps[i].y + j * ps[i].N);
+      else
+        std::memcpy(ps[i].y + j * ps[i].N, acc + j * ps[i].N, ps[i].N * 4);
+    }
+    first += count;
   }
 #endif
-  // Stripes of at most CW columns, a multiple of 8 wide, as many as a multiple of the
-  // pool's threads where the columns allow: a projection of 576 columns is 4 stripes of
-  // 144 on 2 threads, not 3 of 256 with one thread doing two.
-  const int64_t groups = (N + 7) / 8;
-  int64_t parts = std::max<int64_t>((N + CW - 1) / CW, threads);
-  parts = std::min<int64_t>((parts + threads - 1) / threads * threads, groups);
-  const int64_t width = (groups + parts - 1) / parts * 8;
-  kvjax::parallel_for(pool, (N + width - 1) / width, [&](int64_t it) {
-    nn_task(xp, M, E, wp, N, it * width, width, yp);
-  });
+}
+
+// x [M, E] and one or more weight matrices [E, N_i] (bfloat16 or float32), their products
+// [M, N_i] in order.
+ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
+                  ffi::RemainingRets ys) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("kvjax_matvec: x must be [M, E]");
+  const int64_t M = xd[0], E = xd[1];
+  if (ws.size() == 0 || ws.size() != ys.size())
+    return ffi::Error::InvalidArgument("kvjax_matvec: one output per weight matrix");
+  std::vector<Product> ps;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    auto w = ws.get<ffi::AnyBuffer>(i);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument("kvjax_matvec: bad operand");
+    auto wd = w->dimensions();
+    if (wd.size() != 2 || wd[0] != E)
+      return ffi::Error::InvalidArgument("kvjax_matvec: each w must be [E, N]");
+    const auto t = w->element_type();
+    if (t != ffi::DataType::BF16 && t != ffi::DataType::F32)
+      return ffi::Error::InvalidArgument("kvjax_matvec: w must be bfloat16 or float32");
+    auto yd = (*y)->dimensions();
+    if (yd.size() != 2 || yd[0] != M || yd[1] != wd[1])
+      return ffi::Error::InvalidArgument("kvjax_matvec: each y must be [M, N]");
+    ps.push_back({w->untyped_data(), t == ffi::DataType::BF16, wd[1], (*y)->typed_data()});
+  }
+  products(pool, x.typed_data(), M, E, ps);
   return ffi::Error::Success();
 }
 
-// y[m][v] = x[m] . T[v] for rows [v0, v1) of a bfloat16 table T [V, E] (a tied lm_head's
-// embedding, whose rows are contiguous): each row is read once, from memory in order, and
-// stays in L1 while every row of x is multiplied by it, four accumulators per dot.
-void nt_rows(const float* x, int64_t M, int64_t E, const uint16_t* t, int64_t V, int64_t v0,
+// y[m][v] = x[m] . T[v] for rows [v0, v1) of a table T [V, E], bfloat16 or float32 (a tied
+// lm_head's embedding, whose rows are contiguous): each row is read once, from memory in
+// order, and stays in L1 while every row of x is multiplied by it, four accumulators a dot.
+template <typename T>
+void nt_rows(const float* x, int64_t M, int64_t E, const T* t, int64_t V, int64_t v0,
              int64_t v1, float* y) {
   for (int64_t v = v0; v < v1; ++v) {
-    const uint16_t* row = t + v * E;
+    const T* row = t + v * E;
     for (int64_t m = 0; m < M; ++m) {
       const float* xm = x + m * E;
       v8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
@@ -231,15 +331,15 @@ void nt_rows(const float* x, int64_t M, int64_t E, const uint16_t* t, int64_t V,
         std::memcpy(&x1, xm + e + 8, 32);
         std::memcpy(&x2, xm + e + 16, 32);
         std::memcpy(&x3, xm + e + 24, 32);
-        a0 += x0 * widen8(row + e);
-        a1 += x1 * widen8(row + e + 8);
-        a2 += x2 * widen8(row + e + 16);
-        a3 += x3 * widen8(row + e + 24);
+        a0 += x0 * load8(row + e);
+        a1 += x1 * load8(row + e + 8);
+        a2 += x2 * load8(row + e + 16);
+        a3 += x3 * load8(row + e + 24);
       }
       v8 a = (a0 + a1) + (a2 + a3);
       float sum = 0.f;
       for (int i = 0; i < 8; ++i) sum += a[i];
-      for (; e < E; ++e) sum += xm[e] * widen1(row[e]);
+      for (; e < E; ++e) sum += xm[e] * load1(row[e]);
       y[m * V + v] = sum;
     }
   }
@@ -252,16 +352,21 @@ ffi::Error MatvecT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
     return ffi::Error::InvalidArgument("kvjax_matvec_t: x must be [M, E] and t [V, E]");
   const int64_t M = xd[0], E = xd[1], V = td[0];
   if (td[1] != E) return ffi::Error::InvalidArgument("kvjax_matvec_t: E differs");
-  if (t.element_type() != ffi::DataType::BF16)
-    return ffi::Error::InvalidArgument("kvjax_matvec_t: t must be bfloat16");
+  const bool bf16 = t.element_type() == ffi::DataType::BF16;
+  if (!bf16 && t.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("kvjax_matvec_t: t must be bfloat16 or float32");
   const float* xp = x.typed_data();
-  const uint16_t* tp = static_cast<const uint16_t*>(t.untyped_data());
+  const void* tp = t.untyped_data();
   float* yp = y->typed_data();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(V, 8 * threads));
   const int64_t rows = (V + chunks - 1) / chunks;
   kvjax::parallel_for(pool, (V + rows - 1) / rows, [&](int64_t it) {
-    nt_rows(xp, M, E, tp, V, it * rows, std::min<int64_t>(V, (it + 1) * rows), yp);
+    const int64_t v0 = it * rows, v1 = std::min<int64_t>(V, (it + 1) * rows);
+    if (bf16)
+      nt_rows(xp, M, E, static_cast<const uint16_t*>(tp), V, v0, v1, yp);
+    else
+      nt_rows(xp, M, E, static_cast<const float*>(tp), V, v0, v1, yp);
   });
   return ffi::Error::Success();
 }
@@ -279,5 +384,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxMatvec, Matvec,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .RemainingArgs()
+                                  .RemainingRets());

@@ -60,17 +60,24 @@ def dense(cfg: ModelConfig, features: int, name: str, bias: bool = False) -> nn.
                   kernel_init=nn.initializers.normal(0.02))
 
 
-def linear(h, p, dtype):
-  """What `nn.Dense` computes from its params `p` ({"kernel", optional "bias"}). bfloat16
-  weights under float32 activations go through `kernels.bf16_dot`, which reads them at
-  their stored bytes for a decode step's few rows (XLA widens the whole matrix first)."""
-  kernel = p["kernel"]
-  if kernel.dtype == jnp.bfloat16 and jnp.dtype(dtype) == jnp.float32:
-    y = kernels.bf16_dot(h.astype(dtype), kernel)
+def linears(h, ps, dtype):
+  """What `nn.Dense` computes from each of its params `ps` ({"kernel", optional "bias"}),
+  all of one input `h`. float32 activations go through `kernels.weight_dots` (kernels
+  stored in bfloat16 or float32), which for a decode step's few rows reads every weight at
+  its stored bytes, the matrices of one call in one dispatch; XLA multiplies elsewhere
+  (widening a bf16 matrix whole first)."""
+  h = h.astype(dtype)
+  if jnp.dtype(dtype) == jnp.float32:
+    ys = kernels.weight_dots(h, [p["kernel"] for p in ps])
   else:
-    y = jax.lax.dot_general(h.astype(dtype), kernel.astype(dtype),
-                            (((h.ndim - 1,), (0,)), ((), ())))
-  return y + p["bias"].astype(dtype) if "bias" in p else y
+    ys = [jax.lax.dot_general(h, p["kernel"].astype(dtype), (((h.ndim - 1,), (0,)), ((), ())))
+          for p in ps]
+  return tuple(y + p["bias"].astype(dtype) if "bias" in p else y for y, p in zip(ys, ps))
+
+
+def linear(h, p, dtype):
+  """`linears` of one param dict."""
+  return linears(h, (p,), dtype)[0]
 
 
 class Head(nn.Module):
@@ -98,8 +105,8 @@ def embed_rows(table_VE, tokens_BT, dtype):
 
 
 def lm_head(x_BTE, table_VE, dtype):
-  """Logits from a tied embedding table, as `nn.Embed.attend` computes them. A bf16 table
-  under float32 activations goes through `kernels.bf16_dot` (its table-rows form), which
+  """Logits from a tied embedding table, as `nn.Embed.attend` computes them. Under float32
+  activations the table goes through `kernels.weight_dot` (its table-rows form), which
   reads it at its stored bytes for a decode step's few rows. Where XLA multiplies it, a
   barrier ties the table to this call's activations, so that a decode loop cannot hoist
   the widening out of its body as a loop-invariant float32 copy of the table (made on
@@ -107,7 +114,9 @@ def lm_head(x_BTE, table_VE, dtype):
   x_BTE = x_BTE.astype(dtype)
   if table_VE.dtype != x_BTE.dtype:
     table_VE, x_BTE = jax.lax.optimization_barrier((table_VE, x_BTE))
-  return kernels.bf16_dot(x_BTE, table_VE, transposed=True)  # XLA's product elsewhere
+  if x_BTE.dtype != jnp.float32:
+    return x_BTE @ table_VE.T.astype(x_BTE.dtype)
+  return kernels.weight_dot(x_BTE, table_VE, transposed=True)  # XLA's product elsewhere
 
 
 def block_forward(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):

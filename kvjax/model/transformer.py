@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from kvjax.cache import base as cache_base
 from kvjax.config import ModelConfig
 from kvjax.model.layers import (Block, Head, LayerInput, RMSNorm, block_forward, embed_rows,
-                                linear, lm_head, rms_norm)
+                                linears, lm_head, rms_norm)
 from kvjax.model.rope import rope_cos_sin
 
 
@@ -41,8 +41,10 @@ def switched_layers(cfg: ModelConfig, layers: list, x_BTE, inp: LayerInput):
   own buffer: a conditional selects the buffer, nothing is copied. Projections sharing an
   input share a switch (q/k/v, o, gate/up, down: four per layer step, each of L branches
   of one to three dots). The rest of the layer is traced once, so compile time grows only
-  by those small branches. Weights stored in another dtype than `cfg.dtype` are widened
-  inside the branch, as `nn.Dense` does (one matrix-sized temporary at a time). Norm
+  by those small branches. Each branch multiplies through `linears`: a decode step's few
+  rows by the CPU kernel, one call per switch, every weight read at its stored bytes;
+  elsewhere XLA's dots, a weight stored in another dtype than `cfg.dtype` widened inside
+  the branch as `nn.Dense` does (one matrix-sized temporary at a time). Norm
   weights (vectors) are stacked and indexed. Returns x and the stacked new (k, v)."""
   dtype = jnp.dtype(cfg.dtype)
   norms = {n: jnp.stack([p[n]["weight"] for p in layers])
@@ -51,7 +53,7 @@ def switched_layers(cfg: ModelConfig, layers: list, x_BTE, inp: LayerInput):
   def body(x_BTE, layer):
     def dense(h, outs):
       def branch(i, h):  # h: [B·T, E], the rows of this call flattened
-        return tuple(linear(h, layers[i][n], dtype) for n, _, _ in outs)
+        return linears(h, [layers[i][n] for n, _, _ in outs], dtype)
       ys = jax.lax.switch(layer, [functools.partial(branch, i) for i in range(len(layers))],
                           h.reshape(-1, h.shape[-1]))
       return [y.reshape(*h.shape[:-1], y.shape[-1]) for y in ys]

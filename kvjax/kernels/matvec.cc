@@ -345,6 +345,48 @@ void nt_rows(const float* x, int64_t M, int64_t E, const T* t, int64_t V, int64_
   }
 }
 
+#ifdef __AVX2__
+// nt_rows for a bfloat16 table, with each row of x given in the even/odd order of every 16
+// elements (`xd`, [M, E16], E16 = E rounded down to 16): one 32-byte load of a table row
+// becomes two float vectors by one shift and one mask, as in the row-split form. The
+// elements past E16 are added from x plainly.
+void nt_rows_bf16(const float* xd, const float* x, int64_t M, int64_t E, const uint16_t* t,
+                  int64_t V, int64_t v0, int64_t v1, float* y) {
+  const int64_t E16 = E / 16 * 16;
+  const __m256i high = _mm256_set1_epi32(int32_t(0xFFFF0000u));
+  auto even = [](__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); };
+  auto odd = [&](__m256i w) { return _mm256_castsi256_ps(_mm256_and_si256(w, high)); };
+  for (int64_t v = v0; v < v1; ++v) {
+    const uint16_t* row = t + v * E;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = xd + m * E16;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      int64_t e = 0;
+      for (; e + 32 <= E16; e += 32) {
+        __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + e));
+        __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + e + 16));
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + e), even(w0), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + e + 8), odd(w0), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + e + 16), even(w1), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + e + 24), odd(w1), a3);
+      }
+      if (e < E16) {
+        __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + e));
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + e), even(w0), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + e + 8), odd(w0), a1);
+      }
+      __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_add_ss(h, _mm_movehdup_ps(h));
+      float sum = _mm_cvtss_f32(h);
+      for (e = E16; e < E; ++e) sum += x[m * E + e] * load1(row[e]);
+      y[m * V + v] = sum;
+    }
+  }
+}
+#endif
+
 ffi::Error MatvecT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer t,
                    ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), td = t.dimensions();
@@ -361,8 +403,23 @@ ffi::Error MatvecT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(V, 8 * threads));
   const int64_t rows = (V + chunks - 1) / chunks;
+#ifdef __AVX2__
+  const int64_t E16 = E / 16 * 16;
+  std::vector<float> xeo(size_t(M * E16));  // x in even/odd order per 16 (nt_rows_bf16)
+  if (bf16)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t e = 0; e < E16; e += 16)
+        for (int i = 0; i < 8; ++i) {
+          xeo[m * E16 + e + i] = xp[m * E + e + 2 * i];
+          xeo[m * E16 + e + 8 + i] = xp[m * E + e + 2 * i + 1];
+        }
+#endif
   kvjax::parallel_for(pool, (V + rows - 1) / rows, [&](int64_t it) {
     const int64_t v0 = it * rows, v1 = std::min<int64_t>(V, (it + 1) * rows);
+#ifdef __AVX2__
+    if (bf16) return nt_rows_bf16(xeo.data(), xp, M, E, static_cast<const uint16_t*>(tp), V, v0,
+                                  v1, yp);
+#endif
     if (bf16)
       nt_rows(xp, M, E, static_cast<const uint16_t*>(tp), V, v0, v1, yp);
     else

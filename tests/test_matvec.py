@@ -22,13 +22,16 @@ def _kernel():
 
 @pytest.mark.parametrize("M,E,N", [(1, 64, 96), (3, 40, 264), (5, 24, 40), (16, 32, 32),
                                    (4, 22, 33), (2, 43, 48), (1, 7, 16), (1, 576, 1536),
-                                   (2, 24, 4112), (1, 16, 40)])
+                                   (2, 24, 4112), (1, 16, 40), (3, 7, 64), (8, 576, 192),
+                                   (11, 33, 96)])
 @pytest.mark.parametrize("dtype", [bf16, f32])
 def test_weight_dot_equals_the_widened_product(M, E, N, dtype):
   """Column stripes: row groups of 1-4, a task narrower than 256 columns, a ragged column
   tail, E not a multiple of 4 or 8, one or two rows too wide for the row split. The row
   split (one or two rows, columns a multiple of 16): E split over the threads with rows
-  left after the blocks of 8, fewer than 8 rows, a real projection's shape."""
+  left after the blocks of 8, fewer than 8 rows, a real projection's shape. The tile form
+  (AVX-512 builds; 3-16 rows, columns a multiple of 32): 3, 8, 11 and 16 rows (one or two
+  groups of 8), E of 7 and 33."""
   kx, kw = jax.random.split(jax.random.PRNGKey(M * 100 + N))
   x = jax.random.normal(kx, (M, E), f32)
   w = jax.random.normal(kw, (E, N), f32).astype(dtype)
@@ -57,11 +60,13 @@ def test_weight_dot_of_table_rows_equals_the_widened_product(M, E, V, dtype):
 
 
 @pytest.mark.parametrize("M,E,Ns", [(1, 576, (576, 192, 192)), (2, 40, (48, 16)),
-                                    (5, 24, (40, 264, 8)), (1, 24, (16, 40))])
+                                    (5, 24, (40, 264, 8)), (1, 24, (16, 40)),
+                                    (8, 40, (64, 40, 32))])
 def test_one_call_of_several_matrices_equals_each_product(M, E, Ns):
   """Several matrices of one input in one call (q/k/v, gate/up), mixed bf16 and float32:
   the row split across every matrix's blocks, the column stripes across every matrix's
-  stripes, and a call where one matrix's columns rule out the row split for all."""
+  stripes, a call where one matrix's columns rule out the row split for all, and one
+  where the tile form takes some matrices and the stripes the others."""
   keys = jax.random.split(jax.random.PRNGKey(M + sum(Ns)), len(Ns) + 1)
   x = jax.random.normal(keys[0], (M, E), f32)
   ws = [jax.random.normal(k, (E, N), f32).astype(bf16 if i % 2 else f32)

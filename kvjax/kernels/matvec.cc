@@ -4,11 +4,13 @@
 // register where it is used and read from memory once per call, so a decode step reads its
 // weights at their stored bytes; XLA:CPU widens a bf16 matrix into a float32 copy first. One
 // call takes every matrix that shares an input (q/k/v, gate/up), so they cost one dispatch
-// over XLA's intra-op thread pool, split in one of two ways: for one or two rows of x
-// (batch-1 and -2 decode, where streaming W in memory order decides the time) by blocks of
-// each W's rows, the blocks' partial sums added after; otherwise by stripes of columns,
-// each weight loaded once for every row of x. For the few rows of a decode step (M <= 16);
-// longer inputs stay with XLA's dot. A second call (`MatvecT`) multiplies by a table stored
+// over XLA's intra-op thread pool, split in one of two ways: by blocks of each W's rows,
+// streamed in memory order, the blocks' partial sums added after, for one or two rows of x
+// (batch-1 and -2 decode) and, on AVX-512 machines, for up to 16 rows where every N is a
+// multiple of 32 (the products of 8 rows of x held in registers per 32 columns, so each
+// weight is loaded once per 8 rows); otherwise by stripes of columns, each weight loaded
+// once for every row of x. For the few rows of a decode step (M <= 16); longer inputs stay
+// with XLA's dot. A second call (`MatvecT`) multiplies by a table stored
 // [N, E] (a tied lm_head's embedding), row by row.
 
 #include <algorithm>
@@ -123,6 +125,7 @@ void nn_task(const float* x, int64_t M, int64_t E, const T* w, int64_t N, int64_
 
 constexpr int64_t ROW_SPLIT_MAX_N = 4096;  // the row-split form's widest output
 constexpr int64_t ROW_SPLIT_MAX_M = 2;     // and most rows of x (each row re-reads W)
+constexpr int64_t ROW_TILE_MAX_M = 16;    // AVX-512: the row split in register tiles up to here
 
 #ifdef __AVX2__
 // Sixteen columns of one weight row as two float32 vectors. bf16: one 32-byte load, whose
@@ -191,6 +194,94 @@ void rows_task(const float* x, int64_t M, int64_t E, const T* w, int64_t N, int6
 }
 #endif
 
+#ifdef __AVX512F__
+// 32 columns of one weight row as two float32 vectors (AVX-512), as load16 does for 16.
+inline void load32(const uint16_t* w, __m512& lo, __m512& hi) {
+  __m512i v = _mm512_loadu_si512(w);
+  lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  hi = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+}
+
+inline void load32(const float* w, __m512& lo, __m512& hi) {
+  lo = _mm512_loadu_ps(w);
+  hi = _mm512_loadu_ps(w + 16);
+}
+
+#endif
+
+#ifdef __AVX512F__
+// The row split for 3 to 16 rows of x: rows [k0, k1) of W streamed in memory order, KB at a
+// time; for each 32 columns the products of up to 8 rows of x are loaded from acc[M][N]
+// into registers, KB weight rows added, and stored back, so each weight is loaded once per
+// 8 rows of x. bf16 accumulators hold each 32 columns in even/odd order (unpermute32).
+template <int R, int KB, typename T>
+void rowtile(const float* x, int64_t E, const T* w, int64_t N, int64_t k, float* acc) {
+  const T* w0 = w + k * N;
+  constexpr int LINE = 64 / sizeof(T);
+  const bool pf = k + 32 + KB <= E;
+  for (int64_t c = 0; c < N; c += 32) {
+    if (KB > 1 && pf)
+      for (int i = 0; i < KB; ++i)
+        for (int h = 0; h < 32; h += LINE) __builtin_prefetch(w0 + (32 + i) * N + c + h);
+    __m512 a[R][2];
+    for (int j = 0; j < R; ++j) {
+      a[j][0] = _mm512_loadu_ps(acc + j * N + c);
+      a[j][1] = _mm512_loadu_ps(acc + j * N + c + 16);
+    }
+    for (int i = 0; i < KB; ++i) {
+      __m512 lo, hi;
+      load32(w0 + i * N + c, lo, hi);
+      for (int j = 0; j < R; ++j) {
+        const __m512 xs = _mm512_set1_ps(x[j * E + k + i]);
+        a[j][0] = _mm512_fmadd_ps(xs, lo, a[j][0]);
+        a[j][1] = _mm512_fmadd_ps(xs, hi, a[j][1]);
+      }
+    }
+    for (int j = 0; j < R; ++j) {
+      _mm512_storeu_ps(acc + j * N + c, a[j][0]);
+      _mm512_storeu_ps(acc + j * N + c + 16, a[j][1]);
+    }
+  }
+}
+
+template <int R, typename T>
+void rowtile_rows(const float* x, int64_t E, const T* w, int64_t N, int64_t k0, int64_t k1,
+                  float* acc) {
+  int64_t k = k0;
+  for (; k + 8 <= k1; k += 8) rowtile<R, 8>(x, E, w, N, k, acc);
+  for (; k < k1; ++k) rowtile<R, 1>(x, E, w, N, k, acc);
+}
+
+template <typename T>
+void rowtile_task(const float* x, int64_t M, int64_t E, const T* w, int64_t N, int64_t k0,
+                  int64_t k1, float* acc) {
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const float* xm = x + m0 * E;
+    float* am = acc + m0 * N;
+    switch (std::min<int64_t>(8, M - m0)) {
+      case 8: rowtile_rows<8>(xm, E, w, N, k0, k1, am); break;
+      case 7: rowtile_rows<7>(xm, E, w, N, k0, k1, am); break;
+      case 6: rowtile_rows<6>(xm, E, w, N, k0, k1, am); break;
+      case 5: rowtile_rows<5>(xm, E, w, N, k0, k1, am); break;
+      case 4: rowtile_rows<4>(xm, E, w, N, k0, k1, am); break;
+      case 3: rowtile_rows<3>(xm, E, w, N, k0, k1, am); break;
+      case 2: rowtile_rows<2>(xm, E, w, N, k0, k1, am); break;
+      default: rowtile_rows<1>(xm, E, w, N, k0, k1, am);
+    }
+  }
+}
+
+void unpermute32(const float* acc, int64_t n, float* y) {
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int64_t c = 0; c < n; c += 32) {
+    __m512 e = _mm512_loadu_ps(acc + c), o = _mm512_loadu_ps(acc + c + 16);
+    _mm512_storeu_ps(y + c, _mm512_permutex2var_ps(e, lo, o));
+    _mm512_storeu_ps(y + c + 16, _mm512_permutex2var_ps(e, hi, o));
+  }
+}
+#endif
+
 // One weight matrix [E, N] of a call and its output [M, N].
 struct Product {
   const void* w;
@@ -222,6 +313,12 @@ void products(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t E,
 #else
   split = false;
 #endif
+  bool tiled = false;
+#ifdef __AVX512F__
+  tiled = M > ROW_SPLIT_MAX_M && M <= ROW_TILE_MAX_M;
+  for (const Product& p : ps) tiled = tiled && p.N % 32 == 0 && p.N <= ROW_SPLIT_MAX_N;
+  split = split || tiled;
+#endif
   std::vector<float> part;
   if (split) {
     const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, E / 8));
@@ -249,6 +346,15 @@ void products(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t E,
     const Task& t = tasks[it];
     const Product& p = ps[t.p];
 #ifdef __AVX2__
+#ifdef __AVX512F__
+    if (tiled) {
+      if (p.bf16)
+        rowtile_task(x, M, E, static_cast<const uint16_t*>(p.w), p.N, t.a, t.b, t.acc);
+      else
+        rowtile_task(x, M, E, static_cast<const float*>(p.w), p.N, t.a, t.b, t.acc);
+      return;
+    }
+#endif
     if (split) {
       if (p.bf16)
         rows_task(x, M, E, static_cast<const uint16_t*>(p.w), p.N, t.a, t.b, t.acc);
@@ -273,6 +379,12 @@ void products(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t E,
     for (size_t t = first + 1; t < first + count; ++t)
       for (int64_t e = 0; e < n; ++e) acc[e] += tasks[t].acc[e];
     for (int64_t j = 0; j < M; ++j) {
+#ifdef __AVX512F__
+      if (tiled && ps[i].bf16) {
+        unpermute32(acc + j * ps[i].N, ps[i].N, ps[i].y + j * ps[i].N);
+        continue;
+      }
+#endif
       if (ps[i].bf16)
         unpermute16(acc + j * ps[i].N, ps[i].N, ps[i].y + j * ps[i].N);
       else

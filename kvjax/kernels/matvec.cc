@@ -345,28 +345,19 @@ void products(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t E,
   kvjax::parallel_for(pool, int64_t(tasks.size()), [&](int64_t it) {
     const Task& t = tasks[it];
     const Product& p = ps[t.p];
-#ifdef __AVX2__
+    auto run = [&](auto* w) {  // w: the matrix in its stored type
 #ifdef __AVX512F__
-    if (tiled) {
-      if (p.bf16)
-        rowtile_task(x, M, E, static_cast<const uint16_t*>(p.w), p.N, t.a, t.b, t.acc);
-      else
-        rowtile_task(x, M, E, static_cast<const float*>(p.w), p.N, t.a, t.b, t.acc);
-      return;
-    }
+      if (tiled) return rowtile_task(x, M, E, w, p.N, t.a, t.b, t.acc);
 #endif
-    if (split) {
-      if (p.bf16)
-        rows_task(x, M, E, static_cast<const uint16_t*>(p.w), p.N, t.a, t.b, t.acc);
-      else
-        rows_task(x, M, E, static_cast<const float*>(p.w), p.N, t.a, t.b, t.acc);
-      return;
-    }
+#ifdef __AVX2__
+      if (split) return rows_task(x, M, E, w, p.N, t.a, t.b, t.acc);
 #endif
+      nn_task(x, M, E, w, p.N, t.a, t.b - t.a, p.y);
+    };
     if (p.bf16)
-      nn_task(x, M, E, static_cast<const uint16_t*>(p.w), p.N, t.a, t.b - t.a, p.y);
+      run(static_cast<const uint16_t*>(p.w));
     else
-      nn_task(x, M, E, static_cast<const float*>(p.w), p.N, t.a, t.b - t.a, p.y);
+      run(static_cast<const float*>(p.w));
   });
 #ifdef __AVX2__
   if (!split) return;

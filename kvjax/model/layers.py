@@ -66,12 +66,7 @@ def linears(h, ps, dtype):
   stored in bfloat16 or float32), which for a decode step's few rows reads every weight at
   its stored bytes, the matrices of one call in one dispatch; XLA multiplies elsewhere
   (widening a bf16 matrix whole first)."""
-  h = h.astype(dtype)
-  if jnp.dtype(dtype) == jnp.float32:
-    ys = kernels.weight_dots(h, [p["kernel"] for p in ps])
-  else:
-    ys = [jax.lax.dot_general(h, p["kernel"].astype(dtype), (((h.ndim - 1,), (0,)), ((), ())))
-          for p in ps]
+  ys = kernels.weight_dots(h.astype(dtype), [p["kernel"] for p in ps])
   return tuple(y + p["bias"].astype(dtype) if "bias" in p else y for y, p in zip(ys, ps))
 
 
@@ -114,8 +109,6 @@ def lm_head(x_BTE, table_VE, dtype):
   x_BTE = x_BTE.astype(dtype)
   if table_VE.dtype != x_BTE.dtype:
     table_VE, x_BTE = jax.lax.optimization_barrier((table_VE, x_BTE))
-  if x_BTE.dtype != jnp.float32:
-    return x_BTE @ table_VE.T.astype(x_BTE.dtype)
   return kernels.weight_dot(x_BTE, table_VE, transposed=True)  # XLA's product elsewhere
 
 

@@ -12,7 +12,10 @@
 // where it is used; whole-head scales and zero points are applied to the logits and
 // probabilities, head_dim groups and per-channel scales to the converted codes in
 // registers; integer codes with whole-head scales meet a 15-bit integer copy of the query
-// in exact int16 multiply-adds. The generic scan (any other head_dim, more than 16 query
+// in exact int16 multiply-adds. Where the CPU has AVX-512, whole-head leaves are read
+// sixteen columns per register, and integer values meet each tile's probabilities rounded
+// once to 15-bit integers (two tokens per int16 multiply-add), so a smaller code is also
+// less arithmetic per token. The generic scan (any other head_dim, more than 16 query
 // rows, groups narrower than 8 elements) widens a tile of TILE tokens at a time into a
 // float buffer that stays in L1, scales and zero points applied as it is widened. Rows
 // are split across XLA's intra-op thread pool; when there are fewer rows than threads,
@@ -48,7 +51,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int TILE = 32;
+constexpr int TILE = 64;
 constexpr float MASKED = -1e30f;
 
 enum Kind : int64_t { F32 = 0, BF16 = 1, F16 = 2, INT8 = 3, UINT4 = 4, UINT2 = 5, E4M3 = 6, E5M2 = 7 };
@@ -220,6 +223,12 @@ void widen(const Leaf& lf, const int64_t* __restrict idx, int n, int Dr, float* 
 
 // Whether any of the n slots of a tile holds a valid token (a tile of padding is skipped).
 inline bool any_valid(const bool* mask, int n) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (n <= 64) {  // one masked load (lanes past n are not read)
+    __m512i v = _mm512_maskz_loadu_epi8(n == 64 ? ~0ULL : (1ULL << n) - 1, mask);
+    return _mm512_test_epi8_mask(v, v) != 0;
+  }
+#endif
   bool any = false;
   for (int t = 0; t < n; ++t) any |= mask[t];
   return any;
@@ -758,10 +767,259 @@ inline void qk_rows_int(const int16_t* __restrict q16, const float* qsc, const L
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// AVX-512 forms of the whole-head reads: sixteen columns per register, so a token costs
+// half the instructions of the eight-lane forms above. Packed kinds need 16 columns (32 for
+// the integer logits) within one bit plane.
+template <int KIND, int D, int COLS>
+constexpr bool in_plane() {
+  if constexpr (KIND == UINT4) return (D / 2) % COLS == 0;
+  else if constexpr (KIND == UINT2) return (D / 4) % COLS == 0;
+  else return D % COLS == 0;
+}
+
+// Columns [d, d + 16) of a token's codes as floats.
+template <int KIND>
+inline __m512 codes16f(const uint8_t* __restrict r, int d, int D) {
+  if constexpr (KIND == F32) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(r) + d);
+  } else if constexpr (KIND == BF16) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 2 * d));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else if constexpr (KIND == F16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 2 * d)));
+  } else if constexpr (KIND == E4M3 || KIND == E5M2) {  // through half precision, as codes8
+    __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + d)));
+    if constexpr (KIND == E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
+    __m256i h = _mm256_or_si256(
+        _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7),
+        _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+  } else if constexpr (KIND == INT8) {
+    __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + d));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
+  } else {
+    constexpr int bits = KIND == UINT4 ? 4 : 2;
+    const int W = D * bits / 8, plane = d / W;
+    __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + (d - plane * W)));
+    c = _mm_and_si128(_mm_srli_epi16(c, bits * plane), _mm_set1_epi8((1 << bits) - 1));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c));
+  }
+}
+
+inline v8 fold16(__m512 a) {  // the two halves' sum
+  __m256 s = _mm256_add_ps(_mm512_castps512_ps256(a),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  v8 v;
+  std::memcpy(&v, &s, 32);
+  return v;
+}
+
+// lt[j][t] = q_j . c_t over codes with whole-head scales (the caller applies them).
+template <int KIND, int D, int R>
+void qk_rows16(const float* __restrict q, const Leaf& kl, const int64_t* idx, int n,
+               float (*lt)[TILE]) {
+  for (int t0 = 0; t0 < n; t0 += 8) {
+    v8 part[R][8];
+    for (int u = 0; u < 8; ++u) {
+      const uint8_t* r = kl.codes + idx[t0 + u < n ? t0 + u : 0] * kl.width;
+      __m512 a[R];
+      for (int j = 0; j < R; ++j) a[j] = _mm512_setzero_ps();
+      for (int d = 0; d < D; d += 16) {
+        __m512 c = codes16f<KIND>(r, d, D);
+        for (int j = 0; j < R; ++j) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * D + d), c, a[j]);
+      }
+      for (int j = 0; j < R; ++j) part[j][u] = fold16(a[j]);
+    }
+    for (int j = 0; j < R; ++j) {
+      v8 v = reduce8(part[j]);
+      std::memcpy(lt[j] + t0, &v, 32);
+    }
+  }
+}
+
+// Integer codes against the 15-bit query, 32 codes widened to int16 per register.
+template <int KIND>
+inline __m512i codes32(const uint8_t* __restrict r, int d, int D) {
+  if constexpr (KIND == INT8) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + d)));
+  } else {
+    constexpr int bits = KIND == UINT4 ? 4 : 2;
+    const int W = D * bits / 8, plane = d / W;
+    __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + (d - plane * W)));
+    c = _mm256_and_si256(_mm256_srli_epi16(c, bits * plane), _mm256_set1_epi8((1 << bits) - 1));
+    return _mm512_cvtepu8_epi16(c);
+  }
+}
+
+template <int KIND, int D, int R>
+void qk_rows_int32(const int16_t* __restrict q16, const float* qsc, const Leaf& kl,
+                   const int64_t* idx, int n, float (*lt)[TILE]) {
+  for (int t0 = 0; t0 < n; t0 += 8) {
+    __m256i part[R][8];
+    for (int u = 0; u < 8; ++u) {
+      const uint8_t* r = kl.codes + idx[t0 + u < n ? t0 + u : 0] * kl.width;
+      __m512i a[R];
+      for (int j = 0; j < R; ++j) a[j] = _mm512_setzero_si512();
+      for (int d = 0; d < D; d += 32) {
+        __m512i c = codes32<KIND>(r, d, D);
+        for (int j = 0; j < R; ++j) {
+          __m512i qv = _mm512_loadu_si512(q16 + j * D + d);
+#ifdef __AVX512VNNI__
+          a[j] = _mm512_dpwssd_epi32(a[j], c, qv);
+#else
+          a[j] = _mm512_add_epi32(a[j], _mm512_madd_epi16(c, qv));
+#endif
+        }
+      }
+      for (int j = 0; j < R; ++j)
+        part[j][u] = _mm256_add_epi32(_mm512_castsi512_si256(a[j]), _mm512_extracti64x4_epi64(a[j], 1));
+    }
+    for (int j = 0; j < R; ++j)
+      _mm256_storeu_ps(lt[j] + t0, _mm256_mul_ps(reduce8i(part[j]), _mm256_set1_ps(qsc[j])));
+  }
+}
+
+// acc[j] += sum_t p[j][t] c_t over codes with whole-head scales (folded into p by the
+// caller): up to 24 sixteen-column sums held in registers across the tile's tokens, and
+// two sets over alternate tokens where one set is too few to hide the multiply-adds'
+// latency. Slots past n hold p = 0 and a valid token, so the pairs may run one past n.
+template <int KIND, int D, int R>
+void pv_rows16(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE], float* __restrict acc) {
+  constexpr int V = D / 16, CB0 = R <= 3 ? 8 : 4, CB = CB0 < V ? CB0 : V;
+  constexpr int U = R * CB >= 8 ? 1 : 2;
+  for (int d0 = 0; d0 < D; d0 += 16 * CB) {
+    __m512 a[U][R][CB];
+    for (int e = 0; e < U; ++e)
+      for (int j = 0; j < R; ++j)
+        for (int k = 0; k < CB; ++k) a[e][j][k] = _mm512_setzero_ps();
+    for (int t = 0; t < n; t += U) {
+      for (int e = 0; e < U; ++e) {
+        const uint8_t* r = vl.codes + idx[t + e] * vl.width;
+        __m512 pj[R];
+        for (int j = 0; j < R; ++j) pj[j] = _mm512_set1_ps(p[j][t + e]);
+        for (int k = 0; k < CB; ++k) {
+          __m512 c = codes16f<KIND>(r, d0 + 16 * k, D);
+          for (int j = 0; j < R; ++j) a[e][j][k] = _mm512_fmadd_ps(pj[j], c, a[e][j][k]);
+        }
+      }
+    }
+    for (int j = 0; j < R; ++j)
+      for (int k = 0; k < CB; ++k) {
+        float* dst = acc + size_t(j) * D + d0 + 16 * k;
+        __m512 x = a[0][j][k];
+        if constexpr (U == 2) x = _mm512_add_ps(x, a[U - 1][j][k]);
+        _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), x));
+      }
+  }
+}
+
+// P.V over integer codes with whole-head scales, as exact integer sums: each row's
+// probabilities (the value scales already folded in) are rounded once per tile to 15-bit
+// integers against the tile's largest (the same rounding as the query's for integer keys),
+// two tokens' codes are interleaved byte by byte so one int16 multiply-add pairs them, and
+// the int32 sums of a tile are scaled into the float accumulator. A unit of 32 columns
+// comes out of the interleave in the order {0-7, 16-23}, {8-15, 24-31}, put back once per
+// tile. A tile whose probabilities are not all finite takes the float form.
+template <int KIND, int D>
+constexpr bool int_pv() {
+  return (KIND == INT8 && D % 32 == 0) || (KIND == UINT4 && (D / 2) % 32 == 0) ||
+         (KIND == UINT2 && (D / 4) % 32 == 0);
+}
+
+template <int KIND>
+inline __m256i bytes32(const uint8_t* __restrict r, int d, int D) {  // 32 columns' codes
+  if constexpr (KIND == INT8) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + d));
+  } else {
+    constexpr int bits = KIND == UINT4 ? 4 : 2;
+    const int W = D * bits / 8, plane = d / W;
+    __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + (d - plane * W)));
+    return _mm256_and_si256(_mm256_srli_epi16(c, bits * plane), _mm256_set1_epi8((1 << bits) - 1));
+  }
+}
+
+template <int KIND>
+inline __m512i widen16(__m256i b) {
+  if constexpr (KIND == INT8) return _mm512_cvtepi8_epi16(b);
+  return _mm512_cvtepu8_epi16(b);
+}
+
+template <int KIND, int D, int R>
+void pv_rows_int(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE], float* __restrict acc) {
+  alignas(64) int16_t p16[R][TILE];
+  float psc[R];
+  for (int j = 0; j < R; ++j) {
+    __m512 mx = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
+    for (int t = 0; t < TILE; t += 16) {
+      __m512 x = _mm512_loadu_ps(p[j] + t);
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(x));
+      sum = _mm512_add_ps(sum, x);
+    }
+    const float m = _mm512_reduce_max_ps(mx);
+    if (!std::isfinite(_mm512_reduce_add_ps(sum)) || !std::isfinite(m)) {
+      pv_rows16<KIND, D, R>(vl, idx, n, p, acc);
+      return;
+    }
+    psc[j] = m / 32767.f;
+    const __m512 inv = _mm512_set1_ps(m > 0.f ? 32767.f / m : 0.f);
+    for (int t = 0; t < TILE; t += 16)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(p16[j] + t),
+                         _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p[j] + t), inv))));
+  }
+  const int32_t* pp[R];  // (p_t, p_t+1) pairs
+  for (int j = 0; j < R; ++j) pp[j] = reinterpret_cast<const int32_t*>(p16[j]);
+  constexpr int UNITS = D / 32, UB0 = R == 1 ? 8 : R <= 3 ? 4 : 2, UB = UB0 < UNITS ? UB0 : UNITS;
+  for (int u0 = 0; u0 < UNITS; u0 += UB) {
+    __m512i ax[R][UB], ay[R][UB];
+    for (int j = 0; j < R; ++j)
+      for (int k = 0; k < UB; ++k) ax[j][k] = ay[j][k] = _mm512_setzero_si512();
+    for (int t = 0; t < n; t += 2) {  // slot n (n odd) holds p = 0 and a valid token
+      const uint8_t* ra = vl.codes + idx[t] * vl.width;
+      const uint8_t* rb = vl.codes + idx[t + 1] * vl.width;
+      __m512i pv[R];
+      for (int j = 0; j < R; ++j) pv[j] = _mm512_set1_epi32(pp[j][t / 2]);
+      for (int k = 0; k < UB; ++k) {
+        const int d = 32 * (u0 + k);
+        __m256i a = bytes32<KIND>(ra, d, D), b = bytes32<KIND>(rb, d, D);
+        __m512i x = widen16<KIND>(_mm256_unpacklo_epi8(a, b));
+        __m512i y = widen16<KIND>(_mm256_unpackhi_epi8(a, b));
+        for (int j = 0; j < R; ++j) {
+#ifdef __AVX512VNNI__
+          ax[j][k] = _mm512_dpwssd_epi32(ax[j][k], x, pv[j]);
+          ay[j][k] = _mm512_dpwssd_epi32(ay[j][k], y, pv[j]);
+#else
+          ax[j][k] = _mm512_add_epi32(ax[j][k], _mm512_madd_epi16(x, pv[j]));
+          ay[j][k] = _mm512_add_epi32(ay[j][k], _mm512_madd_epi16(y, pv[j]));
+#endif
+        }
+      }
+    }
+    for (int j = 0; j < R; ++j) {
+      const __m512 sc = _mm512_set1_ps(psc[j]);
+      for (int k = 0; k < UB; ++k) {
+        __m512 fx = _mm512_cvtepi32_ps(ax[j][k]), fy = _mm512_cvtepi32_ps(ay[j][k]);
+        float* dst = acc + size_t(j) * D + 32 * (u0 + k);
+        _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_shuffle_f32x4(fx, fy, 0x44), sc, _mm512_loadu_ps(dst)));
+        _mm512_storeu_ps(dst + 16, _mm512_fmadd_ps(_mm512_shuffle_f32x4(fx, fy, 0xEE), sc,
+                                                   _mm512_loadu_ps(dst + 16)));
+      }
+    }
+  }
+}
+#define KVJAX_AVX512 1
+#endif
+
 // One tile's logits for R rows (lt[j][t] = q_j . x_t, whole-head scales still to apply),
 // through the integer route where it applies.
 template <int KIND, int MODE, int D, int R>
 void qk_tile(const Rows& q, const Leaf& kl, const int64_t* idx, int n, float (*lt)[TILE]) {
+#ifdef KVJAX_AVX512
+  if constexpr (MODE == WHOLE && KIND >= INT8 && KIND <= UINT2 && in_plane<KIND, D, 32>()) {
+    qk_rows_int32<KIND, D, R>(q.q16, q.qsc, kl, idx, n, lt);
+    return;
+  }
+#endif
 #ifdef __AVX2__
   if constexpr (int_qk<KIND, MODE, D>()) {
     qk_rows_int<KIND, D, R>(q.q16, q.qsc, kl, idx, n, lt);
@@ -772,6 +1030,12 @@ void qk_tile(const Rows& q, const Leaf& kl, const int64_t* idx, int n, float (*l
     qk_rows_chan<KIND, D, R>(q.q, kl, idx, n, lt);
     return;
   }
+#ifdef KVJAX_AVX512
+  if constexpr (MODE == WHOLE && in_plane<KIND, D, 16>()) {
+    qk_rows16<KIND, D, R>(q.q, kl, idx, n, lt);
+    return;
+  }
+#endif
   qk_rows<KIND, MODE, D, R>(q.q, kl, idx, n, lt);
 }
 
@@ -785,10 +1049,54 @@ struct Fused {  // a leaf pair's reads for row groups of 1..4 (null: the generic
 
 // The softmax step of R rows over one tile: the logits lt (whole-head key scales applied
 // here), the running state (m, s, acc) rescaled; lt becomes p * (whole-head value scale).
+#ifdef KVJAX_AVX512
+inline __m512 exp16(__m512 x) {  // exp8 on sixteen lanes
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  __m512 y = x * 1.44269504088896341f;
+  __m512 n = (y + 12582912.f) - 12582912.f;
+  __m512 p = exp2_poly(y - n);
+  __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return p * _mm512_castsi512_ps(bits);
+}
+#endif
+
 template <int D>
 inline void softmax_rows(int R, float (*lt)[TILE], const float* ks, const float* ko,
                          const float* vs, const float* vo, const float* okf, const float* qsum,
                          float* m, float* s, float* acc) {
+#ifdef KVJAX_AVX512
+  for (int j = 0; j < R; ++j) {
+    __m512 l[TILE / 16];
+    __m512 mx16 = _mm512_set1_ps(m[j]);
+    const __m512 masked = _mm512_set1_ps(MASKED), qs = _mm512_set1_ps(qsum[j]);
+    for (int b = 0; b < TILE / 16; ++b) {
+      __m512 x = _mm512_fmadd_ps(_mm512_load_ps(ks + 16 * b), _mm512_load_ps(lt[j] + 16 * b),
+                                 _mm512_mul_ps(_mm512_load_ps(ko + 16 * b), qs));
+      __mmask16 ok = _mm512_cmp_ps_mask(_mm512_load_ps(okf + 16 * b), _mm512_set1_ps(0.5f), _CMP_GT_OQ);
+      l[b] = _mm512_mask_blend_ps(ok, masked, x);
+      mx16 = _mm512_max_ps(mx16, l[b]);
+    }
+    const float mx = _mm512_reduce_max_ps(mx16);
+    const float corr = fast_exp(m[j] - mx);
+    __m512 sum = _mm512_setzero_ps(), po = _mm512_setzero_ps();
+    for (int b = 0; b < TILE / 16; ++b) {
+      __mmask16 live = _mm512_cmp_ps_mask(l[b], _mm512_set1_ps(0.5f * MASKED), _CMP_GT_OQ);
+      __m512 e = _mm512_maskz_mov_ps(live, exp16(l[b] - mx));
+      sum += e;
+      po = _mm512_fmadd_ps(e, _mm512_load_ps(vo + 16 * b), po);
+      _mm512_store_ps(lt[j] + 16 * b, e * _mm512_load_ps(vs + 16 * b));
+    }
+    const float pos = _mm512_reduce_add_ps(po);
+    float* aj = acc + size_t(j) * D;
+    if (corr != 1.f || pos != 0.f)  // else acc * 1 + 0 leaves it as it is
+      for (int d = 0; d < D; d += 16)
+        _mm512_storeu_ps(aj + d, _mm512_fmadd_ps(_mm512_loadu_ps(aj + d), _mm512_set1_ps(corr),
+                                                 _mm512_set1_ps(pos)));
+    s[j] = s[j] * corr + _mm512_reduce_add_ps(sum);
+    m[j] = mx;
+  }
+  return;
+#endif
   for (int j = 0; j < R; ++j) {
     v8 l[TILE / 8];
     v8 mx8 = splat(m[j]);
@@ -826,7 +1134,7 @@ void scan_fused(const float* __restrict q, const Leaf& kl, const Leaf& vl, const
                 int64_t t_begin, int64_t t_end, int M, float* __restrict m,
                 float* __restrict s, float* __restrict acc) {
   static_assert(D % 16 == 0, "fused scan: head_dim a multiple of 16");
-  alignas(32) float ks[TILE], ko[TILE], vs[TILE], vo[TILE], okf[TILE], lt[4][TILE];
+  alignas(64) float ks[TILE], ko[TILE], vs[TILE], vo[TILE], okf[TILE], lt[4][TILE];
   float qsum[16], qsc[16];
   alignas(32) int16_t q16[16 * D];
   int64_t idx[TILE];
@@ -848,7 +1156,16 @@ void scan_fused(const float* __restrict q, const Leaf& kl, const Leaf& vl, const
     } else {
       for (int t = 0; t < TILE; ++t) idx[t] = geo.index(row, t0 + (t < n ? t : 0));
     }
+#ifdef KVJAX_AVX512
+    for (int b = 0; b < TILE / 16; ++b) {  // 1 where the slot holds a token, else 0
+      const int lim = n - 16 * b;
+      const __mmask16 in = lim >= 16 ? 0xFFFF : lim <= 0 ? 0 : __mmask16((1u << lim) - 1);
+      __m128i mb = _mm_maskz_loadu_epi8(in, mask_row + t0 + 16 * b);
+      _mm512_store_ps(okf + 16 * b, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mb)));
+    }
+#else
     for (int t = 0; t < TILE; ++t) okf[t] = t < n && mask_row[t0 + t] ? 1.f : 0.f;
+#endif
     const bool run = n == TILE && idx[TILE - 1] - idx[0] == TILE - 1;
     metas(kl, idx, run, ks, ko);
     metas(vl, idx, run, vs, vo);
@@ -874,6 +1191,18 @@ void set_qk(Fused& f) {
 
 template <int KIND, int MODE, int D>
 void set_pv(Fused& f) {
+#ifdef KVJAX_AVX512
+  if constexpr (MODE == WHOLE && int_pv<KIND, D>()) {
+    f.pv[0] = pv_rows_int<KIND, D, 1>, f.pv[1] = pv_rows_int<KIND, D, 2>;
+    f.pv[2] = pv_rows_int<KIND, D, 3>, f.pv[3] = pv_rows_int<KIND, D, 4>;
+    return;
+  }
+  if constexpr (MODE == WHOLE && in_plane<KIND, D, 16>()) {
+    f.pv[0] = pv_rows16<KIND, D, 1>, f.pv[1] = pv_rows16<KIND, D, 2>;
+    f.pv[2] = pv_rows16<KIND, D, 3>, f.pv[3] = pv_rows16<KIND, D, 4>;
+    return;
+  }
+#endif
   f.pv[0] = pv_rows<KIND, MODE, D, 1>, f.pv[1] = pv_rows<KIND, MODE, D, 2>;
   f.pv[2] = pv_rows<KIND, MODE, D, 3>, f.pv[3] = pv_rows<KIND, MODE, D, 4>;
 }

@@ -60,10 +60,20 @@ int main(int argc, char** argv) {
   for (const Setting& st : settings) {
     auto codes = [&](int64_t kind) {
       std::vector<uint8_t> c(size_t(rows) * T * bytes_per_row(kind, D));
-      // Float bit patterns of moderate normal values; fp8 bytes with normal exponents (no
+      // fp16 bit patterns of moderate normal values; fp8 bytes with normal exponents (no
       // subnormals, NaN or infinities, which a scaled cache rarely holds).
       bool fp8 = kind == E4M3 || kind == E5M2;
       for (auto& b : c) b = uint8_t(fp8 ? 0x30 + gen() % 0x40 : gen() & 0x3f);
+      if (kind == BF16 || kind == F32) {  // normal floats in [-1, 1): random bytes would
+        size_t esz = kind == F32 ? 4 : 2;  // hold subnormals, which the float units pay for
+        for (size_t i = 0; i + esz <= c.size(); i += esz) {
+          float f = float(gen() % 20000) / 10000.f - 1.f;
+          uint32_t u;
+          std::memcpy(&u, &f, 4);
+          uint16_t h = uint16_t(u >> 16);
+          std::memcpy(&c[i], esz == 4 ? static_cast<void*>(&u) : static_cast<void*>(&h), esz);
+        }
+      }
       return c;
     };
     std::vector<uint8_t> kc = codes(st.k_kind), vc = codes(st.v_kind);

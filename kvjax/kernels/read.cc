@@ -773,6 +773,7 @@ inline void qk_rows_int(const int16_t* __restrict q16, const float* qsc, const L
 // the integer logits) within one bit plane.
 template <int KIND, int D, int COLS>
 constexpr bool in_plane() {
+  if constexpr (KIND == UINT4 && D == 16 && COLS == 16) return true;  // both planes, one load
   if constexpr (KIND == UINT4) return (D / 2) % COLS == 0;
   else if constexpr (KIND == UINT2) return (D / 4) % COLS == 0;
   else return D % COLS == 0;
@@ -800,9 +801,15 @@ inline __m512 codes16f(const uint8_t* __restrict r, int d, int D) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
   } else {
     constexpr int bits = KIND == UINT4 ? 4 : 2;
+    const __m128i low = _mm_set1_epi8((1 << bits) - 1);
+    if (KIND == UINT4 && D == 16) {  // the row's 8 bytes: columns 0-7 low, 8-15 high
+      __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r));
+      __m128i c = _mm_unpacklo_epi64(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c));
+    }
     const int W = D * bits / 8, plane = d / W;
     __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + (d - plane * W)));
-    c = _mm_and_si128(_mm_srli_epi16(c, bits * plane), _mm_set1_epi8((1 << bits) - 1));
+    c = _mm_and_si128(_mm_srli_epi16(c, bits * plane), low);
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c));
   }
 }

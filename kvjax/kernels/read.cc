@@ -847,16 +847,26 @@ void qk_rows16(const float* __restrict q, const Leaf& kl, const int64_t* idx, in
 
 // Integer codes against the 15-bit query, 32 codes widened to int16 per register.
 template <int KIND>
-inline __m512i codes32(const uint8_t* __restrict r, int d, int D) {
+inline __m256i bytes32(const uint8_t* __restrict r, int d, int D) {  // 32 columns' codes
   if constexpr (KIND == INT8) {
-    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + d)));
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + d));
   } else {
     constexpr int bits = KIND == UINT4 ? 4 : 2;
     const int W = D * bits / 8, plane = d / W;
     __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + (d - plane * W)));
-    c = _mm256_and_si256(_mm256_srli_epi16(c, bits * plane), _mm256_set1_epi8((1 << bits) - 1));
-    return _mm512_cvtepu8_epi16(c);
+    return _mm256_and_si256(_mm256_srli_epi16(c, bits * plane), _mm256_set1_epi8((1 << bits) - 1));
   }
+}
+
+template <int KIND>
+inline __m512i widen16(__m256i b) {
+  if constexpr (KIND == INT8) return _mm512_cvtepi8_epi16(b);
+  return _mm512_cvtepu8_epi16(b);
+}
+
+template <int KIND>
+inline __m512i codes32(const uint8_t* __restrict r, int d, int D) {
+  return widen16<KIND>(bytes32<KIND>(r, d, D));
 }
 
 template <int KIND, int D, int R>
@@ -934,23 +944,6 @@ constexpr bool int_pv() {
          (KIND == UINT2 && (D / 4) % 32 == 0);
 }
 
-template <int KIND>
-inline __m256i bytes32(const uint8_t* __restrict r, int d, int D) {  // 32 columns' codes
-  if constexpr (KIND == INT8) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + d));
-  } else {
-    constexpr int bits = KIND == UINT4 ? 4 : 2;
-    const int W = D * bits / 8, plane = d / W;
-    __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + (d - plane * W)));
-    return _mm256_and_si256(_mm256_srli_epi16(c, bits * plane), _mm256_set1_epi8((1 << bits) - 1));
-  }
-}
-
-template <int KIND>
-inline __m512i widen16(__m256i b) {
-  if constexpr (KIND == INT8) return _mm512_cvtepi8_epi16(b);
-  return _mm512_cvtepu8_epi16(b);
-}
 
 template <int KIND, int D, int R>
 void pv_rows_int(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE], float* __restrict acc) {

@@ -15,7 +15,8 @@
 // in exact int16 multiply-adds. Where the CPU has AVX-512, whole-head leaves are read
 // sixteen columns per register, and integer values meet each tile's probabilities rounded
 // once to 15-bit integers (two tokens per int16 multiply-add), so a smaller code is also
-// less arithmetic per token. The generic scan (any other head_dim, more than 16 query
+// less arithmetic per token; head_dim groups of 16 columns or more and per-channel keys
+// have sixteen-lane forms too. The generic scan (any other head_dim, more than 16 query
 // rows, groups narrower than 8 elements) widens a tile of TILE tokens at a time into a
 // float buffer that stays in L1, scales and zero points applied as it is widened. Rows
 // are split across XLA's intra-op thread pool; when there are fewer rows than threads,
@@ -1007,6 +1008,132 @@ void pv_rows_int(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE], fl
     }
   }
 }
+
+// The sixteen-lane forms of the head_dim-group reads (groups of 16 columns or more): keys
+// scale each converted vector by its group's scale and offset; values fold the group's
+// scale into the probabilities (p (s c + o) = (p s) c + p o), one group per pass.
+template <int KIND, int D, int R, int GW>
+void qk_rows_grouped16(const Rows& rows, const Leaf& kl, const int64_t* idx, int n,
+                       float (*lt)[TILE]) {
+  const float* __restrict q = rows.q;
+  constexpr bool asym = KIND == UINT4 || KIND == UINT2;
+  constexpr float h = KIND == UINT4 ? 7.5f : 1.5f;
+  constexpr int G = D / GW;
+  for (int t0 = 0; t0 < n; t0 += 8) {
+    v8 part[R][8];
+    for (int u = 0; u < 8; ++u) {
+      const int64_t tok = idx[t0 + u < n ? t0 + u : 0];
+      const uint8_t* r = kl.codes + tok * kl.width;
+      __m512 a[R];
+      for (int j = 0; j < R; ++j) a[j] = _mm512_setzero_ps();
+      for (int g = 0; g < G; ++g) {
+        const float sg = bf16(kl.scale[tok * G + g]);
+        const __m512 sv = _mm512_set1_ps(sg);
+        const __m512 ov = _mm512_set1_ps(asym ? bf16(kl.zero[tok * G + g]) - h * sg : 0.f);
+        for (int d = g * GW; d < (g + 1) * GW; d += 16) {
+          __m512 c = codes16f<KIND>(r, d, D);
+          c = asym ? _mm512_fmadd_ps(c, sv, ov) : _mm512_mul_ps(c, sv);
+          for (int j = 0; j < R; ++j) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * D + d), c, a[j]);
+        }
+      }
+      for (int j = 0; j < R; ++j) part[j][u] = fold16(a[j]);
+    }
+    for (int j = 0; j < R; ++j) {
+      v8 v = reduce8(part[j]);
+      std::memcpy(lt[j] + t0, &v, 32);
+    }
+  }
+}
+
+template <int KIND, int D, int R, int GW>
+void pv_rows_grouped16(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE],
+                       float* __restrict acc) {
+  constexpr bool asym = KIND == UINT4 || KIND == UINT2;
+  constexpr float h = KIND == UINT4 ? 7.5f : 1.5f;
+  constexpr int G = D / GW, CB0 = R <= 3 ? 8 : 4, CB = GW / 16 < CB0 ? GW / 16 : CB0;
+  for (int d0 = 0; d0 < D; d0 += 16 * CB) {  // a block of 16 CB columns in one group
+    const int g = d0 / GW;
+    __m512 a[R][CB];
+    for (int j = 0; j < R; ++j)
+      for (int k = 0; k < CB; ++k) a[j][k] = _mm512_setzero_ps();
+    float off[R] = {};
+    for (int t = 0; t < n; ++t) {
+      const int64_t at = idx[t] * G + g;
+      const float sg = bf16(vl.scale[at]);
+      const uint8_t* r = vl.codes + idx[t] * vl.width;
+      __m512 pj[R];
+      for (int j = 0; j < R; ++j) pj[j] = _mm512_set1_ps(p[j][t] * sg);
+      if constexpr (asym) {
+        const float og = bf16(vl.zero[at]) - h * sg;
+        for (int j = 0; j < R; ++j) off[j] += p[j][t] * og;
+      }
+      for (int k = 0; k < CB; ++k) {
+        __m512 c = codes16f<KIND>(r, d0 + 16 * k, D);
+        for (int j = 0; j < R; ++j) a[j][k] = _mm512_fmadd_ps(pj[j], c, a[j][k]);
+      }
+    }
+    for (int j = 0; j < R; ++j)
+      for (int k = 0; k < CB; ++k) {
+        float* dst = acc + size_t(j) * D + d0 + 16 * k;
+        _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_add_ps(_mm512_loadu_ps(dst), a[j][k]),
+                                            _mm512_set1_ps(off[j])));
+      }
+  }
+}
+
+// qk_rows_chan's sixteen-lane form: the scale row folded into the query rows once per U
+// tokens, then codes without scales against the scaled rows.
+template <int KIND, int D, int R>
+void qk_rows_chan16(const float* __restrict q, const Leaf& kl, const int64_t* idx, int n,
+                    float (*lt)[TILE]) {
+  constexpr bool asym = KIND == UINT4 || KIND == UINT2;
+  constexpr float h = KIND == UINT4 ? 7.5f : 1.5f;
+  alignas(64) float qf[R][D];
+  float bias[R] = {};
+  int64_t blk = -1;
+  for (int t0 = 0; t0 < n; t0 += 8) {
+    v8 part[R][8];
+    alignas(32) float off[R][8];
+    for (int u = 0; u < 8; ++u) {
+      const int64_t tok = idx[t0 + u < n ? t0 + u : 0];
+      if ((tok >> kl.cshift) != blk) {  // fold scale row b into the query rows
+        blk = tok >> kl.cshift;
+        __m512 bo[R];
+        for (int j = 0; j < R; ++j) bo[j] = _mm512_setzero_ps();
+        for (int d = 0; d < D; d += 16) {
+          const __m512i sb = _mm512_cvtepu16_epi32(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kl.scale + blk * D + d)));
+          const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(sb, 16));
+          __m512 ov = _mm512_setzero_ps();
+          if constexpr (asym) {
+            const __m512i zb = _mm512_cvtepu16_epi32(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kl.zero + blk * D + d)));
+            ov = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_slli_epi32(zb, 16)),
+                               _mm512_mul_ps(_mm512_set1_ps(h), sv));
+          }
+          for (int j = 0; j < R; ++j) {
+            const __m512 qv = _mm512_loadu_ps(q + j * D + d);
+            _mm512_store_ps(qf[j] + d, _mm512_mul_ps(qv, sv));
+            if constexpr (asym) bo[j] = _mm512_fmadd_ps(qv, ov, bo[j]);
+          }
+        }
+        for (int j = 0; j < R; ++j) bias[j] = asym ? _mm512_reduce_add_ps(bo[j]) : 0.f;
+      }
+      const uint8_t* r = kl.codes + tok * kl.width;
+      __m512 a[R];
+      for (int j = 0; j < R; ++j) a[j] = _mm512_setzero_ps();
+      for (int d = 0; d < D; d += 16) {
+        __m512 c = codes16f<KIND>(r, d, D);
+        for (int j = 0; j < R; ++j) a[j] = _mm512_fmadd_ps(_mm512_load_ps(qf[j] + d), c, a[j]);
+      }
+      for (int j = 0; j < R; ++j) part[j][u] = fold16(a[j]), off[j][u] = bias[j];
+    }
+    for (int j = 0; j < R; ++j) {
+      v8 v = reduce8(part[j]) + load8(off[j]);
+      std::memcpy(lt[j] + t0, &v, 32);
+    }
+  }
+}
 #define KVJAX_AVX512 1
 #endif
 
@@ -1027,6 +1154,12 @@ void qk_tile(const Rows& q, const Leaf& kl, const int64_t* idx, int n, float (*l
   }
 #endif
   if constexpr (MODE == CHANNEL) {
+#ifdef KVJAX_AVX512
+    if constexpr (in_plane<KIND, D, 16>()) {
+      qk_rows_chan16<KIND, D, R>(q.q, kl, idx, n, lt);
+      return;
+    }
+#endif
     qk_rows_chan<KIND, D, R>(q.q, kl, idx, n, lt);
     return;
   }
@@ -1211,6 +1344,18 @@ void set_pv(Fused& f) {
 // into the probabilities (values).
 template <int KIND, int D, int GW>
 void set_grouped(Fused& f, bool key) {
+#ifdef KVJAX_AVX512
+  if constexpr (GW % 16 == 0 && in_plane<KIND, D, 16>()) {
+    if (key) {
+      f.qk[0] = qk_rows_grouped16<KIND, D, 1, GW>, f.qk[1] = qk_rows_grouped16<KIND, D, 2, GW>;
+      f.qk[2] = qk_rows_grouped16<KIND, D, 3, GW>, f.qk[3] = qk_rows_grouped16<KIND, D, 4, GW>;
+    } else {
+      f.pv[0] = pv_rows_grouped16<KIND, D, 1, GW>, f.pv[1] = pv_rows_grouped16<KIND, D, 2, GW>;
+      f.pv[2] = pv_rows_grouped16<KIND, D, 3, GW>, f.pv[3] = pv_rows_grouped16<KIND, D, 4, GW>;
+    }
+    return;
+  }
+#endif
   if (key) {
     f.qk[0] = qk_rows_grouped<KIND, D, 1, GW>, f.qk[1] = qk_rows_grouped<KIND, D, 2, GW>;
     f.qk[2] = qk_rows_grouped<KIND, D, 3, GW>, f.qk[3] = qk_rows_grouped<KIND, D, 4, GW>;

@@ -546,106 +546,6 @@ struct Rows {
   const float* qsc;
 };
 
-// The logits of R query rows over the n tokens idx[0..n) (n a multiple of 8 or the tile's
-// tail, padded with token idx[0]), eight tokens at a time: dot(tok, a, off) adds token
-// tok's R products into the eight-lane sums a[0..R) and, where OFF, sets the offset
-// off[0..R) its logits take; the eight tokens' sums are reduced into lt[j][t0..t0+8).
-template <int R, bool OFF, class Dot>
-inline void logits8(const int64_t* idx, int n, float (*lt)[TILE], Dot&& dot) {
-  for (int t0 = 0; t0 < n; t0 += 8) {
-    v8 part[R][8];
-    alignas(32) float off[R][8];
-    for (int u = 0; u < 8; ++u) {
-      v8 a[R] = {};
-      float o[R] = {};
-      dot(idx[t0 + u < n ? t0 + u : 0], a, o);
-      for (int j = 0; j < R; ++j) part[j][u] = a[j], off[j][u] = o[j];
-    }
-    for (int j = 0; j < R; ++j) {
-      v8 v = reduce8(part[j]);
-      if constexpr (OFF) v += load8(off[j]);
-      std::memcpy(lt[j] + t0, &v, 32);
-    }
-  }
-}
-
-// lt[j][t] = q_j . x_t, x the values value8 gives (so whole-head scales are still to be
-// applied by the caller).
-template <int KIND, int MODE, int D, int R>
-inline void qk_rows(const float* __restrict q, const Leaf& kl, const int64_t* idx, int n,
-                    float (*lt)[TILE]) {
-  logits8<R, false>(idx, n, lt, [&](int64_t tok, v8* a, float*) {
-    const uint8_t* r = kl.codes + tok * kl.width;
-    for (int d = 0; d < D; d += 8) {
-      v8 c = value8<KIND, MODE>(kl, r, tok, d, D);
-      for (int j = 0; j < R; ++j) a[j] += load8(q + j * D + d) * c;
-    }
-  });
-}
-
-// Logits of R query rows over keys with head_dim-group scales of exactly GW columns: each
-// group's scale and offset are read once per token and applied to its GW / 8 converted
-// vectors (value8 reads them for every vector).
-template <int KIND, int D, int R, int GW>
-void qk_rows_grouped(const Rows& rows, const Leaf& kl, const int64_t* idx, int n,
-                     float (*lt)[TILE]) {
-  const float* __restrict q = rows.q;
-  constexpr bool asym = KIND == UINT4 || KIND == UINT2;
-  constexpr float h = KIND == UINT4 ? 7.5f : 1.5f;
-  constexpr int G = D / GW;
-  logits8<R, false>(idx, n, lt, [&](int64_t tok, v8* a, float*) {
-    const uint8_t* r = kl.codes + tok * kl.width;
-    for (int g = 0; g < G; ++g) {
-      const float sg = bf16(kl.scale[tok * G + g]);
-      const v8 sv = splat(sg), ov = splat(asym ? bf16(kl.zero[tok * G + g]) - h * sg : 0.f);
-      for (int d = g * GW; d < (g + 1) * GW; d += 8) {
-        v8 c = codes8<KIND>(r, d, D) * sv;
-        if constexpr (asym) c += ov;
-        for (int j = 0; j < R; ++j) a[j] += load8(q + j * D + d) * c;
-      }
-    }
-  });
-}
-
-// Logits over keys with per-channel scales (one scale row per U stored tokens), the scales
-// folded into the query: for the tokens of one scale row b,
-//   q_j . (s_b c + o_b) = (q_j * s_b) . c + q_j . o_b,
-// so each row b met costs one scaled copy of the R query rows and their offset, and the
-// tokens' inner loop is that of codes without scales. lt holds whole logits (the caller's
-// whole-head scale is 1 and its offset 0 for such a leaf).
-template <int KIND, int D, int R>
-inline void qk_rows_chan(const float* __restrict q, const Leaf& kl, const int64_t* idx, int n,
-                         float (*lt)[TILE]) {
-  constexpr bool asym = KIND == UINT4 || KIND == UINT2;
-  constexpr float h = KIND == UINT4 ? 7.5f : 1.5f;
-  alignas(32) float qf[R][D];
-  float bias[R];
-  int64_t blk = -1;
-  logits8<R, true>(idx, n, lt, [&](int64_t tok, v8* a, float* off) {
-    if ((tok >> kl.cshift) != blk) {  // fold scale row b into the query rows
-      blk = tok >> kl.cshift;
-      v8 bo[R] = {};
-      for (int d = 0; d < D; d += 8) {
-        const v8 sv = bf16x8(kl.scale + blk * D + d);
-        const v8 ov = asym ? bf16x8(kl.zero + blk * D + d) - h * sv : v8{};
-        for (int j = 0; j < R; ++j) {
-          const v8 qv = load8(q + j * D + d);
-          const v8 x = qv * sv;
-          std::memcpy(qf[j] + d, &x, 32);
-          if constexpr (asym) bo[j] += qv * ov;
-        }
-      }
-      for (int j = 0; j < R; ++j) bias[j] = asym ? hsum(bo[j]) : 0.f;
-    }
-    const uint8_t* r = kl.codes + tok * kl.width;
-    for (int d = 0; d < D; d += 8) {
-      v8 c = codes8<KIND>(r, d, D);
-      for (int j = 0; j < R; ++j) a[j] += load8(qf[j] + d) * c;
-    }
-    for (int j = 0; j < R; ++j) off[j] = bias[j];
-  });
-}
-
 // acc[j] += sum_t p[j][t] x_t for R rows: C eight-column vectors of each row held in
 // registers across the tile's tokens, R * C >= 8 independent sums where the registers
 // allow, so the multiply-adds' latency is hidden.
@@ -668,46 +568,6 @@ void pv_rows(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE], float*
       for (int k = 0; k < C; ++k) {
         float* dst = acc + size_t(j) * D + d0 + 8 * k;
         v8 x = load8(dst) + a[j][k];
-        std::memcpy(dst, &x, 32);
-      }
-  }
-}
-
-// P.V over values with head_dim-group scales of exactly GW columns, the scales folded into
-// the probabilities: for group g of token t, p (s c + o) = (p s) c + p o, so a group's
-// columns meet the codes times one number per (row, token), and p o sums apart (off),
-// added to the group's columns once per tile.
-template <int KIND, int D, int R, int GW>
-void pv_rows_grouped(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE],
-                     float* __restrict acc) {
-  constexpr bool asym = KIND == UINT4 || KIND == UINT2;
-  constexpr float h = KIND == UINT4 ? 7.5f : 1.5f;
-  constexpr int G = D / GW;
-  constexpr int C0 = R == 1 ? 8 : R == 4 ? 2 : 4;
-  constexpr int C = C0 * 8 <= GW ? C0 : GW / 8;  // a block of 8 C columns in one group
-  for (int d0 = 0; d0 < D; d0 += 8 * C) {
-    const int g = d0 / GW;
-    v8 a[R][C] = {};
-    float off[R] = {};
-    for (int t = 0; t < n; ++t) {
-      const int64_t at = idx[t] * G + g;
-      const float sg = bf16(vl.scale[at]);
-      const uint8_t* r = vl.codes + idx[t] * vl.width;
-      v8 pj[R];
-      for (int j = 0; j < R; ++j) pj[j] = splat(p[j][t] * sg);
-      if constexpr (asym) {
-        const float og = bf16(vl.zero[at]) - h * sg;
-        for (int j = 0; j < R; ++j) off[j] += p[j][t] * og;
-      }
-      for (int k = 0; k < C; ++k) {
-        v8 c = codes8<KIND>(r, d0 + 8 * k, D);
-        for (int j = 0; j < R; ++j) a[j][k] += pj[j] * c;
-      }
-    }
-    for (int j = 0; j < R; ++j)
-      for (int k = 0; k < C; ++k) {
-        float* dst = acc + size_t(j) * D + d0 + 8 * k;
-        v8 x = load8(dst) + a[j][k] + off[j];
         std::memcpy(dst, &x, 32);
       }
   }
@@ -821,29 +681,6 @@ inline v8 fold16(__m512 a) {  // the two halves' sum
   v8 v;
   std::memcpy(&v, &s, 32);
   return v;
-}
-
-// lt[j][t] = q_j . c_t over codes with whole-head scales (the caller applies them).
-template <int KIND, int D, int R>
-void qk_rows16(const float* __restrict q, const Leaf& kl, const int64_t* idx, int n,
-               float (*lt)[TILE]) {
-  for (int t0 = 0; t0 < n; t0 += 8) {
-    v8 part[R][8];
-    for (int u = 0; u < 8; ++u) {
-      const uint8_t* r = kl.codes + idx[t0 + u < n ? t0 + u : 0] * kl.width;
-      __m512 a[R];
-      for (int j = 0; j < R; ++j) a[j] = _mm512_setzero_ps();
-      for (int d = 0; d < D; d += 16) {
-        __m512 c = codes16f<KIND>(r, d, D);
-        for (int j = 0; j < R; ++j) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * D + d), c, a[j]);
-      }
-      for (int j = 0; j < R; ++j) part[j][u] = fold16(a[j]);
-    }
-    for (int j = 0; j < R; ++j) {
-      v8 v = reduce8(part[j]);
-      std::memcpy(lt[j] + t0, &v, 32);
-    }
-  }
 }
 
 // Integer codes against the 15-bit query, 32 codes widened to int16 per register.
@@ -1008,134 +845,215 @@ void pv_rows_int(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE], fl
     }
   }
 }
+#define KVJAX_AVX512 1
+#endif
 
-// The sixteen-lane forms of the head_dim-group reads (groups of 16 columns or more): keys
-// scale each converted vector by its group's scale and offset; values fold the group's
-// scale into the probabilities (p (s c + o) = (p s) c + p o), one group per pass.
-template <int KIND, int D, int R, int GW>
-void qk_rows_grouped16(const Rows& rows, const Leaf& kl, const int64_t* idx, int n,
-                       float (*lt)[TILE]) {
-  const float* __restrict q = rows.q;
-  constexpr bool asym = KIND == UINT4 || KIND == UINT2;
-  constexpr float h = KIND == UINT4 ? 7.5f : 1.5f;
-  constexpr int G = D / GW;
+// The key reads and the grouped value read at W lanes a register: eight (v8) everywhere,
+// sixteen (__m512) where AVX-512 is. `fma_w` is a fused multiply-add at sixteen lanes and
+// a multiply then an add at eight, as each form was written.
+template <int W>
+struct Lanes {
+  using V = v8;
+};
+#ifdef KVJAX_AVX512
+template <>
+struct Lanes<16> {
+  using V = __m512;
+};
+#endif
+
+template <int KIND, int W>
+inline typename Lanes<W>::V codes_w(const uint8_t* __restrict r, int d, int D) {
+#ifdef KVJAX_AVX512
+  if constexpr (W == 16) return codes16f<KIND>(r, d, D);
+#endif
+  if constexpr (W == 8) return codes8<KIND>(r, d, D);
+}
+
+template <int W>
+inline typename Lanes<W>::V bf16_w(const uint16_t* p) {  // W bfloat16 values as floats
+#ifdef KVJAX_AVX512
+  if constexpr (W == 16)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+#endif
+  if constexpr (W == 8) return bf16x8(p);
+}
+
+template <class V>
+inline V load_w(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <class V>
+inline V fma_w(V a, V b, V c) {  // a b + c
+#ifdef KVJAX_AVX512
+  if constexpr (sizeof(V) == 64) return _mm512_fmadd_ps(a, b, c);
+#endif
+  if constexpr (sizeof(V) == 32) return a * b + c;
+}
+
+template <class V>
+inline v8 fold_w(V a) {  // the eight-lane sum of a register's lanes
+#ifdef KVJAX_AVX512
+  if constexpr (sizeof(V) == 64) return fold16(a);
+#endif
+  if constexpr (sizeof(V) == 32) return a;
+}
+
+// The logits of R query rows over the n tokens idx[0..n) (n a multiple of 8 or the tile's
+// tail, padded with token idx[0]), eight tokens at a time: dot(tok, a, off) adds token
+// tok's R products into the W-lane sums a[0..R) and, where OFF, sets the offset off[0..R)
+// its logits take; the eight tokens' sums are reduced into lt[j][t0..t0+8).
+template <int R, bool OFF, int W, class Dot>
+inline void logits(const int64_t* idx, int n, float (*lt)[TILE], Dot&& dot) {
+  using V = typename Lanes<W>::V;
   for (int t0 = 0; t0 < n; t0 += 8) {
     v8 part[R][8];
+    alignas(32) float off[R][8];
     for (int u = 0; u < 8; ++u) {
-      const int64_t tok = idx[t0 + u < n ? t0 + u : 0];
-      const uint8_t* r = kl.codes + tok * kl.width;
-      __m512 a[R];
-      for (int j = 0; j < R; ++j) a[j] = _mm512_setzero_ps();
-      for (int g = 0; g < G; ++g) {
-        const float sg = bf16(kl.scale[tok * G + g]);
-        const __m512 sv = _mm512_set1_ps(sg);
-        const __m512 ov = _mm512_set1_ps(asym ? bf16(kl.zero[tok * G + g]) - h * sg : 0.f);
-        for (int d = g * GW; d < (g + 1) * GW; d += 16) {
-          __m512 c = codes16f<KIND>(r, d, D);
-          c = asym ? _mm512_fmadd_ps(c, sv, ov) : _mm512_mul_ps(c, sv);
-          for (int j = 0; j < R; ++j) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * D + d), c, a[j]);
-        }
-      }
-      for (int j = 0; j < R; ++j) part[j][u] = fold16(a[j]);
+      V a[R];
+      for (int j = 0; j < R; ++j) a[j] = V{};
+      float o[R] = {};
+      dot(idx[t0 + u < n ? t0 + u : 0], a, o);
+      for (int j = 0; j < R; ++j) part[j][u] = fold_w(a[j]), off[j][u] = o[j];
     }
     for (int j = 0; j < R; ++j) {
       v8 v = reduce8(part[j]);
+      if constexpr (OFF) v += load8(off[j]);
       std::memcpy(lt[j] + t0, &v, 32);
     }
   }
 }
 
-template <int KIND, int D, int R, int GW>
-void pv_rows_grouped16(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE],
-                       float* __restrict acc) {
-  constexpr bool asym = KIND == UINT4 || KIND == UINT2;
-  constexpr float h = KIND == UINT4 ? 7.5f : 1.5f;
-  constexpr int G = D / GW, CB0 = R <= 3 ? 8 : 4, CB = GW / 16 < CB0 ? GW / 16 : CB0;
-  for (int d0 = 0; d0 < D; d0 += 16 * CB) {  // a block of 16 CB columns in one group
-    const int g = d0 / GW;
-    __m512 a[R][CB];
-    for (int j = 0; j < R; ++j)
-      for (int k = 0; k < CB; ++k) a[j][k] = _mm512_setzero_ps();
-    float off[R] = {};
-    for (int t = 0; t < n; ++t) {
-      const int64_t at = idx[t] * G + g;
-      const float sg = bf16(vl.scale[at]);
-      const uint8_t* r = vl.codes + idx[t] * vl.width;
-      __m512 pj[R];
-      for (int j = 0; j < R; ++j) pj[j] = _mm512_set1_ps(p[j][t] * sg);
-      if constexpr (asym) {
-        const float og = bf16(vl.zero[at]) - h * sg;
-        for (int j = 0; j < R; ++j) off[j] += p[j][t] * og;
-      }
-      for (int k = 0; k < CB; ++k) {
-        __m512 c = codes16f<KIND>(r, d0 + 16 * k, D);
-        for (int j = 0; j < R; ++j) a[j][k] = _mm512_fmadd_ps(pj[j], c, a[j][k]);
-      }
+// lt[j][t] = q_j . x_t, x the values value8 gives (so whole-head scales are still to be
+// applied by the caller); at sixteen lanes whole-head codes only.
+template <int KIND, int MODE, int D, int R, int W = 8>
+inline void qk_rows(const float* __restrict q, const Leaf& kl, const int64_t* idx, int n,
+                    float (*lt)[TILE]) {
+  using V = typename Lanes<W>::V;
+  static_assert(W == 8 || MODE == WHOLE, "sixteen lanes: whole-head codes");
+  logits<R, false, W>(idx, n, lt, [&](int64_t tok, V* a, float*) {
+    const uint8_t* r = kl.codes + tok * kl.width;
+    for (int d = 0; d < D; d += W) {
+      V c;
+      if constexpr (W == 8) c = value8<KIND, MODE>(kl, r, tok, d, D);
+      else c = codes_w<KIND, W>(r, d, D);
+      for (int j = 0; j < R; ++j) a[j] = fma_w(load_w<V>(q + j * D + d), c, a[j]);
     }
-    for (int j = 0; j < R; ++j)
-      for (int k = 0; k < CB; ++k) {
-        float* dst = acc + size_t(j) * D + d0 + 16 * k;
-        _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_add_ps(_mm512_loadu_ps(dst), a[j][k]),
-                                            _mm512_set1_ps(off[j])));
-      }
-  }
+  });
 }
 
-// qk_rows_chan's sixteen-lane form: the scale row folded into the query rows once per U
-// tokens, then codes without scales against the scaled rows.
-template <int KIND, int D, int R>
-void qk_rows_chan16(const float* __restrict q, const Leaf& kl, const int64_t* idx, int n,
-                    float (*lt)[TILE]) {
+// Logits of R query rows over keys with head_dim-group scales of exactly GW columns: each
+// group's scale and offset are read once per token and applied to its GW / W converted
+// vectors (value8 reads them for every vector).
+template <int KIND, int D, int R, int GW, int W = 8>
+void qk_rows_grouped(const Rows& rows, const Leaf& kl, const int64_t* idx, int n,
+                     float (*lt)[TILE]) {
+  using V = typename Lanes<W>::V;
+  const float* __restrict q = rows.q;
+  constexpr bool asym = KIND == UINT4 || KIND == UINT2;
+  constexpr float h = KIND == UINT4 ? 7.5f : 1.5f;
+  constexpr int G = D / GW;
+  logits<R, false, W>(idx, n, lt, [&](int64_t tok, V* a, float*) {
+    const uint8_t* r = kl.codes + tok * kl.width;
+    for (int g = 0; g < G; ++g) {
+      const float sg = bf16(kl.scale[tok * G + g]);
+      const V sv = V{} + sg, ov = V{} + (asym ? bf16(kl.zero[tok * G + g]) - h * sg : 0.f);
+      for (int d = g * GW; d < (g + 1) * GW; d += W) {
+        V c = codes_w<KIND, W>(r, d, D);
+        c = asym ? fma_w(c, sv, ov) : c * sv;
+        for (int j = 0; j < R; ++j) a[j] = fma_w(load_w<V>(q + j * D + d), c, a[j]);
+      }
+    }
+  });
+}
+
+// Logits over keys with per-channel scales (one scale row per U stored tokens), the scales
+// folded into the query: for the tokens of one scale row b,
+//   q_j . (s_b c + o_b) = (q_j * s_b) . c + q_j . o_b,
+// so each row b met costs one scaled copy of the R query rows and their offset, and the
+// tokens' inner loop is that of codes without scales. lt holds whole logits (the caller's
+// whole-head scale is 1 and its offset 0 for such a leaf).
+template <int KIND, int D, int R, int W = 8>
+inline void qk_rows_chan(const float* __restrict q, const Leaf& kl, const int64_t* idx, int n,
+                         float (*lt)[TILE]) {
+  using V = typename Lanes<W>::V;
   constexpr bool asym = KIND == UINT4 || KIND == UINT2;
   constexpr float h = KIND == UINT4 ? 7.5f : 1.5f;
   alignas(64) float qf[R][D];
   float bias[R] = {};
   int64_t blk = -1;
-  for (int t0 = 0; t0 < n; t0 += 8) {
-    v8 part[R][8];
-    alignas(32) float off[R][8];
-    for (int u = 0; u < 8; ++u) {
-      const int64_t tok = idx[t0 + u < n ? t0 + u : 0];
-      if ((tok >> kl.cshift) != blk) {  // fold scale row b into the query rows
-        blk = tok >> kl.cshift;
-        __m512 bo[R];
-        for (int j = 0; j < R; ++j) bo[j] = _mm512_setzero_ps();
-        for (int d = 0; d < D; d += 16) {
-          const __m512i sb = _mm512_cvtepu16_epi32(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kl.scale + blk * D + d)));
-          const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(sb, 16));
-          __m512 ov = _mm512_setzero_ps();
-          if constexpr (asym) {
-            const __m512i zb = _mm512_cvtepu16_epi32(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kl.zero + blk * D + d)));
-            ov = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_slli_epi32(zb, 16)),
-                               _mm512_mul_ps(_mm512_set1_ps(h), sv));
-          }
-          for (int j = 0; j < R; ++j) {
-            const __m512 qv = _mm512_loadu_ps(q + j * D + d);
-            _mm512_store_ps(qf[j] + d, _mm512_mul_ps(qv, sv));
-            if constexpr (asym) bo[j] = _mm512_fmadd_ps(qv, ov, bo[j]);
-          }
+  logits<R, true, W>(idx, n, lt, [&](int64_t tok, V* a, float* off) {
+    if ((tok >> kl.cshift) != blk) {  // fold scale row b into the query rows
+      blk = tok >> kl.cshift;
+      V bo[R];
+      for (int j = 0; j < R; ++j) bo[j] = V{};
+      for (int d = 0; d < D; d += W) {
+        const V sv = bf16_w<W>(kl.scale + blk * D + d);
+        const V ov = asym ? bf16_w<W>(kl.zero + blk * D + d) - h * sv : V{};
+        for (int j = 0; j < R; ++j) {
+          const V qv = load_w<V>(q + j * D + d);
+          const V x = qv * sv;
+          std::memcpy(qf[j] + d, &x, sizeof x);
+          if constexpr (asym) bo[j] = fma_w(qv, ov, bo[j]);
         }
-        for (int j = 0; j < R; ++j) bias[j] = asym ? _mm512_reduce_add_ps(bo[j]) : 0.f;
       }
-      const uint8_t* r = kl.codes + tok * kl.width;
-      __m512 a[R];
-      for (int j = 0; j < R; ++j) a[j] = _mm512_setzero_ps();
-      for (int d = 0; d < D; d += 16) {
-        __m512 c = codes16f<KIND>(r, d, D);
-        for (int j = 0; j < R; ++j) a[j] = _mm512_fmadd_ps(_mm512_load_ps(qf[j] + d), c, a[j]);
+      for (int j = 0; j < R; ++j) bias[j] = asym ? hsum(fold_w(bo[j])) : 0.f;
+    }
+    const uint8_t* r = kl.codes + tok * kl.width;
+    for (int d = 0; d < D; d += W) {
+      V c = codes_w<KIND, W>(r, d, D);
+      for (int j = 0; j < R; ++j) a[j] = fma_w(load_w<V>(qf[j] + d), c, a[j]);
+    }
+    for (int j = 0; j < R; ++j) off[j] = bias[j];
+  });
+}
+
+// P.V over values with head_dim-group scales of exactly GW columns, the scales folded into
+// the probabilities: for group g of token t, p (s c + o) = (p s) c + p o, so a group's
+// columns meet the codes times one number per (row, token), and p o sums apart (off),
+// added to the group's columns once per tile.
+template <int KIND, int D, int R, int GW, int W = 8>
+void pv_rows_grouped(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE],
+                     float* __restrict acc) {
+  using V = typename Lanes<W>::V;
+  constexpr bool asym = KIND == UINT4 || KIND == UINT2;
+  constexpr float h = KIND == UINT4 ? 7.5f : 1.5f;
+  constexpr int G = D / GW;
+  constexpr int C0 = W == 16 ? (R <= 3 ? 8 : 4) : R == 1 ? 8 : R == 4 ? 2 : 4;
+  constexpr int C = C0 * W <= GW ? C0 : GW / W;  // a block of W C columns in one group
+  for (int d0 = 0; d0 < D; d0 += W * C) {
+    const int g = d0 / GW;
+    V a[R][C];
+    for (int j = 0; j < R; ++j)
+      for (int k = 0; k < C; ++k) a[j][k] = V{};
+    float off[R] = {};
+    for (int t = 0; t < n; ++t) {
+      const int64_t at = idx[t] * G + g;
+      const float sg = bf16(vl.scale[at]);
+      const uint8_t* r = vl.codes + idx[t] * vl.width;
+      V pj[R];
+      for (int j = 0; j < R; ++j) pj[j] = V{} + p[j][t] * sg;
+      if constexpr (asym) {
+        const float og = bf16(vl.zero[at]) - h * sg;
+        for (int j = 0; j < R; ++j) off[j] += p[j][t] * og;
       }
-      for (int j = 0; j < R; ++j) part[j][u] = fold16(a[j]), off[j][u] = bias[j];
+      for (int k = 0; k < C; ++k) {
+        V c = codes_w<KIND, W>(r, d0 + W * k, D);
+        for (int j = 0; j < R; ++j) a[j][k] = fma_w(pj[j], c, a[j][k]);
+      }
     }
-    for (int j = 0; j < R; ++j) {
-      v8 v = reduce8(part[j]) + load8(off[j]);
-      std::memcpy(lt[j] + t0, &v, 32);
-    }
+    for (int j = 0; j < R; ++j)
+      for (int k = 0; k < C; ++k) {
+        float* dst = acc + size_t(j) * D + d0 + W * k;
+        V x = load_w<V>(dst) + a[j][k] + off[j];
+        std::memcpy(dst, &x, sizeof x);
+      }
   }
 }
-#define KVJAX_AVX512 1
-#endif
 
 // One tile's logits for R rows (lt[j][t] = q_j . x_t, whole-head scales still to apply),
 // through the integer route where it applies.
@@ -1156,7 +1074,7 @@ void qk_tile(const Rows& q, const Leaf& kl, const int64_t* idx, int n, float (*l
   if constexpr (MODE == CHANNEL) {
 #ifdef KVJAX_AVX512
     if constexpr (in_plane<KIND, D, 16>()) {
-      qk_rows_chan16<KIND, D, R>(q.q, kl, idx, n, lt);
+      qk_rows_chan<KIND, D, R, 16>(q.q, kl, idx, n, lt);
       return;
     }
 #endif
@@ -1165,7 +1083,7 @@ void qk_tile(const Rows& q, const Leaf& kl, const int64_t* idx, int n, float (*l
   }
 #ifdef KVJAX_AVX512
   if constexpr (MODE == WHOLE && in_plane<KIND, D, 16>()) {
-    qk_rows16<KIND, D, R>(q.q, kl, idx, n, lt);
+    qk_rows<KIND, WHOLE, D, R, 16>(q.q, kl, idx, n, lt);
     return;
   }
 #endif
@@ -1347,11 +1265,11 @@ void set_grouped(Fused& f, bool key) {
 #ifdef KVJAX_AVX512
   if constexpr (GW % 16 == 0 && in_plane<KIND, D, 16>()) {
     if (key) {
-      f.qk[0] = qk_rows_grouped16<KIND, D, 1, GW>, f.qk[1] = qk_rows_grouped16<KIND, D, 2, GW>;
-      f.qk[2] = qk_rows_grouped16<KIND, D, 3, GW>, f.qk[3] = qk_rows_grouped16<KIND, D, 4, GW>;
+      f.qk[0] = qk_rows_grouped<KIND, D, 1, GW, 16>, f.qk[1] = qk_rows_grouped<KIND, D, 2, GW, 16>;
+      f.qk[2] = qk_rows_grouped<KIND, D, 3, GW, 16>, f.qk[3] = qk_rows_grouped<KIND, D, 4, GW, 16>;
     } else {
-      f.pv[0] = pv_rows_grouped16<KIND, D, 1, GW>, f.pv[1] = pv_rows_grouped16<KIND, D, 2, GW>;
-      f.pv[2] = pv_rows_grouped16<KIND, D, 3, GW>, f.pv[3] = pv_rows_grouped16<KIND, D, 4, GW>;
+      f.pv[0] = pv_rows_grouped<KIND, D, 1, GW, 16>, f.pv[1] = pv_rows_grouped<KIND, D, 2, GW, 16>;
+      f.pv[2] = pv_rows_grouped<KIND, D, 3, GW, 16>, f.pv[3] = pv_rows_grouped<KIND, D, 4, GW, 16>;
     }
     return;
   }

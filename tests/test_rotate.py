@@ -86,13 +86,12 @@ class RotatedFake(FakeQuant):
     return [cache_lib.Segment(fake(spec.kc, k), fake(spec.vc, v), mask, fp32, fp32)]
 
 
-@pytest.mark.parametrize("over", [
-    {"cache.codec": "int4"},
+@pytest.mark.parametrize("over", [  # per-token whole-head: int2-window (and K2V4's int4 V)
     {"cache.codec": "int4", "cache.group_size": 4},
     {"cache.codec": "int4", **KIVI},
     {"cache.codec": "int2", "cache.residual": 5},
     {"cache.k_codec": "int2", "cache.v_codec": "int4", "cache.group_size": 4},
-], ids=["int4", "int4-g4", "int4-channel", "int2-window", "K2V4-g4"])
+], ids=["int4-g4", "int4-channel", "int2-window", "K2V4-g4"])
 def test_rotated_quantized_cache_equals_quantizing_rotated_vectors(over, monkeypatch):
   """The rotation reaches the codec (the quantized logits move) and is undone exactly: the
   same logits as the unrotated model over a cache that stores Q(x R) Rᵀ."""

@@ -115,6 +115,25 @@ def test_experiment_numbers_are_named_and_checked_before_models_load(tmp_path, m
              progress=False)
 
 
+@pytest.mark.parametrize("value, hint", [("[512, 1024]", "belongs in grid:"), ("0.5", ""),
+                                         ("ten", ""), ("true", "")])
+def test_an_experiment_number_of_another_type_is_one_line(capsys, tmp_path, value, hint):
+  """A list, fraction, word or bool where an experiment reads a whole number (here
+  long_context's params.context, which was a TypeError traceback) is one line naming it."""
+  path = tmp_path / "lc.yaml"
+  path.write_text("experiment: long_context\nparams: {models: [gguf:nowhere.gguf], "
+                  "context: 512, tasks: [passkey]}\n")
+  line = one_error_line(capsys, "run", path, "--out", tmp_path / "out",
+                        "--set", f"params.context={value}")
+  assert "params.context must be a whole number, got " in line and hint in line
+
+
+def test_param_int_reads_whole_numbers_in_every_spelling():
+  cfg = config_lib.from_dict({"params": {"a": 3, "b": 4.0, "c": "12"}})
+  assert (cfg.param_int("a"), cfg.param_int("b"), cfg.param_int("c"), cfg.param_int("d", 7)) \
+      == (3, 4, 12, 7)
+
+
 def test_text_windows_name_the_keys_that_set_them():
   tok = types.SimpleNamespace(encode=lambda s: list(s.encode()))
   with pytest.raises(KvjaxError, match=r"fewer than params.eval_tokens 99; lower "

@@ -153,6 +153,23 @@ class Config:
   def param(self, key: str, default: Any = None) -> Any:
     return dict(self.params).get(key, default)
 
+  def param_int(self, key: str, default: int = 0) -> int:
+    """`param` as a whole number; anything else (a list, a fraction, text, a bool) is the
+    user's error, named in one line (KvjaxError)."""
+    val = self.param(key, default)
+    if isinstance(val, bool) or not isinstance(val, (int, float, str)):
+      val = None
+    elif isinstance(val, str):
+      val = int(val) if val.strip().lstrip("+-").isdigit() else None
+    elif isinstance(val, float):
+      val = int(val) if val.is_integer() else None
+    if val is None:
+      from kvjax.errors import KvjaxError
+      raise KvjaxError(f"params.{key} must be a whole number, got {self.param(key)!r}"
+                       + ("; a list of values belongs in grid:, one cell each"
+                          if isinstance(self.param(key), (list, tuple)) else ""))
+    return val
+
 
 def _non_default(obj: Any) -> dict:
   """`to_dict` without the fields equal to their dataclass default (recursively)."""

@@ -26,7 +26,7 @@ PARAMS = frozenset({"layouts", "steps"})
 
 
 def _steps(cfg: config_lib.Config) -> int:
-  return int(cfg.param("steps", 4))
+  return cfg.param_int("steps", 4)
 
 
 def check(cfg: config_lib.Config) -> None:

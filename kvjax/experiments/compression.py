@@ -48,9 +48,9 @@ def check(cfg) -> None:
 
 
 def _tokens(cfg, mcfg, tok):
-  n = int(cfg.param("context", 512)) + int(cfg.param("continuation", 64))
+  n = cfg.param_int("context", 512) + cfg.param_int("continuation", 64)
   text = data.eval_text(str(cfg.param("text", "stdlib")), what="params.text")
-  return evaluate.text_windows(tok, text, n, int(cfg.param("eval_seqs", 2)),
+  return evaluate.text_windows(tok, text, n, cfg.param_int("eval_seqs", 2),
                                ("params.context + params.continuation", "params.eval_seqs",
                                 "params.text"))
 
@@ -62,7 +62,7 @@ def _reference(src, cfg, mcfg, params, tok):
     _REF.clear()
     ref_cfg = evaluate.reference_config(quality.cell_config(cfg, mcfg))
     toks = _tokens(cfg, mcfg, tok)
-    T = int(cfg.param("context", 512))
+    T = cfg.param_int("context", 512)
     lp, nbytes = evict.continuation_logprobs(ref_cfg, params, toks[:, :T], toks[:, T:])
     _REF[key] = (toks, np.asarray(lp), nbytes)
   return _REF[key]
@@ -74,11 +74,11 @@ def _nll(lp_BMV, cont_BM) -> float:
 
 def run_cell(cfg) -> list[dict]:
   rows = []
-  T = int(cfg.param("context", 512))
+  T = cfg.param_int("context", 512)
   for src in quality.models(cfg):
     mcfg, params, tok = quality.load_model(src)
     toks, ref_lp, ref_bytes = _reference(src, cfg, mcfg, params, tok)
-    rank = int(cfg.param("latent_rank", 0))
+    rank = cfg.param_int("latent_rank", 0)
     if rank:
       mcfg, params = latent.factor(mcfg, params, rank)
     tcfg = quality.cell_config(cfg, mcfg)

@@ -93,7 +93,7 @@ def _context(cfg) -> int:
   if n is None:
     raise KvjaxError("long_context needs params.context: the context length in tokens "
                      "(a grid axis, e.g. params.context: [1024, 2048, 4096, 8192])")
-  return int(n)
+  return cfg.param_int("context")
 
 
 def share_key(cfg) -> int:
@@ -108,7 +108,7 @@ def check(cfg) -> None:
   if name and settings and name not in settings:
     raise KvjaxError(f"unknown params.setting '{name}'; known: {', '.join(settings)}")
   depths = list(cfg.param("depths", (0.5,)))
-  n = _context(cfg) - int(cfg.param("gen_len", 12))
+  n = _context(cfg) - cfg.param_int("gen_len", 12)
   for task in _task_list(cfg):
     tasks.check_args(task, n, depths[:1] if task == "passkey" else depths)
   if cfg.param("template", "plain") not in tasks.TEMPLATES:
@@ -174,24 +174,24 @@ def _examples(cfg, tok) -> list[tuple[tuple, tasks.Example]]:
   """The prompts fill the context but for the `gen_len` answer tokens (memoized: `check`
   and `run_cell` both ask)."""
   key = (id(tok), _context(cfg), tuple(cfg.param("depths", (0.5,))), tuple(_task_list(cfg)),
-         int(cfg.param("seeds", 1)), cfg.param("template", "plain"), cfg.seed,
-         int(cfg.param("vt_hops", 1)), int(cfg.param("gen_len", 12)))
+         cfg.param_int("seeds", 1), cfg.param("template", "plain"), cfg.seed,
+         cfg.param_int("vt_hops", 1), cfg.param_int("gen_len", 12))
   if key not in _EX:
     _EX[key] = _make_examples(cfg, tok)
   return _EX[key]
 
 
 def _make_examples(cfg, tok) -> list[tuple[tuple, tasks.Example]]:
-  n = _context(cfg) - int(cfg.param("gen_len", 12))
+  n = _context(cfg) - cfg.param_int("gen_len", 12)
   depths = [float(d) for d in cfg.param("depths", (0.5,))]
   template = tasks.TEMPLATES[cfg.param("template", "plain")]
   out = []
   for task in _task_list(cfg):
-    for s in range(int(cfg.param("seeds", 1))):
+    for s in range(cfg.param_int("seeds", 1)):
       groups = [[d] for d in depths] if task == "passkey" else [depths]
       for ds in groups:
         e = tasks.generate(task, tok.encode, n, ds, seed=cfg.seed + s, template=template,
-                           hops=int(cfg.param("vt_hops", 1)))
+                           hops=cfg.param_int("vt_hops", 1))
         out.append(((task, s, tuple(ds), template.name), e))
   return out
 
@@ -200,21 +200,21 @@ def _capacity(cfg, mcfg) -> int:
   """Cache slots: the model's whole window unless `params.capacity` says otherwise, the same
   for every context so each setting's programs compile once (attention reads only the
   live length)."""
-  return max(int(cfg.param("capacity", 0)) or mcfg.model.max_seq_len, _context(cfg))
+  return max(cfg.param_int("capacity", 0) or mcfg.model.max_seq_len, _context(cfg))
 
 
 def _prefixes(spec: str, cfg, mcfg, params, tok):
   """Examples of this context with their prefix's fp32 K/V, computed once per context."""
   key = (spec, _context(cfg), tuple(cfg.param("depths", (0.5,))), tuple(_task_list(cfg)),
-         int(cfg.param("seeds", 1)), cfg.param("template", "plain"), cfg.seed,
-         int(cfg.param("chunk", 512)), int(cfg.param("vt_hops", 1)), _kv_heads(cfg))
+         cfg.param_int("seeds", 1), cfg.param("template", "plain"), cfg.seed,
+         cfg.param_int("chunk", 512), cfg.param_int("vt_hops", 1), _kv_heads(cfg))
   if key not in _KV:
     _KV.clear()  # one context's prefixes at a time (about 0.4 GB per 8k prefix of SmolLM2)
     ref = evaluate.reference_config(dataclasses.replace(mcfg, seed=cfg.seed))
     made = {}
     for k, e in _examples(cfg, tok):
       c = tasks.prefill(ref, params, tok.encode(e.prefix), _capacity(cfg, mcfg),
-                        int(cfg.param("chunk", 512)))
+                        cfg.param_int("chunk", 512))
       made[k] = (e, tasks.prefix_kv(c))
     _KV[key] = made
   return _KV[key]
@@ -225,8 +225,8 @@ def _query_prefixes(spec: str, cfg, mcfg, params, tok):
   cache, queries kept (`tasks.prefill_queries`), computed once per context for every
   policy setting."""
   key = (spec, _context(cfg), tuple(cfg.param("depths", (0.5,))), tuple(_task_list(cfg)),
-         int(cfg.param("seeds", 1)), cfg.param("template", "plain"), cfg.seed,
-         int(cfg.param("vt_hops", 1)), _kv_heads(cfg))
+         cfg.param_int("seeds", 1), cfg.param("template", "plain"), cfg.seed,
+         cfg.param_int("vt_hops", 1), _kv_heads(cfg))
   if key not in _Q:
     _Q.clear()  # one context at a time (K/V and queries: about 0.25 GB per 2k prefix)
     ref = evaluate.reference_config(dataclasses.replace(mcfg, seed=cfg.seed))
@@ -237,7 +237,7 @@ def _query_prefixes(spec: str, cfg, mcfg, params, tok):
 
 def run_cell(cfg) -> list[dict]:
   rows = []
-  gen_len, tail_pad = int(cfg.param("gen_len", 12)), int(cfg.param("tail_pad", 64))
+  gen_len, tail_pad = cfg.param_int("gen_len", 12), cfg.param_int("tail_pad", 64)
   for spec in _models(cfg):
     src, mcfg, params, tok = _model(spec, cfg)
     tcfg = cell_config(cfg, mcfg)

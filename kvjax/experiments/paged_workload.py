@@ -69,12 +69,12 @@ def stream(cfg: config_lib.Config) -> list[engine.Request]:
 
 
 def _sizes(cfg: config_lib.Config) -> dict:
-  budget = int(cfg.param("budget_kib", 1024)) * 1024
+  budget = cfg.param_int("budget_kib", 1024) * 1024
   bpt = ex.bytes_per_token(cfg)
   S, page = cfg.cache.capacity or 256, cfg.cache.page_size
   return {"budget_bytes": budget, "bytes_per_token": bpt, "max_len": S,
-          "contiguous_slots": min(int(budget // (S * bpt)), int(cfg.param("max_slots", 32))),
-          "num_pages": int(budget // (page * bpt)), "max_slots": int(cfg.param("max_slots", 32))}
+          "contiguous_slots": min(int(budget // (S * bpt)), cfg.param_int("max_slots", 32)),
+          "num_pages": int(budget // (page * bpt)), "max_slots": cfg.param_int("max_slots", 32)}
 
 
 def check(cfg: config_lib.Config) -> None:
@@ -98,10 +98,10 @@ def _serve(cfg, params, sizes, prefix_cache: bool) -> dict:
     cfg = config_lib.replace(cfg, **{"cache.num_pages": sizes["num_pages"]})
   slots = sizes["max_slots"] if paged else sizes["contiguous_slots"]
   e = engine.Engine(cfg, params, slots=slots, max_len=sizes["max_len"],
-                    chunk=int(cfg.param("chunk", 32)),
-                    prefill_rows=int(cfg.param("prefill_rows", 2)), prefix_cache=prefix_cache)
+                    chunk=cfg.param_int("chunk", 32),
+                    prefill_rows=cfg.param_int("prefill_rows", 2), prefix_cache=prefix_cache)
   e.warmup()
-  runs = [e.run(stream(cfg)) for _ in range(int(cfg.param("serve_repeats", 3)))]
+  runs = [e.run(stream(cfg)) for _ in range(cfg.param_int("serve_repeats", 3))]
   stats = runs[-1]  # scheduling is deterministic: only wall time differs between repeats
   rate = metrics.summarize([r["tokens_per_s"] for r in runs])
   stats.update({"tokens_per_s": rate["median"], "tokens_per_s_iqr": rate["iqr"],
@@ -116,13 +116,13 @@ def _serve(cfg, params, sizes, prefix_cache: bool) -> dict:
 
 def _gather_bench(cfg, params) -> dict:
   """Decode time per token through the block table vs contiguous, interleaved."""
-  B, ctx = int(cfg.param("bench_batch", 8)), int(cfg.param("bench_context", 192))
+  B, ctx = cfg.param_int("bench_batch", 8), cfg.param_int("bench_context", 192)
   tokens, lengths = ex.prompts(cfg, B, ctx - 16)
   timers = {lay: program.DecodeTimer(config_lib.replace(cfg, **{"cache.layout": lay,
                                                                 "cache.num_pages": 0}),
                                      params, tokens, lengths, steps=15, capacity=ctx)
             for lay in ("contiguous", "paged")}
-  m = metrics.bench_interleaved(timers, repeats=int(cfg.param("bench_repeats", 3)))
+  m = metrics.bench_interleaved(timers, repeats=cfg.param_int("bench_repeats", 3))
   return {"tpot_s": m["paged"]["tpot_s"], "tpot_s_iqr": m["paged"]["tpot_s_iqr"],
           "tpot_s_contiguous": m["contiguous"]["tpot_s"],
           "gather_overhead": m["paged"]["tpot_s"] / m["contiguous"]["tpot_s"],

@@ -83,7 +83,7 @@ def _peers(cfg: config_lib.Config) -> list[str]:
 
 def _filled(cfg: config_lib.Config) -> bool:
   """Start from a cache already holding the prompt's length of tokens (no prefill)?"""
-  fill_from = int(cfg.param("fill_from", 0))
+  fill_from = cfg.param_int("fill_from", 0)
   return 0 < fill_from <= cfg.workload.prompt_len
 
 
@@ -166,7 +166,7 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
   w = cfg.workload
   peers = _peers(cfg)
   tokens, lengths = ex.prompts(cfg, w.batch, w.prompt_len)
-  threads = int(cfg.param("threads", 0))
+  threads = cfg.param_int("threads", 0)
   with tempfile.TemporaryDirectory() as folder, hf_peers.same_threads(threads) as n:
     hf_model, kcfg, params = _models(cfg, folder)
     timers, cfgs = {}, {}

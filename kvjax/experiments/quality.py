@@ -110,7 +110,7 @@ def cell_config(cfg, model_cfg: config_lib.Config) -> config_lib.Config:
 
 def _windows(cfg, model_cfg: config_lib.Config, tok):
   """(token windows [B, M], byte corpus or None) for this model."""
-  n, seqs = int(cfg.param("eval_tokens", 512)), int(cfg.param("eval_seqs", 4))
+  n, seqs = cfg.param_int("eval_tokens", 512), cfg.param_int("eval_seqs", 4)
   if tok is None or model_cfg.tokenizer == "bytes":
     corpus = data.load_corpus(model_cfg.train.data)
     if len(corpus.validation) < n:
@@ -132,17 +132,17 @@ def _reference(src: sources.Source, cfg, mcfg, params, tok) -> dict:
       del _REF[k]                                # model's is gigabytes
     ref_cfg = evaluate.reference_config(cell_config(cfg, mcfg))
     tokens, corpus = _windows(cfg, mcfg, tok)
-    lp = evaluate.reference_logprobs(ref_cfg, params, tokens, int(cfg.param("chunk", 1)))
+    lp = evaluate.reference_logprobs(ref_cfg, params, tokens, cfg.param_int("chunk", 1))
     nbytes = cache_lib.LAYOUTS["contiguous"].closed_form_bytes(
         cache_lib.CacheSpec.from_config(ref_cfg, *tokens.shape))
     recall = {}
     for L in (cfg.param("recall_contexts", ()) if corpus is not None else ()):
-      seqs, mask = evaluate.recall_set(cfg.seed, int(cfg.param("recall_seqs", 32)), int(L),
+      seqs, mask = evaluate.recall_set(cfg.seed, cfg.param_int("recall_seqs", 32), int(L),
                                        mcfg.train.recall_pairs, corpus.validation)
       recall[int(L)] = (seqs, mask, evaluate.recall_accuracy(ref_cfg, params, seqs, mask,
-                                                             int(cfg.param("chunk", 1))))
+                                                             cfg.param_int("chunk", 1)))
     gen = None
-    n_gen, P = int(cfg.param("gen_prompts", 4)), cfg.workload.prompt_len
+    n_gen, P = cfg.param_int("gen_prompts", 4), cfg.workload.prompt_len
     if n_gen and cfg.workload.gen_len:
       prompts = [list(map(int, t[:P])) for t in tokens[:n_gen]]
       gen = (prompts, evaluate.greedy_tokens(ref_cfg, params, prompts, cfg.workload.gen_len))
@@ -152,7 +152,7 @@ def _reference(src: sources.Source, cfg, mcfg, params, tok) -> dict:
 
 def run_cell(cfg) -> list[dict]:
   rows = []
-  chunk = int(cfg.param("chunk", 1))
+  chunk = cfg.param_int("chunk", 1)
   for src in models(cfg):
     mcfg, params, tok = load_model(src)
     tcfg = cell_config(cfg, mcfg)
@@ -161,7 +161,7 @@ def run_cell(cfg) -> list[dict]:
       text = str(cfg.param("text", "stdlib"))
       rows.append(_peer_row(cfg, src, cfg.param("peer"), ref["tokens"], chunk, text))
       continue
-    kv_heads = int(cfg.param("kv_heads", 0))
+    kv_heads = cfg.param_int("kv_heads", 0)
     if kv_heads and kv_heads != mcfg.model.n_kv_heads:  # fewer KV heads, mean-pooled
       pooled_cfg, params = convert.mean_pool(mcfg, params, kv_heads)
       tcfg = cell_config(cfg, pooled_cfg)
@@ -252,7 +252,7 @@ def _quanto_bytes(cache) -> int:
 def _peer_row(cfg, src, peer: str, tokens_BM, chunk: int, text: str) -> dict:
   from transformers import DynamicCache, QuantizedCache
   model = _hf_model(src)
-  bits, residual = int(peer[len("quanto_int"):]), int(cfg.param("peer_residual", 128))
+  bits, residual = int(peer[len("quanto_int"):]), cfg.param_int("peer_residual", 128)
   key = ("hf", str(src), np.asarray(tokens_BM).tobytes(), chunk)
   if key not in _REF:
     _REF[key] = _hf_logprobs(model, tokens_BM, chunk, DynamicCache(config=model.config))

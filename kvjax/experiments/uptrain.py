@@ -78,7 +78,7 @@ def run_cell(cfg) -> list[dict]:
   kv = cfg.model.n_kv_heads
   convert.check_target(mha_cfg.model, kv)
   contexts = [int(c) for c in cfg.param("recall_contexts", (mha_cfg.train.seq_len,))]
-  n_recall = int(cfg.param("recall_seqs", 32))
+  n_recall = cfg.param_int("recall_seqs", 32)
   base_steps = mha_cfg.train.steps
   rows = [_row(mha_cfg, "mha", 0.0, 0, _evaluate(mha_cfg, mha_params, contexts, n_recall))]
 

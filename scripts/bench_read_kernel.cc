@@ -58,6 +58,8 @@ int main(int argc, char** argv) {
   std::printf("rows %d, query rows %d, tokens %lld, head_dim %d, one thread\n", rows, M,
               (long long)T, D);
   for (const Setting& st : settings) {
+    if ((st.k_mode == GROUPED && st.k_param < 1) || (st.v_mode == GROUPED && st.v_param < 1))
+      continue;  // head_dim below one 32-column group
     auto codes = [&](int64_t kind) {
       std::vector<uint8_t> c(size_t(rows) * T * bytes_per_row(kind, D));
       // fp16 bit patterns of moderate normal values; fp8 bytes with normal exponents (no

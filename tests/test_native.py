@@ -6,7 +6,7 @@ Held to the XLA read (`grouped`) and to `reference` on a covering set:
     live length below the segment's size, head_dim 64 with row groups of 1 to 4, head_dim
     groups and per-channel keys (KIVI's layout) at head_dim 16 and 64, and mixed K/V kinds
     through the kernel's fused and generic scans (int2 planes narrower than eight codes,
-    > 16 query rows, an uncompiled head_dim): 58 cases; tolerance 2e-5 of the output's
+    > 16 query rows, an uncompiled head_dim): 59 cases; tolerance 2e-5 of the output's
     scale (fp32 and the kernel's float arithmetic), 1e-4 where integer keys meet the
     15-bit query, 5e-4 (2e-4 for groups and channels) for the two-digit int8 and bf16 dots;
   - model level: the golden decode (`test_golden`: every variant x codec x layout x policy,
@@ -103,21 +103,22 @@ def test_segment_read_at_head_dim_64(route, name, G, T):
                              rtol=0)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
-def test_integer_values_over_an_odd_tail_and_a_nan(name):
-  """Integer values at head_dim 64, which the AVX-512 kernel reads two tokens per integer
-  multiply-add against each tile's probabilities rounded to 15 bits: 77 live tokens (a
-  full tile and an odd tail of 13) equal the XLA read, and a NaN value (the codec stores
-  its token's scale as NaN) reads as NaN in exactly the rows the XLA read's does."""
+@pytest.mark.parametrize("name,D", [("int8", 64), ("int4", 64), ("int4", 16)])
+def test_integer_values_over_an_odd_tail_and_a_nan(name, D):
+  """Integer values, which the AVX-512 kernel reads two tokens per integer multiply-add
+  against each tile's probabilities rounded to 15 bits (int4 at head_dim 16: four tokens'
+  codes split and laid out at once): 77 live tokens (a full tile and an odd tail of 13)
+  equal the XLA read, and a NaN value (the codec stores its token's scale as NaN) reads as
+  NaN in exactly the rows the XLA read's does."""
   if not kernels.available():
     pytest.skip(f"the read kernel is not available here ({kernels.status()})")
-  seg = _segment(name, 2, 85, 64, seed=4)
-  q = jax.random.normal(jax.random.PRNGKey(9), (2, 2, 3, 1, 64), f32) * 0.3
+  seg = _segment(name, 2, 85, D, seed=4)
+  q = jax.random.normal(jax.random.PRNGKey(9), (2, 2, 3, 1, D), f32) * 0.3
   want, got = _read(xla.attend_segment, q, seg), _read(native.read_segment, q, seg)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want),
                              atol=_tol("kernel", name) * float(jnp.max(jnp.abs(want))), rtol=0)
   c = seg.v_codec
-  x = jax.random.normal(jax.random.PRNGKey(10), (2, 2, 85, 64), f32).at[0, 1, 70, 5].set(jnp.nan)
+  x = jax.random.normal(jax.random.PRNGKey(10), (2, 2, 85, D), f32).at[0, 1, 70, 5].set(jnp.nan)
   bad = seg.__class__(seg.k, c.encode(x), seg.mask_BS, seg.k_codec, c, live=seg.live)
   want, got = _read(xla.attend_segment, q, bad), _read(native.read_segment, q, bad)
   assert bool(jnp.any(jnp.isnan(want)))  # the poisoned token is live in sequence 0

@@ -848,6 +848,119 @@ void pv_rows_int(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE], fl
 #define KVJAX_AVX512 1
 #endif
 
+#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+// Int4 at head_dim 16 (8 bytes a token), four tokens a register: a row's codes are too few
+// to fill sixteen lanes, so the one-token forms spend most of their instructions on the
+// nibble split and the lane sums. Here four tokens' 32 bytes split into low nibbles
+// (columns 0-7) and high (8-15) once, and the integer products run over all four at once.
+inline __m256i four_rows8(const uint8_t* __restrict codes, const int64_t* idx) {
+  if (idx[3] - idx[0] == 3)  // consecutive tokens (a contiguous row): one load
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + idx[0] * 8));
+  int64_t w[4];
+  for (int u = 0; u < 4; ++u) std::memcpy(w + u, codes + idx[u] * 8, 8);
+  return _mm256_set_epi64x(w[3], w[2], w[1], w[0]);
+}
+
+// lt[j][t] = (q16_j . c_t) * qsc_j: for four tokens at once, the low-nibble columns meet
+// the row's columns 0-7 and the high ones 8-15 (each repeated in the four 128-bit lanes),
+// leaving each token's four pair sums in its own lane; sixteen tokens' sums are transposed
+// into place (unpacks, adds and one permute).
+template <int R>
+void qk_rows_int4_d16(const int16_t* __restrict q16, const float* qsc, const Leaf& kl,
+                      const int64_t* idx, int n, float (*lt)[TILE]) {
+  const __m256i low = _mm256_set1_epi8(15);
+  __m512i ql[R], qh[R];
+  for (int j = 0; j < R; ++j) {
+    ql[j] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q16 + 16 * j)));
+    qh[j] = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q16 + 16 * j + 8)));
+  }
+  // lane 4u + g of the transposed sums holds token 4g + u
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  for (int t0 = 0; t0 < n; t0 += 16) {  // slots up to the tile's end hold valid tokens
+    __m512i a[R][4];
+    for (int g = 0; g < 4; ++g) {
+      const __m256i x = four_rows8(kl.codes, idx + t0 + 4 * g);
+      const __m512i lo = _mm512_cvtepu8_epi16(_mm256_and_si256(x, low));
+      const __m512i hi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(x, 4), low));
+      for (int j = 0; j < R; ++j)
+        a[j][g] = _mm512_dpwssd_epi32(_mm512_madd_epi16(lo, ql[j]), hi, qh[j]);
+    }
+    for (int j = 0; j < R; ++j) {
+      const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[j][0], a[j][1]),
+                                           _mm512_unpackhi_epi32(a[j][0], a[j][1]));
+      const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[j][2], a[j][3]),
+                                           _mm512_unpackhi_epi32(a[j][2], a[j][3]));
+      const __m512i sum = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23),
+                                           _mm512_unpackhi_epi64(s01, s23));
+      _mm512_storeu_ps(lt[j] + t0, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutexvar_epi32(order, sum)),
+                                                 _mm512_set1_ps(qsc[j])));
+    }
+  }
+}
+
+// P.V for int4 values at head_dim 16, as pv_rows_int's exact integer sums: four tokens'
+// nibbles are split once, one byte permute lays each pair of tokens' codes out column by
+// column (t, t+1 adjacent), and one int16 multiply-add per pair meets their 15-bit
+// probabilities; one int32 sum per column. Two sets of sums over alternate token blocks.
+template <int R>
+void pv_rows_int4_d16(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE],
+                      float* __restrict acc) {
+  alignas(64) int16_t p16[R][TILE];
+  float psc[R];
+  for (int j = 0; j < R; ++j) {
+    __m512 mx = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
+    for (int t = 0; t < TILE; t += 16) {
+      __m512 x = _mm512_loadu_ps(p[j] + t);
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(x));
+      sum = _mm512_add_ps(sum, x);
+    }
+    const float m = _mm512_reduce_max_ps(mx);
+    if (!std::isfinite(_mm512_reduce_add_ps(sum)) || !std::isfinite(m)) {
+      pv_rows16<UINT4, 16, R>(vl, idx, n, p, acc);
+      return;
+    }
+    psc[j] = m / 32767.f;
+    const __m512 inv = _mm512_set1_ps(m > 0.f ? 32767.f / m : 0.f);
+    for (int t = 0; t < TILE; t += 16)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(p16[j] + t),
+                         _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p[j] + t), inv))));
+  }
+  // byte 32 P + 2 d + e of the permuted pair block: column d of token 2 P + e, from the low
+  // nibbles (bytes 8 t + d) for d < 8, else the high ones (bytes 32 + 8 t + d - 8)
+  alignas(64) uint8_t pick[64];
+  for (int o = 0; o < 64; ++o) {
+    const int t = 2 * (o / 32) + o % 2, d = (o % 32) / 2;
+    pick[o] = uint8_t(d < 8 ? 8 * t + d : 32 + 8 * t + d - 8);
+  }
+  const __m512i perm = _mm512_load_si512(pick);
+  const __m256i low = _mm256_set1_epi8(15);
+  __m512i a[2][R];
+  for (int e = 0; e < 2; ++e)
+    for (int j = 0; j < R; ++j) a[e][j] = _mm512_setzero_si512();
+  const int32_t* pp[R];  // (p_t, p_t+1) pairs
+  for (int j = 0; j < R; ++j) pp[j] = reinterpret_cast<const int32_t*>(p16[j]);
+  for (int t = 0; t < n; t += 4) {  // slots past n hold p = 0 and a valid token
+    const __m256i x = four_rows8(vl.codes, idx + t);
+    const __m512i z = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_and_si256(x, low)),
+        _mm256_and_si256(_mm256_srli_epi16(x, 4), low), 1);
+    const __m512i y = _mm512_permutexvar_epi8(perm, z);
+    const __m512i c01 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(y));
+    const __m512i c23 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(y, 1));
+    for (int j = 0; j < R; ++j) {
+      a[0][j] = _mm512_dpwssd_epi32(a[0][j], c01, _mm512_set1_epi32(pp[j][t / 2]));
+      a[1][j] = _mm512_dpwssd_epi32(a[1][j], c23, _mm512_set1_epi32(pp[j][t / 2 + 1]));
+    }
+  }
+  for (int j = 0; j < R; ++j) {
+    float* dst = acc + size_t(j) * 16;
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(a[0][j], a[1][j]));
+    _mm512_storeu_ps(dst, _mm512_fmadd_ps(f, _mm512_set1_ps(psc[j]), _mm512_loadu_ps(dst)));
+  }
+}
+#define KVJAX_INT4_D16 1
+#endif
+
 // The key reads and the grouped value read at W lanes a register: eight (v8) everywhere,
 // sixteen (__m512) where AVX-512 is. `fma_w` is a fused multiply-add at sixteen lanes and
 // a multiply then an add at eight, as each form was written.
@@ -1060,6 +1173,12 @@ void pv_rows_grouped(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE]
 template <int KIND, int MODE, int D, int R>
 void qk_tile(const Rows& q, const Leaf& kl, const int64_t* idx, int n, float (*lt)[TILE]) {
 #ifdef KVJAX_AVX512
+#ifdef KVJAX_INT4_D16
+  if constexpr (MODE == WHOLE && KIND == UINT4 && D == 16) {
+    qk_rows_int4_d16<R>(q.q16, q.qsc, kl, idx, n, lt);
+    return;
+  }
+#endif
   if constexpr (MODE == WHOLE && KIND >= INT8 && KIND <= UINT2 && in_plane<KIND, D, 32>()) {
     qk_rows_int32<KIND, D, R>(q.q16, q.qsc, kl, idx, n, lt);
     return;
@@ -1243,6 +1362,13 @@ void set_qk(Fused& f) {
 template <int KIND, int MODE, int D>
 void set_pv(Fused& f) {
 #ifdef KVJAX_AVX512
+#ifdef KVJAX_INT4_D16
+  if constexpr (MODE == WHOLE && KIND == UINT4 && D == 16) {
+    f.pv[0] = pv_rows_int4_d16<1>, f.pv[1] = pv_rows_int4_d16<2>;
+    f.pv[2] = pv_rows_int4_d16<3>, f.pv[3] = pv_rows_int4_d16<4>;
+    return;
+  }
+#endif
   if constexpr (MODE == WHOLE && int_pv<KIND, D>()) {
     f.pv[0] = pv_rows_int<KIND, D, 1>, f.pv[1] = pv_rows_int<KIND, D, 2>;
     f.pv[2] = pv_rows_int<KIND, D, 3>, f.pv[3] = pv_rows_int<KIND, D, 4>;

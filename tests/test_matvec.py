@@ -23,15 +23,16 @@ def _kernel():
 @pytest.mark.parametrize("M,E,N", [(1, 64, 96), (3, 40, 264), (5, 24, 40), (16, 32, 32),
                                    (4, 22, 33), (2, 43, 48), (1, 7, 16), (1, 576, 1536),
                                    (2, 24, 4112), (1, 16, 40), (3, 7, 64), (8, 576, 192),
-                                   (11, 33, 96)])
+                                   (11, 33, 96), (2, 43, 64)])
 @pytest.mark.parametrize("dtype", [bf16, f32])
 def test_weight_dot_equals_the_widened_product(M, E, N, dtype):
   """Column stripes: row groups of 1-4, a task narrower than 256 columns, a ragged column
   tail, E not a multiple of 4 or 8, one or two rows too wide for the row split. The row
   split (one or two rows, columns a multiple of 16): E split over the threads with rows
   left after the blocks of 8, fewer than 8 rows, a real projection's shape. The tile form
-  (AVX-512 builds; 3-16 rows, columns a multiple of 32): 3, 8, 11 and 16 rows (one or two
-  groups of 8), E of 7 and 33."""
+  (AVX-512 builds; 3-16 rows, and one or two rows of bf16 weights, columns a multiple of
+  32): 3, 8, 11 and 16 rows (one or two groups of 8), E of 7 and 33; bf16 at 1 and 2 rows
+  (E of 64, 576 and 43)."""
   kx, kw = jax.random.split(jax.random.PRNGKey(M * 100 + N))
   x = jax.random.normal(kx, (M, E), f32)
   w = jax.random.normal(kw, (E, N), f32).astype(dtype)

@@ -8,7 +8,8 @@
 // streamed in memory order, the blocks' partial sums added after, for one or two rows of x
 // (batch-1 and -2 decode) and, on AVX-512 machines, for up to 16 rows where every N is a
 // multiple of 32 (the products of 8 rows of x held in registers per 32 columns, so each
-// weight is loaded once per 8 rows); otherwise by stripes of columns, each weight loaded
+// weight is loaded once per 8 rows; one or two rows too where every weight is bf16, whose
+// 64-byte loads halve the instructions a weight costs); otherwise by stripes of columns, each weight loaded
 // once for every row of x. For the few rows of a decode step (M <= 16); longer inputs stay
 // with XLA's dot. A second call (`MatvecT`) multiplies by a table stored
 // [N, E] (a tied lm_head's embedding), row by row.
@@ -294,7 +295,8 @@ struct Product {
 // projections that share an input (q/k/v, gate/up) cost one dispatch.
 //  - M <= ROW_SPLIT_MAX_M (batch-1 and -2 decode, where streaming W in memory order decides
 //    the time): each matrix by blocks of its rows (a multiple of 8), one per thread, each
-//    block's partial sums in its own buffer, added after;
+//    block's partial sums in its own buffer, added after (on AVX-512, bf16 weights in the
+//    tile form's 32-column steps, float32 ones in the AVX2 16-column steps);
 //  - otherwise by stripes of at most CW columns (a multiple of 8 wide, as many per matrix as
 //    a multiple of the pool's threads where the columns allow: 576 columns are 4 stripes of
 //    144 on 2 threads, not 3 of 256), each weight loaded once for every row of x.
@@ -315,8 +317,13 @@ void products(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t E,
 #endif
   bool tiled = false;
 #ifdef __AVX512F__
-  tiled = M > ROW_SPLIT_MAX_M && M <= ROW_TILE_MAX_M;
-  for (const Product& p : ps) tiled = tiled && p.N % 32 == 0 && p.N <= ROW_SPLIT_MAX_N;
+  tiled = M <= ROW_TILE_MAX_M;
+  bool all_bf16 = true;  // one or two rows: the tiles for bf16 weights, the AVX2 split for f32
+  for (const Product& p : ps) {
+    tiled = tiled && p.N % 32 == 0 && p.N <= ROW_SPLIT_MAX_N;
+    all_bf16 = all_bf16 && p.bf16;
+  }
+  tiled = tiled && (M > ROW_SPLIT_MAX_M || all_bf16);
   split = split || tiled;
 #endif
   std::vector<float> part;

@@ -24,6 +24,9 @@ A generated block sits between `<!-- doc_tables:NAME begin -->` and
             bf16's per read and context at a small MHA shape, with its interval.
   layer_bits  results/real/layer_bits.jsonl: SmolLM2's Δppl with K and V codecs chosen per
             layer (scripts/layer_bits.py), with bits per element and intervals.
+  tasks100  results/real/long_context_100/long_context.jsonl: needle accuracy per cache
+            setting and context at the calibrated size (100 queries a cell), with Wilson
+            intervals, and which settings the intervals tell apart from fp32.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ SOURCES = {"quality": ROOT / "results" / "quality.jsonl",
            "evict_speed": ROOT / "results" / "cpu" / "compression_speed" / "latency.jsonl",
            "paired": ROOT / "results" / "cpu" / "roofline_smollm2_paired" / "roofline.jsonl",
            "codec_speed": ROOT / "results" / "cpu" / "codec_speed" / "latency.jsonl",
-           "layer_bits": ROOT / "results" / "real" / "layer_bits.jsonl"}
+           "layer_bits": ROOT / "results" / "real" / "layer_bits.jsonl",
+           "tasks100": ROOT / "results" / "real" / "long_context_100" / "long_context.jsonl"}
 MODEL_ORDER = ("MHA", "GQA-2", "GQA-4", "GQA-8", "MQA")
 LIMIT = 1.0  # the Δppl (%) that the "within" sentence tests
 
@@ -312,6 +316,20 @@ def _first_number(text: str):
   return m.group(0) if m else None
 
 
+def _same_as_fp32(rows: list[dict]) -> dict[str, list[bool]]:
+  """Per setting, for each of its queries: whether its first number written equals the fp32
+  cache's on the same query (context, task, depth, key, seed)."""
+  qkey = lambda r: (r["workload"]["context"], r["workload"]["task"], r["workload"]["depth"],  # noqa: E731
+                    r["workload"].get("key"), r["workload"].get("seed"))
+  ref = {qkey(r): _first_number(r["metrics"]["output"]) for r in rows
+         if r["variant"]["setting"] == "fp32"}
+  same: dict = {}
+  for r in rows:
+    same.setdefault(r["variant"]["setting"], []).append(
+        _first_number(r["metrics"]["output"]) == ref.get(qkey(r)))
+  return same
+
+
 def evict_table(rows: list[dict]) -> str:
   rows = [r for r in rows if r["experiment"] == "long_context"]
   if not rows:
@@ -320,14 +338,7 @@ def evict_table(rows: list[dict]) -> str:
   settings, contexts, cell, info = _evict_cells(rows)
   tasks = sorted({r["workload"]["task"] for r in rows}, key=lambda t: t != "passkey")
   full = info["fp32"]["bpt"]
-  qkey = lambda r: (r["workload"]["context"], r["workload"]["task"], r["workload"]["depth"],  # noqa: E731
-                    r["workload"].get("key"))
-  ref = {qkey(r): _first_number(r["metrics"]["output"]) for r in rows
-         if r["variant"]["setting"] == "fp32"}
-  same: dict = {}
-  for r in rows:
-    same.setdefault(r["variant"]["setting"], []).append(
-        _first_number(r["metrics"]["output"]) == ref.get(qkey(r)))
+  same = _same_as_fp32(rows)
   order = sorted(settings, key=lambda s: (-round(info[s]["bpt"]), settings.index(s)))
   head = ("| setting | what | bytes/token | of fp32 | " + " | ".join(
       f"{n // 1024}k" for n in contexts) + " | " + " | ".join(tasks) +
@@ -581,9 +592,47 @@ def layer_bits_table(rows: list[dict]) -> str:
       f"fp32 cache − 1, in brackets its paired-bootstrap 95 % interval.")
 
 
+def tasks100_table(rows: list[dict]) -> str:
+  rows = [r for r in rows if r["experiment"] == "long_context"]
+  if not rows:
+    raise SystemExit("doc_tables: no calibrated task rows; run `kvjax run "
+                     "configs/long_context_100.yaml --out results/real/long_context_100`")
+  settings, contexts, cell, info = _evict_cells(rows)
+  same = _same_as_fp32(rows)
+  order = sorted(settings, key=lambda s: (-round(info[s]["bpt"]), settings.index(s)))
+  lines = ["| setting | what | bytes/token | " + " | ".join(
+      f"{n:,} tokens: right, 95 % interval" for n in contexts) + " | same first number as fp32 |",
+           "|" + "---|" * (4 + len(contexts))]
+  for s in order:
+    vals = [f"{_frac(*cell[(s, n, '*')])} {_wilson_text(*cell[(s, n, '*')])}" for n in contexts]
+    lines.append(f"| `{s}` | {describe_evict(info[s]['variant'])} | {info[s]['bpt']:,.0f} | "
+                 + " | ".join(vals) + f" | {sum(same[s])}/{len(same[s])} |")
+  apart = []
+  for n in contexts:
+    ref_ci = intervals.wilson(round(cell[("fp32", n, "*")][0]), cell[("fp32", n, "*")][1])
+    for s in order:
+      if s != "fp32" and intervals.separated(
+          intervals.wilson(round(cell[(s, n, "*")][0]), cell[(s, n, "*")][1]), ref_ci):
+        apart.append(f"`{s}` at {n:,}")
+  w = rows[0]["workload"]
+  per = cell[("fp32", contexts[0], "*")][1]
+  depths = sorted({r["workload"]["depth"] for r in rows})
+  out = "\n".join(lines) + (
+      f"\n\nRows: `results/real/long_context_100/long_context.jsonl`, model "
+      f"`{rows[0]['variant'].get('model')}`, {w['template']} template, {w['gen_len']} answer "
+      f"tokens decoded greedily; {per} queries per context and setting: needle prompts with "
+      f"{len(depths)} needles (depths {', '.join(f'{d:g}' for d in depths)}), each asked, the "
+      "other its distractor. bytes/token as in the eviction table. ")
+  out += ("Intervals apart from the fp32 cache's at the same context: " + ", ".join(apart) + "."
+          if apart else "No setting's interval is apart from the fp32 cache's at any context: "
+          "at this size no codec's difference from fp32 is told apart.")
+  return out
+
+
 BUILDERS = {"quality": quality_table, "real": real_table, "evict": evict_table,
             "evict_speed": evict_speed_table, "paired": paired_table,
-            "codec_speed": codec_speed_table, "layer_bits": layer_bits_table}
+            "codec_speed": codec_speed_table, "layer_bits": layer_bits_table,
+            "tasks100": tasks100_table}
 
 
 def render(doc: str, blocks: dict[str, str]) -> str:

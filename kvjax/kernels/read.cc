@@ -783,10 +783,10 @@ constexpr bool int_pv() {
 }
 
 
-template <int KIND, int D, int R>
-void pv_rows_int(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE], float* __restrict acc) {
-  alignas(64) int16_t p16[R][TILE];
-  float psc[R];
+// Each of R rows' probabilities as 15-bit integers against the row's largest (p16, its
+// scale psc): false where a row holds a non-finite value (the caller keeps the float form).
+template <int R>
+inline bool p15(float (*p)[TILE], int16_t (*p16)[TILE], float* psc) {
   for (int j = 0; j < R; ++j) {
     __m512 mx = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
     for (int t = 0; t < TILE; t += 16) {
@@ -795,15 +795,23 @@ void pv_rows_int(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE], fl
       sum = _mm512_add_ps(sum, x);
     }
     const float m = _mm512_reduce_max_ps(mx);
-    if (!std::isfinite(_mm512_reduce_add_ps(sum)) || !std::isfinite(m)) {
-      pv_rows16<KIND, D, R>(vl, idx, n, p, acc);
-      return;
-    }
+    if (!std::isfinite(_mm512_reduce_add_ps(sum)) || !std::isfinite(m)) return false;
     psc[j] = m / 32767.f;
     const __m512 inv = _mm512_set1_ps(m > 0.f ? 32767.f / m : 0.f);
     for (int t = 0; t < TILE; t += 16)
       _mm256_store_si256(reinterpret_cast<__m256i*>(p16[j] + t),
                          _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p[j] + t), inv))));
+  }
+  return true;
+}
+
+template <int KIND, int D, int R>
+void pv_rows_int(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE], float* __restrict acc) {
+  alignas(64) int16_t p16[R][TILE];
+  float psc[R];
+  if (!p15<R>(p, p16, psc)) {
+    pv_rows16<KIND, D, R>(vl, idx, n, p, acc);
+    return;
   }
   const int32_t* pp[R];  // (p_t, p_t+1) pairs
   for (int j = 0; j < R; ++j) pp[j] = reinterpret_cast<const int32_t*>(p16[j]);
@@ -907,23 +915,9 @@ void pv_rows_int4_d16(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE
                       float* __restrict acc) {
   alignas(64) int16_t p16[R][TILE];
   float psc[R];
-  for (int j = 0; j < R; ++j) {
-    __m512 mx = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
-    for (int t = 0; t < TILE; t += 16) {
-      __m512 x = _mm512_loadu_ps(p[j] + t);
-      mx = _mm512_max_ps(mx, _mm512_abs_ps(x));
-      sum = _mm512_add_ps(sum, x);
-    }
-    const float m = _mm512_reduce_max_ps(mx);
-    if (!std::isfinite(_mm512_reduce_add_ps(sum)) || !std::isfinite(m)) {
-      pv_rows16<UINT4, 16, R>(vl, idx, n, p, acc);
-      return;
-    }
-    psc[j] = m / 32767.f;
-    const __m512 inv = _mm512_set1_ps(m > 0.f ? 32767.f / m : 0.f);
-    for (int t = 0; t < TILE; t += 16)
-      _mm256_store_si256(reinterpret_cast<__m256i*>(p16[j] + t),
-                         _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p[j] + t), inv))));
+  if (!p15<R>(p, p16, psc)) {
+    pv_rows16<UINT4, 16, R>(vl, idx, n, p, acc);
+    return;
   }
   // byte 32 P + 2 d + e of the permuted pair block: column d of token 2 P + e, from the low
   // nibbles (bytes 8 t + d) for d < 8, else the high ones (bytes 32 + 8 t + d - 8)

@@ -600,12 +600,24 @@ def tasks100_table(rows: list[dict]) -> str:
   settings, contexts, cell, info = _evict_cells(rows)
   same = _same_as_fp32(rows)
   order = sorted(settings, key=lambda s: (-round(info[s]["bpt"]), settings.index(s)))
-  lines = ["| setting | what | bytes/token | " + " | ".join(
-      f"{n:,} tokens: right, 95 % interval" for n in contexts) + " | same first number as fp32 |",
+  bpt: dict = {}  # (setting, context) -> bytes held per prefix token, averaged over prompts
+  for r in rows:
+    bpt.setdefault((r["variant"]["setting"], r["workload"]["context"]), []).append(_bpt(r))
+
+  def what(v: dict) -> str:
+    codec = v["k_codec"] if v["k_codec"] == v["v_codec"] else \
+        f"K {v['k_codec']} / V {v['v_codec']}"
+    if v.get("k_axis") == "channel":
+      codec += f", channel keys, g{v.get('group_size')}"
+    return codec + (f", R={v['residual']}" if v.get("residual") else "")
+
+  lines = ["| setting | what | bytes/token at " + " / ".join(f"{n:,}" for n in contexts) + " | "
+           + " | ".join(f"{n:,} tokens: right, 95 % interval" for n in contexts) + " | same first number as fp32 |",
            "|" + "---|" * (4 + len(contexts))]
   for s in order:
     vals = [f"{_frac(*cell[(s, n, '*')])} {_wilson_text(*cell[(s, n, '*')])}" for n in contexts]
-    lines.append(f"| `{s}` | {describe_evict(info[s]['variant'])} | {info[s]['bpt']:,.0f} | "
+    held_ = " / ".join(f"{sum(bpt[(s, n)]) / len(bpt[(s, n)]):,.0f}" for n in contexts)
+    lines.append(f"| `{s}` | {what(info[s]['variant'])} | {held_} | "
                  + " | ".join(vals) + f" | {sum(same[s])}/{len(same[s])} |")
   apart = []
   for n in contexts:
@@ -622,7 +634,9 @@ def tasks100_table(rows: list[dict]) -> str:
       f"`{rows[0]['variant'].get('model')}`, {w['template']} template, {w['gen_len']} answer "
       f"tokens decoded greedily; {per} queries per context and setting: needle prompts with "
       f"{len(depths)} needles (depths {', '.join(f'{d:g}' for d in depths)}), each asked, the "
-      "other its distractor. bytes/token as in the eviction table. ")
+      "other its distractor. bytes/token: what the cache holds for the prefix per prefix token at "
+      "each context (`kvjax.held`, a residual window's float32 tokens included), as in the "
+      "eviction table. ")
   out += ("Intervals apart from the fp32 cache's at the same context: " + ", ".join(apart) + "."
           if apart else "No setting's interval is apart from the fp32 cache's at any context: "
           "at this size no codec's difference from fp32 is told apart.")

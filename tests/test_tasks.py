@@ -183,9 +183,9 @@ def test_question_reads_the_encoded_cache():
   assert np.abs(split2 - split32).max() > 1e-3            # through the cache: it is seen
 
 
-@pytest.mark.parametrize("over", [INT2, KIVI4, {"cache.k_codec": "int8", "cache.v_codec": "int4"},
-                                  {**KIVI4, "cache.rotate": "hadamard", "cache.keep_first": 4}],
-                         ids=["int2", "int4-kivi", "k8v4", "kivi-rotated-first4"])
+@pytest.mark.parametrize("over", [INT2, {"cache.k_codec": "int8", "cache.v_codec": "int4"},  # KIVI:
+                                  {**KIVI4, "cache.rotate": "hadamard", "cache.keep_first": 4}],  # here
+                         ids=["int2", "k8v4", "kivi-rotated-first4"])
 def test_encode_prefix_is_the_prefill_write(over):
   """Storing an fp32 prefill's K/V through a codec gives the cache a one-shot prefill with
   that codec writes, so the answer after it is the same (shared fp32 prefill is exact)."""

@@ -9,10 +9,10 @@
 // (batch-1 and -2 decode) and, on AVX-512 machines, for up to 16 rows where every N is a
 // multiple of 32 (the products of 8 rows of x held in registers per 32 columns, so each
 // weight is loaded once per 8 rows; one or two rows too where every weight is bf16, whose
-// 64-byte loads halve the instructions a weight costs); otherwise by stripes of columns, each weight loaded
-// once for every row of x. For the few rows of a decode step (M <= 16); longer inputs stay
-// with XLA's dot. A second call (`MatvecT`) multiplies by a table stored
-// [N, E] (a tied lm_head's embedding), row by row.
+// 64-byte loads halve the instructions a weight costs); otherwise by stripes of columns,
+// each weight loaded once for every row of x. For the few rows of a decode step (M <= 16);
+// longer inputs stay with XLA's dot. A second call (`MatvecT`) multiplies by a table
+// stored [N, E] (a tied lm_head's embedding), row by row.
 
 #include <algorithm>
 #include <cstdint>

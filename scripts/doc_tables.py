@@ -27,6 +27,10 @@ A generated block sits between `<!-- doc_tables:NAME begin -->` and
   tasks100  results/real/long_context_100/long_context.jsonl: needle accuracy per cache
             setting and context at the calibrated size (100 queries a cell), with Wilson
             intervals, and which settings the intervals tell apart from fp32.
+  evict100  results/real/evict_100/long_context.jsonl: the same table for the eviction
+            policies at 512 tokens (100 needle queries a cell).
+  sinks100  results/real/sinks_100/long_context.jsonl: the same for sinks with 4 and with
+            1 kept token, and window, on passkey prompts at 1,024 tokens.
 """
 
 from __future__ import annotations
@@ -49,7 +53,9 @@ SOURCES = {"quality": ROOT / "results" / "quality.jsonl",
            "paired": ROOT / "results" / "cpu" / "roofline_smollm2_paired" / "roofline.jsonl",
            "codec_speed": ROOT / "results" / "cpu" / "codec_speed" / "latency.jsonl",
            "layer_bits": ROOT / "results" / "real" / "layer_bits.jsonl",
-           "tasks100": ROOT / "results" / "real" / "long_context_100" / "long_context.jsonl"}
+           "tasks100": ROOT / "results" / "real" / "long_context_100" / "long_context.jsonl",
+           "evict100": ROOT / "results" / "real" / "evict_100" / "long_context.jsonl",
+           "sinks100": ROOT / "results" / "real" / "sinks_100" / "long_context.jsonl"}
 MODEL_ORDER = ("MHA", "GQA-2", "GQA-4", "GQA-8", "MQA")
 LIMIT = 1.0  # the Δppl (%) that the "within" sentence tests
 
@@ -592,32 +598,60 @@ def layer_bits_table(rows: list[dict]) -> str:
       f"fp32 cache − 1, in brackets its paired-bootstrap 95 % interval.")
 
 
-def tasks100_table(rows: list[dict]) -> str:
+def _what(r: dict) -> str:
+  """A task row's cache in words: its codec (channel keys, group, residual window) and its
+  policy with the kept fraction."""
+  v, c = r["variant"], r["config"]["cache"]
+  codec = v["k_codec"] if v["k_codec"] == v["v_codec"] else \
+      f"K {v['k_codec']} / V {v['v_codec']}"
+  if v.get("k_axis") == "channel":
+    codec += f", channel keys, g{v.get('group_size')}"
+  codec += f", R={v['residual']}" if v.get("residual") else ""
+  if c.get("policy", "full") == "full":
+    return codec
+  knob = {"sinks": f", {c['sinks']} sink{'s' * (c['sinks'] != 1)}",
+          "snapkv": f", window {c['window']}", "h2o": f", window {c['window']}"}
+  return f"{codec}, {c['policy']} keeping {c['ratio']:.0%}{knob.get(c['policy'], '')}"
+
+
+def _queries(rows: list[dict], per: int) -> str:
+  """The queries of a cell in words: the task(s), their facts and depths."""
+  tasks = sorted({r["workload"]["task"] for r in rows})
+  depths = sorted({r["workload"]["depth"] for r in rows})
+  at = ", ".join(f"{d:g}" for d in depths)
+  if tasks == ["niah"]:
+    return (f"{per} queries per context and setting: needle prompts with {len(depths)} needles "
+            f"(depths {at}), each asked, the other its distractor")
+  if tasks == ["passkey"]:
+    return f"{per} queries per context and setting: passkey prompts at depths {at}"
+  return f"{per} queries per context and setting: {', '.join(tasks)} at depths {at}"
+
+
+def calibrated_table(rows: list[dict], path: str, config: str) -> str:
+  """Accuracy per setting and context at 100 queries a cell, with Wilson intervals, bytes
+  held, agreement with fp32's first number, and which settings the intervals tell apart
+  from the fp32 cache's."""
   rows = [r for r in rows if r["experiment"] == "long_context"]
   if not rows:
-    raise SystemExit("doc_tables: no calibrated task rows; run `kvjax run "
-                     "configs/long_context_100.yaml --out results/real/long_context_100`")
+    raise SystemExit(f"doc_tables: no rows in {path}; run `kvjax run {config} --out "
+                     f"{path.rsplit('/', 1)[0]}`")
   settings, contexts, cell, info = _evict_cells(rows)
   same = _same_as_fp32(rows)
   order = sorted(settings, key=lambda s: (-round(info[s]["bpt"]), settings.index(s)))
   bpt: dict = {}  # (setting, context) -> bytes held per prefix token, averaged over prompts
+  first: dict = {}
   for r in rows:
     bpt.setdefault((r["variant"]["setting"], r["workload"]["context"]), []).append(_bpt(r))
-
-  def what(v: dict) -> str:
-    codec = v["k_codec"] if v["k_codec"] == v["v_codec"] else \
-        f"K {v['k_codec']} / V {v['v_codec']}"
-    if v.get("k_axis") == "channel":
-      codec += f", channel keys, g{v.get('group_size')}"
-    return codec + (f", R={v['residual']}" if v.get("residual") else "")
+    first.setdefault(r["variant"]["setting"], r)
 
   lines = ["| setting | what | bytes/token at " + " / ".join(f"{n:,}" for n in contexts) + " | "
-           + " | ".join(f"{n:,} tokens: right, 95 % interval" for n in contexts) + " | same first number as fp32 |",
+           + " | ".join(f"{n:,} tokens: right, 95 % interval" for n in contexts)
+           + " | same first number as fp32 |",
            "|" + "---|" * (4 + len(contexts))]
   for s in order:
     vals = [f"{_frac(*cell[(s, n, '*')])} {_wilson_text(*cell[(s, n, '*')])}" for n in contexts]
     held_ = " / ".join(f"{sum(bpt[(s, n)]) / len(bpt[(s, n)]):,.0f}" for n in contexts)
-    lines.append(f"| `{s}` | {what(info[s]['variant'])} | {held_} | "
+    lines.append(f"| `{s}` | {_what(first[s])} | {held_} | "
                  + " | ".join(vals) + f" | {sum(same[s])}/{len(same[s])} |")
   apart = []
   for n in contexts:
@@ -628,25 +662,37 @@ def tasks100_table(rows: list[dict]) -> str:
         apart.append(f"`{s}` at {n:,}")
   w = rows[0]["workload"]
   per = cell[("fp32", contexts[0], "*")][1]
-  depths = sorted({r["workload"]["depth"] for r in rows})
   out = "\n".join(lines) + (
-      f"\n\nRows: `results/real/long_context_100/long_context.jsonl`, model "
-      f"`{rows[0]['variant'].get('model')}`, {w['template']} template, {w['gen_len']} answer "
-      f"tokens decoded greedily; {per} queries per context and setting: needle prompts with "
-      f"{len(depths)} needles (depths {', '.join(f'{d:g}' for d in depths)}), each asked, the "
-      "other its distractor. bytes/token: what the cache holds for the prefix per prefix token at "
-      "each context (`kvjax.held`, a residual window's float32 tokens included), as in the "
-      "eviction table. ")
+      f"\n\nRows: `{path}`, model `{rows[0]['variant'].get('model')}`, {w['template']} "
+      f"template, {w['gen_len']} answer tokens decoded greedily; {_queries(rows, per)}. "
+      "bytes/token: what the cache holds for the prefix per prefix token at each context "
+      "(`kvjax.held`, a residual window's float32 tokens included), as in the eviction table. ")
   out += ("Intervals apart from the fp32 cache's at the same context: " + ", ".join(apart) + "."
           if apart else "No setting's interval is apart from the fp32 cache's at any context: "
-          "at this size no codec's difference from fp32 is told apart.")
+          "at this size no setting's difference from fp32 is told apart.")
   return out
+
+
+def tasks100_table(rows: list[dict]) -> str:
+  return calibrated_table(rows, "results/real/long_context_100/long_context.jsonl",
+                          "configs/long_context_100.yaml")
+
+
+def evict100_table(rows: list[dict]) -> str:
+  return calibrated_table(rows, "results/real/evict_100/long_context.jsonl",
+                          "configs/long_context_evict_100.yaml")
+
+
+def sinks100_table(rows: list[dict]) -> str:
+  return calibrated_table(rows, "results/real/sinks_100/long_context.jsonl",
+                          "configs/long_context_sinks_100.yaml")
 
 
 BUILDERS = {"quality": quality_table, "real": real_table, "evict": evict_table,
             "evict_speed": evict_speed_table, "paired": paired_table,
             "codec_speed": codec_speed_table, "layer_bits": layer_bits_table,
-            "tasks100": tasks100_table}
+            "tasks100": tasks100_table, "evict100": evict100_table,
+            "sinks100": sinks100_table}
 
 
 def render(doc: str, blocks: dict[str, str]) -> str:

@@ -193,6 +193,14 @@ def test_ring_decode_equals_masked_full_forward(policy, extra):
   W = extra["cache.budget"] - S
   want = masked_reference(cfg, params, lambda l, b, k, j, p: j < S or j >= p - W)
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+  # The continuation fed as ONE call (as a task's question is): every new query sees the
+  # tokens held when the call starts and the call's own, earlier tokens.
+  one_call = step.run(step.Static.of(cfg), params, jnp.array(CONT, jnp.int32),
+                      caches[0].lengths[:, None] + jnp.arange(len(CONT[0]))[None], caches[0])
+  at_start = {b: len(p) for b, p in enumerate(PROMPTS)}
+  want_one = masked_reference(cfg, params, lambda l, b, k, j, p:
+                              j < S or j >= at_start[b] - W or j >= at_start[b])
+  np.testing.assert_allclose(one_call.logits, want_one[:, 1:], atol=2e-5, rtol=1e-5)
   # The cache never grows past the budget; lengths count every token seen.
   assert caches[-1].spec.capacity == 6
   assert list(caches[-1].held) == [6, 6]

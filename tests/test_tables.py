@@ -115,5 +115,14 @@ def test_identity_and_its_matching():
                   "codec": "s", "kl": 2}]  # a record's own `codec` stays; the real one beside
   aggregated = [{"codec": "a", "kl": 1.5}]  # matches no row: left as it is
   assert table.with_identity(aggregated, rows) == aggregated
+  # two settings with the same figures (a policy's bytes at one ratio): each record stands
+  # beside its own setting's rows, not the first rows whose figures it shares
+  named = [{"config": {"cache": {"policy": p}, "params": {"setting": p}},
+            "variant": {"setting": p}, "metrics": {"accuracy": a, "bytes_per_token": 10},
+            "workload": {"task": "niah"}}
+           for p, a in (("window", 1.0), ("window", 0.0), ("snapkv", 1.0), ("snapkv", 0.0))]
+  recs = [{"setting": p, "task": "niah", "accuracy": 0.5, "bytes_per_token": 10}
+          for p in ("window", "snapkv")]
+  assert [r["policy"] for r in table.with_identity(recs, named)] == ["window", "snapkv"]
   with pytest.raises(KvjaxError):
     results.choose([{"a": 1}], "b", lambda r: [])

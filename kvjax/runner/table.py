@@ -126,12 +126,17 @@ def identity(configs: list[dict]) -> list[dict]:
 
 def _matches(rec: dict, row: dict) -> bool:
   """Whether a summary record carries this row's values: every workload field the two
-  share is equal, and so are at least half of the metrics they share (a summary may show
-  another figure under a metric's name), at least one."""
+  share is equal, so is the named setting and model when both carry one (two settings
+  may share every figure, a policy's bytes at one ratio), and so are at least half of
+  the metrics they share (a summary may show another figure under a metric's name), at
+  least one."""
   metrics, work = row.get("metrics") or {}, row.get("workload") or {}
+  variant = row.get("variant") or {}
   shared = [k for k in rec if k in metrics]
   same = sum(rec[k] == metrics[k] for k in shared)
-  return same >= 1 and 2 * same >= len(shared) and \
+  named = all(rec[k] == variant[k] for k in ("setting", "model")
+              if k in rec and variant.get(k) and k not in metrics and k not in work)
+  return same >= 1 and 2 * same >= len(shared) and named and \
       all(rec[k] == work[k] for k in rec if k in work and k not in metrics)
 
 

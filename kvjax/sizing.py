@@ -138,7 +138,7 @@ def report(cfg: config_lib.Config, seq_len: int, batch: int, named: bool = False
       "max_seq_len": m.max_seq_len if named else None,
       "k_codec": c.k_codec, "v_codec": c.v_codec, "layout": cache.get(h.layout).name,
       "k_axis": c.k_axis, "group_size": c.group_size, "residual": c.residual,
-      "keep_first": c.keep_first, "rotate": c.rotate, "notes": list(notes),
+      "keep_first": c.keep_first, "rotate": c.rotate, "clip": c.clip, "notes": list(notes),
       "warnings": warnings, "policy": c.policy, "held_tokens": h.tokens,
       **sharding.size_report(cfg, batch, h.tokens, with_params=named),
   }

@@ -125,6 +125,8 @@ def describe(variant: dict) -> str:
     parts.append(f"first {variant['keep_first']} kept")
   if variant.get("rotate"):
     parts.append(f"{variant['rotate']} rotation")
+  if variant.get("clip"):
+    parts.append(f"{variant['clip']} clipping")
   return ", ".join(parts)
 
 

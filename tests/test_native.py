@@ -276,6 +276,23 @@ def test_fidelity_on_smollm2(smollm2_kvjax):
     assert abs(d["native"] - d["grouped"]) <= tol, (over, d)
 
 
+def test_mse_clipping_cuts_int2_loss_on_smollm2(smollm2_kvjax):
+  """`cache.clip=mse` (kvjax/codecs/quant.py; its own tests in test_clip.py), on the real
+  model through the default read: per-token int2 in a Hadamard basis loses far
+  less against the fp32 cache with the range searched (a short window; the committed
+  figures are `real_quality`'s)."""
+  cfg, params, tok = smollm2_kvjax
+  windows = evaluate.text_windows(tok, evaluate.data.eval_text("stdlib"), 128, 1)
+  ref, _ = evaluate.stream_logprobs(cfg, params, windows, chunk=64)
+  kl = {}
+  for clip in ("none", "mse"):
+    c = config_lib.apply_overrides(cfg, {"cache.codec": "int2", "cache.rotate": "hadamard",
+                                     "cache.clip": clip})
+    lp, _ = evaluate.stream_logprobs(c, params, windows, chunk=64)
+    kl[clip] = evaluate.compare(lp, ref, windows)["kl"]
+  assert kl["mse"] < 0.6 * kl["none"], kl
+
+
 def test_paged_slots_without_a_page_are_never_read_outside_the_pool():
   """A block table whose unbacked entries point outside the pool (masked slots, as the
   serving engine leaves them) reads as the XLA read's clipped gather does: finite, equal."""

@@ -20,7 +20,7 @@ def print_size(result: dict) -> None:
   cache = f"K:{result['k_codec']} V:{result['v_codec']}"
   for key, text in (("k_axis", "keys per channel"), ("group_size", "groups of {}"),
                     ("residual", "window {}"), ("keep_first", "first {} kept"),
-                    ("rotate", "{} rotation")):
+                    ("rotate", "{} rotation"), ("clip", "{} clipping")):
     val = result.get(key)
     if val and val not in ("token", "none"):
       cache += ", " + text.format(val)

@@ -54,13 +54,16 @@ class NormalFloat(quant.ScaledCodec):
   kind: str = "nf"
   storage = None  # codes index levels: read through its own qk_block / pv_block only
 
-  def _quantize(self, xg, red):
+  def _quantize(self, xg, red, r: float = 1.0):
     lv = jnp.asarray(levels(self.bits), jnp.float32)
-    amax = jnp.max(jnp.abs(xg), red, keepdims=True)
+    amax = jnp.max(jnp.abs(xg), red, keepdims=True) * r
     scale = packing.round_up_bf16(jnp.maximum(amax, packing.TINY))
     y = jnp.clip(packing.div(xg, scale.astype(jnp.float32)), -1.0, 1.0)
     codes = jnp.searchsorted((lv[1:] + lv[:-1]) / 2, y)  # the nearest level's index
     return codes.astype(jnp.uint8), scale, None
+
+  def _levels(self, codes):
+    return jnp.asarray(levels(self.bits), jnp.float32)[codes]
 
   def encode(self, x_TD):
     out = super().encode(x_TD)

@@ -14,6 +14,18 @@ So |x - x̂| <= s/2 for the integer codecs and <= max(2^-(m+1) |x|, s * 2^(e_min
 for fp8 (m mantissa bits, e_min the smallest normal exponent). The codes are computed
 against the stored (rounded) scale and zero, so the bounds hold for what is stored.
 
+Clipping (`cache.clip`):
+  none  the group's whole range is covered (the bounds above hold for every element)
+  mse   each group is quantized at every ratio r of CLIP_RATIOS (1, 0.95, ..., 0.4) of its
+        range (the asymmetric reach about the midpoint, the symmetric absmax) and keeps the
+        codes whose decoded group has the least squared error, r = 1 on ties. A few large
+        elements are then clipped to the range's ends so that every other element gets finer
+        steps: the bounds above hold inside the chosen range, and each group's squared
+        error is at most the unclipped encoding's (r = 1 is a candidate, and the error is
+        computed from the stored scale and zero, as `decode` reads them). No calibration
+        data: the search runs on each group as it is written (len(CLIP_RATIOS) encodings a
+        write); the stored layout and the reads do not change.
+
 Decisions, and why:
   - Scales and zeros are bfloat16: it has float32's exponent range, so the scale of any
     finite input is representable (fp16 overflows at 65504 and underflows at 6e-8); its
@@ -55,6 +67,10 @@ from kvjax.errors import KvjaxError
 # slower (dots too short for XLA:CPU); docs/experiments.md, "CPU decode".
 PLANE_MIN = 64
 
+# cache.clip=mse: the fractions of a group's range tried, widest first (see the module doc)
+CLIP_RATIOS = tuple(round(1 - 0.05 * i, 2) for i in range(13))
+CLIPS = ("none", "mse")
+
 
 @dataclasses.dataclass(frozen=True)
 class ScaledCodec(base.Codec):
@@ -67,6 +83,7 @@ class ScaledCodec(base.Codec):
   group: int = 0         # token axis: elements per group along head_dim (0: whole head)
                          # channel axis: tokens per scale group (U)
   axis: str = "token"    # token | channel
+  clip: str = "none"     # none | mse (cache.clip; the module doc)
 
   @property
   def asym(self) -> bool:
@@ -82,7 +99,7 @@ class ScaledCodec(base.Codec):
 
   def configure(self, cache_cfg, role: str) -> "ScaledCodec":
     axis = cache_cfg.k_axis if role == "k" else "token"
-    return dataclasses.replace(self, group=cache_cfg.group_size, axis=axis)
+    return dataclasses.replace(self, group=cache_cfg.group_size, axis=axis, clip=cache_cfg.clip)
 
   def check(self, cache_cfg, model_cfg, role: str) -> None:
     """Group sizes that divide head_dim, packing that fits it, and what per-channel (KIVI)
@@ -130,7 +147,7 @@ class ScaledCodec(base.Codec):
       grouped, red = (*lead, T, D // g, g), -1
     xg = x.reshape(grouped)
     ok = jnp.all(finite.reshape(grouped), axis=red, keepdims=True)
-    codes, scale, zero = self._quantize(xg, red)
+    codes, scale, zero = self._search(xg, red)
     nan = jnp.array(jnp.nan, packing.SCALE_DTYPE)
     meta = lambda a: base.store_bits(jnp.squeeze(jnp.where(ok, a, nan), red))  # noqa: E731
     out = {"codes": codes.reshape(*lead, T, D), "scale": meta(scale)}
@@ -139,17 +156,48 @@ class ScaledCodec(base.Codec):
       out["zero"] = meta(zero)
     return out
 
-  def _quantize(self, xg, red):
+  def _search(self, xg, red):
+    """`_quantize` of the groups `xg` (reduced over axis `red`) at the full range, or with
+    `clip="mse"` at the CLIP_RATIOS ratio whose decoded group has the least squared error."""
+    best = self._quantize(xg, red)
+    if self.clip == "none":
+      return best
+    err = self._sq_error(xg, red, best)
+    for r in CLIP_RATIOS[1:]:
+      cand = self._quantize(xg, red, r)
+      e = self._sq_error(xg, red, cand)
+      pick = e < err
+      err = jnp.where(pick, e, err)
+      best = tuple(None if b is None else jnp.where(pick, c, b) for b, c in zip(best, cand))
+    return best
+
+  def _sq_error(self, xg, red, quantized):
+    """Squared error per group of (codes, scale, zero) against `xg`, decoded as `decode`
+    decodes them (non-finite sums compare false, so r = 1 stays)."""
+    codes, scale, zero = quantized
+    s = scale.astype(jnp.float32)
+    if self.asym:
+      y = zero.astype(jnp.float32) + (codes.astype(jnp.float32) - self.half) * s
+    else:
+      y = self._levels(codes) * s
+    return jnp.sum(jnp.square(y - xg), red, keepdims=True)
+
+  def _levels(self, codes):
+    """The value of each unscaled symmetric code (int8: the integer; fp8: its float)."""
+    return base.load_bits(codes, self.dtype).astype(jnp.float32)
+
+  def _quantize(self, xg, red, r: float = 1.0):
+    """(codes, scale, zero) of the groups `xg`, covering the fraction `r` of each range."""
     if self.asym:
       mx, mn = jnp.max(xg, red, keepdims=True), jnp.min(xg, red, keepdims=True)
       zero = jnp.clip(mx / 2 + mn / 2, -packing.BF16_MAX, packing.BF16_MAX).astype(packing.SCALE_DTYPE)
       zf = zero.astype(jnp.float32)
-      reach = jnp.maximum(mx - zf, zf - mn)
+      reach = jnp.maximum(mx - zf, zf - mn) * r
       scale = packing.round_up_bf16(jnp.maximum(reach / self.half, packing.TINY))
       c = jnp.round(packing.div(xg - zf, scale.astype(jnp.float32)) + self.half)
       return jnp.clip(c, 0, 2 * self.half).astype(jnp.uint8), scale, zero
     qmax = 127.0 if self.kind == "int" else float(jnp.finfo(self.dtype).max)
-    amax = jnp.max(jnp.abs(xg), red, keepdims=True)
+    amax = jnp.max(jnp.abs(xg), red, keepdims=True) * r
     scale = packing.round_up_bf16(jnp.maximum(amax / qmax, packing.TINY))
     y = jnp.clip(packing.div(xg, scale.astype(jnp.float32)), -qmax, qmax)
     codes = jnp.round(y).astype(jnp.int8) if self.kind == "int" else \

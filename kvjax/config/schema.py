@@ -85,6 +85,8 @@ class CacheConfig:
   rotate: str = "none"           # none | hadamard | random: K, Q, V rotated per head (kvjax.codecs.rotate)
   rotate_seed: int = 0           # the seed of `rotate: random`'s orthogonal matrix
   keep_first: int = 0            # tokens at each sequence's start kept in full precision
+  clip: str = "none"             # none | mse: each quantization group's range searched for the
+                                 # least squared error (kvjax.codecs.quant)
 
 
 @dataclasses.dataclass(frozen=True)

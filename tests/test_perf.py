@@ -462,9 +462,11 @@ def test_default_program_equals_previous_program(case):
     if jnp.issubdtype(x.dtype, jnp.floating):
       np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
     else:  # codes: the decode step's projections (the CPU kernel) and nn.scan's (XLA's dot)
-      # sum in another order, so a value at a rounding boundary may land one code apart
+      # sum in another order, so a value at a rounding boundary may land one code apart: at
+      # most one in a thousand, or one code in a leaf smaller than that (where the order's
+      # rounding flips one code depends on the host's kernel forms)
       d = np.abs(np.asarray(x).astype(np.int64) - np.asarray(y).astype(np.int64))
-      assert d.max() <= 1 and np.mean(d > 0) <= 1e-3
+      assert d.max() <= 1 and np.sum(d > 0) <= max(1, 1e-3 * d.size)
   if cfg.cache.k_codec == cfg.cache.v_codec == "fp32":
     ref, _ = _tokens_and_cache(config.replace(cfg, **{"cache.layout": "none"}), params,
                                prompts, 10)

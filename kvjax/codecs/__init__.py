@@ -5,8 +5,8 @@ imported here and registers its codecs: `floats` (fp32, bf16, fp16) and `quant` 
 int4, int2, fp8_e4m3, fp8_e5m2, with optional groups and per-channel keys; its bit packing
 and scale arithmetic in `packing`), `normal` (nf4, nf2: normal-float levels on the same
 scales); `rotate` registers nothing: the `cache.rotate` basis change the model applies
-around any codec. `cache.clip` (`quant`) sets how the quantized codecs choose each group's
-range. Adding a codec = one module in this folder with a
+around any codec; `clip` registers nothing either: `cache.clip`, how the quantized codecs
+choose each group's range. Adding a codec = one module in this folder with a
 `Codec` subclass and its `register(...)` calls.
 
 Non-finite input: the float codecs propagate NaN and +-Inf unchanged (a cast), and
@@ -26,28 +26,16 @@ plugins.import_all(__name__, __path__)
 def check(cache_cfg, model_cfg) -> None:
   """The codec registry's config checks (added to `config.validate`): both names known,
   each codec's own limits, and the rotation around them (`rotate`)."""
-  from kvjax.codecs import rotate
+  from kvjax.codecs import clip, rotate
   for role in ("k", "v"):
     name = getattr(cache_cfg, f"{role}_codec")
     if name not in CODECS:
       raise KvjaxError(f"unknown codec '{name}' (cache.{role}_codec); known: {', '.join(CODECS)}")
   rotate.check(cache_cfg, model_cfg)
-  _check_clip(cache_cfg)
+  clip.check(cache_cfg, CODECS)
   for role in ("k", "v"):
     get(getattr(cache_cfg, f"{role}_codec")).check(cache_cfg, model_cfg, role)
 
 
 config_lib.add_check(check)
 
-
-def _check_clip(cache_cfg) -> None:
-  """A known `cache.clip`, and `mse` only where a codec in use has ranges to clip."""
-  from kvjax.codecs import quant
-  clip = cache_cfg.clip
-  if clip not in quant.CLIPS:
-    raise KvjaxError(f"unknown cache.clip '{clip}'; use one of {', '.join(quant.CLIPS)}")
-  names = (cache_cfg.k_codec, cache_cfg.v_codec)
-  if clip != "none" and not any(isinstance(get(n), quant.ScaledCodec) for n in names):
-    raise KvjaxError(f"cache.clip={clip} chooses quantized codecs' ranges, but cache.k_codec="
-                     f"{names[0]} and cache.v_codec={names[1]} store floats; choose a quantized "
-                     "codec (int8, int4, int2, fp8_e4m3, fp8_e5m2, nf4, nf2) or cache.clip=none")

@@ -14,17 +14,8 @@ So |x - x̂| <= s/2 for the integer codecs and <= max(2^-(m+1) |x|, s * 2^(e_min
 for fp8 (m mantissa bits, e_min the smallest normal exponent). The codes are computed
 against the stored (rounded) scale and zero, so the bounds hold for what is stored.
 
-Clipping (`cache.clip`):
-  none  the group's whole range is covered (the bounds above hold for every element)
-  mse   each group is quantized at every ratio r of CLIP_RATIOS (1, 0.95, ..., 0.4) of its
-        range (the asymmetric reach about the midpoint, the symmetric absmax) and keeps the
-        codes whose decoded group has the least squared error, r = 1 on ties. A few large
-        elements are then clipped to the range's ends so that every other element gets finer
-        steps: the bounds above hold inside the chosen range, and each group's squared
-        error is at most the unclipped encoding's (r = 1 is a candidate, and the error is
-        computed from the stored scale and zero, as `decode` reads them). No calibration
-        data: the search runs on each group as it is written (len(CLIP_RATIOS) encodings a
-        write); the stored layout and the reads do not change.
+With `cache.clip=mse` (`kvjax.codecs.clip`) the range is searched per group, so the bounds
+hold inside the chosen range and each group errs no more than unclipped.
 
 Decisions, and why:
   - Scales and zeros are bfloat16: it has float32's exponent range, so the scale of any
@@ -58,7 +49,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvjax.codecs import base, logits, native, packing
+from kvjax.codecs import base, clip, logits, native, packing
 from kvjax.codecs.packing import SCALE_BYTES, SCALE_DTYPE, pack, unpack  # noqa: F401 (the face)
 from kvjax.errors import KvjaxError
 
@@ -66,10 +57,6 @@ from kvjax.errors import KvjaxError
 # planes (int4 at head_dim 128) read faster plane by plane than unpacked, narrower ones
 # slower (dots too short for XLA:CPU); docs/experiments.md, "CPU decode".
 PLANE_MIN = 64
-
-# cache.clip=mse: the fractions of a group's range tried, widest first (see the module doc)
-CLIP_RATIOS = tuple(round(1 - 0.05 * i, 2) for i in range(13))
-CLIPS = ("none", "mse")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +70,7 @@ class ScaledCodec(base.Codec):
   group: int = 0         # token axis: elements per group along head_dim (0: whole head)
                          # channel axis: tokens per scale group (U)
   axis: str = "token"    # token | channel
-  clip: str = "none"     # none | mse (cache.clip; the module doc)
+  clip: str = "none"     # none | mse (cache.clip: kvjax.codecs.clip)
 
   @property
   def asym(self) -> bool:
@@ -147,7 +134,7 @@ class ScaledCodec(base.Codec):
       grouped, red = (*lead, T, D // g, g), -1
     xg = x.reshape(grouped)
     ok = jnp.all(finite.reshape(grouped), axis=red, keepdims=True)
-    codes, scale, zero = self._search(xg, red)
+    codes, scale, zero = clip.search(self, xg, red)  # _quantize at cache.clip's range
     nan = jnp.array(jnp.nan, packing.SCALE_DTYPE)
     meta = lambda a: base.store_bits(jnp.squeeze(jnp.where(ok, a, nan), red))  # noqa: E731
     out = {"codes": codes.reshape(*lead, T, D), "scale": meta(scale)}
@@ -155,32 +142,6 @@ class ScaledCodec(base.Codec):
       out["codes"] = packing.pack(out["codes"], self.bits)
       out["zero"] = meta(zero)
     return out
-
-  def _search(self, xg, red):
-    """`_quantize` of the groups `xg` (reduced over axis `red`) at the full range, or with
-    `clip="mse"` at the CLIP_RATIOS ratio whose decoded group has the least squared error."""
-    best = self._quantize(xg, red)
-    if self.clip == "none":
-      return best
-    err = self._sq_error(xg, red, best)
-    for r in CLIP_RATIOS[1:]:
-      cand = self._quantize(xg, red, r)
-      e = self._sq_error(xg, red, cand)
-      pick = e < err
-      err = jnp.where(pick, e, err)
-      best = tuple(None if b is None else jnp.where(pick, c, b) for b, c in zip(best, cand))
-    return best
-
-  def _sq_error(self, xg, red, quantized):
-    """Squared error per group of (codes, scale, zero) against `xg`, decoded as `decode`
-    decodes them (non-finite sums compare false, so r = 1 stays)."""
-    codes, scale, zero = quantized
-    s = scale.astype(jnp.float32)
-    if self.asym:
-      y = zero.astype(jnp.float32) + (codes.astype(jnp.float32) - self.half) * s
-    else:
-      y = self._levels(codes) * s
-    return jnp.sum(jnp.square(y - xg), red, keepdims=True)
 
   def _levels(self, codes):
     """The value of each unscaled symmetric code (int8: the integer; fp8: its float)."""

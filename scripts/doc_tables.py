@@ -53,6 +53,7 @@ SOURCES = {"quality": ROOT / "results" / "quality.jsonl",
            "paired": ROOT / "results" / "cpu" / "roofline_smollm2_paired" / "roofline.jsonl",
            "codec_speed": ROOT / "results" / "cpu" / "codec_speed" / "latency.jsonl",
            "layer_bits": ROOT / "results" / "real" / "layer_bits.jsonl",
+           "frontier": ROOT / "results" / "real" / "quality.jsonl",
            "tasks100": ROOT / "results" / "real" / "long_context_100" / "long_context.jsonl",
            "evict100": ROOT / "results" / "real" / "evict_100" / "long_context.jsonl",
            "sinks100": ROOT / "results" / "real" / "sinks_100" / "long_context.jsonl"}
@@ -269,6 +270,52 @@ def real_table(rows: list[dict]) -> str:
               f"{_signed(100 * c['metrics']['dppl_rel'])} holding {ch['bytes_per_token']:,.0f} "
               f"B/token ({ch['bits_per_element']:.2f} bits).")
   return out
+
+
+# The low-bit frontier's targets on the real_quality windows: (bits all-in at most, the
+# Δppl aimed for, which settings compete). "rot4": per-token whole-head int4 in a rotated
+# basis, the one setting the first target names.
+FRONTIER = ((4.5, 0.010, "rot4"), (3.0, 0.05, "any"), (4.5, 0.005, "any"), (5.0, 0.0025, "any"))
+
+
+def _per_token_rotated_int4(v: dict) -> bool:
+  return (v["k_codec"] == v["v_codec"] == "int4" and bool(v.get("rotate"))
+          and not v.get("group_size") and not v.get("residual") and not v.get("keep_first")
+          and v.get("k_axis", "token") == "token")
+
+
+def frontier_table(rows: list[dict]) -> str:
+  """The best kvjax setting at each bits budget (all-in, held at the rows' context) against
+  its target: the point estimate decides "met"; the runner-up is named with whether the
+  two intervals are apart, so a "best" that the noise cannot tell from the next is said."""
+  text = [r for r in rows if r["experiment"] == "quality" and r["workload"].get("task") == "text"
+          and not r["variant"].get("peer") and r["variant"].get("variant") != "MQA"]
+  lines = ["| bits/element all-in at most | competing | best setting | what | bits | Δppl | "
+           "target | met | runner-up |", "|---|---|---|---|---|---|---|---|---|"]
+  for budget, target, which in FRONTIER:
+    pool = [r for r in text if round(_held(r)["bits_per_element"], 2) <= budget  # as printed
+            and (which == "any" or _per_token_rotated_int4(r["variant"]))]
+    pool.sort(key=lambda r: abs(r["metrics"]["dppl_rel"]))
+    if not pool:
+      continue
+    best, m = pool[0], pool[0]["metrics"]
+    runner = "—"
+    if len(pool) > 1:
+      n = pool[1]
+      runner = (f"`{n['variant']['setting']}` {_signed(100 * n['metrics']['dppl_rel'])} "
+                f"({_apart(m.get('dppl_rel_ci95'), n['metrics'].get('dppl_rel_ci95'))})")
+    lines.append(
+        f"| {budget:g} | {'per-token int4, rotated' if which == 'rot4' else 'every setting'} | "
+        f"`{best['variant']['setting']}` | {describe(best['variant'])} | "
+        f"{_held(best)['bits_per_element']:.2f} | {_signed(100 * m['dppl_rel'])}{_pct_ci(m)} | "
+        f"≤ {_signed(100 * target)} | {'yes' if m['dppl_rel'] <= target else '**no**'} | "
+        f"{runner} |")
+  return "\n".join(lines) + (
+      "\n\nRows: `results/real/quality.jsonl` (the table above), kvjax's own settings; bits "
+      "all-in as in that table (held at the windows' length: windows, scales and first tokens "
+      "counted). Δppl with its paired-bootstrap 95 % interval; *met* is the point estimate "
+      "against the target; the runner-up is the next-best setting in the same budget, and "
+      "whether its Δppl interval and the best's are apart.")
 
 
 def _ratio_text(r: float) -> str:
@@ -694,7 +741,7 @@ BUILDERS = {"quality": quality_table, "real": real_table, "evict": evict_table,
             "evict_speed": evict_speed_table, "paired": paired_table,
             "codec_speed": codec_speed_table, "layer_bits": layer_bits_table,
             "tasks100": tasks100_table, "evict100": evict100_table,
-            "sinks100": sinks100_table}
+            "sinks100": sinks100_table, "frontier": frontier_table}
 
 
 def render(doc: str, blocks: dict[str, str]) -> str:

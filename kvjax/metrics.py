@@ -14,6 +14,7 @@ import platform
 import statistics
 import subprocess
 import time
+from pathlib import Path
 from typing import Callable
 
 import jax
@@ -50,6 +51,26 @@ def _cpu_isa() -> str:
   return "other"
 
 
+def _cpu_model() -> str:
+  """Vendor, family/model and name of the CPU (/proc/cpuinfo's first processor): two hosts
+  of one machine kind with the same `cpu_isa` (a Zen 4 and an Intel one, say) differ in
+  what each instruction form costs, so a row says which it ran on."""
+  try:
+    info = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+      if not line.strip():
+        break
+      key, _, val = line.partition(":")
+      info[key.strip()] = val.strip()
+  except OSError:
+    return platform.processor() or "unknown"
+  if "vendor_id" not in info:  # not x86 (Arm lists its parts by implementer and part)
+    return " ".join(info.get(k, "") for k in ("CPU implementer", "CPU part")).strip() or \
+        platform.processor() or "unknown"
+  return (f"{info['vendor_id']} family {info.get('cpu family', '?')} model "
+          f"{info.get('model', '?')}: {info.get('model name', '?')}")
+
+
 def _jaxlib_version() -> str:
   try:
     import jaxlib
@@ -82,6 +103,7 @@ def environment() -> dict:
       "git_commit": _git_commit(),
       "load_avg": _load_avg(),
       "cpu_isa": _cpu_isa(),
+      "cpu_model": _cpu_model(),
       "cpu_read_kernel": kernels.status() if jax.default_backend() == "cpu" else None,
       "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
   }

@@ -51,6 +51,7 @@ SOURCES = {"quality": ROOT / "results" / "quality.jsonl",
            "evict": ROOT / "results" / "real" / "evict" / "long_context.jsonl",
            "evict_speed": ROOT / "results" / "cpu" / "compression_speed" / "latency.jsonl",
            "paired": ROOT / "results" / "cpu" / "roofline_smollm2_paired" / "roofline.jsonl",
+           "paired_intel": ROOT / "results" / "cpu" / "roofline_smollm2_paired_intel" / "roofline.jsonl",
            "codec_speed": ROOT / "results" / "cpu" / "codec_speed" / "latency.jsonl",
            "layer_bits": ROOT / "results" / "real" / "layer_bits.jsonl",
            "frontier": ROOT / "results" / "real" / "quality.jsonl",
@@ -530,10 +531,11 @@ def evict_speed_table(rows: list[dict]) -> str:
   return out
 
 
-def paired_table(rows: list[dict]) -> str:
+def paired_table(rows: list[dict],
+                 path: str = "results/cpu/roofline_smollm2_paired/roofline.jsonl") -> str:
   """One line per setting, one column per (batch, context) cell: step time, the median of the
   per-repeat ratios to the reference's step with its interval, and the fraction of the
-  binding roof (b: bytes bind, f: FLOPs bind)."""
+  binding roof (b: bytes bind, f: FLOPs bind). `path` is the rows' file, as the doc names it."""
   rows = [r for r in rows if r["experiment"] == "roofline" and "tpot_vs_ref" in r["metrics"]]
   if not rows:
     raise SystemExit("doc_tables: no paired roofline rows; run `kvjax run "
@@ -563,9 +565,10 @@ def paired_table(rows: list[dict]) -> str:
   env = rows[0]["env"]
   bw = [r["metrics"]["bandwidth_Bps"] / 1e9 for r in rows]
   return "\n".join(lines) + (
-      f"\n\nRows: `results/cpu/roofline_smollm2_paired/roofline.jsonl` (commit "
+      f"\n\nRows: `{path}` (commit "
       f"{env.get('git_commit', '?')}), {rows[0]['metrics']['repeats']} repeats per cell, "
-      f"ratios to `{ref}`. {env['cpu_count']} CPU cores: bandwidth probe "
+      f"ratios to `{ref}`. {env['cpu_count']} CPU cores"
+      f"{' of ' + env['cpu_model'] if env.get('cpu_model') else ''}: bandwidth probe "
       f"{min(bw):.1f}–{max(bw):.1f} GB/s{_loads(rows)}.")
 
 
@@ -739,6 +742,8 @@ def sinks100_table(rows: list[dict]) -> str:
 
 BUILDERS = {"quality": quality_table, "real": real_table, "evict": evict_table,
             "evict_speed": evict_speed_table, "paired": paired_table,
+            "paired_intel": lambda rows: paired_table(
+                rows, "results/cpu/roofline_smollm2_paired_intel/roofline.jsonl"),
             "codec_speed": codec_speed_table, "layer_bits": layer_bits_table,
             "tasks100": tasks100_table, "evict100": evict100_table,
             "sinks100": sinks100_table, "frontier": frontier_table}

@@ -7,6 +7,7 @@ compiling anything, so a whole grid runs in well under a second.
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -284,6 +285,11 @@ def test_latency_interleaves_paired_variants_from_one_prefill(tmp_path):
   assert all(r["metrics"]["roof_fraction"] == pytest.approx(r["metrics"]["roof_s"] /
                                                             r["metrics"]["tpot_s"]) for r in rows)
   assert "load_avg" in rows[0]["env"] and len(rows[0]["env"]["load_avg"]) == 3
+  # the CPU's own name: on x86, the vendor /proc/cpuinfo gives (GenuineIntel, AuthenticAMD)
+  model = rows[0]["env"]["cpu_model"]
+  assert isinstance(model, str) and model and model != "unknown"
+  if platform.machine() in ("x86_64", "AMD64"):
+    assert model.startswith(("GenuineIntel", "AuthenticAMD")), model
 
 
 def test_every_shipped_config_expands():

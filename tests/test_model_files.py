@@ -262,3 +262,27 @@ def test_finite_weights_that_overflow_param_dtype_are_refused(tmp_path, tiny):
   c = mf.write_checkpoint(tmp_path / "ckpt", cfg, params)
   _one_line(lambda: checkpoint.load(c, half), "layers.input_layernorm.weight", "float16")
   assert gguf.load(g, {"model.param_dtype": "bfloat16"})[1]  # bfloat16 holds it
+
+
+def test_abandoned_reads_tracebacks_from_other_threads_are_dropped_and_nothing_else():
+  """After a failed restore, TensorStore's threads report reads that finished on a closed
+  loop through sys.stderr, before or after the error line (`orbax_quiet._QuietThreads`):
+  such a traceback, written in pieces, is dropped with what that thread writes after it;
+  another thread's own traceback and text, and the main thread's line, pass."""
+  import io
+  import threading
+
+  from kvjax.io import orbax_quiet
+  out = io.StringIO()
+  err = orbax_quiet._QuietThreads(out)
+  pieces = ["Traceback (most recent call last):\n", '  File "base_events.py", line 806\n',
+            "    self._check_closed()\n", "RuntimeError", ": ", "Event loop is closed", "\n",
+            "\nDuring handling of the above exception, another exception occurred:\n", "\n"]
+  real = ["a thread's note\n", "Traceback (most recent call last):\n",
+          '  File "mine.py", line 2, in g\n', "ValueError: mine\n"]
+  for text in (pieces, real):
+    t = threading.Thread(target=lambda text=text: [err.write(p) for p in text])
+    t.start()
+    t.join()
+  err.write("kvjax: error: the checkpoint is damaged\n")
+  assert out.getvalue() == "".join(real) + "kvjax: error: the checkpoint is damaged\n"

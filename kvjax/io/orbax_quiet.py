@@ -14,8 +14,13 @@ the gather leaves coroutines that were created but never awaited, which warn "co
 `abandon_reads()`, called once a restore has failed, closes those pending reads and
 unstarted coroutines now (so nothing is left to finalize at exit, and nothing warns) and
 installs an unraisable-exception hook that drops only reports coming from them (orbax or
-tensorstore code, or "Event loop is closed"); every other report still prints.
-KVJAX_DEBUG=1 keeps everything.
+tensorstore code, or "Event loop is closed"); every other report still prints. A read
+whose TensorStore future completes after the loop closed reports from TensorStore's own
+thread, through `sys.stderr` and not the hook, any time up to the interpreter's exit (before
+or after the error line): `sys.stderr` then gets a filter (`_QuietThreads`) that holds each
+other thread's traceback until its last line and drops it when it is one of those (the
+same test as the hook); the main thread's writes, and every other thread's other text, pass
+at once. KVJAX_DEBUG=1 keeps everything.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import inspect
 import logging
 import os
 import sys
+import threading
 import traceback
 import types
 
@@ -44,11 +50,53 @@ def _from_abandoned_read(unraisable) -> bool:
   return any(lib in name for name in files for lib in _LIBRARIES)
 
 
+class _QuietThreads:
+  """`sys.stderr` for the rest of a process whose restore failed: a traceback written by a
+  thread other than the main one is held until its exception line and dropped when it
+  reports an abandoned read ("Event loop is closed", or orbax / TensorStore frames); that
+  thread is then quiet for good (a chained traceback's "During handling ..." and blank
+  lines follow its first one)."""
+
+  def __init__(self, stream):
+    self._stream, self._held, self._quiet = stream, {}, set()
+    self._lock = threading.Lock()
+
+  def __getattr__(self, name):  # encoding, fileno, isatty, ...: the wrapped stream's
+    return getattr(self._stream, name)
+
+  def write(self, text: str) -> int:
+    if threading.current_thread() is threading.main_thread():
+      return self._stream.write(text)
+    with self._lock:
+      me = threading.current_thread()  # not get_ident(): idents are reused
+      if me in self._quiet:
+        return len(text)
+      held = self._held.get(me, "")
+      if not held and not text.startswith("Traceback (most recent call last)"):
+        return self._stream.write(text)
+      held += text
+      last = held.rstrip("\n").rsplit("\n", 1)[-1]
+      if not held.endswith("\n") or not last or last[0].isspace() or last.startswith("Traceback"):
+        self._held[me] = held  # the traceback goes on
+        return len(text)
+      self._held.pop(me, None)
+      if "Event loop is closed" in last or any(lib in held for lib in _LIBRARIES):
+        self._quiet.add(me)
+        return len(text)
+      self._stream.write(held)
+      return len(text)
+
+  def flush(self) -> None:
+    self._stream.flush()
+
+
 def _install_hook() -> None:
   global _installed
   if _installed:
     return
   previous = sys.unraisablehook
+  if not isinstance(sys.stderr, _QuietThreads):
+    sys.stderr = _QuietThreads(sys.stderr)
 
   def hook(unraisable):
     if not _from_abandoned_read(unraisable):

@@ -254,6 +254,18 @@ def test_default_cpu_decode_program_calls_the_kernel():
   assert got["calls"] >= 1  # the layer loop's body reads its contiguous segment through it
 
 
+_WINDOW = {}
+
+
+def _smollm2_window(cfg, params, tok):
+  """128 tokens of held-out text and their log-probabilities through the fp32 cache, 64 a
+  step: computed once for this module's SmolLM2 tests."""
+  if "ref" not in _WINDOW:
+    windows = evaluate.text_windows(tok, evaluate.data.eval_text("stdlib"), 128, 1)
+    _WINDOW["ref"] = windows, evaluate.stream_logprobs(cfg, params, windows, chunk=64)[0]
+  return _WINDOW["ref"]
+
+
 def test_fidelity_on_smollm2(smollm2_kvjax):
   """Δppl through the native read equals the XLA read's, codec by codec, on a short
   window of held-out text (the full windows are the `real_quality` experiment's): within
@@ -262,8 +274,7 @@ def test_fidelity_on_smollm2(smollm2_kvjax):
   difference in a key or value before it is quantized can flip its int4 code, so two exact
   reads of one cache already differ by that much."""
   cfg, params, tok = smollm2_kvjax
-  windows = evaluate.text_windows(tok, evaluate.data.eval_text("stdlib"), 128, 1)
-  ref, _ = evaluate.stream_logprobs(cfg, params, windows, chunk=64)
+  windows, ref = _smollm2_window(cfg, params, tok)
   for over in ({"cache.codec": "int4"},
                {"cache.k_codec": "int4", "cache.v_codec": "int4", "cache.k_axis": "channel",
                 "cache.group_size": 32, "cache.residual": 32}):
@@ -282,8 +293,7 @@ def test_mse_clipping_cuts_int2_loss_on_smollm2(smollm2_kvjax):
   less against the fp32 cache with the range searched (a short window; the committed
   figures are `real_quality`'s)."""
   cfg, params, tok = smollm2_kvjax
-  windows = evaluate.text_windows(tok, evaluate.data.eval_text("stdlib"), 128, 1)
-  ref, _ = evaluate.stream_logprobs(cfg, params, windows, chunk=64)
+  windows, ref = _smollm2_window(cfg, params, tok)
   kl = {}
   for clip in ("none", "mse"):
     c = config_lib.apply_overrides(cfg, {"cache.codec": "int2", "cache.rotate": "hadamard",

@@ -288,7 +288,7 @@ def test_fidelity_on_smollm2(smollm2_kvjax):
 
 
 def test_mse_clipping_cuts_int2_loss_on_smollm2(smollm2_kvjax):
-  """`cache.clip=mse` (kvjax/codecs/quant.py; its own tests in test_clip.py), on the real
+  """`cache.clip=mse` (kvjax/codecs/clip.py; its own tests in test_clip.py), on the real
   model through the default read: per-token int2 in a Hadamard basis loses far
   less against the fp32 cache with the range searched (a short window; the committed
   figures are `real_quality`'s)."""

@@ -86,7 +86,7 @@ class CacheConfig:
   rotate_seed: int = 0           # the seed of `rotate: random`'s orthogonal matrix
   keep_first: int = 0            # tokens at each sequence's start kept in full precision
   clip: str = "none"             # none | mse: each quantization group's range searched for the
-                                 # least squared error (kvjax.codecs.quant)
+                                 # least squared error (kvjax.codecs.clip)
 
 
 @dataclasses.dataclass(frozen=True)

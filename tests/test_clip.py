@@ -1,4 +1,4 @@
-"""`cache.clip` (kvjax/codecs/quant.py): with `mse` each group's squared error is at most the
+"""`cache.clip` (kvjax/codecs/clip.py): with `mse` each group's squared error is at most the
 unclipped encoding's and clearly lower where the bits are few; the stored layout, bytes and
 non-finite handling do not change; the config reaches the cache; bad values are one line."""
 

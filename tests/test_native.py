@@ -6,7 +6,7 @@ Held to the XLA read (`grouped`) and to `reference` on a covering set:
     live length below the segment's size, head_dim 64 with row groups of 1 to 4, head_dim
     groups and per-channel keys (KIVI's layout) at head_dim 16 and 64, and mixed K/V kinds
     through the kernel's fused and generic scans (int2 planes narrower than eight codes,
-    > 16 query rows, an uncompiled head_dim): 59 cases; tolerance 2e-5 of the output's
+    > 16 query rows, an uncompiled head_dim): 63 cases; tolerance 2e-5 of the output's
     scale (fp32 and the kernel's float arithmetic), 1e-4 where integer keys meet the
     15-bit query, 5e-4 (2e-4 for groups and channels) for the two-digit int8 and bf16 dots;
   - model level: the golden decode (`test_golden`: every variant x codec x layout x policy,
@@ -90,10 +90,11 @@ def test_segment_read_equals_xla_read(route, name, shape, T):
 
 
 @pytest.mark.parametrize("name,G,T", [("int8", 3, 1), ("int4", 5, 1), ("int2", 3, 2),
-                                       ("bf16", 1, 1)])
+                                       ("bf16", 1, 1), ("bf16", 3, 1), ("bf16", 3, 2)])
 def test_segment_read_at_head_dim_64(route, name, G, T):
   """The fused kernel at a real head_dim, where int4 and int2 planes are wide enough for
-  the integer route: row groups of 1 to 4 (M = G x T = 1, 3, 5, 6)."""
+  the integer route and bf16 codes are read 32 columns at a time, split by parity: row
+  groups of 1 to 4 (M = G x T = 1, 3, 5, 6)."""
   seg = _segment(name, 2, 72, 64, seed=3)
   q = jax.random.normal(jax.random.PRNGKey(8), (2, 2, G, T, 64), f32) * 0.3
   want = _read(xla.attend_segment, q, seg)

@@ -1162,6 +1162,89 @@ void pv_rows_grouped(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE]
   }
 }
 
+#ifdef KVJAX_AVX512
+// bfloat16 codes in pairs of registers: one 64-byte load holds 32 columns, whose even
+// columns are each 32-bit lane's low half shifted up and whose odd columns are the lane
+// with its low half cleared. A shift and a mask cost two simple operations per 32 columns,
+// where widening sixteen columns in order takes a lane-crossing zero-extend and a shift
+// each, and the zero-extend competes with the multiply-adds for a port on some cores. The
+// columns come out split by parity, so the logits take the query rows split the same way
+// (a sum's order is free) and P.V puts its sums back in column order once per tile.
+template <int D>
+constexpr bool bf16_pairs() {
+  return D % 32 == 0;
+}
+
+inline void bf16_split(const uint8_t* __restrict r, int d, __m512* ev, __m512* od) {
+  const __m512i x = _mm512_loadu_si512(r + 2 * d);
+  *ev = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  *od = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+
+template <int D, int R>
+void qk_rows_bf16(const float* __restrict q, const Leaf& kl, const int64_t* idx, int n,
+                  float (*lt)[TILE]) {
+  alignas(64) float qs[R][D];  // each row's 32-column blocks as even columns, then odd
+  for (int j = 0; j < R; ++j)
+    for (int d = 0; d < D; d += 32)
+      for (int i = 0; i < 16; ++i) {
+        qs[j][d + i] = q[j * D + d + 2 * i];
+        qs[j][d + 16 + i] = q[j * D + d + 2 * i + 1];
+      }
+  logits<R, false, 16>(idx, n, lt, [&](int64_t tok, __m512* a, float*) {
+    const uint8_t* r = kl.codes + tok * kl.width;
+    for (int d = 0; d < D; d += 32) {
+      __m512 ev, od;
+      bf16_split(r, d, &ev, &od);
+      for (int j = 0; j < R; ++j) {
+        a[j] = _mm512_fmadd_ps(_mm512_load_ps(qs[j] + d), ev, a[j]);
+        a[j] = _mm512_fmadd_ps(_mm512_load_ps(qs[j] + d + 16), od, a[j]);
+      }
+    }
+  });
+}
+
+// pv_rows16 for bfloat16 codes split by parity: sums of CB 32-column blocks per pass.
+template <int D, int R>
+void pv_rows_bf16(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE],
+                  float* __restrict acc) {
+  constexpr int B = D / 32, CB0 = R <= 2 ? 4 : 2, CB = CB0 < B ? CB0 : B;
+  constexpr int U = R * CB * 2 >= 8 ? 1 : 2;
+  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  for (int d0 = 0; d0 < D; d0 += 32 * CB) {
+    __m512 a[U][R][CB][2];
+    for (int e = 0; e < U; ++e)
+      for (int j = 0; j < R; ++j)
+        for (int k = 0; k < CB; ++k) a[e][j][k][0] = a[e][j][k][1] = _mm512_setzero_ps();
+    for (int t = 0; t < n; t += U) {
+      for (int e = 0; e < U; ++e) {
+        const uint8_t* r = vl.codes + idx[t + e] * vl.width;
+        __m512 pj[R];
+        for (int j = 0; j < R; ++j) pj[j] = _mm512_set1_ps(p[j][t + e]);
+        for (int k = 0; k < CB; ++k) {
+          __m512 ev, od;
+          bf16_split(r, d0 + 32 * k, &ev, &od);
+          for (int j = 0; j < R; ++j) {
+            a[e][j][k][0] = _mm512_fmadd_ps(pj[j], ev, a[e][j][k][0]);
+            a[e][j][k][1] = _mm512_fmadd_ps(pj[j], od, a[e][j][k][1]);
+          }
+        }
+      }
+    }
+    for (int j = 0; j < R; ++j)
+      for (int k = 0; k < CB; ++k) {
+        __m512 ev = a[0][j][k][0], od = a[0][j][k][1];
+        if constexpr (U == 2) ev = _mm512_add_ps(ev, a[1][j][k][0]), od = _mm512_add_ps(od, a[1][j][k][1]);
+        float* dst = acc + size_t(j) * D + d0 + 32 * k;
+        _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), _mm512_permutex2var_ps(ev, lo, od)));
+        _mm512_storeu_ps(dst + 16,
+                         _mm512_add_ps(_mm512_loadu_ps(dst + 16), _mm512_permutex2var_ps(ev, hi, od)));
+      }
+  }
+}
+#endif
+
 // One tile's logits for R rows (lt[j][t] = q_j . x_t, whole-head scales still to apply),
 // through the integer route where it applies.
 template <int KIND, int MODE, int D, int R>
@@ -1195,6 +1278,10 @@ void qk_tile(const Rows& q, const Leaf& kl, const int64_t* idx, int n, float (*l
     return;
   }
 #ifdef KVJAX_AVX512
+  if constexpr (MODE == WHOLE && KIND == BF16 && bf16_pairs<D>()) {
+    qk_rows_bf16<D, R>(q.q, kl, idx, n, lt);
+    return;
+  }
   if constexpr (MODE == WHOLE && in_plane<KIND, D, 16>()) {
     qk_rows<KIND, WHOLE, D, R, 16>(q.q, kl, idx, n, lt);
     return;
@@ -1366,6 +1453,11 @@ void set_pv(Fused& f) {
   if constexpr (MODE == WHOLE && int_pv<KIND, D>()) {
     f.pv[0] = pv_rows_int<KIND, D, 1>, f.pv[1] = pv_rows_int<KIND, D, 2>;
     f.pv[2] = pv_rows_int<KIND, D, 3>, f.pv[3] = pv_rows_int<KIND, D, 4>;
+    return;
+  }
+  if constexpr (MODE == WHOLE && KIND == BF16 && bf16_pairs<D>()) {
+    f.pv[0] = pv_rows_bf16<D, 1>, f.pv[1] = pv_rows_bf16<D, 2>;
+    f.pv[2] = pv_rows_bf16<D, 3>, f.pv[3] = pv_rows_bf16<D, 4>;
     return;
   }
   if constexpr (MODE == WHOLE && in_plane<KIND, D, 16>()) {

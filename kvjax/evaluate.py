@@ -111,13 +111,21 @@ def stream_logprobs(cfg: Config, params, tokens_BM, chunk: int = 1):
 def token_terms(lp_BmV, ref_BmV, nxt_Bn) -> tuple:
   """Per-position numbers of m positions: NLL through the cache and the reference of the
   n <= m next tokens `nxt_Bn` ([B, n]), KL(ref || cache) and argmax matches ([B, m])."""
-  idx = jnp.asarray(nxt_Bn)[..., None]
+  terms = _token_terms(jnp.asarray(lp_BmV), jnp.asarray(ref_BmV), jnp.asarray(nxt_Bn))
+  return tuple(np.asarray(x, np.float64) for x in terms)
+
+
+@jax.jit
+def _token_terms(lp_BmV, ref_BmV, nxt_Bn):
+  """`token_terms` as one program: the [B, m, V] operands are read once, no full-vocabulary
+  temporary is written."""
+  idx = nxt_Bn[..., None]
   n = idx.shape[1]
   nll = -jnp.take_along_axis(lp_BmV[:, :n], idx, -1)[..., 0]
   nll_ref = -jnp.take_along_axis(ref_BmV[:, :n], idx, -1)[..., 0]
   kl = jnp.sum(jnp.exp(ref_BmV) * (ref_BmV - lp_BmV), -1)
   agree = jnp.argmax(lp_BmV, -1) == jnp.argmax(ref_BmV, -1)
-  return tuple(np.asarray(x, np.float64) for x in (nll, nll_ref, kl, agree))
+  return nll, nll_ref, kl, agree
 
 
 def metrics_of(nll_Bm, nll_ref_Bm, kl_BM, agree_BM) -> dict:

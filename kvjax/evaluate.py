@@ -10,9 +10,8 @@ another codec is the codec's.
 Metrics against the same model with an fp32 cache, on the same tokens:
   ppl        exp(mean next-token NLL) through the tested cache; ppl_ref through fp32
   kl         mean KL(p_ref || p_codec) of the next-token distributions (nats)
-  agreement  fraction of positions whose greedy (argmax) token matches the reference's,
-             along a fixed continuation (teacher-forced, so one early flip does not
-             poison the rest)
+  agreement  fraction of positions whose argmax token matches the reference's, along a
+             fixed (teacher-forced) continuation, so one early flip spoils nothing after
   recall     accuracy on associative-recall answers (kvjax.data) at a given context
 dppl_rel, kl and agreement each come with a 95 % interval (`*_ci95`, [lo, hi]): a paired
 bootstrap over blocks of 32 contiguous tokens of the windows (kvjax.intervals).
@@ -111,15 +110,12 @@ def stream_logprobs(cfg: Config, params, tokens_BM, chunk: int = 1):
 def token_terms(lp_BmV, ref_BmV, nxt_Bn) -> tuple:
   """Per-position numbers of m positions: NLL through the cache and the reference of the
   n <= m next tokens `nxt_Bn` ([B, n]), KL(ref || cache) and argmax matches ([B, m])."""
-  terms = _token_terms(jnp.asarray(lp_BmV), jnp.asarray(ref_BmV), jnp.asarray(nxt_Bn))
-  return tuple(np.asarray(x, np.float64) for x in terms)
+  return tuple(np.asarray(x, np.float64) for x in _token_terms(lp_BmV, ref_BmV, nxt_Bn))
 
 
 @jax.jit
-def _token_terms(lp_BmV, ref_BmV, nxt_Bn):
-  """`token_terms` as one program: the [B, m, V] operands are read once, no full-vocabulary
-  temporary is written."""
-  idx = nxt_Bn[..., None]
+def _token_terms(lp_BmV, ref_BmV, nxt_Bn):  # one program: no full-vocabulary temporary
+  idx = jnp.asarray(nxt_Bn)[..., None]
   n = idx.shape[1]
   nll = -jnp.take_along_axis(lp_BmV[:, :n], idx, -1)[..., 0]
   nll_ref = -jnp.take_along_axis(ref_BmV[:, :n], idx, -1)[..., 0]

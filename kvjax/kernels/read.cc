@@ -1184,13 +1184,17 @@ inline void bf16_split(const uint8_t* __restrict r, int d, __m512* ev, __m512* o
 template <int D, int R>
 void qk_rows_bf16(const float* __restrict q, const Leaf& kl, const int64_t* idx, int n,
                   float (*lt)[TILE]) {
-  alignas(64) float qs[R][D];  // each row's 32-column blocks as even columns, then odd
+  // Each row's 32-column blocks as even columns, then odd: two permutes a block and row,
+  // once per tile.
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  alignas(64) float qs[R][D];
   for (int j = 0; j < R; ++j)
-    for (int d = 0; d < D; d += 32)
-      for (int i = 0; i < 16; ++i) {
-        qs[j][d + i] = q[j * D + d + 2 * i];
-        qs[j][d + 16 + i] = q[j * D + d + 2 * i + 1];
-      }
+    for (int d = 0; d < D; d += 32) {
+      const __m512 a = _mm512_loadu_ps(q + j * D + d), b = _mm512_loadu_ps(q + j * D + d + 16);
+      _mm512_store_ps(qs[j] + d, _mm512_permutex2var_ps(a, even, b));
+      _mm512_store_ps(qs[j] + d + 16, _mm512_permutex2var_ps(a, odd, b));
+    }
   logits<R, false, 16>(idx, n, lt, [&](int64_t tok, __m512* a, float*) {
     const uint8_t* r = kl.codes + tok * kl.width;
     for (int d = 0; d < D; d += 32) {

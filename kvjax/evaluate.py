@@ -115,7 +115,7 @@ def token_terms(lp_BmV, ref_BmV, nxt_Bn) -> tuple:
 
 @jax.jit
 def _token_terms(lp_BmV, ref_BmV, nxt_Bn):  # one program: no full-vocabulary temporary
-  idx = jnp.asarray(nxt_Bn)[..., None]
+  idx = nxt_Bn[..., None]
   n = idx.shape[1]
   nll = -jnp.take_along_axis(lp_BmV[:, :n], idx, -1)[..., 0]
   nll_ref = -jnp.take_along_axis(ref_BmV[:, :n], idx, -1)[..., 0]

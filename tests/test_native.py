@@ -255,19 +255,16 @@ def test_default_cpu_decode_program_calls_the_kernel():
   assert got["calls"] >= 1  # the layer loop's body reads its contiguous segment through it
 
 
-_WINDOW = {}
-
-
-def _smollm2_window(cfg, params, tok):
+@pytest.fixture(scope="module")
+def smollm2_window(smollm2_kvjax):
   """128 tokens of held-out text and their log-probabilities through the fp32 cache, 64 a
   step: computed once for this module's SmolLM2 tests."""
-  if "ref" not in _WINDOW:
-    windows = evaluate.text_windows(tok, evaluate.data.eval_text("stdlib"), 128, 1)
-    _WINDOW["ref"] = windows, evaluate.stream_logprobs(cfg, params, windows, chunk=64)[0]
-  return _WINDOW["ref"]
+  cfg, params, tok = smollm2_kvjax
+  windows = evaluate.text_windows(tok, evaluate.data.eval_text("stdlib"), 128, 1)
+  return windows, evaluate.stream_logprobs(cfg, params, windows, chunk=64)[0]
 
 
-def test_fidelity_on_smollm2(smollm2_kvjax):
+def test_fidelity_on_smollm2(smollm2_kvjax, smollm2_window):
   """Δppl through the native read equals the XLA read's, codec by codec, on a short
   window of held-out text (the full windows are the `real_quality` experiment's): within
   the larger of 0.02 percentage points, 2 % of its value, and the XLA read's own distance
@@ -275,7 +272,7 @@ def test_fidelity_on_smollm2(smollm2_kvjax):
   difference in a key or value before it is quantized can flip its int4 code, so two exact
   reads of one cache already differ by that much."""
   cfg, params, tok = smollm2_kvjax
-  windows, ref = _smollm2_window(cfg, params, tok)
+  windows, ref = smollm2_window
   for over in ({"cache.codec": "int4"},
                {"cache.k_codec": "int4", "cache.v_codec": "int4", "cache.k_axis": "channel",
                 "cache.group_size": 32, "cache.residual": 32}):
@@ -288,13 +285,13 @@ def test_fidelity_on_smollm2(smollm2_kvjax):
     assert abs(d["native"] - d["grouped"]) <= tol, (over, d)
 
 
-def test_mse_clipping_cuts_int2_loss_on_smollm2(smollm2_kvjax):
+def test_mse_clipping_cuts_int2_loss_on_smollm2(smollm2_kvjax, smollm2_window):
   """`cache.clip=mse` (kvjax/codecs/clip.py; its own tests in test_clip.py), on the real
   model through the default read: per-token int2 in a Hadamard basis loses far
   less against the fp32 cache with the range searched (a short window; the committed
   figures are `real_quality`'s)."""
   cfg, params, tok = smollm2_kvjax
-  windows, ref = _smollm2_window(cfg, params, tok)
+  windows, ref = smollm2_window
   kl = {}
   for clip in ("none", "mse"):
     c = config_lib.apply_overrides(cfg, {"cache.codec": "int2", "cache.rotate": "hadamard",

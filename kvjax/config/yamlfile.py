@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from kvjax.config import jsonfile
 from kvjax.errors import KvjaxError
 
 # Values a document may expand to through its aliases (each alias counts its whole subtree).
@@ -103,7 +104,7 @@ def parse(text: str, where: str) -> Any:
   try:
     loader = StrictLoader(text)  # its reader refuses control characters right here
     loader.where = where
-    return loader.get_single_data()
+    value = loader.get_single_data()
   except yaml.reader.ReaderError as e:
     raise SyntaxProblem(f"malformed YAML in {where}: {e.reason} (#x{e.character:04x} at "
                         f"character {e.position}); remove that character") from None
@@ -117,15 +118,17 @@ def parse(text: str, where: str) -> Any:
   finally:
     if loader is not None:
       loader.dispose()
+  if jsonfile.depth(value) > jsonfile.MAX_DEPTH:
+    raise KvjaxError(f"{where} nests deeper than {jsonfile.MAX_DEPTH} levels; flatten its "
+                     "structure")
+  return value
 
 
 def read(path: str | Path) -> Any:
-  """The value of a YAML file, strictly; a missing, unreadable or non-UTF-8 file is one line."""
+  """The value of a YAML file, strictly; a missing, unreadable or non-UTF-8 file, and one
+  that is not a regular file (a FIFO, a folder), is one line."""
   path = Path(path)
-  try:
-    raw = path.read_bytes()
-  except OSError as e:
-    raise KvjaxError(f"cannot read config file {path}: {e.strerror or e}") from None
+  raw = jsonfile.read_bytes(path, "config file", "pass a YAML file")
   try:
     text = raw.decode("utf-8")
   except UnicodeDecodeError as e:

@@ -19,9 +19,9 @@ tokenizer_config.json's `eos_token`).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
+from kvjax.config import jsonfile
 from kvjax.errors import KvjaxError
 
 GGUF_STOP_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
@@ -54,12 +54,9 @@ def from_gguf(meta: dict, id_to_token, origin: str = "the GGUF file") -> ChatInf
 
 
 def _read_json(path: Path) -> dict:
-  if not path.is_file():
+  if not path.exists():
     return {}
-  try:
-    data = json.loads(path.read_text())
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise KvjaxError(f"malformed {path}: {str(e).splitlines()[0]}; fix or remove it") from None
+  data = jsonfile.read(path, "tokenizer file", "fix or remove it")
   return data if isinstance(data, dict) else {}
 
 

@@ -25,7 +25,7 @@ import jax
 import yaml
 
 from kvjax import config as config_lib
-from kvjax.config import Config
+from kvjax.config import Config, jsonfile, yamlfile
 from kvjax.errors import KvjaxError
 from kvjax.io import finite, orbax_quiet
 
@@ -57,19 +57,21 @@ def write_config(out_dir: str | Path, cfg: Config) -> None:
 
 
 def read_config(ckpt_dir: str | Path, overrides: dict | None = None) -> Config:
+  """The config a checkpoint's weights belong to, read by the strict YAML reader (a FIFO,
+  non-UTF-8 bytes, an alias bomb or deep nesting is one line, never a hang)."""
   path = Path(ckpt_dir) / "config.yaml"
-  if not path.is_file():
+  if not path.exists():
     raise KvjaxError(f"{ckpt_dir} has no config.yaml, so it is not a kvjax checkpoint; "
                      "point --checkpoint at a folder written by `kvjax train --out DIR`")
+  raw = jsonfile.read_bytes(path, "checkpoint file", "retrain or restore the file")
   try:
-    text = path.read_bytes().decode("utf-8")
+    data = yamlfile.parse(raw.decode("utf-8"), "config.yaml")
   except UnicodeDecodeError as e:
     raise KvjaxError(f"{path} is corrupt (not UTF-8 text: byte {e.start}); retrain or restore "
                      "the file") from None
-  try:
-    data = yaml.safe_load(text)
-  except yaml.YAMLError:
-    raise KvjaxError(f"{path} is corrupt (unreadable YAML); retrain or restore the file") from None
+  except KvjaxError as e:
+    why = str(e).split("; ")[0]  # the reason, without the advice for a config a user writes
+    raise KvjaxError(f"{path} is corrupt ({why}); retrain or restore the file") from None
   try:
     cfg = config_lib.from_dict(_nested(data))
   except RecursionError:  # an anchor that refers to itself nests without end

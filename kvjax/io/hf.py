@@ -22,7 +22,6 @@ This module reads config.json and checks the result; the tensors are kvjax.io.hf
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import config as config_lib
-from kvjax.config import Config
+from kvjax.config import Config, jsonfile
 from kvjax.errors import KvjaxError
 from kvjax.io.hf_weights import read_params
 
@@ -44,12 +43,9 @@ def read_hf_config(folder: str | Path) -> dict:
   if not folder.is_dir():
     raise KvjaxError(f"Hugging Face folder not found: {folder}; pass the checkpoint directory")
   path = folder / "config.json"
-  if not path.is_file():
+  if not path.exists():
     raise KvjaxError(f"{folder} has no config.json; pass a Hugging Face checkpoint folder")
-  try:
-    data = json.loads(path.read_text())
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise KvjaxError(f"malformed {path}: {str(e).splitlines()[0]}") from None
+  data = jsonfile.read(path, "Hugging Face config", "restore the file or re-save the checkpoint")
   if not isinstance(data, dict):
     raise KvjaxError(f"malformed {path}: expected a JSON object")
   check_types(data, path)

@@ -7,13 +7,12 @@ naming the file (and the tensor).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
-from kvjax.config import Config
+from kvjax.config import Config, jsonfile
 from kvjax.errors import KvjaxError
 from kvjax.io import finite
 
@@ -26,10 +25,8 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
   """tensor name -> safetensors file, from the shard index or the single file(s)."""
   index = folder / "model.safetensors.index.json"
   if index.is_file():
-    try:
-      weight_map = json.loads(index.read_bytes())["weight_map"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-      weight_map = None
+    data = jsonfile.read(index, "shard index", "restore the file or re-save the checkpoint")
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(v, str) and v and "/" not in v for v in weight_map.values()):
       raise KvjaxError(f"malformed {index}: expected a 'weight_map' object of tensor name -> "

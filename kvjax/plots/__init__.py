@@ -39,6 +39,13 @@ def _device(row: dict) -> str:
   return "".join(c if c.isalnum() else "-" for c in name.lower())
 
 
+def _close_figures() -> None:
+  """Close the figures a plot that failed half way left open."""
+  pyplot = sys.modules.get("matplotlib.pyplot")
+  if pyplot is not None:
+    pyplot.close("all")
+
+
 def plot_all(results_dir: str | Path, out_dir: str | Path, log=print) -> list[Path]:
   """Every plot the rows under `results_dir` support, written (PNG and SVG) into `out_dir`;
   the paths written. What was drawn goes to `log`, what was not (and why) to stderr. No
@@ -63,8 +70,8 @@ def plot_all(results_dir: str | Path, out_dir: str | Path, log=print) -> list[Pa
     # Runs of different configs (say quickstart and latency), or of one config on different
     # devices, are never mixed in one plot: each gets its own subfolder (config/device).
     by_config: dict[str, list] = {}
-    for row in rows:
-      by_config.setdefault(row.get("config", {}).get("name") or name, []).append(row)
+    for row in rows:  # (kvjax.rowfile: a config is an object, its name a name)
+      by_config.setdefault((row.get("config") or {}).get("name") or name, []).append(row)
     for config_name in list(by_config):
       devices = {_device(r) for r in by_config[config_name]}
       if len(devices) > 1:
@@ -72,7 +79,16 @@ def plot_all(results_dir: str | Path, out_dir: str | Path, log=print) -> list[Pa
           by_config.setdefault(f"{config_name}/{_device(row)}", []).append(row)
     for config_name, sub in sorted(by_config.items()):
       where = out_dir / config_name if len(by_config) > 1 else out_dir
-      paths = module.plot(sub, where)
+      try:
+        paths = module.plot(sub, where)
+      except (KeyError, TypeError, ValueError, IndexError, AttributeError,
+              ZeroDivisionError) as e:  # rows of another shape (an older kvjax's, edited)
+        _close_figures()
+        first = (str(e).strip().splitlines() or [""])[0][:120]
+        print(f"kvjax plot: skipped {name} ({config_name}): kvjax/plots/{name}.py cannot read "
+              f"its {len(sub)} rows ({type(e).__name__}: {first}); rows of another shape "
+              "(an older kvjax's, or edited): rerun the experiment", file=sys.stderr)
+        continue
       if not paths:
         print(f"kvjax plot: skipped {name} ({config_name}): its {len(sub)} rows give "
               f"kvjax/plots/{name}.py nothing to draw", file=sys.stderr)

@@ -1,10 +1,13 @@
 """Reading a results folder for the plots: every *.jsonl row of `kvjax run`, grouped by
-experiment, each cell once, with what was skipped and why."""
+experiment, each cell once, with what was skipped and why. The rows are read by
+kvjax.rowfile, the reader `kvjax results` and a resumed run use, so a row whose checksum
+fails or whose fields have the wrong shape is skipped here as it is there."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from kvjax import rowfile
 
 
 def scan_rows(results_dir: str | Path) -> tuple[dict[str, list[dict]], list[str]]:
@@ -15,43 +18,23 @@ def scan_rows(results_dir: str | Path) -> tuple[dict[str, list[dict]], list[str]
   out: dict[str, list[dict]] = {}
   skipped = []
   root = Path(results_dir)
-  seen = set()
-  for path in sorted(root.rglob("*.jsonl")):
-    torn = foreign = repeated = 0
-    for line in path.read_text().splitlines():
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError:
-        torn += 1
-        continue
-      cell = row.get("cell") if isinstance(row, dict) else None
-      key = None if not isinstance(cell, dict) else json.dumps(
-          [str(path.parent), cell.get("row")] + [row.get(k) for k in ("experiment",
-                                                                    "config_hash", "config")],
-          sort_keys=True, default=str)
-      if key is not None and key in seen:
-        repeated += 1
-      elif isinstance(row, dict) and "experiment" in row and "metrics" in row:
-        if key is not None:
-          seen.add(key)
-        out.setdefault(row["experiment"], []).append(row)
-      else:
-        foreign += 1
-    where = path.relative_to(root) if path != root else path
-    if foreign:
-      skipped.append(f"{where}: {foreign} rows that are not `kvjax run` results rows (no "
+  for got in rowfile.read_folder(root):
+    for row in got.rows:
+      out.setdefault(row["experiment"], []).append(row)
+    where = got.path.relative_to(root) if got.path != root else got.path
+    if got.foreign:
+      skipped.append(f"{where}: {got.foreign} rows that are not `kvjax run` results rows (no "
                      "experiment/metrics fields; a benchmark script's own output, shown as a "
                      "table in the docs, not plotted)")
-    if torn:
-      skipped.append(f"{where}: {torn} unreadable lines (torn or not JSON)")
-    if repeated:
-      skipped.append(f"{where}: {repeated} rows of cells already read (the first is kept)")
+    if got.problems:
+      skipped.append(f"{where}: {len(got.problems)} unreadable lines (torn, not JSON, a "
+                     f"failed checksum or a field of the wrong shape: "
+                     f"{'; '.join(got.problems[:3])})")
+    if got.repeated:
+      skipped.append(f"{where}: {got.repeated} rows of cells already read (the first is kept)")
   return out, skipped
 
 
 def load_rows(results_dir: str | Path) -> dict[str, list[dict]]:
   """Rows of every *.jsonl under a folder, grouped by experiment (torn lines skipped)."""
   return scan_rows(results_dir)[0]
-

@@ -22,8 +22,9 @@ import csv
 import io
 from pathlib import Path
 
+from kvjax import rowfile
 from kvjax.errors import KvjaxError
-from kvjax.runner.rows import describe, scan, warn
+from kvjax.rowfile import describe, warn
 from kvjax.runner.table import column_text, flatten, identity, is_seconds
 
 FORMATS = ("csv", "markdown")
@@ -35,24 +36,18 @@ ALWAYS = ("variant", "codec", "setting")  # shown when present, varying or not
 
 
 def load(path: str | Path, experiment: str | None = None) -> list[dict]:
-  """Complete results rows of a .jsonl file or of every .jsonl under a folder."""
+  """Results rows of a .jsonl file or of every .jsonl under a folder (kvjax.rowfile's
+  `read_folder`, the reader `kvjax plot` and a resumed run use too)."""
   path = Path(path)
-  if path.is_dir():
-    files = sorted(path.rglob("*.jsonl"))
-  elif path.is_file():
-    files = [path]
-  else:
+  if not path.exists():
     raise KvjaxError(f"no results file or folder {path}; pass what `kvjax run --out` wrote")
-  rows, seen, problems = [], set(), []
-  for f in files:
-    got = scan(f)
-    problems += [f"{f}: {describe(got.problems)}"] if got.problems else []
-    for r in got.rows:
-      key = (f.parent, r["config_hash"], r["cell"]["row"]) if "cell" in r else None
-      if isinstance(r.get("metrics"), dict) and isinstance(r.get("experiment"), str) and (
-          key is None or key not in seen):
-        seen.add(key)
-        rows.append(r)
+  why = rowfile.file_problem(path)
+  if why and not path.is_dir():  # a FIFO would block the read forever
+    raise KvjaxError(f"results path {path} {why}; pass what `kvjax run --out` wrote")
+  rows, problems = [], []
+  for got in rowfile.read_folder(path):
+    problems += [f"{got.path}: {describe(got.problems)}"] if got.problems else []
+    rows += got.rows
   if not rows:
     why = f" ({'; '.join(problems)})" if problems else ""
     raise KvjaxError(f"no readable results rows in {path}{why}; run `kvjax run CONFIG --out "

@@ -1,32 +1,27 @@
 """Results files of `kvjax run`: writing rows (JSON, NaN/inf as null, each line ending in a
-CRC-32 of itself), reading them back with every corrupt line found and named by its line
-number, telling complete cells from partial ones, and repairing a file a killed run left.
+CRC-32 of itself), and repairing a file a killed run left (`repair` moves corrupt lines,
+partial cells and repeated rows to `<file>.rejected`, so their cells run again).
 
-A line is corrupt when it is not UTF-8, not JSON, its checksum does not match (a changed
-byte), or a `kvjax run` row has a field of the wrong shape (rows written before checksums
-are checked by shape only). Corrupt lines are skipped, never fatal: readers warn with the
-file and line numbers, and `repair` moves them to `<file>.rejected`, so their cells run
-again. Lines without `experiment` or `cell` (a benchmark script's rows) are not `kvjax run`
-rows and are passed over silently.
+Reading is kvjax.rowfile's, the one reader every command uses (its names are re-exported
+here): every corrupt line found and named by its line number, complete cells told from
+partial ones.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
-import re
-import sys
 import zlib
 from pathlib import Path
 from typing import Any
 
 from kvjax.errors import KvjaxError
+from kvjax.rowfile import (RUN_FIELDS, Scan, complete_rows, describe, read_rows, scan,
+                           shape_problem, warn)
 
-RUN_FIELDS = ("experiment", "config_hash", "cell", "variant", "workload", "metrics", "config",
-              "env", "crc32")
-_CRC = re.compile(r', "crc32": "([0-9a-f]{8})"\}$')
+__all__ = ["RUN_FIELDS", "Scan", "check_rows", "clean", "complete_rows", "describe", "encode",
+           "json_default", "read_rows", "repair", "scan", "shape_problem", "warn"]
 
 
 def encode(row: dict) -> str:
@@ -34,132 +29,6 @@ def encode(row: dict) -> str:
   without that field, so a reader finds any changed byte."""
   body = json.dumps(clean(row), default=json_default)
   return body[:-1] + f', "crc32": "{zlib.crc32(body.encode()):08x}"}}'
-
-
-def _is_count(v: Any, least: int) -> bool:
-  return isinstance(v, int) and not isinstance(v, bool) and v >= least
-
-
-def shape_problem(row: Any) -> str | None:
-  """Why a row cannot be read as a results row (a field of the wrong shape), or None."""
-  if not isinstance(row, dict):
-    return "not a JSON object"
-  if "cell" not in row:  # a row another tool wrote: experiment and metrics are enough
-    if "experiment" in row and "config" in row and "env" in row:
-      return "cell is missing (a kvjax run row has one)"
-    if "metrics" in row and not isinstance(row["metrics"], dict):
-      return "metrics is not an object"
-    bad = [k for k in ("variant", "workload") if k in row and not isinstance(row[k], dict)]
-    return f"{bad[0]} is not an object" if bad else None
-  unknown = [k for k in row if k not in RUN_FIELDS]
-  if unknown:
-    return f"unknown field {unknown[0]!r}"
-  if not isinstance(row.get("experiment"), str) or not row["experiment"]:
-    return "experiment is not a name"
-  if not isinstance(row.get("config_hash"), str) or not row["config_hash"]:
-    return "config_hash is not a hash"
-  for k in ("variant", "workload", "metrics", "config", "env"):
-    if not isinstance(row.get(k), dict):
-      return f"{k} is not an object"
-  cell = row["cell"]
-  if not isinstance(cell, dict) or not isinstance(cell.get("grid"), dict):
-    return "cell is not an object with a grid"
-  for k, least in (("index", 0), ("of", 1), ("row", 0), ("rows", 1)):
-    if not _is_count(cell.get(k), least):
-      return f"cell.{k} is not an integer >= {least}"
-  if cell["row"] >= cell["rows"]:
-    return "cell.row is not below cell.rows"
-  return None
-
-
-def _line_problem(row: Any, line: str) -> str | None:
-  if isinstance(row, dict) and "crc32" in row:
-    m = _CRC.search(line)
-    if not m or zlib.crc32((line[:m.start()] + "}").encode()) != int(m.group(1), 16):
-      return ("checksum mismatch (a byte changed after it was written; a row edited on "
-              "purpose: remove its crc32)")
-  return shape_problem(row)
-
-
-@dataclasses.dataclass
-class Scan:
-  """A results file read: its rows, each row's line number, and its corrupt lines
-  (`line N: why`)."""
-  rows: list = dataclasses.field(default_factory=list)
-  numbers: list = dataclasses.field(default_factory=list)
-  problems: list = dataclasses.field(default_factory=list)
-  torn_end: bool = False  # the last line has no newline
-
-
-def scan(path: str | Path) -> Scan:
-  """Read a results file line by line; corrupt lines go to `problems`, never raise."""
-  out = Scan()
-  path = Path(path)
-  if not path.is_file():
-    return out
-  data = path.read_bytes()
-  out.torn_end = bool(data) and not data.endswith(b"\n")
-  lines = data.split(b"\n")
-  for n, raw in enumerate(lines, 1):
-    if not raw.strip():
-      continue
-    why = None
-    try:
-      line = raw.decode("utf-8")
-      row = json.loads(line)
-      why = _line_problem(row, line)
-    except UnicodeDecodeError:
-      why = "not UTF-8 text"
-    except (ValueError, RecursionError):
-      why = ("torn (no newline at the end: a killed run, or one still writing)"
-             if n == len(lines) else "not valid JSON")
-    if why:
-      out.problems.append(f"line {n}: {why}")
-    else:
-      out.rows.append(row)
-      out.numbers.append(n)
-  return out
-
-
-def read_rows(path: str | Path) -> list[dict]:
-  """Every readable row of a results file (corrupt lines skipped: see `scan`)."""
-  return scan(path).rows
-
-
-def describe(problems: list[str], most: int = 3) -> str:
-  """`N corrupt line(s) (line 3: why; ...)`, at most `most` named."""
-  more = f"; {len(problems) - most} more" if len(problems) > most else ""
-  noun = "line" if len(problems) == 1 else "lines"
-  return f"{len(problems)} corrupt {noun} ({'; '.join(problems[:most])}{more})"
-
-
-def warn(message: str) -> None:
-  print(f"kvjax: warning: {message}", file=sys.stderr)
-
-
-def complete_rows(rows: list[dict]) -> tuple[list[dict], set[str]]:
-  """Rows of cells whose every row is present, and those cells' hashes. A row of the wrong
-  shape counts for nothing; a cell's rows that disagree on its row count leave it
-  incomplete; the first row of each (cell, row) wins, so rows two runs wrote count once."""
-  got: dict[str, set] = {}
-  need: dict[str, set] = {}
-  for row in rows:
-    if not isinstance(row, dict) or "cell" not in row or shape_problem(row):
-      continue
-    h, cell = row["config_hash"], row["cell"]
-    got.setdefault(h, set()).add(cell["row"])
-    need.setdefault(h, set()).add(cell["rows"])
-  done = {h for h in got if len(need[h]) == 1 and len(got[h]) >= min(need[h])}
-  seen, keep = set(), []
-  for row in rows:  # a complete cell's rows, each once
-    if (not isinstance(row, dict) or "cell" not in row or shape_problem(row)
-        or row["config_hash"] not in done):
-      continue
-    key = (row["config_hash"], row["cell"]["row"])
-    if key not in seen:
-      seen.add(key)
-      keep.append(row)
-  return keep, done
 
 
 def repair(path: Path) -> set[str]:

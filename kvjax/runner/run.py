@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from kvjax import config as config_lib
+from kvjax import rowfile
 from kvjax.errors import KvjaxError
 from kvjax.runner import claims
 from kvjax.runner import shard as shard_lib
@@ -187,6 +188,9 @@ def run_file(path: str | Path, overrides: list[str] | dict | None = None,
         raise KvjaxError(f"grid cell {coords_str(cell.coords)}: {e}") from None
   folder = _folder(base, out_dir)
   own = folder / shard_lib.file_name(name, shard)
+  why = rowfile.file_problem(own)
+  if why:  # a FIFO would block the append forever, a folder fail after the first cell
+    raise KvjaxError(f"results file {own} {why}; remove or rename it, or choose another --out")
   folder.mkdir(parents=True, exist_ok=True)
   try:
     with claims.locked(folder, own.name):

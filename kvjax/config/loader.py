@@ -186,7 +186,7 @@ def load(path: str | Path | None, overrides: list[str] | dict | None = None,
   data: dict = {}
   if path is not None:
     path = shape_path(path)
-    if not path.is_file():
+    if not path.exists():  # (a folder or a FIFO: named by yamlfile.read)
       raise KvjaxError(f"config file not found: {path}; name a YAML file or a packaged "
                        f"model shape ({', '.join(shape_names())})")
     data = yamlfile.read(path) or {}

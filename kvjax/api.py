@@ -22,9 +22,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from kvjax import config as config_lib
+from kvjax import inputs
 from kvjax import registries  # noqa: F401  (config.validate then knows every registry's names)
 from kvjax.api_types import (CacheConfig, EvalResult, GenerateResult, RunReport, SizeResult,
                              cache_items)
+from kvjax.errors import KvjaxError
 
 __all__ = ["CacheConfig", "EvalResult", "GenerateResult", "Model", "RunReport", "SizeResult",
            "load", "plot", "results", "run"]
@@ -112,33 +114,47 @@ class Model:
     tokens (EOS, end of turn) unless `stop=False`. Greedy unless `temperature` > 0."""
     from kvjax import generation
 
-    batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
-    items = prompt if batch else [prompt]
+    items, batch = inputs.prompts(prompt)  # (kvjax.inputs: the checks the CLI's flags get)
+    inputs.integer("--max-new-tokens", max_new_tokens)
+    inputs.seed(seed)
+    for name, flag in (("chat", chat), ("stop", stop)):
+      if not isinstance(flag, bool):
+        raise KvjaxError(f"{name} must be True or False, got {flag!r}")
     ids = []
     for p in items:
       if isinstance(p, str):
         ids += generation.prompts(self.tokenizer, p, chat=chat)
       else:
-        ids += generation.prompts(self.tokenizer, ids=[list(p)], chat=chat)
+        ids += generation.prompts(self.tokenizer, ids=[p], chat=chat)
     cfg = self.with_cache(cache, temperature=temperature, top_k=top_k, top_p=top_p)
     raw = generation.report(cfg, self.params, self.tokenizer, self.source, ids,
                             max_new_tokens, seed=seed, stop=stop, chat=chat)
+    inputs.refuse_non_finite("generate", raw)
     text = raw.get("text")
     one = (lambda x: x) if batch else (lambda x: x[0])  # noqa: E731
     return GenerateResult.of(raw, text=None if text is None else one(text),
                              tokens=one(raw["tokens"]))
 
-  def evaluate(self, text: str = "stdlib", cache=None, tokens: int = 512, seqs: int = 1,
-               chunk: int = 1, progress: bool = False) -> EvalResult:
+  def evaluate(self, text: str | None = None, cache=None, tokens: int = 512, seqs: int = 1,
+               chunk: int = 1, progress: bool = False, *, path: str | Path | None = None,
+               corpus: str | None = None) -> EvalResult:
     """Quality through the cache against an fp32 cache on the same tokens, as `kvjax eval`:
-    `seqs` windows of `tokens` tokens of `text` (a file path, or `stdlib`: Python's own
-    sources) fed `chunk` tokens at a time (1: pure decode)."""
+    `seqs` windows of `tokens` tokens fed `chunk` tokens at a time (1: pure decode), of
+    `text` (the text itself), of the file or folder at `path`, or of a named `corpus`
+    (`stdlib`, Python's own sources: the default); at most one of the three."""
     from kvjax import evaluate
 
-    text_source = evaluate.eval_inputs(text, tokens, seqs, chunk)
+    kind, value = inputs.eval_source(text, path, corpus)
+    inputs.windows(tokens, seqs, chunk)
+    if kind == "text":
+      text_source, label = value, f"text ({len(value)} characters)"
+    else:
+      label = f"./{value}" if kind == "path" and value == "stdlib" else value  # a file
+      text_source = evaluate.eval_inputs(label, tokens, seqs, chunk)
     evaluate.check_tokens(tokens, self.config.model.max_seq_len)
     raw = evaluate.eval_loaded(self.with_cache(cache), self.params, self.tokenizer,
-                               self.source, text, tokens, seqs, chunk, progress, text_source)
+                               self.source, label, tokens, seqs, chunk, progress, text_source)
+    inputs.refuse_non_finite("evaluate", raw)
     for w in raw.get("warnings", ()):
       warnings.warn(w, stacklevel=2)
     return EvalResult.of(raw)

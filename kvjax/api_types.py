@@ -49,6 +49,9 @@ def cache_items(cache) -> dict[str, Any]:
   if not isinstance(cache, dict):
     raise KvjaxError(f"cache= expects a kvjax.CacheConfig, a dict or a codec name, got "
                      f"{type(cache).__name__}")
+  bad = [k for k in cache if not isinstance(k, str)]
+  if bad:
+    raise KvjaxError(f"cache= keys are cache.* key names (text), got {bad[0]!r}")
   return {k if k.startswith("cache.") else f"cache.{k}": v for k, v in cache.items()}
 
 

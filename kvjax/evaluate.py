@@ -28,7 +28,7 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
-from kvjax import data, held, intervals, program, step
+from kvjax import data, held, inputs, intervals, program, step
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
@@ -259,13 +259,9 @@ def eval_cli(src, overrides: dict, text: str = "stdlib", tokens: int = 512, seqs
 
 
 def eval_inputs(text: str, tokens: int, seqs: int, chunk: int) -> str:
-  """The eval text (a missing or empty --text refused) after the window flags' checks."""
-  if chunk <= 0:
-    raise KvjaxError(f"--chunk must be positive, got {chunk}")
-  if tokens < 2:
-    raise KvjaxError(f"--tokens must be >= 2 (a token and the next one), got {tokens}")
-  if seqs < 1:
-    raise KvjaxError(f"--seqs must be >= 1, got {seqs}")
+  """The eval text (a missing or empty --text refused) after the window flags' checks
+  (kvjax.inputs, shared with the Python API)."""
+  inputs.windows(tokens, seqs, chunk)
   return data.eval_text(text)
 
 

@@ -9,6 +9,7 @@ EOS and end-of-turn ids, kvjax.io.chat) unless `stop=False`.
 
 from __future__ import annotations
 
+from kvjax import inputs
 from kvjax.errors import KvjaxError
 
 
@@ -28,6 +29,7 @@ def prompts(tok, text: str | None = None, ids: list[list[int]] | None = None,
   """Token ids of one text prompt (rendered as one user turn by the model's chat template
   with `chat`) or of the id lists given."""
   if text is not None:
+    inputs.text("--prompt", text)  # undecodable command-line bytes: one line, not a traceback
     if tok is None:
       raise KvjaxError("this model has no tokenizer; pass --prompt-ids 1,2,3 instead of --prompt")
     if not chat:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import math
 import os
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 from kvjax.cli.commands import DEFAULT_CODEC, codec_names, layout_names
 from kvjax.cli.parser import NUMBER_FLAGS, build_parser
 from kvjax.cli.show import print_human
+from kvjax import inputs
 from kvjax.errors import KvjaxError
 
 __all__ = ["DEFAULT_CODEC", "build_parser", "codec_names", "layout_names", "main",
@@ -116,29 +116,6 @@ def _os_message(e: OSError, args) -> str:
   return f"{what}; check the paths given on the command line"
 
 
-def _non_finite(value, path: str = ""):
-  """(dotted path, value) of the first NaN or infinity in a result, or None."""
-  if isinstance(value, float) and not math.isfinite(value):
-    return path, value
-  items = value.items() if isinstance(value, dict) else \
-      enumerate(value) if isinstance(value, (list, tuple)) else ()
-  for key, item in items:
-    found = _non_finite(item, f"{path}.{key}" if path else str(key))
-    if found:
-      return found
-  return None
-
-
-def _refuse_non_finite(command: str, result: dict) -> None:
-  """A result holding NaN or infinity is not printed, as JSON or as text: it is one line
-  naming the field (JSON has no NaN, and `ppl nan` is not a measurement)."""
-  found = _non_finite(result)
-  if found:
-    raise KvjaxError(f"{command} computed a non-finite '{found[0]}' ({found[1]}): the model or "
-                     "its cache produced NaN or infinity, so there is no result to print; check "
-                     "the weights, the codec and any --set values")
-
-
 def _fail(message: str) -> int:
   _close_bars()
   print(f"kvjax: error: {message}", file=sys.stderr)
@@ -159,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
       for w in result.get("warnings", ()):
         print(f"kvjax: warning: {w}", file=sys.stderr)
     if args.command in ("size", "generate", "eval") and _is_lead_process():
-      _refuse_non_finite(args.command, result)
+      inputs.refuse_non_finite(args.command, result)
       if args.json:
         print(json.dumps(result, allow_nan=False))  # JSON has no NaN: never print one
       else:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from kvjax import config as config_lib
-from kvjax import inputs
+from kvjax import envcheck, inputs
 from kvjax import registries  # noqa: F401  (config.validate then knows every registry's names)
 from kvjax.api_types import (CacheConfig, EvalResult, GenerateResult, RunReport, SizeResult,
                              cache_items)
@@ -57,6 +57,7 @@ def load(source: str = "smollm2-135m", overrides: dict | None = None) -> "Model"
   (`llama3-8b`, `shape:smollm2-135m`) with random weights (a `RandomWeightsWarning`, and
   `Model.random_weights`). `overrides` are dotted config keys applied at load
   (`{"model.n_kv_heads": 1}`)."""
+  envcheck.check()  # KVJAX_*, XLA_FLAGS: before JAX makes a device, as the CLI checks them
   from kvjax.io import sources
 
   src = resolve_source(source)

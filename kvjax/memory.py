@@ -26,14 +26,12 @@ happen are caught by `kvjax.cli.main` as one line too.
 from __future__ import annotations
 
 import os
-import re
 
+from kvjax import envcheck
 from kvjax.config import Config, ModelConfig
 from kvjax.errors import KvjaxError
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-_UNITS = {"": 1, "B": 1, "K": 2**10, "KIB": 2**10, "M": 2**20, "MIB": 2**20, "G": 2**30,
-          "GIB": 2**30, "T": 2**40, "TIB": 2**40}
 _FIX = "lower the batch, cache.capacity or --max-new-tokens, or choose a smaller codec"
 
 
@@ -104,12 +102,9 @@ def temp_bytes(cfg: Config, batch: int, tokens: int, capacity: int) -> int:
 
 def available_bytes() -> tuple[int | None, str]:
   """(free bytes, what they are) of the first device, or (None, why) when unknown."""
-  env = os.environ.get("KVJAX_MEMORY_LIMIT", "").strip()
-  if env:
-    got = re.fullmatch(r"([0-9.]+)\s*([A-Za-z]*)", env)
-    if not got or got.group(2).upper() not in _UNITS:
-      raise KvjaxError(f"KVJAX_MEMORY_LIMIT={env!r} is not a size; use bytes or e.g. 16GiB")
-    return int(float(got.group(1)) * _UNITS[got.group(2).upper()]), "KVJAX_MEMORY_LIMIT"
+  limit = envcheck.memory_limit()  # (parsed by kvjax.envcheck, checked before JAX starts)
+  if limit is not None:
+    return limit, "KVJAX_MEMORY_LIMIT"
   import jax
   dev = jax.devices()[0]
   if dev.platform != "cpu":

@@ -35,9 +35,14 @@ def parse_bytes(text: str) -> tuple[int, str]:
   if not m or unit not in UNITS:
     raise KvjaxError(f"--budget '{text}' needs a number and a unit, e.g. 80GiB or 80GB "
                      "(units: B, KB, MB, GB, TB = powers of 1000; KiB, MiB, GiB, TiB = of 1024)")
+  if len(m.group(1)) > 24:  # a float of hundreds of digits is infinity, then an overflow
+    raise KvjaxError(f"--budget '{str(text)[:40]}' has too many digits; give e.g. 80GiB")
   n = int(float(m.group(1)) * UNITS[unit])
   if n <= 0:
     raise KvjaxError(f"--budget must be positive, got '{text}'")
+  if n > 2**60:
+    raise KvjaxError(f"--budget '{text}' is more than 1 EiB, more than any machine; give the "
+                     "memory of one device, e.g. 80GiB")
   name = {k.lower(): k for k in ("B", "KB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB")}[unit]
   power = "2^" + str({"kib": 10, "mib": 20, "gib": 30, "tib": 40}[unit]) if unit.endswith("ib") \
       else "10^" + str({"b": 0, "kb": 3, "mb": 6, "gb": 9, "tb": 12}[unit])

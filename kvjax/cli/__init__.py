@@ -21,7 +21,7 @@ from pathlib import Path
 from kvjax.cli.commands import DEFAULT_CODEC, codec_names, layout_names
 from kvjax.cli.parser import NUMBER_FLAGS, build_parser
 from kvjax.cli.show import print_human
-from kvjax import inputs
+from kvjax import envcheck, inputs
 from kvjax.errors import KvjaxError
 
 __all__ = ["DEFAULT_CODEC", "build_parser", "codec_names", "layout_names", "main",
@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
   _quiet_libraries()
   args = None
   try:
+    envcheck.check()  # KVJAX_*, XLA_FLAGS: before JAX starts (an XLA abort is no message)
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     if hasattr(args, "distributed"):
       from kvjax import distributed

@@ -13,7 +13,9 @@ guarded by a file lock, so concurrent processes build once.
 Where no compiler is found (or the build fails), `available()` is False, the `native`
 attention reads through XLA's stored-type dots instead (`kvjax.codecs.dots`), and kvjax
 says so once on stderr. `KVJAX_KERNEL=off` turns the kernel off (the XLA route), for
-comparison; `make test` asserts it is active where g++ exists.
+comparison (a value neither on nor off is refused: kvjax.envcheck); `make test` asserts it
+is active where g++ exists. A build is loaded only once proven whole (`untrusted`: its
+recorded sha256, or a test load in a child process); a damaged one is rebuilt, said once.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
+from kvjax import envcheck
 
 SOURCE = Path(__file__).with_name("read.cc")
 SOURCES = (SOURCE, SOURCE.with_name("matvec.cc"))  # one library; parallel.h is shared
@@ -67,40 +71,96 @@ def library_path() -> Path:
   return cache_dir() / f"read-{h.hexdigest()[:16]}.so"
 
 
+SYMBOLS = ("KvjaxRead", "KvjaxMatvec", "KvjaxMatvecT")
+_PROBE = ("import ctypes, sys\nlib = ctypes.CDLL(sys.argv[1])\n"
+          f"for name in {SYMBOLS!r}:\n  getattr(lib, name)\n")
+
+
+def _digest(path: Path) -> str:
+  return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def untrusted(lib: Path) -> str | None:
+  """Why the library at `lib` must not be loaded into this process, or None: its bytes
+  match the hash recorded when it was built, or (no record: an older kvjax's build, or a
+  copy) a child process loads it and finds every symbol, and the hash is recorded then. A
+  truncated file would kill the process with SIGBUS, another library raise `undefined
+  symbol`, garbage fail to load: each is found here, outside this process."""
+  try:
+    recorded = lib.with_suffix(".sha256").read_text().strip()
+  except OSError:
+    recorded = None
+  if recorded is not None:
+    return None if recorded == _digest(lib) else \
+        "its bytes differ from the hash recorded when it was built"
+  try:
+    proc = subprocess.run([sys.executable, "-c", _PROBE, str(lib)], capture_output=True,
+                          text=True, timeout=120)
+  except subprocess.TimeoutExpired:
+    return "a test load of it did not finish"
+  if proc.returncode != 0:
+    last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+    return f"a test load of it failed ({last[-160:]})"
+  _write_record(lib)
+  return None
+
+
+def _write_record(lib: Path) -> None:
+  tmp = lib.with_suffix(f".sha256.{os.getpid()}.tmp")
+  tmp.write_text(_digest(lib) + "\n")
+  os.replace(tmp, lib.with_suffix(".sha256"))
+
+
 def build() -> Path:
-  """Compile the kernels unless this machine's build exists; its path. Raises OSError or
+  """Compile the kernels unless this machine's build exists and is whole (`untrusted`); its
+  path. A build found damaged is rebuilt once, said on stderr. Raises OSError or
   CalledProcessError when it cannot."""
   out = library_path()
-  if out.exists():
+  why = untrusted(out) if out.exists() else None
+  if out.exists() and why is None:
     return out
+  if why is not None:
+    print(f"kvjax: the kernel library {out} cannot be used ({why}); rebuilding it",
+          file=sys.stderr)
   cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
   if not cxx:
     raise OSError("no C++ compiler (g++) on PATH")
   out.parent.mkdir(parents=True, exist_ok=True)
   with open(out.with_suffix(".lock"), "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
-    if not out.exists():
+    if not out.exists() or untrusted(out) is not None:  # (another process may have built it)
       tmp = out.with_suffix(f".{os.getpid()}.tmp")
       subprocess.run([cxx, *FLAGS, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o",
                       str(tmp)],
                      check=True, capture_output=True, text=True)
+      out.with_suffix(".sha256").unlink(missing_ok=True)
       os.replace(tmp, out)
+      _write_record(out)
   return out
+
+
+def _build_failed(e: subprocess.CalledProcessError) -> str:
+  """Why a build failed, naming the compiler (`CXX=/bin/false` prints nothing)."""
+  cxx = e.cmd[0] if isinstance(e.cmd, (list, tuple)) and e.cmd else "the compiler"
+  last = (e.stderr or "").strip().splitlines()[-1:]
+  said = f": {last[0][:200]}" if last else " and printed nothing"
+  return (f"its build failed ({cxx} exited with status {e.returncode}{said}); set CXX to a "
+          "working C++ compiler, or KVJAX_KERNEL=off")
 
 
 @functools.lru_cache(maxsize=1)
 def _load() -> str | None:
   """Build, load and register the kernel once per process: None, or why not."""
-  if os.environ.get("KVJAX_KERNEL", "").lower() in ("off", "0", "no"):
-    return "turned off by KVJAX_KERNEL=off"
+  if not envcheck.kernel_on():
+    return "turned off by KVJAX_KERNEL"
   try:
     lib = ctypes.CDLL(str(build()))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.KvjaxRead), platform="cpu")
     jax.ffi.register_ffi_target(MATVEC, jax.ffi.pycapsule(lib.KvjaxMatvec), platform="cpu")
     jax.ffi.register_ffi_target(MATVEC_T, jax.ffi.pycapsule(lib.KvjaxMatvecT), platform="cpu")
   except subprocess.CalledProcessError as e:
-    return f"its build failed: {(e.stderr or '').strip().splitlines()[-1:]}"
-  except OSError as e:
+    return _build_failed(e)
+  except (OSError, AttributeError) as e:  # (a symbol missing from a rebuilt library)
     return str(e)
   return None
 

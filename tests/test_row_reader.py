@@ -147,3 +147,14 @@ def test_a_folder_named_like_the_results_file_is_one_line(tmp_path, capsys):
   assert cli.main(["run", str(cfg), "--out", str(out)]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "is a folder, not a file" in err[0]
+
+
+def test_a_file_where_the_lock_folder_belongs_is_one_line(tmp_path, capsys):
+  cfg = tmp_path / "tiny.yaml"
+  cfg.write_text(CFG)
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / ".kvjax-locks").write_text("")
+  assert _no_hang(lambda: cli.main(["run", str(cfg), "--out", str(out)])) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and ".kvjax-locks is a file where kvjax keeps its lock files" in err[-1]

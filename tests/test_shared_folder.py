@@ -250,6 +250,7 @@ def test_long_context_keeps_the_settings_of_a_context_in_one_shard():
     ("0/2", "I must be between 1 and N=2"), ("3/2", "I must be between 1 and N=2"),
     ("x", "is not I/N"), ("1/0", "N, the number of parts, must be at least 1"),
     ("1/2/3", "is not I/N"), ("", "is not I/N"),
+    ("-1/2", "is not I/N"), ("9" * 5000 + "/2", "is not I/N"),  # once argparse, a traceback
 ])
 def test_bad_shard_values_are_one_line(cfg, tmp_path, capsys, value, needle):
   out = tmp_path / "out"

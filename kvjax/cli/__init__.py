@@ -66,10 +66,11 @@ def _close_bars() -> None:
 
 
 def _attach_values(argv: list[str]) -> list[str]:
-  """`--prompt-ids -1,2` -> `--prompt-ids=-1,2`, `--seed -1e+16` -> `--seed=-1e+16`:
+  """`--prompt-ids -1,2` -> `--prompt-ids=-1,2`, `--seed -1e+16` -> `--seed=-1e+16`,
+  `--shard -1/2` -> `--shard=-1/2`:
   argparse reads a value that starts with '-' (other than a plain negative number) as a
   flag, so the bad value would never reach the check that names it."""
-  takes = NUMBER_FLAGS | {"--prompt-ids"}
+  takes = NUMBER_FLAGS | {"--prompt-ids", "--shard"}
   out, i = [], 0
   while i < len(argv):
     if argv[i] in takes and i + 1 < len(argv) and not argv[i + 1].startswith("--"):

@@ -22,6 +22,8 @@ import fcntl
 import os
 from pathlib import Path
 
+from kvjax.errors import KvjaxError
+
 LOCK_DIR = ".kvjax-locks"
 
 
@@ -33,8 +35,11 @@ def _acquire(out: str | Path, name: str, wait: bool) -> tuple[int, Path] | None:
     try:
       path.parent.mkdir(parents=True, exist_ok=True)
       fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except (FileNotFoundError, FileExistsError):  # the folder was tidied away in between
-      continue  # (mkdir raises FileExistsError when it is removed after mkdir's own EEXIST)
+    except (FileNotFoundError, FileExistsError, NotADirectoryError):
+      if os.path.lexists(path.parent) and not path.parent.is_dir():  # never a folder: no spin
+        raise KvjaxError(f"{path.parent} is a file where kvjax keeps its lock files; remove "
+                         "it, or choose another --out") from None
+      continue  # the folder was tidied away in between (mkdir's FileExistsError after EEXIST)
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:

@@ -25,7 +25,7 @@ def parse(text: str | None) -> tuple[int, int] | None:
   """`I/N` -> (I, N), or None for no shard; a one-line error for anything else."""
   if text is None:
     return None
-  m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(text))
+  m = re.fullmatch(r"\s*([0-9]{1,9})\s*/\s*([0-9]{1,9})\s*", str(text))
   if not m:
     raise KvjaxError(f"--shard {text!r} is not I/N; give the part to run and the number of "
                      "parts, 1-based: --shard 1/4 ... --shard 4/4")

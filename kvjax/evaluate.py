@@ -28,7 +28,7 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
-from kvjax import data, held, inputs, intervals, program, step
+from kvjax import data, held, inputs, intervals, memory, program, step
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
@@ -280,6 +280,7 @@ def eval_loaded(cfg: Config, params, tok, src, text: str, tokens: int, seqs: int
                      "with one (--gguf, --hf, or a config with tokenizer: bytes)")
   windows = text_windows(tok, text_source, tokens, seqs)
   B, M = windows.shape
+  memory.check(cfg, B, M, chunk, what="this eval")  # two caches of M slots, as generate's
   params = step.prepare_params(cfg, params)  # once for both passes (they reuse it as is)
   warnings = [w for w in (held.window_warning(cfg, M), intervals.few_blocks(M, B)) if w]
   with tqdm(total=2 * B * M, desc="eval", unit="tok", disable=None if progress else True,

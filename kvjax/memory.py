@@ -157,6 +157,24 @@ def estimate(cfg: Config, batch: int, capacity: int, tokens: int,
   return parts
 
 
+def check_parts(parts: dict, what: str, fix: str = _FIX) -> int:
+  """Refuse, in one line, bytes by part (`{"params": n, ...}`) over the free memory."""
+  limit, source = available_bytes()
+  if limit is not None and sum(parts.values()) > limit:
+    _refuse(what, parts, limit, source, fix)
+  return sum(parts.values())
+
+
+def check_training(cfg: Config) -> int:
+  """`check_parts` for a training run: the weights with their gradients and two Adam
+  moments (4 x the weights), and one step's temporaries at train.batch x train.seq_len."""
+  t = cfg.train
+  return check_parts({"weights, gradients and Adam moments": 4 * param_bytes(cfg.model),
+                      "temporaries": temp_bytes(cfg, t.batch, t.seq_len, t.seq_len)},
+                     "this training run", "lower train.batch or train.seq_len, or choose a "
+                     "smaller model")
+
+
 def check(cfg: Config, batch: int, capacity: int, tokens: int, params: bool = False,
           what: str = "this request", caches: int = 2) -> int:
   """Refuse, in one line with the estimate and the limit, a request that cannot fit.

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kvjax import data
+from kvjax import data, memory
 from kvjax.io import checkpoint
 from kvjax import config as config_lib
 from kvjax.config import Config, ModelConfig
@@ -154,6 +154,7 @@ def train(cfg: Config, out_dir: str | Path, params: Any = None, progress: bool =
   from tqdm import tqdm
 
   _check(cfg)
+  memory.check_training(cfg)  # on the host, before any weight is made (as generate's check)
   t = cfg.train
   out_dir = Path(out_dir)
   corpus = data.load_corpus(t.data)

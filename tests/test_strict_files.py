@@ -89,3 +89,15 @@ def test_a_checkpoint_config_yaml_that_is_a_fifo_is_one_line(tmp_path):
   os.mkfifo(tmp_path / "config.yaml")
   with pytest.raises(KvjaxError, match="FIFO"):
     _no_hang(lambda: checkpoint.read_config(tmp_path))
+
+
+@pytest.mark.parametrize("item, needle", [
+    ("cache.codec=", "no value"), ("cache.codec=  ", "no value"),
+    ("params.settings.x={", "malformed YAML"), ("params.settings={a: 1", "malformed YAML"),
+])
+def test_a_set_item_is_never_silently_empty_or_text(item, needle):
+  """`--set cache.codec=` once emptied the codec (fp32 ran), `--set params.settings.x={`
+  once set the text '{' and exited 0."""
+  with pytest.raises(KvjaxError, match=needle):
+    config_lib.parse_set([item])
+  assert config_lib.parse_set(["train.data=my file.txt"]) == {"train.data": "my file.txt"}

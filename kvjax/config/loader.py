@@ -142,9 +142,14 @@ def parse_set(items: list[str] | None) -> dict[str, Any]:
     if "=" not in item:
       raise KvjaxError(f"--set expects key=value, got '{item}'")
     key, raw = item.split("=", 1)
+    if not raw.strip():  # `cache.codec=` once emptied the codec and ran fp32
+      raise KvjaxError(f"--set {item} gives {key.strip() or 'the key'} no value; write "
+                       "key=value, or drop the item to keep the config's value")
     try:
-      out[key.strip()] = yamlfile.parse(raw, f"--set {item}") if raw.strip() else ""
+      out[key.strip()] = yamlfile.parse(raw, f"--set {item}")
     except yamlfile.SyntaxProblem:  # (a duplicate key or an alias cycle is still refused)
+      if raw.strip()[0] in "{&*!|>%@`":  # meant as YAML (`x={`), never a name: refused
+        raise
       out[key.strip()] = raw  # not YAML: the text itself (a file name, a codec name)
   return out
 

@@ -1,7 +1,8 @@
 """The package's shape, held by tests: no import cycle between kvjax modules at any depth
 (an import inside a function is an edge too: it runs on the first call, and a cycle it
 closes is a layering that only works by the order modules happen to load), no module over
-300 lines, and no private name (`_x`) reached into from another module. Each test lists
+400 lines (a review signal that a module holds more than one concern, not a squeeze), and
+no private name (`_x`) reached into from another module. Each test lists
 every offender (file and line), so a failure says what to move."""
 
 import ast
@@ -9,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "kvjax"
-MAX_LINES = 300
+MAX_LINES = 400
 
 
 def _modules(pkg: Path = PKG) -> dict[str, Path]:
@@ -169,7 +170,7 @@ def test_a_cycle_through_a_function_level_import_is_reported(tmp_path):
   assert _cycle_report(pkg) == []
 
 
-def test_no_module_over_300_lines():
+def test_no_module_over_the_line_limit():
   long = {str(p.relative_to(ROOT)): n for p in MODULES.values()
           if (n := len(p.read_text().splitlines())) > MAX_LINES}
   assert not long, f"modules over {MAX_LINES} lines (split them): " + ", ".join(

@@ -14,6 +14,7 @@ block is widened there, so a block only bounds the logits of one online-softmax 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -32,29 +33,35 @@ def merge(state, part):
   return m, s1 * c1 + s2 * c2, a1 * c1[..., None] + a2 * c2[..., None]
 
 
-def read_segment(q_BKGTD, seg, state, program: str | None = None, bucket: int = 0):
+def read_segment(q_BKGTD, seg, state, program: str | None = None, bucket: int = 0,
+                 floor_BT=None):
   """One stored segment into the state: through the kernel where it reads the segment,
-  else through the stored-type dots (blocks of `program`, `xla.block_size`)."""
+  else through the stored-type dots (blocks of `program`, `xla.block_size`). Under a
+  window (`floor_BT`), one query a row (a decode step) folds its window into the slot mask,
+  which the kernel reads; several queries a row each keep their own window in the XLA read."""
   if seg.mask_BS.shape[1] == 0:
     return state
-  part = kernels.read(q_BKGTD, seg)
+  if floor_BT is not None and q_BKGTD.shape[3] == 1:
+    seg, floor_BT = dataclasses.replace(seg, mask_BS=xla.window_mask(seg, floor_BT)[:, 0]), None
+  part = None if floor_BT is not None else kernels.read(q_BKGTD, seg)
   if part is None:
     return xla.attend_segment(q_BKGTD, seg, state, native=True, chunk=CHUNK, program=program,
-                              bucket=bucket)
+                              bucket=bucket, floor_BT=floor_BT)
   return merge(state, part)
 
 
 def native(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, *, program: str | None = None,
-           bucket: int = 0):
+           bucket: int = 0, floor_BT=None):
   """`xla.grouped` with the stored segments read by `read_segment`."""
   read = functools.partial(read_segment, program=program, bucket=bucket)
-  return xla.grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, read=read)
+  return xla.grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, read=read,
+                     floor_BT=floor_BT)
 
 
-def auto(*args, program: str | None = None, bucket: int = 0):
+def auto(*args, program: str | None = None, bucket: int = 0, **window):
   """The default variant: `base.resolve("auto", program)` (native in the CPU program,
   grouped in the accelerator program)."""
-  return base.get("auto", program, bucket)(*args)
+  return base.get("auto", program, bucket)(*args, **window)
 
 
 base.register("native", native)

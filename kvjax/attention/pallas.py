@@ -72,6 +72,9 @@ def check_config(c, m) -> None:
   """The registry's config check (`attention.check`): the same limits, and a read for the
   storage of both codecs, before tracing."""
   check_shapes(m.D, c.page_size if c.layout == "paged" else 0)
+  if m.windowed:
+    raise KvjaxError(f"model.attention=pallas has no sliding-window read (model.sliding_window="
+                     f"{m.sliding_window}); use model.attention=grouped or native")
   for role in ("k", "v"):
     codec = for_role(getattr(c, f"{role}_codec"), c, role)
     if codec.storage not in ("float", "scaled"):

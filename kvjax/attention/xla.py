@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from kvjax import codecs
 from kvjax.attention import base, folded
+from kvjax.errors import KvjaxError
 
 def block_size(seg, S: int, chunk: int | None = None, program: str | None = None,
                bucket: int = 0) -> int:
@@ -52,13 +53,23 @@ def block_size(seg, S: int, chunk: int | None = None, program: str | None = None
   return min(S, max(U, (chunk or codecs.READ_CHUNK) // U * U))
 
 
+def window_mask(seg, floor_BT):
+  """A segment's slots [B, T, S'] each query may see under a window: valid, at or above the
+  query's floor (`model.layers.window_floor`). The layout must say where each slot is."""
+  if seg.pos_BS is None:
+    raise KvjaxError("this cache layout does not record token positions, so a layer with "
+                     "model.sliding_window cannot read it; use cache.layout=contiguous or paged")
+  return seg.mask_BS[:, None, :] & (seg.pos_BS[:, None, :] >= floor_BT[:, :, None])
+
+
 def attend_segment(q_BKGTD, seg, state, native: bool = False, chunk: int | None = None,
-                   program: str | None = None, bucket: int = 0):
+                   program: str | None = None, bucket: int = 0, floor_BT=None):
   """Online softmax over the stored tokens [0, live) of one segment, block by block,
   `chunk` tokens at a time; `native` reads each block through the codecs' stored-type
   dots (`Codec.qk_native` / `pv_native`) instead of `qk_block` / `pv_block`. The
   accelerator program reads one block (`block_size`) through `folded`, where only a convert
-  precedes each dot."""
+  precedes each dot. `floor_BT` [B, T]: each query sees only slots holding a position at
+  or above its floor (a sliding window; None: no window)."""
   S = seg.mask_BS.shape[1]
   if S == 0:
     return state
@@ -82,6 +93,9 @@ def attend_segment(q_BKGTD, seg, state, native: bool = False, chunk: int | None 
     mask_BC = jax.lax.dynamic_slice_in_dim(seg.mask_BS, start, C, axis=1) & \
         (idx_C >= i * C)[None, :]
     mask = mask_BC[:, None, None, None, :]
+    if floor_BT is not None:  # [B, 1, 1, T, C]: each query's own window
+      pos_BC = jax.lax.dynamic_slice_in_dim(seg.pos_BS, start, C, axis=1)
+      mask = mask & (pos_BC[:, None, None, None, :] >= floor_BT[:, None, None, :, None])
     return base.update(st, qk(q_BKGTD, k), mask, lambda p: pv(p, v))
 
   if accel:  # one block: no loop
@@ -106,18 +120,20 @@ def attend_segment(q_BKGTD, seg, state, native: bool = False, chunk: int | None 
 NEW_BLOCK = 128
 
 
-def _new_tokens(q_BKGTD, k_BKID, v_BKID, pos_q_BT, pos_k_BI):
+def _new_tokens(q_BKGTD, k_BKID, v_BKID, pos_q_BT, pos_k_BI, floor_BT=None):
   """Logits, mask and value read of a block of queries against this call's own keys, the
-  I tokens up to the block's end (causal)."""
+  I tokens up to the block's end (causal, and within each query's window if floored)."""
   f32 = jnp.float32
   l_new = jnp.einsum("bkgtd,bkid->bkgti", q_BKGTD, k_BKID, preferred_element_type=f32)
   causal_BTI = (pos_k_BI[:, None, :] <= pos_q_BT[:, :, None]) & (pos_k_BI[:, None, :] >= 0)
+  if floor_BT is not None:
+    causal_BTI = causal_BTI & (pos_k_BI[:, None, :] >= floor_BT[:, :, None])
   pv_new = lambda p: jnp.einsum("bkgti,bkid->bkgtd", p.astype(v_BKID.dtype), v_BKID,  # noqa
                                 preferred_element_type=f32)
   return l_new, causal_BTI[:, None, None], pv_new
 
 
-def _by_query_block(q_BKGTD, seg, state, bucket: int):
+def _by_query_block(q_BKGTD, seg, state, bucket: int, floor_BT=None):
   """The accelerator program's read of one stored segment for a prompt: NEW_BLOCK queries
   at a time, so no [T, S] logits exist. Each block skips an empty segment on its own (one
   `cond` each): under one `cond` for all blocks, XLA:CPU kept every block's logits alive
@@ -125,17 +141,19 @@ def _by_query_block(q_BKGTD, seg, state, bucket: int):
   T = q_BKGTD.shape[3]
   parts = [attend_segment(q_BKGTD[:, :, :, t0:t0 + NEW_BLOCK], seg,
                           jax.tree.map(lambda a: a[:, :, :, t0:t0 + NEW_BLOCK], state),  # noqa: B023
-                          program="accelerator", bucket=bucket)
+                          program="accelerator", bucket=bucket,
+                          floor_BT=None if floor_BT is None else floor_BT[:, t0:t0 + NEW_BLOCK])
            for t0 in range(0, T, NEW_BLOCK)]
   return jax.tree.map(lambda *a: jnp.concatenate(a, axis=3), *parts)
 
 
 def grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, read=None, *,
-            program: str | None = None, bucket: int = 0) -> jax.Array:
+            program: str | None = None, bucket: int = 0, floor_BT=None) -> jax.Array:
   """Grouped-query attention over stored segments + the new tokens. Returns [B, T, H, D].
   `read(q_BKGTD, seg, state) -> state` reads one stored segment (default: the XLA read of
   `program`, `attend_segment`; None: the backend's, `base.program`; `kvjax.attention.pallas`
-  plugs in its kernel)."""
+  plugs in its kernel). `floor_BT` [B, T] (a sliding window): the lowest position each
+  query sees, passed on to `read` as `floor_BT=` (None: every earlier token)."""
   program = base.program(program)
   B, T, H, D = q_BTHD.shape
   K = k_BTKD.shape[2]
@@ -150,28 +168,29 @@ def grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, read=None, *,
   # The accelerator program reads each stored segment in one block, so a prompt's logits
   # against it would be [T, S] at once: it reads them NEW_BLOCK queries at a time instead.
   per_block = read is None and program == "accelerator" and T > NEW_BLOCK
+  window = {} if floor_BT is None else {"floor_BT": floor_BT}
   for seg in segments:
     if per_block:
-      state = _by_query_block(q_BKGTD, seg, state, bucket)
+      state = _by_query_block(q_BKGTD, seg, state, bucket, floor_BT)
     else:
-      state = read(q_BKGTD, seg, state) if read else \
-          attend_segment(q_BKGTD, seg, state, program=program, bucket=bucket)
+      state = read(q_BKGTD, seg, state, **window) if read else \
+          attend_segment(q_BKGTD, seg, state, program=program, bucket=bucket, **window)
   # The new tokens: causal by position; padding (position -1) is never a key. A prompt is
   # read NEW_BLOCK queries at a time, each block against the keys up to its own end only.
   outs = []
   for t0 in range(0, T, NEW_BLOCK):
     t1 = min(T, t0 + NEW_BLOCK)
     st = jax.tree.map(lambda a: a[:, :, :, t0:t1], state)  # noqa: B023
-    _, s, acc = base.update(st, *_new_tokens(q_BKGTD[:, :, :, t0:t1], k_BKTD[:, :, :t1],
-                                         v_BKTD[:, :, :t1], positions_BT[:, t0:t1],
-                                         positions_BT[:, :t1]))
+    _, s, acc = base.update(st, *_new_tokens(
+        q_BKGTD[:, :, :, t0:t1], k_BKTD[:, :, :t1], v_BKTD[:, :, :t1], positions_BT[:, t0:t1],
+        positions_BT[:, :t1], None if floor_BT is None else floor_BT[:, t0:t1]))
     # Padding queries see no key at all (s = 0): they read 0, never NaN.
     outs.append(acc / jnp.where(s > 0, s, 1.0)[..., None])
   out_BKGTD = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
   return out_BKGTD.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(q_BTHD.dtype)
 
 
-def reference(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments) -> jax.Array:
+def reference(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, floor_BT=None) -> jax.Array:
   """The plain path (tests): every stored slot dequantized, one softmax over everything."""
   B, T, H, D = q_BTHD.shape
   K = k_BTKD.shape[2]
@@ -183,8 +202,10 @@ def reference(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments) -> jax.Array:
       [v_BTKD.transpose(0, 2, 1, 3).astype(jnp.float32)]
   causal_BTI = (positions_BT[:, None, :] <= positions_BT[:, :, None]) & \
       (positions_BT[:, None, :] >= 0)
+  if floor_BT is not None:
+    causal_BTI = causal_BTI & (positions_BT[:, None, :] >= floor_BT[:, :, None])
   masks = [jnp.broadcast_to(seg.mask_BS[:, None, :], (B, T, seg.mask_BS.shape[1]))
-           for seg in segments] + [causal_BTI]
+           if floor_BT is None else window_mask(seg, floor_BT) for seg in segments] + [causal_BTI]
   k, v, mask = (jnp.concatenate(ks, axis=2), jnp.concatenate(vs, axis=2),
                 jnp.concatenate(masks, axis=2))
   logits = jnp.einsum("bkgtd,bksd->bkgts", q_BKGTD.astype(jnp.float32), k)

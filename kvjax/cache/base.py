@@ -117,6 +117,8 @@ class Segment:
   live: Any = None       # scalar int32: every valid slot lies in [0, live) (None: all S').
                          # The attention reads only ceil(live / block) blocks, so a decode
                          # step costs the tokens held, not the capacity allocated.
+  pos_BS: Any = None     # [B, S'] the position each slot holds (None: the layout does not
+                         # say, and a layer with a window cannot read it: `model.sliding_window`)
 
   @property
   def unit(self) -> int:

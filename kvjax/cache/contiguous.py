@@ -83,19 +83,22 @@ class Contiguous(base.Layout):
     n_B = jnp.maximum(lengths_B - first, 0) if first else lengths_B  # held after the first
     q_B = spec.quantized_len(n_B)
     segs = []
+    B = lengths_B.shape[0]
+    slots = lambda n, at=0: jnp.broadcast_to(at + jnp.arange(n)[None, :], (B, n))  # noqa: E731
     if first:
       first_BS = jnp.arange(first)[None, :] < lengths_B[:, None]  # S: this segment's slots
-      segs.append(base.LayerSegment(store[-2], store[-1], first_BS, wc, wc, layer=layer))
+      segs.append(base.LayerSegment(store[-2], store[-1], first_BS, wc, wc, layer=layer,
+                                    pos_BS=slots(first)))
     if spec.history:
       mask_BS = jnp.arange(spec.history)[None, :] < q_B[:, None]
       segs.append(base.LayerSegment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(q_B),
-                                       layer=layer))
+                                    layer=layer, pos_BS=slots(spec.history, first)))
     if spec.residual:
       R = spec.residual
       slot_R = jnp.arange(R)[None, :]
       pos_BR = q_B[:, None] + (slot_R - q_B[:, None]) % R  # the position each slot holds
       segs.append(base.LayerSegment(store[2], store[3], pos_BR < n_B[:, None], wc, wc,
-                                       layer=layer))
+                                    layer=layer, pos_BS=pos_BR + first))
     return segs
 
   def write(self, cache: KVCache, k_LBTKD, v_LBTKD, positions_BT) -> KVCache:

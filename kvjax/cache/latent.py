@@ -57,6 +57,10 @@ def check_config(c, m) -> None:
   if not m.latent_rank:
     raise KvjaxError("cache.layout=latent needs a latent model (model.latent_rank > 0); build "
                      "one with `kvjax convert --latent-rank R`")
+  if m.windowed or m.rope_local_theta:
+    raise KvjaxError("cache.layout=latent reads one RoPE base and no window; this model has "
+                     "local layers (model.sliding_window / rope_local_theta): use "
+                     "cache.layout=contiguous or paged")
   if c.residual or c.k_axis == "channel":
     raise KvjaxError("cache.layout=latent stores single latents; set cache.residual=0 and "
                      "cache.k_axis=token")

@@ -108,7 +108,8 @@ class Paged(base.Layout):
     S = bt_BQ.shape[1] * page_size(spec)
     mask_BS = jnp.arange(S)[None, :] < jnp.minimum(lengths_B, spec.capacity)[:, None]
     return [base.PagedSegment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(lengths_B),
-                              layer=layer, pages=bt_BQ, page_size=page_size(spec))]
+                              layer=layer, pages=bt_BQ, page_size=page_size(spec),
+                              pos_BS=jnp.broadcast_to(jnp.arange(S)[None, :], mask_BS.shape))]
 
   def write(self, cache: PagedCache, k_LBTKD, v_LBTKD, positions_BT) -> PagedCache:
     spec = cache.spec

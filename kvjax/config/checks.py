@@ -39,6 +39,8 @@ _RANGES = {
     # added to a mean square of activations: at least float32's smallest normal, at most 1
     "model.norm_eps": (F32_TINY, True, 1, True),
     "model.scan_unroll": _POS, "model.max_seq_len": _POS, "model.latent_rank": _NONNEG,
+    "model.query_scale": (0, True, F32_MAX, True), "model.global_every": _NONNEG,
+    "model.sliding_window": _NONNEG, "model.rope_local_theta": (0, True, F32_MAX, True),
     "cache.budget": _NONNEG, "cache.ratio": _UNIT, "cache.sinks": _NONNEG,
     "cache.window": _NONNEG, "cache.rotate_seed": _NONNEG, "cache.keep_first": _NONNEG,
     "cache.capacity": _NONNEG, "cache.group_size": _NONNEG, "cache.residual": _NONNEG,
@@ -66,6 +68,7 @@ _DEFAULT_HINT = {"model.head_dim": " (0 picks d_model // n_heads)",
                                 "cache.budget sizes the cache)",
                  "cache.budget": " (0 means cache.ratio or no eviction)",
                  "model.latent_rank": " (0 means no latent cache)",
+                 "model.sliding_window": " (0 means every layer attends to all tokens)",
                  "workload.temperature": " (0 means greedy)",
                  "workload.top_k": " (0 means no top-k cut)",
                  "workload.eos_id": " (-1 means no stop token)"}
@@ -109,6 +112,7 @@ def check_number(key: str, value: Any, rng: tuple, integer: bool) -> None:
 ROPE_TYPES = ("default", "llama3")
 # The compiled programs (`kvjax.attention.base.program`): auto resolves per backend.
 PROGRAMS = ("auto", "cpu", "accelerator")
+MLP_ACTS = ("silu", "gelu_tanh")  # the gate activations kvjax.model.layers implements
 _LLAMA3 = {"factor": _POS_F, "low_freq_factor": _POS_F, "high_freq_factor": _POS_F,
            "original_max_position_embeddings": (1, True, I32, True)}
 
@@ -201,6 +205,15 @@ def validate(cfg: Config) -> Config:
   for name in ("dtype", "param_dtype"):
     if getattr(m, name) not in DTYPES:
       raise KvjaxError(f"unknown model.{name} '{getattr(m, name)}'; use one of {', '.join(DTYPES)}")
+  if m.mlp_act not in MLP_ACTS:
+    raise KvjaxError(f"unknown model.mlp_act '{m.mlp_act}'; use one of {', '.join(MLP_ACTS)}")
+  if 0 < m.rope_local_theta <= 1:
+    raise KvjaxError(f"model.rope_local_theta={m.rope_local_theta} must be > 1 (or 0 for "
+                     "model.rope_theta); set it to the local layers' RoPE base")
+  if m.sliding_window > m.max_seq_len:
+    raise KvjaxError(f"model.sliding_window={m.sliding_window} exceeds the model's context "
+                     f"model.max_seq_len={m.max_seq_len}; use a window of at most "
+                     f"{m.max_seq_len} tokens (0: no window)")
   if m.program not in PROGRAMS:
     raise KvjaxError(f"unknown model.program '{m.program}'; use one of {', '.join(PROGRAMS)}")
   if c.k_axis not in ("token", "channel"):

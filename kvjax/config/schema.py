@@ -40,6 +40,20 @@ class ModelConfig:
   latent_rank: int = 0           # A > 0: rank-A K/V projections, cacheable as latents (kvjax.cache.latent)
   program: str = "auto"          # cpu | accelerator | auto (per backend): the layer loop and
                                  # cache read the compiled programs use (attention.base.program)
+  # Architecture knobs beyond Llama (kvjax.model.layers): Qwen2 is Llama + qkv_bias; Gemma 3
+  # sets every one of these.
+  qk_norm: bool = False          # RMSNorm over head_dim on each query and key head (q_norm, k_norm)
+  sandwich_norm: bool = False    # a norm after attention and after the MLP too (post_attn_norm,
+                                 # post_ffw_norm), before each residual add
+  embed_scale: bool = False      # embeddings multiplied by sqrt(d_model)
+  mlp_act: str = "silu"          # silu | gelu_tanh: the gate's activation
+  query_scale: float = 0.0       # logits scaled by query_scale**-0.5 (0: head_dim)
+  # Layer types: with global_every = N, layers i with (i + 1) % N == 0 are global and the
+  # rest local (0: every layer global). Local layers attend to the last `sliding_window`
+  # tokens (0: all of them) and rotate with rope_local_theta (0: rope_theta).
+  global_every: int = 0
+  sliding_window: int = 0        # W
+  rope_local_theta: float = 0.0
 
   @property
   def D(self) -> int:
@@ -54,6 +68,19 @@ class ModelConfig:
   @property
   def G(self) -> int:
     return self.n_heads // self.n_kv_heads
+
+  def is_local(self, layer: int) -> bool:
+    """Layer `layer` is a local one (its own RoPE base, and the window if one is set)."""
+    return bool(self.global_every) and (layer + 1) % self.global_every != 0
+
+  def window_of(self, layer: int) -> int:
+    """The tokens layer `layer` attends to (0: all)."""
+    return self.sliding_window if (self.is_local(layer) or not self.global_every) else 0
+
+  @property
+  def windowed(self) -> bool:
+    """Some layer attends to a window of the last tokens only."""
+    return self.sliding_window > 0
 
   @property
   def variant(self) -> str:

@@ -1,4 +1,4 @@
-"""GGUF import: llama-architecture GGUF files into a kvjax Config, params and tokenizer.
+"""GGUF import: llama, qwen2 and gemma3 GGUF files into a kvjax Config, params and tokenizer.
 
     cfg = gguf.load_config("model.gguf")            # metadata only (kvjax size --gguf)
     cfg, params = gguf.load("model.gguf", {...})    # plus dequantized tensors (generate --gguf)
@@ -10,7 +10,11 @@ tensor type that package can dequantize (F32, F16, BF16, Q8_0, Q4_0, Q4_1, the K
 reads as torch's [out, in]; Dense kernels are the transpose. The converter that writes
 llama GGUF files permutes the rows of the Q and K projections so that ggml's RoPE (which
 rotates adjacent pairs) matches the checkpoint's rotate-half RoPE; kvjax rotates halves
-like Hugging Face, so `unpermute` undoes that permutation per head.
+like Hugging Face, so `unpermute` undoes that permutation per head. qwen2 and gemma3
+files are not permuted (ggml rotates halves for them). Each architecture is an `Arch`:
+the model settings it fixes (Gemma 3's q/k norms, sandwich norms, scaled embeddings, GELU
+gate, every 6th layer global with local layers windowed and on their own RoPE base), and
+the extra per-layer norms it stores.
 
 What kvjax does not implement, and what is malformed, fails with one line naming the file
 and what was found: another architecture, RoPE scaling, partial rotary, a tensor type the
@@ -20,6 +24,7 @@ number stored as a string), a non-finite weight, a truncated file.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from pathlib import Path
@@ -34,7 +39,30 @@ from kvjax.config import Config
 from kvjax.errors import KvjaxError
 from kvjax.io import finite
 
-ARCHITECTURES = ("llama",)
+@dataclasses.dataclass(frozen=True)
+class Arch:
+  """What one GGUF architecture is in kvjax's one model definition."""
+
+  permuted: bool = False   # the converter permuted Q/K rows for ggml's adjacent-pair RoPE
+  settings: tuple = ()     # (dotted key, value) fixed by the architecture
+  norms: tuple = ()        # (GGUF tensor, kvjax norm) beyond attn_norm / ffn_norm
+  rope_local_theta: float = 0.0  # the local layers' RoPE base (not in the metadata)
+  global_every: int = 0    # every Nth layer is global (not in the metadata)
+
+
+# Gemma 3: the converter stores each norm's weight as 1 + w, so kvjax's `weight * x` RMSNorm
+# reads them as they are; every 6th layer is global and local layers rotate with base 10k.
+ARCHES = {
+    "llama": Arch(permuted=True),
+    "qwen2": Arch(),
+    "gemma3": Arch(settings=(("model.qk_norm", True), ("model.sandwich_norm", True),
+                             ("model.embed_scale", True), ("model.mlp_act", "gelu_tanh")),
+                   norms=(("attn_q_norm", "q_norm"), ("attn_k_norm", "k_norm"),
+                          ("post_attention_norm", "post_attn_norm"),
+                          ("post_ffw_norm", "post_ffw_norm")),
+                   rope_local_theta=10000.0, global_every=6),
+}
+ARCHITECTURES = tuple(ARCHES)
 _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 # GGUF tensor name (per layer) -> (kvjax leaf, kvjax sub-key); shapes come from the config.
 _LAYER_TENSORS = {
@@ -95,7 +123,7 @@ def metadata(path: str | Path) -> dict:
 def _need(meta: dict, key: str, path) -> object:
   if key not in meta:
     raise KvjaxError(f"GGUF file {path} lacks metadata key '{key}'; the file is incomplete or "
-                     "not a llama-architecture model")
+                     "not a model of a supported architecture")
   return meta[key]
 
 
@@ -155,6 +183,13 @@ def config_overrides(meta: dict, path="the file") -> dict:
                      "kvjax reads unscaled RoPE from GGUF files")
   vocab = meta.get(a + "vocab_size")
   vocab = _vocab_len(path) if vocab is None else _int(meta, a + "vocab_size", path)
+  spec = ARCHES[arch]
+  extra = dict(spec.settings)
+  if spec.global_every:
+    extra.update({"model.global_every": spec.global_every,
+                  "model.rope_local_theta": spec.rope_local_theta,
+                  "model.sliding_window": _int(meta, a + "attention.sliding_window", path, 0, 0),
+                  "model.query_scale": float(D)})
   return {
       "model.vocab_size": vocab,
       "model.d_model": E,
@@ -166,11 +201,12 @@ def config_overrides(meta: dict, path="the file") -> dict:
       "model.rope_theta": _float(meta, a + "rope.freq_base", path, 10000.0),
       "model.rope_scaling": {},
       "model.norm_eps": _float(meta, a + "attention.layer_norm_rms_epsilon", path, 1e-5),
-      "model.qkv_bias": False,
+      "model.qkv_bias": _has_tensor(path, "blk.0.attn_q.bias"),
       "model.tie_embeddings": not _has_tensor(path, "output.weight"),
       "model.max_seq_len": _int(meta, a + "context_length", path),
       "model.dtype": "float32",
       "model.param_dtype": "float32",
+      **extra,
   }
 
 
@@ -260,16 +296,27 @@ def read_params(path: str | Path, cfg: Config) -> dict:
     finite.check_cast(arr, dtype, name, path)
     return arr
 
-  layers: dict = {leaf: {"kernel": []} for leaf in _LAYER_TENSORS.values()}
-  layers.update({leaf: {"weight": []} for leaf in _NORMS.values()})
+  arch = ARCHES[metadata(path)["general.architecture"]]
+  norms = {g: (leaf, (E,)) for g, leaf in _NORMS.items()}
+  norms.update({g: (leaf, (D,) if leaf in ("q_norm", "k_norm") else (E,))
+                for g, leaf in arch.norms})
+  biased = ("attn_q", "attn_k", "attn_v") if m.qkv_bias else ()
+  layers: dict = {leaf: {"kernel": [], **({"bias": []} if g in biased else {})}
+                  for g, leaf in _LAYER_TENSORS.items()}
+  layers.update({leaf: {"weight": []} for leaf, _ in norms.values()})
   for i in range(m.n_layers):
     for g, leaf in _LAYER_TENSORS.items():
       w = get(f"blk.{i}.{g}.weight", shapes[g])
-      if g in ("attn_q", "attn_k"):
-        w = unpermute(w, H if g == "attn_q" else K)
+      b = get(f"blk.{i}.{g}.bias", shapes[g][:1]) if g in biased else None
+      if arch.permuted and g in ("attn_q", "attn_k"):
+        heads = H if g == "attn_q" else K
+        w = unpermute(w, heads)
+        b = None if b is None else unpermute(b, heads)
       layers[leaf]["kernel"].append(w.T.astype(dtype))
-    for g, leaf in _NORMS.items():
-      layers[leaf]["weight"].append(get(f"blk.{i}.{g}.weight", (E,)).astype(dtype))
+      if b is not None:
+        layers[leaf]["bias"].append(b.astype(dtype))
+    for g, (leaf, shape) in norms.items():
+      layers[leaf]["weight"].append(get(f"blk.{i}.{g}.weight", shape).astype(dtype))
   layers = {leaf: {k: np.stack(v) for k, v in d.items()} for leaf, d in layers.items()}
   params = {"embed_tokens": {"embedding": get("token_embd.weight", (V, E)).astype(dtype)},
             "layers": layers, "norm": {"weight": get("output_norm.weight", (E,)).astype(dtype)}}
@@ -283,7 +330,7 @@ def read_params(path: str | Path, cfg: Config) -> dict:
 
 
 def load(path: str | Path, overrides: dict | None = None) -> tuple[Config, dict]:
-  """(Config, params as jax arrays) for a llama-architecture GGUF file."""
+  """(Config, params as jax arrays) for a GGUF file of a supported architecture (`ARCHES`)."""
   from kvjax.io import hf
 
   cfg = load_config(path, overrides)

@@ -34,6 +34,8 @@ class LayerInput:
   bucket: int = struct.field(pytree_node=False, default=0)  # slots a one-block read covers
                                                             # (0: all; `decode.bucket_for`)
   queries: bool = struct.field(pytree_node=False, default=False)  # return the rotated queries
+  cos_local: Any = None     # [B, T, D] the local layers' RoPE tables (model.rope_local_theta)
+  sin_local: Any = None
 
 
 def rms_norm(x, weight, eps: float, dtype):
@@ -112,6 +114,26 @@ def lm_head(x_BTE, table_VE, dtype):
   return kernels.weight_dot(x_BTE, table_VE, transposed=True)  # XLA's product elsewhere
 
 
+# The norms a layer may hold besides input_layernorm / post_attention_layernorm (the
+# latter is the norm before the MLP, as Llama names it).
+EXTRA_NORMS = ("q_norm", "k_norm", "post_attn_norm", "post_ffw_norm")
+ACTS = {"silu": nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+def per_layer(layer, values):
+  """values[layer] for a Python int `layer` (an unrolled loop) or a traced one (a scan)."""
+  return values[layer] if isinstance(layer, int) else jnp.asarray(values)[layer]
+
+
+def window_floor(cfg: ModelConfig, layer, positions_BT):
+  """[B, T] the lowest position each new token attends to in layer `layer` (its window
+  `model.sliding_window`; 0 where the layer sees every token); None: no layer has a window."""
+  if not cfg.windowed:
+    return None
+  W = per_layer(layer, [cfg.window_of(i) for i in range(cfg.n_layers)])
+  return jnp.where(W > 0, positions_BT - W + 1, 0).astype(jnp.int32)
+
+
 def block_forward(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):
   """One decoder layer, written once for every way of holding its weights:
   `dense(h, [(name, features, bias), ...])` returns one projection of `h` per entry (the
@@ -122,6 +144,9 @@ def block_forward(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):
   (`inp.queries`: a policy's prefill selection); under `cache.rotate`
   k, v and those queries are in the rotated basis (`kvjax.codecs.rotate`)."""
   cos, sin = inp.cos_BTD, inp.sin_BTD
+  if inp.cos_local is not None:  # local layers rotate with their own base
+    local = per_layer(layer, [cfg.is_local(i) for i in range(cfg.n_layers)])
+    cos, sin = jnp.where(local, inp.cos_local, cos), jnp.where(local, inp.sin_local, sin)
   B, T, _ = x_BTE.shape
   H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.D
 
@@ -129,7 +154,11 @@ def block_forward(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):
   q, k, v = dense(h, [("q_proj", H * D, cfg.qkv_bias), ("k_proj", K * D, cfg.qkv_bias),
                       ("v_proj", K * D, cfg.qkv_bias)])
   q_BTHD, k_BTKD, v_BTKD = q.reshape(B, T, H, D), k.reshape(B, T, K, D), v.reshape(B, T, K, D)
+  if cfg.qk_norm:
+    q_BTHD, k_BTKD = norm("q_norm", q_BTHD), norm("k_norm", k_BTKD)
   q_BTHD, k_BTKD = apply_rope(q_BTHD, cos, sin), apply_rope(k_BTKD, cos, sin)
+  if cfg.query_scale and cfg.query_scale != D:  # the attention scales by D**-0.5
+    q_BTHD = q_BTHD * jnp.asarray((D / cfg.query_scale) ** 0.5, q_BTHD.dtype)
 
   layout = None if inp.spec is None else cache_base.get(inp.spec.layout)
   # cache.rotate: K, Q and V in a rotated basis around the cache, the output rotated back
@@ -138,15 +167,21 @@ def block_forward(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):
     q_BTHD, k_BTKD, v_BTKD = (rotate.apply(x, rot_DD) for x in (q_BTHD, k_BTKD, v_BTKD))
   segments = [] if layout is None else layout.read(inp.spec, inp.store, inp.lengths_B, layer)
   attend = attention.get(cfg.attention, cfg.program, inp.bucket)
-  attn_BTHD = attend(q_BTHD, k_BTKD, v_BTKD, inp.positions_BT, segments)
+  floor_BT = window_floor(cfg, layer, inp.positions_BT)
+  window = {} if floor_BT is None else {"floor_BT": floor_BT}
+  attn_BTHD = attend(q_BTHD, k_BTKD, v_BTKD, inp.positions_BT, segments, **window)
   if rot_DD is not None:
     attn_BTHD = rotate.apply(attn_BTHD, rot_DD, back=True)
   (o,) = dense(attn_BTHD.reshape(B, T, H * D), [("o_proj", cfg.d_model, False)])
+  if cfg.sandwich_norm:
+    o = norm("post_attn_norm", o)
   x_BTE = x_BTE + o
 
   h = norm("post_attention_layernorm", x_BTE)
   gate, up = dense(h, [("gate_proj", cfg.F, False), ("up_proj", cfg.F, False)])
-  (down,) = dense(nn.silu(gate) * up, [("down_proj", cfg.d_model, False)])
+  (down,) = dense(ACTS[cfg.mlp_act](gate) * up, [("down_proj", cfg.d_model, False)])
+  if cfg.sandwich_norm:
+    down = norm("post_ffw_norm", down)
   kv = (k_BTKD, v_BTKD)
   if layout is not None and (inp.queries or layout.wants_queries(inp.spec)):
     kv += (q_BTHD,)  # for the layout's `write`, or asked for by the step (`kvjax.step`)

@@ -11,9 +11,12 @@ import jax.numpy as jnp
 from kvjax.config import ModelConfig
 
 
-def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
-  """Inverse frequencies [D/2], with Llama-3 `rope_scaling` when the config has it."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> jax.Array:
+  """Inverse frequencies [D/2], with Llama-3 `rope_scaling` when the config has it; `local`:
+  the local layers' base (`model.rope_local_theta`, unscaled) where one is set."""
   D = cfg.D
+  if local and cfg.rope_local_theta:
+    return 1.0 / (cfg.rope_local_theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))
   inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))
   scaling = dict(cfg.rope_scaling)
   kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -30,9 +33,11 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
   return inv
 
 
-def rope_cos_sin(positions_BT: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+def rope_cos_sin(positions_BT: jax.Array, cfg: ModelConfig,
+                 local: bool = False) -> tuple[jax.Array, jax.Array]:
   """cos/sin tables [B, T, D] in the rotate-half convention of HF Llama (float32)."""
-  freqs = jnp.maximum(positions_BT, 0)[..., None].astype(jnp.float32) * rope_inv_freq(cfg)
+  freqs = jnp.maximum(positions_BT, 0)[..., None].astype(jnp.float32) * \
+      rope_inv_freq(cfg, local)
   emb = jnp.concatenate([freqs, freqs], axis=-1)
   return jnp.cos(emb), jnp.sin(emb)
 

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 
 from kvjax.cache import base as cache_base
 from kvjax.config import ModelConfig
-from kvjax.model.layers import (Block, Head, LayerInput, RMSNorm, block_forward, embed_rows,
-                                linears, lm_head, rms_norm)
+from kvjax.model.layers import (EXTRA_NORMS, Block, Head, LayerInput, RMSNorm, block_forward,
+                                embed_rows, linears, lm_head, rms_norm)
 from kvjax.model.rope import rope_cos_sin
 
 
@@ -48,7 +48,8 @@ def switched_layers(cfg: ModelConfig, layers: list, x_BTE, inp: LayerInput):
   weights (vectors) are stacked and indexed. Returns x and the stacked new (k, v)."""
   dtype = jnp.dtype(cfg.dtype)
   norms = {n: jnp.stack([p[n]["weight"] for p in layers])
-           for n in ("input_layernorm", "post_attention_layernorm")}
+           for n in ("input_layernorm", "post_attention_layernorm", *EXTRA_NORMS)
+           if n in layers[0]}
 
   def body(x_BTE, layer):
     def dense(h, outs):
@@ -90,13 +91,16 @@ class Transformer(nn.Module):
                      param_dtype=jnp.dtype(cfg.param_dtype), name="embed_tokens",
                      embedding_init=nn.initializers.normal(0.02))
     x_BTE = embed_rows(embed.embedding, tokens_BT, dtype)  # not `embed(...)`: see there
+    if cfg.embed_scale:
+      x_BTE = x_BTE * jnp.asarray(cfg.d_model ** 0.5, dtype)
     cos, sin = rope_cos_sin(positions_BT, cfg)
-    inp = LayerInput(positions_BT, cos, sin)
+    local = rope_cos_sin(positions_BT, cfg, local=True) if cfg.rope_local_theta else (None,) * 2
+    inp = LayerInput(positions_BT, cos, sin, cos_local=local[0], sin_local=local[1])
     if cache is not None:  # the layers read the whole stacked store, each at its own layer
       layout = cache_base.layout_of(cache)
       cache = layout.attach(cache, self.variables.get("params", {}))
       inp = LayerInput(positions_BT, cos, sin, cache.lengths, layout.store(cache), cache.spec,
-                       self.read_bucket, self.return_queries)
+                       self.read_bucket, self.return_queries, *local)
 
     if self.layer_loop == "unrolled":  # a Python loop, one weight tree per layer
       kv = []

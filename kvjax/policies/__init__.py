@@ -10,6 +10,7 @@ table of policies).
 
 from kvjax import config as config_lib
 from kvjax import plugins
+from kvjax.errors import KvjaxError
 from kvjax.policies.base import (KEEP, POLICIES, Context, Policy, Slots,  # noqa: F401
                                  effective_budget, get, held, register, static_budget,
                                  top_positions)
@@ -22,6 +23,10 @@ plugins.import_all(__name__, __path__)
 def check(cache_cfg, model_cfg) -> None:
   """The policy registry's config checks (`config.validate`)."""
   check_config(cache_cfg, model_cfg)
+  if cache_cfg.policy != "full" and model_cfg.windowed:
+    raise KvjaxError(f"cache.policy={cache_cfg.policy} compacts tokens out of position order, "
+                     f"which a sliding-window layer cannot read; set model.sliding_window=0 "
+                     "(the full-attention variant) or cache.policy=full")
 
 
 config_lib.add_check(check)  # config.validate runs it (the config imports no registry)

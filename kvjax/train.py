@@ -27,7 +27,7 @@ import optax
 from kvjax import data, memory
 from kvjax.io import checkpoint
 from kvjax import config as config_lib
-from kvjax.config import Config, ModelConfig
+from kvjax.config import Config, ModelConfig, jsonfile
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer, init_params
 
@@ -120,8 +120,8 @@ def _trim_log(out_dir: Path, step: int) -> None:
   keep = []
   for line in path.read_text().splitlines():
     try:
-      row = json.loads(line)
-    except json.JSONDecodeError:
+      row = jsonfile.loads(line)
+    except jsonfile.JsonProblem:  # torn, or not strict JSON (deep nesting, a huge number)
       continue
     if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
       keep.append(line + "\n")

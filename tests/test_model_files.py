@@ -52,7 +52,7 @@ def _cli_one_line(capsys, argv, *needles):
     ("llama.attention.head_count", "four", "'llama.attention.head_count'"),
     ("llama.block_count", "2", "'llama.block_count'"),
     ("llama.rope.freq_base", "1e4", "'llama.rope.freq_base'"),
-    ("tokenizer.ggml.model", "llama", "'llama'"),
+    ("tokenizer.ggml.model", "t5", "'t5'"),
     ("tokenizer.ggml.bos_token_id", "1", "bos_token_id"),
 ])
 def test_gguf_metadata_of_the_wrong_type_is_one_line(tmp_path, tiny, key, value, needle):

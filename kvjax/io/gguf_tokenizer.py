@@ -41,11 +41,9 @@ def _corrupt(path, what: str) -> KvjaxError:
                     "corrupt: restore or re-download it")
 
 
-def _strings(field, key: str, path) -> list[str]:
-  try:
-    items = list(field.contents())
-  except Exception:  # noqa: BLE001  a field whose bytes do not decode as its declared type
-    raise _corrupt(path, f"'{key}' cannot be decoded") from None
+def _strings(items, key: str, path) -> list[str]:
+  if not isinstance(items, list):
+    raise _corrupt(path, f"'{key}' is not an array of strings")
   bad = next((i for i, t in enumerate(items) if not isinstance(t, str)), None)
   if bad is not None:
     raise _corrupt(path, f"'{key}' entry {bad} is {items[bad]!r:.40}, not a string")
@@ -139,7 +137,7 @@ def tokenizer_json(path: str | Path):
   from kvjax.io import gguf
 
   file = gguf.reader(str(path))
-  meta = gguf.metadata(path)
+  meta = file.fields
   kind = meta.get("tokenizer.ggml.model")
   if kind not in BUILDERS:
     raise KvjaxError(f"GGUF tokenizer model {kind!r:.40} is not supported; kvjax builds "
@@ -155,10 +153,9 @@ def tokenizer_json(path: str | Path):
   tok = BUILDERS[kind](tokens, vocab, file, meta, path)
   types = file.fields.get("tokenizer.ggml.token_type")
   if types is not None:
-    try:
-      kinds = list(types.contents())
-    except Exception:  # noqa: BLE001
-      raise _corrupt(path, "'tokenizer.ggml.token_type' cannot be decoded") from None
+    kinds = list(types) if hasattr(types, "__len__") and not isinstance(types, str) else None
+    if kinds is None or len(kinds) != len(tokens):
+      raise _corrupt(path, "'tokenizer.ggml.token_type' is not one number per token")
     alphabet = set(pre_tokenizers.ByteLevel.alphabet()) if kind == "gpt2" else None
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, ty in zip(tokens, kinds)

@@ -11,7 +11,7 @@ from kvjax.errors import KvjaxError
 
 __version__ = "0.1.0"
 # name -> the module that defines it (kvjax.api, kvjax.api_types), loaded when first read
-_LAZY = {"load": "api", "Model": "api", "run": "api", "plot": "api", "results": "api",
+_LAZY = {"load": "api", "Model": "api", "run": "api", "plot": "api", "results": "api", "size": "api",
          "RandomWeightsWarning": "api", "CacheConfig": "api_types",
          "GenerateResult": "api_types", "EvalResult": "api_types", "SizeResult": "api_types",
          "RunReport": "api_types"}

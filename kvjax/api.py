@@ -29,7 +29,7 @@ from kvjax.api_types import (CacheConfig, EvalResult, GenerateResult, RunReport,
 from kvjax.errors import KvjaxError
 
 __all__ = ["CacheConfig", "EvalResult", "GenerateResult", "Model", "RunReport", "SizeResult",
-           "load", "plot", "results", "run"]
+           "load", "plot", "results", "run", "size"]
 
 Prompt = str | Sequence[int]
 
@@ -138,11 +138,25 @@ class Model:
 
   def evaluate(self, text: str | None = None, cache=None, tokens: int = 512, seqs: int = 1,
                chunk: int = 1, progress: bool = False, *, path: str | Path | None = None,
-               corpus: str | None = None) -> EvalResult:
-    """Quality through the cache against an fp32 cache on the same tokens, as `kvjax eval`:
+               corpus: str | None = None, ref=None) -> EvalResult:
+    """Quality through the cache against a reference on the same tokens, as `kvjax eval`:
     `seqs` windows of `tokens` tokens fed `chunk` tokens at a time (1: pure decode), of
     `text` (the text itself), of the file or folder at `path`, or of a named `corpus`
-    (`stdlib`, Python's own sources: the default); at most one of the three."""
+    (`stdlib`, Python's own sources: the default); at most one of the three. `ref` is what
+    the cache is held to (`kvjax eval --ref`, kvjax.compare): None for the fp32 cache, a
+    cache (a codec name, dict or CacheConfig) of this model, another loaded `Model`, or a
+    model source (`checkpoint:DIR`) on the same tokenizer."""
+    return self.compare({"": cache}, ref, text, tokens, seqs, chunk, progress, path=path,
+                        corpus=corpus)[""]
+
+  def compare(self, caches, ref=None, text: str | None = None, tokens: int = 512,
+              seqs: int = 1, chunk: int = 1, progress: bool = False, *,
+              path: str | Path | None = None, corpus: str | None = None) -> dict:
+    """`evaluate` of several caches against one reference, whose log-probabilities are
+    computed once and reused: `caches` maps a name to a cache (or is a list of codec
+    names); returns {name: EvalResult}, each a paired comparison (Δppl, KL(ref || cache),
+    agreement, with 95 % intervals) on the same tokens. `compare(["int4"], ref="bf16")` is
+    int4 against bf16 as one paired figure."""
     from kvjax import evaluate
 
     kind, value = inputs.eval_source(text, path, corpus)
@@ -153,42 +167,100 @@ class Model:
       label = f"./{value}" if kind == "path" and value == "stdlib" else value  # a file
       text_source = evaluate.eval_inputs(label, tokens, seqs, chunk)
     evaluate.check_tokens(tokens, self.config.model.max_seq_len)
-    raw = evaluate.eval_loaded(self.with_cache(cache), self.params, self.tokenizer,
-                               self.source, label, tokens, seqs, chunk, progress, text_source)
-    inputs.refuse_non_finite("evaluate", raw)
-    for w in raw.get("warnings", ()):
-      warnings.warn(w, stacklevel=2)
-    return EvalResult.of(raw)
+    if isinstance(caches, (list, tuple)):
+      caches = {str(c): c for c in caches}
+    if not isinstance(caches, dict) or not caches:
+      raise KvjaxError("caches= expects a dict of name -> cache or a list of codec names, got "
+                       f"{type(caches).__name__}")
+    cfgs = {str(name): self.with_cache(c) for name, c in caches.items()}
+    raw = evaluate.eval_settings(cfgs, self.params, self.tokenizer, self.source, label,
+                                 tokens, seqs, chunk, progress, text_source,
+                                 self.reference(ref, text_source))
+    out = {}
+    for name, r in raw.items():
+      inputs.refuse_non_finite("evaluate", r)
+      for w in r.get("warnings", ()):
+        warnings.warn(w, stacklevel=3)
+      out[name] = EvalResult.of(r)
+    return out
+
+  def reference(self, ref=None, sample: str = ""):
+    """The `kvjax.evaluate.Reference` that `ref` names (see `evaluate`)."""
+    from kvjax import compare
+
+    if ref is None:
+      return None
+    if isinstance(ref, Model):
+      return compare.model_reference(self.config, self.tokenizer, ref.config, ref.params,
+                                     ref.tokenizer, ref.name, sample)
+    if isinstance(ref, str) and compare.kind_of(ref) == "model":
+      return compare.reference(str(resolve_source(ref)), self.config, self.params,
+                               self.tokenizer, sample)
+    items = {"cache.codec": ref} if isinstance(ref, str) and "=" not in ref else \
+        compare.cache_items(ref) if isinstance(ref, str) else cache_items(ref)
+    return compare.cache_reference(self.config, self.params, items=items,
+                                   label=ref if isinstance(ref, str) else None)
 
   def size(self, cache=None, seq_len: int = 4096, batch: int = 1,
            budget: str | None = None) -> SizeResult:
     """Closed-form cache bytes at `seq_len` for `batch` sequences, as `kvjax size` (a bf16
     cache when `cache` names no codec); with `budget` ("80GiB", "80GB"), how many
-    sequences fit after the weights, per codec."""
-    from kvjax import cli
-    from kvjax.cli import commands
-
-    argv = ["size", *self.size_flags(), "--seq-len", str(seq_len), "--batch", str(batch)]
-    argv += ["--budget", str(budget)] if budget is not None else []
-    for key, value in {**self.overrides, **cache_items(cache)}.items():
-      value = str(value).lower() if isinstance(value, bool) else value
-      argv += ["--set", f"{key}={value}"]
-    raw = commands.cmd_size(cli.parse_args(argv))
-    for w in raw.get("warnings", ()):
-      warnings.warn(w, stacklevel=2)
-    b = raw.get("budget") or {}
-    return SizeResult.of(raw, max_sequences=b.get("max_sequences"),
-                         max_sequences_by_codec=b.get("max_sequences_by_codec"),
-                         batch_fits=b.get("batch_fits"))
+    sequences fit after the weights, per codec. (`kvjax.size` answers the same without
+    loading the weights.)"""
+    return _size(self.size_flags(), {**self.overrides, **cache_items(cache)}, seq_len, batch,
+                 budget)
 
   def size_flags(self) -> list[str]:
     """The `kvjax size` flags that name this model."""
-    kind, ref = self.source.kind, self.source.ref
-    if kind in ("gguf", "hf") or (kind == "config" and ref):
-      return [f"--{kind}", ref]
-    m = self.config.model  # a checkpoint or the default config: its shape
-    return ["--layers", str(m.n_layers), "--heads", str(m.n_heads), "--kv-heads",
-            str(m.n_kv_heads), "--head-dim", str(m.D)]
+    return size_flags(self.source, self.config)
+
+
+def size_flags(src, cfg: config_lib.Config | None = None) -> list[str]:
+  """The `kvjax size` flags that name a model source: its file, or (a checkpoint, the
+  default config) its shape, read from `cfg` or from the source's config alone."""
+  kind, ref = src.kind, src.ref
+  if kind in ("gguf", "hf") or (kind == "config" and ref):
+    return [f"--{kind}", ref]
+  if cfg is None:
+    from kvjax.io import sources
+    cfg = sources.load_config(src)  # a checkpoint's config.yaml: no weights read
+  m = cfg.model
+  return ["--layers", str(m.n_layers), "--heads", str(m.n_heads), "--kv-heads",
+          str(m.n_kv_heads), "--head-dim", str(m.D)]
+
+
+def _size(flags: list[str], items: dict, seq_len, batch, budget) -> SizeResult:
+  from kvjax import cli
+  from kvjax.cli import commands
+
+  argv = ["size", *flags, "--seq-len", str(seq_len), "--batch", str(batch)]
+  argv += ["--budget", str(budget)] if budget is not None else []
+  for key, value in items.items():
+    value = str(value).lower() if isinstance(value, bool) else value
+    argv += ["--set", f"{key}={value}"]
+  raw = commands.cmd_size(cli.parse_args(argv))
+  for w in raw.get("warnings", ()):
+    warnings.warn(w, stacklevel=3)
+  b = raw.get("budget") or {}
+  return SizeResult.of(raw, max_sequences=b.get("max_sequences"),
+                       max_sequences_by_codec=b.get("max_sequences_by_codec"),
+                       batch_fits=b.get("batch_fits"))
+
+
+def size(source: str = "smollm2-135m", cache=None, seq_len: int = 4096, batch: int = 1,
+         budget: str | None = None, overrides: dict | None = None) -> SizeResult:
+  """Closed-form cache bytes of a model named by shape or source (`llama3-8b`,
+  `smollm2-135m`, `gguf:FILE`, `hf:DIR`, `checkpoint:DIR`, `config:FILE.yaml`) without
+  loading its weights, as `kvjax size` does: bytes per token held at `seq_len`, the total
+  for `batch` sequences (a bf16 cache unless `cache` names a codec), and with `budget`
+  ("80GiB"), how many sequences fit after the weights, per codec. `overrides` are dotted
+  config keys (`{"model.n_kv_heads": 1}`)."""
+  envcheck.check()
+  src = resolve_source(source)
+  if overrides is not None and not isinstance(overrides, dict):
+    raise KvjaxError(f"overrides= expects a dict of dotted keys, got {type(overrides).__name__}")
+  return _size(size_flags(src), {**(overrides or {}), **cache_items(cache)}, seq_len, batch,
+               budget)
 
 
 def run(config: str | Path, out: str | Path | None = None,

@@ -270,9 +270,35 @@ def check_tokens(tokens: int, max_len: int) -> None:
     raise KvjaxError(f"--tokens {tokens} exceeds model.max_seq_len={max_len}; lower --tokens")
 
 
+@dataclasses.dataclass(frozen=True)
+class Reference:
+  """What a cache is held to (`kvjax eval --ref`, `Model.evaluate(ref=...)`): a config and
+  weights read on the same tokens (a cache setting of the same model, or another model or
+  checkpoint on the same tokenizer), and how results name it (`ppl_ref` is its perplexity)."""
+
+  cfg: Config
+  params: object
+  label: str = "fp32 cache"
+  kind: str = "cache"  # "cache": a setting of the same model; "model": other weights
+
+
+def fp32_reference(cfg: Config, params) -> Reference:
+  """The default reference: the same model with a plain fp32 contiguous cache."""
+  return Reference(reference_config(cfg), params)
+
+
 def eval_loaded(cfg: Config, params, tok, src, text: str, tokens: int, seqs: int, chunk: int,
-                progress: bool, text_source: str) -> dict:
+                progress: bool, text_source: str, ref: Reference | None = None) -> dict:
   """`kvjax eval` on a loaded model (the Python API's `Model.evaluate` calls it too)."""
+  return eval_settings({"": cfg}, params, tok, src, text, tokens, seqs, chunk, progress,
+                       text_source, ref)[""]
+
+
+def eval_settings(cfgs: dict, params, tok, src, text: str, tokens: int, seqs: int, chunk: int,
+                  progress: bool, text_source: str, ref: Reference | None = None) -> dict:
+  """`eval_loaded` of several cache settings of one model (name -> config) against one
+  reference (default: its fp32 cache), whose log-probabilities are computed once, on the
+  same windows, and reused for every setting: {name: result}."""
   from tqdm import tqdm
 
   if tok is None:
@@ -280,18 +306,35 @@ def eval_loaded(cfg: Config, params, tok, src, text: str, tokens: int, seqs: int
                      "with one (--gguf, --hf, or a config with tokenizer: bytes)")
   windows = text_windows(tok, text_source, tokens, seqs)
   B, M = windows.shape
-  memory.check(cfg, B, M, chunk, what="this eval")  # two caches of M slots, as generate's
-  params = step.prepare_params(cfg, params)  # once for both passes (they reuse it as is)
-  warnings = [w for w in (held.window_warning(cfg, M), intervals.few_blocks(M, B)) if w]
-  with tqdm(total=2 * B * M, desc="eval", unit="tok", disable=None if progress else True,
-            leave=False) as bar:
-    ref = reference_logprobs(cfg, params, windows, chunk, progress=bar)
-    metrics, nbytes = compare_streamed(cfg, params, windows, ref, chunk, progress=bar)
+  first = next(iter(cfgs.values()))
+  ref = ref or fp32_reference(first, params)
+  for c in cfgs.values():
+    memory.check(c, B, M, chunk, what="this eval")  # two caches of M slots, as generate's
+  params = step.prepare_params(first, params)  # once for every pass (they reuse it as is)
+  ref_params = params if ref.kind == "cache" else ref.params
+  warnings = [w for w in (intervals.few_blocks(M, B),) if w]
+  out = {}
+  with tqdm(total=(1 + len(cfgs)) * B * M, desc="eval", unit="tok",
+            disable=None if progress else True, leave=False) as bar:
+    lp = [np.asarray(o) for s, o in stream_segments(ref.cfg, ref_params, windows, chunk,
+                                                    progress=bar) if s is not None]
+    ref_lp = np.concatenate(lp, axis=1)
+    del lp
+    for name, cfg in cfgs.items():
+      metrics, nbytes = compare_streamed(cfg, params, windows, ref_lp, chunk, progress=bar)
+      out[name] = _record(cfg, metrics, nbytes, src, text, B, M, chunk, ref, warnings)
+  return out
+
+
+def _record(cfg: Config, metrics: dict, nbytes: int, src, text: str, B: int, M: int,
+            chunk: int, ref: Reference, warnings: list) -> dict:
   c, m = cfg.cache, cfg.model
   # what the cache held for these windows (= nbytes / B), and the long-context cost beside it
   sized = held.count(cfg, M, batch=B).fields()
+  window = held.window_warning(cfg, M)
   return {**metrics, **sized, "cache_bytes": nbytes, "tokens": M,
           "seqs": B, "chunk": chunk, "text": text, "source": str(src),
+          "ref": ref.label, "ref_kind": ref.kind,
           "variant": m.variant, "layout": c.layout, "k_codec": c.k_codec, "v_codec": c.v_codec,
           "k_axis": c.k_axis, "group_size": c.group_size, "residual": c.residual,
-          "warnings": warnings}
+          "warnings": ([window] if window else []) + list(warnings)}

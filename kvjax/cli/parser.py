@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import argparse
 
-from kvjax.cli.commands import (DEFAULT_CODEC, cmd_convert, cmd_eval, cmd_generate, cmd_models,
+from kvjax.cli.commands import (DEFAULT_CODEC, cmd_convert, cmd_generate, cmd_models,
                                 cmd_plot, cmd_results, cmd_run, cmd_size, cmd_train,
                                 codec_names, layout_names)
+from kvjax.cli import paired
 from kvjax.errors import KvjaxError
 
 
@@ -73,12 +74,17 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_distributed(p):
   d = p.add_argument_group("multi-host (jax.distributed; or KVJAX_COORDINATOR, "
-                           "KVJAX_NUM_PROCESSES, KVJAX_PROCESS_ID, KVJAX_DISTRIBUTED=1)")
+                           "KVJAX_NUM_PROCESSES, KVJAX_PROCESS_ID, KVJAX_DISTRIBUTED=1, "
+                           "KVJAX_DISTRIBUTED_TIMEOUT)")
   d.add_argument("--distributed", action="store_true",
                  help="jax.distributed.initialize() with cluster auto-detection (TPU, SLURM, MPI)")
   d.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
   d.add_argument("--num-processes", type=_number("--num-processes", _POS))
   d.add_argument("--process-id", type=_number("--process-id", _NONNEG))
+  d.add_argument("--distributed-timeout", metavar="SECONDS",
+                 type=_number("--distributed-timeout", (1, True, 86400, True)),
+                 help="how long to wait for every process to join, and for a silent one "
+                 "before the run stops (default: JAX's 300 and 100)")
 
 
 def _add_set(p):
@@ -204,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
   _add_set(c)
   c.set_defaults(func=cmd_convert)
 
-  e = sub.add_parser("eval", help="perplexity and KL through the cache vs an fp32 cache")
+  e = sub.add_parser("eval", help="perplexity and KL through the cache vs an fp32 cache, or "
+                     "vs any reference (--ref)")
   esrc = e.add_mutually_exclusive_group(required=True)
   esrc.add_argument("--config", metavar="FILE.yaml")
   esrc.add_argument("--checkpoint", metavar="DIR")
@@ -221,9 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
   e.add_argument("--codec", help=Listed("cache codec for K and V: {codecs}"))
   e.add_argument("--k-codec")
   e.add_argument("--v-codec")
+  e.add_argument("--ref", metavar="SETTING|MODEL",
+                 help="what the cache is held to (default fp32, the fp32 cache): a codec "
+                 "(bf16), cache keys (codec=int4,group_size=32), or another model or "
+                 "checkpoint on the same tokenizer (checkpoint:DIR, hf:DIR, gguf:NAME); "
+                 "paired Δppl, KL and agreement on the same tokens, with 95 %% intervals")
   e.add_argument("--json", action="store_true", help="print one JSON object")
   _add_set(e)
-  e.set_defaults(func=cmd_eval)
+  e.set_defaults(func=paired.cmd_eval)
 
   mo = sub.add_parser("models", help="list or fetch the real models kvjax knows by name")
   mo.add_argument("action", nargs="?", choices=("list", "fetch"), default="list")

@@ -72,7 +72,10 @@ def print_human(command: str, result: dict) -> None:
     print(f"{result['source']}  K:{result['k_codec']} V:{result['v_codec']}  "
           f"{result['seqs']} x {result['tokens']} tokens, chunk {result['chunk']}")
     ci = {k: result.get(f"{k}_ci95") for k in ("dppl_rel", "kl", "agreement")}
-    print(f"ppl {result['ppl']:.4f} (fp32 cache {result['ppl_ref']:.4f}, "
+    ref = result.get("ref", "fp32 cache")
+    if ref != "fp32 cache":
+      print(f"paired against {ref} on the same tokens (Δppl, KL(ref || this), agreement)")
+    print(f"ppl {result['ppl']:.4f} ({ref} {result['ppl_ref']:.4f}, "
           f"{100 * result['dppl_rel']:+.3f} %{_ci(ci['dppl_rel'], '{:+.3f}', 100)})  "
           f"KL {result['kl']:.3g}{_ci(ci['kl'], '{:.3g}')}  "
           f"agreement {result['agreement']:.4f}{_ci(ci['agreement'], '{:.4f}')}")

@@ -167,8 +167,13 @@ def compare_streamed(cfg: Config, params, tokens_BM, ref_BMV, chunk: int = 1,
 
 def reference_logprobs(cfg: Config, params, tokens_BM, chunk: int = 1, progress=None):
   """Log-probabilities through the fp32 contiguous cache, as a host array [B, M, V]."""
+  return host_logprobs(reference_config(cfg), params, tokens_BM, chunk, progress)
+
+
+def host_logprobs(cfg: Config, params, tokens_BM, chunk: int = 1, progress=None):
+  """Log-probabilities through `cfg`'s own cache (a reference), as a host array [B, M, V]."""
   parts = [np.asarray(out) for start, out in stream_segments(
-      reference_config(cfg), params, tokens_BM, chunk, progress=progress) if start is not None]
+      cfg, params, tokens_BM, chunk, progress=progress) if start is not None]
   return np.concatenate(parts, axis=1)
 
 
@@ -316,10 +321,7 @@ def eval_settings(cfgs: dict, params, tok, src, text: str, tokens: int, seqs: in
   out = {}
   with tqdm(total=(1 + len(cfgs)) * B * M, desc="eval", unit="tok",
             disable=None if progress else True, leave=False) as bar:
-    lp = [np.asarray(o) for s, o in stream_segments(ref.cfg, ref_params, windows, chunk,
-                                                    progress=bar) if s is not None]
-    ref_lp = np.concatenate(lp, axis=1)
-    del lp
+    ref_lp = host_logprobs(ref.cfg, ref_params, windows, chunk, progress=bar)
     for name, cfg in cfgs.items():
       metrics, nbytes = compare_streamed(cfg, params, windows, ref_lp, chunk, progress=bar)
       out[name] = _record(cfg, metrics, nbytes, src, text, B, M, chunk, ref, warnings)

@@ -130,3 +130,30 @@ def test_size_in_closed_form_without_weights(monkeypatch, capsys):
   assert bf16.k_codec == "bf16" and bf16.total_bytes > 3 * r.total_bytes
   with pytest.raises(kvjax.KvjaxError, match="overrides="):
     kvjax.size("llama3-8b", overrides=["model.n_kv_heads=1"])
+
+
+def test_quality_experiment_holds_every_setting_to_params_reference(tiny, tmp_path, capsys):
+  from kvjax import runner
+  cfg = {"name": "q", "experiment": "quality",
+         "model": {"d_model": 32, "n_heads": 4, "n_kv_heads": 2},
+         "workload": {"gen_len": 0},
+         "grid": {"params.setting": ["bf16", "int4"]},
+         "params": {"checkpoints": [str(tiny / "orig")], "eval_tokens": 160, "eval_seqs": 2,
+                    "chunk": 16, "gen_prompts": 0, "reference": "bf16",
+                    "settings": {"bf16": {"cache.codec": "bf16"},
+                                 "int4": {"cache.codec": "int4"}}}}
+  (tmp_path / "q.yaml").write_text(yaml.safe_dump(cfg))
+  runner.run_file(tmp_path / "q.yaml", out_dir=tmp_path / "out", progress=False)
+  assert "reference" in capsys.readouterr().out  # the summary names what Δppl is against
+  rows = {r["variant"]["setting"]: r for r in
+          map(json.loads, (tmp_path / "out" / "quality.jsonl").read_text().splitlines())}
+  assert {r["workload"]["reference"] for r in rows.values()} == {"bf16 cache"}
+  m = {k: r["metrics"] for k, r in rows.items()}
+  assert m["bf16"]["dppl_rel"] == 0.0 and m["bf16"]["kl"] == 0.0  # itself: no difference
+  assert m["int4"]["ppl_ref"] == m["bf16"]["ppl"] and m["int4"]["kl"] > 0
+  lo, hi = m["int4"]["dppl_rel_ci95"]
+  assert lo <= m["int4"]["dppl_rel"] <= hi
+  bad = {**cfg, "params": {**cfg["params"], "reference": "checkpoint:x"}}
+  (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+  with pytest.raises(kvjax.KvjaxError, match="params.reference must be a cache setting"):
+    runner.run_file(tmp_path / "bad.yaml", out_dir=tmp_path / "bad", progress=False)

@@ -63,7 +63,11 @@ def test_settings_pooling_and_quanto_peer(hf_folder, tmp_path):
   for k in ("fp32", "int4", "mqa", "quanto_int4"):  # what the cache held, per token evaluated
     assert m[k]["bytes_per_token"] == m[k]["cache_bytes"] / (2 * 64), k
   peer = rows["quanto_int4"]
-  assert peer["variant"]["peer"] == "quanto" and peer["workload"] == rows["fp32"]["workload"]
+  same = lambda w: {k: v for k, v in w.items() if k != "reference"}  # noqa: E731
+  assert peer["variant"]["peer"] == "quanto" and same(peer["workload"]) == \
+      same(rows["fp32"]["workload"])
+  assert rows["fp32"]["workload"]["reference"] == "fp32 cache"
+  assert peer["workload"]["reference"] == "transformers' unquantized cache"
   # the peer's reference (transformers, unquantized cache) is kvjax's fp32 run of the same
   # weights on the same tokens: the two implementations agree
   assert m["quanto_int4"]["ppl_ref"] == pytest.approx(m["fp32"]["ppl_ref"], rel=1e-4)

@@ -32,6 +32,12 @@ Peers: a setting with `params.peer: quanto_int4` (or `quanto_int2`) measures tra
 (transformers' own GGUF loader), the same tokens and the same chunking, with transformers'
 unquantized dynamic cache as that row's reference (computed once per run).
 
+Reference: `params.reference` (a codec name, `KEY=VALUE,...` as `kvjax eval --ref` takes, or
+a mapping of cache keys) holds every setting to that cache of the same model instead of the
+fp32 cache: `ppl_ref`, `dppl_rel`, `kl`, `agreement` (and recall_ref, gen_agreement) are then
+paired against it on the same tokens, with the same intervals; `workload.reference` names
+it in every text row (`fp32 cache` by default), and the summary and plots say it.
+
 The cell's own `model:` section is ignored: each model brings its config.
 References are computed once per model and reused by every cell of a run.
 """
@@ -57,7 +63,7 @@ from kvjax.errors import KvjaxError
 # experiment's); `kvjax run` refuses any other, which would be accepted and ignored.
 PARAMS = frozenset({"checkpoints", "chunk", "eval_seqs", "eval_tokens", "gen_prompts",
                     "kv_heads", "models", "peer", "peer_residual", "recall_contexts",
-                    "recall_seqs", "text"})
+                    "recall_seqs", "reference", "text"})
 
 _REF: dict = {}
 
@@ -89,6 +95,7 @@ def check(cfg) -> None:
     if src.kind == "gguf":
       from kvjax.io import zoo
       zoo.resolve_gguf(src.ref)
+  reference_items(cfg)  # a malformed params.reference refused before any cell runs
   peer = cfg.param("peer", "")
   if peer and (not peer.startswith("quanto_int") or peer[len("quanto_int"):] not in ("2", "4")):
     raise KvjaxError(f"unknown params.peer '{peer}'; use quanto_int4 or quanto_int2")
@@ -122,8 +129,38 @@ def _windows(cfg, model_cfg: config_lib.Config, tok):
   return evaluate.text_windows(tok, text, n, seqs, _NAMES), None
 
 
+def reference_items(cfg) -> dict:
+  """`cache.*` overrides of `params.reference` (a codec name, `KEY=VALUE,...` as `kvjax eval
+  --ref` takes, or a mapping of cache keys), applied to the fp32 contiguous cache; {} for
+  the default, the fp32 cache itself."""
+  from kvjax import compare
+  ref = cfg.param("reference", None)
+  if ref in (None, "", "fp32"):
+    return {}
+  if isinstance(ref, dict):
+    items = {str(k) if str(k).startswith("cache.") else f"cache.{k}": v for k, v in ref.items()}
+  elif isinstance(ref, str) and compare.kind_of(ref) == "cache":
+    items = compare.cache_items(ref)
+  else:
+    raise KvjaxError(f"params.reference must be a cache setting (bf16, codec=int4,group_size=32 "
+                     f"or a mapping of cache keys), got {ref!r}; hold a model to another with "
+                     "`kvjax eval --ref MODEL`")
+  if any(not k.startswith("cache.") for k in items):
+    raise KvjaxError(f"params.reference sets {', '.join(items)}; only cache.* keys")
+  return items
+
+
+def reference_name(cfg) -> str:
+  """How rows and plots name the reference: `fp32 cache` or the setting's text."""
+  items = reference_items(cfg)
+  if not items:
+    return "fp32 cache"
+  return ",".join(f"{k.removeprefix('cache.')}={v}" for k, v in items.items()) \
+      if list(items) != ["cache.codec"] else f"{items['cache.codec']} cache"
+
+
 def _reference(src: sources.Source, cfg, mcfg, params, tok) -> dict:
-  key = (str(src), cfg.param("eval_tokens", 512), cfg.param("eval_seqs", 4),
+  key = (str(src), repr(reference_items(cfg)), cfg.param("eval_tokens", 512), cfg.param("eval_seqs", 4),
          cfg.param("chunk", 1), cfg.param("text", "stdlib"),
          tuple(cfg.param("recall_contexts", ())), cfg.param("recall_seqs", 32), cfg.seed,
          cfg.workload.prompt_len, cfg.workload.gen_len)
@@ -131,8 +168,10 @@ def _reference(src: sources.Source, cfg, mcfg, params, tok) -> dict:
     for k in [k for k in _REF if k[0] != "hf"]:  # one model's reference at a time: a real
       del _REF[k]                                # model's is gigabytes
     ref_cfg = evaluate.reference_config(cell_config(cfg, mcfg))
+    if reference_items(cfg):  # params.reference: held to that cache instead of fp32
+      ref_cfg = config_lib.apply_overrides(ref_cfg, reference_items(cfg))
     tokens, corpus = _windows(cfg, mcfg, tok)
-    lp = evaluate.reference_logprobs(ref_cfg, params, tokens, cfg.param_int("chunk", 1))
+    lp = evaluate.host_logprobs(ref_cfg, params, tokens, cfg.param_int("chunk", 1))
     nbytes = cache_lib.LAYOUTS["contiguous"].closed_form_bytes(
         cache_lib.CacheSpec.from_config(ref_cfg, *tokens.shape))
     recall = {}
@@ -184,7 +223,8 @@ def run_cell(cfg) -> list[dict]:
       metrics["gen_agreement"] = evaluate.generation_agreement(got, ref_gen)
     text = mcfg.train.data if mcfg.tokenizer == "bytes" else str(cfg.param("text", "stdlib"))
     rows.append({"variant": var, "workload": {"task": "text", "batch": B, "context": M,
-                                              "chunk": chunk, "data": text},
+                                              "chunk": chunk, "data": text,
+                                              "reference": reference_name(cfg)},
                  "metrics": metrics})
     for L, (seqs, mask, acc_ref) in ref["recall"].items():
       acc = evaluate.recall_accuracy(tcfg, params, seqs, mask, chunk)
@@ -275,7 +315,9 @@ def _peer_row(cfg, src, peer: str, tokens_BM, chunk: int, text: str) -> dict:
          "setting": peer, "model": src.name, "kv_heads": m.num_key_value_heads,
          "heads": m.num_attention_heads, "layout": "QuantizedCache"}
   return {"variant": var, "workload": {"task": "text", "batch": B, "context": M,
-                                       "chunk": chunk, "data": text}, "metrics": metrics}
+                                       "chunk": chunk, "data": text,
+                                       "reference": "transformers' unquantized cache"},
+          "metrics": metrics}
 
 
 def summary(rows: list[dict]) -> list[dict]:
@@ -284,6 +326,7 @@ def summary(rows: list[dict]) -> list[dict]:
     if r["workload"].get("task") == "text":
       v, m = r["variant"], r["metrics"]
       out.append({"model": v.get("variant"), "setting": v.get("setting"),
+                  "reference": r["workload"].get("reference", "fp32 cache"),
                   "ppl": m["ppl"], "ppl_ref": m["ppl_ref"], "dppl_%": 100 * m["dppl_rel"],
                   "dppl_%_ci95": intervals.text(m.get("dppl_rel_ci95"), "{:+.3f}", 100),
                   "kl": m["kl"], "kl_ci95": intervals.text(m.get("kl_ci95")),

@@ -426,7 +426,7 @@ def test_mean_pooled_kv_heads_setting(tmp_path, cell_rows):
     kept = row["metrics"].get("kept", 1.0)
     assert row["metrics"]["bytes_per_token"] == pytest.approx(2 * 2 * 1 * 8 * 4 * kept, rel=1e-3)
     assert kept == 1.0 if name == "mqa" else kept < 0.51
-  with pytest.raises(KvjaxError, match="cannot pool 2 KV heads into 3"):
+  with pytest.raises(KvjaxError, match="2 KV heads into 3; --kv-heads must divide 2"):
     long_context.check(_experiment_cfg(tmp_path, setting="bad",
                                        settings={"bad": {"params.kv_heads": 3}}))
 

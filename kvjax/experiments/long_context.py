@@ -43,7 +43,8 @@ a fraction of the prefix.
 
 A setting may also set `params.kv_heads`: the model's K/V projections are then mean-pooled
 into that many heads (`kvjax.io.convert.mean_pool`, no uptraining: GQA-3 -> MQA for
-SmolLM2), and its prefixes are prefilled through that model (list such settings last
+SmolLM2), or for a multiple of the model's heads copied exactly (`convert.expand`: the MHA
+twin), and its prefixes are prefilled through that model (list such settings last
 among a context's settings: the prefills kept are one model's).
 """
 
@@ -142,7 +143,8 @@ def _kv_heads(cfg) -> int:
 
 
 def _model(spec: str, cfg):
-  """`_load`, with the K/V heads mean-pooled to `params.kv_heads` when the setting asks, the
+  """`_load`, with the K/V heads mean-pooled (or expanded exactly, to a multiple) to
+  `params.kv_heads` when the setting asks, the
   params prepared as every step through a cache takes them (`kvjax.step.prepare_params`)."""
   src, mcfg, params, tok = _load(spec)
   kv = _kv_heads(cfg)
@@ -154,7 +156,8 @@ def _model(spec: str, cfg):
 @functools.lru_cache(maxsize=1)
 def _pooled(spec: str, kv_heads: int):
   _, mcfg, params, _ = _load(spec)
-  return convert.mean_pool(mcfg, params, kv_heads)
+  grow = kv_heads > mcfg.model.n_kv_heads  # a multiple: the exact twin (more cache, same outputs)
+  return (convert.expand if grow else convert.mean_pool)(mcfg, params, kv_heads)
 
 
 def cell_config(cfg, model_cfg: config_lib.Config) -> config_lib.Config:

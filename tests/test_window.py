@@ -1,0 +1,118 @@
+"""Sliding-window layers (`model.sliding_window`, `model.global_every`) and the other Gemma 3
+knobs of the one model definition: a windowed layer attends to exactly its last W tokens,
+in the full forward pass, in cached decode, and in multi-token calls that continue a cache,
+on every layout that records token positions and through every read; what cannot hold a
+window is refused on the host in one line."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_config, tiny_params
+from kvjax import config as config_lib
+from kvjax import evaluate
+from kvjax.errors import KvjaxError
+from kvjax.model import Transformer
+
+# Every Gemma 3 knob on the tiny model; layer 0 is local (window 3, RoPE base 100), layer 1
+# global. query_scale != head_dim, so the query scale is exercised too.
+GEMMA_LIKE = {"model.n_kv_heads": 1, "model.qk_norm": True, "model.sandwich_norm": True,
+              "model.embed_scale": True, "model.mlp_act": "gelu_tanh", "model.query_scale": 6.0,
+              "model.global_every": 2, "model.sliding_window": 3, "model.rope_local_theta": 100.0}
+TOKENS = np.array([[3, 14, 15, 9, 2, 6, 5, 35, 8, 9, 7, 9, 3, 23, 8, 4],
+                   [2, 7, 1, 8, 28, 18, 28, 4, 5, 9, 0, 45, 2, 35, 3, 6]], np.int32)
+
+
+def _params(cfg):
+  """Random weights with norms away from 1 (unit norms would hide a missing norm)."""
+  params = tiny_params(cfg)
+  key = iter(jax.random.split(jax.random.PRNGKey(7), 64))
+  return jax.tree_util.tree_map_with_path(
+      lambda p, a: a * (1 + 0.5 * jax.random.uniform(next(key), a.shape))
+      if "norm" in jax.tree_util.keystr(p) else a, params)
+
+
+def _full(cfg, params, tokens):
+  """Log-probabilities of the full forward pass (no cache), [B, T, V]."""
+  pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  logits, _ = Transformer(cfg.model).apply({"params": params}, jnp.asarray(tokens), pos)
+  return jax.nn.log_softmax(logits, axis=-1)
+
+
+def test_a_window_covers_exactly_the_last_w_tokens():
+  """One windowed layer: position p's output equals the model run on tokens p-W+1 .. p alone
+  (RoPE sees only position differences), and differs from the unwindowed model's."""
+  cfg = tiny_config(**{**GEMMA_LIKE, "model.n_layers": 1, "model.global_every": 0})
+  params = _params(cfg)
+  W = cfg.model.sliding_window
+  got = _full(cfg, params, TOKENS)
+  nowin = config_lib.replace(cfg, **{"model.sliding_window": 0})
+  full = _full(nowin, params, TOKENS)
+  np.testing.assert_allclose(got[:, :W], full[:, :W], atol=1e-5)  # the window holds all of them
+  for p in range(W, TOKENS.shape[1]):
+    alone = _full(nowin, params, TOKENS[:, p - W + 1:p + 1])[:, -1]
+    np.testing.assert_allclose(got[:, p], alone, atol=2e-4)
+    assert np.abs(got[:, p] - full[:, p]).max() > 1e-3
+
+
+def test_a_window_as_long_as_the_text_changes_nothing():
+  cfg = tiny_config(**GEMMA_LIKE)
+  params = _params(cfg)
+  wide = config_lib.replace(cfg, **{"model.sliding_window": TOKENS.shape[1]})
+  off = config_lib.replace(cfg, **{"model.sliding_window": 0})
+  np.testing.assert_allclose(_full(wide, params, TOKENS), _full(off, params, TOKENS), atol=1e-6)
+
+
+CASES = {
+    "contiguous-native": {},
+    "contiguous-grouped": {"model.attention": "grouped"},
+    "contiguous-reference": {"model.attention": "reference"},
+    "paged": {"cache.layout": "paged", "cache.page_size": 4},
+    # a residual window shorter than the sliding one: the window reaches into the history
+    "first-tokens-and-residual": {"cache.keep_first": 1, "cache.residual": 1},
+    "accelerator-program": {"model.program": "accelerator"},
+}
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_streamed_through_the_cache_equals_the_full_forward(case, chunk):
+  """Token by token (a decode step: the window folded into the slot mask the kernel reads)
+  and three at a time (each query its own window over stored slots) through an fp32 cache."""
+  cfg = tiny_config(**{**GEMMA_LIKE, **CASES[case]})
+  params = _params(cfg)
+  want = _full(cfg, params, TOKENS)
+  lp, _ = evaluate.stream_logprobs(cfg, params, TOKENS[:, :15], chunk=chunk)
+  np.testing.assert_allclose(lp, want[:, :15], atol=2e-5)
+
+
+QUANTIZED = {"int8": {"cache.codec": "int8"},
+             "kivi-first-tokens": {"cache.codec": "int4", "cache.k_axis": "channel",
+                                   "cache.group_size": 2, "cache.residual": 2,
+                                   "cache.keep_first": 1}}
+
+
+@pytest.mark.parametrize("case", sorted(QUANTIZED))
+def test_quantized_windowed_decode_reads_as_the_reference(case):
+  """The kernel's read (window in the slot mask) against the plain dequantizing read."""
+  cfg = tiny_config(**{**GEMMA_LIKE, **QUANTIZED[case]})
+  params = _params(cfg)
+  ref = config_lib.replace(cfg, **{"model.attention": "reference"})
+  a, _ = evaluate.stream_logprobs(cfg, params, TOKENS[:, :12])
+  b, _ = evaluate.stream_logprobs(ref, params, TOKENS[:, :12])
+  np.testing.assert_allclose(a, b, atol=2e-4)
+
+
+@pytest.mark.parametrize("over, needle", [
+    ({"cache.layout": "latent", "model.latent_rank": 4}, "cache.layout=latent"),
+    ({"cache.policy": "window", "cache.budget": 8}, "model.sliding_window=0"),
+    ({"model.attention": "pallas"}, "sliding-window"),
+    ({"model.sliding_window": 5000}, "model.max_seq_len"),
+    ({"model.mlp_act": "relu"}, "model.mlp_act"),
+    ({"model.rope_local_theta": 0.5}, "rope_local_theta"),
+])
+def test_what_cannot_hold_a_window_is_refused_in_one_line(over, needle):
+  with pytest.raises(KvjaxError) as e:
+    config_lib.validate(tiny_config(**{**GEMMA_LIKE, **over}))
+  assert "\n" not in str(e.value) and needle in str(e.value), str(e.value)

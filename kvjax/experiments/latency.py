@@ -32,7 +32,6 @@ from __future__ import annotations
 import time
 
 import jax
-import numpy as np
 import jax.numpy as jnp
 
 from kvjax import cache as cache_lib
@@ -149,8 +148,14 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
 
 
 def summary(rows: list[dict]) -> list[dict]:
-  """One line per cell, with TPOT relative to MHA-bf16 (else the first variant) at the same
-  batch and context, the ratio the protocol trusts on a shared machine."""
+  """One line per row, with TPOT against a reference at the same batch and context
+  (kvjax.figures): interleaved rows' paired `tpot_vs_ref` with its interval, else
+  `tpot_over_ref`, a ratio of medians to MHA-bf16 (else the first row) timed apart; `vs_ref`
+  says faster, slower or not told apart (interval holding 1, or overlapping IQRs), and
+  `regime` whether the step's time is its bytes' or its overhead (roof fraction below 0.1:
+  per-step overhead decides, not the cache's bytes)."""
+  from kvjax import figures
+
   def key(r):
     return (r["workload"]["batch"], r["workload"]["context"], r["variant"]["layout"])
 
@@ -158,9 +163,9 @@ def summary(rows: list[dict]) -> list[dict]:
   for r in rows:
     v = r["variant"]
     if v["variant"] == "MHA" and v["codec"] == "bf16":
-      ref[key(r)] = r["metrics"]["tpot_s"]
+      ref.setdefault(key(r), r["metrics"])
   for r in rows:
-    ref.setdefault(key(r), r["metrics"]["tpot_s"])
+    ref.setdefault(key(r), r["metrics"])
   out = []
   for r in rows:
     v, w, m = r["variant"], r["workload"], r["metrics"]
@@ -168,6 +173,17 @@ def summary(rows: list[dict]) -> list[dict]:
                 "batch": w["batch"], "context": w["context"],
                 "bytes_per_token": m["bytes_per_token"], "cache_bytes": m["cache_bytes"],
                 "ttft_s": m["ttft_s"], "tpot_s": m["tpot_s"], "tpot_iqr_s": m["tpot_s_iqr"],
-                "tpot_vs_ref": m["tpot_s"] / ref[key(r)], "tokens_per_s": m["tokens_per_s"],
-                "bound": m.get("bound", ""), "roof_fraction": m.get("roof_fraction", np.nan)})
+                **figures.ratio_fields(m, ref[key(r)]), "tokens_per_s": m["tokens_per_s"],
+                "bound": m.get("bound", ""), **figures.roof_fields(m),
+                "regime": regime(m)})
   return out
+
+
+def regime(m: dict) -> str:
+  """What a decode step's time measures: `bytes` when it runs near its roof, `overhead`
+  when far below it (a toy shape: launch and per-step costs, not the cache's bytes)."""
+  from kvjax import figures
+  f = figures.roof_fraction(m)
+  if f is None or f > 1.0:
+    return "unknown"
+  return "overhead" if f < 0.1 else m.get("bound", "bytes") or "bytes"

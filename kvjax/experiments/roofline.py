@@ -275,26 +275,28 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
 
 
 def summary(rows: list[dict]) -> list[dict]:
-  """One line per cell, with decode time relative to the same variant's bf16 cache read by
-  the same attention with the same weights' dtype."""
+  """One line per row: TPOT, the one roof fraction (kvjax.figures: above 1 flagged, not
+  shown), and speed against the reference: interleaved rows' paired `tpot_vs_ref` with its
+  interval, else `tpot_over_ref` (a ratio of medians) against the same variant's bf16 cache
+  read by the same attention with the same weights' dtype; `vs_ref` says whether the two
+  can be told apart."""
+  from kvjax import figures
   key = lambda r: (r["variant"]["variant"], r["variant"].get("attention"),  # noqa: E731
                    r.get("config", {}).get("model", {}).get("param_dtype"),
                    r["workload"]["batch"], r["workload"]["context"])
-  ref = {key(r): r["metrics"]["tpot_s"] for r in rows if r["variant"]["codec"] == "bf16"}
+  ref = {key(r): r["metrics"] for r in rows if r["variant"]["codec"] == "bf16"
+         and not r["variant"].get("setting", "").startswith("xla_")}
   out = []
   for r in rows:
     v, w, m = r["variant"], r["workload"], r["metrics"]
-    base = ref.get(key(r))
-    out.append({"variant": v["variant"], "attention": v.get("attention", ""),
-                "codec": ex.cache_name(v), "batch": w["batch"],
-                "context": w["context"], "tpot_ms": m["tpot_s"] * 1e3,
-                "roofline_fraction": m["roofline_fraction"],
-                "bound": m.get("bound", "bytes"),
-                "roof_fraction": m.get("roof_fraction", m["roofline_fraction"]),
-                "achieved_GBps": m["achieved_Bps"] / 1e9,
-                "bandwidth_GBps": m["bandwidth_Bps"] / 1e9,
-                "tpot_vs_bf16": m["tpot_s"] / base if base else float(np.nan)})
-    if "tpot_vs_ref" in m:  # interleaved: the paired ratio to the cell's reference variant
-      out[-1].update(setting=v.get("setting", ""), tpot_vs_ref=m["tpot_vs_ref"],
-                     vs_ref_ci95="[{:.2f}, {:.2f}]".format(*m["tpot_vs_ref_ci95"]))
+    rec = {"variant": v["variant"], "attention": v.get("attention", ""),
+           "codec": ex.cache_name(v), "batch": w["batch"], "context": w["context"],
+           "tpot_ms": m["tpot_s"] * 1e3, "tpot_iqr_ms": m.get("tpot_s_iqr", 0.0) * 1e3,
+           "bound": m.get("bound", "bytes"), **figures.roof_fields(m),
+           "achieved_GBps": m["achieved_Bps"] / 1e9,
+           "bandwidth_GBps": m["bandwidth_Bps"] / 1e9}
+    if "tpot_vs_ref" in m:
+      rec["setting"] = v.get("setting", "")
+    rec.update(figures.ratio_fields(m, ref.get(key(r))))
+    out.append(rec)
   return out

@@ -30,7 +30,8 @@ from kvjax.runner.table import column_text, flatten, identity, is_seconds
 FORMATS = ("csv", "markdown")
 # Metrics a default markdown table shows, in this order, when its rows have them.
 COMPACT_METRICS = ("bytes_per_token", "ttft_s", "tpot_s", "tokens_per_s", "tpot_vs_ref",
-                   "max_concurrency", "roofline_fraction", "memory_utilization", "ppl",
+                   "tpot_vs_ref_ci95_lo", "tpot_vs_ref_ci95_hi", "max_concurrency",
+                   "roof_fraction", "roof_check", "memory_utilization", "ppl",
                    "dppl_rel", "kl", "agreement", "recall", "accuracy")
 ALWAYS = ("variant", "codec", "setting")  # shown when present, varying or not
 

@@ -231,6 +231,9 @@ def run_file(path: str | Path, overrides: list[str] | dict | None = None,
     recs = with_identity(recs, rows)  # every key that tells the cells apart, in front
     print(f"\n{title}" if title else "")
     print(format_table(recs, drop_constant=plain))
+  from kvjax import figures
+  for line in figures.faults(rows):  # a roof fraction above 1 is a fault, said as one
+    warn(line)
   files = [p for p in shard_lib.results_files(folder, name) if p.is_file()]
   print(f"{len(rows)} rows in {own}" if files == [own] else
         f"{len(rows)} rows of these cells in {folder} (its {len(files)} {name} files merged)",

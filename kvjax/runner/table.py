@@ -21,8 +21,13 @@ from kvjax import memory
 TABLE_METRICS = ("bytes_per_token", "bytes_per_token_asymptotic", "bits_per_element",
                  "cache_bytes", "closed_form_bytes", "max_concurrency",
                  "ttft_s", "tpot_s", "tokens_per_s", "speedup_vs_recompute", "peak_bytes",
-                 "roofline_fraction", "ppl", "ppl_ref", "kl", "agreement", "recall",
+                 "roof_fraction", "ppl", "ppl_ref", "kl", "agreement", "recall",
                  "memory_utilization", "prefix_hit_rate")
+
+
+# Row fields shown under one name only (kvjax.figures): the roof fraction is `roof_fraction`
+# (with `roof_check`), whichever field the row stored it in.
+ONE_NAME = ("roof_fraction", "roofline_fraction", "roofline_fraction_iqr")
 
 
 def flatten(row: dict, all_metrics: bool = False) -> dict:
@@ -37,14 +42,16 @@ def flatten(row: dict, all_metrics: bool = False) -> dict:
   if metrics.get("bytes_per_token") is not None:  # as held at the row's context, whatever
     from kvjax import held                         # version wrote the row (kvjax.held)
     metrics = {**metrics, **{k: v for k, v in held.row_bytes(row).items() if v is not None}}
-  for k in TABLE_METRICS:
+  from kvjax import figures
+  metrics = {**metrics, **figures.roof_fields(metrics)}  # one roof fraction, > 1 flagged
+  for k in TABLE_METRICS + ("roof_check",):
     if metrics.get(k) is not None:
       rec[k] = metrics[k]
   if all_metrics:
     for k, v in metrics.items():
       if k.endswith("_ci95") and isinstance(v, list) and len(v) == 2:  # 95 % intervals
         rec[f"{k}_lo"], rec[f"{k}_hi"] = v
-      elif k not in rec and not isinstance(v, (dict, list)):
+      elif k not in rec and k not in ONE_NAME and not isinstance(v, (dict, list)):
         rec[k] = v
   return rec
 

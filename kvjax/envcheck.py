@@ -7,6 +7,7 @@ page of flags (`XLA_FLAGS=--xla_force_host_platform_device_count=two`).
     KVJAX_KERNEL         on | off (also 1/0, yes/no, true/false; unset: on)
     KVJAX_MEMORY_LIMIT   a size, e.g. 16GiB, 512M or 1000000 (bytes); unset: measured
     KVJAX_NUM_PROCESSES, KVJAX_PROCESS_ID   integers (kvjax.distributed)
+    KVJAX_DISTRIBUTED_TIMEOUT   seconds, 1..86400 (kvjax.distributed)
     XLA_FLAGS            its --xla_force_host_platform_device_count, when given, an integer >= 1
 """
 
@@ -69,6 +70,10 @@ def _integers() -> None:
     raw = os.environ.get(name, "").strip()
     if raw and not (raw.isdigit() and int(raw) < 2**31):
       raise KvjaxError(f"{name} must be a whole number, got {raw[:40]!r}; set it or unset it")
+  raw = os.environ.get("KVJAX_DISTRIBUTED_TIMEOUT", "").strip()
+  if raw and not (raw.isdigit() and 1 <= int(raw) <= 86400):
+    raise KvjaxError(f"KVJAX_DISTRIBUTED_TIMEOUT must be whole seconds 1..86400, got "
+                     f"{raw[:40]!r}; set it or unset it")
 
 
 def check() -> None:

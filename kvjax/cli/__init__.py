@@ -128,11 +128,16 @@ def main(argv: list[str] | None = None) -> int:
   args = None
   try:
     envcheck.check()  # KVJAX_*, XLA_FLAGS: before JAX starts (an XLA abort is no message)
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
     if hasattr(args, "distributed"):
       from kvjax import distributed
-      distributed.initialize_distributed(args.coordinator, args.num_processes, args.process_id,
-                                         args.distributed)
+      how = (args.coordinator, args.num_processes, args.process_id, args.distributed,
+             args.distributed_timeout)
+      run = None if distributed.supervised() else distributed.settings(*how)
+      if run:  # multi-process: run as a supervised child, one line if the run is lost
+        return distributed.supervise(argv, run)
+      distributed.initialize_distributed(*how)
     result = args.func(args)
     if args.command in ("size", "eval"):
       for w in result.get("warnings", ()):

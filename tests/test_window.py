@@ -116,3 +116,35 @@ def test_what_cannot_hold_a_window_is_refused_in_one_line(over, needle):
   with pytest.raises(KvjaxError) as e:
     config_lib.validate(tiny_config(**{**GEMMA_LIKE, **over}))
   assert "\n" not in str(e.value) and needle in str(e.value), str(e.value)
+
+
+def test_windowed_layers_keep_rings_whose_bytes_stop_at_w():
+  """Tree bytes = closed form = full layers x S + windowed layers x W slots; the layers held
+  whole (a residual window in the cache) hold every slot."""
+  from kvjax import cache as cache_lib
+  cfg = tiny_config(**{**GEMMA_LIKE, "model.n_layers": 4, "model.n_kv_heads": 2})
+  m = cfg.model
+  S, B, W = 40, 2, m.sliding_window
+  c = cache_lib.init_cache(cfg, B, S)
+  full, local = [i for i in range(4) if not m.is_local(i)], [i for i in range(4) if m.is_local(i)]
+  assert (full, local) == ([1, 3], [0, 2])
+  per_slot = 2 * m.n_kv_heads * m.D * 4  # K and V, fp32
+  want = B * per_slot * (len(full) * S + len(local) * W) + 4 * B
+  assert cache_lib.tree_bytes(c) == want == cache_lib.LAYOUTS["contiguous"].closed_form_bytes(c.spec)
+  whole = cache_lib.init_cache(config_lib.replace(cfg, **{"model.sliding_window": 0}), B, S)
+  assert cache_lib.tree_bytes(whole) == B * per_slot * 4 * S + 4 * B
+
+
+def test_prefill_longer_than_the_window_then_decode_equals_recomputing():
+  """A 12-token prompt into rings of 3 (only each row's last 3 positions are stored), then
+  greedy decode: the tokens of recomputing the full forward pass each step."""
+  from kvjax import program
+  cfg = tiny_config(**{**GEMMA_LIKE, "workload.temperature": 0.0})
+  params = _params(cfg)
+  prompts = [TOKENS[0, :12].tolist(), TOKENS[1, :7].tolist()]
+  got = program.generate(cfg, params, prompts, 5, timed=False)["tokens"]
+  for prompt, out in zip(prompts, got):
+    seq = list(prompt)
+    for _ in range(5):
+      seq.append(int(np.argmax(_full(cfg, params, np.asarray([seq]))[0, -1])))
+    assert out == seq[len(prompt):]

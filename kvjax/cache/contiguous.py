@@ -1,7 +1,8 @@
 """The `contiguous` layout: `capacity` preallocated slots per sequence, every leaf stacked
 over layers [L, B, K, S, ...] (K heads only, never the repeated query-group copies), with
 an optional full-precision window of recent tokens (`cache.residual`, KIVI's R) and the
-first tokens of each sequence kept apart in full precision (`cache.keep_first`)."""
+first tokens of each sequence kept apart in full precision (`cache.keep_first`). A model
+with sliding-window layers keeps those layers in rings of W slots (`kvjax.cache.ring`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.cache import base
+from kvjax.cache import base, ring
 from kvjax.errors import KvjaxError
 
 
@@ -26,6 +27,8 @@ class KVCache:
   v_win: Any = None
   k_first: Any = None    # the first tokens in full precision [L, B, K, S, D], S = cache.keep_first
   v_first: Any = None
+  k_ring: Any = None     # sliding-window layers' last W tokens [Lw, B, K, W, ...] (kvjax.cache.ring);
+  v_ring: Any = None     # then k and v hold the other layers only [Lg, B, K, S, ...]
 
 
 def check_capacity(spec: base.CacheSpec) -> None:
@@ -56,6 +59,12 @@ class Contiguous(base.Layout):
   name = "contiguous"
 
   def init(self, spec: base.CacheSpec) -> KVCache:
+    rg = ring.layers(spec)
+    if rg is not None:  # sliding-window layers keep rings (kvjax.cache.ring)
+      full, local = ring.shapes(spec, rg)
+      return KVCache(k=spec.kc.init(full), v=spec.vc.init(full), k_ring=spec.kc.init(local),
+                     v_ring=spec.vc.init(local), lengths=jnp.zeros((spec.batch,), jnp.int32),
+                     spec=spec)
     L, B, K, D, R = spec.n_layers, spec.batch, spec.n_kv_heads, spec.head_dim, spec.residual
     shape = (L, B, K, spec.history, D)
     cache = KVCache(k=spec.kc.init(shape), v=spec.vc.init(shape),
@@ -70,6 +79,8 @@ class Contiguous(base.Layout):
     return cache
 
   def store(self, cache: KVCache) -> Any:
+    if cache.k_ring is not None:
+      return (cache.k, cache.v, cache.k_ring, cache.v_ring)
     out = (cache.k, cache.v)
     if cache.k_win is not None:
       out += (cache.k_win, cache.v_win)
@@ -78,6 +89,9 @@ class Contiguous(base.Layout):
     return out
 
   def read(self, spec, store, lengths_B, layer):
+    rg = ring.layers(spec)
+    if rg is not None:
+      return ring.read(spec, store, lengths_B, layer, rg)
     k, v = store[:2]
     first, wc = spec.keep_first, spec.window_codec
     n_B = jnp.maximum(lengths_B - first, 0) if first else lengths_B  # held after the first
@@ -107,6 +121,10 @@ class Contiguous(base.Layout):
     k_LBKTD = jnp.swapaxes(k_LBTKD, 2, 3)
     v_LBKTD = jnp.swapaxes(v_LBTKD, 2, 3)
     lengths = cache.lengths + jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
+    rg = ring.layers(spec)
+    if rg is not None:
+      return dataclasses.replace(cache, lengths=lengths, **ring.write(
+          cache, k_LBKTD, v_LBKTD, positions_BT, lengths, rg))
     first = spec.keep_first
     if first:  # positions [0, first) to their own store; the rest is the cache over p - first
       first_BT = jnp.where((positions_BT >= 0) & (positions_BT < first), positions_BT, first)
@@ -162,6 +180,9 @@ class Contiguous(base.Layout):
     return {"k": k, "v": v, "k_win": k_win, "v_win": v_win}
 
   def closed_form_bytes(self, spec: base.CacheSpec) -> int:
+    rg = ring.layers(spec)
+    if rg is not None:
+      return ring.closed_form_bytes(spec, rg)
     check_capacity(spec)
     per_token = (spec.kc.bytes_per_token(spec.n_kv_heads, spec.head_dim)
                  + spec.vc.bytes_per_token(spec.n_kv_heads, spec.head_dim))

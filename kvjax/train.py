@@ -26,6 +26,7 @@ import optax
 
 from kvjax import data, memory
 from kvjax.io import checkpoint
+from kvjax.runner import claims
 from kvjax import config as config_lib
 from kvjax.config import Config, ModelConfig, jsonfile
 from kvjax.errors import KvjaxError
@@ -150,13 +151,19 @@ def _check_resume(saved: Config, cfg: Config, out_dir: Path) -> None:
 
 
 def train(cfg: Config, out_dir: str | Path, params: Any = None, progress: bool = True) -> dict:
-  """Train (or resume) `cfg` into `out_dir`; `params` seeds a fresh run (uptraining)."""
-  from tqdm import tqdm
-
+  """Train (or resume) `cfg` into `out_dir`; `params` seeds a fresh run (uptraining).
+  One writer per folder: a second train (or convert) into `out_dir` while this one runs is
+  a one-line KvjaxError (`claims.sole_writer`) instead of two runs racing in orbax."""
   _check(cfg)
   memory.check_training(cfg)  # on the host, before any weight is made (as generate's check)
+  with claims.sole_writer(out_dir, "train"):
+    return _train(cfg, Path(out_dir), params, progress)
+
+
+def _train(cfg: Config, out_dir: Path, params: Any, progress: bool) -> dict:
+  from tqdm import tqdm
+
   t = cfg.train
-  out_dir = Path(out_dir)
   corpus = data.load_corpus(t.data)
   opt = optimizer(cfg)
   start = 0

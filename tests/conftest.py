@@ -98,37 +98,36 @@ def variant_cfg(request):
   return tiny_config(**{"model.n_kv_heads": KV_HEADS[request.param]})
 
 
-def smollm2_path():
-  """The installed SmolLM2 GGUF (`make models`); CI must have it, a laptop may skip."""
+def model_path(name: str):
+  """The installed GGUF of a named model (`make models`); CI must have it, a laptop may skip."""
   from kvjax.io import zoo
-  path = zoo.path_of("smollm2-135m")
+  path = zoo.path_of(name)
   if not path.is_file():
     if os.environ.get("CI"):
-      pytest.fail("SmolLM2 is not installed; .ci/run must run `make models` first")
-    pytest.skip("SmolLM2 not installed: run `make models`")
+      pytest.fail(f"{name} is not installed; .ci/run must run `make models` first")
+    pytest.skip(f"{name} not installed: run `make models`")
   return path
 
 
-@pytest.fixture(scope="session")
-def smollm2_kvjax():
-  """(cfg, params, tokenizer) for SmolLM2-135M as kvjax reads its GGUF file, once per test
-  session (per xdist worker): for the modules that need no transformers side."""
-  smollm2_path()
+def smollm2_path():
+  return model_path("smollm2-135m")
+
+
+def kvjax_side(name: str):
+  """(cfg, params, tokenizer) as kvjax reads a named model's GGUF file."""
+  model_path(name)
   from kvjax.io import sources
-  return sources.load(sources.parse("gguf:smollm2-135m"))
+  return sources.load(sources.parse(f"gguf:{name}"))
 
 
-@pytest.fixture(scope="session")
-def smollm2(smollm2_kvjax):
-  """(cfg, params, tokenizer, transformers tokenizer, transformers model) for SmolLM2-135M,
-  both sides loaded from the same GGUF file, once per test session (per xdist worker); a
-  worker whose modules need only kvjax's side never loads transformers' model."""
-  path = smollm2_path()
+def transformers_side(name: str):
+  """(tokenizer, model) as transformers reads the same GGUF file (float32)."""
+  path = model_path(name)
   import gguf
   from transformers import AutoModelForCausalLM, AutoTokenizer
 
   # transformers reads the file through gguf-py, whose slow parts are pure and read-only:
-  # the GGUFReader's parse of the metadata (49k-token vocabulary and merges; transformers
+  # the GGUFReader's parse of the metadata (the vocabulary and merges; transformers
   # parses the file once for the tokenizer and once for the model) and the tensor name map
   # (transformers builds it afresh for each of ~400 modules). Here its two loads share one
   # parse and one map per architecture; how it converts what it reads stays its own.
@@ -149,4 +148,19 @@ def smollm2(smollm2_kvjax):
   finally:
     gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
   assert len(readers) == 1  # both went through the shared parse
-  return (*smollm2_kvjax, ref_tok, ref_model)
+  return ref_tok, ref_model
+
+
+@pytest.fixture(scope="session")
+def smollm2_kvjax():
+  """(cfg, params, tokenizer) for SmolLM2-135M as kvjax reads its GGUF file, once per test
+  session (per xdist worker): for the modules that need no transformers side."""
+  return kvjax_side("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_kvjax):
+  """(cfg, params, tokenizer, transformers tokenizer, transformers model) for SmolLM2-135M,
+  both sides loaded from the same GGUF file, once per test session (per xdist worker); a
+  worker whose modules need only kvjax's side never loads transformers' model."""
+  return (*smollm2_kvjax, *transformers_side("smollm2-135m"))

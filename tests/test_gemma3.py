@@ -6,6 +6,7 @@ import pytest
 
 import real_models as rm
 from conftest import kvjax_side, transformers_side
+from kvjax import config as config_lib
 from kvjax import data
 
 NAME = "gemma3-270m"
@@ -18,6 +19,7 @@ def gemma3():
 
 def test_config_is_the_hybrid_mqa_model(gemma3):
   m = gemma3[0].model
+  assert config_lib.load(NAME).model == m  # the packaged shape (--config NAME) is the file's
   assert (m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.D, m.F, m.vocab_size) == \
       (18, 640, 4, 1, 256, 2048, 262144)
   assert m.variant == "MQA" and m.tie_embeddings and m.sliding_window == 512

@@ -6,6 +6,7 @@ import pytest
 
 import real_models as rm
 from conftest import kvjax_side, transformers_side
+from kvjax import config as config_lib
 
 NAME = "qwen2.5-coder-0.5b"
 
@@ -17,6 +18,7 @@ def qwen2():
 
 def test_config_is_the_gqa7_model(qwen2):
   m = qwen2[0].model
+  assert config_lib.load(NAME).model == m  # the packaged shape (--config NAME) is the file's
   assert (m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.D, m.F, m.vocab_size) == \
       (24, 896, 14, 2, 64, 4864, 151936)
   assert m.variant == "GQA-2" and m.G == 7 and m.qkv_bias and not m.tie_embeddings

@@ -177,7 +177,7 @@ def shape_model(value: str | dict) -> dict[str, Any]:
 def shape_path(ref: str | Path) -> Path:
   """A config file path, or the packaged shape a bare name (`llama3-8b`) stands for."""
   path = Path(ref)
-  if not path.is_file() and path.suffix == "" and path.name == str(ref) \
+  if not path.is_file() and path.suffix not in (".yaml", ".yml") and path.name == str(ref) \
       and (SHAPES_DIR / f"{ref}.yaml").is_file():
     return SHAPES_DIR / f"{ref}.yaml"
   return path

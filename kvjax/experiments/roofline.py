@@ -118,13 +118,15 @@ class DotProbe:
 def step_flops(cfg: config_lib.Config, params, batch: int, held_from: int, steps: int) -> dict:
   """FLOPs (2 per multiply-add) of one decode step, averaged over the `steps` timed steps:
   every weight matrix once per sequence (the lm_head too: the embedding table when tied),
-  and the attention's logits and values over each sequence's live tokens."""
+  and the attention's logits and values over each sequence's live tokens (a windowed
+  layer's last W)."""
   m = cfg.model
   mats = sum(a.size for a in jax.tree.leaves(params) if a.ndim >= 2)
   if not m.tie_embeddings:  # the table is gathered, not multiplied; the lm_head is its own
     mats -= params["embed_tokens"]["embedding"].size
   live = held_from + (steps + 1) / 2
-  attn = 2 * 2 * m.n_layers * m.n_heads * m.D * live
+  read = sum(min(live, m.window_of(i)) if m.window_of(i) else live for i in range(m.n_layers))
+  attn = 2 * 2 * m.n_heads * m.D * read  # a sliding-window layer reads at most its window
   return {"weight_flops": 2 * batch * mats, "attention_flops": batch * attn}
 
 

@@ -1,5 +1,10 @@
 """The model's own chat template (rendered in jinja2's sandbox) and its set of stop tokens."""
 
+import json
+import re
+import subprocess
+import sys
+
 import pytest
 
 from conftest import tiny_config, tiny_params
@@ -29,6 +34,76 @@ def test_a_bad_template_is_one_line(template, words):
   with pytest.raises(KvjaxError, match=r"^[^\n]*$") as e:
     chat.render(chat.ChatInfo(template), [{"role": "user", "content": "x"}])
   assert words in str(e.value)
+
+
+RUNAWAY = {  # template -> what the one line says; each would hang, exhaust memory or raise
+    "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}": "recurses without end",
+    "{% macro f(n) %}{% if n %}{{ f(n-1) }}{{ f(n-1) }}{% endif %}{% endmacro %}{{ f(60) }}":
+        "runs away",                                                   # 2**60 calls
+    "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}":
+        "runs away",                                                   # 10**10 silent steps
+    "{% for a in 'x' * 99999 %}{% for b in 'x' * 99999 %}{% endfor %}{% endfor %}": "runs away",
+    "{{ range(10**9)|list|length }}": "asks for a size of 1000000000",
+    "{% for i in range(99999) %}{{ 'y' * 99999 }}{% endfor %}": "prints over",
+    "{{ 'x' * 10**10 }}": "builds a sequence of 10000000000 items",
+    "{{ 2 ** 1000000000 }}": "2000000000-bit power",
+    "{{ 'x'|center(10**10) }}": "asks for a size of 10000000000",
+    "{{ '{:>10000000000}'.format('x') }}": "asks for a size of 10000000000",
+    "{{ '%5.10000000000f' % 1.0 }}": "asks for a size of 10000000000",
+    "{{ ('x' * 1000).replace('', 'y' * 1000000) }}": "makes a value of 1001001000 items",
+    "{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}": "nests too deeply to read",
+}
+
+
+_RENDER_EACH = """
+import json, sys, time
+from kvjax.io import chat
+from kvjax.errors import KvjaxError
+chat.MAX_STEPS = 20_000  # the same rule, a smaller budget: faster
+for template in json.loads(sys.stdin.read()):
+  t0 = time.perf_counter()
+  try:
+    chat.render(chat.ChatInfo(template), [{"role": "user", "content": "x"}])
+    got = "rendered"
+  except KvjaxError as e:
+    got = str(e)
+  except BaseException as e:
+    got = "escaped: " + type(e).__name__
+  print(json.dumps([got, time.perf_counter() - t0]), flush=True)
+"""
+
+
+def test_a_runaway_template_is_one_line_in_bounded_time():
+  """All of RUNAWAY rendered in one child process under a wall-clock limit, so a template
+  that hangs fails this test (naming it) instead of hanging the suite."""
+  templates = list(RUNAWAY)
+  try:
+    proc = subprocess.run([sys.executable, "-c", _RENDER_EACH], input=json.dumps(templates),
+                          capture_output=True, text=True, timeout=90)
+    out = proc.stdout
+  except subprocess.TimeoutExpired as e:
+    out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+  got = [json.loads(line) for line in out.splitlines()]
+  for template, (message, seconds) in zip(templates, got):
+    assert re.fullmatch(r"the chat template of the model [^\n]*; fix tokenizer.chat_template "
+                        r"or drop --chat", message), (template[:80], message)
+    assert RUNAWAY[template] in message and seconds < 20, (template[:80], message, seconds)
+  assert len(got) == len(templates), f"hung on {templates[len(got)][:80]!r}"
+
+
+def test_the_budget_leaves_loops_and_long_messages_alone():
+  template = ("{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+              "{{ loop.index }}/{{ loop.length }}{{ '.' if loop.last }}{% else %}none"
+              "{% endfor %}{% for k, v in {'a': 1}.items() %}{{ k }}{{ v }}{% endfor %}"
+              "{% for x in [[1, [2]], [3]] recursive %}{% if x is iterable %}{{ loop(x) }}"
+              "{% else %}{{ x }}{% endif %}{% endfor %}{{ ns.n }}{{ '%3d' % 7 }}"
+              "{{ messages[-1]['content']|length }}")
+  long = [{"role": "user", "content": "w " * 300_000}] * 3  # over the fixed output budget
+  assert chat.render(chat.ChatInfo(template), long) == \
+      "1/32/33/3.a11233  7600000"  # as jinja2 renders it without the budget
+  assert chat.render(chat.ChatInfo("{% for m in messages %}x{% else %}none{% endfor %}"),
+                     []) == "none"
+  assert len(chat.render(chat.ChatInfo(CHATML), long)) > chat.MAX_CHARS
 
 
 def test_no_template_names_the_fix():

@@ -8,7 +8,9 @@ Templates are Jinja, as the model's authors wrote them; they are rendered in jin
 immutable sandbox (no attribute writes, no access to Python internals), with the
 variables such templates expect: `messages`, `add_generation_prompt`, `bos_token`,
 `eos_token`, and the `raise_exception` function. A template that does not parse or fails
-while rendering is one line naming the model and the first problem.
+while rendering is one line naming the model and the first problem; so is one that
+recurses without end, builds a huge range, string or power, loops or prints without end
+(a budget of steps and characters, `render`).
 
 Stop tokens are a set: the end-of-sequence id and every end-of-turn id the metadata
 names (GGUF `tokenizer.ggml.eos_token_id`, `eot_token_id`, `eom_token_id`; Hugging Face
@@ -19,7 +21,11 @@ tokenizer_config.json's `eos_token`).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 from pathlib import Path
+
+from jinja2 import sandbox
 
 from kvjax.config import jsonfile
 from kvjax.errors import KvjaxError
@@ -94,30 +100,157 @@ def _raise(message):
   raise KvjaxError(f"the chat template refused the messages: {message}")
 
 
+# What a chat template may spend: a real one loops over the messages and calls a few
+# macros and filters; one that recurses without end, builds huge ranges or strings, or
+# prints without end would otherwise hang, exhaust memory or escape as a RecursionError.
+MAX_STEPS = 100_000       # loop iterations plus calls; and 100 per message, 8 per character
+MAX_CHARS = 1 << 20       # characters of output or of any value made; and 4 per character
+MAX_POWER_BITS = 1 << 16  # an integer `**` result's size
+_SPECS = re.compile(r"%[-#0 +*]*\d*(?:\.\d*)?|\{[^{}]*\}")  # %-style and {}-style fields
+
+
+class _Runaway(Exception):
+  """A template over its budget (raised inside jinja, turned into a KvjaxError by render)."""
+
+
+class _Sandbox(sandbox.ImmutableSandboxedEnvironment):
+  """jinja2's immutable sandbox with a budget: every call and every `for` iteration spends
+  a step (`render` routes each loop's iterable through `steps`); the integers given to calls
+  and filters, what calls return, `*`, `**`, `%` and format widths are held to sizes a
+  prompt can have."""
+
+  intercepted_binops = frozenset({"*", "**", "%"})
+
+  def __init__(self, steps: int, chars: int):
+    super().__init__(trim_blocks=True, lstrip_blocks=True,
+                     extensions=["jinja2.ext.loopcontrols"])
+    self.left, self.chars = steps, chars
+    self.globals["raise_exception"] = _raise
+    self.globals[_LOOP] = self.steps
+    self.filters = {name: self._bounded(f) for name, f in self.filters.items()}
+
+  def spend(self) -> None:
+    self.left -= 1
+    if self.left < 0:
+      raise _Runaway("runs away (more loop steps and calls than any chat needs)")
+
+  def steps(self, iterable):
+    for item in iterable:
+      self.spend()
+      yield item
+
+  def _sizes(self, values) -> None:
+    for v in values:
+      if isinstance(v, int) and not isinstance(v, bool) and v > self.chars:
+        raise _Runaway(f"asks for a size of {v}")
+
+  def _made(self, value):
+    if isinstance(value, (str, list, tuple)) and len(value) > self.chars:
+      raise _Runaway(f"makes a value of {len(value)} items")
+    return value
+
+  def _format(self, fmt) -> None:
+    if isinstance(fmt, str):
+      self._sizes(int(d) for spec in _SPECS.findall(fmt) for d in re.findall(r"\d+", spec))
+
+  def _bounded(self, f):
+    @functools.wraps(f)  # keeps jinja's pass_context/pass_environment marks
+    def filter_(*args, **kwargs):
+      self._sizes([*args, *kwargs.values()])
+      if f.__name__ == "do_format" and args:
+        self._format(args[0])
+      return self._made(f(*args, **kwargs))
+    return filter_
+
+  def call(self, context, obj, *args, **kwargs):  # every call in the template
+    self.spend()
+    self._sizes([*args, *kwargs.values()])
+    return self._made(super().call(context, obj, *args, **kwargs))
+
+  def wrap_str_format(self, value):  # `'{:>9}'.format`, as the template reads it
+    if getattr(value, "__name__", "") in ("format", "format_map"):
+      self._format(getattr(value, "__self__", None))
+    return super().wrap_str_format(value)
+
+  def call_binop(self, context, operator, left, right):
+    if operator == "*":
+      seq, n = (left, right) if isinstance(right, int) else (right, left)
+      if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and \
+          len(seq) * n > self.chars:
+        raise _Runaway(f"builds a sequence of {len(seq) * n} items")
+    if operator == "**" and isinstance(left, int) and isinstance(right, int) and \
+        right > 0 and abs(left) > 1 and right * abs(left).bit_length() > MAX_POWER_BITS:
+      raise _Runaway(f"computes a {right * abs(left).bit_length()}-bit power")
+    if operator == "%":
+      self._format(left)
+    return self._made(super().call_binop(context, operator, left, right))
+
+
+_LOOP = "__kvjax_loop_steps"
+
+
+def _compile(env: _Sandbox, source: str):
+  """The template with each `for` loop's iterable passed through `env.steps`."""
+  from jinja2 import nodes
+
+  ast = env.parse(source)
+  for loop in ast.find_all(nodes.For):
+    at = {"lineno": loop.iter.lineno, "environment": env}
+    loop.iter = nodes.Call(nodes.Name(_LOOP, "load", **at), [loop.iter], [], None, None, **at)
+  return env.from_string(ast)
+
+
+def _size(messages) -> int:
+  try:
+    return sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
+  except (TypeError, AttributeError):
+    return 0
+
+
 def render(info: ChatInfo | None, messages: list[dict],
            add_generation_prompt: bool = True) -> str:
-  """The prompt text the model's template makes of `messages` ({role, content} dicts)."""
+  """The prompt text the model's template makes of `messages` ({role, content} dicts).
+  Rendering is bounded (MAX_STEPS, MAX_CHARS, MAX_POWER_BITS, Python's recursion limit):
+  a template over a bound is a one-line KvjaxError, never a hang or a traceback."""
   import jinja2
-  from jinja2 import sandbox
 
   if info is None or info.template is None:
     raise KvjaxError(f"{info.origin if info else 'this model'} has no chat template; drop "
                      "--chat (chat=False) and write the prompt yourself")
-  env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                              extensions=["jinja2.ext.loopcontrols"])
-  env.globals["raise_exception"] = _raise
+  size = _size(messages)
+  count = len(messages) if isinstance(messages, (list, tuple)) else 0
+  env = _Sandbox(MAX_STEPS + 100 * count + 8 * size, MAX_CHARS + 4 * size)
+  fix = "fix tokenizer.chat_template or drop --chat"
   try:
-    template = env.from_string(info.template)
+    template = _compile(env, info.template)
   except jinja2.TemplateSyntaxError as e:
     raise KvjaxError(f"the chat template of {info.origin} is malformed (line {e.lineno}: "
-                     f"{e.message}); fix tokenizer.chat_template or drop --chat") from None
+                     f"{e.message}); {fix}") from None
+  except RecursionError:
+    raise KvjaxError(f"the chat template of {info.origin} nests too deeply to read; {fix}") \
+        from None
+  out, n = [], 0
   try:
-    return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=info.bos_token, eos_token=info.eos_token)
+    for piece in template.generate(messages=messages, bos_token=info.bos_token,
+                                   add_generation_prompt=add_generation_prompt,
+                                   eos_token=info.eos_token):
+      n += len(piece)
+      if n > env.chars:
+        raise _Runaway(f"prints over {env.chars} characters")
+      out.append(piece)
   except KvjaxError:
     raise
+  except _Runaway as e:
+    raise KvjaxError(f"the chat template of {info.origin} {e}; {fix}") from None
+  except RecursionError:
+    raise KvjaxError(f"the chat template of {info.origin} recurses without end (past "
+                     f"Python's recursion limit); {fix}") from None
+  except MemoryError:
+    raise KvjaxError(f"the chat template of {info.origin} needs more memory than any "
+                     f"prompt; {fix}") from None
   except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError,
-          AttributeError) as e:
+          AttributeError, OverflowError) as e:
     first = (str(e).splitlines() or [type(e).__name__])[0][:160]
     raise KvjaxError(f"the chat template of {info.origin} failed while rendering ({first}); "
-                     "fix tokenizer.chat_template or drop --chat") from None
+                     f"{fix}") from None
+  return "".join(out)

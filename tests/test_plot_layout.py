@@ -10,6 +10,7 @@ arbitrary, their fields the ones each plot reads.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -29,9 +30,13 @@ BPT = {"fp32": 4096, "bf16": 2048, "int8": 1100, "int4": 600, "int4_kivi": 640,
        "int4_rot": 610, "int2": 340, "nf4": 620}
 
 
+_HASH = itertools.count()  # every made-up row its own cell (readers keep one row a cell)
+
+
 def row(experiment, variant, setting, workload, metrics, config="cfg", **extra):
   codec = SETTINGS.get(setting, setting)
-  return {"experiment": experiment,
+  return {"experiment": experiment, "config_hash": f"{experiment}-{next(_HASH)}",
+          "cell": {"index": 0, "of": 1, "row": 0, "rows": 1, "grid": {}},
           "variant": {"variant": variant, "heads": 4, "kv_heads": MODELS.get(variant, 1),
                       "codec": codec, "k_codec": codec, "v_codec": codec, "layout": "contiguous",
                       "setting": setting, "model": "toy", **extra},
@@ -231,3 +236,110 @@ def test_quality_bytes_agree_with_the_run_summary(drawn):
   for text in labels:
     setting, numbers = re.fullmatch(r"(\S+)  \((\S+) B/token\)", text).groups()
     assert numbers.split("/") == [str(round(table[(v, setting)])) for v in MODELS], text
+
+
+# -- every plot `kvjax plot` draws from the committed rows reads at a glance ------------------
+ROOT = PKG.parent.parent
+
+
+def draw_all(folder) -> list:
+  """(path, figure) of every plot `kvjax plot` draws from `folder`, kept open, no files."""
+  figs, close = [], plt.close
+  mp = pytest.MonkeyPatch()
+  mp.setattr(style.plt, "close", lambda fig=None: figs.append(fig))
+  mp.setattr(matplotlib.figure.Figure, "savefig", lambda *a, **k: None)
+  mp.setitem(matplotlib.rcParams, "figure.max_open_warning", 0)
+  try:
+    paths = plots.plot_all(folder, Path("plots-not-written"), log=lambda _: None)
+  finally:
+    mp.undo()
+  pngs = [p for p in paths if p.suffix == ".png"]
+  assert len(pngs) == len(figs)
+  return list(zip(pngs, figs)), close
+
+
+@pytest.fixture(scope="module")
+def committed():
+  drawn, close = draw_all(ROOT / "results")
+  yield drawn
+  for _, fig in drawn:
+    close(fig)
+
+
+def test_every_committed_plot_reads_at_a_glance(committed):
+  from kvjax.plots import check
+  assert len(committed) > 30  # every experiment with a plot module, every config
+  found = {str(path): check.problems(fig) for path, fig in committed}
+  assert not {k: v for k, v in found.items() if v}
+
+
+def test_quality_intervals_are_drawn_whole_or_cut_with_an_arrow(committed):
+  """Every Δppl interval of the committed rows is drawn to its true ends, or runs past the
+  axis where an arrow marks the cut: never capped at the cut as if it ended there."""
+  from kvjax.plots import check
+  from kvjax.runner import results as results_lib
+  rows = [r for r in results_lib.load(ROOT / "results" / "real", "quality")
+          if r["workload"].get("task") == "text" and r["metrics"].get("dppl_rel_ci95")]
+  (fig,) = [f for p, f in committed if str(p).endswith("real_quality/quality_dppl_vs_bytes.png")]
+  ax = fig.axes[0]
+  segs = check._error_segments(ax)
+  ends = {(round(s[0][0], 9), round(s[1][0], 9)) for s in segs}
+  right = ax.get_xlim()[1]
+  assert len(rows) > 20
+  for r in rows:
+    lo, hi = (100 * x for x in r["metrics"]["dppl_rel_ci95"])
+    if 100 * r["metrics"]["dppl_rel"] <= right:
+      assert (round(lo, 9), round(hi, 9)) in ends, (r["variant"]["setting"], lo, hi)
+  assert not check.uncut_intervals(fig)
+
+
+def _fig(**kw):
+  fig, ax = plt.subplots(figsize=(4, 3), **kw)
+  return fig, ax
+
+
+def test_each_check_fails_on_its_defect():
+  from matplotlib.lines import Line2D
+  from kvjax.plots import check
+  # an interval past the axis with no arrow, then with the arrow `save` draws
+  fig, ax = _fig()
+  ax.errorbar([1.0], [0.0], xerr=[[0.5], [9.0]], capsize=2)
+  ax.set_xlim(0, 5)
+  assert any("beyond the axis" in p for p in check.problems(fig))
+  style.cut_arrows(fig)
+  assert not any("beyond the axis" in p for p in check.problems(fig))
+  plt.close(fig)
+  # a label on an interval, text on text, a title over the plot
+  fig, ax = _fig()
+  ax.errorbar([1.0], [0.5], xerr=[[0.5], [0.5]])
+  ax.text(1.0, 0.5, " 1 %")
+  ax.text(0.2, 0.9, "first label")
+  ax.text(0.22, 0.9, "second label")
+  ax.set_xlim(0, 2)
+  ax.set_ylim(0, 1)
+  fig.suptitle("one\ntwo\nthree\nfour lines of title", y=0.9)
+  found = check.problems(fig)
+  assert any("text on an interval: ' 1 %'" in p for p in found), found
+  assert any("text overlaps text" in p for p in found), found
+  assert any("title over a plot area" in p for p in found), found
+  plt.close(fig)
+  # a legend entry that draws nothing, and a colour key over one grey entry
+  fig, ax = _fig()
+  ax.plot([0, 1], [0, 1], color="C1")
+  ax.legend(handles=[Line2D([], [], ls="none", color="#555555", label="nothing"),
+                     Line2D([], [], marker="o", ls="none", color="#555555", label="model")],
+            title="model (colour: codec family)")
+  found = check.problems(fig)
+  assert any("draws nothing: 'nothing'" in p for p in found), found
+  assert any("colour key over one colour" in p for p in found), found
+  plt.close(fig)
+  # one category (a single context) spread to the panel's edges by a small jitter
+  fig, ax = _fig()
+  for jit in (0.985, 1.0, 1.015):
+    ax.plot([1024 * jit], [0.5], "o")
+  ax.set_xscale("log", base=2)
+  ax.set_xticks([1024], ["1k"])
+  assert any("between categories" in p for p in check.problems(fig))
+  ax.set_xlim(1024 / 1.5, 1024 * 1.5)  # what long_context_evict does
+  assert not check.problems(fig)
+  plt.close(fig)

@@ -87,6 +87,30 @@ def _vs_batch(rows, out_dir):
   return save(fig, out_dir, "latency_throughput_vs_batch")
 
 
+def _ratio(m: dict, ref: dict) -> tuple:
+  """(low, ratio, high, verdict) of a row's TPOT against the reference's (kvjax.figures):
+  the paired interval when the row has one, else the ratio of medians with each median's
+  IQR band (the low end: fastest against slowest)."""
+  from kvjax import figures
+  p = figures.paired(m)
+  if p is not None and p[1]:
+    verdict = "reference" if m is ref else figures.verdict_ci(*p)
+    return p[1][0], p[0], p[1][1], verdict
+  (a0, a1), (b0, b1) = figures.iqr_band(m), figures.iqr_band(ref)
+  y = m["tpot_s"] / ref["tpot_s"]
+  verdict = "reference" if m is ref else figures.verdict_iqr(m, ref)
+  return min(a0 / b1, y), y, max(a1 / max(b0, 1e-12), y), verdict
+
+
+def _regime(rows) -> str:
+  """Which regime the rows' decode steps measure (experiments.latency.regime)."""
+  from kvjax.experiments.latency import regime
+  seen = sorted({regime(r["metrics"]) for r in rows})
+  if seen == ["overhead"]:
+    return "overhead-bound (far below the bytes roof: not a cache-bytes comparison)"
+  return "regime: " + ", ".join(seen)
+
+
 def _bars(rows, out_dir):
   """At the longest context and largest batch: TPOT relative to MHA-bf16 (the ratio printed
   on each bar), and the bytes the cache held per token there (kvjax.held). A group of bars
@@ -103,23 +127,35 @@ def _bars(rows, out_dir):
   fig, (a1, a2) = plt.subplots(1, 2, figsize=(max(9, 1.2 * len(sub) + 4), 4.6),
                                layout="constrained")
   width = 0.8 / len(look.settings)
+  ref_m = sub[ref_key]["metrics"]
   for i, c in enumerate(look.settings):
     xs = [j + (i - (len(look.settings) - 1) / 2) * width for j in range(len(look.models))]
     got = [sub.get((v, c)) for v in look.models]
-    rel = [r["metrics"]["tpot_s"] / ref if r else 0 for r in got]
+    rel, err, said = [], [[], []], []
+    for r in got:  # the ratio with its spread, named only where it tells the two apart
+      lo, y, hi, verdict = _ratio(r["metrics"], ref_m) if r else (0, 0, 0, "")
+      rel.append(y)
+      err[0].append(max(y - lo, 0))
+      err[1].append(max(hi - y, 0))
+      said.append("" if not y else f"{y:.2f}x" if verdict in ("faster", "slower")
+                  else "ref" if verdict == "reference" else "≈")
     bpt = [bytes_per_token(r) if r else 0 for r in got]
-    bars = a1.bar(xs, rel, width, label=c, **style[c])
-    a1.bar_label(bars, labels=[f"{y:.2f}x" if y else "" for y in rel], fontsize=7, padding=1)
+    bars = a1.bar(xs, rel, width, label=c, yerr=err, error_kw=dict(lw=0.8, capsize=2),
+                  **style[c])
+    a1.bar_label(bars, labels=said, fontsize=7, padding=1)
     bars = a2.bar(xs, bpt, width, label=c, **style[c])
     a2.bar_label(bars, labels=[BYTES(y) if y else "" for y in bpt], fontsize=6.5, padding=1)
   for ax in (a1, a2):
     ax.set_xticks(range(len(look.models)), [look.names[v] for v in look.models], fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
-  a1.legend(fontsize=7.5, title="cache setting", title_fontsize=7.5)
+  fig.legend(*a1.get_legend_handles_labels(), fontsize=7.5, title="cache setting",
+             title_fontsize=7.5, loc="outside right center")
   a1.axhline(1, color="gray", lw=0.8)
-  a1.set_ylim(0, max(r["metrics"]["tpot_s"] for r in here) / ref * 1.15)
+  a1.set_ylim(0, max(_ratio(r["metrics"], ref_m)[2] for r in here) * 1.2)
   a1.set_ylabel(f"TPOT / TPOT of {ref_key[0]} {ref_key[1]} ({ref * 1e3:.3g} ms)")
-  a1.set_title("Decode time per token, relative (lower is faster)", fontsize=9)
+  a1.set_title(f"Decode time per token, relative (lower is faster); {_regime(here)}\n"
+               "bars: 95 % interval (paired) or IQR band; ≈: not told apart from the "
+               "reference", fontsize=8)
   top = max(bytes_per_token(r) for r in here) * 1.2
   a2.set_ylim(0, top)  # linear: bars start at 0; ticks at whole powers of two of bytes
   a2.yaxis.set_major_locator(MultipleLocator(2 ** math.floor(math.log2(max(top / 5, 1)))))

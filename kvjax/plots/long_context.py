@@ -29,7 +29,8 @@ from kvjax.plots import long_context_evict as evict
 from kvjax.plots.long_common import setting as _setting
 from kvjax.plots.long_common import settings as _settings
 from kvjax.plots.long_common import title as _title
-from kvjax.plots.style import BYTES, MARKERS, TOKENS, bytes_per_token, save, wilson_yerr
+from kvjax.plots.style import (BYTES, MARKERS, TOKENS, bytes_per_token, label_points, save,
+                               wilson_yerr)
 
 
 def heatmap(rows, out_dir: Path) -> list[Path]:
@@ -121,8 +122,7 @@ def accuracy_vs_bytes(rows, out_dir: Path) -> list[Path]:
         ax.plot(x, y, ls="none", ms=6, color=color, marker=MARKERS[settings.index(lab)
                                                                  % len(MARKERS)])
       if k == 0:
-        for x, y, lab in zip(xs, ys, labels):
-          ax.annotate(lab, (x, y), textcoords="offset points", xytext=(3, 4), fontsize=7)
+        label_points(ax, [(x, y, lab, "black") for x, y, lab in zip(xs, ys, labels)])
     err = wilson_yerr(right, asked)  # the accuracy's Wilson 95 % interval
     axes[0][0].errorbar(xs, acc, yerr=err, ls="none", color=color, lw=0.8, capsize=2,
                         alpha=0.7)

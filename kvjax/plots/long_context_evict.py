@@ -22,7 +22,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from kvjax.plots.long_common import setting, title
-from kvjax.plots.style import BYTES, MARKERS, TOKENS, bytes_per_token, save, wilson_yerr
+from kvjax.plots.style import (BYTES, MARKERS, TOKENS, bytes_per_token, label_points, save,
+                               wilson_yerr)
 
 METHOD_COLORS = {"window": "#ff7f0e", "sinks": "#2ca02c", "snapkv": "#1f77b4", "h2o": "#9467bd",
                  "tova": "#8c564b", "knorm": "#7f7f7f", "quantization": "#d62728",
@@ -71,17 +72,6 @@ def _full_fp32(cells, n):
                and c["codec"] == "fp32"), None)
 
 
-def _stacked_labels(ax, labels) -> None:
-  """Point labels that would overlap (close in x on a log axis, close in y) are stacked
-  upward, each joined to its point by a thin line."""
-  placed: list = []
-  for x, y, text, color in sorted(labels, key=lambda t: (round(t[1], 2), t[0])):
-    k = sum(1 for px, py in placed if abs(np.log2(px / x)) < 0.6 and abs(py - y) < 0.04)
-    placed.append((x, y))
-    ax.annotate(text, (x, y), textcoords="offset points", xytext=(6, 4 + 9 * k), fontsize=6.5,
-                color=color, arrowprops=dict(arrowstyle="-", lw=0.4, color=color) if k else None)
-
-
 def evict_accuracy_vs_bytes(rows, out_dir: Path) -> list[Path]:
   cells = _cells(rows)
   contexts = sorted({n for _, n in cells})
@@ -114,7 +104,7 @@ def evict_accuracy_vs_bytes(rows, out_dir: Path) -> list[Path]:
         ax.plot(xs, ys, ls="-", ms=6, lw=2 if m == "quantization" else 1.5, **style)
       if m.endswith("+ codec") or m in ("quantization", "GQA→MQA"):
         labels += [(x, y, s, _color(m)) for x, y, (_, _, s, _) in zip(xs, ys, pts) if s]
-    _stacked_labels(ax, labels)
+    label_points(ax, labels)
     if ref is not None:
       for frac, txt in ((0.5, "50 %"), (0.125, "12.5 %")):
         ax.axvline(frac * ref["bpt"], color="black", ls=":", lw=0.8)
@@ -169,23 +159,26 @@ def evict_accuracy_vs_context(rows, out_dir: Path) -> list[Path]:
           best = min(cand, key=lambda c: abs(c["held"] - (target or 0)))
           pts.append((n * jit, best["acc"], best["ratio"], best["right"], best["n"]))
       if pts:
+        # at a fixed budget, the ratio each point kept is in its line's legend entry
+        label = pol if mode == "ratio" else \
+            f"{pol} (ratio {', '.join(f'{p[2]:g}' for p in pts)})"
         ax.errorbar([p[0] for p in pts], [p[1] for p in pts], fmt="-o", color=_color(pol),
-                    label=pol, capsize=1.5, elinewidth=0.6,
+                    label=label, capsize=1.5, elinewidth=0.6,
                     yerr=wilson_yerr([p[3] for p in pts], [p[4] for p in pts]))
-        if mode == "tokens":
-          for x, y, r, _, _ in pts:
-            ax.annotate(f"{r:g}", (x, y), textcoords="offset points", xytext=(4, -9),
-                        fontsize=6.5, color=_color(pol))
     ax.set_xscale("log", base=2)
     ax.set_xticks(contexts, [TOKENS(n) for n in contexts])
+    # one context stays one category: the axis spans a factor of 1.5 either side, so the
+    # policies' small spread never reaches the panel's edges
+    ax.set_xlim(contexts[0] / 1.5, contexts[-1] * 1.5)
     ax.set_xlabel("context (tokens)")
     ax.set_ylim(-0.05, 1.05)
     ax.grid(True, alpha=0.3)
   axes[0][0].set_title("half of each prefix kept (ratio 0.5)", fontsize=10)
-  axes[0][1].set_title(f"a fixed budget of about {target:.0f} prefix tokens (labels: ratio)"
+  axes[0][1].set_title(f"a fixed budget of about {target:.0f} prefix tokens (legend: ratio)"
                        if target else "fixed budget: no ratio-0.5 rows", fontsize=10)
   axes[0][0].set_ylabel("accuracy (exact digits)")
-  axes[0][1].legend(fontsize=8)
+  axes[0][0].legend(fontsize=8)
+  axes[0][1].legend(fontsize=7)
   fig.suptitle(title(rows) + ": accuracy vs context at a fixed budget (bars: Wilson 95 % "
                "intervals)", fontsize=10)
   return save(fig, out_dir, "long_context_evict_accuracy_vs_context")

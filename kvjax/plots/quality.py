@@ -19,8 +19,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvjax.plots.style import (HATCHES, Look, bytes_per_token, cache_label, save, variant_color,
-                               variant_order)
+from kvjax.plots.style import (FAMILY_COLORS, HATCHES, Look, bytes_per_token, cache_label,
+                               label_points, save, variant_color, variant_order)
 
 
 def _setting(r) -> str:
@@ -37,6 +37,25 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
   if recall:
     paths += _recall(recall, out_dir)
   return paths
+
+
+def _reference(rows) -> str:
+  """What the rows are held to (`workload.reference`: the fp32 cache unless the run set
+  params.reference)."""
+  refs = sorted({r["workload"].get("reference", "fp32 cache") for r in rows})
+  return " / ".join(refs)
+
+
+def family_handles(look, patch: bool = False, only=None) -> list:
+  """One legend entry per codec family the figure's (drawn) settings use, in its colour."""
+  from matplotlib.lines import Line2D
+  from matplotlib.patches import Patch
+  fams = list(dict.fromkeys(look.family[s] for s in look.settings
+                            if only is None or s in only))
+  return [Patch(facecolor=FAMILY_COLORS.get(f, FAMILY_COLORS[""]), label=f or "other")
+          if patch else Line2D([], [], marker="s", ls="none", ms=7,
+                               color=FAMILY_COLORS.get(f, FAMILY_COLORS[""]), label=f or "other")
+          for f in fams]
 
 
 def _variants(rows):
@@ -62,23 +81,24 @@ def _dppl(rows, out_dir):
                     key=lambda s: (-max(_bpt(r) for r in rows if _setting(r) == s), s))
   fig, ax = plt.subplots(figsize=(9.5, 0.5 * len(settings) + 1.6))
   offsets = {v: (i - (len(variants) - 1) / 2) * 0.3 for i, v in enumerate(variants)}
+  beyond = []  # points past the axis: their values, placed once the figure is laid out
   for y, s in enumerate(settings):
     for r in rows:
       if _setting(r) != s:
         continue
       v, val = r["variant"]["variant"], 100 * r["metrics"]["dppl_rel"]
-      x = min(val, CAP)
+      x = min(val, CAP + 0.3)
       ci = r["metrics"].get("dppl_rel_ci95")
-      if ci and val <= CAP:  # the 95 % interval, cut at the axis edge like the point
-        lo, hi = 100 * ci[0], min(100 * ci[1], CAP)
+      if ci and val <= CAP:  # the whole 95 % interval: past the axis edge it is cut by the
+        lo, hi = 100 * ci[0], 100 * ci[1]  # axis and `save` draws an arrow there, no cap
         ax.errorbar(x, y + offsets[v], xerr=[[max(x - lo, 0)], [max(hi - x, 0)]], ls="none",
                     lw=1, capsize=2.5, color=look.color(s))
-      ax.plot(x, y + offsets[v], marker=">" if val > CAP else shape[v], ms=6, ls="none",
-              color=look.color(s))
-      if val > CAP:
-        ax.annotate(f"{val:+.1f}", (CAP, y + offsets[v]), xytext=(-8, 0),
-                    textcoords="offset points", fontsize=7, ha="right", va="center",
-                    color=look.color(s))
+      if val > CAP:  # the point itself beyond the axis: an arrow at the edge, its value
+        ax.plot(x, y + offsets[v], marker=">", ms=6, ls="none", color=look.color(s),
+                clip_on=False)
+        beyond.append((x, y + offsets[v], f"{val:+.1f}", look.color(s)))
+      else:
+        ax.plot(x, y + offsets[v], marker=shape[v], ms=6, ls="none", color=look.color(s))
   labels = []
   for s in settings:
     bpt = {r["variant"]["variant"]: round(_bpt(r)) for r in rows if _setting(r) == s}
@@ -89,25 +109,26 @@ def _dppl(rows, out_dir):
     tick.set_color(look.color(s))
   ax.invert_yaxis()
   lo = min(-0.5, min(100 * r["metrics"]["dppl_rel"] for r in rows) - 0.2)
-  ax.set_xlim(lo, CAP + 0.3)
+  ax.set_xlim(lo, CAP + 0.3)  # points past CAP sit on the edge as arrows
   ax.axvline(0, color="black", lw=0.8)
-  ax.axvline(1.0, color="gray", lw=0.8, ls=":")
-  ax.text(1.0, 0.005, " 1 %", fontsize=7, color="gray", ha="left", va="bottom",
-          transform=ax.get_xaxis_transform())
+  ax.axvline(1.0, color="gray", lw=0.8, ls=":")  # named in the x label, not over a bar
+  label_points(ax, beyond)
   n = rows[0]["workload"]
   bars = any("dppl_rel_ci95" in r["metrics"] for r in rows)
-  ax.set_xlabel(f"Δ perplexity vs the fp32 cache (%), axis cut at {CAP:g} % (values beside "
-                "the arrows)" + ("; bars: 95 % intervals (paired bootstrap over blocks of "
-                                 "tokens)" if bars else ""))
+  ref = _reference(rows)
+  ax.set_xlabel(f"Δ perplexity vs the {ref} (%; dotted: 1 %), axis cut at {CAP + 0.3:g} % "
+                "(arrows: a point or interval beyond it, the point's value beside)"
+                + ("; bars: 95 % intervals (paired bootstrap over blocks of tokens)"
+                   if bars else ""))
   ax.set_title(f"Quality vs cache size: settings from most to fewest measured bytes per token\n"
                f"(per model: {'/'.join(look.names[v] for v in variants)}); {n.get('batch')}×{n.get('context')} "
                f"validation tokens per model, fed {n.get('chunk')} at a time", fontsize=9)
   ax.grid(True, axis="x", alpha=0.3)
   from matplotlib.lines import Line2D
   ax.legend(handles=[Line2D([], [], marker=shape[v], ls="none", color="#555555",
-                            label=look.names[v]) for v in variants], fontsize=8,
-            loc="upper left", bbox_to_anchor=(1.01, 1.0), title="model (colour: codec family)",
-            title_fontsize=7.5)
+                            label=look.names[v]) for v in variants] + family_handles(look),
+            fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+            title="marker: model; colour: codec family", title_fontsize=7.5)
   return save(fig, out_dir, "quality_dppl_vs_bytes")
 
 
@@ -143,19 +164,19 @@ def _kl(rows, out_dir):
   ax.set_xticks(x, settings, rotation=45, ha="right", fontsize=8)
   for tick, s in zip(ax.get_xticklabels(), settings):
     tick.set_color(look.color(s))
-  ax.set_ylabel("mean KL(fp32 cache ‖ this cache), nats")
+  ax.set_ylabel(f"mean KL({_reference(rows)} ‖ this cache), nats")
   bars = any("kl_ci95" in r["metrics"] for r in rows)
-  ax.set_title("Next-token KL divergence from the fp32 cache, settings from most to fewest "
+  ax.set_title(f"Next-token KL divergence from the {_reference(rows)}, settings from most to fewest "
                "bytes per token\n(fp32 itself, KL 0, not drawn; no bar: not run on that model"
                + ("; error bars: 95 % intervals, paired bootstrap over blocks" if bars else "")
                + ")", fontsize=9)
   ax.grid(True, axis="y", alpha=0.3)
   if len(variants) > 1:
     from matplotlib.patches import Patch
-    fig.legend(handles=[Patch(facecolor="#999999", edgecolor="white", hatch=HATCHES[i],
-                              label=names[v]) for i, v in enumerate(variants)],
-               fontsize=8, loc="outside lower center", ncol=min(4, len(variants)),
-               title="model (bar colour: codec family)", title_fontsize=7.5)
+    hs = [Patch(facecolor="#999999", edgecolor="white", hatch=HATCHES[i], label=names[v])
+          for i, v in enumerate(variants)] + family_handles(look, patch=True, only=settings)
+    fig.legend(handles=hs, fontsize=8, loc="outside lower center", ncol=min(6, len(hs)),
+               title="hatch: model; bar colour: codec family", title_fontsize=7.5)
   else:
     ax.text(0.01, 0.98, names[variants[0]], transform=ax.transAxes, va="top", fontsize=8)
   return save(fig, out_dir, "quality_kl")

@@ -239,6 +239,8 @@ def save(fig, out_dir: Path, stem: str) -> list[Path]:
   paths = [out_dir / f"{stem}.png", out_dir / f"{stem}.svg"]
   if not fig.get_layout_engine():
     fig.tight_layout()
+  _place_labels(fig)
+  cut_arrows(fig)
   fig.savefig(paths[0], dpi=110)
   fig.savefig(paths[1])
   plt.close(fig)
@@ -253,13 +255,11 @@ def fit(text: str, fig, fontsize: float = 10, share: float = 0.95) -> str:
   return "\n".join(textwrap.fill(line, width) for line in text.split("\n"))
 
 
-def clipped_text(fig) -> list[str]:
-  """Every piece of text a drawn figure shows that lies (partly) outside its canvas, as
-  'text' strings: a clipped title, label, legend or colour-bar label. Empty when all fits."""
+def shown_texts(fig) -> list:
+  """Every piece of text a drawn figure shows: visible, not empty, tick labels only where
+  the axis draws them (inside its view interval), inside no hidden axes or legend."""
   from matplotlib.text import Text
   fig.draw_without_rendering()  # the layout and every position, no pixels
-  renderer = fig.canvas.get_renderer()
-  W, H = fig.bbox.width, fig.bbox.height
   shown = set()
   for ax in fig.axes:  # only the ticks an axis draws (those inside its view interval)
     for axis in (ax.xaxis, ax.yaxis):
@@ -276,10 +276,119 @@ def clipped_text(fig) -> list[str]:
       continue
     if any(not a.get_visible() for a in _parents(t)):
       continue
+    out.append(t)
+  return out
+
+
+def clipped_text(fig) -> list[str]:
+  """Every piece of text a drawn figure shows that lies (partly) outside its canvas, as
+  'text' strings: a clipped title, label, legend or colour-bar label. Empty when all fits."""
+  texts = shown_texts(fig)
+  renderer = fig.canvas.get_renderer()
+  W, H = fig.bbox.width, fig.bbox.height
+  out = []
+  for t in texts:
     bb = t.get_window_extent(renderer)
     if bb.x0 < -0.5 or bb.y0 < -0.5 or bb.x1 > W + 0.5 or bb.y1 > H + 0.5:
       out.append(t.get_text())
   return out
+
+
+CUT_GID = "cut-arrow"  # the arrow marking where an interval runs beyond its axis
+_LABELS: dict = {}  # id(axes) -> (axes, [(x, y, text, colour)]) placed by `save`
+# offsets (points) tried in turn for a point's label: right, below, left, above, then
+# stacked upward with a line back to the point
+_SPOTS = [(5, 3, "left"), (5, -10, "left"), (-5, 3, "right"), (-5, -10, "right"),
+          (0, 8, "center"), (0, -16, "center")] + \
+    [spot for k in range(1, 13) for spot in ((6, 3 + 9 * k, "left"), (6, -10 - 9 * k, "left"),
+                                            (-6, 3 + 9 * k, "right"))]
+
+
+def label_points(ax, items) -> None:
+  """Label points (x, y, text, colour) of `ax`, each placed by `save` once the figure is laid
+  out, at the first spot near its point (`_SPOTS`) that overlaps no other text, no error bar
+  and stays inside the axes."""
+  _LABELS.setdefault(id(ax), (ax, []))[1].extend(items)
+
+
+def _place_labels(fig) -> None:
+  import numpy as np
+  from matplotlib.container import ErrorbarContainer
+  mine = [(ax, items) for ax, items in (_LABELS.pop(id(a), (None, None)) for a in fig.axes)
+          if ax is not None]
+  if not mine:
+    return
+  fig.draw_without_rendering()
+  r = fig.canvas.get_renderer()
+  taken = [t.get_window_extent(r) for t in shown_texts(fig)]
+
+  def conflicts(bb, ax, segs) -> int:
+    """What a label box would cover: 100 outside the axes, else texts and error bars."""
+    if bb.x0 < ax.bbox.x0 or bb.x1 > ax.bbox.x1 or bb.y0 < ax.bbox.y0 or bb.y1 > ax.bbox.y1:
+      return 100
+    n = sum(min(bb.x1, o.x1) > max(bb.x0, o.x0) and min(bb.y1, o.y1) > max(bb.y0, o.y0)
+            for o in taken)
+    for (x0, y0), (x1, y1) in segs:
+      f = np.linspace(0, 1, 24)
+      x, y = x0 + f * (x1 - x0), y0 + f * (y1 - y0)
+      n += bool(np.any((bb.x0 < x) & (x < bb.x1) & (bb.y0 < y) & (y < bb.y1)))
+    return n
+
+  for ax, items in mine:
+    segs = [ax.transData.transform(np.asarray(s, float)) for c in ax.containers
+            if isinstance(c, ErrorbarContainer) for lc in c.lines[2] for s in lc.get_segments()
+            if len(s) == 2]
+    for x, y, text, color in items:
+      best = None
+      for k, (dx, dy, ha) in enumerate(_SPOTS):  # the first free spot, else the least covered
+        t = ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), ha=ha,
+                        fontsize=6.5, color=color, va="bottom",
+                        arrowprops=dict(arrowstyle="-", lw=0.4, color=color) if k > 5 else None)
+        bb = t.get_window_extent(r)
+        n = conflicts(bb, ax, segs)
+        t.remove()
+        if best is None or n < best[0]:
+          best = (n, k)
+        if n == 0:
+          break
+      dx, dy, ha = _SPOTS[best[1]]
+      t = ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), ha=ha,
+                      fontsize=6.5, color=color, va="bottom",
+                      arrowprops=dict(arrowstyle="-", lw=0.4, color=color) if best[1] > 5
+                      else None)
+      taken.append(t.get_window_extent(r))
+
+
+def cut_arrows(fig) -> None:
+  """An arrow marker (gid `cut-arrow`) at the axis edge where an error bar runs beyond the
+  axis's limits, pointing the way it goes on, in the bar's colour; the limits kept."""
+  from matplotlib.container import ErrorbarContainer
+  import numpy as np
+  for ax in fig.axes:
+    xl, yl = ax.get_xlim(), ax.get_ylim()
+    lo_x, hi_x, lo_y, hi_y = min(xl), max(xl), min(yl), max(yl)
+    for c in ax.containers:
+      if not isinstance(c, ErrorbarContainer):
+        continue
+      for lc in c.lines[2]:
+        colors = lc.get_colors()
+        for i, seg in enumerate(lc.get_segments()):
+          if len(seg) != 2:
+            continue
+          (x0, y0), (x1, y1) = np.asarray(seg, float)
+          color = colors[i % len(colors)] if len(colors) else "black"
+          ends = []
+          if x0 == x1 and lo_x <= x0 <= hi_x and max(y0, y1) >= lo_y and min(y0, y1) <= hi_y:
+            ends = [(x0, lo_y, "v")] * any(y < lo_y for y in (y0, y1)) + \
+                [(x0, hi_y, "^")] * any(y > hi_y for y in (y0, y1))
+          elif y0 == y1 and lo_y <= y0 <= hi_y and max(x0, x1) >= lo_x and min(x0, x1) <= hi_x:
+            ends = [(lo_x, y0, "<")] * any(x < lo_x for x in (x0, x1)) + \
+                [(hi_x, y0, ">")] * any(x > hi_x for x in (x0, x1))
+          for x, y, m in ends:
+            ax.plot([x], [y], marker=m, ms=6, color=color, ls="none", clip_on=False,
+                    gid=CUT_GID, scalex=False, scaley=False, label="_cut")
+    ax.set_xlim(xl)
+    ax.set_ylim(yl)
 
 
 def _parents(artist):

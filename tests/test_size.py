@@ -78,6 +78,31 @@ def test_bad_budgets_are_one_line_errors(text, capsys):
   assert rc == 2 and len(err.splitlines()) == 1 and "--budget" in err
 
 
+SHAPE = {"--layers": "32", "--heads": "32", "--kv-heads": "8", "--head-dim": "128"}
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--heads", "1000000000", "--heads 1000000000 x --head-dim 128 = 128000000000 is wider"),
+    ("--head-dim", "1000000000", "--heads 32 x --head-dim 1000000000 = 32000000000 is wider"),
+    ("--kv-heads", "1000000000", "--kv-heads 1000000000 does not divide --heads 32"),
+    ("--kv-heads", "3", "--kv-heads 3 does not divide --heads 32"),
+    ("--head-dim", "127", "--head-dim 127 is odd"),
+    ("--layers", "99999999999", "--layers must be an integer in (0, 2147483647]"),
+])
+def test_absurd_shape_flags_name_the_flag_given(flag, value, words, capsys):
+  """One line naming the flags set: never model.d_model, which size derives from them."""
+  argv = [a for k, v in {**SHAPE, flag: value}.items() for a in (k, v)]
+  assert cli.main(["size", *argv, "--seq-len", "4096"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and words in err[0] and "d_model" not in err[0], err
+
+
+def test_shape_flags_beside_a_model_source_are_refused_not_ignored(capsys):
+  assert cli.main(["size", "--config", str(LLAMA3), "--seq-len", "64", "--heads", "8"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert "--heads is for the shape-only form" in err and "--set model.n_heads=N" in err
+
+
 @pytest.mark.parametrize("budget,seq,codec,bpe", [("80GiB", 32768, "bf16", 2),
                                                   ("80GB", 8192, "fp32", 4),
                                                   ("40GiB", 131072, "bf16", 2)])

@@ -63,12 +63,41 @@ def _names_codec(args, over: dict, file_cfg: dict) -> bool:
               or any(k in file_cfg for k in keys))
 
 
+SHAPE_FLAGS = {"layers": "--layers", "heads": "--heads", "kv_heads": "--kv-heads",
+               "head_dim": "--head-dim"}
+SHAPE_KEYS = {"--layers": "model.n_layers", "--heads": "model.n_heads",
+              "--kv-heads": "model.n_kv_heads", "--head-dim": "model.head_dim"}
+
+
+def _check_shape_flags(args) -> None:
+  """The rules between `size`'s shape flags, named by the flags the user gave (the config
+  checks would name model.d_model, which `size` derives as --heads x --head-dim)."""
+  from kvjax.config import range_of
+
+  width, most = args.heads * args.head_dim, range_of("model.d_model")[2]
+  if width > most:
+    raise KvjaxError(f"--heads {args.heads} x --head-dim {args.head_dim} = {width} is wider "
+                     f"than any model (model width at most {most}); lower --heads or --head-dim")
+  if args.heads % args.kv_heads:
+    raise KvjaxError(f"--kv-heads {args.kv_heads} does not divide --heads {args.heads} (each KV "
+                     "head serves an equal group of query heads); choose --kv-heads among the "
+                     "divisors of --heads")
+  if args.head_dim % 2:
+    raise KvjaxError(f"--head-dim {args.head_dim} is odd; rotary embeddings need an even "
+                     "--head-dim")
+
+
 def cmd_size(args) -> dict:
   from kvjax import sizing
   from kvjax.registries import codecs  # (every registry: config.validate knows names)
 
   over, file_items, notes = {}, {}, []
   param_dtype = None
+  shape = [n for n in SHAPE_FLAGS if getattr(args, n) is not None]
+  if shape and (args.hf or args.config or args.gguf):
+    flag = SHAPE_FLAGS[shape[0]]
+    raise KvjaxError(f"{flag} is for the shape-only form; with --hf, --gguf or --config use "
+                     f"--set {SHAPE_KEYS[flag]}=N instead (or drop the model source)")
   if args.hf:
     from kvjax.io import hf
     param_dtype, source = sizing.hf_param_dtype(hf.read_hf_config(args.hf))
@@ -83,14 +112,14 @@ def cmd_size(args) -> dict:
     cfg = sources.load_config(sources.Source("gguf", args.gguf))
     param_dtype = f"{cfg.model.param_dtype} (dequantized from the GGUF file)"
   else:
-    missing = [n for n in ("layers", "heads", "kv_heads", "head_dim") if getattr(args, n) is None]
+    missing = [n for n in SHAPE_FLAGS if getattr(args, n) is None]
     if missing:
       raise KvjaxError("size needs --layers --heads --kv-heads --head-dim (or --hf DIR, --gguf FILE or "
                        "--config FILE); missing: "
                        + ", ".join("--" + m.replace("_", "-") for m in missing))
-    over.update({"model.n_layers": args.layers, "model.n_heads": args.heads,
-                 "model.n_kv_heads": args.kv_heads, "model.head_dim": args.head_dim,
-                 "model.d_model": args.heads * args.head_dim})
+    _check_shape_flags(args)
+    over.update({SHAPE_KEYS[flag]: getattr(args, n) for n, flag in SHAPE_FLAGS.items()})
+    over["model.d_model"] = args.heads * args.head_dim
     cfg = config_lib.Config()
   if args.dtype:
     if args.dtype not in codecs.DTYPE_TO_CODEC:

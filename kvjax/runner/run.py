@@ -28,12 +28,17 @@ from kvjax.runner.table import flatten, format_table, identity, with_identity
 CELL_CACHE_KEYS = ("k_codec", "v_codec", "k_axis", "group_size", "residual", "layout")
 
 
-def cell_record(cell: Cell, differs: dict | None = None) -> dict:
+def cell_record(cell: Cell, differs: dict | None = None, cfg=None,
+                interleaved: str | None = None) -> dict:
   """What `--dry-run` lists for a cell: its grid coordinates, setting, resolved cache and
-  `differs`, the other cache keys that differ between the cells (`table.identity`)."""
-  c, m = cell.cfg.cache, cell.cfg.model
+  `differs`, the other cache keys that differ between the cells (`table.identity`); for one
+  of the cell's interleaved variants (`params.interleave`), that variant's name and cache."""
+  cfg = cfg or cell.cfg
+  c, m = cfg.cache, cfg.model
   rec = {"cell": cell.index}
   rec.update({k.split(".")[-1]: v for k, v in cell.coords.items()})
+  if interleaved is not None:
+    rec["interleaved"] = interleaved
   if cell.cfg.param("setting", ""):
     rec["setting"] = cell.cfg.param("setting")
   rec["variant"] = m.variant
@@ -41,6 +46,32 @@ def cell_record(cell: Cell, differs: dict | None = None) -> dict:
   shown = set(rec) | {"codec"}  # (the K and V codecs are there)
   rec.update({k: v for k, v in (differs or {}).items() if k not in shown})
   return rec
+
+
+def _pairs(value) -> dict | None:
+  """A mapping as a config holds it (a dict, or frozen to (key, value) pairs), or None."""
+  if isinstance(value, dict):
+    return dict(value)
+  if isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
+    return dict(value)
+  return None
+
+
+def variant_records(cell: Cell, differs: dict | None = None) -> list[dict]:
+  """`cell_record` of every variant the cell runs: one per `params.interleave` entry (the
+  reference first, as the experiments order them), else the cell itself."""
+  table = _pairs(cell.cfg.param("interleave", None))
+  if not table:
+    return [cell_record(cell, differs)]
+  ref = cell.cfg.param("reference", None) or next(
+      (n for n, o in table.items() if not o), next(iter(table)))
+  names = sorted(table, key=lambda n: str(n) != str(ref))
+  out = []
+  for name in names:
+    over = _pairs(table[name]) or {}
+    cfg = config_lib.apply_overrides(cell.cfg, {str(k): v for k, v in over.items()})
+    out.append(cell_record(cell, differs, cfg, interleaved=str(name)))
+  return out
 
 
 def _folder(base: config_lib.Config, out_dir) -> Path:
@@ -80,11 +111,12 @@ def dry_run(path: str | Path, overrides: list[str] | dict | None = None,
   folder = _folder(base, out_dir)
   done = complete_rows(merged_rows(folder, base.experiment))[1]
   ids = identity([c.cfg.to_dict() for c in mine])
-  recs = [{**cell_record(c, d), "status": "done" if c.hash in done else "to run"}
-          for c, d in zip(mine, ids)]
+  recs = [{**rec, "status": "done" if c.hash in done else "to run"}
+          for c, d in zip(mine, ids) for rec in variant_records(c, d)]
   part = f" shard {shard[0]}/{shard[1]}" if shard else ""
-  print(f"kvjax run --dry-run: {base.experiment}{part}: {len(mine)} cells "
-        f"({sum(r['status'] == 'done' for r in recs)} already in {folder}); nothing run")
+  runs = f", {len(recs)} variants" if len(recs) > len(mine) else ""
+  print(f"kvjax run --dry-run: {base.experiment}{part}: {len(mine)} cells{runs} "
+        f"({sum(c.hash in done for c in mine)} cells already in {folder}); nothing run")
   print(format_table(recs))
   return {"experiment": base.experiment, "path": str(folder / shard_lib.file_name(
       base.experiment, shard)), "cells": len(mine), "ran": 0, "records": recs}

@@ -105,6 +105,10 @@ def _check(cfg: Config) -> None:
                      f"{cfg.model.max_seq_len}; lower one or raise the other")
   if cfg.model.vocab_size < 257:
     raise KvjaxError("byte-level training needs model.vocab_size >= 257 (256 bytes + BOS)")
+  if cfg.tokenizer not in ("bytes", "none", ""):
+    raise KvjaxError(f"kvjax train feeds byte-level ids, but this model reads its own "
+                     f"tokenizer ({cfg.tokenizer[:60]}): its ids would be wrong; train "
+                     "byte-level models here, and convert real models with `kvjax convert`")
 
 
 def _log(out_dir: Path, row: dict) -> None:

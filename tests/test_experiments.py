@@ -104,3 +104,26 @@ def test_uptrain_end_to_end(tmp_path, mha, capsys):
   assert rows[1]["metrics"]["val_loss"] != up["metrics"]["val_loss"]
   assert _plot(out, tmp_path / "plots")
   json.dumps(rows)  # rows are plain JSON
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (("tokenizer: bytes", "tokenizer: gguf:/models/real.gguf"), "byte-level ids"),
+    (("n_kv_heads: 4", "n_kv_heads: 2"), "not MHA"),
+])
+def test_uptrain_refuses_a_source_it_would_mislabel_or_feed_wrong_ids(tmp_path, mha, capsys,
+                                                                      edit, needle):
+  """A real model (its own tokenizer) trained on byte ids, or a GQA source labelled 'mha',
+  exited 0 with meaningless rows."""
+  import shutil
+  src = tmp_path / "src"
+  shutil.copytree(mha, src)
+  text = (src / "config.yaml").read_text()
+  assert edit[0] in text
+  (src / "config.yaml").write_text(text.replace(edit[0], edit[1]))
+  (tmp_path / "up.yaml").write_text(
+      "experiment: uptrain\nmodel: {d_model: 32, n_layers: 1, n_heads: 4, n_kv_heads: 1}\n"
+      f"params: {{mha: {src}, fractions: [0.5], work_dir: {tmp_path / 'work'}}}\n")
+  rc = cli.main(["run", str(tmp_path / "up.yaml"), "--out", str(tmp_path / "res")])
+  err = capsys.readouterr().err
+  assert rc == 2 and err.count("\n") == 1 and needle in err, err
+  assert not (tmp_path / "work").exists()

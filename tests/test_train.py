@@ -159,3 +159,10 @@ def test_resume_with_a_different_recipe_is_refused(tmp_path):
     _check_resume(a, config_lib.replace(a, **{"train.lr": 2e-3}), tmp_path)
   with pytest.raises(KvjaxError, match="model.n_kv_heads"):
     _check_resume(a, config_lib.replace(a, **{"model.n_kv_heads": 1}), tmp_path)
+
+
+def test_a_model_with_its_own_tokenizer_is_not_trained_on_byte_ids(tmp_path, text_file):
+  cfg = config_lib.apply_overrides(_cfg(text_file), {"tokenizer": "gguf:/models/real.gguf"})
+  with pytest.raises(KvjaxError, match="byte-level ids"):
+    train.train(cfg, tmp_path / "out", progress=False)
+  assert not (tmp_path / "out").exists()

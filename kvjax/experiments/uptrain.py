@@ -47,6 +47,15 @@ def check(cfg) -> None:
   if not mha or not (Path(mha) / "config.yaml").is_file():
     raise KvjaxError(f"uptrain needs params.mha, a trained MHA checkpoint ('{mha}' not found); "
                      "run `kvjax train configs/train_mha.yaml --out checkpoints/mha` first")
+  saved = checkpoint.read_config(Path(mha))
+  if saved.tokenizer not in ("bytes", "none", ""):
+    raise KvjaxError(f"params.mha={mha} reads its own tokenizer ({saved.tokenizer[:60]}), but "
+                     "uptrain trains and evaluates on byte-level ids; point it at a byte-level "
+                     "checkpoint (kvjax train configs/train_mha.yaml)")
+  if saved.model.n_kv_heads != saved.model.n_heads:
+    raise KvjaxError(f"params.mha={mha} is {saved.model.variant}, not MHA (its rows would be "
+                     "labelled 'mha'); point it at an MHA checkpoint, or expand it first with "
+                     "`kvjax convert --kv-heads N`")
   for f in cfg.param("fractions", (0.05, 0.1)):
     if not 0 < float(f) <= 1:
       raise KvjaxError(f"params.fractions must be in (0, 1], got {f}")

@@ -79,7 +79,7 @@ def _dppl(rows, out_dir):
   shape = {v: "osD^vP"[i % 6] for i, v in enumerate(variants)}
   settings = sorted({_setting(r) for r in rows},
                     key=lambda s: (-max(_bpt(r) for r in rows if _setting(r) == s), s))
-  fig, ax = plt.subplots(figsize=(9.5, 0.5 * len(settings) + 1.6))
+  fig, ax = plt.subplots(figsize=(9.5, max(0.5 * len(settings) + 1.6, 3.4)))
   offsets = {v: (i - (len(variants) - 1) / 2) * 0.3 for i, v in enumerate(variants)}
   beyond = []  # points past the axis: their values, placed once the figure is laid out
   for y, s in enumerate(settings):
@@ -107,7 +107,8 @@ def _dppl(rows, out_dir):
   ax.set_yticks(range(len(settings)), labels, fontsize=8)
   for tick, s in zip(ax.get_yticklabels(), settings):
     tick.set_color(look.color(s))
-  ax.invert_yaxis()
+  ax.set_ylim(len(settings) - 0.5, -0.5)  # a whole row per setting (most bytes on top), so
+  # one setting's models never reach the panel's edges
   lo = min(-0.5, min(100 * r["metrics"]["dppl_rel"] for r in rows) - 0.2)
   ax.set_xlim(lo, CAP + 0.3)  # points past CAP sit on the edge as arrows
   ax.axvline(0, color="black", lw=0.8)

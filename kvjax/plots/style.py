@@ -296,8 +296,7 @@ def clipped_text(fig) -> list[str]:
 
 CUT_GID = "cut-arrow"  # the arrow marking where an interval runs beyond its axis
 _LABELS: dict = {}  # id(axes) -> (axes, [(x, y, text, colour)]) placed by `save`
-# offsets (points) tried in turn for a point's label: right, below, left, above, then
-# stacked upward with a line back to the point
+# offsets (points) tried for a point's label: beside it, then farther with a line back
 _SPOTS = [(5, 3, "left"), (5, -10, "left"), (-5, 3, "right"), (-5, -10, "right"),
           (0, 8, "center"), (0, -16, "center")] + \
     [spot for k in range(1, 13) for spot in ((6, 3 + 9 * k, "left"), (6, -10 - 9 * k, "left"),
@@ -352,18 +351,17 @@ def _place_labels(fig) -> None:
         if n == 0:
           break
       dx, dy, ha = _SPOTS[best[1]]
-      t = ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), ha=ha,
-                      fontsize=6.5, color=color, va="bottom",
-                      arrowprops=dict(arrowstyle="-", lw=0.4, color=color) if best[1] > 5
-                      else None)
-      taken.append(t.get_window_extent(r))
+      taken.append(ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy),
+                               ha=ha, fontsize=6.5, color=color, va="bottom", arrowprops=dict(
+                                   arrowstyle="-", lw=0.4, color=color) if best[1] > 5 else
+                               None).get_window_extent(r))
 
 
 def cut_arrows(fig) -> None:
   """An arrow marker (gid `cut-arrow`) at the axis edge where an error bar runs beyond the
   axis's limits, pointing the way it goes on, in the bar's colour; the limits kept."""
-  from matplotlib.container import ErrorbarContainer
   import numpy as np
+  from matplotlib.container import ErrorbarContainer
   for ax in fig.axes:
     xl, yl = ax.get_xlim(), ax.get_ylim()
     lo_x, hi_x, lo_y, hi_y = min(xl), max(xl), min(yl), max(yl)

@@ -7,7 +7,10 @@ the chunk's own tokens are fresh. With the fp32 cache this equals the teacher-fo
 forward pass (tests/test_quality.py holds the harness to that), so any difference under
 another codec is the codec's.
 
-Metrics against the same model with an fp32 cache, on the same tokens:
+Metrics against a reference on the same tokens (`Reference`: by default the same model with
+an fp32 cache; `kvjax eval --ref` and kvjax.compare choose another cache setting or another
+model on the same tokenizer, read once per window and reused by every setting,
+`eval_settings`):
   ppl        exp(mean next-token NLL) through the tested cache; ppl_ref through fp32
   kl         mean KL(p_ref || p_codec) of the next-token distributions (nats)
   agreement  fraction of positions whose argmax token matches the reference's, along a

@@ -1,5 +1,5 @@
-"""Plots of the `roofline` experiment: fraction of the memory-bandwidth limit reached by
-decode, and TPOT, vs context, one figure per batch size (kvjax.plots.style's look: colour
+"""Plots of the `roofline` experiment: the roof fraction decode reaches (kvjax.figures: the
+one roof fraction, a bar above 1 labelled FAULT, not a result), and TPOT, vs context, one figure per batch size (kvjax.plots.style's look: colour
 per codec family, marker per setting, line style per model). Rows of a single context are
 drawn as bars instead, the fraction and the TPOT ratio to the model's largest cache
 printed on each."""
@@ -11,6 +11,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
+from kvjax import figures
 from kvjax.plots.style import (PLAIN, TOKENS, Look, bytes_per_token, cache_label, log2_axis,
                                save, subtitle)
 
@@ -44,7 +45,7 @@ def _figure(rows, out_dir, batch):
   for v in look.models:
     for c in look.settings:
       for i, att in enumerate(attns):
-        pts = sorted((r["workload"]["context"], r["metrics"]["roofline_fraction"],
+        pts = sorted((r["workload"]["context"], _frac(r),
                       r["metrics"]["tpot_s"] * 1e3) for r in rows
                      if r["variant"]["variant"] == v and cache_label(r) == c
                      and r["variant"].get("attention", "") == att)
@@ -54,10 +55,10 @@ def _figure(rows, out_dir, batch):
         a_frac.plot(x, [p[1] for p in pts], **kw)
         a_tpot.plot(x, [p[2] for p in pts], **kw)
   a_frac.axhline(1.0, color="black", lw=0.8, alpha=0.5)
-  a_frac.set_ylim(0, max(1.05, max(r["metrics"]["roofline_fraction"] for r in rows) * 1.05))
-  a_frac.set_ylabel("roofline fraction (ideal time / step time)")
-  a_frac.set_title(f"fraction of the bandwidth limit ({_bandwidth(rows):.3g} GB/s measured)",
-                   fontsize=9)
+  a_frac.set_ylim(0, max(1.05, max(_frac(r) for r in rows) * 1.05))
+  a_frac.set_ylabel("roof fraction (roof time / step time)")
+  a_frac.set_title(f"fraction of the roof ({_bandwidth(rows):.3g} GB/s measured; above 1: a "
+                   "probe or timing fault)", fontsize=9)
   a_tpot.set_yscale("log")
   a_tpot.yaxis.set_major_formatter(PLAIN)
   a_tpot.yaxis.set_minor_formatter(PLAIN)
@@ -93,27 +94,46 @@ def _bars(rows, out_dir, batch):
                                        layout="constrained")
   colors = [look.color(c) for _, c, _ in keys]
   hatch = ["" if attns.index(a) == 0 else "//" for _, _, a in keys]
-  frac = [metric[k]["roofline_fraction"] for k in keys]
+  frac = [figures.roof_fraction(metric[k]) or 0.0 for k in keys]
   tpot = [metric[k]["tpot_s"] * 1e3 for k in keys]
   for ax, ys in ((a_frac, frac), (a_tpot, tpot)):
     bars = ax.bar(x, ys, 0.7, color=colors, hatch=hatch, edgecolor="white", lw=0.5)
-    labels = [f"{y:.2f}" for y in ys] if ax is a_frac else \
-        [f"{metric[k]['tpot_s'] / ref[(k[0], k[2])]:.2f}x" for k in keys]
+    labels = [f"{y:.2f}" if y <= 1 else "FAULT" for y in ys] if ax is a_frac else \
+        [_ratio_label(metric[k], ref[(k[0], k[2])]) for k in keys]
     ax.bar_label(bars, labels=labels, fontsize=7, padding=1)
     ax.set_xticks(x, [_tick(look, k, attns) for k in keys], rotation=45, ha="right", fontsize=7.5)
     ax.grid(True, axis="y", alpha=0.3)
     ax.set_ylim(0, max(ys) * 1.15 if ax is a_tpot else max(1.05, max(ys) * 1.15))
     ax.set_xlim(-0.5 - max(0, 3 - len(keys)) / 2, len(keys) - 0.5 + max(0, 3 - len(keys)) / 2)
   a_frac.axhline(1.0, color="black", lw=0.8, alpha=0.5)
-  a_frac.set_ylabel("roofline fraction (ideal time / step time)")
-  a_frac.set_title(f"fraction of the bandwidth limit ({_bandwidth(rows):.3g} GB/s measured)",
-                   fontsize=9)
+  a_frac.set_ylabel("roof fraction (roof time / step time)")
+  a_frac.set_title(f"fraction of the roof ({_bandwidth(rows):.3g} GB/s measured; above 1: a "
+                   "probe or timing fault)", fontsize=9)
   a_tpot.set_ylabel("time per output token (ms)")
-  a_tpot.set_title("TPOT; labels: ratio to the model's largest cache", fontsize=9)
+  a_tpot.set_title("TPOT; labels: ratio to the reference (paired where timed in turn; ≈: "
+                   "not told apart)", fontsize=9)
   ctx = rows[0]["workload"]["context"]
   fig.suptitle(f"Decode vs the memory-bandwidth roofline, batch {batch}, context {TOKENS(ctx)}"
                f"  {subtitle(rows)}", fontsize=10)
   return save(fig, out_dir, f"roofline_b{batch}")
+
+
+def _ratio_label(m: dict, ref_tpot: float) -> str:
+  """A bar's speed label: the row's paired ratio where it has one (≈ when its interval holds
+  1), else the ratio of medians to the model's largest cache."""
+  p = figures.paired(m)
+  if p is None:
+    return f"{m['tpot_s'] / ref_tpot:.2f}x"
+  verdict = figures.verdict_ci(*p)
+  return "ref" if p == (1.0, [1.0, 1.0]) else f"{p[0]:.2f}x" if verdict != APART else "≈"
+
+
+APART = figures.APART[2]
+
+
+def _frac(r) -> float:
+  """The row's one roof fraction (kvjax.figures), 0 for a row without one."""
+  return figures.roof_fraction(r["metrics"]) or 0.0
 
 
 def _match(r, v, c, a) -> bool:

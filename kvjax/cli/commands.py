@@ -175,12 +175,17 @@ def cmd_convert(args):
 
 
 def cmd_eval(args) -> dict:
-  from kvjax import evaluate
+  """`kvjax eval`: against the same model's fp32 cache, or with `--ref` against any cache
+  setting or same-tokenizer model (kvjax.compare), the reference read once per window."""
+  from kvjax import compare, evaluate
   from kvjax.io import sources
 
   over = _cache_overrides(args, {})
-  return evaluate.eval_cli(sources.from_args(args), over, text=args.text, tokens=args.tokens,
-                           seqs=args.seqs, chunk=args.chunk, progress=not args.json)
+  kw = {"text": args.text, "tokens": args.tokens, "seqs": args.seqs, "chunk": args.chunk,
+        "progress": not args.json}
+  if getattr(args, "ref", None) is not None:
+    return compare.eval_cli(sources.from_args(args), over, args.ref, **kw)
+  return evaluate.eval_cli(sources.from_args(args), over, **kw)
 
 
 def cmd_models(args) -> dict:

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import argparse
 
-from kvjax.cli.commands import (DEFAULT_CODEC, cmd_convert, cmd_generate, cmd_models,
+from kvjax.cli.commands import (DEFAULT_CODEC, cmd_convert, cmd_eval, cmd_generate, cmd_models,
                                 cmd_plot, cmd_results, cmd_run, cmd_size, cmd_train,
                                 codec_names, layout_names)
-from kvjax.cli import paired
 from kvjax.errors import KvjaxError
 
 
@@ -235,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
                  "paired Δppl, KL and agreement on the same tokens, with 95 %% intervals")
   e.add_argument("--json", action="store_true", help="print one JSON object")
   _add_set(e)
-  e.set_defaults(func=paired.cmd_eval)
+  e.set_defaults(func=cmd_eval)
 
   mo = sub.add_parser("models", help="list or fetch the real models kvjax knows by name")
   mo.add_argument("action", nargs="?", choices=("list", "fetch"), default="list")

@@ -51,7 +51,8 @@ TP = ("kv", "rep")          # the whole `model` axis
 COLUMN = ("q_proj", "gate_proj", "up_proj")   # split the output axis over TP
 KV_PROJ = ("k_proj", "v_proj")                # split the output axis over `kv`
 ROW = ("o_proj", "down_proj")                 # split the input axis over TP
-CACHE_FIELDS = ("k", "v", "k_win", "v_win", "k_first", "v_first", "state")  # [L, B, K, S, ...]
+CACHE_FIELDS = ("k", "v", "k_win", "v_win", "k_first", "v_first", "k_ring", "v_ring",
+                "state")  # [L, B, K, S, ...]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -82,6 +82,14 @@ def child() -> dict:
         res[f"{layout}_same"] = out["tokens"] == ref["tokens"]
         if layout == "paged":
           res["paged_leaves"] = _leaf_report(out["cache"])
+  # a hybrid cache (rings for the windowed layer) on a 2x2 mesh, against one device
+  wcfg = _cfg(**{"model.n_kv_heads": 2, "model.global_every": 2, "model.sliding_window": 3})
+  wparams = model.init_params(wcfg.model, 0)
+  wref = program.generate(wcfg, wparams, PROMPTS, NEW, timed=False)
+  c = config_lib.apply_overrides(wcfg, {"mesh.data": 2, "mesh.model": 2})
+  out = program.generate(c, wparams, PROMPTS, NEW, timed=False, return_cache=True)
+  res["window_same"] = out["tokens"] == wref["tokens"]
+  res["window_leaves"] = _leaf_report(out["cache"])
   res["kernel"] = _kernel_operands()
   cfg = _cfg(**{"mesh.data": 2})
   for label, c, prompts in (("batch", cfg, PROMPTS[:3]),
@@ -158,6 +166,17 @@ def test_paged_pool_splits_kv_heads_and_the_block_table_splits_the_batch(four_de
       assert leaf["shard"] == [L, Pg, Kh // 2, *rest]
     elif leaf["path"][0] == "block_table":
       assert leaf["shard"] == [leaf["shape"][0] // 2, leaf["shape"][1]]
+
+
+def test_a_hybrid_cache_splits_its_rings_like_its_full_layers(four_devices):
+  assert four_devices["window_same"]
+  leaves = {leaf["path"][0]: leaf for leaf in four_devices["window_leaves"]
+            if leaf["path"][0] in ("k", "v", "k_ring", "v_ring")}
+  assert set(leaves) == {"k", "v", "k_ring", "v_ring"}
+  for leaf in leaves.values():  # [L', B, K, S or W, D] on a 2x2 mesh: batch and heads halved
+    L, B, Kh, *rest = leaf["shape"]
+    assert leaf["intended"] and leaf["shard"] == [L, B // 2, Kh // 2, *rest], leaf
+  assert leaves["k_ring"]["shape"][3] == 3 and leaves["k"]["shape"][0] == 1
 
 
 def test_cache_leaves_carry_the_intended_shardings(four_devices):

@@ -104,6 +104,20 @@ def test_segment_read_at_head_dim_64(route, name, G, T):
                              rtol=0)
 
 
+@pytest.mark.parametrize("name,K,G,D", [(c, 1, 4, 256) for c in ("int8", "int4", "bf16")] +
+                         [(c, 2, 7, 64) for c in ("int8", "int4", "bf16")])
+def test_segment_read_at_the_new_models_shapes(route, name, K, G, D):
+  """Gemma 3's MQA (head_dim 256, 4 query heads on its one KV head) and Qwen2.5's GQA-7
+  (head_dim 64, 7 query heads a KV head: an odd row group), one decode query a row, over a
+  slot mask with holes (a window folded in, a ragged start)."""
+  seg = _segment(name, K, 72, D, seed=5)
+  q = jax.random.normal(jax.random.PRNGKey(11), (2, K, G, 1, D), f32) * 0.3
+  want = _read(xla.attend_segment, q, seg)
+  got = _read(native.read_segment, q, seg)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want),
+                             atol=_tol(route, name) * float(jnp.max(jnp.abs(want))), rtol=0)
+
+
 @pytest.mark.parametrize("name,D", [("int8", 64), ("int4", 64), ("int4", 16)])
 def test_integer_values_over_an_odd_tail_and_a_nan(name, D):
   """Integer values, which the AVX-512 kernel reads two tokens per integer multiply-add

@@ -240,3 +240,12 @@ def test_convert_gguf_to_mqa_checkpoint(tmp_path):
   _, want = convert.mean_pool(*gguf.load(path), 1)
   np.testing.assert_allclose(np.asarray(got["layers"]["k_proj"]["kernel"]),
                              np.asarray(want["layers"]["k_proj"]["kernel"]), rtol=1e-6)
+
+
+def test_a_source_label_keeps_a_named_models_whole_name():
+  """Rows once labelled Qwen2.5-Coder-0.5B `qwen2.5-coder-0` (the name's last dot taken for
+  a file suffix)."""
+  from kvjax.io import sources
+  assert sources.parse("gguf:qwen2.5-coder-0.5b").name == "qwen2.5-coder-0.5b"
+  assert sources.parse("gguf:/models/m.Q4_K.gguf").name == "m.Q4_K"
+  assert sources.parse("config:configs/a.yaml").name == "a"

@@ -33,8 +33,13 @@ class Source:
 
   @property
   def name(self) -> str:
-    """A short label for results rows and plots."""
-    return Path(self.ref).stem if self.kind in ("gguf", "config") else Path(self.ref).name
+    """A short label for results rows and plots: the file's name without its .gguf / .yaml
+    suffix (a named model keeps its whole name: `qwen2.5-coder-0.5b`, not `qwen2.5-coder-0`)."""
+    name = Path(self.ref).name
+    for suffix in (".gguf", ".yaml", ".yml"):
+      if self.kind in ("gguf", "config") and name.endswith(suffix):
+        return name[:-len(suffix)]
+    return name
 
 
 def parse(spec: str) -> Source:

@@ -71,3 +71,20 @@ def test_dry_run_lists_every_interleaved_variant(tmp_path, capsys):
   assert runs == [(0, "bf16", "bf16"), (0, "int4", "int4"), (0, "int8", "int8"),
                   (1, "bf16", "bf16"), (1, "int4", "int4"), (1, "int8", "int8")]
   assert "2 cells, 6 variants" in capsys.readouterr().out
+
+
+def test_a_paired_row_is_read_against_its_own_reference_not_a_same_codec_row():
+  """Two interleaved settings of one codec (Gemma's hybrid and full-attention caches, both
+  bf16): the summary showed both as 'reference' because it looked the reference up by codec."""
+  from kvjax.experiments import roofline
+  base = {"variant": {"variant": "MQA", "attention": "native", "codec": "bf16",
+                      "k_codec": "bf16", "v_codec": "bf16", "layout": "contiguous"},
+          "workload": {"batch": 8, "context": 8192}}
+  rows = [{**base, "variant": {**base["variant"], "setting": s},
+           "metrics": {"tpot_s": t, "tpot_s_iqr": 0.001, "tpot_vs_ref": r, "tpot_vs_ref_ci95": ci,
+                       "achieved_Bps": 1e10, "bandwidth_Bps": 3e10, "roof_fraction": 0.4}}
+          for s, t, r, ci in (("full", 0.2, 1.0, [1.0, 1.0]),
+                              ("hybrid", 0.1, 0.5, [0.49, 0.51]))]
+  got = {r["setting"]: r for r in roofline.summary(rows)}
+  assert got["full"]["vs_ref"] == "reference"
+  assert got["hybrid"]["tpot_vs_ref"] == 0.5 and got["hybrid"]["vs_ref"] == "faster"

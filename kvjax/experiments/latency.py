@@ -173,7 +173,8 @@ def summary(rows: list[dict]) -> list[dict]:
                 "batch": w["batch"], "context": w["context"],
                 "bytes_per_token": m["bytes_per_token"], "cache_bytes": m["cache_bytes"],
                 "ttft_s": m["ttft_s"], "tpot_s": m["tpot_s"], "tpot_iqr_s": m["tpot_s_iqr"],
-                **figures.ratio_fields(m, ref[key(r)]), "tokens_per_s": m["tokens_per_s"],
+                **figures.ratio_fields(m, None if "tpot_vs_ref" in m else ref[key(r)]),
+                "tokens_per_s": m["tokens_per_s"],
                 "bound": m.get("bound", ""), **figures.roof_fields(m),
                 "regime": regime(m)})
   return out

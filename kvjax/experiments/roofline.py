@@ -297,8 +297,8 @@ def summary(rows: list[dict]) -> list[dict]:
            "bound": m.get("bound", "bytes"), **figures.roof_fields(m),
            "achieved_GBps": m["achieved_Bps"] / 1e9,
            "bandwidth_GBps": m["bandwidth_Bps"] / 1e9}
-    if "tpot_vs_ref" in m:
+    if "tpot_vs_ref" in m:  # timed in turn with its own reference: the paired ratio alone
       rec["setting"] = v.get("setting", "")
-    rec.update(figures.ratio_fields(m, ref.get(key(r))))
+    rec.update(figures.ratio_fields(m, None if "tpot_vs_ref" in m else ref.get(key(r))))
     out.append(rec)
   return out

@@ -31,6 +31,10 @@ A generated block sits between `<!-- doc_tables:NAME begin -->` and
             policies at 512 tokens (100 needle queries a cell).
   sinks100  results/real/sinks_100/long_context.jsonl: the same for sinks with 4 and with
             1 kept token, and window, on passkey prompts at 1,024 tokens.
+  models    results/real_models/quality.jsonl: the same settings on Gemma 3, Qwen2.5 and
+            SmolLM2, on code and prose, and which model loses more to each from the intervals.
+  parity    results/cpu/real_parity.jsonl: each real model against transformers
+            (scripts/real_parity.py): perplexity, greedy tokens, the MHA twin.
 """
 
 from __future__ import annotations
@@ -57,7 +61,9 @@ SOURCES = {"quality": ROOT / "results" / "quality.jsonl",
            "frontier": ROOT / "results" / "real" / "quality.jsonl",
            "tasks100": ROOT / "results" / "real" / "long_context_100" / "long_context.jsonl",
            "evict100": ROOT / "results" / "real" / "evict_100" / "long_context.jsonl",
-           "sinks100": ROOT / "results" / "real" / "sinks_100" / "long_context.jsonl"}
+           "sinks100": ROOT / "results" / "real" / "sinks_100" / "long_context.jsonl",
+           "models": ROOT / "results" / "real_models" / "quality.jsonl",
+           "parity": ROOT / "results" / "cpu" / "real_parity.jsonl"}
 MODEL_ORDER = ("MHA", "GQA-2", "GQA-4", "GQA-8", "MQA")
 LIMIT = 1.0  # the Δppl (%) that the "within" sentence tests
 
@@ -740,13 +746,78 @@ def sinks100_table(rows: list[dict]) -> str:
                           "configs/long_context_sinks_100.yaml")
 
 
+MODELS = (("gemma3-270m", "Gemma 3 (MQA)"), ("qwen2.5-coder-0.5b", "Qwen2.5 (GQA-7)"),
+          ("smollm2-135m", "SmolLM2 (GQA-3)"))
+TEXTS = (("stdlib", "code"), ("shakespeare", "prose"))
+
+
+def models_table(rows: list[dict]) -> str:
+  """One line per setting: Δppl with its interval per model and text, then which model
+  loses more to the same setting where the intervals tell them apart."""
+  rows = [r for r in rows if r.get("workload", {}).get("task") == "text"]
+  if not rows:
+    return "(no rows yet: `kvjax run configs/real_quality_models.yaml --out results/real_models`)"
+  cell = {(r["variant"]["setting"], r["variant"].get("model"), r["workload"].get("data")): r
+          for r in rows}
+  settings = list(dict.fromkeys(r["variant"]["setting"] for r in rows))
+  head = ["setting", "bits / element"] + [f"{m} {t}" for _, m in MODELS for _, t in TEXTS]
+  out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  verdicts = []
+  for s in settings:
+    any_row = next(r for k, r in cell.items() if k[0] == s)
+    bits = sorted({f"{r['metrics']['bits_per_element']:.2f}" for k, r in cell.items() if k[0] == s})
+    line = [f"{s}: {describe(any_row['variant'])}", " / ".join(bits)]
+    for name, _ in MODELS:
+      for text, _ in TEXTS:
+        r = cell.get((s, name, text))
+        line.append("—" if r is None else
+                    _signed(100 * r["metrics"]["dppl_rel"]) + _pct_ci(r["metrics"]))
+    out.append("| " + " | ".join(line) + " |")
+    for text, what in TEXTS:
+      got = [(label, cell[(s, name, text)]["metrics"]) for name, label in MODELS
+             if (s, name, text) in cell]
+      if len(got) < 2:
+        continue
+      worst = max(got, key=lambda g: g[1]["dppl_rel"])
+      apart = [label for label, m in got if label != worst[0]
+               and intervals.separated(m.get("dppl_rel_ci95"), worst[1].get("dppl_rel_ci95"))]
+      verdicts.append(f"- {s}, {what}: {worst[0]} loses most ("
+                      f"{_signed(100 * worst[1]['dppl_rel'])}); its interval is apart from "
+                      + (", ".join(apart) if apart else "no other model's: not told apart")
+                      + (" and overlaps the rest" if apart and len(apart) < len(got) - 1 else ""))
+  n = {(r["workload"].get("batch"), r["workload"].get("context")) for r in rows}
+  windows = ", ".join(f"{b} x {c:,}" for b, c in sorted(n))
+  return "\n".join(out) + (f"\n\nEach cell: Δppl against the same model's fp32 cache on the "
+                           f"same tokens ({windows} tokens per text), 95 % paired-bootstrap "
+                           "interval. Which model loses more, from the intervals:\n\n"
+                           + "\n".join(verdicts))
+
+
+def parity_table(rows: list[dict]) -> str:
+  """scripts/real_parity.py: each real model against transformers' GGUF load."""
+  out = ["| model | heads | perplexity through kvjax's cache | transformers | relative gap | "
+         "greedy tokens | MHA twin's logits |", "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    greedy = f"equal, 3 prompts x {r['greedy_tokens']}" if r["greedy_ok"] else "DIFFER"
+    out.append(f"| {r['model']} | {r['variant']} | {r['ppl']:.4f} | {r['ppl_transformers']:.4f} "
+               f"| {r['ppl_rel_diff']:.1e} | {greedy} | {r['mha_twin_rel_err']:.1e} of the "
+               "largest |")
+  if rows:
+    r = rows[0]
+    out.append(f"\nPerplexity on {r['seqs']} x {r['tokens']:,} stdlib tokens, {r['chunk']} "
+               "tokens a step through kvjax's fp32 cache, against transformers' teacher-forced "
+               "loss (targets: gap < 1e-3, greedy tokens equal, twin < 1e-5).")
+  return "\n".join(out)
+
+
 BUILDERS = {"quality": quality_table, "real": real_table, "evict": evict_table,
             "evict_speed": evict_speed_table, "paired": paired_table,
             "paired_intel": lambda rows: paired_table(
                 rows, "results/cpu/roofline_smollm2_paired_intel/roofline.jsonl"),
             "codec_speed": codec_speed_table, "layer_bits": layer_bits_table,
             "tasks100": tasks100_table, "evict100": evict100_table,
-            "sinks100": sinks100_table, "frontier": frontier_table}
+            "sinks100": sinks100_table, "frontier": frontier_table, "models": models_table,
+            "parity": parity_table}
 
 
 def render(doc: str, blocks: dict[str, str]) -> str:

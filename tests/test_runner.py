@@ -423,4 +423,4 @@ def test_dry_run_lists_resolved_cells_and_runs_nothing(tmp_path, capsys):
   runner.run_file(path, out_dir=out, progress=False)  # a finished cell is listed as done
   cli.main(["run", str(path), "--out", str(out), "--dry-run"])
   text = capsys.readouterr().out
-  assert "4 cells (4 already in" in text and "to run" not in text
+  assert "4 cells (4 cells already in" in text and "to run" not in text

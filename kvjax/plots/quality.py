@@ -32,8 +32,11 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
   text = [r for r in rows if r["workload"].get("task") == "text"]
   recall = [r for r in rows if r["workload"].get("task") == "recall"]
   paths = []
-  if text:
-    paths += _dppl(text, out_dir) + _kl(text, out_dir)
+  texts = list(dict.fromkeys(r["workload"].get("data", "") for r in text))
+  for t in texts:  # one pair of figures per evaluation text (code, prose): never two texts'
+    part = [r for r in text if r["workload"].get("data", "") == t]  # points on one row
+    tag = f"_{t}" if len(texts) > 1 else ""
+    paths += _dppl(part, out_dir, tag) + _kl(part, out_dir, tag)
   if recall:
     paths += _recall(recall, out_dir)
   return paths
@@ -70,7 +73,11 @@ def _bpt(r) -> float:
 CAP = 5.0  # Δppl (%) axis limit; larger values are drawn at the edge with their value
 
 
-def _dppl(rows, out_dir):
+def _text_note(rows, tag: str) -> str:
+  return f", text: {rows[0]['workload'].get('data')}" if tag else ""
+
+
+def _dppl(rows, out_dir, tag: str = ""):
   """One line per setting (sorted by bytes per token, bytes in the label), one dot per
   model (marker; colour: the setting's codec family): names never collide, and the axis is
   linear (no symlog bend at 0)."""
@@ -123,17 +130,18 @@ def _dppl(rows, out_dir):
                    if bars else ""))
   ax.set_title(f"Quality vs cache size: settings from most to fewest measured bytes per token\n"
                f"(per model: {'/'.join(look.names[v] for v in variants)}); {n.get('batch')}×{n.get('context')} "
-               f"validation tokens per model, fed {n.get('chunk')} at a time", fontsize=9)
+               f"validation tokens per model, fed {n.get('chunk')} at a time{_text_note(rows, tag)}",
+               fontsize=9)
   ax.grid(True, axis="x", alpha=0.3)
   from matplotlib.lines import Line2D
   ax.legend(handles=[Line2D([], [], marker=shape[v], ls="none", color="#555555",
                             label=look.names[v]) for v in variants] + family_handles(look),
             fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
             title="marker: model; colour: codec family", title_fontsize=7.5)
-  return save(fig, out_dir, "quality_dppl_vs_bytes")
+  return save(fig, out_dir, "quality_dppl_vs_bytes" + tag)
 
 
-def _kl(rows, out_dir):
+def _kl(rows, out_dir, tag: str = ""):
   """KL per setting (most bytes first) on a log axis, its value printed on the bar; one bar
   per model (hatch) and setting (colour: codec family). The fp32 cache is the reference
   (KL exactly 0) and has no bar."""
@@ -168,7 +176,8 @@ def _kl(rows, out_dir):
   ax.set_ylabel(f"mean KL({_reference(rows)} ‖ this cache), nats")
   bars = any("kl_ci95" in r["metrics"] for r in rows)
   ax.set_title(f"Next-token KL divergence from the {_reference(rows)}, settings from most to fewest "
-               "bytes per token\n(fp32 itself, KL 0, not drawn; no bar: not run on that model"
+               f"bytes per token{_text_note(rows, tag)}\n(fp32 itself, KL 0, not drawn; no bar: "
+               "not run on that model"
                + ("; error bars: 95 % intervals, paired bootstrap over blocks" if bars else "")
                + ")", fontsize=9)
   ax.grid(True, axis="y", alpha=0.3)
@@ -180,7 +189,7 @@ def _kl(rows, out_dir):
                title="hatch: model; bar colour: codec family", title_fontsize=7.5)
   else:
     ax.text(0.01, 0.98, names[variants[0]], transform=ax.transAxes, va="top", fontsize=8)
-  return save(fig, out_dir, "quality_kl")
+  return save(fig, out_dir, "quality_kl" + tag)
 
 
 def _recall(rows, out_dir):

@@ -39,7 +39,7 @@ def test_greedy_tokens(qwen2):
   cfg, params, tok, _, ref_model = qwen2
   chat = "<|im_start|>user\nWrite a Python function that reverses a list.<|im_end|>\n" \
          "<|im_start|>assistant\n"
-  rm.greedy_equal(cfg, params, ref_model, [tok.encode(p) for p in (rm.PROMPTS[1], chat)], n=16)
+  rm.greedy_equal(cfg, params, ref_model, [tok.encode(chat)], n=12)  # 3 x 32: real_parity.py
 
 
 def test_mha_twin_has_the_same_logits(qwen2):

@@ -143,8 +143,12 @@ def test_prefill_longer_than_the_window_then_decode_equals_recomputing():
   params = _params(cfg)
   prompts = [TOKENS[0, :12].tolist(), TOKENS[1, :7].tolist()]
   got = program.generate(cfg, params, prompts, 5, timed=False)["tokens"]
+  S = 12 + 5  # one buffer, padding at position -1: one compile for every length
+  full = jax.jit(lambda tok, pos: Transformer(cfg.model).apply({"params": params}, tok, pos)[0])
   for prompt, out in zip(prompts, got):
     seq = list(prompt)
     for _ in range(5):
-      seq.append(int(np.argmax(_full(cfg, params, np.asarray([seq]))[0, -1])))
+      tok = jnp.asarray([seq + [0] * (S - len(seq))], jnp.int32)
+      pos = jnp.asarray([list(range(len(seq))) + [-1] * (S - len(seq))], jnp.int32)
+      seq.append(int(jnp.argmax(full(tok, pos)[0, len(seq) - 1])))
     assert out == seq[len(prompt):]

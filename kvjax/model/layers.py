@@ -143,6 +143,15 @@ def block_forward(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):
   `wants_queries` (it scores tokens by attention when it writes) or the step asks for them
   (`inp.queries`: a policy's prefill selection); under `cache.rotate`
   k, v and those queries are in the rotated basis (`kvjax.codecs.rotate`)."""
+  o_BTE, kv = attention_block(cfg, dense, norm, x_BTE, layer, inp)
+  x_BTE = x_BTE + o_BTE
+  return x_BTE + mlp_block(cfg, dense, norm, x_BTE), kv
+
+
+def attention_block(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):
+  """The attention half of `block_forward`: what it adds to the residual stream x, and the
+  layer's new (k, v[, q]). Variant conversions (`kvjax.convert.fit`) fit its projections
+  against the original model's."""
   cos, sin = inp.cos_BTD, inp.sin_BTD
   if inp.cos_local is not None:  # local layers rotate with their own base
     local = per_layer(layer, [cfg.is_local(i) for i in range(cfg.n_layers)])
@@ -175,17 +184,20 @@ def block_forward(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):
   (o,) = dense(attn_BTHD.reshape(B, T, H * D), [("o_proj", cfg.d_model, False)])
   if cfg.sandwich_norm:
     o = norm("post_attn_norm", o)
-  x_BTE = x_BTE + o
+  kv = (k_BTKD, v_BTKD)
+  if layout is not None and (inp.queries or layout.wants_queries(inp.spec)):
+    kv += (q_BTHD,)  # for the layout's `write`, or asked for by the step (`kvjax.step`)
+  return o, kv
 
+
+def mlp_block(cfg: ModelConfig, dense, norm, x_BTE):
+  """The MLP half of `block_forward`: what it adds to the residual stream x."""
   h = norm("post_attention_layernorm", x_BTE)
   gate, up = dense(h, [("gate_proj", cfg.F, False), ("up_proj", cfg.F, False)])
   (down,) = dense(ACTS[cfg.mlp_act](gate) * up, [("down_proj", cfg.d_model, False)])
   if cfg.sandwich_norm:
     down = norm("post_ffw_norm", down)
-  kv = (k_BTKD, v_BTKD)
-  if layout is not None and (inp.queries or layout.wants_queries(inp.spec)):
-    kv += (q_BTHD,)  # for the layout's `write`, or asked for by the step (`kvjax.step`)
-  return x_BTE + down, kv
+  return down
 
 
 class Block(nn.Module):

@@ -129,6 +129,24 @@ def eval_text(source: str = "stdlib", val_fraction: float = 0.05, what: str = "-
   return path.read_text(encoding="utf-8", errors="replace")
 
 
+def calib_text(source: str = "stdlib", chars: int = 200_000, val_fraction: float = 0.05,
+               seed: int = 0) -> str:
+  """Calibration text for a conversion: a named corpus's training documents (never the
+  validation split `eval_text` reads), in a seeded random order, joined by blank lines up
+  to `chars` characters; or a text file's or folder's content (its first `chars`)."""
+  docs = named_documents(source)
+  if docs is None:
+    return eval_text(source, val_fraction, "--calib")[:chars]
+  names = [n for n in docs if not is_validation(n, val_fraction)]
+  out, total = [], 0
+  for i in np.random.default_rng(seed).permutation(len(names)):
+    if total >= chars:
+      break
+    out.append(docs[names[i]].decode("utf-8", errors="replace"))
+    total += len(out[-1]) + 2
+  return "\n\n".join(out)[:chars]
+
+
 @functools.lru_cache(maxsize=4)
 def load_corpus(source: str = "stdlib", val_fraction: float = 0.05) -> Corpus:
   """The corpus named by `train.data`: `stdlib`, a text file, or a folder of text files.

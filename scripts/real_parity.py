@@ -41,7 +41,7 @@ def main(argv=None) -> int:
   import real_models as rm
   from conftest import kvjax_side, transformers_side
   from kvjax import data, metrics
-  from kvjax.io import convert
+  from kvjax import convert
 
   env, ok = metrics.environment(), True
   for name in args.models:

@@ -8,7 +8,7 @@ import numpy as np
 
 from kvjax import config as config_lib
 from kvjax import data, evaluate, program
-from kvjax.io import convert
+from kvjax import convert
 from kvjax.model import Transformer
 
 TEXTS = ["", "Hello world", "def main():\n    return 42  # ok\n", "  two leading spaces\tand a tab",
@@ -29,14 +29,15 @@ def logits(cfg, params, ids_BT):
   return np.asarray(Transformer(cfg.model).apply({"params": params}, jnp.asarray(ids_BT), pos)[0])
 
 
-def perplexity_through_the_cache(cfg, params, tok, ref_model, n=1024, seqs=2, chunk=64):
+def perplexity_through_the_cache(cfg, params, tok, ref_model, n=1024, seqs=2, chunk=64,
+                                 segment=256):
   """kvjax's fp32 cache fed `chunk` tokens a step against transformers' teacher-forced loss,
   on `seqs` windows of `n` stdlib tokens: relative difference of the perplexities."""
   import torch
 
   windows = evaluate.text_windows(tok, data.eval_text("stdlib"), n, seqs)
   total = 0.0
-  for start, lp in evaluate.stream_segments(cfg, params, windows, chunk, segment=256):
+  for start, lp in evaluate.stream_segments(cfg, params, windows, chunk, segment=segment):
     if start is None:
       continue
     nxt = windows[:, start + 1:start + 1 + lp.shape[1]]

@@ -1,4 +1,4 @@
-"""Conversions between attention variants (kvjax.io.convert): the exact expansion to more KV
+"""Conversions between attention variants (kvjax.convert): the exact expansion to more KV
 heads gives the same logits for r times the cache, pooling it back returns the original,
 and a target that neither divides nor multiplies the heads is one line."""
 
@@ -11,7 +11,8 @@ from conftest import tiny_config, tiny_params
 from kvjax import cli
 from kvjax import cache as cache_lib
 from kvjax.errors import KvjaxError
-from kvjax.io import checkpoint, convert
+from kvjax import convert
+from kvjax.io import checkpoint
 from kvjax.model import Transformer
 
 TOKENS = jnp.array([[3, 14, 15, 9, 2, 6, 5, 35, 8, 9]], jnp.int32)
@@ -57,3 +58,73 @@ def test_cli_expands_a_gguf_model_to_its_mha_twin(tmp_path, capsys):
   got_cfg, got = checkpoint.load(out)
   assert got_cfg.model.n_kv_heads == 4
   np.testing.assert_allclose(_logits(got_cfg, got), _logits(cfg, params), atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def gqa_gguf(tmp_path_factory):
+  """A GQA-2 tiny model with its own (gpt2) tokenizer: the calibrated methods read text."""
+  cfg = tiny_config(**{"model.n_kv_heads": 2, "model.max_seq_len": 128, "seed": 4})
+  params = tiny_params(cfg)
+  return cfg, params, mf.write_gguf(tmp_path_factory.mktemp("gqa") / "m.gguf", cfg, params)
+
+
+def _fit_args(path, out, *extra):
+  return ["convert", "--gguf", str(path), "--kv-heads", "1", "--method", "fit",
+          "--calib-tokens", "1024", "--minutes", "0.02", "--out", str(out), *extra]
+
+
+def test_cli_fit_records_its_recipe_and_resumes_an_interrupted_run(gqa_gguf, tmp_path, capsys,
+                                                                    monkeypatch):
+  from kvjax.convert import fit
+  _, _, path = gqa_gguf
+  out = tmp_path / "mqa"
+  real, calls = fit._fit_layer, []
+
+  def interrupted(*args, **kwargs):
+    calls.append(args[5])
+    if len(calls) == 2:
+      raise KeyboardInterrupt  # the second layer: the first is already checkpointed
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(fit, "_fit_layer", interrupted)
+  assert cli.main(_fit_args(path, out)) == 130  # interrupted (Ctrl-C)
+  assert checkpoint.latest_step(out) is None and checkpoint.latest_step(out / "partial") == 1
+  first = checkpoint.restore(out / "partial")["meta"]["layers"]
+  monkeypatch.setattr(fit, "_fit_layer", real)
+  assert cli.main(_fit_args(path, out)) == 0
+  assert "resuming the fit after layer 0" in capsys.readouterr().out
+  meta = checkpoint.restore(out)["meta"]
+  assert meta["method"] == "fit" and meta["recipe"]["calib"] == "stdlib"
+  assert meta["recipe"]["calib_seq_len"] == 128 and meta["recipe"]["kv_heads"] == 1
+  assert [r["layer"] for r in meta["layers"]] == [0, 1] and meta["layers"][0] == first[0]
+  assert not (out / "partial").exists()
+  got_cfg, _ = checkpoint.load(out)
+  assert got_cfg.model.variant == "MQA"
+
+
+def test_cli_refuses_to_mix_a_partial_fit_with_another_recipe(gqa_gguf, tmp_path, capsys):
+  _, _, path = gqa_gguf
+  out = tmp_path / "mqa"
+  cfg = tiny_config(**{"model.n_kv_heads": 1, "model.max_seq_len": 128})
+  checkpoint.save(out / "partial", cfg, tiny_params(cfg), step=1,
+                  meta={"recipe": {"method": "fit", "calib": "other"}, "layers_done": 1,
+                        "layers": []})
+  assert cli.main(_fit_args(path, out)) == 2
+  err = capsys.readouterr().err.strip()
+  assert "another recipe" in err and "\n" not in err
+  assert checkpoint.latest_step(out) is None
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--kv-heads", "1", "--method", "distil"], "--method 'distil' unknown"),
+    (["--latent-rank", "4", "--method", "fit"], "--method align/fit apply to --kv-heads"),
+    (["--kv-heads", "4", "--method", "align"], "fewer than"),
+    (["--kv-heads", "1", "--method", "fit", "--minutes", "nan"], "--minutes"),
+])
+def test_cli_conversions_that_cannot_run_are_one_line(gqa_gguf, tmp_path, capsys, extra, says):
+  _, _, path = gqa_gguf
+  out = tmp_path / "x"
+  assert cli.main(["convert", "--gguf", str(path), *extra, "--out", str(out)]) == 2
+  err = capsys.readouterr().err.strip()
+  assert says in err and "\n" not in err and "Traceback" not in err
+  assert not out.exists()

@@ -230,7 +230,7 @@ def test_smollm2_logits_and_greedy_tokens_match_transformers(smollm2):
 def test_convert_gguf_to_mqa_checkpoint(tmp_path):
   from kvjax import cli
   from kvjax.io import checkpoint
-  from kvjax.io import convert
+  from kvjax import convert
   cfg, params = _source(True)
   path = write_gguf(tmp_path / "m.gguf", cfg, params)
   out = tmp_path / "mqa"

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from kvjax import program
-from kvjax import cli, train
-from kvjax.io import checkpoint
-from kvjax.io import convert
+from kvjax import cli, convert, train
 from kvjax import config as config_lib
+from kvjax.convert import cli as convert_cli
+from kvjax.io import checkpoint
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer, init_params
 
@@ -133,7 +133,7 @@ def test_mean_pool_to_gqa_and_mqa(trained, tmp_path):
   # MQA through the CLI: expected shapes and a working model
   args = argparse.Namespace(checkpoint=str(out), hf=None, kv_heads=1, out=str(tmp_path / "mqa"),
                             set=[])
-  assert convert.convert_cli(args)["to"] == "MQA"
+  assert convert_cli.convert_cli(args)["to"] == "MQA"
   mcfg, mp = checkpoint.load(tmp_path / "mqa")
   assert mcfg.model.n_kv_heads == 1 and mcfg.model.variant == "MQA"
   for name in ("k_proj", "v_proj"):

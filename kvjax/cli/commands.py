@@ -170,8 +170,8 @@ def cmd_train(args):
 
 
 def cmd_convert(args):
-  from kvjax.io import convert
-  return convert.convert_cli(args)
+  from kvjax.convert import cli
+  return cli.convert_cli(args)
 
 
 def cmd_eval(args) -> dict:

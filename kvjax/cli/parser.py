@@ -196,8 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
   _add_set(t)
   t.set_defaults(func=cmd_train)
 
-  c = sub.add_parser("convert", help="mean-pool an MHA checkpoint's K/V heads into GQA/MQA, or "
-                     "factor K/V to a rank-R latent (--latent-rank)")
+  c = sub.add_parser("convert", help="pool a model's K/V heads into fewer (GQA/MQA: mean-pooled, "
+                     "aligned, or fitted on calibration text), expand them exactly, or factor "
+                     "K/V to a rank-R latent (--latent-rank)")
   csrc = c.add_mutually_exclusive_group(required=True)
   csrc.add_argument("--checkpoint", metavar="DIR")
   csrc.add_argument("--hf", metavar="DIR")
@@ -205,6 +206,23 @@ def build_parser() -> argparse.ArgumentParser:
   c.add_argument("--kv-heads", type=_number("--kv-heads", "model.n_kv_heads"))
   c.add_argument("--latent-rank", type=_number("--latent-rank", _POS), metavar="R",
                  help="factor K/V projections to rank R for the latent (MLA-style) cache")
+  c.add_argument("--method", default="pool", metavar="pool|align|fit",
+                 help="how fewer KV heads are made: pool (mean of each group), align (each "
+                 "group's heads rotated onto its first, exactly, then pooled), fit (aligned, "
+                 "pooled, then each layer's q/k/v fitted to the original's attention)")
+  c.add_argument("--calib", default="stdlib", metavar="TEXT",
+                 help="calibration text for align/fit: a named corpus (its training documents, "
+                 "never the split eval reads), a file or a folder")
+  c.add_argument("--calib-tokens", type=_number("--calib-tokens", (1024, True, 1 << 22, True)),
+                 default=16384, metavar="N", help="calibration tokens (windows of 512)")
+  c.add_argument("--minutes", type=_number("--minutes", (0, False, 10_000, True), integer=False),
+                 default=30.0, metavar="M", help="fit's time budget, shared over the layers")
+  c.add_argument("--steps", type=_number("--steps", _POS), default=2000, metavar="N",
+                 help="fit's Adam steps per layer at most (the budget may allow fewer): a "
+                 "fixed count makes a fit repeatable on a busy machine")
+  c.add_argument("--fit-inputs", default="converted", choices=("converted", "original"),
+                 help="fit each layer on the converted model's own stream (correcting the "
+                 "layers before it) or on the original's")
   c.add_argument("--out", metavar="DIR", required=True)
   _add_set(c)
   c.set_defaults(func=cmd_convert)

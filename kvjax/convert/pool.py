@@ -1,4 +1,4 @@
-"""Conversions between attention variants: GQA/MQA by mean-pooling K/V projection heads
+"""Fewer or more KV heads of the same weights: GQA/MQA by mean-pooling K/V projection heads
 (Ainslie et al. 2023), and the exact expansion the other way (`expand`: GQA/MQA -> more KV
 heads, MHA at most, each head copied to its query group; same outputs, more cache).
 
@@ -7,15 +7,12 @@ heads i*P .. i*P+P-1 (P = K_old // K_new) serve exactly the query heads that new
 i will serve; averaging their K and V projections (kernels and biases) is the GQA
 paper's best initialisation, and with P = 1 it is the identity. Queries, outputs and the
 MLP are unchanged. The converted model is then usually uptrained for a few percent of
-its original steps (kvjax/experiments/uptrain.py).
-
-`--latent-rank R` instead factors each layer's K/V projections to rank R for the latent
-cache (`kvjax.cache.latent.factor`).
+its original steps (kvjax/experiments/uptrain.py), or aligned before pooling and fitted
+after it on calibration text (`kvjax.convert.align`, `kvjax.convert.fit`).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -25,7 +22,6 @@ from kvjax import config as config_lib
 from kvjax import registries  # noqa: F401  (config.validate then knows every registry's names)
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
-from kvjax.runner import claims
 
 
 def check_target(model_cfg, kv_heads: int) -> None:
@@ -89,45 +85,3 @@ def mean_pool(cfg: Config, params: Any, kv_heads: int) -> tuple[Config, Any]:
   new_params = {**params, "layers": layers}
   new_cfg = config_lib.apply_overrides(cfg, {"model.n_kv_heads": kv_heads})
   return new_cfg, new_params
-
-
-def convert_cli(args) -> dict:
-  """`kvjax convert (--checkpoint DIR | --hf DIR | --gguf FILE) --kv-heads K --out DIR`.
-
-  The converted checkpoint keeps the source's tokenizer reference (a GGUF source's
-  `gguf:FILE`), so `kvjax generate --checkpoint OUT --prompt ...` still reads text. One
-  writer per --out: a second convert or train into it meanwhile is a one-line error."""
-  from kvjax.io import sources
-
-  src = sources.from_args(args)
-  rank = getattr(args, "latent_rank", None)
-  if (args.kv_heads is None) == (rank is None):
-    raise KvjaxError("convert needs exactly one of --kv-heads K or --latent-rank R")
-  with claims.sole_writer(args.out, "convert"):  # one writer per --out, from the start
-    return _convert(args, src, rank)
-
-
-def _convert(args, src, rank: int | None) -> dict:
-  from kvjax.io import checkpoint
-  from kvjax.io import sources
-
-  cfg, params, _ = sources.load(src, config_lib.parse_set(getattr(args, "set", None)))
-  before = cfg.model.variant
-  if rank is not None:
-    from kvjax.cache import latent
-    new_cfg, new_params = latent.factor(cfg, params, rank)
-    method, what = f"latent_rank_{rank}", f"rank-{rank} latent K/V (SVD per layer)"
-  elif args.kv_heads > cfg.model.n_kv_heads:
-    new_cfg, new_params = expand(cfg, params, args.kv_heads)
-    method, what = "expand", "K/V heads copied to their query groups (exact)"
-  else:
-    new_cfg, new_params = mean_pool(cfg, params, args.kv_heads)
-    method, what = "mean_pool", "mean-pooled K/V heads"
-  out = Path(args.out)
-  if checkpoint.latest_step(out) is not None:
-    raise KvjaxError(f"{out} already holds a checkpoint; choose a new --out folder")
-  checkpoint.save(out, new_cfg, new_params, step=0,
-                  meta={"converted_from": str(src), "method": method})
-  print(f"converted {before} -> {new_cfg.model.variant} ({what}); checkpoint in {out}")
-  return {"from": before, "to": new_cfg.model.variant, "out": str(out),
-          "latent_rank": new_cfg.model.latent_rank}

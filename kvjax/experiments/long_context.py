@@ -42,7 +42,7 @@ head; `kvjax.held`) per prefix token, on the same axis as the codec settings. A 
 a fraction of the prefix.
 
 A setting may also set `params.kv_heads`: the model's K/V projections are then mean-pooled
-into that many heads (`kvjax.io.convert.mean_pool`, no uptraining: GQA-3 -> MQA for
+into that many heads (`kvjax.convert.mean_pool`, no uptraining: GQA-3 -> MQA for
 SmolLM2), or for a multiple of the model's heads copied exactly (`convert.expand`: the MHA
 twin), and its prefixes are prefilled through that model (list such settings last
 among a context's settings: the prefills kept are one model's).
@@ -56,9 +56,9 @@ import functools
 from kvjax import experiments as ex
 from kvjax import config as config_lib
 from kvjax import cache as cache_lib
-from kvjax import evaluate, intervals, policies, step, tasks
+from kvjax import convert, evaluate, intervals, policies, step, tasks
 from kvjax import held as held_lib
-from kvjax.io import convert, sources
+from kvjax.io import sources
 from kvjax.errors import KvjaxError
 
 # The params.NAME options this experiment reads (`setting` and `settings` are every

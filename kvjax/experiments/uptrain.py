@@ -1,7 +1,7 @@
 """uptrain: MHA -> GQA/MQA by mean-pooling, and how much uptraining recovers (GQA paper, Table 1).
 
 A cell is one target `model.n_kv_heads`. It loads the trained MHA checkpoint
-(`params.mha`), mean-pools its K/V heads into the target (kvjax.io.convert), and then
+(`params.mha`), mean-pools its K/V heads into the target (kvjax.convert), and then
 uptrains copies for each fraction in `params.fractions` of the MHA's own training steps,
 with the MHA's recipe (same data, lr, schedule shape, warmup scaled by the fraction).
 Rows, all evaluated the same way (validation loss of the full forward pass on fixed
@@ -28,7 +28,7 @@ from pathlib import Path
 from kvjax import experiments as ex
 from kvjax import data, evaluate, train
 from kvjax.io import checkpoint
-from kvjax.io import convert
+from kvjax import convert
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
 

@@ -150,6 +150,27 @@ def restore(ckpt_dir: str | Path, params_like: Any = None, opt_state_like: Any =
   return {k: out[k] for k in items}
 
 
+def read_meta(ckpt_dir: str | Path, step: int | None = None) -> dict:
+  """The JSON meta of one step (default: the latest finished one) without its params: what
+  `kvjax convert` recorded (`method`, `recipe`, per-layer fit errors) or train's step."""
+  ocp = _ocp()
+  step = latest_step(ckpt_dir) if step is None else step
+  if step is None:
+    raise KvjaxError(f"{ckpt_dir} holds no finished checkpoint step")
+  mngr = _manager(Path(ckpt_dir), read_only=True)
+  failure = None
+  try:
+    out = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+  except Exception as e:  # noqa: BLE001  orbax raises many types for damaged files
+    failure = _reason(e)
+  finally:
+    mngr.close()
+  if failure is not None:
+    raise KvjaxError(f"checkpoint {ckpt_dir} step {step} has no readable meta ({failure}); "
+                     "delete that step folder or convert again")
+  return dict(out["meta"] or {})
+
+
 def _reason(e: BaseException) -> str:
   """The first line of the innermost message that says something: orbax wraps tensorstore's
   error ("DATA_LOSS: ...") in one that prints the whole TensorStore spec instead."""

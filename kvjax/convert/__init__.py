@@ -1,0 +1,17 @@
+"""Conversions between attention variants of the same weights, one module per method:
+
+    pool       fewer KV heads by mean-pooling each group; more by exact expansion (`pool`)
+    align      each group's heads rotated onto its first before pooling, exactly (`align`)
+    fit        aligned and pooled, then each layer's q/k/v fitted to the original's
+               attention on calibration text (`fit`, one layer at a time: `layerwise`)
+
+`kvjax convert` (`cli`) is the front door; it writes an orbax checkpoint recording the
+recipe, which every command then takes as `checkpoint:DIR`. The latent (MLA-style) cache's
+factorisation is `kvjax.cache.latent.factor`.
+"""
+
+from kvjax.convert.pool import check_target, expand, mean_pool
+
+METHODS = ("pool", "align", "fit")  # kvjax convert --method (named here, listed by the CLI)
+
+__all__ = ["METHODS", "check_target", "expand", "mean_pool"]

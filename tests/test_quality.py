@@ -140,3 +140,39 @@ def test_quality_run_cell_rows(tmp_path, setup):
   assert m["kl"] == pytest.approx(0.0, abs=1e-6) and m["agreement"] == 1.0
   assert m["gen_agreement"] == 1.0
   assert ref_rows[1]["metrics"]["recall"] == ref_rows[1]["metrics"]["recall_ref"]
+
+
+def test_a_converted_checkpoint_is_held_to_its_source_model(tmp_path, setup):
+  """params.converted: the exact MHA twin of the run's model scores as the model itself,
+  with its recipe in the row; a checkpoint of another vocabulary is refused."""
+  from kvjax import convert
+  from kvjax.errors import KvjaxError
+  from kvjax.experiments import quality
+
+  text = tmp_path / "text.txt"
+  text.write_text("for i in range(10):\n    print(i)\n" * 200)
+  cfg, params, _ = setup
+  mcfg = config_lib.apply_overrides(cfg, {"train.data": str(text)})
+  checkpoint.save(tmp_path / "m", mcfg, params, step=0)
+  twin_cfg, twin = convert.expand(mcfg, params, 4)
+  checkpoint.save(tmp_path / "twin", twin_cfg, twin, step=0,
+                  meta={"method": "expand", "recipe": {"method": "expand", "kv_heads": 4,
+                                                       "source": "x"}})
+  items = {"experiment": "quality", "workload.gen_len": 0,
+           "params": {"checkpoints": [str(tmp_path / "m")], "eval_tokens": 32, "eval_seqs": 2,
+                      "gen_prompts": 0, "settings": {"twin": {"params.converted": str(tmp_path / "twin")}},
+                      "setting": "twin"}}
+  ecfg = runner.compose(items, {}, {})
+  quality.check(ecfg)
+  (row,) = quality.run_cell(ecfg)
+  v, m = row["variant"], row["metrics"]
+  assert v["kv_heads"] == 4 and v["conversion"] == "expand" and v["recipe"] == "kv_heads=4"
+  assert m["kl"] == pytest.approx(0.0, abs=1e-6) and m["agreement"] == 1.0
+  other = config_lib.apply_overrides(twin_cfg, {"model.vocab_size": 300})
+  checkpoint.save(tmp_path / "other", other, init_params(other.model, 0), step=0)
+  with pytest.raises(KvjaxError, match="another tokenizer"):
+    quality.run_cell(runner.compose(items, {"params.settings": {
+        "twin": {"params.converted": str(tmp_path / "other")}}}, {}))
+  with pytest.raises(KvjaxError, match="make it first"):
+    quality.check(runner.compose(items, {"params.settings": {
+        "twin": {"params.converted": str(tmp_path / "absent")}}}, {}))

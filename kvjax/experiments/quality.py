@@ -5,8 +5,12 @@ of cache overrides such as codec, k_axis, group_size, residual) on one layout. M
 from `params.models`, a list of sources (`gguf:smollm2-135m`, `hf:DIR`, `checkpoint:DIR`,
 or a bare path; see kvjax.io.sources), or `params.checkpoints` (kvjax checkpoint folders: the
 trained MHA, GQA, MQA comparison models). A setting may also set `params.kv_heads`: the
-model's K/V projections are then mean-pooled into that many heads (kvjax.io.convert, no
-uptraining) and measured against the unconverted model's fp32 cache. For each model:
+model's K/V projections are then mean-pooled into that many heads (kvjax.convert, no
+uptraining) and measured against the unconverted model's fp32 cache; or
+`params.converted: DIR`, a checkpoint `kvjax convert` made from the run's model (aligned,
+fitted, ...), measured the same way, its method and recipe in the row's variant
+(`conversion`, `recipe`).
+For each model:
 
   - a `task: text` row: validation text streamed token by token (`params.chunk`) through
     the cache; `ppl`, `ppl_ref` (same model, fp32 cache), `dppl_rel`, `kl`, `agreement`
@@ -54,14 +58,14 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import data, evaluate, held, intervals
-from kvjax.io import convert
+from kvjax import convert
 from kvjax.io import sources
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
 
 # The params.NAME options this experiment reads (`setting` and `settings` are every
 # experiment's); `kvjax run` refuses any other, which would be accepted and ignored.
-PARAMS = frozenset({"checkpoints", "chunk", "eval_seqs", "eval_tokens", "gen_prompts",
+PARAMS = frozenset({"checkpoints", "chunk", "converted", "eval_seqs", "eval_tokens", "gen_prompts",
                     "kv_heads", "models", "peer", "peer_residual", "recall_contexts",
                     "recall_seqs", "reference", "text"})
 
@@ -95,6 +99,10 @@ def check(cfg) -> None:
     if src.kind == "gguf":
       from kvjax.io import zoo
       zoo.resolve_gguf(src.ref)
+  conv = str(cfg.param("converted", "") or "").removeprefix("checkpoint:")
+  if conv and not (Path(conv) / "config.yaml").is_file():
+    raise KvjaxError(f"params.converted {conv} not found; make it first with `kvjax convert "
+                     f"... --out {conv}` (the config's header says how)")
   reference_items(cfg)  # a malformed params.reference refused before any cell runs
   peer = cfg.param("peer", "")
   if peer and (not peer.startswith("quanto_int") or peer[len("quanto_int"):] not in ("2", "4")):
@@ -204,9 +212,13 @@ def run_cell(cfg) -> list[dict]:
     if kv_heads and kv_heads != mcfg.model.n_kv_heads:  # fewer KV heads, mean-pooled
       pooled_cfg, params = convert.mean_pool(mcfg, params, kv_heads)
       tcfg = cell_config(cfg, pooled_cfg)
+    conversion = {}
+    if cfg.param("converted", ""):  # a converted checkpoint of this model
+      conv_cfg, params, conversion = _converted(cfg.param("converted"), src, mcfg)
+      tcfg = cell_config(cfg, conv_cfg)
     c = tcfg.cache
     var = ex.variant(tcfg, k_axis=c.k_axis, group_size=c.group_size, residual=c.residual,
-                     setting=cfg.param("setting", ""), model=src.name)
+                     setting=cfg.param("setting", ""), model=src.name, **conversion)
     B, M = ref["tokens"].shape
     warning = held.window_warning(tcfg, M)
     if warning:
@@ -233,6 +245,23 @@ def run_cell(cfg) -> list[dict]:
                                                 "n_pairs": mcfg.train.recall_pairs},
                    "metrics": {"recall": acc, "recall_ref": acc_ref}})
   return rows
+
+
+def _converted(path: str, src: sources.Source, mcfg) -> tuple:
+  """(config, params, recipe) of `params.converted`, a checkpoint converted from `src`: its
+  vocabulary and tokenizer must be the source's, so it reads the reference's tokens."""
+  from kvjax.io import checkpoint
+  path = str(path).removeprefix("checkpoint:")
+  ccfg, params = checkpoint.load(path)
+  meta = checkpoint.read_meta(path)
+  if (ccfg.tokenizer, ccfg.model.vocab_size) != (mcfg.tokenizer, mcfg.model.vocab_size):
+    raise KvjaxError(f"params.converted {path} reads another tokenizer than {src} "
+                     f"({ccfg.tokenizer}); convert it from {src}")
+  recipe = dict(meta.get("recipe") or {"method": meta.get("method", "unknown")})
+  method = recipe.pop("method")
+  recipe.pop("source", None)
+  return ccfg, params, {"conversion": method,
+                        "recipe": ",".join(f"{k}={v}" for k, v in sorted(recipe.items()))}
 
 
 # -- transformers' quantized cache on the same model and tokens ------------------------------

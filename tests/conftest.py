@@ -46,6 +46,7 @@ def _xla_flags() -> str:
 
 os.environ["XLA_FLAGS"] = _xla_flags()
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from kvjax import config as config_lib  # noqa: E402
@@ -149,6 +150,30 @@ def transformers_side(name: str):
     gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
   assert len(readers) == 1  # both went through the shared parse
   return ref_tok, ref_model
+
+
+def both_sides(name: str):
+  """kvjax_side + transformers_side of one model, their dequantization done once: both read
+  the file's tensors through gguf-py's `dequantize` (a pure function of the bytes and the
+  type), so the second reader of a tensor gets a copy of what the first computed."""
+  import zlib
+
+  import gguf
+  from gguf import quants
+
+  real, memo = quants.dequantize, {}
+
+  def shared(data, qtype):
+    key = (int(qtype), data.shape, zlib.crc32(np.ascontiguousarray(data).view(np.uint8)))
+    if key not in memo:
+      memo[key] = real(data, qtype)
+    return memo[key].copy()
+
+  quants.dequantize = gguf.dequantize = shared
+  try:
+    return (*kvjax_side(name), *transformers_side(name))
+  finally:
+    quants.dequantize = gguf.dequantize = real
 
 
 @pytest.fixture(scope="session")

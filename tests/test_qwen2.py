@@ -5,7 +5,7 @@ greedy tokens, the exact MHA twin (14 KV heads)."""
 import pytest
 
 import real_models as rm
-from conftest import kvjax_side, transformers_side
+from conftest import both_sides
 from kvjax import config as config_lib
 
 NAME = "qwen2.5-coder-0.5b"
@@ -13,7 +13,7 @@ NAME = "qwen2.5-coder-0.5b"
 
 @pytest.fixture(scope="module")
 def qwen2():
-  return (*kvjax_side(NAME), *transformers_side(NAME))
+  return both_sides(NAME)
 
 
 def test_config_is_the_gqa7_model(qwen2):

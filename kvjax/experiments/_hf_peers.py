@@ -154,10 +154,13 @@ class HFFilledTimer:
     self.model, self.B, self.context, self.steps, self.kind = model, batch, context, steps, kind
     c = model.config
     self._kv = torch.zeros(batch, c.num_key_value_heads, context, c.head_dim)
-    if kind == "dynamic":
-      self.cache = DynamicCache(config=c)
-    else:
-      self.cache = StaticCache(config=c, max_cache_len=context + steps + 1)
+    # a model with sliding-window layers (Gemma 3) keeps no past beyond the window in
+    # those layers, so its DynamicCache cannot be cropped back: it is made anew instead
+    self._windowed = bool(getattr(c, "sliding_window", None)) and \
+        "sliding_attention" in (getattr(c, "layer_types", None) or ())
+    self._new = (lambda: DynamicCache(config=c)) if kind == "dynamic" else \
+        (lambda: StaticCache(config=c, max_cache_len=context + steps + 1))
+    self.cache = self._new()
     self._fill()
     self.cache_bytes = None
     self.tokens = None
@@ -174,8 +177,11 @@ class HFFilledTimer:
 
     # Back to the filled context, outside the timed region.
     extra = self.cache.get_seq_length() - self.context
-    if self.kind == "dynamic" and extra > 0:
+    if self.kind == "dynamic" and extra > 0 and not self._windowed:
       self.cache.crop(-extra)
+    elif self.kind == "dynamic" and extra > 0:
+      self.cache = self._new()
+      self._fill()
     elif extra > 0:
       self.cache.reset()
       self._fill()

@@ -35,6 +35,8 @@ A generated block sits between `<!-- doc_tables:NAME begin -->` and
             SmolLM2, on code and prose, and which model loses more to each from the intervals.
   parity    results/cpu/real_parity.jsonl: each real model against transformers
             (scripts/real_parity.py): perplexity, greedy tokens, the MHA twin.
+  convert   results/real_models/convert_smollm2/quality.jsonl: SmolLM2 made an MQA by
+            pooling, alignment and fitting (configs/convert_smollm2.yaml).
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ SOURCES = {"quality": ROOT / "results" / "quality.jsonl",
            "evict100": ROOT / "results" / "real" / "evict_100" / "long_context.jsonl",
            "sinks100": ROOT / "results" / "real" / "sinks_100" / "long_context.jsonl",
            "models": ROOT / "results" / "real_models" / "quality.jsonl",
-           "parity": ROOT / "results" / "cpu" / "real_parity.jsonl"}
+           "parity": ROOT / "results" / "cpu" / "real_parity.jsonl",
+           "convert": ROOT / "results" / "real_models" / "convert_smollm2" / "quality.jsonl"}
 MODEL_ORDER = ("MHA", "GQA-2", "GQA-4", "GQA-8", "MQA")
 LIMIT = 1.0  # the Δppl (%) that the "within" sentence tests
 
@@ -810,6 +813,48 @@ def parity_table(rows: list[dict]) -> str:
   return "\n".join(out)
 
 
+CONVERSIONS = {"mqa_pool": "mean-pooled K/V heads (no calibration)",
+               "mqa_align": "aligned (exact rotations and orthogonal maps), then pooled",
+               "mqa_fit": "aligned, pooled, each layer's q/k/v fitted"}
+
+
+def _times(r: float) -> str:
+  return f"{r:,.0f}" if r >= 100 else f"{r:.1f}" if r >= 10 else f"{r:.2f}"
+
+
+def convert_table(rows: list[dict]) -> str:
+  """configs/convert_smollm2.yaml: one line per conversion, the perplexity ratio to the
+  original model (1 + Δppl) with its interval on code and on prose."""
+  rows = [r for r in rows if r.get("workload", {}).get("task") == "text"]
+  if not rows:
+    return ("(no rows yet: `kvjax run configs/convert_smollm2.yaml --out "
+            "results/real_models/convert_smollm2`)")
+  cell = {(r["variant"]["setting"], r["workload"].get("data")): r for r in rows}
+  settings = list(dict.fromkeys(r["variant"]["setting"] for r in rows))
+  out = ["| conversion | KV heads | bytes/token held | code: ppl ratio [95 %] | "
+         "prose: ppl ratio [95 %] | recipe |", "|---|---|---|---|---|---|"]
+  for s in settings:
+    any_row = next(r for k, r in cell.items() if k[0] == s)
+    line = [f"`{s}`: {CONVERSIONS.get(s, s)}", str(any_row["variant"]["kv_heads"]),
+            f"{any_row['metrics']['bytes_per_token']:,.0f}"]
+    for text, _ in TEXTS:
+      r = cell.get((s, text))
+      if r is None:
+        line.append("—")
+        continue
+      m = r["metrics"]
+      lo, hi = m["dppl_rel_ci95"]
+      line.append(f"{_times(m['ppl'] / m['ppl_ref'])}× [{_times(1 + lo)}, {_times(1 + hi)}] "
+                  f"(ppl {m['ppl']:,.1f} vs {m['ppl_ref']:.2f})")
+    line.append(any_row["variant"].get("recipe", "") or "—")
+    out.append("| " + " | ".join(line) + " |")
+  n = {(r["workload"].get("batch"), r["workload"].get("context")) for r in rows}
+  windows = ", ".join(f"{b} x {c:,}" for b, c in sorted(n))
+  return "\n".join(out) + (f"\n\nEach ratio: the converted model's perplexity over the "
+                           f"original's (fp32 cache both) on the same held-out tokens "
+                           f"({windows} per text), with the 95 % paired-bootstrap interval.")
+
+
 BUILDERS = {"quality": quality_table, "real": real_table, "evict": evict_table,
             "evict_speed": evict_speed_table, "paired": paired_table,
             "paired_intel": lambda rows: paired_table(
@@ -817,7 +862,7 @@ BUILDERS = {"quality": quality_table, "real": real_table, "evict": evict_table,
             "codec_speed": codec_speed_table, "layer_bits": layer_bits_table,
             "tasks100": tasks100_table, "evict100": evict100_table,
             "sinks100": sinks100_table, "frontier": frontier_table, "models": models_table,
-            "parity": parity_table}
+            "parity": parity_table, "convert": convert_table}
 
 
 def render(doc: str, blocks: dict[str, str]) -> str:

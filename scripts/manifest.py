@@ -11,8 +11,9 @@ A `kvjax run` entry names its `config`, `set` overrides and `out` folder; its co
 built from them, and `check` holds every row's `config_hash` equal to a cell of that
 config as committed now (so editing a config without regenerating its results fails the
 test suite). Other entries (benchmark scripts, whose rows carry no config) list their
-`commands` verbatim, `{results}` standing for the results folder. An entry with `needs: gpu`
-was made on a GPU (`scripts/device_check.sh`, docs/gpu.md): `commands` and `compare` leave
+`commands` verbatim, `{results}` standing for the results folder; a `kvjax run` entry may
+list `before` commands that make what its config reads (a converted checkpoint). An entry
+with `needs: gpu` was made on a GPU (`scripts/device_check.sh`, docs/gpu.md): `commands` and `compare` leave
 it out unless JAX's default backend is a GPU. `scripts/reproduce.sh` (`make reproduce`)
 runs exactly these commands.
 """
@@ -58,7 +59,8 @@ def commands(entry: dict, results_dir: str = "results") -> list[str]:
   `{results}` in a verbatim command is the results folder."""
   if "config" in entry:
     sets = "".join(f" --set {shlex.quote(s)}" for s in entry.get("set", []))
-    return [f"kvjax run {entry['config']} --out {_under(entry['out'], results_dir)}{sets}"]
+    before = [c.format(results=results_dir) for c in entry.get("before", [])]
+    return before + [f"kvjax run {entry['config']} --out {_under(entry['out'], results_dir)}{sets}"]
   return [c.format(results=results_dir) for c in entry["commands"]]
 
 
@@ -98,7 +100,7 @@ def update(path: Path = MANIFEST) -> None:
   out = {}
   for name in sorted(man):
     entry = {k: v for k, v in man[name].items() if k in ("config", "set", "out", "commands",
-                                                               "needs")}
+                                                               "before", "needs")}
     entry.update(facts(ROOT / name))
     out[name] = entry
   path.write_text(HEADER + yaml.safe_dump(out, sort_keys=False, width=100))

@@ -128,3 +128,21 @@ def test_cli_conversions_that_cannot_run_are_one_line(gqa_gguf, tmp_path, capsys
   err = capsys.readouterr().err.strip()
   assert says in err and "\n" not in err and "Traceback" not in err
   assert not out.exists()
+
+
+def test_calibration_texts_share_the_windows_and_interleave(tmp_path):
+  """--calib A,B: half the windows from each text, alternating (the fit's held-out tail
+  then holds both), each window from its own text."""
+  from kvjax.convert import cli as convert_cli
+  from kvjax.io import tokenizer
+
+  a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+  a.write_text("a" * 5000)
+  b.write_text("b" * 5000)
+  tok = tokenizer.get_tokenizer("bytes")
+  rows = convert_cli.calib_tokens(tok, f"{a},{b}", 6 * 64, 64)
+  assert rows.shape[0] == 6
+  firsts = [chr(int(r[r < 256][-1])) for r in rows]  # each window's text, by its bytes
+  assert firsts == ["a", "b"] * 3
+  with pytest.raises(KvjaxError, match="--calib"):
+    convert_cli.calib_tokens(tok, ",", 256, 64)

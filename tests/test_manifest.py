@@ -37,8 +37,12 @@ def test_every_run_file_has_one_recorded_config_and_command(manifest):
   for name, entry in runs.items():
     assert (ROOT / entry["config"]).is_file()
     assert not entry["config"].startswith("/") and entry["out"].startswith("results")
-    assert manifest.commands(entry) == [f"kvjax run {entry['config']} --out {entry['out']}"
-                                        + "".join(f" --set {s}" for s in entry.get("set", []))]
+    assert manifest.commands(entry) == list(entry.get("before", [])) + [
+        f"kvjax run {entry['config']} --out {entry['out']}"
+        + "".join(f" --set {s}" for s in entry.get("set", []))]
+  # the converted checkpoints a quality config reads are made by its `before` commands
+  conv = runs["results/real_models/convert_smollm2/quality.jsonl"]
+  assert [c.split()[:2] for c in conv["before"]] == [["kvjax", "convert"]] * 2
 
 
 def test_reproduce_runs_exactly_the_recorded_commands(tmp_path, manifest):

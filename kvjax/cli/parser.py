@@ -212,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "pooled, then each layer's q/k/v fitted to the original's attention)")
   c.add_argument("--calib", default="stdlib", metavar="TEXT",
                  help="calibration text for align/fit: a named corpus (its training documents, "
-                 "never the split eval reads), a file or a folder")
+                 "never the split eval reads), a file or a folder; several, comma-separated, "
+                 "share the tokens equally (stdlib,shakespeare)")
   c.add_argument("--calib-tokens", type=_number("--calib-tokens", (1024, True, 1 << 22, True)),
                  default=16384, metavar="N", help="calibration tokens (windows of 512)")
   c.add_argument("--minutes", type=_number("--minutes", (0, False, 10_000, True), integer=False),

@@ -66,13 +66,26 @@ def _recipe(args, src, method: str, settings: fit.Settings, seq_len: int) -> dic
 
 
 def calib_tokens(tok, text_source: str, n_tokens: int, seq_len: int) -> np.ndarray:
-  """[N, seq_len] calibration windows of `text_source`'s training documents (N >= 2)."""
+  """[N, seq_len] calibration windows (N >= 2) of the training documents of `text_source`:
+  one text, or several separated by commas (`stdlib,shakespeare`), which share the windows
+  equally."""
   from kvjax import data, evaluate
 
+  names = [t for t in text_source.split(",") if t]
+  if not names:
+    raise KvjaxError("--calib names no text; give a named corpus, a file or a folder")
   seqs = max(2, n_tokens // seq_len)
-  text = data.calib_text(text_source, chars=seqs * seq_len * 8)
-  return evaluate.text_windows(tok, text, seq_len, seqs,
-                               ("the calibration window", "--calib-tokens", "--calib"))
+  parts = []
+  for i, name in enumerate(names):
+    n = seqs // len(names) + (i < seqs % len(names))
+    if n:
+      text = data.calib_text(name, chars=n * seq_len * 8)
+      parts.append(evaluate.text_windows(tok, text, seq_len, n,
+                                         ("the calibration window", "--calib-tokens", "--calib")))
+  # interleaved, so that the fit's held-out tenth (its last windows) holds every text
+  rows = sorted(((j / len(part), k, row) for k, part in enumerate(parts)
+                 for j, row in enumerate(part)), key=lambda t: t[:2])
+  return np.stack([row for _, _, row in rows])
 
 
 def _convert(args, src, rank, recipe: dict, settings: fit.Settings, overrides: dict) -> dict:

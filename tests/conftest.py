@@ -15,13 +15,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # identical programs compiled again through a new jit object (model.init_params on every
 # call, the CLI and experiments loading a model per command, the same program in a child
 # process, which inherits these variables) are read back instead of compiled again.
-# The pytest-xdist workers inherit it from the process that started them, so a program one
-# worker compiled is read back by the other (only its creator removes the folder).
-_JAX_CACHE = os.environ.get("KVJAX_TESTS_JAX_CACHE", "")
-if not os.path.isdir(_JAX_CACHE):
-  _JAX_CACHE = tempfile.mkdtemp(prefix="kvjax-tests-jax-cache-")
-  os.environ["KVJAX_TESTS_JAX_CACHE"] = _JAX_CACHE
-  atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
+_JAX_CACHE = tempfile.mkdtemp(prefix="kvjax-tests-jax-cache-")
+atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
 os.environ.update({"JAX_COMPILATION_CACHE_DIR": _JAX_CACHE,
                    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"})

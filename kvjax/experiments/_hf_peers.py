@@ -153,7 +153,8 @@ class HFFilledTimer:
 
     self.model, self.B, self.context, self.steps, self.kind = model, batch, context, steps, kind
     c = model.config
-    self._kv = torch.zeros(batch, c.num_key_value_heads, context, c.head_dim)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    self._kv = torch.zeros(batch, c.num_key_value_heads, context, head_dim)
     # a model with sliding-window layers (Gemma 3) keeps no past beyond the window in
     # those layers, so its DynamicCache cannot be cropped back: it is made anew instead
     self._windowed = bool(getattr(c, "sliding_window", None)) and \

@@ -401,3 +401,35 @@ def test_peer_experiment_rows_and_plot(tmp_path):
   for r in rows:
     r["config"] = cfg.to_dict()
   assert all(p.is_file() for p in peer_plot.plot(rows, tmp_path))
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2"])
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_filled_transformers_cache_decodes_the_same_tokens_every_repeat(arch, kind):
+  """The peer's filled-cache timer on a model with sliding-window layers (Gemma 3: its
+  DynamicCache cannot be cropped back, so it is made anew) and on one whose config has no
+  head_dim (Qwen2): every repeat starts from the same filled context, so it decodes the
+  same tokens."""
+  import torch
+  import transformers
+
+  from kvjax.experiments import _hf_peers
+
+  torch.manual_seed(0)
+  if arch == "gemma3":
+    c = transformers.Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, head_dim=16, sliding_window=4,
+                                      layer_types=["sliding_attention", "full_attention"])
+    model = transformers.Gemma3ForCausalLM(c)
+  else:
+    c = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                 num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2)
+    model = transformers.Qwen2ForCausalLM(c)
+  model.eval()
+  timer = _hf_peers.HFFilledTimer(model, batch=2, context=8, steps=3, kind=kind)
+  first = timer.tokens.copy()
+  assert first.shape == (2, 4)
+  timer.once()
+  np.testing.assert_array_equal(timer.tokens, first)

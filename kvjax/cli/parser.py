@@ -222,8 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="fit's Adam steps per layer at most (the budget may allow fewer): a "
                  "fixed count makes a fit repeatable on a busy machine")
   c.add_argument("--fit-inputs", default="converted", choices=("converted", "original"),
-                 help="fit each layer on the converted model's own stream (correcting the "
-                 "layers before it) or on the original's")
+                 help="fit each layer on the converted model's own stream (the inputs it "
+                 "will see, carrying the earlier layers' error) or on the original's")
   c.add_argument("--out", metavar="DIR", required=True)
   _add_set(c)
   c.set_defaults(func=cmd_convert)

@@ -815,7 +815,8 @@ def parity_table(rows: list[dict]) -> str:
 
 CONVERSIONS = {"mqa_pool": "mean-pooled K/V heads (no calibration)",
                "mqa_align": "aligned (exact rotations and orthogonal maps), then pooled",
-               "mqa_fit": "aligned, pooled, each layer's q/k/v fitted"}
+               "mqa_fit": "aligned, pooled, each layer's q/k/v fitted",
+               "mqa_fit_mix": "the same, fitted on code and prose (half each)"}
 
 
 def _times(r: float) -> str:

@@ -42,7 +42,7 @@ def test_every_run_file_has_one_recorded_config_and_command(manifest):
         + "".join(f" --set {s}" for s in entry.get("set", []))]
   # the converted checkpoints a quality config reads are made by its `before` commands
   conv = runs["results/real_models/convert_smollm2/quality.jsonl"]
-  assert [c.split()[:2] for c in conv["before"]] == [["kvjax", "convert"]] * 2
+  assert [c.split()[:2] for c in conv["before"]] == [["kvjax", "convert"]] * 3
 
 
 def test_reproduce_runs_exactly_the_recorded_commands(tmp_path, manifest):

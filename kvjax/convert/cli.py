@@ -134,7 +134,7 @@ def _calibrated(out: Path, cfg, params, tok, recipe: dict, settings: fit.Setting
   done, reports = 0, []
   if checkpoint.latest_step(partial) is not None:
     new_cfg, new_params = checkpoint.load(partial)
-    meta = checkpoint.restore(partial, step=checkpoint.latest_step(partial))["meta"]
+    meta = checkpoint.read_meta(partial)
     if meta.get("recipe") != recipe:
       raise KvjaxError(f"{partial} holds a partial conversion with another recipe "
                        f"({meta.get('recipe')}); delete it or choose a new --out folder")

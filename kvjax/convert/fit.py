@@ -153,8 +153,8 @@ def fit(cfg: Config, params: Any, original_cfg: Config, original: Any, tokens_NS
       reports.append(report)
       if on_layer is not None:
         on_layer(layer, params, report)
-    if s.inputs == "original":
-      x_c = layerwise.advance(mo, original, layer, x_c)
+    if s.inputs == "original":  # x_c is the original stream: its attention is the target
+      x_c = layerwise.advance(mo, original, layer, x_c, target if layer >= start_layer else None)
     else:
       x_c = layerwise.advance(m, params, layer, x_c)
   return params, reports

@@ -189,3 +189,19 @@ def smollm2(smollm2_kvjax):
   both sides loaded from the same GGUF file, once per test session (per xdist worker); a
   worker whose modules need only kvjax's side never loads transformers' model."""
   return (*smollm2_kvjax, *transformers_side("smollm2-135m"))
+
+
+# The modules that take longest (setup included) run first: `make test` hands whole modules
+# to its workers in collection order (xdist loadfile), so a long module collected last would
+# run alone at the end while the other workers idle (longest-first keeps the tail short).
+# Measure with `pytest --durations=0`; a module missing here only runs in its usual place.
+LONGEST_FIRST = ("test_plot_layout.py", "test_qwen2.py", "test_gemma3.py", "test_sharding.py",
+                 "test_python_doc.py", "test_plots.py", "test_faults.py", "test_golden.py",
+                 "test_native.py", "test_gguf.py", "test_eval.py", "test_distributed.py",
+                 "test_rotate.py", "test_keep_first.py", "test_accel.py", "test_perf.py",
+                 "test_pallas.py", "test_convert.py", "test_distill.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within kept

@@ -31,7 +31,7 @@ def problems(fig) -> list[str]:
   """Every defect of a drawn figure as one line each; empty when it reads at a glance."""
   fig.draw_without_rendering()
   r = fig.canvas.get_renderer()
-  out = [f"text leaves the figure: {t!r}" for t in clipped_text(fig)]
+  out = [f"text leaves the figure: {t!r}" for t in clipped_text(fig, drawn=True)]
   out += overlapping_text(fig, r) + text_on_intervals(fig, r) + uncut_intervals(fig)
   out += empty_legend_entries(fig) + spread_categories(fig)
   return out
@@ -43,7 +43,7 @@ def _overlap(a, b) -> bool:
 
 def overlapping_text(fig, renderer) -> list[str]:
   """Pairs of shown texts whose boxes overlap, and titles over a plot area."""
-  texts = [(t, t.get_window_extent(renderer)) for t in shown_texts(fig)]
+  texts = [(t, t.get_window_extent(renderer)) for t in shown_texts(fig, drawn=True)]
   out = []
   for i, (a, ba) in enumerate(texts):
     for b, bb in texts[i + 1:]:

@@ -255,11 +255,12 @@ def fit(text: str, fig, fontsize: float = 10, share: float = 0.95) -> str:
   return "\n".join(textwrap.fill(line, width) for line in text.split("\n"))
 
 
-def shown_texts(fig) -> list:
-  """Every piece of text a drawn figure shows: visible, not empty, tick labels only where
-  the axis draws them (inside its view interval), inside no hidden axes or legend."""
+def shown_texts(fig, drawn: bool = False) -> list:
+  """Every text a figure shows: visible, not empty, tick labels only where the axis draws
+  them, in no hidden axes or legend (`drawn`: the caller has just drawn it, unchanged)."""
   from matplotlib.text import Text
-  fig.draw_without_rendering()  # the layout and every position, no pixels
+  if not drawn:
+    fig.draw_without_rendering()  # the layout and every position, no pixels
   shown = set()
   for ax in fig.axes:  # only the ticks an axis draws (those inside its view interval)
     for axis in (ax.xaxis, ax.yaxis):
@@ -280,10 +281,10 @@ def shown_texts(fig) -> list:
   return out
 
 
-def clipped_text(fig) -> list[str]:
+def clipped_text(fig, drawn: bool = False) -> list[str]:
   """Every piece of text a drawn figure shows that lies (partly) outside its canvas, as
   'text' strings: a clipped title, label, legend or colour-bar label. Empty when all fits."""
-  texts = shown_texts(fig)
+  texts = shown_texts(fig, drawn)
   renderer = fig.canvas.get_renderer()
   W, H = fig.bbox.width, fig.bbox.height
   out = []
@@ -319,7 +320,7 @@ def _place_labels(fig) -> None:
     return
   fig.draw_without_rendering()
   r = fig.canvas.get_renderer()
-  taken = [t.get_window_extent(r) for t in shown_texts(fig)]
+  taken = [t.get_window_extent(r) for t in shown_texts(fig, drawn=True)]
 
   def conflicts(bb, ax, segs) -> int:
     """What a label box would cover: 100 outside the axes, else texts and error bars."""

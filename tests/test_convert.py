@@ -81,7 +81,7 @@ def test_cli_fit_records_its_recipe_and_resumes_an_interrupted_run(gqa_gguf, tmp
   real, calls = fit._fit_layer, []
 
   def interrupted(*args, **kwargs):
-    calls.append(args[5])
+    calls.append(args[6])
     if len(calls) == 2:
       raise KeyboardInterrupt  # the second layer: the first is already checkpointed
     return real(*args, **kwargs)
@@ -117,7 +117,7 @@ def test_cli_refuses_to_mix_a_partial_fit_with_another_recipe(gqa_gguf, tmp_path
 
 @pytest.mark.parametrize("extra, says", [
     (["--kv-heads", "1", "--method", "distil"], "--method 'distil' unknown"),
-    (["--latent-rank", "4", "--method", "fit"], "--method align/fit apply to --kv-heads"),
+    (["--latent-rank", "4", "--method", "align"], "--latent-rank takes --method pool"),
     (["--kv-heads", "4", "--method", "align"], "fewer than"),
     (["--kv-heads", "1", "--method", "fit", "--minutes", "nan"], "--minutes"),
 ])

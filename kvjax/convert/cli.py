@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from kvjax import config as config_lib
-from kvjax.convert import METHODS, align, fit, pool
+from kvjax.convert import METHODS, align, fit, latent, pool
 from kvjax.errors import KvjaxError
 from kvjax.runner import claims
 
@@ -38,8 +38,9 @@ def convert_cli(args) -> dict:
     raise KvjaxError("convert needs exactly one of --kv-heads K or --latent-rank R")
   if method not in METHODS:
     raise KvjaxError(f"--method '{method}' unknown; use one of {', '.join(METHODS)}")
-  if rank is not None and method != "pool":
-    raise KvjaxError("--latent-rank factors K/V by SVD; --method align/fit apply to --kv-heads")
+  if rank is not None and method not in ("pool", "fit"):
+    raise KvjaxError(f"--latent-rank takes --method pool (SVD of the weights) or fit (SVD of "
+                     f"the calibration keys and values, then fitted), not {method}")
   settings = fit.Settings(minutes=getattr(args, "minutes", 30.0),
                           inputs=getattr(args, "fit_inputs", "converted"),
                           max_steps=getattr(args, "steps", 2000))
@@ -50,6 +51,8 @@ def convert_cli(args) -> dict:
     pool.check_target(cfg0.model, args.kv_heads)
     if method != "pool":
       align.check(cfg0, args.kv_heads)
+  elif method == "fit":
+    latent.check(cfg0, rank)
   recipe = _recipe(args, src, method, settings, min(SEQ_LEN, cfg0.model.max_seq_len))
   with claims.sole_writer(args.out, "convert"):  # one writer per --out, from the start
     return _convert(args, src, rank, recipe, settings, overrides)
@@ -57,6 +60,8 @@ def convert_cli(args) -> dict:
 
 def _recipe(args, src, method: str, settings: fit.Settings, seq_len: int) -> dict:
   recipe = {"method": method, "kv_heads": args.kv_heads, "source": str(src)}
+  if getattr(args, "latent_rank", None) is not None:
+    recipe["latent_rank"] = int(args.latent_rank)
   if method != "pool":
     recipe.update(calib=args.calib, calib_tokens=int(args.calib_tokens), calib_seq_len=seq_len)
   if method == "fit":
@@ -97,14 +102,14 @@ def _convert(args, src, rank, recipe: dict, settings: fit.Settings, overrides: d
   cfg, params, tok = sources.load(src, overrides)
   before = cfg.model.variant
   meta = {"converted_from": str(src)}
-  if rank is not None:
-    from kvjax.cache import latent
-    new_cfg, new_params = latent.factor(cfg, params, rank)
+  if rank is not None and recipe["method"] == "pool":
+    from kvjax.cache import latent as latent_cache
+    new_cfg, new_params = latent_cache.factor(cfg, params, rank)
     meta["method"], what = f"latent_rank_{rank}", f"rank-{rank} latent K/V (SVD per layer)"
-  elif args.kv_heads > cfg.model.n_kv_heads:
+  elif rank is None and args.kv_heads > cfg.model.n_kv_heads:
     new_cfg, new_params = pool.expand(cfg, params, args.kv_heads)
     meta["method"], what = "expand", "K/V heads copied to their query groups (exact)"
-  elif recipe["method"] == "pool":
+  elif rank is None and recipe["method"] == "pool":
     new_cfg, new_params = pool.mean_pool(cfg, params, args.kv_heads)
     meta["method"], what = "mean_pool", "mean-pooled K/V heads"
   else:
@@ -114,6 +119,9 @@ def _convert(args, src, rank, recipe: dict, settings: fit.Settings, overrides: d
     what = {"align": "K/V heads aligned (RoPE-commuting rotations, orthogonal V maps), "
                      "then mean-pooled",
             "fit": "aligned, pooled, each layer's q/k/v fitted to the original attention"}[method]
+    if rank is not None:
+      what = (f"rank-{rank} latent K/V (SVD of the calibration keys and values), each "
+              "layer's q and K/V factors fitted to the original attention")
   checkpoint.save(out, new_cfg, new_params, step=0, meta=meta)
   shutil.rmtree(out / "partial", ignore_errors=True)
   print(f"converted {before} -> {new_cfg.model.variant} ({what}); checkpoint in {out}")
@@ -140,6 +148,8 @@ def _calibrated(out: Path, cfg, params, tok, recipe: dict, settings: fit.Setting
                        f"({meta.get('recipe')}); delete it or choose a new --out folder")
     done, reports = int(meta["layers_done"]), list(meta["layers"])
     print(f"resuming the fit after layer {done - 1} of {new_cfg.model.n_layers}")
+  elif "latent_rank" in recipe:
+    new_cfg, new_params = latent.factor(cfg, params, recipe["latent_rank"], tokens_NS)
   else:
     aligned = align.align(cfg, params, recipe["kv_heads"], tokens_NS)
     new_cfg, new_params = pool.mean_pool(cfg, aligned, recipe["kv_heads"])
@@ -161,8 +171,10 @@ def _calibrated(out: Path, cfg, params, tok, recipe: dict, settings: fit.Setting
     bar.set_postfix(layer=layer, loss=f"{value:.4f}", refresh=False)
 
   try:
+    parts = (latent.Factored(cfg.model.n_kv_heads * cfg.model.D) if "latent_rank" in recipe
+             else fit.Dense())
     new_params, _ = fit.fit(new_cfg, new_params, cfg, params, tokens_NS, settings,
-                            start_layer=done, on_layer=on_layer, on_step=on_step)
+                            start_layer=done, on_layer=on_layer, on_step=on_step, parts=parts)
   finally:
     bar.close()
   return new_cfg, new_params, {"layers": reports}

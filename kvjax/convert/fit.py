@@ -37,6 +37,21 @@ INPUTS = ("converted", "original")
 
 
 @dataclass(frozen=True)
+class Dense:
+  """What a fit trains in a layer: the q/k/v projections as they are (`theta`), and the
+  layer weights they make (`weights`, whole sub-trees of the layer's params)."""
+
+  def theta(self, p: dict) -> dict:
+    return {n: {leaf: jnp.asarray(a, jnp.float32) for leaf, a in p[n].items()} for n in FITTED}
+
+  def weights(self, theta: dict, p: dict) -> dict:
+    return theta
+
+  def store(self, params: Any, layer: int, theta: dict) -> Any:
+    return layerwise.set_layer(params, layer, self.weights(theta, layerwise.layer_params(params, layer)))
+
+
+@dataclass(frozen=True)
 class Settings:
   minutes: float = 30.0     # the whole fit's time budget
   lr: float = 3e-3          # Adam's peak learning rate (cosine decay to 0 per layer)
@@ -64,30 +79,29 @@ class LayerReport:
 
 
 @functools.lru_cache(maxsize=4)
-def _step_fns(cfg: ModelConfig):
-  def loss(theta, fixed, x, target, scale, layer):
-    o = layerwise.attention_out(cfg, {**fixed, **theta}, x, layer)
+def _step_fns(cfg: ModelConfig, parts=Dense()):
+  def loss(theta, p, x, target, scale, layer):
+    o = layerwise.attention_out(cfg, {**p, **parts.weights(theta, p)}, x, layer)
     return jnp.mean(jnp.sum((o - target) ** 2, axis=-1)) / scale
 
   grad = jax.jit(jax.value_and_grad(loss))
   return jax.jit(loss), grad
 
 
-def _rel_error(cfg, p, x, target, scale, layer) -> float:
-  loss, _ = _step_fns(cfg)
-  errs = [float(loss(p, {}, jnp.asarray(x[i:i + layerwise.CHUNK]),
+def _rel_error(cfg, parts, p, x, target, scale, layer) -> float:
+  loss, _ = _step_fns(cfg, parts)
+  errs = [float(loss(parts.theta(p), p, jnp.asarray(x[i:i + layerwise.CHUNK]),
                      jnp.asarray(target[i:i + layerwise.CHUNK]), scale, layer))
           * len(x[i:i + layerwise.CHUNK]) for i in range(0, len(x), layerwise.CHUNK)]
   return sum(errs) / len(x)
 
 
-def _fit_layer(cfg: ModelConfig, p: dict, x_NSE, target_NSE, scale, layer: int,
+def _fit_layer(cfg: ModelConfig, parts, p: dict, x_NSE, target_NSE, scale, layer: int,
                seconds: float, s: Settings, rng: np.random.Generator,
                on_step: Callable[[float], None]) -> tuple[dict, int]:
-  """Adam on layer `layer`'s q/k/v projections within `seconds`; returns them and the steps."""
-  _, grad = _step_fns(cfg)
-  theta = {n: {leaf: jnp.asarray(a, jnp.float32) for leaf, a in p[n].items()} for n in FITTED}
-  fixed = {n: v for n, v in p.items() if n not in FITTED}
+  """Adam on layer `layer`'s `parts` within `seconds`; returns them and the steps."""
+  _, grad = _step_fns(cfg, parts)
+  theta, fixed = parts.theta(p), p
   n = len(x_NSE)
 
   def batch():
@@ -118,11 +132,13 @@ def _fit_layer(cfg: ModelConfig, p: dict, x_NSE, target_NSE, scale, layer: int,
 def fit(cfg: Config, params: Any, original_cfg: Config, original: Any, tokens_NS: np.ndarray,
         s: Settings = Settings(), start_layer: int = 0,
         on_layer: Callable[[int, Any, LayerReport], None] | None = None,
-        on_step: Callable[[int, float], None] | None = None) -> tuple[Any, list[LayerReport]]:
+        on_step: Callable[[int, float], None] | None = None,
+        parts=Dense()) -> tuple[Any, list[LayerReport]]:
   """params (the converted model's) with every layer from `start_layer` on fitted; layers
   before it are taken as already fitted (a resumed run). `on_layer(layer, params, report)`
   is called after each layer (the CLI checkpoints there); `on_step(layer, loss)` after each
-  Adam step."""
+  Adam step. `parts` says what is trained and how it makes the layer's weights (`Dense`:
+  the q/k/v projections; `kvjax.convert.latent.Factored`: q and a rank-A K/V)."""
   s.check()
   m, mo = cfg.model, original_cfg.model
   if (m.n_layers, m.d_model, m.n_heads, m.D) != (mo.n_layers, mo.d_model, mo.n_heads, mo.D):
@@ -142,12 +158,12 @@ def fit(cfg: Config, params: Any, original_cfg: Config, original: Any, tokens_NS
       scale = jnp.float32(np.mean(np.sum(target.astype(np.float64) ** 2, axis=-1)) + 1e-12)
       p = layerwise.layer_params(params, layer)
       lj = jnp.int32(layer)
-      before = _rel_error(m, p, x_c[-held:], target[-held:], scale, lj)
+      before = _rel_error(m, parts, p, x_c[-held:], target[-held:], scale, lj)
       left = max(deadline - time.perf_counter(), 0.0) / (m.n_layers - layer)
-      theta, steps = _fit_layer(m, p, x_c[:-held], target[:-held], scale, lj, left, s, rng,
+      theta, steps = _fit_layer(m, parts, p, x_c[:-held], target[:-held], scale, lj, left, s, rng,
                                 lambda v, layer=layer: on_step and on_step(layer, v))
-      params = layerwise.set_layer(params, layer, theta)
-      after = _rel_error(m, layerwise.layer_params(params, layer), x_c[-held:], target[-held:],
+      params = parts.store(params, layer, theta)
+      after = _rel_error(m, parts, layerwise.layer_params(params, layer), x_c[-held:], target[-held:],
                          scale, lj)
       report = LayerReport(layer, before, after, steps, time.perf_counter() - t0)
       reports.append(report)

@@ -77,7 +77,10 @@ def _fns(cfg: ModelConfig):
     return (k.reshape(*x.shape[:2], cfg.n_kv_heads, cfg.D),
             v.reshape(*x.shape[:2], cfg.n_kv_heads, cfg.D))
 
-  return jax.jit(attn), jax.jit(mlp), jax.jit(kv)
+  def normed(x, p):
+    return _norm(cfg, p)("input_layernorm", x)
+
+  return jax.jit(attn), jax.jit(mlp), jax.jit(kv), jax.jit(normed)
 
 
 def chunked(fn, x_NSE: np.ndarray, *args) -> np.ndarray:
@@ -111,3 +114,8 @@ def keys_values(cfg: ModelConfig, params: Any, layer: int,
                 x_NSE: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """Layer `layer`'s pre-RoPE keys and values [N, S, K, D] for x."""
   return chunked(_fns(cfg)[2], x_NSE, layer_params(params, layer))
+
+
+def normed_input(cfg: ModelConfig, params: Any, layer: int, x_NSE: np.ndarray) -> np.ndarray:
+  """What layer `layer`'s q/k/v projections read: its input norm of x [N, S, E]."""
+  return chunked(_fns(cfg)[3], x_NSE, layer_params(params, layer))

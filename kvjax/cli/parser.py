@@ -206,21 +206,27 @@ def build_parser() -> argparse.ArgumentParser:
   c.add_argument("--kv-heads", type=_number("--kv-heads", "model.n_kv_heads"))
   c.add_argument("--latent-rank", type=_number("--latent-rank", _POS), metavar="R",
                  help="factor K/V projections to rank R for the latent (MLA-style) cache")
-  c.add_argument("--method", default="pool", metavar="pool|align|fit",
+  c.add_argument("--method", default="pool", metavar="pool|align|fit|distill",
                  help="how fewer KV heads are made: pool (mean of each group), align (each "
                  "group's heads rotated onto its first, exactly, then pooled), fit (aligned, "
-                 "pooled, then each layer's q/k/v fitted to the original's attention)")
+                 "pooled, then each layer's q/k/v fitted to the original's attention); "
+                 "distill trains a converted checkpoint's q/k/v/o end to end toward --teacher's "
+                 "next-token distributions (KL on the calibration text)")
+  c.add_argument("--teacher", metavar="SOURCE",
+                 help="distill's teacher (gguf:NAME, hf:DIR, checkpoint:DIR); default: the "
+                 "model the --checkpoint was converted from, as its meta records")
   c.add_argument("--calib", default="stdlib", metavar="TEXT",
-                 help="calibration text for align/fit: a named corpus (its training documents, "
-                 "never the split eval reads), a file or a folder; several, comma-separated, "
-                 "share the tokens equally (stdlib,shakespeare)")
+                 help="calibration text for align/fit/distill: a named corpus (its training "
+                 "documents, never the split eval reads), a file or a folder; several, "
+                 "comma-separated, share the tokens equally (stdlib,shakespeare)")
   c.add_argument("--calib-tokens", type=_number("--calib-tokens", (1024, True, 1 << 22, True)),
                  default=16384, metavar="N", help="calibration tokens (windows of 512)")
   c.add_argument("--minutes", type=_number("--minutes", (0, False, 10_000, True), integer=False),
-                 default=30.0, metavar="M", help="fit's time budget, shared over the layers")
+                 default=30.0, metavar="M", help="fit's time budget, shared over the layers "
+                 "(distill's: the whole run's, resumed runs included)")
   c.add_argument("--steps", type=_number("--steps", _POS), default=2000, metavar="N",
                  help="fit's Adam steps per layer at most (the budget may allow fewer): a "
-                 "fixed count makes a fit repeatable on a busy machine")
+                 "fixed count makes a fit repeatable on a busy machine; distill's steps in all")
   c.add_argument("--fit-inputs", default="converted", choices=("converted", "original"),
                  help="fit each layer on the converted model's own stream (the inputs it "
                  "will see, carrying the earlier layers' error) or on the original's")

@@ -4,6 +4,8 @@
     align      each group's heads rotated onto its first before pooling, exactly (`align`)
     fit        aligned and pooled, then each layer's q/k/v fitted to the original's
                attention on calibration text (`fit`, one layer at a time: `layerwise`)
+    distill    a converted model's q/k/v/o trained end to end toward the original's
+               next-token distributions, KL on calibration text (`distill`)
 
 `kvjax convert` (`cli`) is the front door; it writes an orbax checkpoint recording the
 recipe, which every command then takes as `checkpoint:DIR`. The latent (MLA-style) cache's
@@ -12,6 +14,6 @@ factorisation is `kvjax.cache.latent.factor`.
 
 from kvjax.convert.pool import check_target, expand, mean_pool
 
-METHODS = ("pool", "align", "fit")  # kvjax convert --method (named here, listed by the CLI)
+METHODS = ("pool", "align", "fit", "distill")  # kvjax convert --method (listed by the CLI)
 
 __all__ = ["METHODS", "check_target", "expand", "mean_pool"]

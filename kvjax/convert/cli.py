@@ -34,6 +34,9 @@ def convert_cli(args) -> dict:
   src = sources.from_args(args)
   rank = getattr(args, "latent_rank", None)
   method = getattr(args, "method", "pool")
+  if method == "distill":  # a converted checkpoint trained end to end toward a teacher
+    from kvjax.convert import distill
+    return distill.cli(args, src, calib_tokens, SEQ_LEN)
   if (args.kv_heads is None) == (rank is None):
     raise KvjaxError("convert needs exactly one of --kv-heads K or --latent-rank R")
   if method not in METHODS:

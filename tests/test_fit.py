@@ -70,3 +70,16 @@ def test_a_model_that_is_not_the_source_is_refused():
   other = tiny_config(**{"model.n_kv_heads": 1, "model.n_layers": 1})
   with pytest.raises(KvjaxError, match="converted from"):
     fit.fit(other, tiny_params(other), cfg, tiny_params(cfg), CALIB)
+
+
+def test_a_fit_that_does_not_help_a_layer_keeps_it_as_it_was():
+  """An absurd learning rate wrecks every layer on the fitted windows; the held-out windows
+  see it, and each layer is kept as the pooled model had it."""
+  cfg = tiny_config(**{"model.n_kv_heads": 2, "seed": 9})
+  params = tiny_params(cfg)
+  mqa_cfg, pooled = convert.mean_pool(cfg, params, 1)
+  settings = fit.Settings(minutes=60, max_steps=4, lr=5.0)
+  fitted, reports = fit.fit(mqa_cfg, pooled, cfg, params, CALIB, settings)
+  assert all(r.kept and r.after == r.before for r in reports), reports
+  for name in fit.FITTED:
+    np.testing.assert_array_equal(fitted["layers"][name]["kernel"], pooled["layers"][name]["kernel"])

@@ -227,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
   c.add_argument("--steps", type=_number("--steps", _POS), default=2000, metavar="N",
                  help="fit's Adam steps per layer at most (the budget may allow fewer): a "
                  "fixed count makes a fit repeatable on a busy machine; distill's steps in all")
+  c.add_argument("--lr", type=_number("--lr", (0, False, 1, True), integer=False), default=None,
+                 metavar="LR", help="Adam's peak learning rate (fit: 3e-3, distill: 1e-4); "
+                 "lower it to fine-tune a conversion that starts close to the original")
   c.add_argument("--fit-inputs", default="converted", choices=("converted", "original"),
                  help="fit each layer on the converted model's own stream (the inputs it "
                  "will see, carrying the earlier layers' error) or on the original's")

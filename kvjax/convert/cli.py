@@ -46,7 +46,8 @@ def convert_cli(args) -> dict:
                      f"the calibration keys and values, then fitted), not {method}")
   settings = fit.Settings(minutes=getattr(args, "minutes", 30.0),
                           inputs=getattr(args, "fit_inputs", "converted"),
-                          max_steps=getattr(args, "steps", 2000))
+                          max_steps=getattr(args, "steps", 2000),
+                          lr=getattr(args, "lr", None) or fit.Settings.lr)
   settings.check()
   overrides = config_lib.parse_set(getattr(args, "set", None))
   cfg0 = sources.load_config(src, overrides)  # refusals from the header, before the weights
@@ -164,6 +165,7 @@ def _calibrated(out: Path, cfg, params, tok, recipe: dict, settings: fit.Setting
 
   def on_layer(layer, p, r):
     reports.append({"layer": layer, "before": round(r.before, 6), "after": round(r.after, 6),
+                    "kept": r.kept,
                     "steps": r.steps, "seconds": round(r.seconds, 1)})
     checkpoint.save(partial, new_cfg, p, step=layer + 1,
                     meta={"recipe": recipe, "layers_done": layer + 1, "layers": reports})

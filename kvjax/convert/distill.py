@@ -260,7 +260,8 @@ def cli(args, src, windows: Callable, seq_len: int) -> dict:
   if getattr(args, "latent_rank", None) is not None:
     raise KvjaxError("--method distill trains a converted model's attention; it takes no "
                      "--latent-rank")
-  s = Settings(minutes=float(args.minutes), max_steps=int(args.steps))
+  s = Settings(minutes=float(args.minutes), max_steps=int(args.steps),
+               lr=getattr(args, "lr", None) or Settings.lr)
   s.check()
   overrides = config_lib.parse_set(getattr(args, "set", None))
   meta = checkpoint.read_meta(src.ref) if src.kind == "checkpoint" else {}

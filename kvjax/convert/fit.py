@@ -13,7 +13,8 @@ stream (the layers are then independent of each other).
 The time budget is shared out as the layers go: each layer gets the time left over the
 layers left, its step count fixed after timing its first step, with a cosine decay of the
 learning rate over those steps. A tenth of the sequences (at least one) is held out of the
-fit and the relative error on it, before and after, is what each layer reports.
+fit and the relative error on it, before and after, is what each layer reports; a layer
+whose held-out error the fit did not lower is kept as it was (`kept` in its report).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class LayerReport:
   after: float    # and after the fit
   steps: int
   seconds: float
+  kept: bool = False  # the fit did not lower the held-out error: the layer is as it was
 
 
 @functools.lru_cache(maxsize=4)
@@ -162,10 +164,14 @@ def fit(cfg: Config, params: Any, original_cfg: Config, original: Any, tokens_NS
       left = max(deadline - time.perf_counter(), 0.0) / (m.n_layers - layer)
       theta, steps = _fit_layer(m, parts, p, x_c[:-held], target[:-held], scale, lj, left, s, rng,
                                 lambda v, layer=layer: on_step and on_step(layer, v))
-      params = parts.store(params, layer, theta)
-      after = _rel_error(m, parts, layerwise.layer_params(params, layer), x_c[-held:], target[-held:],
-                         scale, lj)
-      report = LayerReport(layer, before, after, steps, time.perf_counter() - t0)
+      fitted = parts.store(params, layer, theta)
+      after = _rel_error(m, parts, layerwise.layer_params(fitted, layer), x_c[-held:],
+                         target[-held:], scale, lj)
+      if after < before:  # else the held-out windows say the fit overfitted: keep the layer
+        params = fitted
+      after = min(after, before)
+      report = LayerReport(layer, before, after, steps, time.perf_counter() - t0,
+                           kept=params is not fitted)
       reports.append(report)
       if on_layer is not None:
         on_layer(layer, params, report)

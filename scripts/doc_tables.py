@@ -37,6 +37,9 @@ A generated block sits between `<!-- doc_tables:NAME begin -->` and
             (scripts/real_parity.py): perplexity, greedy tokens, the MHA twin.
   convert   results/real_models/convert_smollm2/quality.jsonl: SmolLM2 made an MQA by
             pooling, alignment and fitting (configs/convert_smollm2.yaml).
+  shrink    results/real_models/frontier_{smollm2,qwen,gemma3}/compression.jsonl: the frontier
+            of every way to shrink the cache (configs/frontier_*.yaml): at 1/2 ... 1/16 of
+            bf16's bytes, which setting keeps the lowest Δppl, and whether it is told apart.
 """
 
 from __future__ import annotations
@@ -66,12 +69,16 @@ SOURCES = {"quality": ROOT / "results" / "quality.jsonl",
            "sinks100": ROOT / "results" / "real" / "sinks_100" / "long_context.jsonl",
            "models": ROOT / "results" / "real_models" / "quality.jsonl",
            "parity": ROOT / "results" / "cpu" / "real_parity.jsonl",
-           "convert": ROOT / "results" / "real_models" / "convert_smollm2" / "quality.jsonl"}
+           "convert": ROOT / "results" / "real_models" / "convert_smollm2" / "quality.jsonl",
+           "shrink": tuple(ROOT / "results" / "real_models" / f"frontier_{m}" / "compression.jsonl"
+                           for m in ("smollm2", "qwen", "gemma3"))}
 MODEL_ORDER = ("MHA", "GQA-2", "GQA-4", "GQA-8", "MQA")
 LIMIT = 1.0  # the Δppl (%) that the "within" sentence tests
 
 
-def _rows(path: Path) -> list[dict]:
+def _rows(path: Path | tuple) -> list[dict]:
+  if isinstance(path, tuple):  # a block written from several runs' rows
+    return [r for one in path for r in _rows(one)]
   rows = []
   for line in path.read_text().splitlines():
     try:
@@ -856,6 +863,62 @@ def convert_table(rows: list[dict]) -> str:
                            f"({windows} per text), with the 95 % paired-bootstrap interval.")
 
 
+SHRINK_BUDGETS = (0.5, 0.25, 0.125, 0.0625)  # of the model's bf16 cache bytes per token
+
+
+def _what_shrinks(v: dict) -> str:
+  """A frontier setting in words: the structure (converted heads, latent, policy) and codec."""
+  parts = []
+  if v.get("conversion"):
+    parts.append(f"{v['variant']} ({v['conversion']})" if not v.get("latent_rank")
+                 else f"latent rank {v['latent_rank']} ({v['conversion']})")
+  elif v.get("latent_rank"):
+    parts.append(f"latent rank {v['latent_rank']} (weights SVD)")
+  if v.get("policy", "full") != "full":
+    parts.append(f"{v['policy']} keeping {_ratio_text(v['ratio'])} of the context")
+  parts.append(describe(v))
+  return "; ".join(parts)
+
+
+def shrink_table(rows: list[dict]) -> str:
+  """Per model and text: at each fraction of bf16's bytes, the setting with the lowest Δppl,
+  and whether the runner-up's interval is apart from the winner's."""
+  rows = [r for r in rows if "of_bf16" in r["metrics"] and r["metrics"].get("dppl_rel_ci95")]
+  out = ["| model | text | at most of bf16's bytes | winner | what | of bf16 | Δppl | KL | "
+         "runner-up | apart? |", "|---|---|---|---|---|---|---|---|---|---|"]
+  by: dict = {}
+  for r in rows:
+    by.setdefault((r["variant"].get("model", "?"), r["workload"]["data"]), []).append(r)
+  for (model, text), rs in sorted(by.items()):
+    for budget in SHRINK_BUDGETS:
+      pool = sorted((r for r in rs if r["metrics"]["of_bf16"] <= budget),
+                    key=lambda r: r["metrics"]["dppl_rel"])
+      if not pool:
+        out.append(f"| {model} | {text} | {budget:g} | none this small | | | | | | |")
+        continue
+      w, m = pool[0], pool[0]["metrics"]
+      runner, apart = "—", "—"
+      if len(pool) > 1:
+        n = pool[1]["metrics"]
+        runner = f"`{pool[1]['variant']['setting']}` {_signed(100 * n['dppl_rel'])}{_pct_ci(n)}"
+        apart = "yes" if intervals.separated(m["dppl_rel_ci95"], n["dppl_rel_ci95"]) else \
+            "**no**: overlapping"
+      out.append(f"| {model} | {text} | {budget:g} | `{w['variant']['setting']}` | "
+                 f"{_what_shrinks(w['variant'])} | {m['of_bf16']:.3f} | "
+                 f"{_signed(100 * m['dppl_rel'])}{_pct_ci(m)} | {_kl(m['kl'])} | {runner} | "
+                 f"{apart} |")
+  shapes = sorted({(r["workload"]["batch"], r["workload"]["context"],
+                    r["workload"]["continuation"]) for r in rows})
+  how = ", ".join(f"{b} windows of {c:,} tokens of context then {n} scored"
+                  for b, c, n in shapes)
+  return "\n".join(out) + (
+      f"\n\nEach setting read {how}, per text. *of bf16*: the cache bytes held per token "
+      "seen, over the same model's bf16 cache at the same length (a policy compacts the "
+      "context once, so the scored tokens are all kept). Δppl against the original model's "
+      "fp32 cache with its paired-bootstrap 95 % interval; *apart* says whether the winner's "
+      "and the runner-up's intervals separate.")
+
+
 BUILDERS = {"quality": quality_table, "real": real_table, "evict": evict_table,
             "evict_speed": evict_speed_table, "paired": paired_table,
             "paired_intel": lambda rows: paired_table(
@@ -863,7 +926,7 @@ BUILDERS = {"quality": quality_table, "real": real_table, "evict": evict_table,
             "codec_speed": codec_speed_table, "layer_bits": layer_bits_table,
             "tasks100": tasks100_table, "evict100": evict100_table,
             "sinks100": sinks100_table, "frontier": frontier_table, "models": models_table,
-            "parity": parity_table, "convert": convert_table}
+            "parity": parity_table, "convert": convert_table, "shrink": shrink_table}
 
 
 def render(doc: str, blocks: dict[str, str]) -> str:

@@ -36,3 +36,30 @@ def test_full_is_the_reference_and_eviction_holds_fewer_bytes(ckpt):
   lat = compression.run_cell(cell(ckpt, latent_rank=8))[0]
   assert lat["variant"]["latent_rank"] == 8 and lat["variant"]["layout"] == "latent"
   assert lat["metrics"]["bytes_per_token"] < full["bytes_per_token"] / 3
+
+
+def test_rows_carry_intervals_and_the_bf16_unit(ckpt):
+  from kvjax.experiments import compression
+  full = compression.run_cell(cell(ckpt))[0]["metrics"]
+  assert full["kl"] == pytest.approx(0, abs=1e-6) and full["dppl_rel_ci95"] == pytest.approx([0, 0])
+  # the unit: the same model's bf16 cache at the same 30 tokens (2 bytes an element)
+  assert full["bf16_bytes_per_token"] == pytest.approx(2 * 2 * 4 * 8 * 2 + 4 / 30)
+  assert full["of_bf16"] == pytest.approx(full["bytes_per_token"] / full["bf16_bytes_per_token"])
+  m = compression.run_cell(cell(ckpt, cache={"codec": "int4"}))[0]["metrics"]
+  lo, hi = m["dppl_rel_ci95"]
+  assert lo <= m["dppl_rel"] <= hi and m["kl"] > 0 and m["of_bf16"] < 0.75  # scales in
+
+
+def test_a_converted_checkpoint_is_a_setting_with_its_recipe(ckpt, tmp_path):
+  from kvjax import convert
+  from kvjax.experiments import compression
+  cfg, params = checkpoint.load(ckpt)
+  mqa_cfg, mqa = convert.mean_pool(cfg, params, 1)
+  checkpoint.save(tmp_path / "mqa", mqa_cfg, mqa, step=0,
+                  meta={"method": "mean_pool", "recipe": {"method": "pool", "kv_heads": 1}})
+  full = compression.run_cell(cell(ckpt))[0]
+  row = compression.run_cell(cell(ckpt, converted=str(tmp_path / "mqa")))[0]
+  v, m = row["variant"], row["metrics"]
+  assert v["kv_heads"] == 1 and v["conversion"] == "pool" and v["recipe"] == "kv_heads=1"
+  assert m["ppl_ref"] == full["metrics"]["ppl_ref"] and m["dppl_rel"] != 0  # the original's ref
+  assert m["of_bf16"] == pytest.approx(full["metrics"]["of_bf16"] / 4, rel=0.01)  # 1 of 4 heads

@@ -199,3 +199,23 @@ def test_layer_bits_table_describes_each_setting(doc_tables):
   assert "| k8:10-29 | all4, keys of layers 10–29 in int8 | 5.75 | +0.27 % [+0.08, +0.46] |" in text
   assert "| only:3 | int4 (rotated) on layer 3 only, float32 elsewhere |" in text
   assert "2 × 64 stdlib tokens fed 8 per step" in text
+
+
+def _frontier_row(setting, of_bf16, dppl, ci, **variant):
+  return {"experiment": "compression", "variant": {"setting": setting, "model": "m",
+          "variant": "GQA-3", "k_codec": "int4", "v_codec": "int4", **variant},
+          "workload": {"data": "stdlib", "batch": 8, "context": 1792, "continuation": 256},
+          "metrics": {"of_bf16": of_bf16, "dppl_rel": dppl, "dppl_rel_ci95": ci, "kl": 0.01}}
+
+
+def test_shrink_table_names_each_budgets_winner_and_whether_it_is_told_apart(doc_tables):
+  rows = [_frontier_row("a", 0.30, 0.01, [0.0, 0.02]),
+          _frontier_row("b", 0.24, 0.05, [0.04, 0.06]),
+          _frontier_row("c", 0.20, 0.08, [0.03, 0.13]),
+          _frontier_row("d", 0.10, 0.50, [0.40, 0.60], conversion="fit", kv_heads=1, **{"variant": "MQA"})]
+  lines = doc_tables.shrink_table(rows).splitlines()
+  at = {line.split("|")[3].strip(): line for line in lines[2:6]}
+  assert "`a`" in at["0.5"] and "`b`" in at["0.5"] and "| yes |" in at["0.5"]  # apart
+  assert at["0.25"].index("`b`") < at["0.25"].index("`c`") and "**no**" in at["0.25"]
+  assert "`d`" in at["0.125"] and "MQA (fit)" in at["0.125"] and at["0.125"].endswith("| — |")
+  assert "none this small" in at["0.0625"]

@@ -1,29 +1,35 @@
-"""compression: token eviction, latent caches and quantization on one bytes axis.
+"""compression: every way to shrink the cache on one bytes axis (the frontier).
 
 A cell is one paired setting (`params.setting`, a name from `params.settings`): a cache
 policy with its budget or ratio (`cache.policy`, `cache.ratio`, `cache.window`, ...), a
-codec, or a latent rank (`params.latent_rank`: the model's K/V projections factored by
-`kvjax.cache.latent.factor`, read through `cache.layout: latent`). For each model of
-`params.models` and each of `eval_seqs` text windows of `context + continuation` tokens
-(`params.text`, as in the quality experiment), the context is prefilled (and compacted by
-the policy), then the continuation is teacher-forced token by token through the cache
-(`kvjax.evict.continuation_logprobs`).
+codec (with rotation and clip), a latent rank (`params.latent_rank`: the model's K/V
+projections factored by `kvjax.cache.latent.factor`, read through `cache.layout: latent`),
+a converted checkpoint of the model (`params.converted: DIR`, fewer KV heads or a fitted
+latent, made by `kvjax convert`; its recipe in the row), or any product of these. For each
+model of `params.models` and each of `eval_seqs` text windows of `context + continuation`
+tokens (`params.text`, as in the quality experiment), the context is prefilled (and
+compacted by the policy), then the continuation is teacher-forced token by token through
+the cache (`kvjax.evict.continuation_logprobs`).
 
-Row metrics: `ppl` of the continuation through this cache, `ppl_ref` through the
-uncompressed fp32 cache of the original model, `dppl_rel` = ppl / ppl_ref - 1,
-`agreement` (argmax equal to the reference's), `cache_bytes` held at the end (batch of
-all windows), `bytes_per_token` = cache_bytes / (windows x (context + continuation))
-(so eviction, codecs and latents compare per token seen; measured, so windows, scales and
-a policy's state are in), `bytes_per_token_asymptotic` (`kvjax.held`: the long-context cost
-per stored token), `kept` = cache_bytes over the
-uncompressed fp32 cache's bytes per token.
+Row metrics, over the continuation's tokens: `ppl` through this cache, `ppl_ref` through
+the original model's fp32 cache, `dppl_rel` = ppl / ppl_ref - 1, `kl` (KL(ref || cache)
+per token), `agreement` (argmax equal to the reference's), each of the last three with its
+95 % paired-bootstrap interval (`kvjax.intervals`); `cache_bytes` held at the end (batch
+of all windows), `bytes_per_token` = cache_bytes / (windows x (context + continuation))
+(so eviction, codecs, fewer heads and latents compare per token seen; measured, so
+windows, scales and a policy's state are in), `of_bf16` = that over `bf16_bytes_per_token`
+(the original model's bf16 cache at the same length: the frontier's unit),
+`bytes_per_token_asymptotic` (`kvjax.held`: the long-context cost per stored token), `kept`
+= cache_bytes over the fp32 cache's.
 
-Not measured here: the long-context retrieval tasks (passkey, needle, variable tracking)
-do not exist in kvjax yet, and nothing is timed.
+A policy compacts the context once, at prefill; the continuation's tokens are then all
+kept, so a ratio r holds (r x context + continuation) tokens at the end, and `of_bf16`
+says so. Nothing is timed here.
 """
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from kvjax import experiments as ex
@@ -72,34 +78,44 @@ def _nll(lp_BMV, cont_BM) -> float:
   return float(-np.mean(np.take_along_axis(np.asarray(lp_BMV), cont_BM[..., None], -1)))
 
 
+def _bf16_per_token(mcfg, context: int) -> float:
+  """Bytes per token the original model's bf16 cache holds at `context` tokens: the frontier's
+  unit (its own layout, so a sliding-window model's rings count as they hold)."""
+  ref = config_lib.apply_overrides(mcfg, {"cache.codec": "bf16", "cache.k_codec": "bf16",
+                                          "cache.v_codec": "bf16"})
+  return held.count(ref, context).per_token
+
+
 def run_cell(cfg) -> list[dict]:
   rows = []
   T = cfg.param_int("context", 512)
   for src in quality.models(cfg):
     mcfg, params, tok = quality.load_model(src)
     toks, ref_lp, ref_bytes = _reference(src, cfg, mcfg, params, tok)
-    rank = cfg.param_int("latent_rank", 0)
+    unit = _bf16_per_token(mcfg, toks.shape[1])
+    rank, conversion = cfg.param_int("latent_rank", 0), {}
+    if cfg.param("converted", ""):  # a checkpoint `kvjax convert` made from this model
+      mcfg, params, conversion = quality.converted(cfg.param("converted"), src, mcfg)
     if rank:
       mcfg, params = latent.factor(mcfg, params, rank)
     tcfg = quality.cell_config(cfg, mcfg)
-    if rank:
+    if rank or mcfg.model.latent_rank:
       tcfg = config_lib.replace(tcfg, **{"cache.layout": "latent"})
     cont = toks[:, T:]
     lp, nbytes = evict.continuation_logprobs(tcfg, params, toks[:, :T], cont)
-    lp = np.asarray(lp)
-    ppl, ppl_ref = np.exp(_nll(lp, cont)), np.exp(_nll(ref_lp, cont))
+    # row i of lp predicts cont[:, i]: every one of the M positions has its target
+    metrics = evaluate.metrics_of(*evaluate.token_terms(lp, jax.numpy.asarray(ref_lp), cont))
     B, M = cont.shape  # M continuation tokens after the T of context
     c = tcfg.cache
     var = ex.variant(tcfg, setting=cfg.param("setting", ""), model=src.name, policy=c.policy,
                      budget=c.budget, ratio=c.ratio, window=c.window, sinks=c.sinks,
-                     latent_rank=rank)
+                     latent_rank=tcfg.model.latent_rank, **conversion)
+    per_token = nbytes / (B * (T + M))
+    metrics.update(cache_bytes=nbytes, cache_bytes_ref=ref_bytes, bytes_per_token=per_token,
+                   bytes_per_token_asymptotic=held.asymptotic(tcfg), kept=nbytes / ref_bytes,
+                   bf16_bytes_per_token=unit, of_bf16=per_token / unit)
     rows.append({"variant": var,
                  "workload": {"task": "text", "batch": B, "context": T,
                               "continuation": M, "data": str(cfg.param("text", "stdlib"))},
-                 "metrics": {"ppl": ppl, "ppl_ref": ppl_ref, "dppl_rel": ppl / ppl_ref - 1,
-                             "agreement": float(np.mean(lp.argmax(-1) == ref_lp.argmax(-1))),
-                             "cache_bytes": nbytes, "cache_bytes_ref": ref_bytes,
-                             "bytes_per_token": nbytes / (B * (T + M)),
-                             "bytes_per_token_asymptotic": held.asymptotic(tcfg),
-                             "kept": nbytes / ref_bytes}})
+                 "metrics": metrics})
   return rows

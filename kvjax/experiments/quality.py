@@ -214,7 +214,7 @@ def run_cell(cfg) -> list[dict]:
       tcfg = cell_config(cfg, pooled_cfg)
     conversion = {}
     if cfg.param("converted", ""):  # a converted checkpoint of this model
-      conv_cfg, params, conversion = _converted(cfg.param("converted"), src, mcfg)
+      conv_cfg, params, conversion = converted(cfg.param("converted"), src, mcfg)
       tcfg = cell_config(cfg, conv_cfg)
     c = tcfg.cache
     var = ex.variant(tcfg, k_axis=c.k_axis, group_size=c.group_size, residual=c.residual,
@@ -247,7 +247,7 @@ def run_cell(cfg) -> list[dict]:
   return rows
 
 
-def _converted(path: str, src: sources.Source, mcfg) -> tuple:
+def converted(path: str, src: sources.Source, mcfg) -> tuple:
   """(config, params, recipe) of `params.converted`, a checkpoint converted from `src`: its
   vocabulary and tokenizer must be the source's, so it reads the reference's tokens."""
   from kvjax.io import checkpoint

@@ -5,6 +5,12 @@
     one line per method: each eviction policy across its ratios, quantization (codecs
     without eviction), the latent cache across ranks, and eviction + quantization pairs
     as their own points. Lower left is better.
+  compression_frontier_MODEL_TEXT: the Pareto front of one model on one text: perplexity
+    over the original model's fp32 cache against the bytes held per token as a fraction of
+    the same model's bf16 cache, every setting with its 95 % interval, one marker per
+    mechanism, the front (no other setting holds fewer bytes and loses less) drawn as a
+    line through its settings, which the x label names. Rows written before intervals and
+    `of_bf16` existed draw only the first figure.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from kvjax.plots.style import MARKERS, bytes_per_token, human_bytes, model_label
 def method(v: dict) -> str:
   codec = v["codec"]
   if v.get("latent_rank"):
-    return "latent"
+    return "latent" if codec == "fp32" else f"latent + {codec}"
+  if v.get("conversion"):
+    return f"{v['variant']} (converted)" if codec == "fp32" else f"{v['variant']} + {codec}"
   if v.get("policy", "full") != "full":
     return v["policy"] if codec == "fp32" else f"{v['policy']} + {codec}"
   return "quantization"
@@ -50,4 +58,55 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
   w = rows[0]["workload"]
   ax.set_title(f"compression: eviction, latent and quantization — {', '.join(models)}, "
                f"context {w['context']}, {w['continuation']} tokens scored", fontsize=9)
-  return save(fig, Path(out_dir), "compression_dppl_vs_bytes")
+  paths = save(fig, Path(out_dir), "compression_dppl_vs_bytes")
+  framed = [r for r in rows if "of_bf16" in r["metrics"] and r["metrics"].get("dppl_rel_ci95")]
+  by: dict[tuple, list] = {}
+  for r in framed:
+    by.setdefault((r["variant"].get("model", "model"), r["workload"]["data"]), []).append(r)
+  for (model, text), rs in sorted(by.items()):
+    paths += frontier(rs, out_dir, f"compression_frontier_{_slug(model)}_{_slug(text)}")
+  return paths
+
+
+def _slug(name: str) -> str:
+  return "".join(ch if ch.isalnum() else "_" for ch in str(name).removeprefix("gguf:"))
+
+
+def pareto(rows: list[dict]) -> list[dict]:
+  """The rows no other row beats on both bytes (`of_bf16`) and Δppl, fewest bytes first."""
+  front, best = [], float("inf")
+  for r in sorted(rows, key=lambda r: (r["metrics"]["of_bf16"], r["metrics"]["dppl_rel"])):
+    if r["metrics"]["dppl_rel"] < best:
+      front.append(r)
+      best = r["metrics"]["dppl_rel"]
+  return front
+
+
+def frontier(rows: list[dict], out_dir: Path, stem: str) -> list[Path]:
+  groups: dict[str, list] = {}
+  for r in rows:
+    groups.setdefault(method(r["variant"]), []).append(r)
+  fig, ax = plt.subplots(figsize=(7.5, 5.0))
+  for i, (name, rs) in enumerate(sorted(groups.items())):  # a marker per mechanism
+    xs = [r["metrics"]["of_bf16"] for r in rs]
+    ys = [1 + r["metrics"]["dppl_rel"] for r in rs]
+    lo = [y - (1 + r["metrics"]["dppl_rel_ci95"][0]) for y, r in zip(ys, rs)]
+    hi = [(1 + r["metrics"]["dppl_rel_ci95"][1]) - y for y, r in zip(ys, rs)]
+    ax.errorbar(xs, ys, yerr=[lo, hi], marker=MARKERS[i % len(MARKERS)], ls="none",
+                capsize=2, label=name)
+  front = pareto(rows)
+  ax.plot([r["metrics"]["of_bf16"] for r in front], [1 + r["metrics"]["dppl_rel"] for r in front],
+          color="grey", lw=0.9, ls="--", label="Pareto front", zorder=0)
+  ax.set_xscale("log", base=2)
+  ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda x, _p=None: f"{x:g}"))
+  names = ", ".join(r["variant"].get("setting", "?") for r in front)
+  ax.set_xlabel("cache bytes held per token, as a fraction of the model's bf16 cache\n"
+                f"the front, fewest bytes first: {names}")
+  ax.set_yscale("log")
+  ax.set_ylabel("perplexity / fp32 cache's (95 % interval)")
+  ax.axhline(1, color="grey", lw=0.8)
+  ax.legend(fontsize=7, title=model_label(rows[0]), title_fontsize=8)
+  w = rows[0]["workload"]
+  ax.set_title(f"every way to shrink the cache: {w['data']}, context {w['context']}, "
+               f"{w['continuation']} tokens scored x {w['batch']} windows", fontsize=9)
+  return save(fig, Path(out_dir), stem)

@@ -866,8 +866,12 @@ def convert_table(rows: list[dict]) -> str:
 SHRINK_BUDGETS = (0.5, 0.25, 0.125, 0.0625)  # of the model's bf16 cache bytes per token
 
 
-def _what_shrinks(v: dict) -> str:
-  """A frontier setting in words: the structure (converted heads, latent, policy) and codec."""
+def _what_shrinks(r: dict) -> str:
+  """A frontier setting in words: the structure (converted heads, latent, policy) and codec
+  (key axis, groups and window from the row's cache config where its variant lacks them)."""
+  cache = r.get("config", {}).get("cache", {})
+  v = {**{k: cache[k] for k in ("k_axis", "group_size", "residual") if k in cache},
+       **r["variant"]}
   parts = []
   if v.get("conversion"):
     parts.append(f"{v['variant']} ({v['conversion']})" if not v.get("latent_rank")
@@ -904,7 +908,7 @@ def shrink_table(rows: list[dict]) -> str:
         apart = "yes" if intervals.separated(m["dppl_rel_ci95"], n["dppl_rel_ci95"]) else \
             "**no**: overlapping"
       out.append(f"| {model} | {text} | {budget:g} | `{w['variant']['setting']}` | "
-                 f"{_what_shrinks(w['variant'])} | {m['of_bf16']:.3f} | "
+                 f"{_what_shrinks(w)} | {m['of_bf16']:.3f} | "
                  f"{_signed(100 * m['dppl_rel'])}{_pct_ci(m)} | {_kl(m['kl'])} | {runner} | "
                  f"{apart} |")
   shapes = sorted({(r["workload"]["batch"], r["workload"]["context"],

@@ -107,7 +107,8 @@ def run_cell(cfg) -> list[dict]:
     metrics = evaluate.metrics_of(*evaluate.token_terms(lp, jax.numpy.asarray(ref_lp), cont))
     B, M = cont.shape  # M continuation tokens after the T of context
     c = tcfg.cache
-    var = ex.variant(tcfg, setting=cfg.param("setting", ""), model=src.name, policy=c.policy,
+    var = ex.variant(tcfg, k_axis=c.k_axis, group_size=c.group_size, residual=c.residual,
+                     setting=cfg.param("setting", ""), model=src.name, policy=c.policy,
                      budget=c.budget, ratio=c.ratio, window=c.window, sinks=c.sinks,
                      latent_rank=tcfg.model.latent_rank, **conversion)
     per_token = nbytes / (B * (T + M))

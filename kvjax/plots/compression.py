@@ -8,7 +8,8 @@
   compression_frontier_MODEL_TEXT: the Pareto front of one model on one text: perplexity
     over the original model's fp32 cache against the bytes held per token as a fraction of
     the same model's bf16 cache, every setting with its 95 % interval, one marker per
-    mechanism, the front (no other setting holds fewer bytes and loses less) drawn as a
+    structure (full cache, fewer heads, latent, policy) and a colour per codec family, the
+    front (no other setting holds fewer bytes and loses less) drawn as a
     line through its settings, which the x label names. Rows written before intervals and
     `of_bf16` existed draw only the first figure.
 """
@@ -19,7 +20,8 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from kvjax.plots.style import MARKERS, bytes_per_token, human_bytes, model_label, save
+from kvjax.plots.style import (FAMILY_COLORS, MARKERS, bytes_per_token, codec_family,
+                               human_bytes, model_label, save)
 
 
 def method(v: dict) -> str:
@@ -82,18 +84,34 @@ def pareto(rows: list[dict]) -> list[dict]:
   return front
 
 
+def structure(v: dict) -> str:
+  """How a frontier setting shrinks the cache apart from its codec: fewer heads, a latent
+  (fitted or the weights' SVD), a policy, or none ("full cache")."""
+  parts = []
+  if v.get("latent_rank"):
+    parts.append("latent (fitted)" if v.get("conversion") else "latent (weights' SVD)")
+  elif v.get("conversion"):
+    parts.append(f"{v['variant']} (converted)")
+  if v.get("policy", "full") != "full":
+    parts.append(v["policy"])
+  return " + ".join(parts) or "full cache"
+
+
 def frontier(rows: list[dict], out_dir: Path, stem: str) -> list[Path]:
-  groups: dict[str, list] = {}
+  """Colour by codec family (the house look), marker by structure."""
+  shapes = {name: MARKERS[i % len(MARKERS)]
+            for i, name in enumerate(sorted({structure(r["variant"]) for r in rows}))}
+  groups: dict[tuple, list] = {}
   for r in rows:
-    groups.setdefault(method(r["variant"]), []).append(r)
-  fig, ax = plt.subplots(figsize=(7.5, 5.0))
-  for i, (name, rs) in enumerate(sorted(groups.items())):  # a marker per mechanism
+    groups.setdefault((structure(r["variant"]), codec_family(r)), []).append(r)
+  fig, ax = plt.subplots(figsize=(10, 5.2))
+  for (shape, family), rs in sorted(groups.items()):
     xs = [r["metrics"]["of_bf16"] for r in rs]
     ys = [1 + r["metrics"]["dppl_rel"] for r in rs]
     lo = [y - (1 + r["metrics"]["dppl_rel_ci95"][0]) for y, r in zip(ys, rs)]
     hi = [(1 + r["metrics"]["dppl_rel_ci95"][1]) - y for y, r in zip(ys, rs)]
-    ax.errorbar(xs, ys, yerr=[lo, hi], marker=MARKERS[i % len(MARKERS)], ls="none",
-                capsize=2, label=name)
+    ax.errorbar(xs, ys, yerr=[lo, hi], marker=shapes[shape], ls="none", capsize=2,
+                color=FAMILY_COLORS[family], label=f"{shape}, {family or 'other'}")
   front = pareto(rows)
   ax.plot([r["metrics"]["of_bf16"] for r in front], [1 + r["metrics"]["dppl_rel"] for r in front],
           color="grey", lw=0.9, ls="--", label="Pareto front", zorder=0)
@@ -105,7 +123,8 @@ def frontier(rows: list[dict], out_dir: Path, stem: str) -> list[Path]:
   ax.set_yscale("log")
   ax.set_ylabel("perplexity / fp32 cache's (95 % interval)")
   ax.axhline(1, color="grey", lw=0.8)
-  ax.legend(fontsize=7, title=model_label(rows[0]), title_fontsize=8)
+  ax.legend(fontsize=7, title=model_label(rows[0]), title_fontsize=8, loc="upper left",
+            bbox_to_anchor=(1.01, 1.0))  # beside the axes: it hides no point
   w = rows[0]["workload"]
   ax.set_title(f"every way to shrink the cache: {w['data']}, context {w['context']}, "
                f"{w['continuation']} tokens scored x {w['batch']} windows", fontsize=9)

@@ -49,7 +49,7 @@ class Dense:
     return theta
 
   def store(self, params: Any, layer: int, theta: dict) -> Any:
-    return layerwise.set_layer(params, layer, self.weights(theta, layerwise.layer_params(params, layer)))
+    return layerwise.set_layer(params, layer, theta)
 
 
 @dataclass(frozen=True)

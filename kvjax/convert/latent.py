@@ -27,6 +27,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import config as config_lib
 from kvjax.cache import latent as latent_cache
 from kvjax.convert import layerwise
 from kvjax.errors import KvjaxError
@@ -52,7 +53,8 @@ def factor(cfg, params: Any, rank: int, tokens_NS: np.ndarray):
   m = cfg.model
   if "layers" not in params:
     raise KvjaxError("latent conversion needs stacked layer params (a scanned model)")
-  new_cfg, _ = latent_cache.factor(cfg, params, rank)  # the config (and its checks)
+  new_cfg = config_lib.apply_overrides(cfg, {"model.latent_rank": rank,
+                                             "cache.layout": "latent"})
   KD = m.n_kv_heads * m.D
   layers = dict(params["layers"])
   W_LEY = np.concatenate([np.asarray(layers[n]["kernel"], np.float32)

@@ -29,8 +29,6 @@ says so. Nothing is timed here.
 
 from __future__ import annotations
 
-import jax
-import numpy as np
 
 from kvjax import experiments as ex
 from kvjax.experiments import quality
@@ -70,12 +68,8 @@ def _reference(src, cfg, mcfg, params, tok):
     toks = _tokens(cfg, mcfg, tok)
     T = cfg.param_int("context", 512)
     lp, nbytes = evict.continuation_logprobs(ref_cfg, params, toks[:, :T], toks[:, T:])
-    _REF[key] = (toks, np.asarray(lp), nbytes)
+    _REF[key] = (toks, lp, nbytes)  # a device array: every cell of the run reads it
   return _REF[key]
-
-
-def _nll(lp_BMV, cont_BM) -> float:
-  return float(-np.mean(np.take_along_axis(np.asarray(lp_BMV), cont_BM[..., None], -1)))
 
 
 def _bf16_per_token(mcfg, context: int) -> float:
@@ -99,12 +93,12 @@ def run_cell(cfg) -> list[dict]:
     if rank:
       mcfg, params = latent.factor(mcfg, params, rank)
     tcfg = quality.cell_config(cfg, mcfg)
-    if rank or mcfg.model.latent_rank:
+    if mcfg.model.latent_rank:  # factored here or converted: read through the latent layout
       tcfg = config_lib.replace(tcfg, **{"cache.layout": "latent"})
     cont = toks[:, T:]
     lp, nbytes = evict.continuation_logprobs(tcfg, params, toks[:, :T], cont)
     # row i of lp predicts cont[:, i]: every one of the M positions has its target
-    metrics = evaluate.metrics_of(*evaluate.token_terms(lp, jax.numpy.asarray(ref_lp), cont))
+    metrics = evaluate.metrics_of(*evaluate.token_terms(lp, ref_lp, cont))
     B, M = cont.shape  # M continuation tokens after the T of context
     c = tcfg.cache
     var = ex.variant(tcfg, k_axis=c.k_axis, group_size=c.group_size, residual=c.residual,

@@ -205,7 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
   csrc.add_argument("--gguf", metavar="FILE|NAME")
   c.add_argument("--kv-heads", type=_number("--kv-heads", "model.n_kv_heads"))
   c.add_argument("--latent-rank", type=_number("--latent-rank", _POS), metavar="R",
-                 help="factor K/V projections to rank R for the latent (MLA-style) cache")
+                 help="factor K/V projections to rank R for the latent (MLA-style) cache "
+                 "(--method pool: the weights' SVD; fit: the calibration keys and values, "
+                 "then each layer fitted)")
   c.add_argument("--method", default="pool", metavar="pool|align|fit|distill",
                  help="how fewer KV heads are made: pool (mean of each group), align (each "
                  "group's heads rotated onto its first, exactly, then pooled), fit (aligned, "

@@ -8,8 +8,10 @@
                next-token distributions, KL on calibration text (`distill`)
 
 `kvjax convert` (`cli`) is the front door; it writes an orbax checkpoint recording the
-recipe, which every command then takes as `checkpoint:DIR`. The latent (MLA-style) cache's
-factorisation is `kvjax.cache.latent.factor`.
+recipe, which every command then takes as `checkpoint:DIR`. With `--latent-rank R` the K/V
+projections become rank R for the latent (MLA-style) cache: `--method pool` by the
+weights' SVD (`kvjax.cache.latent.factor`), `--method fit` from the calibration keys and
+values, then fitted layer by layer (`latent`).
 """
 
 from kvjax.convert.pool import check_target, expand, mean_pool

@@ -8,14 +8,19 @@ Stages run in this order; each gets min(its seconds, what is left of the budget)
 stage that would start with under 20 s left is skipped, so the lower priorities go first
 when the budget is short:
 
-  roofline-8b-long  Llama-3-8B shape, bf16 weights, bf16/int8/int4/fp8 caches, batch 16 x 32k
-  roofline-8b       the same at batch 8 x 8k        (configs/accel/roofline_llama3_8b.yaml)
+  roofline-8b       Llama-3-8B shape, bf16 weights, bf16/int8/int4/fp8 caches, batch 8 x 8k
+                    (configs/accel/roofline_llama3_8b.yaml)
+  model-smollm2     the three real models' shapes, bf16 weights, bf16/int8/int4 caches,
+  model-qwen        batch 8 x 8k (configs/roofline_smollm2.yaml, configs/accel/roofline_qwen
+  model-gemma3      .yaml, roofline_gemma3.yaml: Gemma's hybrid timed against its full variant)
+  gpu-tests         tests/test_pallas.py, test_decode.py, test_accel.py on the GPU, float32
+                    matmuls at full precision (JAX_DEFAULT_MATMUL_PRECISION=highest)
+  distill           one `kvjax convert --method distill` step's tokens per second at
+                    SmolLM2's shape, GQA-3 -> MQA, batch 2 x 512 (scripts/bench_distill.py)
+  roofline-8b-long  the Llama-3-8B cells at batch 16 x 32k
   pallas            the Pallas read vs XLA `grouped` vs JAX's paged kernel, one layer at
                     Llama-3-8B heads, 4k-32k, batch 1/8/16 (scripts/bench_pallas.py)
   pallas-sweep      the kernel's block/split/warps/stages knobs (configs/accel/pallas_sweep.yaml)
-  gpu-tests         tests/test_pallas.py, test_decode.py, test_accel.py on the GPU, float32
-                    matmuls at full precision (JAX_DEFAULT_MATMUL_PRECISION=highest)
-  roofline-smollm2  SmolLM2-135M's shape (configs/roofline_smollm2.yaml), batch 1/8/32
   peer              kvjax vs transformers on the same GPU (configs/peer.yaml, trimmed)
 
 Nothing in the list needs more than the 139 GiB device: the dry run (`--dry-run`) loads
@@ -40,13 +45,30 @@ GPU_TESTS = ["tests/test_pallas.py", "tests/test_decode.py", "tests/test_accel.p
 def stages() -> list[dict]:
   """The device plan, most wanted first; `seconds` is each stage's share at most."""
   r8 = {"config": "roofline_llama3_8b", "experiment": "roofline", "out": "roofline_llama3_8b"}
+  models = {"grid.workload.batch": [8], "grid.workload.prompt_len": [8184],
+            "grid.cache.codec": ["bf16", "int8", "int4"]}
   return [
-      {**r8, "name": "roofline-8b-long", "seconds": 150,
-       "set": {"grid.cache.codec": CODECS, "grid.workload.batch": [16],
-               "grid.workload.prompt_len": [32760]}},
       {**r8, "name": "roofline-8b", "seconds": 100,
        "set": {"grid.cache.codec": CODECS, "grid.workload.batch": [8],
                "grid.workload.prompt_len": [8184]}},
+      {"name": "model-smollm2", "config": "roofline_smollm2", "experiment": "roofline",
+       "out": "roofline_smollm2_b8", "seconds": 45,
+       "set": {**models, "grid.model.attention": ["auto"], "grid.model.dtype": ["bfloat16"],
+               "grid.model.param_dtype": ["bfloat16"], "params.bandwidth_mib": 4096}},
+      {"name": "model-qwen", "config": "roofline_qwen", "experiment": "roofline",
+       "out": "roofline_qwen", "seconds": 45, "set": models},
+      {"name": "model-gemma3", "config": "roofline_gemma3", "experiment": "roofline",
+       "out": "roofline_gemma3", "seconds": 60, "set": models},
+      {"name": "gpu-tests", "kind": "pytest", "out": "gpu_tests", "seconds": 150,
+       "tests": GPU_TESTS,
+       "env": {"JAX_PLATFORMS": "cuda", "JAX_DEFAULT_MATMUL_PRECISION": "highest"}},
+      {"name": "distill", "kind": "script", "script": "scripts/bench_distill.py",
+       "out": "distill_speed", "seconds": 45,
+       "args": ["--shape", "smollm2-135m", "--kv-heads", "1", "--batch", "2",
+                "--seq-len", "512", "--steps", "10", "--budget", "35"]},
+      {**r8, "name": "roofline-8b-long", "seconds": 150,
+       "set": {"grid.cache.codec": CODECS, "grid.workload.batch": [16],
+               "grid.workload.prompt_len": [32760]}},
       {"name": "pallas", "kind": "script", "script": "scripts/bench_pallas.py", "out": "pallas",
        "seconds": 110, "args": ["--contexts", "4096,8192,16384,32768", "--batches", "1,8,16",
                                 "--codecs", "bf16,int8,int4", "--repeats", "10",
@@ -54,13 +76,6 @@ def stages() -> list[dict]:
       {"name": "pallas-sweep", "kind": "script", "script": "scripts/bench_pallas.py",
        "out": "pallas_sweep", "seconds": 120,
        "args": ["--sweep", str(ROOT / "configs/accel/pallas_sweep.yaml"), "--budget", "100"]},
-      {"name": "gpu-tests", "kind": "pytest", "out": "gpu_tests", "seconds": 150,
-       "tests": GPU_TESTS,
-       "env": {"JAX_PLATFORMS": "cuda", "JAX_DEFAULT_MATMUL_PRECISION": "highest"}},
-      {"name": "roofline-smollm2", "config": "roofline_smollm2", "experiment": "roofline",
-       "out": "roofline_smollm2", "seconds": 60,
-       "set": {"grid.model.attention": ["auto"], "grid.workload.prompt_len": [4096],
-               "grid.workload.batch": [1, 8, 32], "params.bandwidth_mib": 4096}},
       {"name": "peer", "config": "peer", "out": "peer", "seconds": 60,
        "set": {"grid.workload.batch": [1], "grid.model.vocab_size": [32000],
                "workload.gen_len": 64, "workload.repeats": 3,

@@ -317,11 +317,13 @@ def test_device_plan_dry_run_checks_every_stage_on_the_host(monkeypatch, capsys)
   import device_plan
   monkeypatch.setenv("KVJAX_MEMORY_LIMIT", str(device_plan.H200_LIMIT))
   plan = device_plan.stages()
-  assert [s["name"] for s in plan][:2] == ["roofline-8b-long", "roofline-8b"]
-  assert sum(s["seconds"] for s in plan) <= 900
+  names = [s["name"] for s in plan]
+  assert names[:4] == ["roofline-8b", "model-smollm2", "model-qwen", "model-gemma3"]
+  assert len(set(names)) == len(names) and sum(s["seconds"] for s in plan) <= 900
   assert device_plan.dry_run(plan) == 0
   out = capsys.readouterr().out
   assert out.count(" ok") == len(plan) and "REFUSED" not in out
-  too_big = [{**plan[0], "set": {**plan[0]["set"], "grid.workload.batch": [64]}}]
+  long = plan[names.index("roofline-8b-long")]
+  too_big = [{**long, "set": {**long["set"], "grid.workload.batch": [64]}}]
   assert device_plan.dry_run(too_big) == 2
   assert "REFUSED" in capsys.readouterr().out

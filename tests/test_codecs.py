@@ -257,3 +257,21 @@ def test_int2_needs_head_dim_multiple_of_four():
 def test_valid_codec_configs_pass(cache):
   cfg = _cfg(**cache)
   assert cfg.cache.k_codec in codecs.CODECS and cfg.cache.v_codec in codecs.CODECS
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"])
+def test_init_allocates_the_stored_type_once_and_decodes_to_zeros(name):
+  """A fresh cache is allocated once, in the type `encode` stores (bf16 and float8 as
+  their bits): an eager float-zeros-then-bitcast held a 16 x 32k cache twice on the GPU.
+  Its pytree, dtypes and shapes are what `encode` writes, and it decodes to +0.0."""
+  codec = make(name, "token") if name in QUANT else codecs.get(name)
+  shape = (2, 16, 8)
+  jaxpr = jax.make_jaxpr(lambda: codec.init(shape))()
+  assert "bitcast_convert_type" not in str(jaxpr) and "convert_element_type" not in str(jaxpr)
+  init = codec.init(shape)
+  enc = jax.eval_shape(codec.encode, jax.ShapeDtypeStruct(shape, jnp.float32))
+  assert jax.tree.structure(init) == jax.tree.structure(enc)
+  assert [(a.shape, a.dtype) for a in jax.tree.leaves(init)] == \
+      [(a.shape, a.dtype) for a in jax.tree.leaves(enc)]
+  y = np.asarray(codec.decode(init), np.float32)
+  assert np.all(y == 0) and not np.any(np.signbit(y))

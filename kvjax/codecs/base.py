@@ -101,8 +101,10 @@ class Codec:
 
   # -- storage -------------------------------------------------------------------------
   def init(self, shape: tuple[int, ...]) -> Any:
-    """Zeroed storage for `shape` = [..., S, D]: S tokens of D values."""
-    return store_bits(jnp.zeros(shape, self.dtype))
+    """Zeroed storage for `shape` = [..., S, D]: S tokens of D values. Allocated in the
+    stored type at once (all-zero bits are +0.0 in bf16 and float8): an eager bitcast of
+    float zeros would hold the array twice while it copies."""
+    return jnp.zeros(shape, _BITS.get(jnp.dtype(self.dtype), self.dtype))
 
   def encode(self, x_TD: jax.Array) -> Any:
     """Encode T vectors [..., T, D]; the result has the same pytree structure as `init`."""

@@ -289,6 +289,21 @@ def test_roofline_experiment_rows_and_plot(tmp_path):
   assert {p.suffix for p in paths} == {".png", ".svg"} and all(p.stat().st_size for p in paths)
 
 
+@pytest.mark.parametrize("prog, attn, dtype, codec, dot", [
+    ("accelerator", "auto", "bfloat16", "int8", "bf16"),   # folded: codes converted into bf16 dots
+    ("accelerator", "grouped", "float32", "int4", "f32"),
+    ("cpu", "grouped", "bfloat16", "int8", "f32"),         # the CPU program's XLA read widens
+])
+def test_roofline_attention_dot_is_the_type_the_read_multiplies_in(prog, attn, dtype, codec, dot):
+  """The arithmetic roof prices the attention at the dot it runs on: the accelerator
+  program's XLA read multiplies in the compute dtype, the CPU program's in float32 (a
+  bf16-model GPU row priced at float32 dots read as flops-bound on the H200)."""
+  from kvjax.experiments import roofline
+  cfg = config.load(None, {"model.program": prog, "model.attention": attn,
+                           "model.dtype": dtype, "cache.codec": codec})
+  assert roofline.attention_dot(cfg) == dot
+
+
 def test_roofline_pairs_bandwidth_with_each_repeat(monkeypatch):
   """The fraction is the median of per-repeat ratios, each repeat's step time against the
   bandwidth measured just before it: a slow phase that slows both keeps its ratio (repeat

@@ -16,8 +16,8 @@ roof, the step's arithmetic: `step_flops` (2 per multiply-add of every weight ma
 sequence, the tied lm_head included, plus the attention's two products over the live
 tokens) divided by the throughput of the dot that arithmetic runs on, measured in the same
 process (`DotProbe`: a square float32, bf16 and int8 matmul; the weights' products use
-`model.param_dtype`'s, the attention's float32 for the CPU read kernel, else its codec's
-dot type). `bound` says which roof is higher (`bytes` or `flops`), `roof_s` is that roof
+`model.param_dtype`'s, the attention's float32 for the CPU read kernel, the compute dtype
+for the accelerator program's XLA read, else its codec's dot type). `bound` says which roof is higher (`bytes` or `flops`), `roof_s` is that roof
 and `roof_fraction` = roof_s / tpot. The cache is filled by setting
 its lengths (contents are zeros: decode speed does not depend on values), so no prefill
 is timed and a cell at 8k context costs seconds, not minutes. The embedding table is not
@@ -99,7 +99,10 @@ class DotProbe:
   TYPES = {"f32": (jnp.float32, jnp.float32), "bf16": (jnp.bfloat16, jnp.float32),
            "s8": (jnp.int8, jnp.int32)}
 
-  def __init__(self, n: int = 512):
+  def __init__(self, n: int | None = None):
+    """`n` defaults to 512 on the CPU and 8192 elsewhere: an accelerator finishes a 512
+    product in about its launch time, so a small probe measures the launch, not the dots."""
+    n = n or (512 if jax.default_backend() == "cpu" else 8192)
     self.n, self._calls = n, {}
     for name, (dt, acc) in self.TYPES.items():
       a = jnp.ones((n, n), dt)
@@ -132,9 +135,14 @@ def step_flops(cfg: config_lib.Config, params, batch: int, held_from: int, steps
 
 def attention_dot(cfg: config_lib.Config) -> str:
   """The operand type of the attention's arithmetic: float32 in the CPU read kernel (and the
-  XLA read, which widens codes first); bf16 or int8 in the stored-type dots."""
+  CPU program's XLA read, which widens codes first); the compute dtype in the accelerator
+  program's XLA read (`attention/folded.py`: codes converted straight into the dots);
+  bf16 or int8 in the stored-type dots."""
   from kvjax import attention, kernels  # noqa: PLC0415
-  if attention.resolve(cfg.model.attention, cfg.model.program) != "native" or kernels.available():
+  variant = attention.resolve(cfg.model.attention, cfg.model.program)
+  if variant == "grouped" and attention.program(cfg.model.program) == "accelerator":
+    return "bf16" if cfg.model.dtype == "bfloat16" else "f32"
+  if variant != "native" or kernels.available():
     return "f32"
   return "s8" if cfg.cache.k_codec in ("int8", "int4", "int2") else \
       "bf16" if cfg.cache.k_codec in ("bf16", "fp8_e4m3", "fp8_e5m2") else "f32"

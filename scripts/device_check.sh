@@ -8,8 +8,8 @@
 # priority order, each within its stated seconds and what is left of the budget, which
 # the script enforces itself (a stage that would start with under 20 s left is skipped):
 #   roofline-8b 100 s | model-smollm2 45 s | model-qwen 45 s | model-gemma3 60 s |
-#   gpu-tests 150 s | distill 45 s | roofline-8b-long 150 s | pallas 110 s |
-#   pallas-sweep 120 s | peer 60 s
+#   gpu-tests 270 s | distill 45 s | roofline-8b-long 150 s | pallas 90 s |
+#   pallas-sweep 60 s | peer 35 s
 # Rows, logs, the manifest (device, JAX, jaxlib, CUDA versions; per-stage status and
 # seconds) and plots go to $OUT/accel and are packed as $OUT/accel.tgz; $OUT/env.txt holds
 # nvidia-smi and `jax.print_environment_info()`. The whole run ends within BUDGET + 60 s.

@@ -40,6 +40,10 @@ A generated block sits between `<!-- doc_tables:NAME begin -->` and
   shrink    results/real_models/frontier_{smollm2,qwen,gemma3}/compression.jsonl: the frontier
             of every way to shrink the cache (configs/frontier_*.yaml): at 1/2 ... 1/16 of
             bf16's bytes, which setting keeps the lowest Δppl, and whether it is told apart.
+  gpu       (docs/gpu.md) results/gpu/h200/: the last device run (scripts/device_check.sh):
+            device and versions, each decode step against the copy bandwidth it probed,
+            Gemma's hybrid against its full variant, the distillation step against the
+            CPU's, the Pallas read against XLA's, and the GPU test stage.
 """
 
 from __future__ import annotations
@@ -72,6 +76,12 @@ SOURCES = {"quality": ROOT / "results" / "quality.jsonl",
            "convert": ROOT / "results" / "real_models" / "convert_smollm2" / "quality.jsonl",
            "shrink": tuple(ROOT / "results" / "real_models" / f"frontier_{m}" / "compression.jsonl"
                            for m in ("smollm2", "qwen", "gemma3"))}
+GPU = ROOT / "results" / "gpu" / "h200"
+SOURCES["gpu"] = tuple(GPU / f"{n}.jsonl" for n in (
+    "roofline_llama3_8b", "roofline_smollm2_b8", "roofline_qwen", "roofline_gemma3",
+    "distill_speed", "gpu_tests")) + (
+    ROOT / "results" / "cpu" / "distill_speed.jsonl",)
+DOCS = {"gpu": ROOT / "docs" / "gpu.md"}  # every other block lives in DOC
 MODEL_ORDER = ("MHA", "GQA-2", "GQA-4", "GQA-8", "MQA")
 LIMIT = 1.0  # the Δppl (%) that the "within" sentence tests
 
@@ -933,15 +943,114 @@ BUILDERS = {"quality": quality_table, "real": real_table, "evict": evict_table,
             "parity": parity_table, "convert": convert_table, "shrink": shrink_table}
 
 
-def render(doc: str, blocks: dict[str, str]) -> str:
+def gpu_table(rows: list[dict]) -> str:
+  """docs/gpu.md's run: versions, the decode steps, the hybrid, distill, Pallas, tests."""
+  roof = [r for r in rows if r.get("experiment") == "roofline"]
+  env = roof[0]["env"]
+  out = [f"Device: {env['device_kind']} x {env['device_count']}, JAX {env['jax']} / jaxlib "
+         f"{env['jaxlib']} ({env['platform_version']}), Python {env['python']}, "
+         f"{env['cpu_count']} host cores; rows of {env['time'][:10]}.", "",
+         "**Decode step, batch 8 x 8,184 tokens held, bf16 weights, random weights** "
+         "(`roofline`; median of 5 repeats x 7 steps, IQR; copy = the streaming copy "
+         "bandwidth probed before each repeat):", "",
+         "| model | cache | step (ms) | IQR | weights GB | cache GB | cache share | "
+         "of copy bandwidth | step / bf16's |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+  names = {"GQA-8": "Llama-3-8B shape", "GQA-3": "SmolLM2-135M", "GQA-2": "Qwen2.5-Coder-0.5B"}
+  plain = [r for r in roof if not r["variant"].get("setting")]
+  for r in plain:
+    m, v = r["metrics"], r["variant"]
+    ref = next(x for x in plain if x["variant"]["variant"] == v["variant"]
+               and x["variant"]["codec"] == "bf16")["metrics"]["tpot_s"]
+    out.append(f"| {names.get(v['variant'], v['variant'])} | {v['codec']} | "
+               f"{m['tpot_s'] * 1e3:.2f} | {m['tpot_s_iqr'] * 1e3:.2f} | "
+               f"{m['weight_bytes'] / 1e9:.2f} | {m['kv_bytes'] / 1e9:.2f} | "
+               f"{m['kv_bytes'] / m['step_bytes']:.0%} | {m['copy_fraction']:.2f} | "
+               f"{m['tpot_s'] / ref:.2f} |")
+  hyb = [r for r in roof if r["variant"].get("setting") == "hybrid"]
+  if hyb:
+    out += ["", "**Gemma 3 270M's hybrid cache against its full variant** (same cells, "
+            "interleaved per repeat; ratio of steps with its 95 % interval):", "",
+            "| cache | full step (ms) | hybrid step (ms) | hybrid / full | its bytes / full's |",
+            "|---|---:|---:|---:|---:|"]
+    for r in hyb:
+      full = next(x for x in roof if x["variant"].get("setting") == "full"
+                  and x["variant"]["codec"] == r["variant"]["codec"])
+      m, f = r["metrics"], full["metrics"]
+      lo, hi = m["tpot_vs_ref_ci95"]
+      out.append(f"| {r['variant']['codec']} | {f['tpot_s'] * 1e3:.2f} | {m['tpot_s'] * 1e3:.2f} | "
+                 f"{m['tpot_vs_ref']:.3f} [{lo:.3f}, {hi:.3f}] | "
+                 f"{m['step_bytes'] / f['step_bytes']:.2f} |")
+  dist = {r["platform"]: r for r in rows if r.get("experiment") == "distill_speed"}
+  if {"gpu", "cpu"} <= set(dist):
+    g, c = dist["gpu"], dist["cpu"]
+    out += ["", f"**One distillation step** (`scripts/bench_distill.py`, {g['shape']}, "
+            f"GQA-{g['teacher_kv_heads'] // g['kv_heads']} teacher, MQA student, batch "
+            f"{g['batch']} x {g['seq_len']}): GPU {g['tokens_per_s']:,.0f} tokens/s "
+            f"[{g['tokens_per_s_ci'][0]:,.0f}, {g['tokens_per_s_ci'][1]:,.0f}], this "
+            f"repository's {c['environment']['cpu_count']}-core CPU host "
+            f"{c['tokens_per_s']:,.0f} [{c['tokens_per_s_ci'][0]:,.0f}, "
+            f"{c['tokens_per_s_ci'][1]:,.0f}]: {g['tokens_per_s'] / c['tokens_per_s']:,.0f}x."]
+  pal = _rows(GPU / "pallas.jsonl")
+  if pal:
+    out += ["", "**One layer's decode read** (`scripts/bench_pallas.py`, Llama-3-8B heads, "
+            "median µs; the Pallas kernel at its default knobs):", "",
+            "| cache | batch | context | XLA grouped | Pallas | JAX paged | Pallas / XLA |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    cells = sorted({(r["codec"], r["batch"], r["context"]) for r in pal},
+                   key=lambda c: (["bf16", "int8", "int4"].index(c[0]) if c[0] in
+                                  ("bf16", "int8", "int4") else 9, c[1], c[2]))
+    for c in cells:
+      t = {r["impl"]: r["median_s"] * 1e6 for r in pal if (r["codec"], r["batch"], r["context"]) == c}
+      if "grouped" not in t or "pallas" not in t:
+        continue
+      out.append(f"| {c[0]} | {c[1]} | {c[2]:,} | {t['grouped']:.0f} | {t['pallas']:.0f} | "
+                 + (f"{t['jax_paged']:.0f}" if "jax_paged" in t else "-")
+                 + f" | {t['pallas'] / t['grouped']:.2f} |")
+  sweep = _rows(GPU / "pallas_sweep.jsonl")
+  if sweep:
+    out += ["", "**The Pallas kernel's knobs** (`configs/accel/pallas_sweep.yaml`): best "
+            "setting per cell against XLA's read:", ""]
+    for c in sorted({(r["codec"], r["batch"], r["context"]) for r in sweep}):
+      rs = [r for r in sweep if (r["codec"], r["batch"], r["context"]) == c]
+      xla = [r for r in pal + rs if r["impl"] == "grouped" and (r["codec"], r["batch"],
+                                                                 r["context"]) == c]
+      ker = [r for r in rs if r["impl"] == "pallas"]
+      if len(ker) < 2:
+        continue
+      best = min(ker, key=lambda r: r["median_s"])
+      knobs = ", ".join(f"{k}={v}" for k, v in best["settings"].items())
+      line = (f"- {c[0]}, batch {c[1]}, {c[2]:,} tokens: {len(ker)} settings, best "
+              f"{best['median_s'] * 1e6:.0f} µs ({knobs})")
+      if xla:
+        g = min(r["median_s"] for r in xla)
+        line += f"; XLA {g * 1e6:.0f} µs, best / XLA {best['median_s'] / g:.2f}"
+      out.append(line + ".")
+  tests = [r for r in rows if r.get("experiment") == "gpu_tests"]
+  for t in tests:
+    out += ["", f"**GPU tests** ({', '.join(t['files'])}; "
+            + ", ".join(f"{k}={v}" for k, v in t["env"].items()) + f"): {t['passed']} passed, "
+            f"{len(t['failed'])} failed in {t['seconds']:.0f} s"
+            + (": " + ", ".join(f"`{n.split('::')[-1]}`" for n in t["failed"]) if t["failed"]
+               else "") + "."]
+  return "\n".join(out)
+
+
+BUILDERS["gpu"] = gpu_table
+
+
+def render(doc: str, blocks: dict[str, str], path: Path = DOC) -> str:
   for name, body in blocks.items():
     pat = re.compile(rf"(<!-- doc_tables:{name} begin -->\n).*?(<!-- doc_tables:{name} end -->)",
                      re.S)
     if not pat.search(doc):
-      raise SystemExit(f"doc_tables: {DOC.name} has no <!-- doc_tables:{name} begin/end --> "
+      raise SystemExit(f"doc_tables: {path.name} has no <!-- doc_tables:{name} begin/end --> "
                        "markers; add them where the table belongs")
     doc = pat.sub(lambda m: m.group(1) + body + "\n" + m.group(2), doc)
   return doc
+
+
+def _rel(doc: Path) -> str:
+  return str(doc.relative_to(ROOT)) if doc.is_relative_to(ROOT) else str(doc)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -949,16 +1058,23 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--check", action="store_true", help="exit 1 if the docs differ from the rows")
   args = p.parse_args(argv)
   blocks = {name: build(_rows(SOURCES[name])) for name, build in BUILDERS.items()}
-  old = DOC.read_text()
-  new = render(old, blocks)
-  if args.check:
+  stale, wrote = [], []
+  for doc in [DOC, *sorted(set(DOCS.values()))]:
+    mine = {n: b for n, b in blocks.items() if DOCS.get(n, DOC) == doc}
+    old = doc.read_text()
+    new = render(old, mine, doc)
     if new != old:
-      print(f"doc_tables: {DOC.relative_to(ROOT)} is out of date with its rows; run "
+      stale.append(_rel(doc))
+      if not args.check:
+        doc.write_text(new)
+    wrote.append(f"{', '.join(mine)} into {_rel(doc)}")
+  if args.check:
+    if stale:
+      print(f"doc_tables: {', '.join(stale)} out of date with its rows; run "
             "python scripts/doc_tables.py", file=sys.stderr)
       return 1
     return 0
-  DOC.write_text(new)
-  print(f"doc_tables: wrote {', '.join(blocks)} into {DOC.relative_to(ROOT)}")
+  print(f"doc_tables: wrote {'; '.join(wrote)}")
   return 0
 
 

@@ -178,7 +178,7 @@ def test_row(stage: dict, junit: Path, dev: dict) -> dict:
             float(c.get("time", 0)), c.find("failure") is not None or c.find("error") is not None)
            for c in ET.parse(junit).getroot().iter("testcase")]
   slow = sorted(cases, key=lambda c: -c[1])[:15]
-  return {"experiment": "gpu_tests", "files": stage["tests"], "env": stage.get("env", {}),
+  return {"bench": "gpu_tests", "files": stage["tests"], "env": stage.get("env", {}),
           "passed": sum(not bad for *_, bad in cases), "failed": [n for n, _, bad in cases if bad],
           "seconds": round(sum(t for _, t, _ in cases), 2),
           "slowest": [{"test": n, "seconds": round(t, 2)} for n, t, _ in slow], "device": dev}

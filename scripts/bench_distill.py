@@ -87,7 +87,7 @@ def main() -> int:
   median = float(np.median(times))
   ci = intervals.median_ci(times)
   tokens = args.batch * args.seq_len
-  row = {"experiment": "distill_speed", "shape": args.shape, "kv_heads": args.kv_heads,
+  row = {"bench": "distill_speed", "shape": args.shape, "kv_heads": args.kv_heads,
          "teacher_kv_heads": teacher_cfg.model.n_kv_heads, "batch": args.batch,
          "seq_len": args.seq_len, "steps_timed": len(times),
          "step_s": median, "step_s_ci": ci,

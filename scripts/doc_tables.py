@@ -980,7 +980,7 @@ def gpu_table(rows: list[dict]) -> str:
       out.append(f"| {r['variant']['codec']} | {f['tpot_s'] * 1e3:.2f} | {m['tpot_s'] * 1e3:.2f} | "
                  f"{m['tpot_vs_ref']:.3f} [{lo:.3f}, {hi:.3f}] | "
                  f"{m['step_bytes'] / f['step_bytes']:.2f} |")
-  dist = {r["platform"]: r for r in rows if r.get("experiment") == "distill_speed"}
+  dist = {r["platform"]: r for r in rows if r.get("bench") == "distill_speed"}
   if {"gpu", "cpu"} <= set(dist):
     g, c = dist["gpu"], dist["cpu"]
     out += ["", f"**One distillation step** (`scripts/bench_distill.py`, {g['shape']}, "
@@ -1025,7 +1025,7 @@ def gpu_table(rows: list[dict]) -> str:
         g = min(r["median_s"] for r in xla)
         line += f"; XLA {g * 1e6:.0f} µs, best / XLA {best['median_s'] / g:.2f}"
       out.append(line + ".")
-  tests = [r for r in rows if r.get("experiment") == "gpu_tests"]
+  tests = [r for r in rows if r.get("bench") == "gpu_tests"]
   for t in tests:
     out += ["", f"**GPU tests** ({', '.join(t['files'])}; "
             + ", ".join(f"{k}={v}" for k, v in t["env"].items()) + f"): {t['passed']} passed, "

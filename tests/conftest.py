@@ -1,6 +1,7 @@
 """Shared fixtures: tiny configs and parameters, built once per session."""
 
 import atexit
+import copy
 import gc
 import functools
 import os
@@ -140,14 +141,29 @@ def transformers_side(name: str):
       readers[key] = real_reader(file, *args, **kwargs)
     return readers[key]
 
+  # Its metadata-only reads (return_tensors=False: one for the tokenizer's config, one for
+  # the model's) are one parse of the same fields; the second gets a copy of the first.
+  from transformers import modeling_gguf_pytorch_utils as gguf_utils
+  real_load, metadata = gguf_utils.load_gguf_checkpoint, {}
+
+  def shared_load(file, return_tensors=False, **kwargs):
+    if return_tensors or kwargs:
+      return real_load(file, return_tensors=return_tensors, **kwargs)
+    key = os.path.realpath(file)
+    if key not in metadata:
+      metadata[key] = real_load(file, return_tensors=False)
+    return copy.deepcopy(metadata[key])
+
   gguf.GGUFReader = shared_reader
   gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(real_map)
+  gguf_utils.load_gguf_checkpoint = shared_load
   try:
     kw = {"gguf_file": path.name}
     ref_tok = AutoTokenizer.from_pretrained(str(path.parent), **kw)
     ref_model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype="float32", **kw)
   finally:
     gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+    gguf_utils.load_gguf_checkpoint = real_load
   assert len(readers) == 1  # both went through the shared parse
   return ref_tok, ref_model
 

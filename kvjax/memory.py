@@ -186,3 +186,20 @@ def check(cfg: Config, batch: int, capacity: int, tokens: int, params: bool = Fa
   if limit is not None and sum(parts.values()) > limit:
     _refuse(what, parts, limit, source)
   return sum(parts.values())
+
+
+def program_bytes(*compiled) -> int | None:
+  """Peak memory the compiled programs need, the largest of (arguments + outputs + temps
+  - donated aliases) over the programs, from XLA's memory analysis. Per program, so it
+  does not carry over between cells the way a device's process-wide peak counter does."""
+  peaks = []
+  for prog in compiled:
+    try:
+      ma = prog.memory_analysis()
+    except Exception:  # some backends do not implement it
+      return None
+    if ma is None:
+      return None
+    peaks.append(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+                 - ma.alias_size_in_bytes)
+  return int(max(peaks)) if peaks else None

@@ -129,23 +129,6 @@ def time_call(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> di
   return summarize(samples)
 
 
-def program_bytes(*compiled) -> int | None:
-  """Peak memory the compiled programs need, the largest of (arguments + outputs + temps
-  - donated aliases) over the programs, from XLA's memory analysis. Per program, so it
-  does not carry over between cells the way a device's process-wide peak counter does."""
-  peaks = []
-  for prog in compiled:
-    try:
-      ma = prog.memory_analysis()
-    except Exception:  # some backends do not implement it
-      return None
-    if ma is None:
-      return None
-    peaks.append(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-                 - ma.alias_size_in_bytes)
-  return int(max(peaks)) if peaks else None
-
-
 def bench_interleaved(timers: dict, repeats: int = 5, warmup: int = 1,
                       before_repeat=None, samples: bool = False) -> dict:
   """Round-robin repeats over named timers (`program.DecodeTimer`, or anything with its

@@ -14,7 +14,7 @@ scripts/bench_prefill.py and bench_sharding.py; the serving engine through `stat
   compile    prefill (through the compaction of `cache.policy` when it is not `full`,
              kvjax.evict) and `steps` decode steps, ahead of time: `compile_s`
              (both programs, and the one prefill run whose cache decode is lowered on),
-             `peak_bytes` (metrics.program_bytes);
+             `peak_bytes` (memory.program_bytes);
   run        a fresh cache every time, allocated before the clock starts (both programs
              donate it); prefill, then decode, each blocked on and timed.
 
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
-from kvjax import decode, evict, metrics, sharding, step
+from kvjax import decode, evict, memory, sharding, step
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
 
@@ -52,43 +52,6 @@ class Shape:
   capacity: int       # cache slots per sequence
   steps: int = 0      # decode steps after the first token; 0: no decode program
   context: int = 0    # tokens a fresh cache holds when there is no prefill
-
-
-class Placement:
-  """Where a program's arrays live: one device, or the mesh `mesh.*` asks for."""
-
-  def __init__(self, cfg: Config, batch: int | None = None):
-    self.cfg = cfg
-    self.mesh = sharding.make_mesh(cfg) if sharding.is_sharded(cfg) else None
-    if self.mesh is not None and batch is not None:
-      sharding.check_batch(cfg, batch)
-
-  def params(self, params, prepare: bool = True):
-    """Params split over the mesh, then prepared (`prepare=False`: the params as given;
-    stacked ones run the nn.scan program)."""
-    if self.mesh is not None:
-      params = sharding.shard_params(params, self.cfg, self.mesh)
-    return step.prepare_params(self.cfg, params) if prepare else params
-
-  def batch(self, x):
-    """Prompt tokens [B, T] or a per-sequence vector [B]: the batch over `data`."""
-    return x if self.mesh is None else sharding.put_batch(x, self.mesh)
-
-  def full(self, batch: int, value: int):
-    """A [B] int32 vector of `value`, placed as `batch` places one."""
-    if self.mesh is None:
-      return jnp.full((batch,), value, jnp.int32)
-    return self.batch(np.full((batch,), value, np.int32))
-
-  def cache(self, batch: int, capacity: int, context: int = 0):
-    """A fresh cache (in its sharded layout on a mesh); `context` tokens held by length."""
-    if self.mesh is None:
-      c = cache_lib.init_cache(self.cfg, batch, capacity)
-    else:
-      c = sharding.init_cache(self.cfg, batch, capacity, self.mesh)
-    if context:
-      c = dataclasses.replace(c, lengths=self.full(batch, context))
-    return jax.block_until_ready(c)
 
 
 @dataclasses.dataclass
@@ -121,8 +84,10 @@ class Program:
     self.sampler = decode.Sampler.from_config(cfg)
     key = jax.random.PRNGKey(cfg.seed)
     self.keys = tuple(keys) if keys is not None else (key, key)
-    self.place = Placement(cfg, shape.batch)
-    self.params = self.place.params(params, prepare)
+    self.place = sharding.Placement(cfg, shape.batch)
+    self.params = self.place.params(params)
+    if prepare:
+      self.params = step.prepare_params(cfg, self.params)
     self.pre = self.dec = self.token = self.prompts = None
     self.bucket = 0  # slots decode's reads cover (`decode.bucket_for`; 0: all)
     self.compile_s = 0.0
@@ -156,7 +121,7 @@ class Program:
 
   @property
   def peak_bytes(self) -> int | None:
-    return metrics.program_bytes(*(p for p in (self.pre, self.dec) if p is not None))
+    return memory.program_bytes(*(p for p in (self.pre, self.dec) if p is not None))
 
   def run(self, tokens_BT=None, lengths_B=None) -> Run:
     """Prefill (the compiled prompts unless others of the same shape are given) and decode
@@ -281,5 +246,5 @@ class DecodeTimer:
 
   def once(self) -> tuple[float, float]:
     run = self.program.run()
-    self.cache_bytes = metrics.tree_bytes(run.cache)
+    self.cache_bytes = cache_lib.tree_bytes(run.cache)
     return run.prefill_s, run.decode_s / self.steps

@@ -228,6 +228,43 @@ def put_batch(x, mesh: Mesh):
   return _put(x, NamedSharding(mesh, P("data", *([None] * (np.ndim(x) - 1)))))
 
 
+class Placement:
+  """Where a program's arrays live: one device, or the mesh `mesh.*` asks for. Every
+  method is the identity's placement on one device (`mesh` None)."""
+
+  def __init__(self, cfg: Config, batch: int | None = None):
+    self.cfg = cfg
+    self.mesh = make_mesh(cfg) if is_sharded(cfg) else None
+    if self.mesh is not None and batch is not None:
+      check_batch(cfg, batch)
+
+  def params(self, params):
+    """Params split over the mesh (as given on one device); `step.prepare_params` next."""
+    return params if self.mesh is None else shard_params(params, self.cfg, self.mesh)
+
+  def batch(self, x):
+    """Prompt tokens [B, T] or a per-sequence vector [B]: the batch over `data`."""
+    return x if self.mesh is None else put_batch(x, self.mesh)
+
+  def full(self, batch: int, value: int):
+    """A [B] int32 vector of `value`, placed as `batch` places one."""
+    if self.mesh is None:
+      return jax.numpy.full((batch,), value, jax.numpy.int32)
+    return self.batch(np.full((batch,), value, np.int32))
+
+  def cache(self, batch: int, capacity: int, context: int = 0):
+    """A fresh cache (in its sharded layout on a mesh); `context` tokens held by length."""
+    from kvjax import cache as cache_lib
+
+    if self.mesh is None:
+      c = cache_lib.init_cache(self.cfg, batch, capacity)
+    else:
+      c = init_cache(self.cfg, batch, capacity, self.mesh)
+    if context:
+      c = dataclasses.replace(c, lengths=self.full(batch, context))
+    return jax.block_until_ready(c)
+
+
 def visible(cfg: Config):
   """Inside jit: the mesh made visible (abstract) to what is traced under this context (the
   CPU kernels read it, `kvjax.kernels`); nothing on one device."""

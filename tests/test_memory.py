@@ -2,6 +2,8 @@
 request that cannot fit is refused on the host in one line with the estimate and the limit;
 allocation failures that still happen are one line at the CLI boundary."""
 
+import types
+
 import jax
 import numpy as np
 import pytest
@@ -158,3 +160,20 @@ def test_every_model_source_refuses_weights_before_reading_them(tmp_path, monkey
   monkeypatch.setenv("KVJAX_MEMORY_LIMIT", str(need))  # exactly the weights' bytes: loads
   assert cli.main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt-ids", "1,2",
                    "--max-new-tokens", "2", "--json"]) == 0
+
+
+def _prog(arg, out, temp, alias):
+  ma = types.SimpleNamespace(argument_size_in_bytes=arg, output_size_in_bytes=out,
+                             temp_size_in_bytes=temp, alias_size_in_bytes=alias)
+  return types.SimpleNamespace(memory_analysis=lambda: ma)
+
+
+def test_program_bytes_is_the_largest_program_net_of_donation():
+  assert memory.program_bytes(_prog(100, 50, 30, 40), _prog(10, 10, 500, 0)) == 520
+  assert memory.program_bytes(_prog(100, 50, 30, 40)) == 140
+  assert memory.program_bytes() is None
+  assert memory.program_bytes(types.SimpleNamespace(memory_analysis=lambda: None)) is None
+
+  def broken():
+    raise NotImplementedError
+  assert memory.program_bytes(types.SimpleNamespace(memory_analysis=broken)) is None

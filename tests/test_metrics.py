@@ -3,7 +3,6 @@ excluded, median and spread, round-robin order, per-program peak bytes), and the
 environment recorded beside every row."""
 
 import statistics
-import types
 
 import pytest
 
@@ -52,23 +51,6 @@ def test_bench_interleaved_round_robin_without_warmup_samples():
   assert out["b"]["tpot_s_iqr"] == pytest.approx(q[2] - q[0])
   assert out["a"]["compile_s"] == 1.5 and out["a"]["cache_bytes"] == 1024
   assert out["a"]["peak_bytes"] == 4096
-
-
-def _prog(arg, out, temp, alias):
-  ma = types.SimpleNamespace(argument_size_in_bytes=arg, output_size_in_bytes=out,
-                             temp_size_in_bytes=temp, alias_size_in_bytes=alias)
-  return types.SimpleNamespace(memory_analysis=lambda: ma)
-
-
-def test_program_bytes_is_the_largest_program_net_of_donation():
-  assert metrics.program_bytes(_prog(100, 50, 30, 40), _prog(10, 10, 500, 0)) == 520
-  assert metrics.program_bytes(_prog(100, 50, 30, 40)) == 140
-  assert metrics.program_bytes() is None
-  assert metrics.program_bytes(types.SimpleNamespace(memory_analysis=lambda: None)) is None
-
-  def broken():
-    raise NotImplementedError
-  assert metrics.program_bytes(types.SimpleNamespace(memory_analysis=broken)) is None
 
 
 def test_decode_timer_reports_compiled_peak_and_cache_bytes(monkeypatch):

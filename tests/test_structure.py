@@ -2,7 +2,8 @@
 (an import inside a function is an edge too: it runs on the first call, and a cycle it
 closes is a layering that only works by the order modules happen to load), no module over
 400 lines (a review signal that a module holds more than one concern, not a squeeze), and
-no private name (`_x`) reached into from another module. Each test lists
+no private name (`_x`) reached into from another module, and no import from the library
+into the lab (LIBRARY, LAB below). Each test lists
 every offender (file and line), so a failure says what to move."""
 
 import ast
@@ -152,6 +153,52 @@ def test_config_is_the_ground_floor():
   found = [f"{n} ({MODULES[n].relative_to(ROOT)}:{line}) imports {m}"
            for n in sorted(ground) for m, line in sorted(graph[n].items()) if m not in ground]
   assert not found, "the ground floor imports from above it: " + "; ".join(found)
+
+
+# The library and the lab. The library is what `import kvjax.decode` and `kvjax generate`
+# need: the model, caches, codecs, attention, policies, config, io, the step and its
+# programs, placement and the bytes a cache holds. The lab measures it: experiments and
+# their runner, plots, tasks, metrics and intervals, training, conversion, evaluation,
+# the serving bench, the CLI and the Python facade. The library never imports the lab, at
+# any depth (function-level imports included), so it can be read, and reused, alone.
+LIBRARY = ("kvjax.decode", "kvjax.program", "kvjax.generation", "kvjax.step", "kvjax.evict",
+           "kvjax.sharding", "kvjax.io.sources", "kvjax.model", "kvjax.cache", "kvjax.codecs",
+           "kvjax.attention", "kvjax.policies", "kvjax.config", "kvjax.registries",
+           "kvjax.held", "kvjax.memory")
+LAB = ("kvjax.experiments", "kvjax.runner", "kvjax.plots", "kvjax.tasks", "kvjax.metrics",
+       "kvjax.intervals", "kvjax.figures", "kvjax.rowfile", "kvjax.compare", "kvjax.train",
+       "kvjax.convert", "kvjax.evaluate", "kvjax.data", "kvjax.serve", "kvjax.cli",
+       "kvjax.api", "kvjax.sizing")
+
+
+def _reached(graph: dict[str, dict[str, int]], roots) -> dict[str, list[str]]:
+  """Every module `roots` import at any depth, each with one chain of imports from a root."""
+  chains = {r: [r] for r in roots if r in graph}
+  todo = list(chains)
+  while todo:
+    node = todo.pop(0)
+    for nxt in sorted(graph.get(node, ())):
+      if nxt not in chains:
+        chains[nxt] = chains[node] + [nxt]
+        todo.append(nxt)
+  return chains
+
+
+def _in(name: str, prefixes) -> bool:
+  return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def test_reached_follows_imports_at_any_depth():
+  graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {}, "d": {"a": 3}}
+  assert _reached(graph, ["a"]) == {"a": ["a"], "b": ["a", "b"], "c": ["a", "b", "c"]}
+
+
+def test_the_library_imports_nothing_from_the_lab():
+  assert all(r in MODULES for r in LIBRARY) and all(
+      any(_in(n, [p]) for n in MODULES) for p in LAB), "a LIBRARY or LAB name went stale"
+  reached = _reached(_graph(MODULES), LIBRARY)
+  found = [" -> ".join(chain) for name, chain in sorted(reached.items()) if _in(name, LAB)]
+  assert not found, "the library imports the lab: " + "; ".join(found)
 
 
 def test_a_cycle_through_a_function_level_import_is_reported(tmp_path):

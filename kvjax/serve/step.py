@@ -16,7 +16,7 @@ With a `cache.policy` (paged only) the cache is a `paged_compacted` pool, whose 
 carry `held` and `budget` (slots, not positions, index a compacted request's pages), and
 `compact_pages` compacts one request whose prompt is cached into its own first pages.
 
-Params are placed and prepared by the program's placement (`kvjax.program.Placement`) and
+Params are placed and prepared by the program's placement (`kvjax.sharding.Placement`) and
 the jitted step's static arguments come from `kvjax.program.statics`, as for prefill and
 decode. One device only: `check_config` refuses `mesh.*` in one line (the step gathers and
 scatters cache rows by slot, which a batch split over devices would turn into collectives).
@@ -122,7 +122,8 @@ class ModelBackend:
   def __init__(self, cfg: Config, params, spec: cache_lib.CacheSpec):
     check_config(cfg)
     self.cfg, self.spec = cfg, spec
-    self.params = program.Placement(cfg).params(params)  # split once, here, when unrolled
+    # placed, then split per layer once, here
+    self.params = step.prepare_params(cfg, sharding.Placement(cfg).params(params))
     self.paged = spec.layout == "paged"
     self.evicts = cfg.cache.policy != "full"
     if self.evicts:  # held slots, not positions, index a request's pages once compacted

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import step
+from kvjax import decode, step
 from kvjax.errors import KvjaxError
 
 
@@ -28,19 +28,6 @@ def _forward(params, tokens_BT, lengths_B, cache, *, spec):
   positions_BT = step.positions(cache.lengths, lengths_B, tokens_BT.shape[1])
   out = step.run(spec, params, tokens_BT, positions_BT, cache, logits="last")
   return out.logits[:, 0], out.cache
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "steps"))
-def _greedy(params, cache, logits_BV, *, spec, steps: int):
-  def one(carry, _):
-    c, tok = carry
-    out = step.run(spec, params, tok[:, None], c.lengths[:, None], c)
-    nxt = jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32)
-    return (out.cache, nxt), nxt
-
-  first = jnp.argmax(logits_BV, -1).astype(jnp.int32)
-  _, rest = jax.lax.scan(one, (cache, first), None, length=steps - 1)
-  return jnp.concatenate([first[:, None], rest.T], axis=1)
 
 
 def _pad(ids, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -151,4 +138,12 @@ def answer_through_cache(cfg, params, cache, tail_ids, steps: int, tail_pad: int
   tok, n = _pad(tail_ids, max(tail_pad, len(tail_ids)))
   spec = _static(cfg)
   last, c = _forward(params, tok, n, cache, spec=spec)
-  return [int(t) for t in np.asarray(_greedy(params, c, last, spec=spec, steps=steps))[0]]
+  first_B = jnp.argmax(last, -1).astype(jnp.int32)
+  if steps == 1:
+    return [int(first_B[0])]
+  # the rest through generate's own loop (greedy, no eos: an answer is `steps` tokens long);
+  # `c` is this tail's cache, so decode may donate it
+  rest_BN, _ = decode.decode(params, c, first_B, jax.random.PRNGKey(0),
+                             spec=dataclasses.replace(spec, eos_id=-1), sampler=decode.Sampler(),
+                             steps=steps - 1)
+  return [int(first_B[0])] + [int(t) for t in np.asarray(rest_BN)[0]]

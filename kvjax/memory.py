@@ -81,9 +81,9 @@ def temp_bytes(cfg: Config, batch: int, tokens: int, capacity: int) -> int:
     slots a block reads), in case the compiler does not fuse the convert into the dot.
 
   T is the whole capacity for the `none` layout, which recomputes the prefix."""
-  from kvjax import codecs
-  from kvjax.attention import base, xla
-  m = cfg.model
+  from kvjax import codecs, step
+  from kvjax.attention import xla
+  m = step.resolved(cfg.model)
   none = cfg.cache.layout == "none"
   T = capacity if none else tokens
   S = 0 if none else capacity
@@ -91,7 +91,7 @@ def temp_bytes(cfg: Config, batch: int, tokens: int, capacity: int) -> int:
   logits = B * m.vocab_size
   acts = B * T * (4 * m.d_model + 3 * m.F + 2 * H * D)
   new = B * H * min(T, NB) * T
-  if base.program(m.program) == "accelerator":
+  if m.program == "accelerator":
     C, stored = S, B * H * min(T, NB) * S
   else:
     C = min(S, codecs.READ_CHUNK)

@@ -77,7 +77,7 @@ def prepare_params(cfg: Config | Static, params):
   until here). A second copy of the layer weights for as long as the caller also keeps the
   stacked ones; params already split and in that dtype come back as they are."""
   dtype = jnp.dtype(cfg.model.param_dtype)
-  if attn_base.program(cfg.model.program) == "accelerator" and \
+  if resolved(cfg.model).program == "accelerator" and \
       not model_lib.unrolled(cfg.model) and cfg.model.attention != "pallas":
     # The accelerator program keeps the stacked params and runs nn.scan: slicing a layer's
     # weights is fused into its matmuls there, while the switched scan's conditionals would

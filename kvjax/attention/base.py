@@ -38,33 +38,36 @@ def program(name: str | None = "auto") -> str:
   layer scan, stored segments read block by block up to their live length) or
   `accelerator` (stacked weights in nn.scan, each stored segment one masked block: no
   data-dependent loop, see `xla.block_size`); `auto` (or None) is `cpu` on the CPU
-  backend and `accelerator` elsewhere. Either runs on any backend."""
+  backend and `accelerator` elsewhere. Either runs on any backend. Two callers resolve:
+  `step.resolved` on the host (what `step.Static.of` puts in the jit key) and `get` (a
+  model built straight from a config); everything after them takes the resolved name."""
   if name not in (None, "auto"):
     return name
   import jax  # noqa: PLC0415 (kept out of the registry's import for the config floor)
   return "cpu" if jax.default_backend() == "cpu" else "accelerator"
 
 
-def resolve(name: str, prog: str | None = "auto") -> str:
-  """The variant `name` runs: `auto` (the default) is `native` in the CPU program, where
-  the read kernel and the stored-type dots pay, and `grouped` (the XLA read) in the
-  accelerator program."""
+def resolve(name: str, prog: str = "cpu") -> str:
+  """The variant `name` runs in the resolved program `prog`: `auto` (the default) is
+  `native` in the CPU program, where the read kernel and the stored-type dots pay, and
+  `grouped` (the XLA read) in the accelerator program."""
   if name != "auto":
     return name
-  return "native" if program(prog) == "cpu" else "grouped"
+  return "native" if prog == "cpu" else "grouped"
 
 
 def get(name: str, prog: str | None = "auto", bucket: int = 0) -> Callable:
   """The variant `name` of program `prog` as `fn(q, k, v, positions, segments)`; `bucket`
   > 0 (accelerator program) bounds the slots of each stored segment its one-block read
   covers (`xla.block_size`)."""
+  prog = program(prog)
   try:
     fn = ATTENTIONS[resolve(name, prog)]
   except KeyError:
     raise KvjaxError(f"unknown attention '{name}'; known: {', '.join(ATTENTIONS)}") from None
   if not _takes_program(fn):  # a variant of the plain five-argument form
     return fn
-  return functools.partial(fn, program=program(prog), bucket=bucket)
+  return functools.partial(fn, program=prog, bucket=bucket)
 
 
 @functools.lru_cache(maxsize=None)

@@ -33,7 +33,7 @@ def merge(state, part):
   return m, s1 * c1 + s2 * c2, a1 * c1[..., None] + a2 * c2[..., None]
 
 
-def read_segment(q_BKGTD, seg, state, program: str | None = None, bucket: int = 0,
+def read_segment(q_BKGTD, seg, state, program: str = "cpu", bucket: int = 0,
                  floor_BT=None):
   """One stored segment into the state: through the kernel where it reads the segment,
   else through the stored-type dots (blocks of `program`, `xla.block_size`). Under a
@@ -50,7 +50,7 @@ def read_segment(q_BKGTD, seg, state, program: str | None = None, bucket: int = 
   return merge(state, part)
 
 
-def native(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, *, program: str | None = None,
+def native(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, *, program: str = "cpu",
            bucket: int = 0, floor_BT=None):
   """`xla.grouped` with the stored segments read by `read_segment`."""
   read = functools.partial(read_segment, program=program, bucket=bucket)
@@ -58,7 +58,7 @@ def native(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, *, program: str | Non
                      floor_BT=floor_BT)
 
 
-def auto(*args, program: str | None = None, bucket: int = 0, **window):
+def auto(*args, program: str = "cpu", bucket: int = 0, **window):
   """The default variant: `base.resolve("auto", program)` (native in the CPU program,
   grouped in the accelerator program)."""
   return base.get("auto", program, bucket)(*args, **window)

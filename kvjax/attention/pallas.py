@@ -278,7 +278,7 @@ def merge(state, m_BKZGT, l_BKZGT, acc_BKZGTD):
           acc0 * c0[..., None] + jnp.sum(acc_BKZGTD * c[..., None], axis=2))
 
 
-def attend_segment(q_BKGTD, seg, state, program: str | None = None, bucket: int = 0):
+def attend_segment(q_BKGTD, seg, state, program: str = "cpu", bucket: int = 0):
   """`xla.attend_segment` with the kernel's read, or the XLA read of `program` where it
   has none."""
   if seg.mask_BS.shape[1] == 0:
@@ -288,7 +288,7 @@ def attend_segment(q_BKGTD, seg, state, program: str | None = None, bucket: int 
   return merge(state, *segment_state(q_BKGTD, seg))
 
 
-def pallas(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, *, program: str | None = None,
+def pallas(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, *, program: str = "cpu",
            bucket: int = 0) -> jax.Array:
   """`xla.grouped` with every stored segment read by the Pallas kernel (its own loop stops
   at each row's live length, so it takes no bucket)."""

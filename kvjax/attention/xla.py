@@ -30,7 +30,7 @@ from kvjax import codecs
 from kvjax.attention import base, folded
 from kvjax.errors import KvjaxError
 
-def block_size(seg, S: int, chunk: int | None = None, program: str | None = None,
+def block_size(seg, S: int, chunk: int | None = None, program: str = "cpu",
                bucket: int = 0) -> int:
   """Tokens per block. The CPU program: `chunk` (default READ_CHUNK) rounded to whole units
   of the segment (codec token blocks, pages), at most S. The accelerator program: one
@@ -46,7 +46,7 @@ def block_size(seg, S: int, chunk: int | None = None, program: str | None = None
   H200 (docs/gpu.md). One block reads every slot it covers, masked; a prompt's pass skips an
   empty segment (`attend_segment`)."""
   U = seg.unit
-  if base.program(program) == "accelerator":
+  if program == "accelerator":
     if bucket and seg.live is not None:
       return min(S, -(-bucket // U) * U)
     return S
@@ -63,7 +63,7 @@ def window_mask(seg, floor_BT):
 
 
 def attend_segment(q_BKGTD, seg, state, native: bool = False, chunk: int | None = None,
-                   program: str | None = None, bucket: int = 0, floor_BT=None):
+                   program: str = "cpu", bucket: int = 0, floor_BT=None):
   """Online softmax over the stored tokens [0, live) of one segment, block by block,
   `chunk` tokens at a time; `native` reads each block through the codecs' stored-type
   dots (`Codec.qk_native` / `pv_native`) instead of `qk_block` / `pv_block`. The
@@ -74,7 +74,7 @@ def attend_segment(q_BKGTD, seg, state, native: bool = False, chunk: int | None 
   if S == 0:
     return state
   C = block_size(seg, S, chunk, program, bucket)
-  accel = base.program(program) == "accelerator"
+  accel = program == "accelerator"
   if native:
     qk, pv = seg.k_codec.qk_native, seg.v_codec.pv_native
   elif accel:
@@ -148,13 +148,12 @@ def _by_query_block(q_BKGTD, seg, state, bucket: int, floor_BT=None):
 
 
 def grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, read=None, *,
-            program: str | None = None, bucket: int = 0, floor_BT=None) -> jax.Array:
+            program: str = "cpu", bucket: int = 0, floor_BT=None) -> jax.Array:
   """Grouped-query attention over stored segments + the new tokens. Returns [B, T, H, D].
   `read(q_BKGTD, seg, state) -> state` reads one stored segment (default: the XLA read of
-  `program`, `attend_segment`; None: the backend's, `base.program`; `kvjax.attention.pallas`
-  plugs in its kernel). `floor_BT` [B, T] (a sliding window): the lowest position each
+  the resolved `program`, `attend_segment`; `kvjax.attention.pallas` plugs in its
+  kernel). `floor_BT` [B, T] (a sliding window): the lowest position each
   query sees, passed on to `read` as `floor_BT=` (None: every earlier token)."""
-  program = base.program(program)
   B, T, H, D = q_BTHD.shape
   K = k_BTKD.shape[2]
   G = H // K

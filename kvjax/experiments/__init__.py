@@ -14,7 +14,7 @@ import functools
 
 import numpy as np
 
-from kvjax import attention, config as config_lib
+from kvjax import attention, config as config_lib, step
 from kvjax.errors import KvjaxError
 
 
@@ -36,13 +36,13 @@ def prompts(cfg: config_lib.Config, batch: int, length: int) -> tuple[np.ndarray
 def variant(cfg: config_lib.Config, **extra) -> dict:
   """What identifies the cache variant in a results row (`rotate`, `keep_first` and `clip`
   only where set, so rows without them read as they always did)."""
-  m, c = cfg.model, cfg.cache
+  m, c = step.resolved(cfg.model), cfg.cache
   codec = c.k_codec if c.k_codec == c.v_codec else f"K{c.k_codec}/V{c.v_codec}"
   mods = {**({"rotate": c.rotate} if c.rotate != "none" else {}),
            **({"keep_first": c.keep_first} if c.keep_first else {}),
            **({"clip": c.clip} if c.clip != "none" else {})}
   return {"variant": m.variant, "attention": attention.resolve(m.attention, m.program),
-          "program": attention.program(m.program), "heads": m.n_heads,
+          "program": m.program, "heads": m.n_heads,
           "kv_heads": m.n_kv_heads, "k_codec": c.k_codec, "v_codec": c.v_codec, "codec": codec,
           "layout": c.layout, **mods, **extra}
 

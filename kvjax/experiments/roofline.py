@@ -138,9 +138,10 @@ def attention_dot(cfg: config_lib.Config) -> str:
   CPU program's XLA read, which widens codes first); the compute dtype in the accelerator
   program's XLA read (`attention/folded.py`: codes converted straight into the dots);
   bf16 or int8 in the stored-type dots."""
-  from kvjax import attention, kernels  # noqa: PLC0415
-  variant = attention.resolve(cfg.model.attention, cfg.model.program)
-  if variant == "grouped" and attention.program(cfg.model.program) == "accelerator":
+  from kvjax import attention, kernels, step  # noqa: PLC0415
+  prog = step.resolved(cfg.model).program
+  variant = attention.resolve(cfg.model.attention, prog)
+  if variant == "grouped" and prog == "accelerator":
     return "bf16" if cfg.model.dtype == "bfloat16" else "f32"
   if variant != "native" or kernels.available():
     return "f32"

@@ -214,7 +214,7 @@ def smollm2(smollm2_kvjax):
 LONGEST_FIRST = ("test_plot_layout.py", "test_qwen2.py", "test_gemma3.py", "test_sharding.py",
                  "test_python_doc.py", "test_plots.py", "test_faults.py", "test_golden.py",
                  "test_native.py", "test_gguf.py", "test_eval.py", "test_distributed.py",
-                 "test_rotate.py", "test_keep_first.py", "test_accel.py", "test_perf.py",
+                 "test_rotate.py", "test_keep_first.py", "test_accel.py", "test_fast_paths.py",
                  "test_pallas.py", "test_convert.py", "test_distill.py")
 
 

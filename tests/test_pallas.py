@@ -107,7 +107,7 @@ def test_paged_permuted_table_equals_grouped_and_reference(codec, K, page):
 def test_dot_path_and_unstacked_segment(monkeypatch):
   """16 padded rows, 16-token blocks and head_dim 16: the kernel multiplies with `dot`.
   The segment holds one layer's storage (no `Segment.layer`)."""
-  from test_perf import segment
+  from test_fast_paths import segment
   monkeypatch.setattr(pa, "ROW_MIN", 16)
   monkeypatch.setattr(pa, "BLOCK", 16)
   rng = np.random.default_rng(5)

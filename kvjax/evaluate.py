@@ -31,7 +31,7 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
-from kvjax import data, held, inputs, intervals, memory, program, step
+from kvjax import data, held, inputs, intervals, memory, policies, program, step
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
@@ -76,7 +76,7 @@ def stream_segments(cfg: Config, params, tokens_BM, chunk: int = 1, segment: int
   B, M = tokens_BM.shape
   if chunk <= 0:
     raise KvjaxError(f"chunk must be positive, got {chunk}")
-  if cfg.cache.policy != "full":
+  if policies.evicts(cfg.cache):
     raise KvjaxError(f"streaming evaluation keeps every token; cache.policy={cfg.cache.policy} "
                      "acts after a prefill (kvjax generate); set cache.policy=full here")
   if M > cfg.model.max_seq_len:

@@ -82,7 +82,7 @@ class CompactingPrefill:
 
 def prefill_program(cfg, default):
   """The prefill program `program.generate` lowers: `default` for `full`, else compaction."""
-  return default if cfg.cache.policy == "full" else CompactingPrefill()
+  return default if not policies.evicts(cfg.cache) else CompactingPrefill()
 
 
 

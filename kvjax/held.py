@@ -67,7 +67,8 @@ class Held:
 
 def layout_name(cfg: Config) -> str:
   """The layout that holds the tokens: a cache.policy's compacted one, else cache.layout."""
-  if cfg.cache.policy != "full":
+  from kvjax import policies
+  if policies.evicts(cfg.cache):
     return "paged_compacted" if cfg.cache.layout == "paged" else "compacted"
   return cfg.cache.layout
 
@@ -76,7 +77,7 @@ def asymptotic(cfg: Config) -> float:
   """Bytes one more stored token costs over all layers, long-context limit."""
   from kvjax import codecs, policies
   m, c = cfg.model, cfg.cache
-  if c.layout == "none" and c.policy == "full":
+  if c.layout == "none" and not policies.evicts(c):
     return 4.0  # the token id, recomputed into K/V at every step
   k, v = codecs.for_role(c.k_codec, c, "k"), codecs.for_role(c.v_codec, c, "v")
   if c.layout == "latent":
@@ -104,7 +105,7 @@ def count(cfg: Config, context: int, batch: int = 1, capacity: int = 0) -> Held:
   if context <= 0:
     raise KvjaxError(f"a context of {context} tokens holds nothing; use a positive context")
   kept = policies.held_tokens(cfg.cache, context)
-  cap = kept if cfg.cache.policy != "full" else max(capacity, cfg.cache.capacity, context)
+  cap = kept if policies.evicts(cfg.cache) else max(capacity, cfg.cache.capacity, context)
   name = layout_name(cfg)
   spec = cache.CacheSpec.from_config(cfg, batch, cap)
   m = cfg.model

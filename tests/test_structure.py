@@ -268,3 +268,15 @@ def test_no_private_name_across_modules():
   found = sorted(hit for name, path in MODULES.items() for hit in _private_uses(name, path))
   assert not found, "private names used from another module (make them public where they " \
       "are defined, or move the code): " + "; ".join(found)
+
+
+def test_only_the_policy_registry_names_the_full_policy():
+  """Whether a cache evicts is the registry's question (`policies.evicts`): a layout, a
+  program or an experiment that tests `cache.policy` against "full" itself is wiring the
+  registry should own. (Results rows, plain dicts in the plots, are data, not config.)"""
+  import re
+  test = re.compile(r"\.policy\s*[!=]=\s*[\"']full[\"']")
+  found = [f"{path.relative_to(ROOT)}:{i}" for name, path in MODULES.items()
+           if not name.startswith("kvjax.policies")
+           for i, line in enumerate(path.read_text().splitlines(), 1) if test.search(line)]
+  assert not found, "cache.policy tested against 'full' outside kvjax.policies: " + ", ".join(found)

@@ -43,10 +43,10 @@ def check(cache_cfg, model_cfg) -> None:
   chosen = get(c.layout)
   sources = " or ".join(lay.compacts for lay in LAYOUTS.values() if lay.compacts)
   if chosen.internal:
-    evicting = ", ".join(p for p in policies.POLICIES if p != "full")
+    evicting = ", ".join(p for p in policies.POLICIES if p != policies.FULL)
     raise KvjaxError(f"cache.layout={c.layout} is what a policy builds; set cache.policy "
                      f"({evicting}) with cache.layout={sources}")
-  if c.policy != "full" and compacted(c.layout) is None:
+  if policies.evicts(c) and compacted(c.layout) is None:
     raise KvjaxError(f"cache.policy={c.policy} needs cache.layout={sources} (the {c.layout} "
                      "layout cannot evict tokens)")
   for layout in LAYOUTS.values():

@@ -122,7 +122,7 @@ def check(cfg) -> None:
       convert.check_target(mcfg.model, _kv_heads(cfg))
     made = _examples(cfg, tok)  # a context too short for the question fails here
     tcfg = cell_config(cfg, mcfg)  # the setting's cache (a policy the layout cannot do)
-    if tcfg.cache.policy != "full":  # a ratio whose budget does not exceed its window
+    if policies.evicts(tcfg.cache):  # a ratio whose budget does not exceed its window
       policies.check_lengths(tcfg.cache, [e.prefix_tokens for _, e in made])
 
 
@@ -245,7 +245,7 @@ def run_cell(cfg) -> list[dict]:
     src, mcfg, params, tok = _model(spec, cfg)
     tcfg = cell_config(cfg, mcfg)
     c = tcfg.cache
-    evicts = c.policy != "full"
+    evicts = policies.evicts(c)
     extra = dict(policy=c.policy, budget=c.budget, ratio=c.ratio, window=c.window,
                  sinks=c.sinks) if evicts else {}
     var = ex.variant(tcfg, k_axis=c.k_axis, group_size=c.group_size, residual=c.residual,

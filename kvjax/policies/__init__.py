@@ -11,8 +11,8 @@ table of policies).
 from kvjax import config as config_lib
 from kvjax import plugins
 from kvjax.errors import KvjaxError
-from kvjax.policies.base import (KEEP, POLICIES, Context, Policy, Slots,  # noqa: F401
-                                 effective_budget, get, held, register, static_budget,
+from kvjax.policies.base import (FULL, KEEP, POLICIES, Context, Policy, Slots,  # noqa: F401
+                                 effective_budget, evicts, get, held, register, static_budget,
                                  top_positions)
 from kvjax.policies.budget import (budgets, capacity, check_config,  # noqa: F401
                                    check_lengths, held_tokens)
@@ -23,7 +23,7 @@ plugins.import_all(__name__, __path__)
 def check(cache_cfg, model_cfg) -> None:
   """The policy registry's config checks (`config.validate`)."""
   check_config(cache_cfg, model_cfg)
-  if cache_cfg.policy != "full" and model_cfg.windowed:
+  if evicts(cache_cfg) and model_cfg.windowed:
     raise KvjaxError(f"cache.policy={cache_cfg.policy} compacts tokens out of position order, "
                      f"which a sliding-window layer cannot read; set model.sliding_window=0 "
                      "(the full-attention variant) or cache.policy=full")

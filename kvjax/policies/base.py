@@ -57,6 +57,15 @@ def register(policy: "Policy") -> "Policy":
   return policy
 
 
+FULL = "full"  # the policy that keeps every token
+
+
+def evicts(cache_cfg) -> bool:
+  """Whether `cache.policy` drops tokens: every policy but `full`. The one place that
+  names `full`; the layouts, programs and experiments ask this instead."""
+  return cache_cfg.policy != FULL
+
+
 def get(name: str) -> "Policy":
   try:
     return POLICIES[name]

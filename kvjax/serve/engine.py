@@ -45,6 +45,7 @@ import time
 import numpy as np
 
 from kvjax import cache as cache_lib
+from kvjax import policies
 from kvjax.cache import paged
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
@@ -72,7 +73,7 @@ class Engine:
         if widths else step_lib.bucket_widths(max_len)
     self.spec = cache_lib.CacheSpec.from_config(cfg, slots, max_len)
     self.paged = cfg.cache.layout == "paged"
-    self.evicts = cfg.cache.policy != "full"  # compacted pages are private: no prefix cache
+    self.evicts = policies.evicts(cfg.cache)  # compacted pages are private: no prefix cache
     self.prefix_cache = prefix_cache and self.paged and not self.evicts
     if self.paged:
       self.page = paged.page_size(self.spec)

@@ -97,10 +97,10 @@ def check_config(cfg: Config) -> None:
   if c.layout not in ("paged", "contiguous"):
     raise KvjaxError(f"the serving engine needs cache.layout=paged or contiguous, got "
                      f"'{c.layout}'")
-  if c.policy != "full" and c.layout != "paged":
+  if policies.evicts(c) and c.layout != "paged":
     raise KvjaxError(f"the serving engine evicts tokens (cache.policy={c.policy}) only with "
                      "cache.layout=paged, whose freed pages other requests can use")
-  if c.policy != "full" and policies.get(c.policy).needs_queries:
+  if policies.evicts(c) and policies.get(c.policy).needs_queries:
     raise KvjaxError(f"the serving engine cannot run cache.policy={c.policy}: it scores the "
                      "prompt's queries, which chunked prefill does not keep; use knorm, window "
                      "or sinks (or kvjax generate)")
@@ -125,7 +125,7 @@ class ModelBackend:
     # placed, then split per layer once, here
     self.params = step.prepare_params(cfg, sharding.Placement(cfg).params(params))
     self.paged = spec.layout == "paged"
-    self.evicts = cfg.cache.policy != "full"
+    self.evicts = policies.evicts(cfg.cache)
     if self.evicts:  # held slots, not positions, index a request's pages once compacted
       self.spec = spec = dataclasses.replace(spec, layout="paged_compacted")
       self.cache = paged_compact.init_pool(spec)

@@ -121,7 +121,7 @@ def evict_prefix(cfg, prefix: Prefix, room: int):
   from kvjax.codecs import rotate
 
   n = prefix.kv[2]
-  if cfg.cache.policy == "full":
+  if not policies.evicts(cfg.cache):
     return encode_prefix(cfg, prefix.kv, prefix.width + room)
   policies.check_lengths(cfg.cache, [n])
   c = encode_prefix(cfg, prefix.kv, prefix.width)

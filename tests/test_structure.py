@@ -280,3 +280,13 @@ def test_only_the_policy_registry_names_the_full_policy():
            if not name.startswith("kvjax.policies")
            for i, line in enumerate(path.read_text().splitlines(), 1) if test.search(line)]
   assert not found, "cache.policy tested against 'full' outside kvjax.policies: " + ", ".join(found)
+
+
+def test_the_cache_sits_below_the_model():
+  """The model reads and writes caches; no cache module imports the model (RoPE, which the
+  latent layout applies at read time, lives with attention, below both)."""
+  graph = _graph(MODULES)
+  found = [f"{n} ({MODULES[n].relative_to(ROOT)}:{line}) imports {m}"
+           for n in sorted(graph) if _in(n, ["kvjax.cache"])
+           for m, line in sorted(graph[n].items()) if _in(m, ["kvjax.model"])]
+  assert not found, "the cache imports the model: " + "; ".join(found)

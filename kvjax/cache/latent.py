@@ -38,7 +38,7 @@ from flax import struct
 
 from kvjax import codecs
 from kvjax.cache import base
-from kvjax.model.rope import apply_rope, rope_cos_sin
+from kvjax.attention.rope import apply_rope, rope_cos_sin
 from kvjax.errors import KvjaxError
 
 

@@ -108,7 +108,7 @@ def check_number(key: str, value: Any, rng: tuple, integer: bool) -> None:
                      f"set {key} to such a value")
 
 
-# What kvjax.model.rope implements: no scaling, or Llama-3's with exactly these numbers.
+# What kvjax.attention.rope implements: no scaling, or Llama-3's with exactly these numbers.
 ROPE_TYPES = ("default", "llama3")
 # The compiled programs (`kvjax.attention.base.program`): auto resolves per backend.
 PROGRAMS = ("auto", "cpu", "accelerator")

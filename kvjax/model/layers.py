@@ -18,7 +18,7 @@ from kvjax import attention, kernels
 from kvjax.cache import base as cache_base
 from kvjax.codecs import rotate
 from kvjax.config import ModelConfig
-from kvjax.model.rope import apply_rope
+from kvjax.attention.rope import apply_rope
 
 
 @struct.dataclass

@@ -29,7 +29,7 @@ from kvjax.cache import base as cache_base
 from kvjax.config import ModelConfig
 from kvjax.model.layers import (EXTRA_NORMS, Block, Head, LayerInput, RMSNorm, block_forward,
                                 embed_rows, linears, lm_head, rms_norm)
-from kvjax.model.rope import rope_cos_sin
+from kvjax.attention.rope import rope_cos_sin
 
 
 def switched_layers(cfg: ModelConfig, layers: list, x_BTE, inp: LayerInput):

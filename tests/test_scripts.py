@@ -143,23 +143,30 @@ def test_layer_bits_simulated_cache_reads_what_the_codec_cache_holds():
     lb.assignment("only:", n, int4, int4)
 
 
-def test_bench_distill_writes_one_row_at_a_tiny_shape(tmp_path):
-  """scripts/bench_distill.py: a row with the median step, its interval and tokens per
-  second (batch x seq_len over the median step); a bad option is one line, exit 2."""
+def test_bench_distill_writes_one_row_at_a_tiny_shape(tmp_path, monkeypatch, capsys):
+  """scripts/bench_distill.py (run in this process: one jax import for the suite): a row
+  with the median step, its interval and tokens per second (batch x seq_len over the
+  median step); a bad option is one line, exit 2."""
+  monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+  import bench_distill
   shape = tmp_path / "tiny.yaml"
   shape.write_text("name: tiny\nmodel: {vocab_size: 64, d_model: 32, n_layers: 1, n_heads: 4, "
                    "n_kv_heads: 2, head_dim: 8, d_ff: 64, max_seq_len: 64}\n")
   out = tmp_path / "d.jsonl"
-  r = _run("scripts/bench_distill.py", str(out), "--shape", str(shape), "--batch", "2",
-           "--seq-len", "16", "--steps", "3")
-  assert r.returncode == 0, r.stderr
+
+  def run(*argv):
+    monkeypatch.setattr(sys, "argv", ["bench_distill.py", str(out), "--shape", str(shape), *argv])
+    return bench_distill.main()
+
+  assert run("--batch", "2", "--seq-len", "16", "--steps", "3") == 0
   (row,) = [json.loads(line) for line in out.read_text().splitlines()]
   assert row["kv_heads"] == 1 and row["teacher_kv_heads"] == 2 and row["steps_timed"] == 3
   lo, hi = row["step_s_ci"]
   assert 0 < lo <= row["step_s"] <= hi
   assert row["tokens_per_s"] == pytest.approx(32 / row["step_s"])
-  bad = _run("scripts/bench_distill.py", str(out), "--shape", str(shape), "--kv-heads", "3")
-  assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+  capsys.readouterr()
+  assert run("--kv-heads", "3") == 2
+  assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
 def test_bench_accelerator_turns_a_pytest_stage_into_a_row(tmp_path):

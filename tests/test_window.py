@@ -152,3 +152,27 @@ def test_prefill_longer_than_the_window_then_decode_equals_recomputing():
       pos = jnp.asarray([list(range(len(seq))) + [-1] * (S - len(seq))], jnp.int32)
       seq.append(int(jnp.argmax(full(tok, pos)[0, len(seq) - 1])))
     assert out == seq[len(prompt):]
+
+
+@pytest.mark.parametrize("prog", ["cpu", "accelerator"])
+def test_an_unrolled_layer_reads_only_its_own_segment_and_decodes_the_same(prog):
+  """With the layer index known when tracing (`model.scan_unroll` >= n_layers), a windowed
+  layer reads its ring and a full layer the full stack, nothing else: the accelerator
+  program reads every segment it is given as one masked block, so a second, empty
+  segment there costs a full layer's bytes. The tokens equal the traced-index program's,
+  which gives every layer both segments."""
+  from kvjax import cache as cache_lib, program
+  from kvjax.cache import ring
+  cfg = tiny_config(**{**GEMMA_LIKE, "model.n_layers": 4, "workload.temperature": 0.0,
+                       "model.program": prog})
+  params = _params(cfg)
+  c = cache_lib.init_cache(cfg, 2, 20)
+  rg, store, lengths = ring.layers(c.spec), cache_lib.get("contiguous").store(c), c.lengths
+  for layer in range(4):
+    (seg,) = ring.read(c.spec, store, lengths, layer, rg)
+    assert seg.k is (c.k_ring if cfg.model.is_local(layer) else c.k)
+  assert len(ring.read(c.spec, store, lengths, jnp.int32(0), rg)) == 2
+  prompts = [TOKENS[0, :9].tolist(), TOKENS[1, :5].tolist()]
+  want = program.generate(cfg, params, prompts, 6, timed=False)["tokens"]
+  unrolled = config_lib.replace(cfg, **{"model.scan_unroll": 4})
+  assert program.generate(unrolled, params, prompts, 6, timed=False)["tokens"] == want

@@ -76,17 +76,37 @@ def read(spec: base.CacheSpec, store, lengths_B, layer, rg: Layers) -> list:
   B, S, W = lengths_B.shape[0], spec.capacity, rg.window
   held = jnp.max(lengths_B)
   segs = []
+  # A layer index known when tracing (the unrolled loop) reads its own segment only; a
+  # traced one (nn.scan) gets both, the other with live length 0. The CPU program's
+  # blockwise read skips an empty segment, but the accelerator program reads every
+  # segment as one masked block, so there only a static layer index saves those bytes.
+  if isinstance(local, bool):
+    if local:
+      return [_ring_segment(spec, k_ring, v_ring, lengths_B, held, W, True,
+                            rg.rank(layer, rg.local))]
+    return [_full_segment(spec, k, v, lengths_B, held, S, False, rg.rank(layer, rg.full))]
   if rg.full:
-    mask_BS = (jnp.arange(S)[None, :] < lengths_B[:, None]) & ~local
-    segs.append(base.LayerSegment(
-        k, v, mask_BS, spec.kc, spec.vc, live=jnp.where(local, 0, held),
-        layer=rg.rank(layer, rg.full), pos_BS=jnp.broadcast_to(jnp.arange(S)[None, :], (B, S))))
-  pos_BW = ring_positions(lengths_B, W)
-  segs.append(base.LayerSegment(
-      k_ring, v_ring, (pos_BW >= 0) & local, spec.kc, spec.vc,
-      live=jnp.where(local, jnp.minimum(held, W), 0), layer=rg.rank(layer, rg.local),
-      pos_BS=pos_BW))
+    segs.append(_full_segment(spec, k, v, lengths_B, held, S, local, rg.rank(layer, rg.full)))
+  segs.append(_ring_segment(spec, k_ring, v_ring, lengths_B, held, W, local,
+                            rg.rank(layer, rg.local)))
   return segs
+
+
+def _full_segment(spec, k, v, lengths_B, held, S: int, local, rank) -> base.LayerSegment:
+  """The full layers' stack as layer `rank` of it reads it (nothing when `local`)."""
+  B = lengths_B.shape[0]
+  mask_BS = (jnp.arange(S)[None, :] < lengths_B[:, None]) & ~jnp.asarray(local)
+  return base.LayerSegment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.where(local, 0, held),
+                           layer=rank, pos_BS=jnp.broadcast_to(jnp.arange(S)[None, :], (B, S)))
+
+
+def _ring_segment(spec, k_ring, v_ring, lengths_B, held, W: int, local,
+                  rank) -> base.LayerSegment:
+  """The rings as windowed layer `rank` reads them (nothing unless `local`)."""
+  pos_BW = ring_positions(lengths_B, W)
+  return base.LayerSegment(k_ring, v_ring, (pos_BW >= 0) & jnp.asarray(local), spec.kc,
+                           spec.vc, live=jnp.where(local, jnp.minimum(held, W), 0),
+                           layer=rank, pos_BS=pos_BW)
 
 
 def write(cache, k_LBKTD, v_LBKTD, positions_BT, lengths_B, rg: Layers) -> dict:

@@ -833,7 +833,9 @@ def parity_table(rows: list[dict]) -> str:
 CONVERSIONS = {"mqa_pool": "mean-pooled K/V heads (no calibration)",
                "mqa_align": "aligned (exact rotations and orthogonal maps), then pooled",
                "mqa_fit": "aligned, pooled, each layer's q/k/v fitted",
-               "mqa_fit_mix": "the same, fitted on code and prose (half each)"}
+               "mqa_fit_mix": "the same, fitted on code and prose (half each)",
+               "mqa_distill": "`mqa_fit_mix` distilled end to end on the original's "
+                              "next-token distributions (KL, attention projections only)"}
 
 
 def _times(r: float) -> str:

@@ -170,13 +170,18 @@ def _command(stage: dict, results: Path, accel: bool, dev: dict) -> tuple[list[s
                *_set_args(stage["set"])], ""
 
 
-def test_row(stage: dict, junit: Path, dev: dict) -> dict:
+def test_row(stage: dict, junit: Path, dev: dict) -> dict | None:
   """A pytest stage's outcome as one results row, read from its JUnit XML: passed, the
-  failed tests' ids, seconds, and the 15 slowest tests."""
+  failed tests' ids, seconds, and the 15 slowest tests. None when the file is not whole
+  XML (pytest killed while writing it): the run goes on to its next stage."""
   import xml.etree.ElementTree as ET
+  try:
+    root = ET.parse(junit).getroot()
+  except ET.ParseError:
+    return None
   cases = [(c.get("classname", "").replace(".", "/") + ".py::" + c.get("name", ""),
             float(c.get("time", 0)), c.find("failure") is not None or c.find("error") is not None)
-           for c in ET.parse(junit).getroot().iter("testcase")]
+           for c in root.iter("testcase")]
   slow = sorted(cases, key=lambda c: -c[1])[:15]
   return {"bench": "gpu_tests", "files": stage["tests"], "env": stage.get("env", {}),
           "passed": sum(not bad for *_, bad in cases), "failed": [n for n, _, bad in cases if bad],
@@ -219,9 +224,10 @@ def run(results: Path, budget: float, tiny: bool, env: dict, plan: str = "auto")
                                 env={**env, **stage.get("env", {})}, timeout=timeout, cwd=ROOT)
           rec["status"] = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
           junit = results / stage["out"] / "junit.xml"
-          if stage.get("kind") == "pytest" and junit.is_file():
-            (results / stage["out"] / "gpu_tests.jsonl").write_text(
-                json.dumps(test_row(stage, junit, dev)) + "\n")
+          row = test_row(stage, junit, dev) if stage.get("kind") == "pytest" and \
+              junit.is_file() else None
+          if row is not None:
+            (results / stage["out"] / "gpu_tests.jsonl").write_text(json.dumps(row) + "\n")
           if stage.get("kind") == "generate" and proc.returncode == 0:
             (results / stage["out"]).mkdir(parents=True, exist_ok=True)
             (results / stage["out"] / "generate.json").write_text(proc.stdout)

@@ -182,3 +182,5 @@ def test_bench_accelerator_turns_a_pytest_stage_into_a_row(tmp_path):
   assert row["passed"] == 1 and row["failed"] == ["tests/test_a.py::t_bad"]
   assert row["seconds"] == 2.0 and row["slowest"][0] == {"test": "tests/test_a.py::t_ok",
                                                          "seconds": 1.5}
+  junit.write_text('<testsuites><testsuite><testcase classname="tests.test_a" name="t_')
+  assert bench_accelerator.test_row({"tests": []}, junit, {}) is None  # cut short: no row

@@ -271,6 +271,38 @@ def test_finite_weights_that_overflow_param_dtype_are_refused(tmp_path, tiny):
   assert gguf.load(g, {"model.param_dtype": "bfloat16"})[1]  # bfloat16 holds it
 
 
+def test_restore_filters_stderr_while_it_runs_and_keeps_them_only_after_a_failure(
+    tmp_path, monkeypatch):
+  """A read can fail on orbax's closed loop before the failed restore's exception is
+  handled, so the filters are in place for the whole restore: a good restore puts
+  sys.stderr and the unraisable hook back; a failed one keeps them to the process's end."""
+  import sys
+
+  from conftest import tiny_config, tiny_params
+  from kvjax.io import orbax_quiet
+  cfg = tiny_config()
+  good = mf.write_checkpoint(tmp_path / "good", cfg, tiny_params(cfg))
+  seen = []
+  real = checkpoint._manager
+
+  def spy(*a, **k):
+    mngr = real(*a, **k)
+    restore = mngr.restore
+    mngr.restore = lambda *a, **k: (seen.append(isinstance(sys.stderr, orbax_quiet._QuietThreads)),
+                                    restore(*a, **k))[1]
+    return mngr
+  monkeypatch.setattr(checkpoint, "_manager", spy)
+  for name in ("stderr", "unraisablehook"):  # put back at teardown, whatever happens
+    monkeypatch.setattr(sys, name, getattr(sys, name))
+  monkeypatch.setattr(orbax_quiet, "_installed", False)
+  before = (sys.stderr, sys.unraisablehook)
+  checkpoint.load(good)
+  assert seen == [True] and (sys.stderr, sys.unraisablehook) == before
+  _one_line(lambda: checkpoint.load(_damaged_checkpoint(tmp_path / "bad")),
+            "corrupt or incomplete", "ckpt")
+  assert seen == [True, True] and isinstance(sys.stderr, orbax_quiet._QuietThreads)
+
+
 def test_abandoned_reads_tracebacks_from_other_threads_are_dropped_and_nothing_else():
   """After a failed restore, TensorStore's threads report reads that finished on a closed
   loop through sys.stderr, before or after the error line (`orbax_quiet._QuietThreads`):

@@ -136,13 +136,14 @@ def restore(ckpt_dir: str | Path, params_like: Any = None, opt_state_like: Any =
     items["opt_state"] = ocp.args.StandardRestore(opt_state_like)
   mngr = _manager(ckpt_dir, read_only=True)
   failure = None
-  try:
-    out = mngr.restore(step, args=ocp.args.Composite(**items))
-  except Exception as e:  # orbax/tensorstore raise many types for damaged files
-    failure = _reason(e)
-    orbax_quiet.abandon_reads()
-  finally:
-    mngr.close()
+  with orbax_quiet.watch():
+    try:
+      out = mngr.restore(step, args=ocp.args.Composite(**items))
+    except Exception as e:  # orbax/tensorstore raise many types for damaged files
+      failure = _reason(e)
+      orbax_quiet.abandon_reads()
+    finally:
+      mngr.close()
   if failure is not None:  # raised here, not as the context of orbax's error, whose frames
     # would keep what it left behind alive until the message is printed
     raise KvjaxError(f"checkpoint {ckpt_dir} step {step} is corrupt or incomplete ({failure}); "

@@ -11,10 +11,13 @@ index ..." with the whole TensorStore spec), which Python prints as "Exception i
 the gather leaves coroutines that were created but never awaited, which warn "coroutine
 ... was never awaited" when collected.
 
-`abandon_reads()`, called once a restore has failed, closes those pending reads and
-unstarted coroutines now (so nothing is left to finalize at exit, and nothing warns) and
-installs an unraisable-exception hook that drops only reports coming from them (orbax or
-tensorstore code, or "Event loop is closed"); every other report still prints. A read
+`watch()`, entered around a restore, installs an unraisable-exception hook that drops only
+reports coming from those reads (orbax or tensorstore code, or "Event loop is closed"); every
+other report still prints. It is in place before the restore starts, because a read can
+fail on the closed loop before the failed restore's exception reaches its handler. A
+restore that succeeds removes it again; `abandon_reads()`, called once a restore has
+failed, keeps it for the rest of the process and closes the pending reads and unstarted
+coroutines now (so nothing is left to finalize at exit, and nothing warns). A read
 whose TensorStore future completes after the loop closed reports from TensorStore's own
 thread, through `sys.stderr` and not the hook, any time up to the interpreter's exit (before
 or after the error line): `sys.stderr` then gets a filter (`_QuietThreads`) that holds each
@@ -26,6 +29,7 @@ at once. KVJAX_DEBUG=1 keeps everything.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import inspect
 import logging
@@ -36,7 +40,8 @@ import traceback
 import types
 
 _LIBRARIES = (f"{os.sep}orbax{os.sep}", f"{os.sep}tensorstore{os.sep}")
-_installed = False
+_installed = False       # a failed restore kept the filters for the rest of the process
+_state = {"kept": False}  # abandon_reads() was called inside the current watch()
 
 
 def _from_abandoned_read(unraisable) -> bool:
@@ -90,22 +95,36 @@ class _QuietThreads:
     self._stream.flush()
 
 
-def _install_hook() -> None:
+@contextlib.contextmanager
+def watch():
+  """Around one restore: the filters installed before it starts, and removed after it
+  unless `abandon_reads()` was called inside (a failed restore keeps them to the end)."""
   global _installed
-  if _installed:
+  if _installed or os.environ.get("KVJAX_DEBUG"):
+    yield
     return
-  previous = sys.unraisablehook
-  if not isinstance(sys.stderr, _QuietThreads):
-    sys.stderr = _QuietThreads(sys.stderr)
+  previous_hook, previous_err = sys.unraisablehook, sys.stderr
+  quiet_err = _QuietThreads(sys.stderr)
+  sys.stderr = quiet_err
 
   def hook(unraisable):
     if not _from_abandoned_read(unraisable):
-      previous(unraisable)
+      previous_hook(unraisable)
 
   sys.unraisablehook = hook
-  # "Task was destroyed but it is pending!" for the same reads goes to asyncio's logger
-  logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-  _installed = True
+  _state["kept"] = False
+  try:
+    yield
+  finally:
+    if _state["kept"]:
+      # "Task was destroyed but it is pending!" for the same reads goes to asyncio's logger
+      logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+      _installed = True
+    else:
+      if sys.unraisablehook is hook:
+        sys.unraisablehook = previous_hook
+      if sys.stderr is quiet_err:
+        sys.stderr = previous_err
 
 
 def _never_started(obj) -> bool:
@@ -121,7 +140,7 @@ def abandon_reads() -> None:
   coroutines it created but never started."""
   if os.environ.get("KVJAX_DEBUG"):
     return
-  _install_hook()
+  _state["kept"] = True
   for obj in gc.get_objects():
     if _never_started(obj):
       obj.close()

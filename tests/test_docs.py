@@ -61,3 +61,167 @@ def test_the_checks_catch_a_stale_link_and_path(tmp_path):
                   "`kvjax/no_such_module.py`, `kvjax/step.py`, `configs/train_`, `kvjax/cache/NAME.py`\n")
   assert _stale_links(page, tmp_path) == ["page.md: link (nowhere.md)"]
   assert _stale_paths(page, tmp_path) == ["page.md: `kvjax/no_such_module.py`"]
+
+
+# -- docs/architecture.md: short, and its walk names only what the tree has ---------------
+# The page starts from the default path of one token; a page that grows past this, or a
+# walk that names a function that moved, stops being the map a reader follows.
+import ast  # noqa: E402
+
+ARCH = ROOT / "docs" / "architecture.md"
+ARCH_MAX_LINES = 420
+WALK = "## One token, file by file"
+DOTTED = re.compile(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)`")
+EXTERNAL = {"jax", "lax", "jnp", "np", "nn", "flax"}  # names of libraries, not of kvjax
+
+
+def _walk(text: str) -> str:
+  """The walk section of the page: from its heading to the next `## ` heading."""
+  start = text.index(WALK)
+  end = text.find("\n## ", start + len(WALK))
+  return text[start:end if end >= 0 else len(text)]
+
+
+def _definitions(root: Path = ROOT) -> tuple[dict, dict]:
+  """Module dotted name -> its top-level names (defs, classes, assignments, imports), and
+  class name -> [(its attributes, its base classes' names)] for every class in kvjax."""
+  modules, classes = {}, {}
+  for path in sorted((root / "kvjax").rglob("*.py")):
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+      parts = parts[:-1]
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        names.add(node.name)
+      elif isinstance(node, ast.Assign):
+        names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+      elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+        names.add(node.target.id)
+      elif isinstance(node, (ast.Import, ast.ImportFrom)):
+        names.update((a.asname or a.name).split(".")[0] for a in node.names)
+      if isinstance(node, ast.ClassDef):
+        attrs = set()
+        for item in node.body:
+          if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            attrs.add(item.name)
+          elif isinstance(item, ast.Assign):
+            attrs.update(t.id for t in item.targets if isinstance(t, ast.Name))
+          elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+            attrs.add(item.target.id)
+        bases = [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases]
+        classes.setdefault(node.name, []).append((attrs, bases))
+    modules[".".join(parts)] = names
+  return modules, classes
+
+
+def _has_attrs(cls: str, rest: list[str], classes: dict, seen=()) -> bool:
+  """`cls.rest[0]` is an attribute of a kvjax class `cls` (or of a kvjax base class)."""
+  if not rest:
+    return True
+  if len(rest) > 1 or cls in seen:
+    return False
+  return any(rest[0] in attrs or any(_has_attrs(b, rest, classes, (*seen, cls))
+                                     for b in bases if b in classes)
+             for attrs, bases in classes.get(cls, ()))
+
+
+def _names_exist(parts: list[str], modules: dict, classes: dict, keys: set) -> bool:
+  """A dotted name as a page writes it: `step.run` (a module's name, the module named by
+  its last component: `base.get` in any `base`), `attention.base.program` (submodules),
+  `decode.Sampler.from_config` (a class's attribute), `Contiguous.read` (a class's own or
+  inherited attribute), `cache.layout` (a config key), or a library's (`jax.lax.scan`)."""
+  if parts[0] in EXTERNAL or ".".join(parts) in keys:
+    return True
+  heads = ["kvjax"] if parts[0] == "kvjax" else \
+      [m for m in modules if m.rpartition(".")[2] == parts[0]]
+  for mod in heads:
+    i = 1
+    while i < len(parts) and f"{mod}.{parts[i]}" in modules:
+      mod, i = f"{mod}.{parts[i]}", i + 1
+    if i == len(parts):
+      return True
+    if parts[i] in modules[mod] and (i + 1 == len(parts) or
+                                     _has_attrs(parts[i], parts[i + 1:], classes)):
+      return True
+  return parts[0] in classes and _has_attrs(parts[0], parts[1:], classes)
+
+
+def _unknown_in_walk(text: str, root: Path = ROOT) -> list[str]:
+  """Every `kvjax/...` path and dotted name in backticks in the walk that the tree lacks."""
+  from kvjax.config import known_keys
+  walk = _walk(text)
+  modules, classes = _definitions(root)
+  keys = set(known_keys())
+  out = [f"`{p}`" for p in dict.fromkeys(re.findall(r"`(kvjax/[\w./\-]+)`", walk))
+         if not (root / p).exists()]
+  out += [f"`{n}`" for n in dict.fromkeys(DOTTED.findall(walk))
+          if not _names_exist(n.split("."), modules, classes, keys)]
+  return out
+
+
+def test_architecture_is_short_and_its_walk_names_what_exists():
+  text = ARCH.read_text()
+  lines = len(text.splitlines())
+  assert lines <= ARCH_MAX_LINES, \
+      f"docs/architecture.md has {lines} lines (at most {ARCH_MAX_LINES})"
+  walk = _walk(text)
+  assert re.search(r"^1\. \*\*`kvjax/", walk, re.M) and len(DOTTED.findall(walk)) > 50, \
+      "the walk no longer names the files and functions of the path, step by step"
+  found = _unknown_in_walk(text)
+  assert not found, \
+      "the walk in docs/architecture.md names what the tree lacks: " + ", ".join(found)
+
+
+def test_the_walk_check_catches_a_stale_name():
+  page = ("intro\n" + WALK + "\n1. **`kvjax/step.py`**: `step.run`, `step.no_such`, "
+          "`Contiguous.read`, `Contiguous.attach`, `Contiguous.nope`, "
+          "`decode.Sampler.from_config`, `attention.base.program`, `gone.run`, `cache.layout`, "
+          "`cache.nope`, `jax.lax.scan`, "
+          "`kvjax/gone.py`\n## Next\n`step.also_gone` is outside the walk\n")
+  assert _unknown_in_walk(page) == ["`kvjax/gone.py`", "`step.no_such`", "`Contiguous.nope`",
+                                    "`gone.run`", "`cache.nope`"]
+
+
+def _anchors(page: Path) -> set[str]:
+  """GitHub's anchors of a page's headings: lowercased, punctuation but `-` and `_` dropped,
+  spaces as `-`, a repeated heading numbered (`-1`, ...); fenced code is not a heading."""
+  out, seen, fenced = set(), {}, False
+  for line in page.read_text().splitlines():
+    if line.startswith("```"):
+      fenced = not fenced
+    m = None if fenced else re.match(r"#{1,6}\s+(.*?)\s*#*$", line)
+    if m:
+      slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+      out.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+      seen[slug] = seen.get(slug, 0) + 1
+  return out
+
+
+def _stale_anchors(page: Path, root: Path = ROOT) -> list[str]:
+  out = []
+  for m in LINK.finditer(page.read_text()):
+    target, _, anchor = m.group(1).partition("#")
+    dest = page.parent / target if target else page
+    if not anchor or target.startswith(("http://", "https://", "mailto:")) \
+        or dest.suffix != ".md" or not dest.exists():
+      continue
+    if anchor not in _anchors(dest):
+      out.append(f"{page.relative_to(root)}: link ({m.group(1)})")
+  return out
+
+
+def test_every_anchor_link_names_a_heading():
+  found = [line for page in PAGES for line in _stale_anchors(page)]
+  assert not found, "links to a heading that is not there: " + "; ".join(found)
+
+
+def test_the_anchor_check_catches_a_renamed_heading(tmp_path):
+  (tmp_path / "there.md").write_text(
+      "# Top\n## One token, file by file\n```\n# not a heading\n```\n")
+  page = tmp_path / "page.md"
+  page.write_text("[a](there.md#one-token-file-by-file) [b](there.md#gone) "
+                  "[c](there.md#not-a-heading) [d](#local) [e](https://x.org/y.md#z)\n"
+                  "## Local\n")
+  assert _stale_anchors(page, tmp_path) == ["page.md: link (there.md#gone)",
+                                            "page.md: link (there.md#not-a-heading)"]

@@ -31,7 +31,7 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
-from kvjax import data, held, inputs, intervals, memory, policies, program, step
+from kvjax import data, footprint, inputs, intervals, memory, policies, program, step
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
@@ -335,8 +335,8 @@ def _record(cfg: Config, metrics: dict, nbytes: int, src, text: str, B: int, M: 
             chunk: int, ref: Reference, warnings: list) -> dict:
   c, m = cfg.cache, cfg.model
   # what the cache held for these windows (= nbytes / B), and the long-context cost beside it
-  sized = held.count(cfg, M, batch=B).fields()
-  window = held.window_warning(cfg, M)
+  sized = footprint.count(cfg, M, batch=B).fields()
+  window = footprint.window_warning(cfg, M)
   return {**metrics, **sized, "cache_bytes": nbytes, "tokens": M,
           "seqs": B, "chunk": chunk, "text": text, "source": str(src),
           "ref": ref.label, "ref_kind": ref.kind,

@@ -3,7 +3,8 @@
     memory.check_params(cfg)                        # before weights are created or read
     memory.check(cfg, batch, capacity, tokens)      # before a cache and programs are built
 
-The estimate is a closed form, host-side, before anything is traced:
+The estimate is a closed form, host-side, before anything is traced, from `kvjax.footprint`'s
+counts:
 
 - params: every weight of the model at `model.param_dtype` (twice with `model.unrolled`,
   which splits the stacked weights into a second per-layer copy);
@@ -28,76 +29,11 @@ from __future__ import annotations
 import os
 
 from kvjax import envcheck
-from kvjax.config import Config, ModelConfig
+from kvjax.config import Config
+from kvjax.footprint import cache_bytes, human, param_bytes, temp_bytes
 from kvjax.errors import KvjaxError
 
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 _FIX = "lower the batch, cache.capacity or --max-new-tokens, or choose a smaller codec"
-
-
-def human(n: float, fmt: str = ".1f") -> str:
-  """Bytes as `1.5 KiB`, `12.0 GiB` (powers of 1024, `fmt` for the number); below 1 KiB,
-  `512 B`. The one formatter of sizes for people (`kvjax size`, errors, result tables)."""
-  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-    if abs(n) < 1024 or unit == "TiB":
-      return f"{int(n)} B" if unit == "B" else f"{n:{fmt}} {unit}"
-    n /= 1024
-  return str(n)
-
-
-def param_count(m: ModelConfig) -> int:
-  """Weights of the Llama-style model (`kvjax.model`), from the config alone."""
-  E, F, V, H, K, D = m.d_model, m.F, m.vocab_size, m.n_heads, m.n_kv_heads, m.D
-  layer = E * H * D + 2 * E * K * D + H * D * E + 3 * E * F + 2 * E
-  if m.qkv_bias:
-    layer += H * D + 2 * K * D
-  return m.n_layers * layer + V * E * (1 if m.tie_embeddings else 2) + E
-
-
-def param_bytes(m: ModelConfig) -> int:
-  n = param_count(m) * _ITEMSIZE[m.param_dtype]
-  return 2 * n if m.scan_unroll >= m.n_layers > 1 else n
-
-
-def cache_bytes(cfg: Config, batch: int, capacity: int) -> int:
-  from kvjax import cache
-  spec = cache.CacheSpec.from_config(cfg, batch, capacity)
-  return cache.LAYOUTS[cfg.cache.layout].closed_form_bytes(spec)
-
-
-def temp_bytes(cfg: Config, batch: int, tokens: int, capacity: int) -> int:
-  """The widest call's temporaries, for a pass of `tokens` new tokens a sequence (a prompt;
-  1: a decode step) over a cache of `capacity` slots, float32 unless said:
-
-  - logits: each row's last token only, B x V (prefill and decode keep no others);
-  - one layer's activations: B x T x (4E + 3F + 2HD);
-  - the attention's widest tile, 4 x (logits, masked logits, probabilities and their cast
-    to the dot's type, where the compiler fuses none of them): the new tokens read
-    NEW_BLOCK queries at a time against the prompt's keys, B x H x min(T, 128) x T; a
-    stored segment read by the CPU program in blocks of READ_CHUNK slots, B x H x T x
-    min(S, 512), by the accelerator program in one block, NEW_BLOCK queries at a time,
-    B x H x min(T, 128) x S;
-  - one widened block of K and V codes (2 x B x K x C x D in the compute dtype; C the
-    slots a block reads), in case the compiler does not fuse the convert into the dot.
-
-  T is the whole capacity for the `none` layout, which recomputes the prefix."""
-  from kvjax import codecs, step
-  from kvjax.attention import xla
-  m = step.resolved(cfg.model)
-  none = cfg.cache.layout == "none"
-  T = capacity if none else tokens
-  S = 0 if none else capacity
-  B, H, K, D, NB = batch, m.n_heads, m.n_kv_heads, m.D, xla.NEW_BLOCK
-  logits = B * m.vocab_size
-  acts = B * T * (4 * m.d_model + 3 * m.F + 2 * H * D)
-  new = B * H * min(T, NB) * T
-  if m.program == "accelerator":
-    C, stored = S, B * H * min(T, NB) * S
-  else:
-    C = min(S, codecs.READ_CHUNK)
-    stored = B * H * T * C
-  widened = 2 * B * K * C * D * _ITEMSIZE[m.dtype]
-  return 4 * (logits + acts + 4 * (new + stored)) + widened
 
 
 def available_bytes() -> tuple[int | None, str]:
@@ -186,20 +122,3 @@ def check(cfg: Config, batch: int, capacity: int, tokens: int, params: bool = Fa
   if limit is not None and sum(parts.values()) > limit:
     _refuse(what, parts, limit, source)
   return sum(parts.values())
-
-
-def program_bytes(*compiled) -> int | None:
-  """Peak memory the compiled programs need, the largest of (arguments + outputs + temps
-  - donated aliases) over the programs, from XLA's memory analysis. Per program, so it
-  does not carry over between cells the way a device's process-wide peak counter does."""
-  peaks = []
-  for prog in compiled:
-    try:
-      ma = prog.memory_analysis()
-    except Exception:  # some backends do not implement it
-      return None
-    if ma is None:
-      return None
-    peaks.append(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-                 - ma.alias_size_in_bytes)
-  return int(max(peaks)) if peaks else None

@@ -14,7 +14,7 @@ scripts/bench_prefill.py and bench_sharding.py; the serving engine through `stat
   compile    prefill (through the compaction of `cache.policy` when it is not `full`,
              kvjax.evict) and `steps` decode steps, ahead of time: `compile_s`
              (both programs, and the one prefill run whose cache decode is lowered on),
-             `peak_bytes` (memory.program_bytes);
+             `peak_bytes` (footprint.program_bytes);
   run        a fresh cache every time, allocated before the clock starts (both programs
              donate it); prefill, then decode, each blocked on and timed.
 
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
-from kvjax import decode, evict, memory, sharding, step
+from kvjax import decode, evict, footprint, sharding, step
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
 
@@ -121,7 +121,7 @@ class Program:
 
   @property
   def peak_bytes(self) -> int | None:
-    return memory.program_bytes(*(p for p in (self.pre, self.dec) if p is not None))
+    return footprint.program_bytes(*(p for p in (self.pre, self.dec) if p is not None))
 
   def run(self, tokens_BT=None, lengths_B=None) -> Run:
     """Prefill (the compiled prompts unless others of the same shape are given) and decode

@@ -310,17 +310,17 @@ def measured_device_bytes(tree: Any) -> int:
 def size_report(cfg: Config, batch: int, capacity: int, with_params: bool) -> dict:
   """Bytes per device of the cache (and parameters) under cfg.mesh, computed abstractly:
   no device is needed, so a laptop can size a 64-chip slice."""
-  from kvjax import cache as cache_lib, held, model, policies
+  from kvjax import cache as cache_lib, footprint, model, policies
 
   p = plan(cfg)
   check_batch(cfg, batch)
   sized_as = cache_lib.get(cfg.cache.layout).sized_as  # `none`: the K/V it recomputes
   if sized_as:
     cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, layout=sized_as))
-  if policies.evicts(cfg.cache):  # what the policy builds (`held.layout_name`): `capacity`
+  if policies.evicts(cfg.cache):  # what the policy builds (`footprint.layout_name`): `capacity`
     # held slots plus its own leaves (held, budget; h2o's acc and pos per slot and KV head)
     spec = dataclasses.replace(cache_lib.CacheSpec.from_config(cfg, batch, capacity),
-                               layout=held.layout_name(cfg))
+                               layout=footprint.layout_name(cfg))
     c = jax.eval_shape(lambda: cache_lib.get(spec.layout).init(spec))
   else:
     c = jax.eval_shape(lambda: cache_lib.init_cache(cfg, batch, capacity))

@@ -6,7 +6,7 @@ sequences fit in a memory budget, in closed form (`report`, the command's whole 
 Weights count at the dtype they are stored in (`model.param_dtype`; for a Hugging Face
 folder, config.json's `torch_dtype`/`dtype`). A sequence's cache is what its layout
 reserves for `seq_len` tokens with the chosen K/V codecs, scales, residual window, whole
-pages and metadata included (`kvjax.held.count`; a policy: its budget and state). Not
+pages and metadata included (`kvjax.footprint.count`; a policy: its budget and state). Not
 counted: activations and temporaries (a long prefill's attention and MLP buffers are
 large), logits, and the runtime's own overhead.
 """
@@ -64,10 +64,10 @@ def hf_param_dtype(hf: dict) -> tuple[str, str]:
 
 
 def seq_bytes(cfg: config_lib.Config, seq_len: int) -> int:
-  """Cache bytes one sequence of `seq_len` tokens holds (`kvjax.held`: the reservation with
+  """Cache bytes one sequence of `seq_len` tokens holds (`kvjax.footprint`: the reservation with
   its window, scales and metadata; a policy's budget and state)."""
-  from kvjax import held
-  return int(round(held.count(cfg, seq_len).bytes))
+  from kvjax import footprint
+  return int(round(footprint.count(cfg, seq_len).bytes))
 
 
 def fit(budget: int, weight_bytes: int, per_seq: int) -> int:
@@ -119,11 +119,11 @@ def report(cfg: config_lib.Config, seq_len: int, batch: int, named: bool = False
            notes: list[str] = (), param_dtype: str | None = None,
            budget: str | None = None) -> dict:
   """`kvjax size`'s result for a validated config: bytes one sequence holds at `seq_len`
-  (`kvjax.held`: window, scales, policy state and pages in), the total for `batch`, bytes
+  (`kvjax.footprint`: window, scales, policy state and pages in), the total for `batch`, bytes
   per device under cfg.mesh (`sharding.size_report`), and with `budget` ("80GiB") what
   fits. `named`: the model came from a file or folder (its weights are counted, and a
   `seq_len` beyond its max_seq_len is warned about)."""
-  from kvjax import cache, held as held_lib, sharding
+  from kvjax import cache, footprint, sharding
   if seq_len <= 0 or batch <= 0:
     raise KvjaxError("--seq-len and --batch must be positive")
   m, warnings = cfg.model, []
@@ -131,9 +131,9 @@ def report(cfg: config_lib.Config, seq_len: int, batch: int, named: bool = False
     warnings.append(f"--seq-len {seq_len} exceeds this model's max_seq_len "
                     f"{m.max_seq_len}: sized anyway, but the model is not meant for it")
   cfg = sized(cfg)
-  h = held_lib.count(cfg, seq_len, batch=batch)
-  if held_lib.window_warning(cfg, seq_len):
-    warnings.append(held_lib.window_warning(cfg, seq_len))
+  h = footprint.count(cfg, seq_len, batch=batch)
+  if footprint.window_warning(cfg, seq_len):
+    warnings.append(footprint.window_warning(cfg, seq_len))
   c = cfg.cache
   out = {
       **h.fields(),  # bytes_per_token: held at seq_len; and the long-context limit

@@ -12,7 +12,7 @@ the attention reads what a cache of those codes would hold, dequantized. This is
 per-token codecs (a token's codes depend on that token alone), the only ones used here.
 The rows' Δppl and KL come with the paired-bootstrap 95 % intervals of `kvjax eval`, on the
 real_quality windows (4 × 2,048 stdlib tokens, 64 per step); bits per element are
-`kvjax.held`'s count of the setting, whose codec knows each layer's codes and scales (no
+`kvjax.footprint`'s count of the setting, whose codec knows each layer's codes and scales (no
 window, no first tokens).
 
 Settings (LAYERS as `A-B`, inclusive, 0-based):
@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 import jax.numpy as jnp  # noqa: E402
 
-from kvjax import config as config_lib, evaluate, held, metrics  # noqa: E402
+from kvjax import config as config_lib, evaluate, footprint, metrics  # noqa: E402
 from kvjax.codecs import base as codecs  # noqa: E402
 from kvjax.errors import KvjaxError  # noqa: E402
 from kvjax.io import sources  # noqa: E402
@@ -105,10 +105,10 @@ def assignment(setting: str, n: int, base, int8) -> tuple[list, list]:
 
 
 def bits_per_element(cfg) -> float:
-  """Bits per K/V element all-in of a setting's config (`held.asymptotic`: no window, no
+  """Bits per K/V element all-in of a setting's config (`footprint.asymptotic`: no window, no
   first tokens, no policy state in these settings)."""
   m = cfg.model
-  return 8 * held.asymptotic(cfg) / (m.n_layers * 2 * m.n_kv_heads * m.D)
+  return 8 * footprint.asymptotic(cfg) / (m.n_layers * 2 * m.n_kv_heads * m.D)
 
 
 def main(argv: list[str] | None = None) -> int:

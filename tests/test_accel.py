@@ -270,16 +270,16 @@ def test_prompt_temporaries_formula_and_the_compiled_prefill_fits_it():
   of 512 tokens into 1024 slots allocates no more than the estimate (tiles of [128, S]
   logits, not [512, S]; unfused, as XLA:CPU at the suite's optimization level leaves
   them), and the estimate is the documented closed form."""
-  from kvjax import memory
+  from kvjax import footprint
   cfg = _cfg("accelerator", **{"cache.capacity": 1024, "model.max_seq_len": 1024})
   m, B, T, S = cfg.model, 2, 512, 1024
   acts = B * T * (4 * m.d_model + 3 * m.F + 2 * m.n_heads * m.D)
   tiles = B * m.n_heads * 128 * T + B * m.n_heads * 128 * S
   widened = 2 * B * m.n_kv_heads * S * m.D * 4
   want = 4 * (B * m.vocab_size + acts + 4 * tiles) + widened
-  assert memory.temp_bytes(cfg, B, T, S) == want
+  assert footprint.temp_bytes(cfg, B, T, S) == want
   cpu = _cfg("cpu", **{"cache.capacity": 1024})
-  assert memory.temp_bytes(cpu, B, T, S) == 4 * (B * m.vocab_size + acts + 4 * (
+  assert footprint.temp_bytes(cpu, B, T, S) == 4 * (B * m.vocab_size + acts + 4 * (
       B * m.n_heads * 128 * T + B * m.n_heads * T * 512)) + 2 * B * m.n_kv_heads * 512 * m.D * 4
   params = step.prepare_params(cfg, tiny_params(cfg))
   tokens = jnp.ones((B, T), jnp.int32)

@@ -12,7 +12,7 @@ import pytest
 from test_cache_codecs import B, KIVI, TOKS, FakeQuant, logits_for, tiny
 
 from kvjax import cache as cache_lib
-from kvjax import cli, codecs, config, held, program
+from kvjax import cli, codecs, config, footprint, program
 from kvjax.errors import KvjaxError
 
 NF = 3  # first tokens kept
@@ -107,9 +107,9 @@ def test_bytes_are_counted(over):
   for capacity in (8, 37):
     cache = cache_lib.init_cache(kept, 2, capacity)
     assert cache_lib.tree_bytes(cache) == cache_lib.layout_of(cache).closed_form_bytes(cache.spec)
-  plain, first = held.count(cfg, 64).bytes, held.count(kept, 64).bytes
+  plain, first = footprint.count(cfg, 64).bytes, footprint.count(kept, 64).bytes
   if not cfg.cache.residual:  # per-token codec: N tokens move from the history to fp32
-    assert first - plain == NF * (full - held.asymptotic(cfg))
+    assert first - plain == NF * (full - footprint.asymptotic(cfg))
   assert first > plain
 
 

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from kvjax import cache, cli, config, memory, model
+from kvjax import cache, cli, config, footprint, memory, model
 from kvjax.errors import KvjaxError
 
 QUICK = ["--set", "model.n_layers=1", "--set", "model.d_model=32", "--set", "model.n_heads=4",
@@ -22,8 +22,8 @@ QUICK = ["--set", "model.n_layers=1", "--set", "model.d_model=32", "--set", "mod
 def test_param_count_is_the_initialised_tree(over):
   cfg = config.load(None, over)
   tree = jax.eval_shape(lambda: model.init_params(cfg.model, 0))
-  assert memory.param_count(cfg.model) == sum(x.size for x in jax.tree.leaves(tree))
-  assert memory.param_bytes(cfg.model) == 4 * memory.param_count(cfg.model)
+  assert footprint.param_count(cfg.model) == sum(x.size for x in jax.tree.leaves(tree))
+  assert footprint.param_bytes(cfg.model) == 4 * footprint.param_count(cfg.model)
 
 
 @pytest.mark.parametrize("over", [
@@ -36,7 +36,7 @@ def test_cache_bytes_is_what_init_cache_allocates(over):
   cfg = config.load(None, {"model.d_model": 32, "model.n_layers": 1, **over})
   c = jax.eval_shape(lambda: cache.init_cache(cfg, 3, 40))
   want = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(c))
-  assert memory.cache_bytes(cfg, 3, 40) == want
+  assert footprint.cache_bytes(cfg, 3, 40) == want
 
 
 def test_check_refuses_over_the_limit_with_both_numbers(monkeypatch):
@@ -44,13 +44,13 @@ def test_check_refuses_over_the_limit_with_both_numbers(monkeypatch):
   need = memory.check(cfg, 2, 64, 32)  # fits the machine
   parts = memory.estimate(cfg, 2, 64, 32)
   assert need == sum(parts.values()) and parts["params"] == 0
-  assert parts["cache x2"] == 2 * memory.cache_bytes(cfg, 2, 64)
+  assert parts["cache x2"] == 2 * footprint.cache_bytes(cfg, 2, 64)
   monkeypatch.setenv("KVJAX_MEMORY_LIMIT", str(need - 1))
   with pytest.raises(KvjaxError) as err:
     memory.check(cfg, 2, 64, 32, what="this test")
   msg = str(err.value)
   assert "\n" not in msg and "this test" in msg and "KVJAX_MEMORY_LIMIT" in msg
-  assert memory.human(need) in msg and memory.human(need - 1) in msg
+  assert footprint.human(need) in msg and footprint.human(need - 1) in msg
   monkeypatch.setenv("KVJAX_MEMORY_LIMIT", str(need))
   assert memory.check(cfg, 2, 64, 32) == need
 
@@ -76,8 +76,8 @@ def test_host_ram_is_read_on_cpu(monkeypatch):
 
 def test_none_layout_temporaries_cover_the_recomputed_prefix():
   cfg = config.load(None)
-  cached = memory.temp_bytes(cfg, 1, 8, 1024)
-  none = memory.temp_bytes(config.load(None, {"cache.layout": "none"}), 1, 8, 1024)
+  cached = footprint.temp_bytes(cfg, 1, 8, 1024)
+  none = footprint.temp_bytes(config.load(None, {"cache.layout": "none"}), 1, 8, 1024)
   m = cfg.model
   assert none > 20 * cached  # the prefix's activations, not the prompt's
   assert none >= 4 * 1024 * (4 * m.d_model + 3 * m.F + 2 * m.n_heads * m.D)
@@ -150,13 +150,13 @@ def test_every_model_source_refuses_weights_before_reading_them(tmp_path, monkey
   cfg, params = _source(False)
   checkpoint.save(tmp_path / "ckpt", cfg, params, step=0)
   write_gguf(tmp_path / "m.gguf", cfg, params)
-  need = memory.param_bytes(cfg.model)
+  need = footprint.param_bytes(cfg.model)
   monkeypatch.setenv("KVJAX_MEMORY_LIMIT", str(need - 1))
   for flag, ref in (("--checkpoint", tmp_path / "ckpt"), ("--gguf", tmp_path / "m.gguf")):
     rc = cli.main(["generate", flag, str(ref), "--prompt-ids", "1,2"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and f"the weights of {ref}" in err, err
-    assert memory.human(need) in err
+    assert footprint.human(need) in err
   monkeypatch.setenv("KVJAX_MEMORY_LIMIT", str(need))  # exactly the weights' bytes: loads
   assert cli.main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt-ids", "1,2",
                    "--max-new-tokens", "2", "--json"]) == 0
@@ -169,11 +169,11 @@ def _prog(arg, out, temp, alias):
 
 
 def test_program_bytes_is_the_largest_program_net_of_donation():
-  assert memory.program_bytes(_prog(100, 50, 30, 40), _prog(10, 10, 500, 0)) == 520
-  assert memory.program_bytes(_prog(100, 50, 30, 40)) == 140
-  assert memory.program_bytes() is None
-  assert memory.program_bytes(types.SimpleNamespace(memory_analysis=lambda: None)) is None
+  assert footprint.program_bytes(_prog(100, 50, 30, 40), _prog(10, 10, 500, 0)) == 520
+  assert footprint.program_bytes(_prog(100, 50, 30, 40)) == 140
+  assert footprint.program_bytes() is None
+  assert footprint.program_bytes(types.SimpleNamespace(memory_analysis=lambda: None)) is None
 
   def broken():
     raise NotImplementedError
-  assert memory.program_bytes(types.SimpleNamespace(memory_analysis=broken)) is None
+  assert footprint.program_bytes(types.SimpleNamespace(memory_analysis=broken)) is None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvjax import cli, memory
+from kvjax import cli, footprint, memory
 from kvjax import config as config_lib
 
 TINY = "model: {vocab_size: 260, d_model: 32, n_layers: 1, n_heads: 4, n_kv_heads: 4, " \
@@ -23,7 +23,7 @@ def tiny(tmp_path):
 def test_eval_refuses_a_limit_the_weights_fit_but_its_caches_do_not(tiny, tmp_path,
                                                                    monkeypatch, capsys):
   cfg = config_lib.load(tiny)
-  weights = memory.param_bytes(cfg.model)
+  weights = footprint.param_bytes(cfg.model)
   need = sum(memory.estimate(cfg, 1, 384, 1).values())
   assert need > weights  # a limit between the two: the weights load, the eval cannot run
   text = tmp_path / "t.txt"
@@ -46,7 +46,7 @@ def test_train_refuses_a_limit_before_making_weights(tmp_path, monkeypatch, caps
   cfg = tmp_path / "train.yaml"
   cfg.write_text(TINY + f"train: {{data: {text}, batch: 4, seq_len: 32, steps: 2}}\n")
   loaded = config_lib.load(cfg)
-  monkeypatch.setenv("KVJAX_MEMORY_LIMIT", str(4 * memory.param_bytes(loaded.model) - 1))
+  monkeypatch.setenv("KVJAX_MEMORY_LIMIT", str(4 * footprint.param_bytes(loaded.model) - 1))
   out = tmp_path / "ckpt"
   assert cli.main(["train", str(cfg), "--out", str(out)]) == 2
   err = capsys.readouterr().err.strip().splitlines()

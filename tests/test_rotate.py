@@ -12,7 +12,7 @@ from test_cache_codecs import (B, KIVI, LENS, TOKS, FakeQuant, confident_params,
                                tiny)
 
 from kvjax import cache as cache_lib
-from kvjax import cli, codecs, config, held, program
+from kvjax import cli, codecs, config, footprint, program
 from kvjax.codecs import rotate
 from kvjax.errors import KvjaxError
 
@@ -61,7 +61,7 @@ def test_bytes_do_not_change(over):
   for capacity in (8, 37):
     assert cache_lib.tree_bytes(cache_lib.init_cache(cfg, 2, capacity)) == \
         cache_lib.tree_bytes(cache_lib.init_cache(rot, 2, capacity))
-    assert held.count(cfg, capacity).fields() == held.count(rot, capacity).fields()
+    assert footprint.count(cfg, capacity).fields() == footprint.count(rot, capacity).fields()
 
 
 class RotatedFake(FakeQuant):

@@ -164,7 +164,7 @@ def test_config_is_the_ground_floor():
 LIBRARY = ("kvjax.decode", "kvjax.program", "kvjax.generation", "kvjax.step", "kvjax.evict",
            "kvjax.sharding", "kvjax.io.sources", "kvjax.model", "kvjax.cache", "kvjax.codecs",
            "kvjax.attention", "kvjax.policies", "kvjax.config", "kvjax.registries",
-           "kvjax.held", "kvjax.memory")
+           "kvjax.footprint", "kvjax.memory")
 LAB = ("kvjax.experiments", "kvjax.runner", "kvjax.plots", "kvjax.tasks", "kvjax.metrics",
        "kvjax.intervals", "kvjax.figures", "kvjax.rowfile", "kvjax.compare", "kvjax.train",
        "kvjax.convert", "kvjax.evaluate", "kvjax.data", "kvjax.serve", "kvjax.cli",
@@ -290,3 +290,17 @@ def test_the_cache_sits_below_the_model():
            for n in sorted(graph) if _in(n, ["kvjax.cache"])
            for m, line in sorted(graph[n].items()) if _in(m, ["kvjax.model"])]
   assert not found, "the cache imports the model: " + "; ".join(found)
+
+
+def test_one_module_counts_a_setting_s_bytes():
+  """A cache setting's bytes are counted in one place, `kvjax.footprint` (from the layouts'
+  `closed_form_bytes`), and weights at their dtype likewise: a module that calls the closed
+  form itself, or counts the model's weights itself, is a second count that can drift
+  from the one every report prints (the memory experiment measures trees against it)."""
+  import re
+  calls = re.compile(r"\.closed_form_bytes\(|(?<![\w.])param_count\(")
+  found = [f"{path.relative_to(ROOT)}:{i}" for name, path in MODULES.items()
+           if name != "kvjax.footprint" and not name.startswith("kvjax.cache")
+           for i, line in enumerate(path.read_text().splitlines(), 1)
+           if calls.search(line) and not line.lstrip().startswith(("def ", "#"))]
+  assert not found, "bytes counted outside kvjax.footprint: " + ", ".join(found)

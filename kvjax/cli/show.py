@@ -8,7 +8,7 @@ import sys
 
 from kvjax.intervals import BLOCK, RESAMPLES
 from kvjax.intervals import text as ci_text
-from kvjax.memory import human
+from kvjax.footprint import human
 
 
 def _ci(ci, fmt: str, scale: float = 1.0) -> str:

@@ -56,7 +56,7 @@ def cache_name(variant: dict) -> str:
 def bytes_per_token(cfg: config_lib.Config) -> float:
   """The codecs' bytes for one stored token across all layers (K + V, codec metadata in):
   a sizing figure (how many tokens a budget holds), not what a cache holds at a context,
-  which `kvjax.held.count` reports (a residual window, rounding, policy state, lengths).
+  which `kvjax.footprint.count` reports (a residual window, rounding, policy state, lengths).
 
   Codecs are bound to their role (`for_role`), so group sizes and per-channel keys count.
   """

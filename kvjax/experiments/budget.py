@@ -24,7 +24,7 @@ import numpy as np
 
 from kvjax import config as config_lib
 from kvjax import experiments as ex
-from kvjax import held, intervals, memory, metrics, sizing
+from kvjax import footprint, intervals, memory, metrics, sizing
 from kvjax.errors import KvjaxError
 
 PARAMS = frozenset({"budget", "max_batch", "reference"})
@@ -73,7 +73,7 @@ def check(cfg: config_lib.Config) -> None:
   b = largest_batch(cfg)
   if b == 0:
     raise KvjaxError(f"params.budget={cfg.param('budget')} does not hold the weights and one "
-                     f"sequence of {capacity(cfg)} tokens ({memory.human(need(cfg, 1))}); raise "
+                     f"sequence of {capacity(cfg)} tokens ({footprint.human(need(cfg, 1))}); raise "
                      "the budget or shorten workload.prompt_len")
   ex.check_memory(cfg, b, capacity(cfg), 1)
 
@@ -92,7 +92,7 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
   m = {"batch": batch, "budget_bytes": _budget(cfg), "need_bytes": need(cfg, batch),
        "tpot_s": t["median"], "tpot_s_iqr": t["iqr"], "repeats": t["n"],
        "tokens_per_s": float(np.median(tps)), "tokens_per_s_ci95": intervals.median_ci(tps),
-       "tokens_per_s_samples": tps, **held.count(cfg, w.prompt_len).fields()}
+       "tokens_per_s_samples": tps, **footprint.count(cfg, w.prompt_len).fields()}
   return [{"variant": ex.variant(cfg),
            "workload": {"batch": batch, "prompt_len": w.prompt_len, "gen_len": w.gen_len,
                         "context": w.prompt_len, "capacity": capacity(cfg),

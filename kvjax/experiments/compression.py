@@ -19,7 +19,7 @@ of all windows), `bytes_per_token` = cache_bytes / (windows x (context + continu
 (so eviction, codecs, fewer heads and latents compare per token seen; measured, so
 windows, scales and a policy's state are in), `of_bf16` = that over `bf16_bytes_per_token`
 (the original model's bf16 cache at the same length: the frontier's unit),
-`bytes_per_token_asymptotic` (`kvjax.held`: the long-context cost per stored token), `kept`
+`bytes_per_token_asymptotic` (`kvjax.footprint`: the long-context cost per stored token), `kept`
 = cache_bytes over the fp32 cache's.
 
 A policy compacts the context once, at prefill; the continuation's tokens are then all
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from kvjax import experiments as ex
 from kvjax.experiments import quality
-from kvjax import data, evaluate, held
+from kvjax import data, evaluate, footprint
 from kvjax import evict
 from kvjax.cache import latent
 from kvjax import config as config_lib
@@ -77,7 +77,7 @@ def _bf16_per_token(mcfg, context: int) -> float:
   unit (its own layout, so a sliding-window model's rings count as they hold)."""
   ref = config_lib.apply_overrides(mcfg, {"cache.codec": "bf16", "cache.k_codec": "bf16",
                                           "cache.v_codec": "bf16"})
-  return held.count(ref, context).per_token
+  return footprint.count(ref, context).per_token
 
 
 def run_cell(cfg) -> list[dict]:
@@ -107,7 +107,7 @@ def run_cell(cfg) -> list[dict]:
                      latent_rank=tcfg.model.latent_rank, **conversion)
     per_token = nbytes / (B * (T + M))
     metrics.update(cache_bytes=nbytes, cache_bytes_ref=ref_bytes, bytes_per_token=per_token,
-                   bytes_per_token_asymptotic=held.asymptotic(tcfg), kept=nbytes / ref_bytes,
+                   bytes_per_token_asymptotic=footprint.asymptotic(tcfg), kept=nbytes / ref_bytes,
                    bf16_bytes_per_token=unit, of_bf16=per_token / unit)
     rows.append({"variant": var,
                  "workload": {"task": "text", "batch": B, "context": T,

@@ -18,7 +18,7 @@ ratios share one run's machine noise. Rows: one per variant, `variant.setting` =
 repeat (`params.reference`, else the one without overrides), with `tpot_vs_ref_ci95` (a
 bootstrap over repeats) and the per-repeat TPOTs (`tpot_s_samples`). A policy's cache holds its budget
 plus the decode steps (`cache_bytes`). `bytes_per_token` is what the cache holds per token
-of its `context` (`kvjax.held`, = cache_bytes / (batch x context); for paired variants the
+of its `context` (`kvjax.footprint`, = cache_bytes / (batch x context); for paired variants the
 measured cache over batch x context), `bytes_per_token_asymptotic` the long-context cost.
 
 Every row also carries the decode step's two roofs (`roofline.roofs`: `ideal_s` = its bytes
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import cache as cache_lib
-from kvjax import held, intervals
+from kvjax import footprint, intervals
 from kvjax import config as config_lib
 from kvjax import experiments as ex
 from kvjax import metrics, program
@@ -105,7 +105,7 @@ def _interleaved_cell(cfg: config_lib.Config, cfgs: dict) -> list[dict]:
     m.update({"tokens_per_s": w.batch / m["tpot_s"], "tpot_vs_ref": ratio,
               "tpot_vs_ref_ci95": ci,
               "bytes_per_token": m["cache_bytes"] / (w.batch * S),
-              "bytes_per_token_asymptotic": held.asymptotic(cfgs[name]),
+              "bytes_per_token_asymptotic": footprint.asymptotic(cfgs[name]),
               **roofline.roofs(cfgs[name], params, w.batch, w.prompt_len, timers[name].steps,
                                m["tpot_s"], *rates)})
     rows.append({
@@ -130,12 +130,11 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
   timer = program.DecodeTimer(cfg, params, tokens, lengths, steps=max(w.gen_len - 1, 1),
                               capacity=S)
   m = metrics.bench_interleaved({"cell": timer}, repeats=w.repeats)["cell"]
-  spec = cache_lib.CacheSpec.from_config(cfg, w.batch, S)
   m.update({
       "tokens_per_s": w.batch / m["tpot_s"],
       "prefill_tokens_per_s": w.batch * w.prompt_len / m["ttft_s"],
-      "closed_form_bytes": cache_lib.LAYOUTS[cfg.cache.layout].closed_form_bytes(spec),
-      **held.count(cfg, S, batch=w.batch).fields(),  # held at the context, window in
+      "closed_form_bytes": footprint.cache_bytes(cfg, w.batch, S),
+      **footprint.count(cfg, S, batch=w.batch).fields(),  # held at the context, window in
       **roofline.roofs(cfg, params, w.batch, w.prompt_len, timer.steps, m["tpot_s"],
                        *roofline.machine_rates(cfg.param("bandwidth_mib", 512))),
   })

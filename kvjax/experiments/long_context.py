@@ -10,7 +10,7 @@ model in `params.models` (any source `kvjax.io.sources.parse` takes: `gguf:smoll
 per depth, each queried in turn) and returns one row per query:
 `accuracy` (1.0 or 0.0, `tasks.score`), the greedy continuation, the depth and token
 position of the fact, and `bytes_per_token`: what the setting's cache holds for the prefix
-per prefix token (`kvjax.held`: window, scales and lengths in), with
+per prefix token (`kvjax.footprint`: window, scales and lengths in), with
 `bytes_per_token_asymptotic` (the long-context cost per stored token) beside it. The
 summary gives each setting, task and context the number right (`correct`), the number
 asked (`n`) and a Wilson 95 % interval of the accuracy (`accuracy_ci95`, kvjax.intervals).
@@ -38,7 +38,7 @@ a context, like the fp32 one of the codec settings. Such rows also carry `held_t
 compacted cache as allocated, question and answer room included) and `bytes_per_token` =
 what the compacted cache holds for the prefix (the kept tokens' codec bytes + what the
 policy itself keeps per held token: h2o's score and position, 8 bytes per layer and KV
-head; `kvjax.held`) per prefix token, on the same axis as the codec settings. A `ratio` is
+head; `kvjax.footprint`) per prefix token, on the same axis as the codec settings. A `ratio` is
 a fraction of the prefix.
 
 A setting may also set `params.kv_heads`: the model's K/V projections are then mean-pooled
@@ -57,7 +57,7 @@ from kvjax import experiments as ex
 from kvjax import config as config_lib
 from kvjax import cache as cache_lib
 from kvjax import convert, evaluate, intervals, policies, step, tasks
-from kvjax import held as held_lib
+from kvjax import footprint
 from kvjax.io import sources
 from kvjax.errors import KvjaxError
 
@@ -253,9 +253,9 @@ def run_cell(cfg) -> list[dict]:
     bpt = ex.bytes_per_token(tcfg)  # the codecs' bytes per stored token (policy rows show it)
     prefixes = (_query_prefixes if evicts else _prefixes)(spec, cfg, mcfg, params, tok)
     for (task, s, _, template), (e, kv) in prefixes.items():
-      # What the cache holds for this prefix (kvjax.held: the policy's kept tokens with their
+      # What the cache holds for this prefix (kvjax.footprint: the policy's kept tokens with their
       # state, a window, scales), per prefix token, so every row sits on one bytes axis.
-      sized = held_lib.count(tcfg, e.prefix_tokens)
+      sized = footprint.count(tcfg, e.prefix_tokens)
       held = {}
       if evicts:  # compacted to the budget; room for the padded question and the answer
         cache = tasks.evict_prefix(tcfg, kv, tail_pad + gen_len)

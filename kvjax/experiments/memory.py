@@ -4,7 +4,7 @@ Per cell (an attention variant x codec of the config's model):
   - `part: cache_bytes` rows, one per context in `params.contexts`: the cache pytree's
     bytes (`kvjax.cache.tree_bytes`) next to the closed form
     `2 * layers * kv_heads * head_dim * tokens * bytes_per_element` (+ codec metadata),
-    `bytes_per_token` held at that context (`kvjax.held`, a window in) and
+    `bytes_per_token` held at that context (`kvjax.footprint`, a window in) and
     `bytes_per_token_asymptotic`, the per-token cost the summary and plot show.
     Caches up to `params.alloc_limit_mib` are really allocated; larger ones are measured
     on the abstract pytree (`jax.eval_shape`: same leaves, no memory), marked `abstract`.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 
 from kvjax import experiments as ex
-from kvjax import held
+from kvjax import footprint
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
@@ -51,8 +51,7 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
 
 def _bytes_row(cfg: config_lib.Config, context: int) -> dict:
   B = cfg.workload.batch
-  spec = cache_lib.CacheSpec.from_config(cfg, B, context)
-  closed = cache_lib.LAYOUTS[cfg.cache.layout].closed_form_bytes(spec)
+  closed = footprint.cache_bytes(cfg, B, context)
   if closed <= cfg.param("alloc_limit_mib", 256) * 2 ** 20:
     c = cache_lib.init_cache(cfg, B, context)
     measured, source = cache_lib.tree_bytes(jax.block_until_ready(c)), "allocated"
@@ -64,7 +63,7 @@ def _bytes_row(cfg: config_lib.Config, context: int) -> dict:
       "variant": ex.variant(cfg, model=cfg.name or "config"),
       "workload": {"part": "cache_bytes", "batch": B, "context": context, "measured": source},
       "metrics": {"cache_bytes": measured, "closed_form_bytes": closed,
-                  **held.count(cfg, context, batch=B).fields(),  # held at this context
+                  **footprint.count(cfg, context, batch=B).fields(),  # held at this context
                   "measured_bytes_per_token": measured / (B * context)},
   }
 
@@ -91,8 +90,7 @@ def _concurrency_rows(cfg: config_lib.Config, name: str) -> list[dict]:
   per_token = ex.bytes_per_token(scfg)
   rows = []
   for context in cfg.param("concurrency_contexts", [2048, 8192, 32768, 131072]):
-    spec = cache_lib.CacheSpec.from_config(scfg, 1, int(context))
-    per_seq = cache_lib.LAYOUTS["contiguous"].closed_form_bytes(spec)
+    per_seq = footprint.cache_bytes(scfg, 1, int(context), layout="contiguous")
     free = budget - weight_bytes
     rows.append({
         "variant": ex.variant(scfg, model=name),

@@ -19,7 +19,7 @@ For each model:
     bootstrap over 32-token blocks), `gen_agreement` (free-running greedy
     decode of `workload.gen_len` tokens after `workload.prompt_len`), `cache_bytes` (the
     cache tree after the windows), `bytes_per_token` (what it held per token, window and
-    scales in: `kvjax.held`), `bytes_per_token_asymptotic` (the long-context cost) and
+    scales in: `kvjax.footprint`), `bytes_per_token_asymptotic` (the long-context cost) and
     `bits_per_element` (all-in: held bits / (layers x 2 x KV heads x head_dim)); a window
     holding over a quarter of the tokens is warned about on stderr;
   - `task: recall` rows, one per context in `params.recall_contexts`: associative-recall
@@ -56,8 +56,7 @@ from pathlib import Path
 from kvjax import experiments as ex
 import numpy as np
 
-from kvjax import cache as cache_lib
-from kvjax import data, evaluate, held, intervals
+from kvjax import data, evaluate, footprint, intervals
 from kvjax import convert
 from kvjax.io import sources
 from kvjax import config as config_lib
@@ -180,8 +179,7 @@ def _reference(src: sources.Source, cfg, mcfg, params, tok) -> dict:
       ref_cfg = config_lib.apply_overrides(ref_cfg, reference_items(cfg))
     tokens, corpus = _windows(cfg, mcfg, tok)
     lp = evaluate.host_logprobs(ref_cfg, params, tokens, cfg.param_int("chunk", 1))
-    nbytes = cache_lib.LAYOUTS["contiguous"].closed_form_bytes(
-        cache_lib.CacheSpec.from_config(ref_cfg, *tokens.shape))
+    nbytes = footprint.cache_bytes(ref_cfg, *tokens.shape, layout="contiguous")
     recall = {}
     for L in (cfg.param("recall_contexts", ()) if corpus is not None else ()):
       seqs, mask = evaluate.recall_set(cfg.seed, cfg.param_int("recall_seqs", 32), int(L),
@@ -220,15 +218,15 @@ def run_cell(cfg) -> list[dict]:
     var = ex.variant(tcfg, k_axis=c.k_axis, group_size=c.group_size, residual=c.residual,
                      setting=cfg.param("setting", ""), model=src.name, **conversion)
     B, M = ref["tokens"].shape
-    warning = held.window_warning(tcfg, M)
+    warning = footprint.window_warning(tcfg, M)
     if warning:
       print(f"kvjax: warning: setting {cfg.param('setting', '')}: {warning}", file=sys.stderr)
     metrics, nbytes = evaluate.compare_streamed(tcfg, params, ref["tokens"], ref["lp"], chunk)
-    # bytes_per_token: what this cache held for the windows (kvjax.held, = nbytes / (B M)),
+    # bytes_per_token: what this cache held for the windows (kvjax.footprint, = nbytes / (B M)),
     # window and scales in; the long-context cost and the all-in bits beside it
     metrics.update(cache_bytes=nbytes, cache_bytes_ref=ref["bytes"],
                    cache_bytes_per_token=nbytes / (B * M),
-                   **held.count(tcfg, M, batch=B).fields())
+                   **footprint.count(tcfg, M, batch=B).fields())
     if ref["gen"] is not None:
       prompts, ref_gen = ref["gen"]
       got = evaluate.greedy_tokens(tcfg, params, prompts, tcfg.workload.gen_len)

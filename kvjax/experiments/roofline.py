@@ -2,7 +2,7 @@
 
 Decode is memory-bound: a step cannot be faster than the bytes it must read (every
 weight matrix once, plus what each sequence's cache holds at its live length: K/V with the
-codec's scales, a residual window and lengths, `kvjax.held`) divided by
+codec's scales, a residual window and lengths, `kvjax.footprint`) divided by
 the memory bandwidth. This experiment times `workload.gen_len - 1` compiled decode steps
 from a cache already holding `workload.prompt_len` tokens per sequence, `workload.repeats`
 times, and right before each repeat measures the bandwidth (a large streaming reduction,
@@ -39,7 +39,7 @@ import numpy as np
 
 from kvjax import config as config_lib
 from kvjax import experiments as ex
-from kvjax import held, intervals, metrics, program
+from kvjax import footprint, intervals, metrics, program
 from kvjax.errors import KvjaxError
 
 # The params.NAME options this experiment reads (`setting` and `settings` are every
@@ -152,14 +152,14 @@ def attention_dot(cfg: config_lib.Config) -> str:
 def step_bytes(cfg: config_lib.Config, params, batch: int, held_from: int, steps: int) -> dict:
   """Bytes one decode step must read, averaged over `steps` steps whose caches hold
   `held_from + 1` ... `held_from + steps` tokens: weights at `model.param_dtype` (embedding
-  only if tied) + the live cache (`kvjax.held`: K/V codes, scales, a residual window,
+  only if tied) + the live cache (`kvjax.footprint`: K/V codes, scales, a residual window,
   lengths), not the capacity."""
   size = jnp.dtype(cfg.model.param_dtype).itemsize
   weights = size * sum(a.size for a in jax.tree.leaves(params))
   if not cfg.model.tie_embeddings:
     weights -= size * params["embed_tokens"]["embedding"].size
   live = config_lib.replace(cfg, **{"cache.capacity": 0})
-  kv = batch * sum(held.count(live, held_from + i).bytes for i in range(1, steps + 1)) / steps
+  kv = batch * sum(footprint.count(live, held_from + i).bytes for i in range(1, steps + 1)) / steps
   return {"weight_bytes": weights, "kv_bytes": kv, "step_bytes": weights + kv}
 
 
@@ -238,7 +238,7 @@ def _interleaved_cell(cfg: config_lib.Config, cfgs: dict) -> list[dict]:
     m = {"tpot_s": t["median"], "tpot_s_iqr": t["iqr"], "tpot_s_min": t["min"],
          "repeats": t["n"], "tpot_vs_ref": ratio,
          "tpot_vs_ref_ci95": ci, "tpot_s_samples": ts[n],
-         "tokens_per_s": w.batch / t["median"], **held.count(cfgs[n], w.prompt_len).fields()}
+         "tokens_per_s": w.batch / t["median"], **footprint.count(cfgs[n], w.prompt_len).fields()}
     m.update(roofs(cfgs[n], params, w.batch, w.prompt_len, steps, t["median"], bw, rate))
     m.update({"roofline_fraction": m["ideal_s"] / t["median"], "kv_fraction": m["kv_bytes"]
               / m["step_bytes"], "achieved_Bps": m["step_bytes"] / t["median"]})
@@ -278,7 +278,7 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
             "roofline_fraction_iqr": fractions["iqr"],
             "achieved_Bps": m["step_bytes"] / t["median"],
             "tokens_per_s": w.batch / t["median"],
-            **held.count(cfg, w.prompt_len).fields(),
+            **footprint.count(cfg, w.prompt_len).fields(),
             "kv_fraction": m["kv_bytes"] / m["step_bytes"]})
   rate = {k: statistics.median(d[k] for d in dots) for k in DotProbe.TYPES}
   m.update(roofs(cfg, params, w.batch, w.prompt_len, steps, t["median"], bw, rate))

@@ -1,6 +1,6 @@
 """Plots of results rows: `kvjax plot RESULTS_DIR --out DIR` (and `kvjax.plot`).
 
-The ground floor of kvjax: a plot reads results rows only (and kvjax.held's byte count,
+The ground floor of kvjax: a plot reads results rows only (and kvjax.footprint's byte count,
 kvjax.intervals' Wilson interval), never runs a model. `plot_all` reads every *.jsonl under
 a folder (kvjax.plots.rows), groups rows by their `experiment`, and calls
 `kvjax.plots.<experiment>.plot(rows, out_dir) -> list[Path]` for each experiment that has a

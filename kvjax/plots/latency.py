@@ -113,7 +113,7 @@ def _regime(rows) -> str:
 
 def _bars(rows, out_dir):
   """At the longest context and largest batch: TPOT relative to MHA-bf16 (the ratio printed
-  on each bar), and the bytes the cache held per token there (kvjax.held). A group of bars
+  on each bar), and the bytes the cache held per token there (kvjax.footprint). A group of bars
   per model, one bar per setting (colour: codec family; hatch: the setting within it)."""
   variants, codecs, _ = _lines(rows)
   ctx = max(r["workload"]["context"] for r in rows)

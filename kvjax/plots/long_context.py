@@ -4,7 +4,7 @@
     (rows) x context length (columns), accuracy over tasks and seeds, each cell labelled
     "right/asked".
   long_context_accuracy_vs_bytes: accuracy over every query of a context length against
-    the bytes the setting's cache holds for the prefix per prefix token (`kvjax.held`:
+    the bytes the setting's cache holds for the prefix per prefix token (`kvjax.footprint`:
     a residual window and scales in), one line per context length, points
     labelled with their setting; beside it (when fp32 rows are present), the fraction of
     queries whose first number written equals the fp32 cache's, which separates what the

@@ -63,7 +63,7 @@ def _bytes_vs_context(rows, out_dir):
 
 
 def _bytes_per_token(rows, out_dir):
-  """Bytes the cache held per token at the longest context measured (kvjax.held), a group
+  """Bytes the cache held per token at the longest context measured (kvjax.footprint), a group
   per model, a bar per setting (colour: codec family)."""
   ctx = max(r["workload"]["context"] for r in rows)
   here = [r for r in rows if r["workload"]["context"] == ctx]

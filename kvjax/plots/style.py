@@ -2,7 +2,7 @@
 family (fp32; bf16/fp16; fp8; int8; int4; int2; nf4; nf2), a marker per cache setting
 distinct from every other setting in the figure (int4, KIVI-int4 and a rotated int4 share the
 int4 colour, never a marker), a line style per model, legends that name the model. Bytes
-axes are the bytes the cache held at the row's context (`kvjax.held`). Plots read results
+axes are the bytes the cache held at the row's context (`kvjax.footprint`). Plots read results
 rows only.
 """
 
@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
-from kvjax import held, intervals  # noqa: E402
+from kvjax import footprint, intervals  # noqa: E402
 
 # Colour per model variant, by name (tab10 colours), where models are what a plot compares
 # (uptrain's targets, budget's bars). GQA-<k> by its kv-head count.
@@ -41,9 +41,9 @@ LAYOUT_COLORS = {"none": "#444444", "contiguous": "#1f77b4", "paged": "#2ca02c"}
 
 
 def bytes_per_token(row: dict) -> float:
-  """A row's cache bytes per token as `kvjax.held` counts them: what the cache held at the
+  """A row's cache bytes per token as `kvjax.footprint` counts them: what the cache held at the
   row's context (window, scales, a policy's state in), for rows of any vintage."""
-  return held.row_bytes(row)["bytes_per_token"]
+  return footprint.row_bytes(row)["bytes_per_token"]
 
 
 def wilson(right: float, asked: int) -> list[float]:

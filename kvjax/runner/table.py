@@ -1,7 +1,7 @@
 """The summary table of results rows: rows flattened to records, values as text (times in
 ms, bytes in KiB/MiB/GiB; one number format per column) and records as an aligned
 plain-text table. Bytes per token are what the cache held at the row's context
-(`kvjax.held.row_bytes`), for older rows too.
+(`kvjax.footprint.row_bytes`), for older rows too.
 
 Identity: `identity` names, per cell config, every cache and model key whose value differs
 between the cells (codec, k_axis, group_size, residual, policy, ratio, sinks, ... and the paired
@@ -40,8 +40,8 @@ def flatten(row: dict, all_metrics: bool = False) -> dict:
         rec[k] = v
   metrics = row.get("metrics", {})
   if metrics.get("bytes_per_token") is not None:  # as held at the row's context, whatever
-    from kvjax import held                         # version wrote the row (kvjax.held)
-    metrics = {**metrics, **{k: v for k, v in held.row_bytes(row).items() if v is not None}}
+    from kvjax import footprint                    # version wrote the row (kvjax.footprint)
+    metrics = {**metrics, **{k: v for k, v in footprint.row_bytes(row).items() if v is not None}}
   from kvjax import figures
   metrics = {**metrics, **figures.roof_fields(metrics)}  # one roof fraction, > 1 flagged
   for k in TABLE_METRICS + ("roof_check",):
@@ -68,7 +68,7 @@ def cell_text(key: str, v: Any) -> str:
   if isinstance(v, bool) or not isinstance(v, (int, float)):
     return str(v)
   if key.endswith("bytes"):
-    return memory.human(v, fmt=".3g")
+    return footprint.human(v, fmt=".3g")
   if is_seconds(key):
     return f"{v * 1e3:,.0f}" if v * 1e3 >= 1e4 else f"{v * 1e3:.4g}"
   if abs(v) >= 1e4:

@@ -1,4 +1,4 @@
-"""`kvjax.held`: the bytes every report prints are what the cache tree holds at that context
+"""`kvjax.footprint`: the bytes every report prints are what the cache tree holds at that context
 (window, scales, rounding, policy state, pages included), for every layout; the reports
 (`eval`, `size`) print those bytes; a window holding over a quarter of the tokens is warned
 about."""
@@ -11,7 +11,7 @@ import yaml
 
 from conftest import tiny_config
 from kvjax import cache as cache_lib
-from kvjax import cli, config, held
+from kvjax import cli, config, footprint
 
 CONTEXTS = (64, 256, 2048)
 B = 2
@@ -41,7 +41,7 @@ def _cfg(over: dict) -> config.Config:
 def _measured(cfg: config.Config, context: int) -> float:
   """Bytes of the cache tree the setting builds for B sequences of `context` tokens, per
   sequence (shapes only: no 2,048-token tree is allocated)."""
-  h = held.count(cfg, context)
+  h = footprint.count(cfg, context)
   spec = cache_lib.CacheSpec.from_config(cfg, B, h.tokens)
   tree = jax.eval_shape(lambda: cache_lib.LAYOUTS[h.layout].init(spec))
   return cache_lib.tree_bytes(tree) / B
@@ -51,17 +51,17 @@ def _measured(cfg: config.Config, context: int) -> float:
 def test_reported_bytes_are_the_tree_at_each_context(name):
   cfg = _cfg(SETTINGS[name])
   for T in CONTEXTS:
-    h = held.count(cfg, T, batch=B)
+    h = footprint.count(cfg, T, batch=B)
     assert h.bytes == _measured(cfg, T), (name, T)
     assert h.per_token == pytest.approx(h.bytes / T)
     assert h.fields()["bytes_per_token"] == h.per_token
   # The per-token cost tends to the asymptote (a policy's: per held token; `none`: ids),
   # unless a fixed budget bounds what is held: then the bytes stop growing.
-  long = held.count(cfg, 1 << 20)
+  long = footprint.count(cfg, 1 << 20)
   if long.tokens == 1 << 20 or "ratio" in name:
     assert long.bytes / long.tokens == pytest.approx(long.asymptotic, rel=0.02), name
   else:
-    assert long.bytes == held.count(cfg, 256).bytes < 256 * long.asymptotic
+    assert long.bytes == footprint.count(cfg, 256).bytes < 256 * long.asymptotic
 
 
 def test_window_is_counted_and_dominates_short_contexts():
@@ -69,7 +69,7 @@ def test_window_is_counted_and_dominates_short_contexts():
   cfg = _cfg(KIVI)
   L, K, D = 2, 2, 8
   fp32_token = L * 2 * K * D * 4
-  short, mid = held.count(cfg, 64), held.count(cfg, 2048)
+  short, mid = footprint.count(cfg, 64), footprint.count(cfg, 2048)
   window = 32 * fp32_token
   assert short.bytes == 32 * short.asymptotic + window + 4  # + int32 length
   assert short.per_token > 1.5 * short.asymptotic > mid.per_token > short.asymptotic
@@ -78,8 +78,8 @@ def test_window_is_counted_and_dominates_short_contexts():
 
 def test_warning_only_when_the_window_holds_over_a_quarter():
   cfg = _cfg(KIVI)
-  assert held.window_warning(cfg, 128) is None and held.window_warning(_cfg({}), 8) is None
-  line = held.window_warning(cfg, 127)
+  assert footprint.window_warning(cfg, 128) is None and footprint.window_warning(_cfg({}), 8) is None
+  line = footprint.window_warning(cfg, 127)
   assert "\n" not in line and "cache.residual=32" in line and "at least 128 tokens" in line
 
 
@@ -130,14 +130,14 @@ def test_committed_real_rows_are_what_count_says_they_held():
   assert len(own) >= 15
   for r in own:
     w, m = r["workload"], r["metrics"]
-    cfg = held.row_config(r)
-    assert held.count(cfg, w["context"], batch=w["batch"]).bytes * w["batch"] == \
+    cfg = footprint.row_config(r)
+    assert footprint.count(cfg, w["context"], batch=w["batch"]).bytes * w["batch"] == \
         m["cache_bytes"], r["variant"]["setting"]
   kivi = next(r for r in own if r["variant"]["setting"] == "int4_kch_r128")
-  got = held.row_bytes(kivi)
+  got = footprint.row_bytes(kivi)
   assert round(got["bytes_per_token"]) == 9630 and got["bytes_per_token_asymptotic"] == 7200
   assert round(got["bits_per_element"], 2) == 6.69
-  peer = held.row_bytes(next(r for r in rows if r["variant"].get("peer")))
+  peer = footprint.row_bytes(next(r for r in rows if r["variant"].get("peer")))
   assert peer["bytes_per_token_asymptotic"] is None and peer["bits_per_element"] > 0
   # `kvjax results` / the run summary read the committed (older) row the same way
   from kvjax.runner import table

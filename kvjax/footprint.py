@@ -1,10 +1,20 @@
-"""What a cache setting holds: the one count of cache bytes every report uses.
+"""Every count of bytes in kvjax: what a cache setting holds, the weights, a call's
+temporaries, a compiled program's peak, and the one formatter of sizes for people.
 
-    h = held.count(cfg, context)            # one sequence after `context` tokens
+    h = footprint.count(cfg, context)       # the cache of one sequence after `context` tokens
     h.bytes, h.per_token, h.asymptotic, h.bits_per_element, h.fields()
+    footprint.param_bytes(cfg.model)        # the weights at model.param_dtype
+    footprint.cache_bytes(cfg, batch, capacity), footprint.temp_bytes(cfg, batch, tokens, capacity)
+    footprint.program_bytes(*compiled)      # XLA's memory analysis of compiled programs
+    footprint.human(n)                      # 1.5 KiB
 
-`bytes` is what the cache pytree of that setting holds for one sequence (the sum of its
-leaves, `cache.tree_bytes`, divided by the batch): the layout's `closed_form_bytes` at the
+Checking those counts against the device's free memory is `kvjax.memory`; the `kvjax size`
+report is `kvjax.sizing`. Both only read these counts.
+
+## The cache held
+
+`count(cfg, context).bytes` is what the cache pytree of that setting holds for one sequence
+(the sum of its leaves, `cache.tree_bytes`, divided by the batch): the layout's `closed_form_bytes` at the
 capacity the cache is built with, so everything the tree holds is in it: codes, scales and
 zeros, the full-precision residual window (`cache.residual`, allocated whole even before it
 fills) and first tokens (`cache.keep_first`), the quantized history rounded up to whole key blocks, pages rounded up to whole
@@ -26,6 +36,13 @@ the quality, long_context, latency, memory and roofline rows (the roofline's ste
 `count` at each step's live length), and, through `row_bytes` (which also reads rows
 written before this count existed), `kvjax results`, the run summaries, the doc tables and
 the plots' bytes axes.
+
+## Weights, temporaries, programs
+
+`param_bytes`: every weight of the model at `model.param_dtype` (twice with a fully unrolled
+layer scan, which splits the stacked weights into a second per-layer copy). `cache_bytes`:
+the layout's `closed_form_bytes` for `batch` x `capacity`. `temp_bytes`: the widest call's
+temporaries (its docstring lists them). `program_bytes`: the peak a compiled program needs.
 """
 
 from __future__ import annotations
@@ -33,9 +50,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from kvjax.config import Config
+from kvjax.config import Config, ModelConfig
 from kvjax.errors import KvjaxError
 
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 WINDOW_SHARE = 0.25  # a window holding more than this share of the tokens is warned about
 
 
@@ -230,3 +248,88 @@ def _row_bytes(row: dict) -> dict:
     bits = 8 * per_token / (shape.model.n_layers * 2 * kv * shape.model.D)
   return {"bytes_per_token": per_token, "bytes_per_token_asymptotic": limit,
           "bits_per_element": bits}
+
+
+# -- weights, temporaries, programs -------------------------------------------------------
+def human(n: float, fmt: str = ".1f") -> str:
+  """Bytes as `1.5 KiB`, `12.0 GiB` (powers of 1024, `fmt` for the number); below 1 KiB,
+  `512 B`. The one formatter of sizes for people (`kvjax size`, errors, result tables)."""
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if abs(n) < 1024 or unit == "TiB":
+      return f"{int(n)} B" if unit == "B" else f"{n:{fmt}} {unit}"
+    n /= 1024
+  return str(n)
+
+
+def param_count(m: ModelConfig) -> int:
+  """Weights of the Llama-style model (`kvjax.model`), from the config alone."""
+  E, F, V, H, K, D = m.d_model, m.F, m.vocab_size, m.n_heads, m.n_kv_heads, m.D
+  layer = E * H * D + 2 * E * K * D + H * D * E + 3 * E * F + 2 * E
+  if m.qkv_bias:
+    layer += H * D + 2 * K * D
+  return m.n_layers * layer + V * E * (1 if m.tie_embeddings else 2) + E
+
+
+def param_bytes(m: ModelConfig) -> int:
+  n = param_count(m) * _ITEMSIZE[m.param_dtype]
+  return 2 * n if m.scan_unroll >= m.n_layers > 1 else n
+
+
+def cache_bytes(cfg: Config, batch: int, capacity: int, layout: str | None = None) -> int:
+  """The closed form of what `batch` x `capacity` slots of cfg's cache hold, in cfg's
+  layout or the one named."""
+  from kvjax import cache
+  spec = cache.CacheSpec.from_config(cfg, batch, capacity)
+  return cache.LAYOUTS[layout or cfg.cache.layout].closed_form_bytes(spec)
+
+
+def temp_bytes(cfg: Config, batch: int, tokens: int, capacity: int) -> int:
+  """The widest call's temporaries, for a pass of `tokens` new tokens a sequence (a prompt;
+  1: a decode step) over a cache of `capacity` slots, float32 unless said:
+
+  - logits: each row's last token only, B x V (prefill and decode keep no others);
+  - one layer's activations: B x T x (4E + 3F + 2HD);
+  - the attention's widest tile, 4 x (logits, masked logits, probabilities and their cast
+    to the dot's type, where the compiler fuses none of them): the new tokens read
+    NEW_BLOCK queries at a time against the prompt's keys, B x H x min(T, 128) x T; a
+    stored segment read by the CPU program in blocks of READ_CHUNK slots, B x H x T x
+    min(S, 512), by the accelerator program in one block, NEW_BLOCK queries at a time,
+    B x H x min(T, 128) x S;
+  - one widened block of K and V codes (2 x B x K x C x D in the compute dtype; C the
+    slots a block reads), in case the compiler does not fuse the convert into the dot.
+
+  T is the whole capacity for the `none` layout, which recomputes the prefix."""
+  from kvjax import codecs
+  from kvjax.attention import base, xla
+  m = cfg.model
+  none = cfg.cache.layout == "none"
+  T = capacity if none else tokens
+  S = 0 if none else capacity
+  B, H, K, D, NB = batch, m.n_heads, m.n_kv_heads, m.D, xla.NEW_BLOCK
+  logits = B * m.vocab_size
+  acts = B * T * (4 * m.d_model + 3 * m.F + 2 * H * D)
+  new = B * H * min(T, NB) * T
+  if base.program(m.program) == "accelerator":
+    C, stored = S, B * H * min(T, NB) * S
+  else:
+    C = min(S, codecs.READ_CHUNK)
+    stored = B * H * T * C
+  widened = 2 * B * K * C * D * _ITEMSIZE[m.dtype]
+  return 4 * (logits + acts + 4 * (new + stored)) + widened
+
+
+def program_bytes(*compiled) -> int | None:
+  """Peak memory the compiled programs need, the largest of (arguments + outputs + temps
+  - donated aliases) over the programs, from XLA's memory analysis. Per program, so it
+  does not carry over between cells the way a device's process-wide peak counter does."""
+  peaks = []
+  for prog in compiled:
+    try:
+      ma = prog.memory_analysis()
+    except Exception:  # some backends do not implement it
+      return None
+    if ma is None:
+      return None
+    peaks.append(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+                 - ma.alias_size_in_bytes)
+  return int(max(peaks)) if peaks else None

@@ -195,7 +195,7 @@ def test_bytes_per_token_is_what_encode_stores(name, mode):
 
 @pytest.mark.parametrize("name, mode", CODEC_MODES)
 def test_folded_reads_equal_dequantize_then_einsum(name, mode):
-  """qk_block/pv_block fold scales (and zeros) instead of dequantizing; they equal the
+  """qk/pv fold scales (and zeros) instead of dequantizing; they equal the
   reference einsum over `decode` (the attention's blockwise loop is held to the reference
   in test_cache_codecs and test_pallas)."""
   codec = make(name, mode)
@@ -211,7 +211,7 @@ def test_folded_reads_equal_dequantize_then_einsum(name, mode):
     enc = codec.encode(x)
     deq = codec.decode(enc)
     want = (jnp.einsum("bkgtd,bksd->bkgts", q, deq), jnp.einsum("bkgts,bksd->bkgtd", p, deq))
-    return (codec.qk_block(q, enc), codec.pv_block(p, enc)), want
+    return (codec.qk(q, enc), codec.pv(p, enc)), want
 
   got, want = both(x, q, p)
   for g, w in zip(got, want):

@@ -191,7 +191,7 @@ def test_an_unknown_name_is_one_line_in_a_fresh_process(tmp_path):
 
 
 def test_a_codec_with_storage_of_its_own_is_refused_by_the_pallas_read(monkeypatch, capsys):
-  """The Pallas read loads what a codec says it stores (`Codec.storage`); a codec that
+  """The Pallas read loads what a codec says it stores (`Codec.stored`); a codec that
   changes the storage without saying is refused there in one line (exit 2), not read as
   its parent's bit patterns, and the other reads still take it."""
   import jax.numpy as jnp
@@ -211,7 +211,8 @@ def test_a_codec_with_storage_of_its_own_is_refused_by_the_pallas_read(monkeypat
     def check(self, cache_cfg, model_cfg, role):
       super().check(cache_cfg, model_cfg, role)
 
-  assert Twice("t").storage is None and Checked("c").storage == Codec("c").storage == "float"
+  assert Twice("t").stored == codecs.Stored(None) and Checked("c").stored == Codec("c").stored
+  assert Codec("c", jnp.float32).stored == codecs.Stored("float", kernel=0)  # nor the CPU kernel
   monkeypatch.setitem(codecs.CODECS, "tw_twice", Twice("tw_twice", jnp.float32))
   monkeypatch.setitem(codecs.CODECS, "tw_said", Checked("tw_said", jnp.float32))
   with pytest.raises(KvjaxError, match="model.attention=pallas has no read for tw_twice's"):
@@ -240,8 +241,8 @@ def test_the_folded_read_takes_what_each_codec_stores(name):
   x_BKCD = jnp.asarray(rng.normal(size=(1, 2, 8, 16)), jnp.float32)
   codec = codecs.get(name)
   enc = codec.encode(x_BKCD)
-  want = codec.qk_block(q_BKGTD, enc)
+  want = codec.qk(q_BKGTD, enc)
   np.testing.assert_allclose(folded.qk(codec, q_BKGTD, enc), want, rtol=1e-5, atol=1e-5)
   p_BKGTC = jax.nn.softmax(want, axis=-1)
   np.testing.assert_allclose(folded.pv(codec, p_BKGTC, enc, jnp.float32),
-                             codec.pv_block(p_BKGTC, enc), rtol=1e-5, atol=1e-5)
+                             codec.pv(p_BKGTC, enc), rtol=1e-5, atol=1e-5)

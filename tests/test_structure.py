@@ -304,3 +304,16 @@ def test_one_module_counts_a_setting_s_bytes():
            for i, line in enumerate(path.read_text().splitlines(), 1)
            if calls.search(line) and not line.lstrip().startswith(("def ", "#"))]
   assert not found, "bytes counted outside kvjax.footprint: " + ", ".join(found)
+
+
+def test_a_codec_is_read_through_one_interface():
+  """Every read takes a codec through `qk` / `pv` (a block's logits and values, `native`
+  for the stored-type dots) and `stored` (what the folded, Pallas and CPU-kernel reads
+  load directly). Outside kvjax.codecs nothing reads a codec's class-level `storage` flag
+  or a private read, which would be a second route that a new codec does not know of."""
+  import re
+  route = re.compile(r"codec\w*\.(storage\b|_\w+)")
+  found = [f"{path.relative_to(ROOT)}:{i}" for name, path in MODULES.items()
+           if not name.startswith("kvjax.codecs")
+           for i, line in enumerate(path.read_text().splitlines(), 1) if route.search(line)]
+  assert not found, "a codec read outside its interface (qk, pv, stored): " + ", ".join(found)

@@ -20,8 +20,8 @@ zero point is applied on the dot's other side or to its result:
 Both dots run in the compute dtype (the query's) with float32 accumulation, so a bf16
 model's reads meet the tensor cores; int8, int4, int2 and fp8 codes are exact in bf16, and
 the probabilities are cast to the compute dtype as they are for the new tokens. What a
-codec stores is what it says (`Codec.storage`): "float" or "scaled" storage is read here, any
-other (nf4/nf2's level indices, a codec's own storage) through its own `qk_block` / `pv_block`.
+codec stores is what it says (`Codec.stored`): "float" or "scaled" storage is read here, any
+other (nf4/nf2's level indices, a codec's own storage) through its own `qk` / `pv`.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ f32 = jnp.float32
 
 
 def _float(codec) -> bool:
-  return codec.storage == "float"
+  return codec.stored.kind == "float"
 
 
 def _scaled(codec) -> bool:
-  return codec.storage == "scaled"
+  return codec.stored.kind == "scaled"
 
 
 def codes(codec, enc, dtype) -> jax.Array:
@@ -66,7 +66,7 @@ def qk(codec, q_BKGTD: jax.Array, k_enc) -> jax.Array:
     return jnp.einsum("bkgtd,bkcd->bkgtc", q_BKGTD, codes(codec, k_enc, dt),
                       preferred_element_type=f32)
   if not _scaled(codec):
-    return codec.qk_block(q_BKGTD, k_enc)
+    return codec.qk(q_BKGTD, k_enc)
   c_BKCD = codes(codec, k_enc, dt)
   s, off = _meta(codec, k_enc)
   if codec.axis == "channel":  # s, off [B, K, J, D]: J groups of U tokens
@@ -88,7 +88,7 @@ def pv(codec, p_BKGTC: jax.Array, v_enc, dtype) -> jax.Array:
     return jnp.einsum("bkgtc,bkcd->bkgtd", p_BKGTC.astype(dtype), codes(codec, v_enc, dtype),
                       preferred_element_type=f32)
   if not _scaled(codec):
-    return codec.pv_block(p_BKGTC, v_enc)
+    return codec.pv(p_BKGTC, v_enc)
   c_BKCD = codes(codec, v_enc, dtype)
   s, off = _meta(codec, v_enc)
   B, K, G, T, C = p_BKGTC.shape

@@ -2,7 +2,7 @@
 Pallas kernel straight from the codec storage.
 
 The kernel reads what the cache holds and nothing else, as each codec says
-(`Codec.storage`): "float", fp32 or bf16/fp16 bit patterns; "scaled", int8 codes +
+(`Codec.stored`): "float", fp32 or bf16/fp16 bit patterns; "scaled", int8 codes +
 per-token scales, packed int4/int2 codes + scale/zero, fp8 bits + scale. Each
 step loads one block of stored tokens, one column chunk at a time (a chunk = one packed bit
 plane x one scale group, so no unpack/concatenate is ever needed), and its codes reach each
@@ -77,17 +77,18 @@ def check_config(c, m) -> None:
                      f"{m.sliding_window}); use model.attention=grouped or native")
   for role in ("k", "v"):
     codec = for_role(getattr(c, f"{role}_codec"), c, role)
-    if codec.storage not in ("float", "scaled"):
+    if codec.stored.kind not in ("float", "scaled"):
       raise KvjaxError(f"model.attention=pallas has no read for {codec.name}'s storage "
                        f"(cache.{role}_codec); use model.attention=grouped or native")
 
 
 def _kernel_reads(codec) -> bool:
-  return codec.storage == "float" or (codec.storage == "scaled" and codec.axis != "channel")
+  kind = codec.stored.kind
+  return kind == "float" or (kind == "scaled" and codec.axis != "channel")
 
 
 def _scaled(codec) -> bool:
-  return codec.storage == "scaled"
+  return codec.stored.kind == "scaled"
 
 
 def _chunks(codec, D: int):

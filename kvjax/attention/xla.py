@@ -66,7 +66,7 @@ def attend_segment(q_BKGTD, seg, state, native: bool = False, chunk: int | None 
                    program: str = "cpu", bucket: int = 0, floor_BT=None):
   """Online softmax over the stored tokens [0, live) of one segment, block by block,
   `chunk` tokens at a time; `native` reads each block through the codecs' stored-type
-  dots (`Codec.qk_native` / `pv_native`) instead of `qk_block` / `pv_block`. The
+  dots (`Codec.qk` / `pv` with `native=True`). The
   accelerator program reads one block (`block_size`) through `folded`, where only a convert
   precedes each dot. `floor_BT` [B, T]: each query sees only slots holding a position at
   or above its floor (a sliding window; None: no window)."""
@@ -76,12 +76,13 @@ def attend_segment(q_BKGTD, seg, state, native: bool = False, chunk: int | None 
   C = block_size(seg, S, chunk, program, bucket)
   accel = program == "accelerator"
   if native:
-    qk, pv = seg.k_codec.qk_native, seg.v_codec.pv_native
+    qk = functools.partial(seg.k_codec.qk, native=True)
+    pv = functools.partial(seg.v_codec.pv, native=True)
   elif accel:
     qk = functools.partial(folded.qk, seg.k_codec)
     pv = lambda p, v: folded.pv(seg.v_codec, p, v, q_BKGTD.dtype)  # noqa: E731
   else:
-    qk, pv = seg.k_codec.qk_block, seg.v_codec.pv_block
+    qk, pv = seg.k_codec.qk, seg.v_codec.pv
   live = S if seg.live is None else seg.live
 
   def block(i, st):

@@ -16,7 +16,7 @@ never becomes Inf (fp16 would otherwise overflow above 65504, bf16 just below 2*
 
 from kvjax import config as config_lib
 from kvjax import plugins
-from kvjax.codecs.base import (CODECS, DTYPE_TO_CODEC, READ_CHUNK, Codec,  # noqa: F401
+from kvjax.codecs.base import (CODECS, DTYPE_TO_CODEC, READ_CHUNK, Codec, Stored,  # noqa: F401
                                dot_pv, dot_qk, for_role, get, load_bits, register, store_bits)
 from kvjax.errors import KvjaxError
 

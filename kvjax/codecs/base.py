@@ -2,9 +2,11 @@
 
 A codec owns its bytes. `encode` turns a block of vectors `x[..., T, D]` into the codec's
 stored pytree (every leaf keeps the token axis at -2, so a layout can allocate, write and
-slice any codec the same way); `qk_block` and `pv_block` are the attention's two reads of
-a block of stored tokens, so a quantized codec can fold its scales into the logits and
-probabilities instead of materialising a full-precision copy of the cache. The attention
+slice any codec the same way). Its read interface is one: `qk` and `pv`, the attention's
+two reads of a block of stored tokens (so a quantized codec can fold its scales into the
+logits and probabilities instead of materialising a full-precision copy of the cache), and
+`stored`, what the storage is for the reads that load it directly (folded, Pallas, the CPU
+kernel). The attention
 keeps blocks small (`READ_CHUNK` tokens), so whatever a read widens is block-sized.
 
 Registry codecs are generic; `for_role(name, cache_cfg, "k"|"v")` returns the instance a
@@ -72,16 +74,12 @@ class Codec:
   # codec's storage in whole blocks of this many tokens.
   token_block = 1
 
-  # What the storage is, for the reads that load it directly rather than through
-  # `qk_block` / `pv_block` (the Pallas kernel, `attention.pallas`; the accelerator
-  # program's folded reads, `attention.folded`): "float" (one array of `dtype` values or
-  # bit patterns), "scaled" (`quant.ScaledCodec`'s codes, scales and zeros, read by its
-  # bits, kind, group and axis), or None: its own, read only through its own methods, and
-  # refused by `model.attention=pallas` on the host. A subclass that changes the storage or
-  # its reads without saying what it is gets None (below), never its parent's kind.
+  # What the storage is (`Stored.kind`, via `stored`): "float" (one array of `dtype` values
+  # or bit patterns), "scaled" (`quant.ScaledCodec`'s codes, scales and zeros), or None: its
+  # own, read only through its own `qk` / `pv`. A subclass that changes the storage or its
+  # reads without saying what it is gets None (below), never its parent's kind.
   storage = "float"
-  _STORAGE = ("init", "encode", "decode", "codes", "_quantize", "qk_block", "pv_block",
-              "_qk_block", "_pv_block")
+  _STORAGE = ("init", "encode", "decode", "codes", "_quantize", "qk", "pv")
 
   def __init_subclass__(cls, **kw):
     super().__init_subclass__(**kw)
@@ -116,55 +114,53 @@ class Codec:
 
   def decode(self, enc: Any, dtype=jnp.float32) -> jax.Array:
     """Full-precision view (tests and reference paths only; the attention reads through
-    qk_block/pv_block)."""
+    `qk` / `pv`)."""
     return load_bits(enc, self.dtype).astype(dtype)
 
   def bytes_per_token(self, n_kv_heads: int, head_dim: int) -> float:
     """Closed-form bytes one token of K (or V) takes in one layer, metadata included."""
     return n_kv_heads * head_dim * jnp.dtype(self.dtype).itemsize
 
-  # -- the attention's reads -----------------------------------------------------------
-  def qk_block(self, q_BKGTD: jax.Array, k_enc: Any) -> jax.Array:
-    """Logits [B, K, G, T, C] over a block of C stored tokens in one go (the blockwise read:
-    the caller keeps blocks small, so whatever is widened here is block-sized)."""
-    return self._qk_block(q_BKGTD, k_enc)
-
-  def pv_block(self, p_BKGTC: jax.Array, v_enc: Any) -> jax.Array:
-    """Probability-weighted values of a block of C stored tokens in one go."""
-    return self._pv_block(p_BKGTC, v_enc)
-
-  @property
-  def kernel_kind(self) -> int | None:
-    """How the CPU read kernel (`kvjax.kernels`) widens this codec's storage: a kind of
-    `read.cc` (0 fp32, 1 bf16, 2 fp16), or None where the kernel does not read it."""
-    return {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1,
-            jnp.dtype(jnp.float16): 2}.get(jnp.dtype(self.dtype))
-
-  @property
-  def kernel_scales(self) -> str:
-    """How the kernel finds this codec's scales: `whole` (one per token, or none),
-    `grouped` (head_dim groups per token) or `channel` (per channel per token block)."""
-    return "whole"
-
-  def qk_native(self, q_BKGTD: jax.Array, k_enc: Any) -> jax.Array:
-    """`qk_block` with the block read in its stored type (`codecs.dots`: the `native`
-    attention). bf16 codes meet the query in bf16 digits; fp32 and fp16 (which bf16 cannot
-    hold exactly) read as `qk_block` does."""
-    if jnp.dtype(self.dtype) != jnp.bfloat16:
-      return self.qk_block(q_BKGTD, k_enc)
-    return dots.qk(q_BKGTD, load_bits(k_enc, self.dtype))
-
-  def pv_native(self, p_BKGTC: jax.Array, v_enc: Any) -> jax.Array:
-    """`pv_block` with the block read in its stored type, as `qk_native`."""
-    if jnp.dtype(self.dtype) != jnp.bfloat16:
-      return self.pv_block(p_BKGTC, v_enc)
-    return dots.pv(p_BKGTC, load_bits(v_enc, self.dtype))
-
-  def _qk_block(self, q_BKGTD, k_enc):
+  # -- the read interface: the attention's two reads of a block, and what is stored --------
+  def qk(self, q_BKGTD: jax.Array, k_enc: Any, native: bool = False) -> jax.Array:
+    """Logits [B, K, G, T, C] over a block of C stored tokens in one go (the caller keeps
+    blocks small, so whatever is widened here is block-sized). `native`: the block read in
+    its stored type (`codecs.dots`, the `native` attention): bf16 codes meet the query in
+    bf16 digits; fp32 and fp16 (which bf16 cannot hold exactly) read as without it."""
+    if native and jnp.dtype(self.dtype) == jnp.bfloat16:
+      return dots.qk(q_BKGTD, load_bits(k_enc, self.dtype))
     return dot_qk(q_BKGTD, self.decode(k_enc, q_BKGTD.dtype))
 
-  def _pv_block(self, p_BKGTC, v_enc):
+  def pv(self, p_BKGTC: jax.Array, v_enc: Any, native: bool = False) -> jax.Array:
+    """Probability-weighted values [B, K, G, T, D] of a block of C stored tokens, `native`
+    as in `qk`."""
+    if native and jnp.dtype(self.dtype) == jnp.bfloat16:
+      return dots.pv(p_BKGTC, load_bits(v_enc, self.dtype))
     return dot_pv(p_BKGTC, self.decode(v_enc, p_BKGTC.dtype))
+
+  @property
+  def stored(self) -> "Stored":
+    """What the storage is, for the reads that load it directly rather than through `qk` /
+    `pv`: the accelerator program's folded read (`attention.folded`), the Pallas kernel
+    (`attention.pallas`) and the CPU read kernel (`kvjax.kernels`)."""
+    kernel = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1,
+              jnp.dtype(jnp.float16): 2}.get(jnp.dtype(self.dtype))
+    return Stored(self.storage, kernel if self.storage == "float" else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+  """A codec's storage as the direct reads see it.
+
+  kind:   "float", "scaled" or None (the codec's own: only its `qk` / `pv` read it);
+  kernel: the CPU read kernel's kind of element (`read.cc`: 0 fp32, 1 bf16, 2 fp16, 3 int8,
+          4 int4, 5 int2, 6 / 7 fp8), or None where the kernel does not read it;
+  scales: where the kernel finds the scales: "whole" (one per token, or none), "grouped"
+          (head_dim groups per token) or "channel" (per channel per token block)."""
+
+  kind: str | None
+  kernel: int | None = None
+  scales: str = "whole"
 
 
 def per_head(G: int, D: int, read: str = "qk") -> bool:

@@ -1,4 +1,4 @@
-"""The `native` read of the scaled codecs (`quant.ScaledCodec.qk_native` / `pv_native`):
+"""The `native` read of the scaled codecs (`quant.ScaledCodec.qk` / `pv` with `native=True`):
 a block of codes meets the query (or probability) rows in the codes' own type through
 `codecs.dots`, and every scale, zero point and offset is applied around the dot, never
 to the block:

@@ -16,10 +16,10 @@ So |x - x̂| <= s · (the widest gap between adjacent levels) / 2; a uniform gri
 bits has the same bound at every magnitude, these levels are denser near zero.
 
 Bytes: the packed codes plus one bf16 scale per group (no zero point): int4's bytes less
-its zeros. Reads: `qk_block` / `pv_block` are `ScaledCodec`'s with the codes looked up in
+its zeros. Reads: `qk` / `pv` are `ScaledCodec`'s with the codes looked up in
 the levels, so the grouped, reference and native (XLA dots) reads all hold; the CPU read
-kernel has no level table (`kernel_kind` None) and neither has the Pallas kernel
-(`storage` None: not `ScaledCodec`'s integer codes), so `model.attention=pallas` is refused
+kernel has no level table and neither has the Pallas kernel (`stored` says None: not
+`ScaledCodec`'s integer codes), so `model.attention=pallas` is refused
 for these codecs, and the accelerator program's folded read takes their own reads.
 """
 
@@ -52,7 +52,7 @@ class NormalFloat(quant.ScaledCodec):
   """`ScaledCodec` (symmetric, absmax scales) with codes that index fixed normal levels."""
 
   kind: str = "nf"
-  storage = None  # codes index levels: read through its own qk_block / pv_block only
+  storage = None  # codes index levels: read through its own qk / pv only (no stored-type dot)
 
   def _quantize(self, xg, red, r: float = 1.0):
     lv = jnp.asarray(levels(self.bits), jnp.float32)
@@ -73,16 +73,6 @@ class NormalFloat(quant.ScaledCodec):
     """Each element's level ℓ[c] in `dtype` (exact: the levels are bf16 values)."""
     c = packing.unpack(enc["codes"], self.bits)
     return jnp.asarray(levels(self.bits), jnp.float32)[c].astype(dtype)
-
-  @property
-  def kernel_kind(self) -> int | None:
-    return None
-
-  def qk_native(self, q_BKGTD, enc):  # no stored-type dot for looked-up levels
-    return self.qk_block(q_BKGTD, enc)
-
-  def pv_native(self, p_BKGTC, enc):
-    return self.pv_block(p_BKGTC, enc)
 
 
 base.register(NormalFloat("nf4", jnp.uint8, bits=4))

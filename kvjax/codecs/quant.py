@@ -37,7 +37,7 @@ Decisions, and why:
 
 Reading never dequantizes the cache: per-token scales are folded into the logits (K) and
 the probabilities (V); channel scales are folded into the query (K). Codes are widened
-only one block of C stored tokens at a time (`qk_block`/`pv_block`, called by the
+only one block of C stored tokens at a time (`qk`/`pv`, called by the
 attention's blockwise read), because XLA:CPU materializes a converted operand of a dot:
 without blocks the widened codes would be a full-precision copy of the layer's cache.
 """
@@ -49,7 +49,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvjax.codecs import base, clip, logits, native, packing
+from kvjax.codecs import base, clip, logits, packing
+from kvjax.codecs import native as native_reads
 from kvjax.codecs.packing import SCALE_BYTES, SCALE_DTYPE, pack, unpack  # noqa: F401 (the face)
 from kvjax.errors import KvjaxError
 
@@ -63,7 +64,7 @@ PLANE_MIN = 64
 class ScaledCodec(base.Codec):
   """Codes plus per-group scales (and zeros). `dtype` is the stored code type."""
 
-  storage = "scaled"  # (base.Codec.storage)
+  storage = "scaled"  # (base.Codec.storage, what `stored` says)
 
   kind: str = "int"      # int: symmetric | uint: asymmetric, packed | fp8
   bits: int = 8
@@ -174,7 +175,7 @@ class ScaledCodec(base.Codec):
 
   def decode(self, enc: dict, dtype=jnp.float32) -> jax.Array:
     """Dequantize everything (reference and tests only; the attention reads through
-    qk_block/pv_block)."""
+    `qk`/`pv`)."""
     c = self.codes(enc)
     T, D = c.shape[-2:]
     rep, ax = (T // enc["scale"].shape[-2], -2) if self.axis == "channel" else \
@@ -220,24 +221,23 @@ class ScaledCodec(base.Codec):
     return self.asym and enc["codes"].shape[-1] >= PLANE_MIN
 
   @property
-  def kernel_scales(self) -> str:  # (base.Codec.kernel_scales)
-    return "channel" if self.axis == "channel" else "grouped" if self.group else "whole"
-
-  @property
-  def kernel_kind(self) -> int | None:
-    """The read kernel's kind (3 int8, 4 int4, 5 int2, 6 / 7 fp8), for every scale layout."""
+  def stored(self) -> base.Stored:  # (base.Codec.stored)
+    """Scaled storage: the read kernel's kind (3 int8, 4 int4, 5 int2, 6 / 7 fp8) for every
+    scale layout; a subclass whose codes mean something else (`storage` None) has none."""
+    if self.storage != "scaled":
+      return base.Stored(self.storage)
     if self.kind == "fp8":
-      return 6 if jnp.dtype(self.dtype) == jnp.dtype(jnp.float8_e4m3fn) else 7
-    return {8: 3, 4: 4, 2: 5}[self.bits]
+      kernel = 6 if jnp.dtype(self.dtype) == jnp.dtype(jnp.float8_e4m3fn) else 7
+    else:
+      kernel = {8: 3, 4: 4, 2: 5}[self.bits]
+    scales = "channel" if self.axis == "channel" else "grouped" if self.group else "whole"
+    return base.Stored("scaled", kernel, scales)
 
-  def qk_native(self, q_BKGTD, enc):  # the reads in the codes' stored type: codecs.native
-    return native.qk(self, q_BKGTD, enc)
-
-  def pv_native(self, p_BKGTC, enc):
-    return native.pv(self, p_BKGTC, enc)
-
-  def _qk_block(self, q_BKGTD, enc):
-    """Logits over a block of C stored tokens, scales folded in: [B, K, G, T, C]."""
+  def qk(self, q_BKGTD, enc, native: bool = False):
+    """Logits over a block of C stored tokens, scales folded in: [B, K, G, T, C]; `native`:
+    in the codes' stored type (`codecs.native`), for the codes this class stores."""
+    if native and self.storage == "scaled":
+      return native_reads.qk(self, q_BKGTD, enc)
     c_BKCD, s, off = self._parts(enc, q_BKGTD.dtype)
     G, D = q_BKGTD.shape[2], q_BKGTD.shape[4]
     f32 = jnp.float32
@@ -258,8 +258,11 @@ class ScaledCodec(base.Codec):
       return l
     return logits.group_logits(q_BKGTD, c_BKCD, s, off)
 
-  def _pv_block(self, p_BKGTC, enc):
-    """Probability-weighted values of a block of C tokens, scales folded into p: [B,K,G,T,D]."""
+  def pv(self, p_BKGTC, enc, native: bool = False):
+    """Probability-weighted values of a block of C tokens, scales folded into p: [B,K,G,T,D];
+    `native` as in `qk`."""
+    if native and self.storage == "scaled":
+      return native_reads.pv(self, p_BKGTC, enc)
     c_BKCD, s, off = self._parts(enc, jnp.float32)
     B, K, G, T, C = p_BKGTC.shape
     D = c_BKCD.shape[-1]

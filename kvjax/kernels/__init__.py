@@ -228,12 +228,12 @@ def _leaves(enc):
 def read(q_BKGTD, seg):
   """The online-softmax partial state (m, s, acc) of `seg` for these queries through the
   kernel, or None where the kernel does not read this segment's storage (a codec without
-  a `kernel_kind`, or a segment without a `kernel_view`).
+  a `stored.kernel`, or a segment without a `kernel_view`).
 
   Traced under a device mesh (`kvjax.sharding.visible`), the call runs per device inside
   `jax.shard_map`: each device reads its own batch rows and KV heads, as the XLA read's
   partitioned dots do, where a plain custom call would gather every input onto each device."""
-  kk, vk = seg.k_codec.kernel_kind, seg.v_codec.kernel_kind
+  kk, vk = seg.k_codec.stored.kernel, seg.v_codec.stored.kernel
   view = seg.kernel_view()
   if kk is None or vk is None or view is None or not available():
     return None
@@ -261,7 +261,7 @@ MODES = {"whole": 0, "grouped": 1, "channel": 2}  # read.cc's Mode
 def _scales(codec, scale) -> tuple[int, int]:
   """(mode, param) of a leaf's scales for the kernel: param is the scales per token of
   head_dim groups ([..., S, n]) or the tokens U each per-channel row covers."""
-  mode = codec.kernel_scales
+  mode = codec.stored.scales
   if mode == "channel":
     return MODES[mode], int(codec.group)
   return MODES[mode], int(scale.shape[-1]) if scale.ndim > 1 else 1

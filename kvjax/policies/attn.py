@@ -59,7 +59,7 @@ def step_attention(q_HD, k_store, kc, mask_S, k_new_KD):
   K, S = k_new_KD.shape[1], mask_S.shape[1]
   q_KGTD = (q_HD * D ** -0.5).reshape(rows, K, H // K, 1, D)
   C = min(S, codecs.READ_CHUNK)
-  blocks = [kc.qk_block(q_KGTD, jax.tree.map(lambda a: a[:, :, s:s + C], k_store))  # noqa: B023
+  blocks = [kc.qk(q_KGTD, jax.tree.map(lambda a: a[:, :, s:s + C], k_store))  # noqa: B023
             for s in range(0, S, C)]
   l_held = jnp.concatenate(blocks, axis=-1)[:, :, :, 0]  # [L·B, K, G, S]
   l_own = jnp.einsum("nkgd,nkd->nkg", q_KGTD[:, :, :, 0], k_new_KD.astype(q_KGTD.dtype),

@@ -2,7 +2,7 @@
 (`kvjax.cache.compact`; a paged cache into the budget's pages, `kvjax.cache.paged_compact`),
 and the likelihood of a continuation read through such a cache.
 
-`prefill_program(cfg, default)` is what a driver lowers for prefill: `default`
+`prefill_for(cfg, default)` is what a driver lowers for prefill: `default`
 (`decode.prefill`) when the policy is `full`, else `CompactingPrefill`, which checks the
 prompt lengths on the host and lowers `prefill` below. Every model call here is one
 `kvjax.step.run`.
@@ -80,7 +80,7 @@ class CompactingPrefill:
     return prefill.lower(params, tokens_BT, lengths_B, cache, key, spec=spec, sampler=sampler)
 
 
-def prefill_program(cfg, default):
+def prefill_for(cfg, default):
   """The prefill program `program.generate` lowers: `default` for `full`, else compaction."""
   return default if not policies.evicts(cfg.cache) else CompactingPrefill()
 
@@ -109,7 +109,7 @@ def continuation_logprobs(cfg, params, context_BT, cont_BM):
   cache = cache_lib.init_cache(cfg, B, T + M)
   key = jax.random.PRNGKey(0)
   kw = step.statics(cfg, decode.Sampler())
-  pre = prefill_program(cfg, decode.prefill).lower(params, context_BT, lengths_B, cache, key,
+  pre = prefill_for(cfg, decode.prefill).lower(params, context_BT, lengths_B, cache, key,
                                                    **kw).compile()
   _, last_BV, cache = pre(params, context_BT, lengths_B, cache, key)
   lp_BMV, cache = continue_tokens(params, cache, cont_BM[:, :-1], spec=kw["spec"])

@@ -103,7 +103,7 @@ class Program:
     t0 = time.perf_counter()
     if s.width:
       self.prompts = (self.place.batch(tokens_BT), self.place.batch(lengths_B))
-      prefill = evict.prefill_program(cfg, decode.prefill)
+      prefill = evict.prefill_for(cfg, decode.prefill)
       cache = self.fresh()
       self.pre = prefill.lower(self.params, *self.prompts, cache, self.keys[0], **kw).compile()
       if s.steps > 0:  # decode is lowered on what prefill returns (compaction reshapes it)

@@ -6,7 +6,7 @@
 Every program that calls the model through a cache calls `run` inside its own jit: prefill
 and the decode loop (kvjax.decode), prefill with a policy's capture and teacher-forced
 continuations (kvjax.evict), streamed evaluation (kvjax.evaluate), task prefixes, tails and
-answers (kvjax.tasks.through_cache) and the serving step (kvjax.serve.step); the timers
+answers (kvjax.tasks.through_cache) and the serving step (kvjax.serve.device); the timers
 time those programs. So there is one layer-loop choice (`network`), one position rule
 (`positions`), one recompute path (layout `none`) and one place that builds what jit
 hashes (`statics`, whose `Static` holds the model, cache and mesh configs).

@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvjax import config as config_lib
 from kvjax import metrics, program
 from kvjax.errors import KvjaxError
-from kvjax.serve import allocator, engine, step
+from kvjax.serve import allocator, device, engine
 
 V = 64
 
@@ -265,12 +265,12 @@ def test_paged_engine_matches_generate_with_and_without_prefix_sharing(served):
   e = engine.Engine(pcfg, params, slots=4, max_len=32, chunk=8, widths=(16,))
   stats, out = _serve(e, prompts, news)
   assert out == ref and stats["prefix_hit_rate"] > 0
-  traces = dict(step.STEP_TRACES)
+  traces = dict(device.STEP_TRACES)
   e2 = engine.Engine(pcfg, params, slots=4, max_len=32, chunk=8, widths=(16,), prefix_cache=False)
   stats2, out2 = _serve(e2, prompts, news)
   assert out2 == ref and stats2["prefix_hit_rate"] == 0
   # many steps, two runs, two engines: the step compiled once per shape (2 kinds x 2 widths)
-  assert stats["steps"] + stats2["steps"] > 20 and dict(step.STEP_TRACES) == traces
+  assert stats["steps"] + stats2["steps"] > 20 and dict(device.STEP_TRACES) == traces
 
 
 @pytest.mark.parametrize("unroll", [1, 2], ids=["scanned", "unrolled"])

@@ -126,7 +126,7 @@ def run_cached(cfg, params, prompts=PROMPTS, cont=CONT):
   Returns the logits [B, 1 + len(cont), V] (prefill's last, then one per step) and caches."""
   tokens, lengths = program.pad_prompts(prompts)
   c0 = cache_lib.init_cache(cfg, len(prompts), tokens.shape[1] + len(cont[0]))
-  prefill = evict.prefill_program(cfg, decode.prefill)
+  prefill = evict.prefill_for(cfg, decode.prefill)
   sampler = decode.Sampler()
   key = jax.random.PRNGKey(0)
   _, last, cache = prefill.lower(params, tokens, lengths, c0, key, spec=step.Static.of(cfg),

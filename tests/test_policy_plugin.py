@@ -20,7 +20,7 @@ from kvjax import policies, program
 from kvjax.cache import paged_compact
 from kvjax.errors import KvjaxError
 from kvjax.policies.replace import ScoreAndReplace
-from kvjax.serve import step as serve_step
+from kvjax.serve import device as serve_step
 
 NAME, K, BUDGET, N = "largest_key_out", 2, 5, 8
 

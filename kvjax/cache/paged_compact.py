@@ -15,7 +15,7 @@ beyond a sequence's Q are released on the device, and `cache_bytes` is the budge
 (`closed_form_bytes`). The serving engine does the same in its one shared pool: a request
 is compacted into its own first pages once its prompt is cached, and the pages beyond its
 held tokens go back to its page allocator (kvjax/serve/engine.py, `compact_pages` in
-kvjax/serve/step.py).
+kvjax/serve/device.py).
 
 Slots: `lengths` counts every token seen (the next token's position, which RoPE needs),
 `held` the slots [0, held) that hold a token; slot s lives in logical page s // page_size

@@ -14,7 +14,7 @@ from kvjax.errors import KvjaxError
 from kvjax.policies.base import (FULL, KEEP, POLICIES, Context, Policy, Slots,  # noqa: F401
                                  effective_budget, evicts, get, held, register, static_budget,
                                  top_positions)
-from kvjax.policies.budget import (budgets, capacity, check_config,  # noqa: F401
+from kvjax.policies.token_budget import (budgets, capacity, check_config,  # noqa: F401
                                    check_lengths, held_tokens)
 
 plugins.import_all(__name__, __path__)

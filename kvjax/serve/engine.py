@@ -1,5 +1,5 @@
 """Continuous batching over a paged KV cache (or, as the baseline, contiguous slots): the
-host scheduler. Its device step is kvjax/serve/step.py, its page allocator
+host scheduler. Its device step is kvjax/serve/device.py, its page allocator
 kvjax/serve/allocator.py; it runs on one device (`mesh.*` is refused, never ignored).
 
 A fixed number of decode slots share one cache. A request's state is just (tokens known,
@@ -9,7 +9,7 @@ token after its last one. A step is at most two calls of two jit-compiled functi
   - chunked prefill: up to `prefill_rows` requests with more than one uncached token feed
     up to `chunk` tokens each, as a narrow [prefill_rows, chunk] batch;
   - decode: every slot at once, [slots, 1], for the requests with one uncached token.
-Each call reads the smallest bucket width that holds its longest row (step.py).
+Each call reads the smallest bucket width that holds its longest row (device.py).
 
 With `cache.layout=paged` the host `PageAllocator` hands out pages on demand as a
 sequence crosses a page boundary; requests are admitted when a slot is free and the
@@ -28,7 +28,7 @@ shared read-only (refcount + 1) and skipped by prefill. Every page that fills up
 registered, so later requests (and readmissions) can hit it.
 
 Eviction (`cache.policy` knorm, window or sinks, paged only): a request is prefilled whole,
-then compacted once its prompt is cached (step.py `compact_pages`): the kept tokens move to
+then compacted once its prompt is cached (device.py `compact_pages`): the kept tokens move to
 slots [0, held) of its first pages and the pages beyond them go back to the allocator
 (`freed_pages`); decode then appends (or writes the window/sinks ring) by slot, on demand
 (request.py). Compacted pages are private, so prefix caching is off for such configs.
@@ -49,7 +49,7 @@ from kvjax import policies
 from kvjax.cache import paged
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
-from kvjax.serve import step as step_lib
+from kvjax.serve import device
 from kvjax.serve import request as request_lib
 from kvjax.serve.allocator import PageAllocator, page_keys
 from kvjax.serve.request import Request  # noqa: F401  (the engine's request type)
@@ -61,7 +61,7 @@ class Engine:
   def __init__(self, cfg: Config, params=None, *, slots: int, max_len: int, chunk: int = 32,
                prefill_rows: int = 2, prefix_cache: bool = True, watermark: float = 0.01,
                widths: tuple[int, ...] | None = None, backend=None):
-    step_lib.check_config(cfg)  # layouts, eviction on pages only, no residual window, one device
+    device.check_config(cfg)  # layouts, eviction on pages only, no residual window, one device
     if min(slots, max_len, chunk, prefill_rows) <= 0:
       raise KvjaxError("engine slots, max_len, chunk and prefill_rows must be positive")
     if max_len > cfg.model.max_seq_len:
@@ -70,7 +70,7 @@ class Engine:
     self.cfg, self.slots, self.max_len, self.chunk = cfg, slots, max_len, chunk
     self.prefill_rows = min(prefill_rows, slots)
     self.widths = tuple(sorted({min(w, max_len) for w in widths or ()} | {max_len})) \
-        if widths else step_lib.bucket_widths(max_len)
+        if widths else device.bucket_widths(max_len)
     self.spec = cache_lib.CacheSpec.from_config(cfg, slots, max_len)
     self.paged = cfg.cache.layout == "paged"
     self.evicts = policies.evicts(cfg.cache)  # compacted pages are private: no prefix cache
@@ -79,7 +79,7 @@ class Engine:
       self.page = paged.page_size(self.spec)
       self.n_pages = paged.num_pages(self.spec)
       self.watermark = int(watermark * self.n_pages)
-    self.backend = backend or step_lib.ModelBackend(cfg, params, self.spec)
+    self.backend = backend or device.ModelBackend(cfg, params, self.spec)
 
   # -- checks and bookkeeping ---------------------------------------------------------------
   def _check(self, r: Request) -> None:

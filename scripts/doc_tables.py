@@ -16,7 +16,7 @@ A generated block sits between `<!-- doc_tables:NAME begin -->` and
             eviction policy, codec and their combinations, by bytes per token, with the two
             targets (needles at 50 % of the fp32 bytes, the best combination at 12.5 %).
   evict_speed  results/cpu/compression_speed/latency.jsonl: decode step time per policy
-            and codec at ~4k tokens, relative to the full fp32 cache, with the load.
+            and codec at ~4k tokens, relative to the full fp32 cache.
   paired    results/cpu/roofline_smollm2_paired/roofline.jsonl: every codec's decode step
             against bf16's in the same (batch, context) cells, with its interval and the
             fraction of the binding roof.
@@ -56,7 +56,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's kvjax, whichever is installed
-from kvjax import held, intervals  # noqa: E402  (the one count of cache bytes)
+from kvjax import footprint, intervals  # noqa: E402  (the one count of cache bytes)
 
 DOC = ROOT / "docs" / "experiments.md"
 SOURCES = {"quality": ROOT / "results" / "quality.jsonl",
@@ -220,9 +220,9 @@ def _bits(variant: dict) -> int | None:
 
 
 def _held(r: dict) -> dict:
-  """A row's bytes as `kvjax.held` counts them: held at its context, the long-context
+  """A row's bytes as `kvjax.footprint` counts them: held at its context, the long-context
   limit, bits per element all-in."""
-  return held.row_bytes(r)
+  return footprint.row_bytes(r)
 
 
 def _bpt(r: dict) -> float:
@@ -260,7 +260,7 @@ def real_table(rows: list[dict]) -> str:
       f"{w['chunk']} at a time. Each row's reference is the same model through an fp32 cache "
       "(transformers' unquantized dynamic cache for the transformers rows). Bytes/token held "
       f"is what the cache held after the {w['context']:,} tokens of a window divided by them "
-      "(`kvjax.held`: the measured cache tree, codes, scales, the full-precision residual "
+      "(`kvjax.footprint`: the measured cache tree, codes, scales, the full-precision residual "
       "window R and lengths included; for the transformers rows, every tensor its cache "
       "held, its residual window included); bits/element all-in = 8 × that / (30 layers × 2 × "
       "KV heads × 64); the long-context column is what one more token costs once the window "
@@ -443,7 +443,7 @@ def evict_table(rows: list[dict]) -> str:
       f"tokens decoded greedily. Per context and setting {per} queries: passkey at depths "
       f"{', '.join(f'{d:g}' for d in depths)} (one prompt each) and one needle prompt with "
       f"{len(depths)} needles at those depths, each asked. bytes/token: the bytes the cache "
-      "holds for the prefix per prefix token (`kvjax.held`: the kept tokens' codes and "
+      "holds for the prefix per prefix token (`kvjax.footprint`: the kept tokens' codes and "
       "scales, a policy's per-token state and the cache's counters, averaged over the "
       "prompts); the question and answer tokens are not counted. "
       "\"same as fp32\": queries whose first number written equals the fp32 cache's; the "
@@ -543,7 +543,6 @@ def evict_speed_table(rows: list[dict]) -> str:
                  f"{1e3 * m['tpot_s_iqr']:.1f} ms | "
                  f"{m['ttft_s']:.1f} s |")
   w, env = ref["workload"], ref["env"]
-  load = env.get("load_avg")
   out = "\n".join(lines) + (
       f"\n\nRows: `results/cpu/compression_speed/latency.jsonl`. SmolLM2-135M's shape "
       f"({ref['config']['model']['n_layers']} layers, GQA-3, fp32 weights, random values), "
@@ -551,9 +550,8 @@ def evict_speed_table(rows: list[dict]) -> str:
       f"steps per repeat, medians of {ref['metrics']['repeats']} repeats timed round-robin "
       f"over the variants in one process; `vs fp32` is the median of the per-repeat ratios, "
       f"with a bootstrap 95 % interval over the repeats where the rows have one. "
-      f"{env['cpu_count']} CPU cores ({env['backend']}): load average "
-      + (f"{load[0]:g} / {load[1]:g} / {load[2]:g} (1 / 5 / 15 min) when the rows were written"
-         if load else "not recorded") + ".")
+      f"{env['cpu_count']} CPU cores ({env['backend']}); the host's state when they were "
+      f"written: {_notes('results/cpu/compression_speed/latency.jsonl')}.")
   return out
 
 
@@ -591,18 +589,18 @@ def paired_table(rows: list[dict],
   env = rows[0]["env"]
   bw = [r["metrics"]["bandwidth_Bps"] / 1e9 for r in rows]
   return "\n".join(lines) + (
-      f"\n\nRows: `{path}` (commit "
-      f"{env.get('git_commit', '?')}), {rows[0]['metrics']['repeats']} repeats per cell, "
+      f"\n\nRows: `{path}`, {rows[0]['metrics']['repeats']} repeats per cell, "
       f"ratios to `{ref}`. {env['cpu_count']} CPU cores"
       f"{' of ' + env['cpu_model'] if env.get('cpu_model') else ''}: bandwidth probe "
-      f"{min(bw):.1f}–{max(bw):.1f} GB/s{_loads(rows)}.")
+      f"{min(bw):.1f}–{max(bw):.1f} GB/s; the host's state when they were written: "
+      f"{_notes(path)}.")
 
 
-def _loads(rows: list[dict]) -> str:
-  """', 1-minute load average lo–hi when the rows were written' ('' without a record)."""
-  loads = [r["env"]["load_avg"][0] for r in rows if r["env"].get("load_avg")]
-  return (f", 1-minute load average {min(loads):.2f}–{max(loads):.2f} when the rows were "
-          "written") if loads else ""
+def _notes(path: str) -> str:
+  """The NOTES.md beside a rows file, which holds what a doc does not: the commit the rows
+  were written at, the host's load, the run's story (docs/*.md name neither)."""
+  parts = Path(path).parts
+  return f"`{'/'.join(parts[:2])}/NOTES.md`" if len(parts) > 2 else "`results/NOTES.md`"
 
 
 _READS = {"native": "native", "grouped": "grouped (XLA)"}
@@ -636,11 +634,12 @@ def codec_speed_table(rows: list[dict]) -> str:
     lines.append(f"| {_READS.get(a, a)}, {ctx(c)} | " + " | ".join(cells) +
                  f" | {1e3 * m['tpot_s']:.2f} ms | {m.get('bound', '?')} |")
   env = rows[0]["env"]
+  path = "results/cpu/codec_speed/latency.jsonl"
   return "\n".join(lines) + (
-      f"\n\nRows: `results/cpu/codec_speed/latency.jsonl` (commit {env.get('git_commit', '?')}), "
+      f"\n\nRows: `{path}`, "
       f"{rows[0]['metrics']['repeats']} repeats per cell; each cell is the median of the "
       f"per-repeat ratios to `{ref}`, in brackets its bootstrap 95 % interval. "
-      f"{env['cpu_count']} CPU cores{_loads(rows)}.")
+      f"{env['cpu_count']} CPU cores; the host's state when they were written: {_notes(path)}.")
 
 
 def _layers(text: str) -> str:
@@ -744,7 +743,7 @@ def calibrated_table(rows: list[dict], path: str, config: str) -> str:
       f"\n\nRows: `{path}`, model `{rows[0]['variant'].get('model')}`, {w['template']} "
       f"template, {w['gen_len']} answer tokens decoded greedily; {_queries(rows, per)}. "
       "bytes/token: what the cache holds for the prefix per prefix token at each context "
-      "(`kvjax.held`, a residual window's float32 tokens included), as in the eviction table. ")
+      "(`kvjax.footprint`, a residual window's float32 tokens included), as in the eviction table. ")
   out += ("Intervals apart from the fp32 cache's at the same context: " + ", ".join(apart) + "."
           if apart else "No setting's interval is apart from the fp32 cache's at any context: "
           "at this size no setting's difference from fp32 is told apart.")

@@ -107,10 +107,12 @@ def update(path: Path = MANIFEST) -> None:
 
 
 def results_files() -> set[str]:
-  """Committed results: every file under results/ except the manifest and scratch folders."""
+  """Committed results: every file under results/ except the manifest, scratch folders and
+  the NOTES.md beside rows (what a run's story, host and commit were: prose, no command)."""
   base = ROOT / "results"
   return {str(p.relative_to(ROOT)) for p in base.rglob("*") if p.is_file()
-          and p != MANIFEST and not p.relative_to(base).parts[0].startswith("tmp")}
+          and p != MANIFEST and p.name != "NOTES.md"
+          and not p.relative_to(base).parts[0].startswith("tmp")}
 
 
 def check(path: Path = MANIFEST) -> list[str]:

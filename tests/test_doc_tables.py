@@ -161,7 +161,9 @@ def test_paired_table_has_a_column_per_cell_and_follows_the_rows(doc_tables):
   assert "| int4 | 4.5 | 45.0 ms, 0.90× [0.85, 0.95] (0.50 b) | " \
       "270.0 ms, 0.90× [0.80, 1.02] (0.47 f) |" in text
   assert text.index("| bf16 |") < text.index("| int4 |")  # the reference first
-  assert "(commit abc1234), 7 repeats per cell, ratios to `bf16`" in text
+  assert "`, 7 repeats per cell, ratios to `bf16`" in text
+  # the commit and the host's load stay in the rows' NOTES.md, which the footer names
+  assert "abc1234" not in text and "load" not in text and "`results/cpu/NOTES.md`" in text
   rows[3]["metrics"]["tpot_vs_ref"] = 0.7  # one row moves: its cell moves with it
   assert "0.70× [0.80, 1.02]" in doc_tables.paired_table(rows)
   assert "| int4 |  | 45.0 ms, 0.90× [0.85, 0.95] (0.50 b) | not run |" in \
@@ -184,6 +186,7 @@ def test_codec_speed_table_has_a_line_per_read_and_context(doc_tables):
   assert lines == ["| native, 256 | not run | 2.00 ms | bytes |",  # native first, by context
                    "| native, 4k | 0.80 [0.75, 0.82] | 2.00 ms | bytes |",
                    "| grouped (XLA), 256 | 0.90 [0.85, 0.95] | 4.00 ms | bytes |"]
+  assert "abc1234" not in text and "load" not in text and "`results/cpu/NOTES.md`" in text
 
 
 def test_layer_bits_table_describes_each_setting(doc_tables):

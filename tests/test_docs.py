@@ -1,10 +1,17 @@
 """The docs stay true to the tree: every page under docs/ is reachable from the README,
-every relative link resolves, and every repository path a page names in backticks
-(`kvjax/...`, `scripts/...`, `configs/...`, `tests/...`, `results/...`, `docs/...`) exists,
-so a moved module or a renamed config fails here instead of misleading a reader."""
+every relative link resolves (to a heading that exists, where it names one), and every
+repository path a page names in backticks (`kvjax/...`, `scripts/...`, `configs/...`,
+`tests/...`, `results/...`, `docs/...`) exists, so a moved module or a renamed config fails
+here instead of misleading a reader. docs/experiments.md stays a page of findings (at most
+600 lines), and no page names a host's load average or a commit of this repository: those
+belong to the `NOTES.md` beside the rows under results/."""
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -14,15 +21,70 @@ PATH = re.compile(r"`((?:kvjax|scripts|configs|tests|results|docs)/[A-Za-z0-9_./
 OUTPUTS = {"results/tmp-reproduce/", "results/tp16/p0"}
 
 
+EXPERIMENTS_MAX_LINES = 600
+# "load average 12", "load avg", "at load 14-17", "load ~15": how busy a host was
+LOAD = re.compile(r"load[ -]average|load avg\b|loadavg|\bload\s+(?:about\s+|~)?\d", re.I)
+HEX = re.compile(r"\b[0-9a-f]{7,40}\b")
+# "commit 2f04a5b", "commits 6c9d2ac and b69c9e5": named as a commit, whatever git knows
+NAMED_COMMIT = re.compile(r"\bcommits?\b\W{0,3}(?:\w+\W{1,3}){0,2}?`?([0-9a-f]{7,40})\b")
+
+
+def _anchors(page: Path) -> set[str]:
+  """GitHub's heading anchors of a page: lower case, punctuation dropped, spaces as hyphens,
+  a repeated heading numbered -1, -2, ..."""
+  seen: dict[str, int] = {}
+  out, fenced = set(), False
+  for line in page.read_text().splitlines():
+    if line.lstrip().startswith("```"):
+      fenced = not fenced
+    m = None if fenced else re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+    if m:
+      slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+      seen[slug] = seen.get(slug, -1) + 1
+      out.add(slug if seen[slug] == 0 else f"{slug}-{seen[slug]}")
+  return out
+
+
 def _stale_links(page: Path, root: Path = ROOT) -> list[str]:
   out = []
   for m in LINK.finditer(page.read_text()):
     target = m.group(1)
-    if target.startswith(("http://", "https://", "#", "mailto:")):
+    if target.startswith(("http://", "https://", "mailto:")):
       continue
-    if not (page.parent / target.split("#")[0]).exists():
+    path, _, anchor = target.partition("#")
+    dest = page.parent / path if path else page
+    if not dest.exists():
       out.append(f"{page.relative_to(root)}: link ({target})")
+    elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+      out.append(f"{page.relative_to(root)}: link ({target}): no such heading")
   return out
+
+
+def _load_averages(page: Path, root: Path = ROOT) -> list[str]:
+  return [f"{page.relative_to(root)}:{i}: {m.group(0)!r}"
+          for i, line in enumerate(page.read_text().splitlines(), 1)
+          for m in LOAD.finditer(line)]
+
+
+def _commits(page: Path, root: Path = ROOT, repo: Path = ROOT) -> list[str]:
+  """Strings on the page that name a commit: written as one ("commit 2f04a5b"), or any word
+  of 7-40 hex digits that git resolves to a commit of the repository at `repo` (none are
+  looked up where git or the repository is missing)."""
+  text = page.read_text()
+  found = {m.group(1) for m in NAMED_COMMIT.finditer(text)
+           if re.search(r"[a-f]", m.group(1)) and re.search(r"\d", m.group(1))}
+  words = sorted(set(HEX.findall(text)) - found)
+  if words and _has_git(repo):
+    res = subprocess.run(["git", "-C", str(repo), "cat-file", "--batch-check"],
+                         input="".join(f"{w}^{{commit}}\n" for w in words),
+                         capture_output=True, text=True, check=True)
+    found |= {w for w, line in zip(words, res.stdout.splitlines())
+              if line.split()[1:2] == ["commit"]}  # "<sha> commit <size>", else "<w> missing"
+  return [f"{page.relative_to(root)}: {w}" for w in sorted(found)]
+
+
+def _has_git(repo: Path) -> bool:
+  return bool(shutil.which("git")) and (repo / ".git").exists()
 
 
 def _stale_paths(page: Path, root: Path = ROOT) -> list[str]:
@@ -52,15 +114,44 @@ def test_every_named_repository_path_exists():
   assert not found, "paths the docs name that the tree does not have: " + "; ".join(found)
 
 
+def test_experiments_page_is_findings_at_most_600_lines():
+  n = len((ROOT / "docs" / "experiments.md").read_text().splitlines())
+  assert n <= EXPERIMENTS_MAX_LINES, (
+      f"docs/experiments.md has {n} lines (at most {EXPERIMENTS_MAX_LINES}): keep one "
+      "paragraph of findings per experiment; a run's story goes to the NOTES.md beside its rows")
+
+
+def test_no_page_names_a_load_average_or_a_commit():
+  found = [line for page in PAGES for line in _load_averages(page) + _commits(page)]
+  assert not found, ("a host's load average or a commit hash belongs in the NOTES.md beside "
+                     "the rows (results/**/NOTES.md), not in the docs: " + "; ".join(found))
+
+
+@pytest.mark.skipif(not _has_git(ROOT), reason="no git or no .git: commits cannot be looked up")
+def test_the_commit_check_knows_this_repository(tmp_path):
+  head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=7", "HEAD"],
+                        capture_output=True, text=True, check=True).stdout.strip()
+  page = tmp_path / "page.md"
+  page.write_text(f"the rows came from {head}; 1234567 needles, config hash `18b204572da3` "
+                  "and 0000000 name no commit\n")
+  assert _commits(page, tmp_path, repo=ROOT) == [f"page.md: {head}"]
+
+
 def test_the_checks_catch_a_stale_link_and_path(tmp_path):
   (tmp_path / "kvjax").mkdir()
   (tmp_path / "kvjax" / "step.py").write_text("")
-  (tmp_path / "there.md").write_text("")
   page = tmp_path / "page.md"
-  page.write_text("see [a](nowhere.md), [b](there.md#top), [c](https://x.org) and\n"
-                  "`kvjax/no_such_module.py`, `kvjax/step.py`, `configs/train_`, `kvjax/cache/NAME.py`\n")
-  assert _stale_links(page, tmp_path) == ["page.md: link (nowhere.md)"]
+  (tmp_path / "there.md").write_text("# Top\n\n## The cache's axis order — `[L, B]`\n")
+  page.write_text("see [a](nowhere.md), [b](there.md#top), [c](https://x.org),\n"
+                  "[d](there.md#the-caches-axis-order--l-b), [e](there.md#gone), [f](#see) and\n"
+                  "`kvjax/no_such_module.py`, `kvjax/step.py`, `configs/train_`, `kvjax/cache/NAME.py`\n"
+                  "\n# See\n\nrun at load average 3.1, then commit 2f04a5b; config hash 18b204572da3;\n"
+                  "load ~15 on two cores\n")
+  assert _stale_links(page, tmp_path) == ["page.md: link (nowhere.md)",
+                                          "page.md: link (there.md#gone): no such heading"]
   assert _stale_paths(page, tmp_path) == ["page.md: `kvjax/no_such_module.py`"]
+  assert _load_averages(page, tmp_path) == ["page.md:7: 'load average'", "page.md:8: 'load ~1'"]
+  assert _commits(page, tmp_path) == ["page.md: 2f04a5b"]  # named so; tmp_path has no git
 
 
 # -- docs/architecture.md: short, and its walk names only what the tree has ---------------

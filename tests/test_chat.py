@@ -151,3 +151,40 @@ def test_cli_chat_without_a_template_is_one_line(capsys):
   assert "no chat template" in err and len(err.splitlines()) == 1
   assert cli.main(["generate", "--prompt-ids", "1,2", "--chat"]) == 2
   assert "--chat renders a text prompt" in capsys.readouterr().err
+
+
+def test_a_model_s_own_template_wraps_the_long_context_prompts():
+  """params.template=model: the model's template split at the user's text, its printed BOS
+  left to a tokenizer that adds one (never two), the assistant's opening after the
+  question; without a template in the metadata, the turn format its vocabulary names; a
+  template that does not print the user's text once, or none at all, is one line."""
+  import types
+
+  from kvjax import tasks
+
+  def tok(info, bos_id=None, vocab=()):
+    return types.SimpleNamespace(chat=info, bos_id=bos_id, token_to_id={
+        t: i for i, t in enumerate(vocab)}.get)
+  gemma = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+           "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+           "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+  info = chat.ChatInfo(gemma, frozenset({1}), "<bos>", "<eos>")
+  t = tasks.own_template(tok(info, bos_id=2))
+  assert (t.name, t.user, t.assistant) == ("model", "<start_of_turn>user\n",
+                                           "<end_of_turn>\n<start_of_turn>model\n")
+  assert tasks.own_template(tok(info)).user == "<bos><start_of_turn>user\n"
+  assert tasks.own_template(tok(chat.ChatInfo(CHATML))) == tasks.Template(
+      "model", "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n")
+  no_template = chat.ChatInfo(None, origin="g.gguf")
+  assert tasks.own_template(tok(no_template, 2, ["<bos>", "<start_of_turn>"])) == \
+      tasks.Template("model", tasks.GEMMA.user, tasks.GEMMA.assistant)
+  assert tasks.own_template(tok(no_template, None, ["<|im_start|>"])).user == tasks.CHATML.user
+  with pytest.raises(KvjaxError, match=r"^g.gguf has no chat template"):
+    tasks.own_template(tok(no_template, None, ["a"]))
+  e = tasks.generate("passkey", lambda s: list(s.encode()), 400, [0.5], template=t)
+  assert e.prefix.startswith("<start_of_turn>user\n")
+  assert "<end_of_turn>\n<start_of_turn>model\n" in e.queries[0].tail
+  for bad in ("{{ 'no turns' }}", "{% for m in messages %}{{ m.content }}{{ m.content }}"
+              "{% endfor %}"):
+    with pytest.raises(KvjaxError, match=r"^[^\n]*does not print a user turn's text once"):
+      tasks.own_template(tok(chat.ChatInfo(bad)))

@@ -112,9 +112,9 @@ def check(cfg) -> None:
   n = _context(cfg) - cfg.param_int("gen_len", 12)
   for task in _task_list(cfg):
     tasks.check_args(task, n, depths[:1] if task == "passkey" else depths)
-  if cfg.param("template", "plain") not in tasks.TEMPLATES:
+  if cfg.param("template", "plain") not in (*tasks.TEMPLATES, tasks.OWN):
     raise KvjaxError(f"unknown params.template '{cfg.param('template')}'; use one of "
-                     f"{', '.join(tasks.TEMPLATES)}")
+                     f"{', '.join(tasks.TEMPLATES)} or {tasks.OWN} (the model's own)")
   for spec in _models(cfg):
     _, mcfg, _, tok = _load(spec)
     ex.check_context(mcfg, _context(cfg))
@@ -187,7 +187,8 @@ def _examples(cfg, tok) -> list[tuple[tuple, tasks.Example]]:
 def _make_examples(cfg, tok) -> list[tuple[tuple, tasks.Example]]:
   n = _context(cfg) - cfg.param_int("gen_len", 12)
   depths = [float(d) for d in cfg.param("depths", (0.5,))]
-  template = tasks.TEMPLATES[cfg.param("template", "plain")]
+  name = cfg.param("template", "plain")
+  template = tasks.own_template(tok) if name == tasks.OWN else tasks.TEMPLATES[name]
   out = []
   for task in _task_list(cfg):
     for s in range(cfg.param_int("seeds", 1)):

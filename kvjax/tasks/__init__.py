@@ -22,7 +22,8 @@ the filler to a target token count, and return text plus the expected answer. Th
 is `prefix` (instructions + haystack) followed by a query's `tail` (question and the
 answer's opening words, e.g. "The pass key is"); `n_tokens` is len(encode(prefix)) +
 len(encode(tail)) for the longest tail, at most `target` and within one filler sentence of
-it. A `Template` wraps the prompt in a chat format (`CHATML` for SmolLM2-Instruct).
+it. A `Template` wraps the prompt in a chat format (`CHATML` for SmolLM2-Instruct; `OWN`,
+params.template=model: the model's own chat template from its metadata, `own_template`).
 
 What the cache sees. In kvjax a chunk of tokens fed in one call attends to its own fresh
 K/V; only *later* calls read K/V back through the cache codec. If prefix and question went
@@ -51,11 +52,13 @@ Modules: `haystack` (the generators, templates and `score`) and `through_cache`
 (prefilling, storing the prefix through a codec or compacting it, and answering); this face re-exports both.
 """
 
-from kvjax.tasks.haystack import (CHATML, FILLER, PLAIN, TASKS, TEMPLATES, WORDS, Example, Query,
-                                  Template, check_args, generate, score)
+from kvjax.tasks.haystack import (CHATML, FILLER, GEMMA, OWN, PLAIN, TASKS, TEMPLATES, WORDS,
+                                  Example, Query, Template, check_args, generate,
+                                  own_template, score)
 from kvjax.tasks.through_cache import (Prefix, answer_through_cache, encode_prefix,
                                        evict_prefix, prefill, prefill_queries, prefix_kv)
 
-__all__ = ["CHATML", "FILLER", "PLAIN", "TASKS", "TEMPLATES", "WORDS", "Example", "Prefix",
+__all__ = ["CHATML", "FILLER", "GEMMA", "OWN", "PLAIN", "TASKS", "TEMPLATES", "WORDS", "Example", "Prefix",
            "Query", "Template", "answer_through_cache", "check_args", "encode_prefix",
-           "evict_prefix", "generate", "prefill", "prefill_queries", "prefix_kv", "score"]
+           "evict_prefix", "generate", "own_template", "prefill", "prefill_queries",
+           "prefix_kv", "score"]

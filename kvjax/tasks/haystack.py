@@ -47,7 +47,36 @@ class Template:
 
 PLAIN = Template("plain", "", "\n")
 CHATML = Template("chatml", "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n")
-TEMPLATES = {t.name: t for t in (PLAIN, CHATML)}
+GEMMA = Template("gemma", "<start_of_turn>user\n", "<end_of_turn>\n<start_of_turn>model\n")
+TEMPLATES = {t.name: t for t in (PLAIN, CHATML, GEMMA)}
+OWN = "model"  # params.template: the model's own chat template (`own_template`)
+_SLOT = "\x00question\x00"
+_TURN_TOKENS = ((GEMMA, "<start_of_turn>"), (CHATML, "<|im_start|>"))
+
+
+def own_template(tok) -> Template:
+  """The model's own chat template as a `Template`: one user turn holding a placeholder,
+  rendered with the assistant's opening (`kvjax.io.chat.render`), split at the
+  placeholder; the BOS the template prints is left to the tokenizer where it adds one
+  itself. Where the metadata has no template (Gemma 3's GGUF files), the turn format its
+  vocabulary's turn tokens name (`<start_of_turn>`: GEMMA, `<|im_start|>`: CHATML). A
+  template that does not print the user's text once, or none at all, is one line."""
+  from kvjax.io import chat
+  info = getattr(tok, "chat", None)
+  if info is None or info.template is None:
+    to_id = getattr(tok, "token_to_id", lambda _: None)
+    for template, token in _TURN_TOKENS:
+      if to_id(token) is not None:
+        return Template(OWN, template.user, template.assistant)
+  text = chat.render(info, [{"role": "user", "content": _SLOT}])
+  if text.count(_SLOT) != 1:
+    raise KvjaxError(f"the chat template of {info.origin} does not print a user turn's "
+                     "text once; use params.template=plain or chatml")
+  user, assistant = text.split(_SLOT)
+  if getattr(tok, "bos_id", None) is not None and info.bos_token \
+      and user.startswith(info.bos_token):
+    user = user[len(info.bos_token):]
+  return Template(OWN, user, assistant)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
     prefill(params, tokens_BT, lengths_B, cache, key, spec=, sampler=)  -> token_B, logits, cache
     decode(params, cache, token_B, key, spec=, sampler=, steps=)         -> tokens_BN, cache
+    decode(..., forced_BN=, logprobs=True)     -> tokens_BN, logprobs_BNV, cache (teacher forcing)
 
 Both make one model call per step through `kvjax.step.run`: the model reads and writes the
 cache through its layout (`kvjax.cache`), or, for layout `none`, recomputes the whole
@@ -91,27 +92,38 @@ def prefill(params, tokens_BT, lengths_B, cache, key, *, spec: Static, sampler: 
   return sampler(last_BV, key), last_BV, out.cache
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "sampler", "steps", "bucket"),
+@functools.partial(jax.jit, static_argnames=("spec", "sampler", "steps", "bucket", "logprobs"),
                    donate_argnames=("cache",))
 def decode(params, cache, token_B, key, *, spec: Static, sampler: Sampler, steps: int,
-           bucket: int = 0):
-  """`steps` decode steps in one `lax.scan`; returns the sampled tokens [B, steps].
-  `bucket` > 0 (`bucket_for`): the stored slots the accelerator program's reads cover;
-  every sequence must hold fewer than `bucket - steps + 1` tokens when the call starts."""
-  TRACES["decode"] += 1
-  eos = spec.eos_id
+           bucket: int = 0, forced_BN=None, logprobs: bool = False):
+  """`steps` decode steps in one `lax.scan`; returns the sampled tokens [B, steps] and
+  the cache. The one token loop: generation, timing, task answers and teacher forcing all
+  run it.
 
-  def one(state: LoopState, _):
+  `bucket` > 0 (`bucket_for`): the stored slots the accelerator program's reads cover;
+  every sequence must hold fewer than `bucket - steps + 1` tokens when the call starts.
+  `forced_BN` [B, steps]: the token each step feeds next, in place of the sampled one
+  (teacher forcing; eos is then not special). `logprobs`: also return each step's
+  log-probabilities [B, steps, V] (row i: of the token after the one step i fed)."""
+  TRACES["decode"] += 1
+  eos = -1 if forced_BN is not None else spec.eos_id
+
+  def one(state: LoopState, forced_B):
     out = step.run(spec, params, state.token[:, None], state.cache.lengths[:, None],
                    state.cache, bucket=bucket)
     new_cache = out.cache
     key, sub = jax.random.split(state.key)
-    nxt = sampler(out.logits[:, 0], sub)
+    nxt = sampler(out.logits[:, 0], sub) if forced_B is None else forced_B
     if eos >= 0:
       nxt = jnp.where(state.done, eos, nxt)
     done = state.done | (nxt == eos)
-    return LoopState(nxt, done, new_cache, key), nxt
+    ys = (nxt, jax.nn.log_softmax(out.logits[:, 0].astype(jnp.float32), axis=-1)) \
+        if logprobs else nxt
+    return LoopState(nxt, done, new_cache, key), ys
 
   done0 = token_B == eos if eos >= 0 else jnp.zeros_like(token_B, dtype=bool)
-  state, toks_NB = jax.lax.scan(one, LoopState(token_B, done0, cache, key), None, length=steps)
-  return toks_NB.T, state.cache
+  xs = None if forced_BN is None else jnp.swapaxes(forced_BN, 0, 1)
+  state, ys = jax.lax.scan(one, LoopState(token_B, done0, cache, key), xs, length=steps)
+  if logprobs:
+    return ys[0].T, jnp.swapaxes(ys[1], 0, 1), state.cache
+  return ys.T, state.cache

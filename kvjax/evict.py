@@ -1,6 +1,7 @@
 """The `cache.policy` path: prefill into an ordinary cache, then compact it to the budget
 (`kvjax.cache.compact`; a paged cache into the budget's pages, `kvjax.cache.paged_compact`),
-and the likelihood of a continuation read through such a cache.
+and the likelihood of a continuation read through such a cache (teacher-forced through
+`decode.decode`, the one token loop).
 
 `prefill_for(cfg, default)` is what a driver lowers for prefill: `default`
 (`decode.prefill`) when the policy is `full`, else `CompactingPrefill`, which checks the
@@ -86,17 +87,6 @@ def prefill_for(cfg, default):
 
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
-def continue_tokens(params, cache, cont_BM, *, spec):
-  """Feed cont_BM one token per step through the cache; log-probabilities [B, M, V]."""
-  def one(c, tok_B):
-    out = step.run(spec, params, tok_B[:, None], c.lengths[:, None], c)
-    return out.cache, jax.nn.log_softmax(out.logits[:, 0], axis=-1)
-
-  cache, lp_MBV = jax.lax.scan(one, cache, cont_BM.T)
-  return jnp.swapaxes(lp_MBV, 0, 1), cache
-
-
 def continuation_logprobs(cfg, params, context_BT, cont_BM):
   """Quality through eviction: prefill the context (compacted by `cache.policy`), then
   teacher-force the continuation token by token. Returns (log-probabilities [B, M, V] where
@@ -112,6 +102,8 @@ def continuation_logprobs(cfg, params, context_BT, cont_BM):
   pre = prefill_for(cfg, decode.prefill).lower(params, context_BT, lengths_B, cache, key,
                                                    **kw).compile()
   _, last_BV, cache = pre(params, context_BT, lengths_B, cache, key)
-  lp_BMV, cache = continue_tokens(params, cache, cont_BM[:, :-1], spec=kw["spec"])
+  # teacher-forced through the one token loop: step i feeds cont[:, i], forced from cont[:, 1]
+  _, lp_BMV, cache = decode.decode(params, cache, cont_BM[:, 0], key, steps=M - 1,
+                                   forced_BN=cont_BM[:, 1:], logprobs=True, **kw)
   first = jax.nn.log_softmax(last_BV, axis=-1)[:, None]
   return jnp.concatenate([first, lp_BMV], axis=1), cache_lib.tree_bytes(cache)

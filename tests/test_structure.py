@@ -317,3 +317,15 @@ def test_a_codec_is_read_through_one_interface():
            if not name.startswith("kvjax.codecs")
            for i, line in enumerate(path.read_text().splitlines(), 1) if route.search(line)]
   assert not found, "a codec read outside its interface (qk, pv, stored): " + ", ".join(found)
+
+
+def test_one_token_loop():
+  """A model call on one token per row (`step.run(spec, params, token_B[:, None], ...)`)
+  in a loop is `decode.decode`'s: generation, timers, task answers and teacher-forced
+  continuations run it, so a change to the decode step changes all of them at once."""
+  import re
+  call = re.compile(r"step\.run\(\s*\w+,\s*\w+,\s*[\w.]+\[:, None\]")  # the tokens' argument
+  found = [f"{path.relative_to(ROOT)}:{i}" for name, path in MODULES.items()
+           if name != "kvjax.decode"
+           for i, line in enumerate(path.read_text().splitlines(), 1) if call.search(line)]
+  assert not found, "a token loop outside decode.decode: " + ", ".join(found)

@@ -316,3 +316,21 @@ def test_the_anchor_check_catches_a_renamed_heading(tmp_path):
                   "## Local\n")
   assert _stale_anchors(page, tmp_path) == ["page.md: link (there.md#gone)",
                                             "page.md: link (there.md#not-a-heading)"]
+
+
+def test_the_shape_glossary_is_the_letters_names_use():
+  """Every letter a shape-suffixed name in kvjax/ ends in (`q_BKGTD`) is in the glossary
+  table of docs/architecture.md and in kvjax/config's one-line version, and neither lists a
+  letter no name uses."""
+  import re
+  used = set()
+  for path in (ROOT / "kvjax").rglob("*.py"):
+    for m in re.finditer(r"\b[a-z][a-z0-9]*_([A-Z]{1,8})\b", path.read_text()):
+      used |= set(m.group(1))
+  doc = (ROOT / "docs" / "architecture.md").read_text()
+  table = set(re.findall(r"^\| ([A-Z]) \|", doc, flags=re.M))
+  face = (ROOT / "kvjax" / "config" / "__init__.py").read_text().split('"""')[1]
+  line = face[face.index("Shape letters"):face.index("This package face")]
+  listed = set(re.findall(r"(?:^|, |\n)([A-Z]) ", line))
+  assert table == used, (sorted(table - used), sorted(used - table))
+  assert listed == used, (sorted(listed - used), sorted(used - listed))

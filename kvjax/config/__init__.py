@@ -4,10 +4,10 @@ Every setting that changes a compiled shape or a code path lives here, so a conf
 hashable and can be passed to `jax.jit` as a static argument. Shape letters, one meaning
 each across kvjax (the glossary, with the naming rules, is in docs/architecture.md):
 B batch, T tokens this call, S cache slots, L layers, H query heads, K KV heads, G = H / K,
-D head_dim, E d_model, F d_ff, V vocab, N decode steps, M teacher-forced tokens, C tokens
-per attention read block, U tokens per codec block, J codec blocks, R residual-window
-slots, O tokens leaving the window, P pool pages, Q pages per sequence, A latent rank,
-Y = 2·K·D, W policy window, X codec storage width, Z Pallas splits, I a call's own keys.
+D head_dim, E d_model, V vocab, N decode steps, M teacher-forced tokens, C tokens per
+attention read block, J codec blocks, R residual-window slots, O tokens leaving the window,
+Q pages per sequence, A latent rank, Y = 2·K·D, W window, X codec storage width, Z Pallas
+splits, I a call's own keys (the 23 letters names use; a test keeps the two lists equal).
 
 This package face re-exports the public names of its modules: `schema` (the dataclasses
 and their keys), `loader` (YAML, `--set`, overrides, packaged shapes), `checks` (ranges

@@ -106,7 +106,9 @@ def test_quantized_windowed_decode_reads_as_the_reference(case):
 
 @pytest.mark.parametrize("over, needle", [
     ({"cache.layout": "latent", "model.latent_rank": 4}, "cache.layout=latent"),
-    ({"cache.policy": "window", "cache.budget": 8}, "model.sliding_window=0"),
+    ({"cache.policy": "window", "cache.budget": 8, "cache.layout": "paged"}, "rings"),
+    ({"cache.policy": "window", "cache.budget": 8, "model.global_every": 0},
+     "every layer here is windowed"),
     ({"model.attention": "pallas"}, "sliding-window"),
     ({"model.sliding_window": 5000}, "model.max_seq_len"),
     ({"model.mlp_act": "relu"}, "model.mlp_act"),
@@ -173,6 +175,72 @@ def test_an_unrolled_layer_reads_only_its_own_segment_and_decodes_the_same(prog)
     assert seg.k is (c.k_ring if cfg.model.is_local(layer) else c.k)
   assert len(ring.read(c.spec, store, lengths, jnp.int32(0), rg)) == 2
   prompts = [TOKENS[0, :9].tolist(), TOKENS[1, :5].tolist()]
+  want = program.generate(cfg, params, prompts, 6, timed=False)["tokens"]
+  unrolled = config_lib.replace(cfg, **{"model.scan_unroll": 4})
+  assert program.generate(unrolled, params, prompts, 6, timed=False)["tokens"] == want
+
+
+# A policy on a windowed model evicts on its full-attention layers; each windowed layer keeps
+# its ring. W = 3 puts rings in the prefill cache already; W = 30 is at least the prefill
+# cache's capacity, which then holds every layer whole, and compaction builds the rings.
+@pytest.mark.parametrize("window", [3, 30])
+@pytest.mark.parametrize("policy", ["window", "snapkv", "h2o"])
+def test_a_policy_keeping_every_token_of_a_windowed_model_decodes_the_same(policy, window):
+  """A budget above every sequence's length evicts nothing: the tokens of the same model
+  without a policy. The compacted cache holds the 2 full layers at the policy's capacity and
+  the 2 windowed layers' rings of W slots, its tree bytes equal to the closed form."""
+  from kvjax import cache as cache_lib, program
+  cfg = tiny_config(**{**GEMMA_LIKE, "model.n_layers": 4, "model.sliding_window": window,
+                       "workload.temperature": 0.0})
+  params = _params(cfg)
+  prompts = [TOKENS[0, :12].tolist(), TOKENS[1, :7].tolist()]
+  want = program.generate(cfg, params, prompts, 6, timed=False)["tokens"]
+  pol = config_lib.replace(cfg, **{"cache.policy": policy, "cache.budget": 40})
+  got = program.generate(pol, params, prompts, 6, timed=False, return_cache=True)
+  assert got["tokens"] == want
+  c = got["cache"]
+  assert c.spec.layout == "compacted" and c.k.shape[0] == 2 and c.k_ring.shape[:4] == (
+      2, 2, 1, window)
+  assert cache_lib.tree_bytes(c) == cache_lib.LAYOUTS["compacted"].closed_form_bytes(c.spec)
+
+
+def test_a_policy_evicts_on_the_full_layers_and_leaves_the_rings_as_they_were():
+  """After a 12-token prompt through a budget of 6 (recency): each full layer holds 6
+  tokens, and the rings are exactly those of the same prompt without a policy; decoding
+  on reads both (its tokens come out, and differ from no eviction only through what the
+  full layers lost)."""
+  from kvjax import cache as cache_lib, evict
+  cfg = tiny_config(**{**GEMMA_LIKE, "model.n_layers": 4})
+  params = _params(cfg)
+  pol = config_lib.replace(cfg, **{"cache.policy": "window", "cache.budget": 6})
+  tokens = jnp.asarray(TOKENS[:, :12])
+  lengths = jnp.asarray([12, 12], jnp.int32)
+  plain = cache_lib.init_cache(cfg, 2, 12)
+  from kvjax import step
+  filled, q = evict.prefill_queries(step.prepare_params(cfg, params), tokens, lengths, plain,
+                                    spec=step.Static.of(cfg))
+  c = cache_lib.init_cache(pol, 2, 12)
+  kept, q2 = evict.prefill_queries(step.prepare_params(pol, params), tokens, lengths, c,
+                                   spec=step.Static.of(pol))
+  small = evict.compress_filled(kept, lengths, q2, room=4, T=12)
+  assert small.k.shape[0] == 2 and np.asarray(small.held).tolist() == [6, 6]
+  np.testing.assert_array_equal(small.k_ring, filled.k_ring)
+  np.testing.assert_array_equal(small.v_ring, filled.v_ring)
+  # the kept full-layer slots are the last 6 positions of the full layers' store
+  np.testing.assert_array_equal(small.k[:, :, :, :6], filled.k[:, :, :, 6:12])
+
+
+@pytest.mark.parametrize("prog", ["cpu", "accelerator"])
+def test_a_compacted_windowed_cache_reads_the_same_with_the_layer_index_known(prog):
+  """The unrolled layer loop (each layer reads only its own store: the compacted full
+  layers or its ring) decodes the tokens of the scanned loop (every layer gets both), after
+  an eviction that changes what the full layers hold."""
+  from kvjax import program
+  cfg = tiny_config(**{**GEMMA_LIKE, "model.n_layers": 4, "workload.temperature": 0.0,
+                       "model.program": prog, "cache.policy": "snapkv", "cache.budget": 17,
+                       "cache.window": 4})
+  params = _params(cfg)
+  prompts = [TOKENS[0].tolist() + TOKENS[1, :8].tolist(), TOKENS[1, :10].tolist()]
   want = program.generate(cfg, params, prompts, 6, timed=False)["tokens"]
   unrolled = config_lib.replace(cfg, **{"model.scan_unroll": 4})
   assert program.generate(unrolled, params, prompts, 6, timed=False)["tokens"] == want

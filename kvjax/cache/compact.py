@@ -26,6 +26,11 @@ any new query, so a held slot is simply valid: attention needs no per-slot posit
 
 Codec storage is copied as it is (no re-encoding), which needs codecs that encode every
 token on its own: the residual window and per-channel (KIVI) keys are refused.
+
+A model with sliding-window layers (`model.sliding_window`) evicts on its full-attention
+layers only: those are compacted as above, while each windowed layer keeps the ring of its
+last W tokens it would keep without a policy (`kvjax.cache.ring`), in `k_ring` / `v_ring`.
+The policy's state is the full layers' alone.
 """
 
 from __future__ import annotations
@@ -35,10 +40,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from kvjax import policies
-from kvjax.cache import base
+from kvjax.cache import base, ring
 from kvjax.errors import KvjaxError
 from kvjax.policies.replace import scatter_heads
 
@@ -52,15 +58,23 @@ class CompactedCache:
   budget: jax.Array      # [B] int32: tokens kept per sequence (ring size of window/sinks)
   state: Any             # {name: [L, B, K, S]}: the policy's own leaves per slot (h2o: acc, pos)
   spec: base.CacheSpec = struct.field(pytree_node=False)
+  k_ring: Any = None     # windowed layers' last W tokens [Lw, B, K, W, ...] (then k, v and
+  v_ring: Any = None     # state hold the full layers only: [Lg, ...])
 
 
 def policy_of(spec: base.CacheSpec):
   return policies.get(spec.cache_cfg.policy)
 
 
+def evicting_layers(spec: base.CacheSpec) -> int:
+  """Layers the policy compacts: all, or a windowed model's full-attention layers."""
+  rg = ring.split(spec)
+  return spec.n_layers if rg is None else len(rg.full)
+
+
 def init_state(spec: base.CacheSpec) -> dict:
   """The policy's empty state [L, B, K, capacity] (both compacted layouts keep it per slot)."""
-  shape = (spec.n_layers, spec.batch, spec.n_kv_heads, spec.capacity)
+  shape = (evicting_layers(spec), spec.batch, spec.n_kv_heads, spec.capacity)
   return policy_of(spec).init_state(shape)
 
 
@@ -73,12 +87,16 @@ class Compacted(base.Layout):
   compacts = "contiguous"
 
   def init(self, spec: base.CacheSpec) -> CompactedCache:
-    L, B, K, D = spec.n_layers, spec.batch, spec.n_kv_heads, spec.head_dim
-    shape = (L, B, K, spec.capacity, D)
+    B, K, D = spec.batch, spec.n_kv_heads, spec.head_dim
+    shape = (evicting_layers(spec), B, K, spec.capacity, D)
     zeros = jnp.zeros((B,), jnp.int32)
+    rg = ring.split(spec)
+    rings = {} if rg is None else {
+        "k_ring": spec.kc.init((len(rg.local), B, K, rg.window, D)),
+        "v_ring": spec.vc.init((len(rg.local), B, K, rg.window, D))}
     return CompactedCache(k=spec.kc.init(shape), v=spec.vc.init(shape), lengths=zeros,
-                        held=zeros, budget=zeros + spec.capacity, state=init_state(spec),
-                        spec=spec)
+                          held=zeros, budget=zeros + spec.capacity, state=init_state(spec),
+                          spec=spec, **rings)
 
   def wants_queries(self, spec: base.CacheSpec) -> bool:
     return policy_of(spec).decode_queries
@@ -89,18 +107,52 @@ class Compacted(base.Layout):
 
   def store(self, cache: CompactedCache) -> Any:
     """The stacked stores and the held counts (a read slices (layer, block) itself)."""
-    return (cache.k, cache.v, cache.held)
+    rings = () if cache.k_ring is None else (cache.k_ring, cache.v_ring)
+    return (cache.k, cache.v, cache.held, *rings)
 
   def read(self, spec, store, lengths_B, layer):
-    k, v, held_B = store
+    k, v, held_B = store[:3]
     mask_BS = jnp.arange(spec.capacity)[None, :] < held_B[:, None]
-    return [base.LayerSegment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(held_B),
-                              layer=layer)]
+    rg = ring.split(spec)
+    if rg is None:
+      return [base.LayerSegment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(held_B),
+                                layer=layer)]
+    # A windowed model: the full layers' compacted store, where every held token is in
+    # sight (position 0 is at or above a full layer's window floor, 0), and the rings. A
+    # layer index known when tracing reads its own only, as `ring.read` does.
+    local = rg.is_local(layer)
+    held = jnp.max(lengths_B)
+
+    def rings(is_local):
+      return ring.ring_segment(spec, store[3], store[4], lengths_B, held, rg.window,
+                               is_local, rg.rank(layer, rg.local))
+
+    def full(is_local):
+      B, S = mask_BS.shape
+      return base.LayerSegment(k, v, mask_BS & ~jnp.asarray(is_local), spec.kc, spec.vc,
+                               live=jnp.where(is_local, 0, jnp.max(held_B)),
+                               layer=rg.rank(layer, rg.full),
+                               pos_BS=jnp.zeros((B, S), jnp.int32))
+    if isinstance(local, bool):
+      return [rings(True) if local else full(False)]
+    return ([full(local)] if rg.full else []) + [rings(local)]
 
   def write(self, cache: CompactedCache, k_LBTKD, v_LBTKD, positions_BT,
             q_LBTHD=None) -> CompactedCache:
-    return policy_of(cache.spec).decode_write(cache.spec, self, cache, k_LBTKD, v_LBTKD,
-                                              positions_BT, q_LBTHD)
+    spec = cache.spec
+    rg = ring.split(spec)
+    if rg is not None:  # the rings first: the policy's write moves the lengths on
+      local, full = np.asarray(rg.local, np.int32), np.asarray(rg.full, np.int32)
+      n1 = cache.lengths + jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
+      k_ring, v_ring = ring.put_rings(spec, cache.k_ring, cache.v_ring,
+                                      jnp.swapaxes(k_LBTKD[local], 2, 3),
+                                      jnp.swapaxes(v_LBTKD[local], 2, 3), positions_BT, n1,
+                                      rg.window)
+      cache = dataclasses.replace(cache, k_ring=k_ring, v_ring=v_ring)
+      k_LBTKD, v_LBTKD = k_LBTKD[full], v_LBTKD[full]
+      q_LBTHD = None if q_LBTHD is None else q_LBTHD[full]
+    return policy_of(spec).decode_write(spec, self, cache, k_LBTKD, v_LBTKD, positions_BT,
+                                        q_LBTHD)
 
   # -- Slots: what the policy's decode rule writes through -------------------------------------
   def keys(self, cache: CompactedCache) -> Any:
@@ -123,9 +175,12 @@ class Compacted(base.Layout):
 
   def closed_form_bytes(self, spec: base.CacheSpec) -> int:
     K, D = spec.n_kv_heads, spec.head_dim
-    per_token = spec.kc.bytes_per_token(K, D) + spec.vc.bytes_per_token(K, D)
-    per_token += policy_of(spec).state_bytes_per_token(K)  # h2o's acc and pos
-    return int(round(spec.n_layers * spec.batch * spec.capacity * per_token)) + 3 * 4 * spec.batch
+    kv = spec.kc.bytes_per_token(K, D) + spec.vc.bytes_per_token(K, D)
+    per_token = kv + policy_of(spec).state_bytes_per_token(K)  # h2o's acc and pos
+    rg = ring.split(spec)
+    rings = 0 if rg is None else len(rg.local) * spec.batch * rg.window * kv
+    return int(round(evicting_layers(spec) * spec.batch * spec.capacity * per_token + rings)) \
+        + 3 * 4 * spec.batch
 
 
 base.register(Compacted())
@@ -150,7 +205,18 @@ def compress(cache, lengths_B, room: int, q_LBTHD=None, T: int | None = None) ->
   T = T or spec.capacity
   Sk = min(policies.static_budget(c, T), T)
   budget_B = policies.budgets(c, lengths_B)
-  k_LBKSD = spec.kc.decode(jax.tree.map(lambda a: a[:, :, :, :T], cache.k), jnp.float32) \
+  k_store, v_store, rings = cache.k, cache.v, {}
+  rg = ring.split(spec)
+  if rg is not None:  # a windowed model: its full layers compacted, its windowed layers' rings
+    full, local = np.asarray(rg.full, np.int32), np.asarray(rg.local, np.int32)
+    if cache.k_ring is not None:  # the prefill cache keeps them already
+      rings = {"k_ring": cache.k_ring, "v_ring": cache.v_ring}
+    else:  # a window at least the prefill cache's capacity: every layer held whole
+      rings = {"k_ring": ring.gather_rings(_layers(cache.k, local), cache.lengths, rg.window),
+               "v_ring": ring.gather_rings(_layers(cache.v, local), cache.lengths, rg.window)}
+      k_store, v_store = _layers(cache.k, full), _layers(cache.v, full)
+    q_LBTHD = None if q_LBTHD is None else q_LBTHD[full]
+  k_LBKSD = spec.kc.decode(jax.tree.map(lambda a: a[:, :, :, :T], k_store), jnp.float32) \
       if spec.kc.token_block == 1 else None
   pos_LBKS, kept_state = pol.keep(policies.Context(k_LBKSD, lengths_B, budget_B, c, q_LBTHD), Sk)
 
@@ -163,12 +229,17 @@ def compress(cache, lengths_B, room: int, q_LBTHD=None, T: int | None = None) ->
   def place(store, kept):  # unused slots stay zero, as in a fresh cache
     kept = jnp.where(used_BS[None, :, None, :, None], kept, jnp.zeros((), kept.dtype))
     return store.at[:, :, :, :Sk].set(kept)
-  k = jax.tree.map(place, fresh.k, jax.tree.map(_gather_tokens(pos_LBKS), cache.k))
-  v = jax.tree.map(place, fresh.v, jax.tree.map(_gather_tokens(pos_LBKS), cache.v))
+  k = jax.tree.map(place, fresh.k, jax.tree.map(_gather_tokens(pos_LBKS), k_store))
+  v = jax.tree.map(place, fresh.v, jax.tree.map(_gather_tokens(pos_LBKS), v_store))
 
   def place_state(empty, kept):  # each kept slot's state; the others stay as initialized
     return empty.at[:, :, :, :Sk].set(jnp.where(used_BS[None, :, None, :], kept,
                                                 empty[:, :, :, :Sk]))
   state = {name: place_state(fresh.state[name], kept_state[name]) for name in fresh.state}
   return CompactedCache(k=k, v=v, lengths=cache.lengths, held=held_B, budget=budget_B,
-                      state=state, spec=new_spec)
+                        state=state, spec=new_spec, **rings)
+
+
+def _layers(store, idx):
+  """The layers `idx` of a stacked store's leaves [L, ...]."""
+  return jax.tree.map(lambda a: a[idx], store)

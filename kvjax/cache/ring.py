@@ -49,13 +49,21 @@ class Layers:
 
 def layers(spec: base.CacheSpec) -> Layers | None:
   """The ring split of this cache, or None where the contiguous layout holds layers whole."""
+  if spec.model_cfg.sliding_window >= spec.capacity or spec.residual or spec.keep_first \
+      or spec.kc.token_block != 1 or spec.vc.token_block != 1:
+    return None
+  return split(spec)
+
+
+def split(spec: base.CacheSpec) -> Layers | None:
+  """The model's windowed and full layers, or None for a model without windows (or a cache
+  of other than all its layers)."""
   m = spec.model_cfg
-  W = m.sliding_window
-  if not m.windowed or W >= spec.capacity or spec.residual or spec.keep_first \
-      or spec.kc.token_block != 1 or spec.vc.token_block != 1 or m.n_layers != spec.n_layers:
+  if not m.windowed or m.n_layers != spec.n_layers:
     return None
   local = tuple(i for i in range(m.n_layers) if m.window_of(i))
-  return Layers(W, local, tuple(i for i in range(m.n_layers) if not m.window_of(i)))
+  return Layers(m.sliding_window, local, tuple(i for i in range(m.n_layers)
+                                               if not m.window_of(i)))
 
 
 def shapes(spec: base.CacheSpec, rg: Layers) -> tuple:
@@ -82,13 +90,13 @@ def read(spec: base.CacheSpec, store, lengths_B, layer, rg: Layers) -> list:
   # segment as one masked block, so there only a static layer index saves those bytes.
   if isinstance(local, bool):
     if local:
-      return [_ring_segment(spec, k_ring, v_ring, lengths_B, held, W, True,
-                            rg.rank(layer, rg.local))]
+      return [ring_segment(spec, k_ring, v_ring, lengths_B, held, W, True,
+                           rg.rank(layer, rg.local))]
     return [_full_segment(spec, k, v, lengths_B, held, S, False, rg.rank(layer, rg.full))]
   if rg.full:
     segs.append(_full_segment(spec, k, v, lengths_B, held, S, local, rg.rank(layer, rg.full)))
-  segs.append(_ring_segment(spec, k_ring, v_ring, lengths_B, held, W, local,
-                            rg.rank(layer, rg.local)))
+  segs.append(ring_segment(spec, k_ring, v_ring, lengths_B, held, W, local,
+                           rg.rank(layer, rg.local)))
   return segs
 
 
@@ -100,8 +108,8 @@ def _full_segment(spec, k, v, lengths_B, held, S: int, local, rank) -> base.Laye
                            layer=rank, pos_BS=jnp.broadcast_to(jnp.arange(S)[None, :], (B, S)))
 
 
-def _ring_segment(spec, k_ring, v_ring, lengths_B, held, W: int, local,
-                  rank) -> base.LayerSegment:
+def ring_segment(spec, k_ring, v_ring, lengths_B, held, W: int, local,
+                 rank) -> base.LayerSegment:
   """The rings as windowed layer `rank` reads them (nothing unless `local`)."""
   pos_BW = ring_positions(lengths_B, W)
   return base.LayerSegment(k_ring, v_ring, (pos_BW >= 0) & jnp.asarray(local), spec.kc,
@@ -120,12 +128,30 @@ def write(cache, k_LBKTD, v_LBKTD, positions_BT, lengths_B, rg: Layers) -> dict:
     put = base.scatter(slots_BT)
     out["k"] = jax.tree.map(put, cache.k, spec.kc.encode(k_LBKTD[full]))
     out["v"] = jax.tree.map(put, cache.v, spec.vc.encode(v_LBKTD[full]))
-  W = rg.window
+  out["k_ring"], out["v_ring"] = put_rings(spec, cache.k_ring, cache.v_ring, k_LBKTD[local],
+                                           v_LBKTD[local], positions_BT, lengths_B, rg.window)
+  return out
+
+
+def put_rings(spec, k_ring, v_ring, k_LBKTD, v_LBKTD, positions_BT, lengths_B, W: int):
+  """The windowed layers' rings after a write of their new K/V [Lw, B, K, T, D]: each
+  row's last W positions (of `lengths_B` after the write) at slot p mod W."""
   keep = (positions_BT >= 0) & (positions_BT >= lengths_B[:, None] - W)
   put = base.scatter(jnp.where(keep, positions_BT % W, W))
-  out["k_ring"] = jax.tree.map(put, cache.k_ring, spec.kc.encode(k_LBKTD[local]))
-  out["v_ring"] = jax.tree.map(put, cache.v_ring, spec.vc.encode(v_LBKTD[local]))
-  return out
+  return (jax.tree.map(put, k_ring, spec.kc.encode(k_LBKTD)),
+          jax.tree.map(put, v_ring, spec.vc.encode(v_LBKTD)))
+
+
+def gather_rings(store, lengths_B, W: int):
+  """Rings of W slots taken from a store holding every position at slot = position
+  (leaves [Lw, B, K, S, X]): slot s the newest position p < length with p = s (mod W);
+  a slot no position fills yet is zero."""
+  pos_BW = ring_positions(lengths_B, W)
+
+  def take(a):
+    got = jnp.take_along_axis(a, jnp.maximum(pos_BW, 0)[None, :, None, :, None], axis=3)
+    return jnp.where((pos_BW >= 0)[None, :, None, :, None], got, jnp.zeros((), a.dtype))
+  return jax.tree.map(take, store)
 
 
 def closed_form_bytes(spec: base.CacheSpec, rg: Layers) -> int:

@@ -23,10 +23,15 @@ plugins.import_all(__name__, __path__)
 def check(cache_cfg, model_cfg) -> None:
   """The policy registry's config checks (`config.validate`)."""
   check_config(cache_cfg, model_cfg)
-  if evicts(cache_cfg) and model_cfg.windowed:
-    raise KvjaxError(f"cache.policy={cache_cfg.policy} compacts tokens out of position order, "
-                     f"which a sliding-window layer cannot read; set model.sliding_window=0 "
-                     "(the full-attention variant) or cache.policy=full")
+  if evicts(cache_cfg) and model_cfg.windowed:  # it evicts on the full-attention layers
+    if not any(model_cfg.window_of(i) == 0 for i in range(model_cfg.n_layers)):
+      raise KvjaxError(f"cache.policy={cache_cfg.policy} evicts on a model's full-attention "
+                       "layers, and every layer here is windowed (model.sliding_window with "
+                       "model.global_every=0); set cache.policy=full, or model.global_every")
+    if cache_cfg.layout == "paged":
+      raise KvjaxError(f"cache.policy={cache_cfg.policy} on a model with sliding-window layers "
+                       "needs their rings, which the paged layout does not keep; use "
+                       "cache.layout=contiguous, or model.sliding_window=0")
 
 
 config_lib.add_check(check)  # config.validate runs it (the config imports no registry)

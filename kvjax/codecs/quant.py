@@ -247,7 +247,7 @@ class ScaledCodec(base.Codec):
     if n == 1 and (self.asym or base.per_head(G, D)):
       # Whole-head scales: the plain einsum, one per bit plane of packed codes (q's matching
       # columns), or G matvecs. int8/fp8 keys otherwise take the grouped form below, which
-      # measured faster for them (docs/experiments.md); unpacked int4/int2 keys were faster
+      # measured faster for them (results/cpu/NOTES.md); unpacked int4/int2 keys were faster
       # in this one.
       planes = self._planes(enc, q_BKGTD.dtype)
       pw = D // len(planes)  # plane width

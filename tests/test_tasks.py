@@ -184,12 +184,15 @@ def test_question_reads_the_encoded_cache():
 
 
 @pytest.mark.parametrize("over", [INT2, {"cache.k_codec": "int8", "cache.v_codec": "int4"},  # KIVI:
-                                  {**KIVI4, "cache.rotate": "hadamard", "cache.keep_first": 4}],  # here
-                         ids=["int2", "k8v4", "kivi-rotated-first4"])
+                                  {**KIVI4, "cache.rotate": "hadamard", "cache.keep_first": 4},
+                                  {"cache.codec": "int8", "model.sliding_window": 24,
+                                   "model.global_every": 2}],
+                         ids=["int2", "k8v4", "kivi-rotated-first4", "int8-windowed"])
 def test_encode_prefix_is_the_prefill_write(over):
   """Storing an fp32 prefill's K/V through a codec gives the cache a one-shot prefill with
-  that codec writes, so the answer after it is the same (shared fp32 prefill is exact)."""
-  cfg32 = _tiny()
+  that codec writes, so the answer after it is the same (shared fp32 prefill is exact); a
+  windowed model's rings too, though the fp32 cache kept only their last W tokens."""
+  cfg32 = _tiny(**{k: v for k, v in over.items() if k.startswith("model.")})
   params = tiny_params(cfg32)
   cfg = config_lib.apply_overrides(cfg32, over)
   rng = np.random.default_rng(1)
@@ -198,7 +201,8 @@ def test_encode_prefix_is_the_prefill_write(over):
   moved = tasks.encode_prefix(cfg, tasks.prefix_kv(ref), 128)
   direct = tasks.prefill(cfg, params, prefix, 128, chunk=128)
   assert int(moved.lengths[0]) == int(direct.lengths[0]) == 100
-  leaves = lambda c: jax.tree.leaves((c.k, c.v, c.k_win, c.v_win, c.k_first, c.v_first))  # noqa: E731
+  leaves = lambda c: jax.tree.leaves((c.k, c.v, c.k_win, c.v_win, c.k_first, c.v_first,  # noqa: E731
+                                       c.k_ring, c.v_ring))
   for a, b in zip(leaves(moved), leaves(direct)):
     assert a.shape == b.shape and a.dtype == b.dtype
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),

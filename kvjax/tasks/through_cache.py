@@ -16,6 +16,8 @@ import numpy as np
 from kvjax import decode, step
 from kvjax.errors import KvjaxError
 
+PREFIX_ROUND = 256  # prefix_kv: slots kept per prefix, n rounded up to this
+
 
 def _static(cfg):
   return step.statics(cfg)["spec"]
@@ -66,14 +68,35 @@ def _reencode(k_LKSD, v_LKSD, n, *, spec, capacity: int):
 
 
 def prefix_kv(fp32_cache) -> tuple:
-  """(K, V, n): the full-precision K/V [L, K, n, D] of a one-sequence fp32 contiguous cache
-  without a residual window (the output of `prefill` with `evaluate.reference_config`)."""
+  """(K, V, n): the full-precision K/V [L, K, S, D] of a one-sequence fp32 contiguous cache
+  without a residual window (the output of `prefill` with `evaluate.reference_config`),
+  every layer at slot = position. S is n rounded up to a multiple of PREFIX_ROUND (at most
+  the capacity), so a memo of many prefixes holds their tokens, not their caches' capacity,
+  and few lengths compile. A model with sliding-window layers keeps only each windowed
+  layer's last W tokens (`kvjax.cache.ring`): its other slots are zero, which its window
+  never reads."""
+  from kvjax.cache import ring
+
   spec = fp32_cache.spec
   if (spec.layout, spec.k_codec, spec.v_codec, spec.residual) != ("contiguous", "fp32",
                                                                    "fp32", 0):
     raise KvjaxError("prefix_kv needs an fp32 contiguous cache without a residual window")
   n = int(fp32_cache.lengths[0])
-  return fp32_cache.k[:, 0], fp32_cache.v[:, 0], n
+  S = min(spec.capacity, -(-max(n, 1) // PREFIX_ROUND) * PREFIX_ROUND)
+  rg = ring.layers(spec)
+  if rg is None:
+    return fp32_cache.k[:, 0, :, :S], fp32_cache.v[:, 0, :, :S], n
+  pos_W = ring.ring_positions(fp32_cache.lengths[:1], rg.window)[0]
+  slot_W = jnp.where(pos_W >= 0, pos_W, S)  # a slot no position fills: dropped
+
+  def whole(full_LKSD, ring_LKWD):
+    out = jnp.zeros((spec.n_layers, *full_LKSD.shape[1:2], S, full_LKSD.shape[-1]),
+                    full_LKSD.dtype)
+    out = out.at[np.asarray(rg.full, np.int32)].set(full_LKSD[:, :, :S])
+    at = out[np.asarray(rg.local, np.int32)].at[:, :, slot_W].set(ring_LKWD, mode="drop")
+    return out.at[np.asarray(rg.local, np.int32)].set(at)
+  return (whole(fp32_cache.k[:, 0], fp32_cache.k_ring[:, 0]),
+          whole(fp32_cache.v[:, 0], fp32_cache.v_ring[:, 0]), n)
 
 
 def encode_prefix(cfg, kv, capacity: int):

@@ -117,7 +117,7 @@ def attend_segment(q_BKGTD, seg, state, native: bool = False, chunk: int | None 
 # increase with the token index (prefill, engine chunks, recompute and training all place
 # token t at position start + t, padding at -1). The [B, K, G, T, T] logits of a whole
 # prompt, and the several passes over them (mask, max, exp, sum), were the bulk of prefill
-# (docs/experiments.md, "CPU decode", *A prompt attends to itself in query blocks*).
+# (docs/methods.md, "CPU decode", *A prompt attends to itself in query blocks*).
 NEW_BLOCK = 128
 
 

@@ -176,7 +176,7 @@ def per_head(G: int, D: int, read: str = "qk") -> bool:
   Values: the [G*T, C] x [C, D] GEMM contracts the block's major axis and needs no
   transpose, so it reads the widened block once where the split reads it G times: below
   head_dim 128 the one GEMM is faster (`python scripts/bench_xla_cpu.py`, `attend_pv_split`
-  vs `attend`). The measurements: docs/experiments.md, "CPU decode", *GQA and MQA* and
+  vs `attend`). The measurements: docs/methods.md, "CPU decode", *GQA and MQA* and
   *The values' read*."""
   if not 1 < G <= min(4, D // 8):
     return False

@@ -56,7 +56,7 @@ from kvjax.errors import KvjaxError
 
 # Plane-wise reads (`ScaledCodec._planes`) only for planes at least this wide: 64-wide
 # planes (int4 at head_dim 128) read faster plane by plane than unpacked, narrower ones
-# slower (dots too short for XLA:CPU); docs/experiments.md, "CPU decode".
+# slower (dots too short for XLA:CPU); docs/methods.md, "CPU decode".
 PLANE_MIN = 64
 
 

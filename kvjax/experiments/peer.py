@@ -14,7 +14,7 @@ interleaved in one process (round-robin repeats, medians; `kvjax.metrics.bench_i
               before, which copies every weight matrix out of the stack each step;
   kvjax_unrolled  the same with `model.scan_unroll = n_layers`: a Python layer loop over
               weights split per layer once (compile time grows with depth;
-              docs/experiments.md, "The layer loop");
+              docs/methods.md, "The layer loop");
   kvjax_bf16w the default program with the weights cast to bfloat16
               (`model.param_dtype`: half the weight bytes a step reads; activations and
               the cache as the others);

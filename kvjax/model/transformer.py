@@ -14,7 +14,7 @@ once (`split_layers`, via `step.prepare_params`) and run `Transformer(layer_loop
 "switch")`: one `lax.scan` whose projections pick their layer's buffer by `lax.switch`
 (`switched_layers`), so no weight is copied and the layer body is traced once; or, when
 `unrolled(cfg)` (`model.scan_unroll >= n_layers`), `layer_loop="unrolled"`, a Python loop
-whose compile time grows with depth (measurements in docs/experiments.md, "The layer loop").
+whose compile time grows with depth (measurements in docs/methods.md, "The layer loop").
 """
 
 from __future__ import annotations

@@ -75,7 +75,8 @@ SOURCES = {"quality": ROOT / "results" / "quality.jsonl",
            "parity": ROOT / "results" / "cpu" / "real_parity.jsonl",
            "convert": ROOT / "results" / "real_models" / "convert_smollm2" / "quality.jsonl",
            "shrink": tuple(ROOT / "results" / "real_models" / f"frontier_{m}" / "compression.jsonl"
-                           for m in ("smollm2", "qwen", "gemma3"))}
+                           for m in ("smollm2", "qwen", "gemma3")),
+           "lc_models": ROOT / "results" / "real" / "long_context_models" / "long_context.jsonl"}
 GPU = ROOT / "results" / "gpu" / "h200"
 SOURCES["gpu"] = tuple(GPU / f"{n}.jsonl" for n in (
     "roofline_llama3_8b", "roofline_smollm2_b8", "roofline_qwen", "roofline_gemma3",
@@ -934,6 +935,53 @@ def shrink_table(rows: list[dict]) -> str:
       "and the runner-up's intervals separate.")
 
 
+def lc_models_table(rows: list[dict]) -> str:
+  """Retrieval per model (a line) and cache setting (a column), each prompt in the model's
+  own chat template: right answers in all with the Wilson interval, per task, the bytes
+  held per prefix token, and '*' where the interval is apart from the model's fp32 one."""
+  rows = [r for r in rows if r["experiment"] == "long_context"]
+  path = "results/real/long_context_models/long_context.jsonl"
+  if not rows:
+    raise SystemExit(f"doc_tables: no rows in {path}; run `kvjax run "
+                     "configs/long_context_models.yaml --out results/real/long_context_models`")
+  cell: dict = {}
+  for r in rows:
+    v = r["variant"]
+    c = cell.setdefault((v["model"], v["setting"]), {"r": r, "bpt": [], "all": [0, 0]})
+    c["bpt"].append(_bpt(r))
+    for tally in (c.setdefault(r["workload"]["task"], [0, 0]), c["all"]):
+      tally[0] += r["metrics"]["accuracy"]
+      tally[1] += 1
+  tasks = sorted({r["workload"]["task"] for r in rows})
+  settings = list(dict.fromkeys(r["variant"]["setting"] for r in rows))
+  lines = ["| model | variant | " + " | ".join(f"`{s}`" for s in settings) + " |",
+           "|" + "---|" * (2 + len(settings))]
+  for model in sorted({m for m, _ in cell}):
+    ref = cell.get((model, "fp32"))
+    ref_ci = intervals.wilson(round(ref["all"][0]), ref["all"][1]) if ref else None
+    vals = []
+    for s in settings:
+      c = cell.get((model, s))
+      if c is None:
+        vals.append("not run")
+        continue
+      ci = intervals.wilson(round(c["all"][0]), c["all"][1])
+      star = "*" if s != "fp32" and ref_ci and intervals.separated(ci, ref_ci) else ""
+      vals.append(f"{_frac(*c['all'])}{star} {_wilson_text(*c['all'])} ("
+                  + ", ".join(f"{t} {_frac(*c[t])}" for t in tasks if t in c)
+                  + f"; {sum(c['bpt']) / len(c['bpt']):,.0f} B)")
+    variant = next(c["r"]["variant"]["variant"] for (m, _), c in cell.items() if m == model)
+    lines.append(f"| {model} | {variant} | "
+                 + " | ".join(vals) + " |")
+  w = rows[0]["workload"]
+  return "\n".join(lines) + (
+      f"\n\nRows: `{path}`, {w['context']:,}-token prompts in each model's own chat template "
+      f"(`{w['template']}`), {w['gen_len']} answer tokens decoded greedily. Each cell: right "
+      "in all with the Wilson 95 % interval (* where it is apart from the same model's fp32 "
+      "cache's), right per task, and the bytes the cache holds per prefix token "
+      "(`kvjax.footprint`).")
+
+
 BUILDERS = {"quality": quality_table, "real": real_table, "evict": evict_table,
             "evict_speed": evict_speed_table, "paired": paired_table,
             "paired_intel": lambda rows: paired_table(
@@ -941,7 +989,8 @@ BUILDERS = {"quality": quality_table, "real": real_table, "evict": evict_table,
             "codec_speed": codec_speed_table, "layer_bits": layer_bits_table,
             "tasks100": tasks100_table, "evict100": evict100_table,
             "sinks100": sinks100_table, "frontier": frontier_table, "models": models_table,
-            "parity": parity_table, "convert": convert_table, "shrink": shrink_table}
+            "parity": parity_table, "convert": convert_table, "shrink": shrink_table,
+            "lc_models": lc_models_table}
 
 
 def gpu_table(rows: list[dict]) -> str:

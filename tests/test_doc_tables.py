@@ -222,3 +222,33 @@ def test_shrink_table_names_each_budgets_winner_and_whether_it_is_told_apart(doc
   assert at["0.25"].index("`b`") < at["0.25"].index("`c`") and "**no**" in at["0.25"]
   assert "`d`" in at["0.125"] and "MQA (fit)" in at["0.125"] and at["0.125"].endswith("| — |")
   assert "none this small" in at["0.0625"]
+
+
+def test_lc_models_table_has_a_line_per_model_and_a_column_per_setting(doc_tables):
+  """Each model's settings against its own fp32 cache: right in all with the Wilson
+  interval, '*' where it is apart from fp32's, right per task, bytes per prefix token."""
+  rows = []
+  for model, variant, fp32_right in (("gemma3-270m", "MQA", 20), ("smollm2-135m", "GQA-3", 18)):
+    for setting, codec, right in (("fp32", "fp32", fp32_right),
+                                  ("int4", "int4", 4 if model == "gemma3-270m" else 17)):
+      for i in range(20):
+        r = lc_row(setting, "passkey" if i < 10 else "niah", 1024, 0.5, i < right, 0,
+                   codec=codec)
+        r["variant"].update(model=model, variant=variant)
+        r["workload"]["template"] = "model"
+        r["config"] = {"cache": {"policy": "full"}}
+        rows.append(r)
+  held = {(r["variant"]["model"], r["variant"]["setting"]): f"{doc_tables._bpt(r):,.0f} B"
+          for r in rows}  # kvjax.footprint's count of the row's setting
+  lines = doc_tables.lc_models_table(rows).splitlines()
+  assert lines[0] == "| model | variant | `fp32` | `int4` |"
+  assert lines[2] == (
+      f"| gemma3-270m | MQA | 20/20 [0.84, 1.00] (niah 10/10, passkey 10/10; "
+      f"{held['gemma3-270m', 'fp32']}) | 4/20* [0.08, 0.42] (niah 0/10, passkey 4/10; "
+      f"{held['gemma3-270m', 'int4']}) |")
+  assert lines[3] == (
+      f"| smollm2-135m | GQA-3 | 18/20 [0.70, 0.97] (niah 8/10, passkey 10/10; "
+      f"{held['smollm2-135m', 'fp32']}) | 17/20 [0.64, 0.95] (niah 7/10, passkey 10/10; "
+      f"{held['smollm2-135m', 'int4']}) |")
+  with pytest.raises(SystemExit, match="configs/long_context_models.yaml"):
+    doc_tables.lc_models_table([])

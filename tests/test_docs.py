@@ -173,6 +173,19 @@ def _walk(text: str) -> str:
   return text[start:end if end >= 0 else len(text)]
 
 
+def _defined(body) -> set:
+  """Names a module's or a class's body defines: functions, classes, assigned names."""
+  names = set()
+  for node in body:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      names.add(node.name)
+    elif isinstance(node, ast.Assign):
+      names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+      names.add(node.target.id)
+  return names
+
+
 def _definitions(root: Path = ROOT) -> tuple[dict, dict]:
   """Module dotted name -> its top-level names (defs, classes, assignments, imports), and
   class name -> [(its attributes, its base classes' names)] for every class in kvjax."""
@@ -181,25 +194,13 @@ def _definitions(root: Path = ROOT) -> tuple[dict, dict]:
     parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
       parts = parts[:-1]
-    names = set()
-    for node in ast.parse(path.read_text()).body:
-      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-        names.add(node.name)
-      elif isinstance(node, ast.Assign):
-        names.update(t.id for t in node.targets if isinstance(t, ast.Name))
-      elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-        names.add(node.target.id)
-      elif isinstance(node, (ast.Import, ast.ImportFrom)):
-        names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    body = ast.parse(path.read_text()).body
+    names = _defined(body) | {(a.asname or a.name).split(".")[0] for node in body
+                              if isinstance(node, (ast.Import, ast.ImportFrom))
+                              for a in node.names}
+    for node in body:
       if isinstance(node, ast.ClassDef):
-        attrs = set()
-        for item in node.body:
-          if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            attrs.add(item.name)
-          elif isinstance(item, ast.Assign):
-            attrs.update(t.id for t in item.targets if isinstance(t, ast.Name))
-          elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
-            attrs.add(item.target.id)
+        attrs = _defined(node.body)
         bases = [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases]
         classes.setdefault(node.name, []).append((attrs, bases))
     modules[".".join(parts)] = names

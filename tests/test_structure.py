@@ -270,15 +270,21 @@ def test_no_private_name_across_modules():
       "are defined, or move the code): " + "; ".join(found)
 
 
+def _lines(pattern: str, owner, skip=lambda line: False) -> list[str]:
+  """`path:line` of every line that matches `pattern` (and is not `skip`ped) in a kvjax
+  module other than the decision's `owner(name)`: a second route of that decision."""
+  import re
+  test = re.compile(pattern)
+  return [f"{path.relative_to(ROOT)}:{i}" for name, path in MODULES.items() if not owner(name)
+          for i, line in enumerate(path.read_text().splitlines(), 1)
+          if test.search(line) and not skip(line)]
+
+
 def test_only_the_policy_registry_names_the_full_policy():
   """Whether a cache evicts is the registry's question (`policies.evicts`): a layout, a
   program or an experiment that tests `cache.policy` against "full" itself is wiring the
   registry should own. (Results rows, plain dicts in the plots, are data, not config.)"""
-  import re
-  test = re.compile(r"\.policy\s*[!=]=\s*[\"']full[\"']")
-  found = [f"{path.relative_to(ROOT)}:{i}" for name, path in MODULES.items()
-           if not name.startswith("kvjax.policies")
-           for i, line in enumerate(path.read_text().splitlines(), 1) if test.search(line)]
+  found = _lines(r"\.policy\s*[!=]=\s*[\"']full[\"']", lambda n: n.startswith("kvjax.policies"))
   assert not found, "cache.policy tested against 'full' outside kvjax.policies: " + ", ".join(found)
 
 
@@ -297,12 +303,9 @@ def test_one_module_counts_a_setting_s_bytes():
   `closed_form_bytes`), and weights at their dtype likewise: a module that calls the closed
   form itself, or counts the model's weights itself, is a second count that can drift
   from the one every report prints (the memory experiment measures trees against it)."""
-  import re
-  calls = re.compile(r"\.closed_form_bytes\(|(?<![\w.])param_count\(")
-  found = [f"{path.relative_to(ROOT)}:{i}" for name, path in MODULES.items()
-           if name != "kvjax.footprint" and not name.startswith("kvjax.cache")
-           for i, line in enumerate(path.read_text().splitlines(), 1)
-           if calls.search(line) and not line.lstrip().startswith(("def ", "#"))]
+  found = _lines(r"\.closed_form_bytes\(|(?<![\w.])param_count\(",
+                 lambda n: n == "kvjax.footprint" or n.startswith("kvjax.cache"),
+                 lambda line: line.lstrip().startswith(("def ", "#")))
   assert not found, "bytes counted outside kvjax.footprint: " + ", ".join(found)
 
 
@@ -311,11 +314,7 @@ def test_a_codec_is_read_through_one_interface():
   for the stored-type dots) and `stored` (what the folded, Pallas and CPU-kernel reads
   load directly). Outside kvjax.codecs nothing reads a codec's class-level `storage` flag
   or a private read, which would be a second route that a new codec does not know of."""
-  import re
-  route = re.compile(r"codec\w*\.(storage\b|_\w+)")
-  found = [f"{path.relative_to(ROOT)}:{i}" for name, path in MODULES.items()
-           if not name.startswith("kvjax.codecs")
-           for i, line in enumerate(path.read_text().splitlines(), 1) if route.search(line)]
+  found = _lines(r"codec\w*\.(storage\b|_\w+)", lambda n: n.startswith("kvjax.codecs"))
   assert not found, "a codec read outside its interface (qk, pv, stored): " + ", ".join(found)
 
 
@@ -323,9 +322,6 @@ def test_one_token_loop():
   """A model call on one token per row (`step.run(spec, params, token_B[:, None], ...)`)
   in a loop is `decode.decode`'s: generation, timers, task answers and teacher-forced
   continuations run it, so a change to the decode step changes all of them at once."""
-  import re
-  call = re.compile(r"step\.run\(\s*\w+,\s*\w+,\s*[\w.]+\[:, None\]")  # the tokens' argument
-  found = [f"{path.relative_to(ROOT)}:{i}" for name, path in MODULES.items()
-           if name != "kvjax.decode"
-           for i, line in enumerate(path.read_text().splitlines(), 1) if call.search(line)]
+  # the tokens' argument, the third, is one token per row
+  found = _lines(r"step\.run\(\s*\w+,\s*\w+,\s*[\w.]+\[:, None\]", lambda n: n == "kvjax.decode")
   assert not found, "a token loop outside decode.decode: " + ", ".join(found)

@@ -46,6 +46,7 @@ from flax import struct
 from kvjax import policies
 from kvjax.cache import base, ring
 from kvjax.errors import KvjaxError
+from kvjax.policies.base import seen
 from kvjax.policies.replace import scatter_heads
 
 
@@ -143,7 +144,7 @@ class Compacted(base.Layout):
     rg = ring.split(spec)
     if rg is not None:  # the rings first: the policy's write moves the lengths on
       local, full = np.asarray(rg.local, np.int32), np.asarray(rg.full, np.int32)
-      n1 = cache.lengths + jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
+      _, _, n1 = seen(positions_BT, cache.lengths)  # the lengths after this write
       k_ring, v_ring = ring.put_rings(spec, cache.k_ring, cache.v_ring,
                                       jnp.swapaxes(k_LBTKD[local], 2, 3),
                                       jnp.swapaxes(v_LBTKD[local], 2, 3), positions_BT, n1,

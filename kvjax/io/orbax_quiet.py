@@ -41,7 +41,7 @@ import types
 
 _LIBRARIES = (f"{os.sep}orbax{os.sep}", f"{os.sep}tensorstore{os.sep}")
 _installed = False       # a failed restore kept the filters for the rest of the process
-_state = {"kept": False}  # abandon_reads() was called inside the current watch()
+_kept = False            # abandon_reads() was called inside the current watch()
 
 
 def _from_abandoned_read(unraisable) -> bool:
@@ -99,7 +99,7 @@ class _QuietThreads:
 def watch():
   """Around one restore: the filters installed before it starts, and removed after it
   unless `abandon_reads()` was called inside (a failed restore keeps them to the end)."""
-  global _installed
+  global _installed, _kept
   if _installed or os.environ.get("KVJAX_DEBUG"):
     yield
     return
@@ -112,11 +112,11 @@ def watch():
       previous_hook(unraisable)
 
   sys.unraisablehook = hook
-  _state["kept"] = False
+  _kept = False
   try:
     yield
   finally:
-    if _state["kept"]:
+    if _kept:
       # "Task was destroyed but it is pending!" for the same reads goes to asyncio's logger
       logging.getLogger("asyncio").setLevel(logging.CRITICAL)
       _installed = True
@@ -138,9 +138,10 @@ def _never_started(obj) -> bool:
 def abandon_reads() -> None:
   """Close the reads a failed restore left pending on its closed event loop, and the
   coroutines it created but never started."""
+  global _kept
   if os.environ.get("KVJAX_DEBUG"):
     return
-  _state["kept"] = True
+  _kept = True
   for obj in gc.get_objects():
     if _never_started(obj):
       obj.close()

@@ -56,7 +56,12 @@ def check(cfg: config_lib.Config) -> None:
   ex.check_context(cfg, capacity(cfg))
   # No prompt runs (the cache is filled by length); each run allocates one fresh cache and
   # donates it to decode, and interleaved variants run one at a time: one cache alive.
-  for c in (ex.interleaved(cfg) or {"": cfg}).values():
+  for name, c in (ex.interleaved(cfg) or {"": cfg}).items():
+    if c.workload.prompt_len > cfg.workload.prompt_len:
+      raise KvjaxError(f"params.interleave.{name} holds workload.prompt_len="
+                       f"{c.workload.prompt_len} tokens, more than the cell's "
+                       f"{cfg.workload.prompt_len}; a variant may hold fewer (what a policy "
+                       "leaves), never more")
     ex.check_memory(c, cfg.workload.batch, capacity(cfg), 1, caches=1)
   check_bandwidth_mib(cfg)
 
@@ -215,9 +220,17 @@ def _workload(cfg: config_lib.Config, steps: int, **extra) -> dict:
 def _interleaved_cell(cfg: config_lib.Config, cfgs: dict) -> list[dict]:
   """`params.interleave`'s variants timed in turn in each repeat (module docstring)."""
   w = cfg.workload
-  params = ex.random_params(cfg.model, cfg.seed)
   steps = max(w.gen_len - 1, 1)
-  timers = {n: FilledDecode(c, params, w.batch, w.prompt_len, steps, capacity(cfg))
+  # A variant that changes the model's shape (fewer KV heads, a latent rank) gets random
+  # weights of its own shape; one that sets workload.prompt_len is timed from that many held
+  # tokens (what a policy leaves of the context) within the cell's capacity.
+  shared, params = {}, {}
+  for n, c in cfgs.items():
+    if repr(c.model) not in shared:
+      shared[repr(c.model)] = ex.random_params(c.model, cfg.seed)
+    params[n] = shared[repr(c.model)]
+  held = {n: c.workload.prompt_len for n, c in cfgs.items()}
+  timers = {n: FilledDecode(c, params[n], w.batch, held[n], steps, capacity(cfg))
             for n, c in cfgs.items()}
   meter, probe = Bandwidth(cfg.param("bandwidth_mib", 512)), DotProbe()
   names, bws, dots, ts = list(timers), [], [], {n: [] for n in timers}
@@ -238,12 +251,13 @@ def _interleaved_cell(cfg: config_lib.Config, cfgs: dict) -> list[dict]:
     m = {"tpot_s": t["median"], "tpot_s_iqr": t["iqr"], "tpot_s_min": t["min"],
          "repeats": t["n"], "tpot_vs_ref": ratio,
          "tpot_vs_ref_ci95": ci, "tpot_s_samples": ts[n],
-         "tokens_per_s": w.batch / t["median"], **footprint.count(cfgs[n], w.prompt_len).fields()}
-    m.update(roofs(cfgs[n], params, w.batch, w.prompt_len, steps, t["median"], bw, rate))
+         "tokens_per_s": w.batch / t["median"], **footprint.count(cfgs[n], held[n]).fields()}
+    m.update(roofs(cfgs[n], params[n], w.batch, held[n], steps, t["median"], bw, rate))
     m.update({"roofline_fraction": m["ideal_s"] / t["median"], "kv_fraction": m["kv_bytes"]
               / m["step_bytes"], "achieved_Bps": m["step_bytes"] / t["median"]})
     rows.append({"variant": ex.variant(cfgs[n], setting=n),
-                 "workload": _workload(cfg, steps, timing=f"interleaved with {', '.join(names)}"),
+                 "workload": _workload(cfg, steps, timing=f"interleaved with {', '.join(names)}",
+                                       **({"held": held[n]} if held[n] != w.prompt_len else {})),
                  "metrics": m})
   return rows
 

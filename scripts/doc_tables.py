@@ -40,6 +40,10 @@ A generated block sits between `<!-- doc_tables:NAME begin -->` and
   shrink    results/real_models/frontier_{smollm2,qwen,gemma3}/compression.jsonl: the frontier
             of every way to shrink the cache (configs/frontier_*.yaml): at 1/2 ... 1/16 of
             bf16's bytes, which setting keeps the lowest Δppl, and whether it is told apart.
+  shrink_speed  (docs/frontier.md) the same frontier rows beside each setting's passkey
+            accuracy (results/real_models/frontier_passkey/) and decode step at batch 8 x 4k
+            against bf16's (results/cpu/frontier_speed_{smollm2,qwen,gemma3}/roofline.jsonl,
+            configs/frontier_speed_*.yaml).
   gpu       (docs/gpu.md) results/gpu/h200/: the last device run (scripts/device_check.sh):
             device and versions, each decode step against the copy bandwidth it probed,
             Gemma's hybrid against its full variant, the distillation step against the
@@ -77,12 +81,17 @@ SOURCES = {"quality": ROOT / "results" / "quality.jsonl",
            "shrink": tuple(ROOT / "results" / "real_models" / f"frontier_{m}" / "compression.jsonl"
                            for m in ("smollm2", "qwen", "gemma3")),
            "lc_models": ROOT / "results" / "real" / "long_context_models" / "long_context.jsonl"}
+SOURCES["shrink_speed"] = SOURCES["shrink"] + tuple(
+    ROOT / "results" / "cpu" / f"frontier_speed_{m}" / "roofline.jsonl"
+    for m in ("smollm2", "qwen", "gemma3")) + (
+    ROOT / "results" / "real_models" / "frontier_passkey" / "long_context.jsonl",)
 GPU = ROOT / "results" / "gpu" / "h200"
 SOURCES["gpu"] = tuple(GPU / f"{n}.jsonl" for n in (
     "roofline_llama3_8b", "roofline_smollm2_b8", "roofline_qwen", "roofline_gemma3",
     "distill_speed", "gpu_tests")) + (
     ROOT / "results" / "cpu" / "distill_speed.jsonl",)
-DOCS = {"gpu": ROOT / "docs" / "gpu.md"}  # every other block lives in DOC
+DOCS = {"gpu": ROOT / "docs" / "gpu.md",  # every other block lives in DOC
+        "shrink_speed": ROOT / "docs" / "frontier.md"}
 MODEL_ORDER = ("MHA", "GQA-2", "GQA-4", "GQA-8", "MQA")
 LIMIT = 1.0  # the Δppl (%) that the "within" sentence tests
 
@@ -935,6 +944,68 @@ def shrink_table(rows: list[dict]) -> str:
       "and the runner-up's intervals separate.")
 
 
+def _cache_key(r: dict, who: str) -> tuple:
+  """A row's model (or converted checkpoint) and cache setting, whatever the setting's name."""
+  c = r.get("config", {}).get("cache", {})
+  return (who, *(str(c.get(k)) for k in ("k_codec", "v_codec", "k_axis", "group_size",
+                                           "residual", "rotate", "clip", "policy", "ratio")))
+
+
+def shrink_speed_table(rows: list[dict]) -> str:
+  """Per model, each frontier setting's bytes and Δppl on both texts beside its decode step
+  time at batch 8 x 4k against bf16's (configs/frontier_speed_*.yaml, interleaved)."""
+  quality = [r for r in rows if r["experiment"] == "compression" and "of_bf16" in r["metrics"]]
+  # a speed config frontier_speed_X times the settings of the frontier config frontier_X
+  speed = {(r["config"]["name"].replace("frontier_speed_", "frontier_"),
+            r["variant"]["setting"]): r for r in rows if r["experiment"] == "roofline"}
+  passkey: dict = {}
+  for r in rows:
+    if r["experiment"] == "long_context":
+      tally = passkey.setdefault(_cache_key(r, r["variant"]["model"]), [0, 0])
+      tally[0] += r["metrics"]["accuracy"]
+      tally[1] += 1
+  out = ["| model | setting | of bf16 | Δppl code | Δppl prose | passkey at 1k | decode step "
+         "vs bf16 | step | held tokens | roof fraction |", "|---|---|---|---|---|---|---|---|---|---|"]
+  cells: dict = {}
+  for r in quality:
+    key = (r["variant"].get("model", "?"), r["config"]["name"], r["variant"]["setting"])
+    cells.setdefault(key, {})[r["workload"]["data"]] = r
+  order = lambda kv: (kv[0][0], -next(iter(kv[1].values()))["metrics"]["of_bf16"], kv[0][2])  # noqa: E731
+  for (model, name, setting), by_text in sorted(cells.items(), key=order):
+    any_row = next(iter(by_text.values()))
+    dppl = []
+    for text in ("stdlib", "shakespeare"):
+      m = by_text.get(text, {}).get("metrics")
+      dppl.append(f"{_signed(100 * m['dppl_rel'])}{_pct_ci(m)}" if m else "—")
+    conv = any_row["config"].get("params", {}).get("converted")
+    pk = passkey.get(_cache_key(any_row, Path(conv).name if conv else model))
+    dppl.append(f"{_frac(*pk)} {_wilson_text(*pk)}" if pk else "—")
+    t = speed.get((name, setting))
+    if t is None:
+      timed = ["not timed", "", "", ""]
+    else:
+      m, w = t["metrics"], t["workload"]
+      ratio = "1 (reference)" if setting == "bf16" else \
+          f"{m['tpot_vs_ref']:.2f}×{_ci(m.get('tpot_vs_ref_ci95'), lambda v: f'{v:.2f}')}"
+      frac = m.get("roof_fraction")
+      timed = [ratio, f"{1e3 * m['tpot_s']:.1f} ms", f"{w.get('held', w['context']):,}",
+               f"{frac:.2f} ({m.get('bound', '?')})" if frac is not None and frac <= 1 else
+               "—"]
+    out.append(f"| {model} | `{setting}` | {any_row['metrics']['of_bf16']:.3f} | "
+               + " | ".join(dppl + timed) + " |")
+  shapes = sorted({(r["workload"]["batch"], r["workload"]["context"]) for r in speed.values()})
+  how = ", ".join(f"batch {b} x {c:,} tokens of context" for b, c in shapes) or "not yet run"
+  return "\n".join(out) + (
+      "\n\nQuality: the frontier rows above (Δppl against the fp32 cache, 95 % paired-"
+      "bootstrap interval). Passkey: right of 10 (5 depths x 2 seeds, 1,024-token prompts in "
+      "the model's chat template) with the Wilson 95 % interval "
+      "(results/real_models/frontier_passkey; — where the setting was not asked). Speed: {how}, every setting of one model timed in turn in each "
+      "repeat from a cache filled by length (random weights of the setting's shape), the "
+      "ratio to bf16's step the median of per-repeat ratios with its 95 % bootstrap interval; "
+      "a policy is timed as the cache it leaves (*held tokens*). *roof fraction*: the "
+      "binding roof's time over the measured step (— where a probe read above 1).")
+
+
 def lc_models_table(rows: list[dict]) -> str:
   """Retrieval per model (a line) and cache setting (a column), each prompt in the model's
   own chat template: right answers in all with the Wilson interval, per task, the bytes
@@ -990,7 +1061,7 @@ BUILDERS = {"quality": quality_table, "real": real_table, "evict": evict_table,
             "tasks100": tasks100_table, "evict100": evict100_table,
             "sinks100": sinks100_table, "frontier": frontier_table, "models": models_table,
             "parity": parity_table, "convert": convert_table, "shrink": shrink_table,
-            "lc_models": lc_models_table}
+            "lc_models": lc_models_table, "shrink_speed": shrink_speed_table}
 
 
 def gpu_table(rows: list[dict]) -> str:

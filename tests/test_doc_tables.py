@@ -224,6 +224,41 @@ def test_shrink_table_names_each_budgets_winner_and_whether_it_is_told_apart(doc
   assert "none this small" in at["0.0625"]
 
 
+def test_shrink_speed_table_joins_passkey_and_decode_time_to_each_frontier_setting(doc_tables):
+  """Each frontier setting on one line with its bytes and Δppl per text; the passkey rows
+  matched by model (or converted checkpoint) and cache setting, whatever the setting's name;
+  the speed row by the speed config's name and the setting; 'not timed' and '—' where a
+  column has no rows."""
+  cache = {"k_codec": "int8", "v_codec": "int8", "k_axis": "token", "group_size": 0,
+           "residual": 0, "rotate": "none", "clip": "none", "policy": "full", "ratio": 0.0}
+  rows = []
+  for setting, of, conv in (("bf16", 1.0, None), ("int8", 0.5, None), ("mqa_int8", 0.17, "ck/m-mqa")):
+    for text, d in (("stdlib", 0.02), ("shakespeare", 0.01)):
+      r = _frontier_row(setting, of, d, [d / 2, 2 * d])
+      r["workload"]["data"] = text
+      r["config"] = {"name": "frontier_m", "cache": {**cache, "k_codec": setting[-4:],
+                                                     "v_codec": setting[-4:]},
+                     "params": {"converted": conv} if conv else {}}
+      rows.append(r)
+  for model, right in (("m", 9), ("m-mqa", 2)):  # the passkey run names its own settings
+    for i in range(10):
+      r = lc_row("q8", "passkey", 1024, 0.5, i < right, 100, codec="int8")
+      r["variant"]["model"], r["config"] = model, {"cache": cache}
+      rows.append(r)
+  rows.append({"experiment": "roofline", "config": {"name": "frontier_speed_m"},
+               "variant": {"setting": "int8"},
+               "workload": {"batch": 8, "context": 4096, "held": 1024},
+               "metrics": {"tpot_s": 0.05, "tpot_vs_ref": 0.8, "tpot_vs_ref_ci95": [0.75, 0.85],
+                           "roof_fraction": 0.9, "bound": "bytes"}})
+  lines = {line.split("|")[2].strip(): line for line in
+           doc_tables.shrink_speed_table(rows).splitlines()[2:5]}
+  assert list(lines) == ["`bf16`", "`int8`", "`mqa_int8`"]  # most bytes first
+  assert "| 9/10 [" in lines["`int8`"] and "| 2/10 [" in lines["`mqa_int8`"]
+  assert "| — | not timed |" in lines["`bf16`"]
+  assert "| 0.80× [0.75, 0.85] | 50.0 ms | 1,024 | 0.90 (bytes) |" in lines["`int8`"]
+  assert "+2 % [+1, +4] | +1 % [+0.5, +2]" in lines["`int8`"]
+
+
 def test_lc_models_table_has_a_line_per_model_and_a_column_per_setting(doc_tables):
   """Each model's settings against its own fp32 cache: right in all with the Wilson
   interval, '*' where it is apart from fp32's, right per task, bytes per prefix token."""

@@ -39,7 +39,7 @@ import numpy as np
 
 from kvjax import config as config_lib
 from kvjax import experiments as ex
-from kvjax import footprint, intervals, metrics, program
+from kvjax import footprint, intervals, metrics, program, step
 from kvjax.errors import KvjaxError
 
 # The params.NAME options this experiment reads (`setting` and `settings` are every
@@ -221,13 +221,14 @@ def _interleaved_cell(cfg: config_lib.Config, cfgs: dict) -> list[dict]:
   """`params.interleave`'s variants timed in turn in each repeat (module docstring)."""
   w = cfg.workload
   steps = max(w.gen_len - 1, 1)
-  # A variant that changes the model's shape (fewer KV heads, a latent rank) gets random
-  # weights of its own shape; one that sets workload.prompt_len is timed from that many held
-  # tokens (what a policy leaves of the context) within the cell's capacity.
+  # Variants of one model shape share one prepared copy of its weights (each program would
+  # otherwise split and keep its own); a variant that changes the shape (fewer KV heads, a
+  # latent rank) gets random weights of its own. One that sets workload.prompt_len is timed
+  # from that many held tokens (what a policy leaves of the context) within the capacity.
   shared, params = {}, {}
   for n, c in cfgs.items():
     if repr(c.model) not in shared:
-      shared[repr(c.model)] = ex.random_params(c.model, cfg.seed)
+      shared[repr(c.model)] = step.prepare_params(c, ex.random_params(c.model, cfg.seed))
     params[n] = shared[repr(c.model)]
   held = {n: c.workload.prompt_len for n, c in cfgs.items()}
   timers = {n: FilledDecode(c, params[n], w.batch, held[n], steps, capacity(cfg))

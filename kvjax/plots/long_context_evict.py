@@ -49,6 +49,23 @@ def _color(m: str) -> str:
   return METHOD_COLORS.get(m.replace(" + codec", ""), "#17becf")
 
 
+def per_model(draw):
+  """Rows of several models (a run over `params.models`) are drawn one model at a time, each
+  into its own folder under `out_dir`: one model's cache settings per figure, never
+  accuracies of different models pooled into one point. Such a run asks few queries a
+  setting, so many settings share one accuracy and their names would overlap: its points
+  go unnamed (the run's doc table names them)."""
+  def drawn(rows, out_dir: Path, named: bool = True) -> list[Path]:
+    models = sorted({r["variant"].get("model", "") for r in rows})
+    if len(models) < 2:
+      return draw(rows, out_dir, named)
+    return [p for m in models
+            for p in draw([r for r in rows if r["variant"].get("model", "") == m],
+                          Path(out_dir) / m, False)]
+  drawn.__name__, drawn.__doc__ = draw.__name__, draw.__doc__
+  return drawn
+
+
 def _cells(rows) -> dict:
   """(setting, context) -> {acc, n, right, bpt, held, method, policy, ratio, codec}."""
   out: dict = {}
@@ -72,7 +89,8 @@ def _full_fp32(cells, n):
                and c["codec"] == "fp32"), None)
 
 
-def evict_accuracy_vs_bytes(rows, out_dir: Path) -> list[Path]:
+@per_model
+def evict_accuracy_vs_bytes(rows, out_dir: Path, named: bool = True) -> list[Path]:
   cells = _cells(rows)
   contexts = sorted({n for _, n in cells})
   fig, axes = plt.subplots(1, len(contexts), figsize=(6.4 * len(contexts) + 1, 5.4),
@@ -104,7 +122,8 @@ def evict_accuracy_vs_bytes(rows, out_dir: Path) -> list[Path]:
         ax.plot(xs, ys, ls="-", ms=6, lw=2 if m == "quantization" else 1.5, **style)
       if m.endswith("+ codec") or m in ("quantization", "GQA→MQA"):
         labels += [(x, y, s, _color(m)) for x, y, (_, _, s, _) in zip(xs, ys, pts) if s]
-    label_points(ax, labels)
+    if named:
+      label_points(ax, labels)
     if ref is not None:
       for frac, txt in ((0.5, "50 %"), (0.125, "12.5 %")):
         ax.axvline(frac * ref["bpt"], color="black", ls=":", lw=0.8)
@@ -130,7 +149,8 @@ def evict_accuracy_vs_bytes(rows, out_dir: Path) -> list[Path]:
   return save(fig, out_dir, "long_context_evict_accuracy_vs_bytes")
 
 
-def evict_accuracy_vs_context(rows, out_dir: Path) -> list[Path]:
+@per_model
+def evict_accuracy_vs_context(rows, out_dir: Path, named: bool = True) -> list[Path]:
   cells = _cells(rows)
   contexts = sorted({n for _, n in cells})
   policies = sorted({c["policy"] for c in cells.values() if c["policy"] != "full"})
@@ -184,7 +204,8 @@ def evict_accuracy_vs_context(rows, out_dir: Path) -> list[Path]:
   return save(fig, out_dir, "long_context_evict_accuracy_vs_context")
 
 
-def evict_depth(rows, out_dir: Path) -> list[Path]:
+@per_model
+def evict_depth(rows, out_dir: Path, named: bool = True) -> list[Path]:
   cells = _cells(rows)
   settings = sorted({s for s, _ in cells}, key=lambda s: (
       -max(c["bpt"] for (t, _), c in cells.items() if t == s), s))

@@ -1,7 +1,7 @@
 """Prefill and the decode loop: jit-compiled, cache donated, one compile per shape.
 
-    prefill(params, tokens_BT, lengths_B, cache, key, spec=, sampler=)  -> token_B, logits, cache
-    decode(params, cache, token_B, key, spec=, sampler=, steps=)         -> tokens_BN, cache
+    prefill(params, tokens_BT, lengths_B, cache, key, static=, sampler=)  -> token_B, logits, cache
+    decode(params, cache, token_B, key, static=, sampler=, steps=)         -> tokens_BN, cache
     decode(..., forced_BN=, logprobs=True)     -> tokens_BN, logprobs_BNV, cache (teacher forcing)
 
 Both make one model call per step through `kvjax.step.run`: the model reads and writes the
@@ -29,14 +29,14 @@ from kvjax.step import Static
 TRACES = {"prefill": 0, "decode": 0}  # incremented at trace time; tests count compilations
 
 
-def bucket_for(spec: "Static", live: int, steps: int, capacity: int) -> int:
+def bucket_for(static: "Static", live: int, steps: int, capacity: int) -> int:
   """The read bucket of one decode call of `steps` steps from a cache holding at most
   `live` tokens a sequence: in the accelerator program the smallest power of two that
   every step's live length stays within, so the call's one-block reads cover that many
   slots and its time follows what the cache holds; 0 (every slot) in the CPU program,
   whose reads stop at the live length anyway, or when the bucket would reach `capacity`.
   Each distinct bucket is one compile of `decode`."""
-  if spec.model.program != "accelerator":
+  if static.model.program != "accelerator":
     return 0
   b = 1 << max(live + steps - 1, 0).bit_length()  # the smallest power of two >= live + steps
   return 0 if b >= capacity else b
@@ -81,20 +81,20 @@ class LoopState:
   key: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "sampler"), donate_argnames=("cache",))
-def prefill(params, tokens_BT, lengths_B, cache, key, *, spec: Static, sampler: Sampler):
+@functools.partial(jax.jit, static_argnames=("static", "sampler"), donate_argnames=("cache",))
+def prefill(params, tokens_BT, lengths_B, cache, key, *, static: Static, sampler: Sampler):
   """Run the (right-padded, ragged) prompts; return the first sampled token, its logits
   and the cache."""
   TRACES["prefill"] += 1
   positions_BT = step.positions(cache.lengths, lengths_B, tokens_BT.shape[1])
-  out = step.run(spec, params, tokens_BT, positions_BT, cache, logits="last")
+  out = step.run(static, params, tokens_BT, positions_BT, cache, logits="last")
   last_BV = out.logits[:, 0]
   return sampler(last_BV, key), last_BV, out.cache
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "sampler", "steps", "bucket", "logprobs"),
+@functools.partial(jax.jit, static_argnames=("static", "sampler", "steps", "bucket", "logprobs"),
                    donate_argnames=("cache",))
-def decode(params, cache, token_B, key, *, spec: Static, sampler: Sampler, steps: int,
+def decode(params, cache, token_B, key, *, static: Static, sampler: Sampler, steps: int,
            bucket: int = 0, forced_BN=None, logprobs: bool = False):
   """`steps` decode steps in one `lax.scan`; returns the sampled tokens [B, steps] and
   the cache. The one token loop: generation, timing, task answers and teacher forcing all
@@ -106,10 +106,10 @@ def decode(params, cache, token_B, key, *, spec: Static, sampler: Sampler, steps
   (teacher forcing; eos is then not special). `logprobs`: also return each step's
   log-probabilities [B, steps, V] (row i: of the token after the one step i fed)."""
   TRACES["decode"] += 1
-  eos = -1 if forced_BN is not None else spec.eos_id
+  eos = -1 if forced_BN is not None else static.eos_id
 
   def one(state: LoopState, forced_B):
-    out = step.run(spec, params, state.token[:, None], state.cache.lengths[:, None],
+    out = step.run(static, params, state.token[:, None], state.cache.lengths[:, None],
                    state.cache, bucket=bucket)
     new_cache = out.cache
     key, sub = jax.random.split(state.key)

@@ -44,8 +44,8 @@ def reference_config(cfg: Config) -> Config:
   return config_lib.validate(config_lib.resolve(ref))
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "chunk"))
-def _stream(params, tokens_BM, valid_BM, cache, *, spec, chunk: int):
+@functools.partial(jax.jit, static_argnames=("static", "chunk"))
+def _stream(params, tokens_BM, valid_BM, cache, *, static, chunk: int):
   """Compiled per config and chunk: `chunk` tokens a step (`kvjax.step.run`) in one scan."""
   B, M = tokens_BM.shape
   toks = tokens_BM.reshape(B, M // chunk, chunk).swapaxes(0, 1)
@@ -55,7 +55,7 @@ def _stream(params, tokens_BM, valid_BM, cache, *, spec, chunk: int):
   def one(c, xs):
     tok_BT, valid_BT = xs
     positions = jnp.where(valid_BT, c.lengths[:, None] + offs, -1)
-    out = step.run(spec, params, tok_BT, positions, c)
+    out = step.run(static, params, tok_BT, positions, c)
     return out.cache, jax.nn.log_softmax(out.logits, axis=-1)
 
   c, lp = jax.lax.scan(one, cache, (toks, valid))

@@ -22,11 +22,11 @@ from kvjax import policies, step
 from kvjax.errors import KvjaxError
 
 
-def _prompt(params, tokens_BT, lengths_B, cache, spec, queries: bool) -> step.Out:
+def _prompt(params, tokens_BT, lengths_B, cache, static, queries: bool) -> step.Out:
   """The prompt through `cache` in one step (`kvjax.step.run`): each row's last logits, the
   filled cache and, when `queries`, the prompt's rotated queries [L, B, T, H, D]."""
   positions_BT = step.positions(cache.lengths, lengths_B, tokens_BT.shape[1])
-  return step.run(spec, params, tokens_BT, positions_BT, cache, logits="last", queries=queries)
+  return step.run(static, params, tokens_BT, positions_BT, cache, logits="last", queries=queries)
 
 
 def _squeeze(cache):
@@ -37,27 +37,27 @@ def _squeeze(cache):
 
 # Not donated: the compacted cache has another shape, so XLA could not reuse the prompt's
 # buffers anyway; the caller drops them.
-@functools.partial(jax.jit, static_argnames=("spec", "sampler"))
-def prefill(params, tokens_BT, lengths_B, cache, key, *, spec, sampler):
+@functools.partial(jax.jit, static_argnames=("static", "sampler"))
+def prefill(params, tokens_BT, lengths_B, cache, key, *, static, sampler):
   """`decode.prefill` followed by compaction: returns the first token, its logits and the
   compacted cache (`compacted`, or `paged_compacted` when `cache` is paged). Policies that
   score by attention get the prompt's rotated queries from the same step."""
   T = tokens_BT.shape[1]
-  out = _prompt(params, tokens_BT, lengths_B, cache, spec,
-                policies.get(spec.cache.policy).needs_queries)
+  out = _prompt(params, tokens_BT, lengths_B, cache, static,
+                policies.get(static.cache.policy).needs_queries)
   room = out.cache.spec.capacity - T
   new_cache = _squeeze(out.cache)(out.cache, lengths_B, room, out.queries, T=T)
   last_BV = out.logits[:, 0]
   return sampler(last_BV, key), last_BV, new_cache
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
-def prefill_queries(params, tokens_BT, lengths_B, cache, *, spec):
+@functools.partial(jax.jit, static_argnames=("static",))
+def prefill_queries(params, tokens_BT, lengths_B, cache, *, static):
   """The prompt in one call through `cache` (no compaction): (the filled cache, the rotated
   queries [L, B, T, H, D]). One such prefill through an fp32 cache serves every policy and
   codec: a call attends to its own fresh K/V, so its queries and its keys before storage
   do not depend on the cache's codec (see `compress_filled` below)."""
-  out = _prompt(params, tokens_BT, lengths_B, cache, spec, True)
+  out = _prompt(params, tokens_BT, lengths_B, cache, static, True)
   return out.cache, out.queries
 
 
@@ -73,12 +73,12 @@ def compress_filled(cache, lengths_B, q_LBTHD, *, room: int, T: int):
 class CompactingPrefill:
   """`prefill` with the host-side checks that need the prompt lengths, run at `lower`."""
 
-  def lower(self, params, tokens_BT, lengths_B, cache, key, *, spec, sampler):
-    if spec.mesh.data * spec.mesh.model > 1:
-      raise KvjaxError(f"cache.policy={spec.cache.policy} runs on one device; drop the mesh.* "
+  def lower(self, params, tokens_BT, lengths_B, cache, key, *, static, sampler):
+    if static.mesh.data * static.mesh.model > 1:
+      raise KvjaxError(f"cache.policy={static.cache.policy} runs on one device; drop the mesh.* "
                        "overrides")
-    policies.check_lengths(spec.cache, np.asarray(lengths_B))
-    return prefill.lower(params, tokens_BT, lengths_B, cache, key, spec=spec, sampler=sampler)
+    policies.check_lengths(static.cache, np.asarray(lengths_B))
+    return prefill.lower(params, tokens_BT, lengths_B, cache, key, static=static, sampler=sampler)
 
 
 def prefill_for(cfg, default):

@@ -23,7 +23,7 @@ it already holds `context` tokens (zeros: decode speed does not depend on values
 
 `statics` (`kvjax.step.statics`) builds the static keyword arguments of every call of a
 jitted program (decode.prefill, decode.decode, evict.prefill, the serving step): the
-narrow `step.Static` spec and the sampler, never the experiment Config.
+narrow `step.Static` and the sampler, never the experiment Config.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class Program:
       self.token, cache = self.place.full(s.batch, 0), self.fresh()
     if s.steps > 0:  # the accelerator program reads a bucket of slots, not the capacity
       kw = statics(cfg, self.sampler, steps=s.steps)
-      self.bucket = decode.bucket_for(kw["spec"], s.width or s.context, s.steps, s.capacity)
+      self.bucket = decode.bucket_for(kw["static"], s.width or s.context, s.steps, s.capacity)
       self.dec = decode.decode.lower(self.params, cache, self.token, self.keys[1], **kw,
                                      bucket=self.bucket).compile()
     self.compile_s = time.perf_counter() - t0

@@ -1,6 +1,6 @@
 """One step through the cache: the model over T new tokens against a cache.
 
-    out = step.run(spec, params, tokens_BT, positions_BT, cache, logits=, queries=, bucket=)
+    out = step.run(static, params, tokens_BT, positions_BT, cache, logits=, queries=, bucket=)
     out.logits, out.cache, out.queries
 
 Every program that calls the model through a cache calls `run` inside its own jit: prefill
@@ -43,7 +43,7 @@ class Static:
 
   @classmethod
   def of(cls, cfg: Config) -> "Static":
-    """The spec of `cfg`, its `model.program` resolved (auto: per backend) on the host, so
+    """The Static of `cfg`, its `model.program` resolved (auto: per backend) on the host, so
     that what jit hashes names the program it compiles."""
     return cls(resolved(cfg.model), cfg.cache, cfg.mesh, cfg.workload.eos_id)
 
@@ -55,10 +55,10 @@ def resolved(m: ModelConfig) -> ModelConfig:
 
 
 def statics(cfg: Config, sampler=None, **extra) -> dict:
-  """Static keyword arguments of a jitted program's call: its `spec` (`Static.of(cfg)`),
+  """Static keyword arguments of a jitted program's call: its `static` (`Static.of(cfg)`),
   the sampler when it samples, and `extra` (decode's `steps`, the serving step's widths).
   Every call site builds them here."""
-  return {"spec": Static.of(cfg), **({} if sampler is None else {"sampler": sampler}), **extra}
+  return {"static": Static.of(cfg), **({} if sampler is None else {"sampler": sampler}), **extra}
 
 
 def positions(start_B, lengths_B, T: int):
@@ -129,7 +129,7 @@ class Out:
   queries: jax.Array | None = None
 
 
-def run(spec: Static, params, tokens_BT, positions_BT, cache, *, logits="all",
+def run(static: Static, params, tokens_BT, positions_BT, cache, *, logits="all",
         queries: bool = False, bucket: int = 0) -> Out:
   """The model over `tokens_BT` at `positions_BT` (-1: padding) against `cache`, which it
   reads and writes through its layout. `logits`: "all" (this call's T positions), "last"
@@ -143,9 +143,9 @@ def run(spec: Static, params, tokens_BT, positions_BT, cache, *, logits="all",
   On a mesh (`mesh.*`) the read runs per device and the cache keeps its layout."""
   last = isinstance(logits, str) and logits == "last"
   at = None if isinstance(logits, str) else logits
-  model, params = network(spec, params, logits_last=last, read_bucket=bucket,
+  model, params = network(static, params, logits_last=last, read_bucket=bucket,
                           return_queries=queries)
-  with sharding.visible(spec):
+  with sharding.visible(static):
     if cache.spec.layout != "none":
       res = model.apply({"params": params}, tokens_BT, positions_BT, cache, logits_at=at)
     else:
@@ -160,5 +160,5 @@ def run(spec: Static, params, tokens_BT, positions_BT, cache, *, logits="all",
       res = model.apply({"params": params}, buf.tokens, pos_BS, None, logits_at=at)
       res = (res[0], buf, *res[2:])
   logits_BnV, new_cache, *q = res
-  new_cache = sharding.constrain_cache(new_cache, spec)  # no-op on one device
+  new_cache = sharding.constrain_cache(new_cache, static)  # no-op on one device
   return Out(logits_BnV, new_cache, q[0] if q else None)

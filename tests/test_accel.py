@@ -235,7 +235,7 @@ def test_bucketed_decode_equals_full_read_and_compiles_once_per_bucket(over):
   params = step.prepare_params(cfg, tiny_params(cfg))
   tokens, lengths = program.pad_prompts(PROMPTS)
   kw = program.statics(cfg, decode.Sampler())
-  spec, n, steps = kw["spec"], 8, 3
+  static, n, steps = kw["static"], 8, 3
 
   def first():
     cache = cache_lib.init_cache(cfg, len(PROMPTS), 64)
@@ -249,7 +249,7 @@ def test_bucketed_decode_equals_full_read_and_compiles_once_per_bucket(over):
   before, got, buckets = decode.TRACES["decode"], [], set()
   for i in range(n):
     live = tokens.shape[1] + i * steps
-    b = decode.bucket_for(spec, live, steps, 64)
+    b = decode.bucket_for(static, live, steps, 64)
     buckets.add(b)
     out, cache = decode.decode(params, cache, tok, jax.random.PRNGKey(1), **kw, steps=steps,
                                bucket=b)

@@ -37,13 +37,13 @@ def tiny():
 @jax.jit
 def teacher_forced(params, cache):
   """Prefill the ragged prompts, then feed TOKS one at a time: logits [B, N, V] per step."""
-  spec = step.Static.of(tiny()[0])
+  static = step.Static.of(tiny()[0])
   t = jnp.arange(P)[None]
-  cache = step.run(spec, params, TOKS[:, :P], jnp.where(t < LENS[:, None], t, -1), cache).cache
+  cache = step.run(static, params, TOKS[:, :P], jnp.where(t < LENS[:, None], t, -1), cache).cache
 
   def one(c, _):
     tok = jnp.take_along_axis(jnp.asarray(TOKS), c.lengths[:, None], axis=1)
-    out = step.run(spec, params, tok, c.lengths[:, None], c)
+    out = step.run(static, params, tok, c.lengths[:, None], c)
     return out.cache, out.logits[:, 0]
 
   _, logits = jax.lax.scan(one, cache, None, length=N)
@@ -250,10 +250,10 @@ def test_decode_step_never_materializes_a_dequantized_cache(name):
   m, S = cfg.model, 4096
   params = jax.eval_shape(lambda: model.init_params(m, 0))
   cache = jax.eval_shape(lambda: cache_lib.init_cache(cfg, 1, S))
-  spec = step.Static.of(cfg)
+  static = step.Static.of(cfg)
 
   def one(params, tok, c):
-    out = step.run(spec, params, tok, c.lengths[:, None], c)
+    out = step.run(static, params, tok, c.lengths[:, None], c)
     return out.logits, out.cache
 
   compiled = jax.jit(one, donate_argnums=2).lower(

@@ -241,10 +241,10 @@ def test_compacting_a_filled_paged_cache_is_what_prefill_returns():
   params = tiny_params(cfg)
   tokens, lengths = program.pad_prompts(PROMPTS)
   T, room, key = tokens.shape[1], 3, jax.random.PRNGKey(0)
-  spec, sampler = step.Static.of(cfg), decode.Sampler()
+  static, sampler = step.Static.of(cfg), decode.Sampler()
   fresh = lambda: cache_lib.init_cache(cfg, 2, T + room)  # noqa: E731
-  _, _, want = evict.prefill(params, tokens, lengths, fresh(), key, spec=spec, sampler=sampler)
-  _, _, filled = decode.prefill(params, tokens, lengths, fresh(), key, spec=spec,
+  _, _, want = evict.prefill(params, tokens, lengths, fresh(), key, static=static, sampler=sampler)
+  _, _, filled = decode.prefill(params, tokens, lengths, fresh(), key, static=static,
                                 sampler=sampler)
   got = evict.compress_filled(filled, jnp.asarray(lengths), None, room=room, T=T)
   assert got.spec == want.spec and got.spec.layout == "paged_compacted"

@@ -177,19 +177,19 @@ def tiny(kv_heads: int, codec: str, attn: str = "grouped"):
 
 def teacher_forced(cfg, params, tokens_BN, lens_B, capacity):
   """Ragged prefill, then feed tokens one at a time; logits [B, steps, V] per step."""
-  spec = step.Static.of(cfg)
+  static = step.Static.of(cfg)
   cache = cache_lib.init_cache(cfg, tokens_BN.shape[0], capacity)
   P = int(lens_B.max())
 
   @jax.jit
   def run(params, cache):
     t = jnp.arange(P)[None]
-    c = step.run(spec, params, tokens_BN[:, :P], jnp.where(t < lens_B[:, None], t, -1),
+    c = step.run(static, params, tokens_BN[:, :P], jnp.where(t < lens_B[:, None], t, -1),
                  cache).cache
 
     def one(c, _):
       tok = jnp.take_along_axis(tokens_BN, c.lengths[:, None], axis=1)
-      out = step.run(spec, params, tok, c.lengths[:, None], c)
+      out = step.run(static, params, tok, c.lengths[:, None], c)
       return out.cache, out.logits[:, 0]
 
     return jax.lax.scan(one, c, None, length=tokens_BN.shape[1] - P - 1)[1]

@@ -31,12 +31,12 @@ def _full_forward(cfg, params, tokens):
 def _cached_forward(cfg, params, tokens, layout="contiguous"):
   """Ragged prefill of each row's prompt, then one decode step per remaining token."""
   cfg = config_lib.replace(cfg, **{"cache.layout": layout})
-  spec = step.Static.of(cfg)
+  static = step.Static.of(cfg)
   lengths = jnp.asarray(RAGGED, jnp.int32)
   B, T = tokens.shape
   t = jnp.arange(T, dtype=jnp.int32)[None]
   cache = cache_lib.init_cache(cfg, B, TOTAL)
-  run = jax.jit(lambda p, tok, pos, c: step.run(spec, p, tok, pos, c))
+  run = jax.jit(lambda p, tok, pos, c: step.run(static, p, tok, pos, c))
   fwd = lambda *a: (lambda o: (o.logits, o.cache))(run(*a))  # noqa: E731
   prompt_pos = jnp.where(t < lengths[:, None], t, -1)
   logits, cache = fwd(params, tokens, prompt_pos, cache)

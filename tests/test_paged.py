@@ -77,14 +77,14 @@ def test_paged_attention_equals_contiguous(codec, page, K):
 @functools.partial(jax.jit, static_argnames="cfg")
 def _model_logits(params, tokens_BT, lengths_B, *, cfg):
   """Prefill logits of every prompt position, then one decode step's logits."""
-  spec = step.Static.of(cfg)
+  static = step.Static.of(cfg)
   cache = cache_lib.init_cache(cfg, tokens_BT.shape[0], 16)
   t = jnp.arange(tokens_BT.shape[1])[None]
   positions = jnp.where(t < lengths_B[:, None], t, -1)
-  pre = step.run(spec, params, tokens_BT, positions, cache)
+  pre = step.run(static, params, tokens_BT, positions, cache)
   pre_BTV, cache = pre.logits, pre.cache
   nxt_B1 = jnp.argmax(pre_BTV[jnp.arange(tokens_BT.shape[0]), lengths_B - 1], -1)[:, None]
-  step_B1V = step.run(spec, params, nxt_B1, lengths_B[:, None], cache).logits
+  step_B1V = step.run(static, params, nxt_B1, lengths_B[:, None], cache).logits
   return jnp.where(positions[..., None] >= 0, pre_BTV, 0), step_B1V
 
 

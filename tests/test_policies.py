@@ -129,7 +129,7 @@ def run_cached(cfg, params, prompts=PROMPTS, cont=CONT):
   prefill = evict.prefill_for(cfg, decode.prefill)
   sampler = decode.Sampler()
   key = jax.random.PRNGKey(0)
-  _, last, cache = prefill.lower(params, tokens, lengths, c0, key, spec=step.Static.of(cfg),
+  _, last, cache = prefill.lower(params, tokens, lengths, c0, key, static=step.Static.of(cfg),
                                  sampler=sampler).compile()(params, tokens, lengths, c0, key)
   one = jax.jit(lambda c, t: step.run(step.Static.of(cfg), params, t, c.lengths[:, None], c))
   out, caches = [last], [cache]

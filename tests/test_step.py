@@ -83,10 +83,10 @@ def test_the_step_returns_the_queries_the_layout_would_be_given():
   params = tiny_params(cfg)
   toks = jnp.array([[1, 2, 3, 4]], jnp.int32)
   pos = step.positions(jnp.array([0]), jnp.array([4]), 4)
-  spec = step.Static.of(cfg)
-  plain = step.run(spec, params, toks, pos, cache_lib.init_cache(cfg, 1, 8))
+  static = step.Static.of(cfg)
+  plain = step.run(static, params, toks, pos, cache_lib.init_cache(cfg, 1, 8))
   split = step.prepare_params(cfg, params)
-  outs = [step.run(spec, p, toks, pos, cache_lib.init_cache(cfg, 1, 8), queries=True)
+  outs = [step.run(static, p, toks, pos, cache_lib.init_cache(cfg, 1, 8), queries=True)
           for p in (params, split)]
   m = cfg.model
   assert plain.queries is None and outs[0].queries.shape == (m.n_layers, 1, 4, m.n_heads, m.D)

@@ -319,7 +319,7 @@ def test_a_codec_is_read_through_one_interface():
 
 
 def test_one_token_loop():
-  """A model call on one token per row (`step.run(spec, params, token_B[:, None], ...)`)
+  """A model call on one token per row (`step.run(static, params, token_B[:, None], ...)`)
   in a loop is `decode.decode`'s: generation, timers, task answers and teacher-forced
   continuations run it, so a change to the decode step changes all of them at once."""
   # the tokens' argument, the third, is one token per row

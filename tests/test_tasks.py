@@ -162,10 +162,10 @@ def _last_logits(cfg, params, prefix, tail, capacity=160):
   call) logits of the last tail token."""
   fresh = cache_lib.init_cache(cfg, 1, capacity)
   fwd, pad = through_cache._forward, through_cache._pad
-  spec = through_cache._static(cfg)
-  shot, _ = fwd(params, *pad(prefix + tail, capacity), fresh, spec=spec)
+  static = through_cache._static(cfg)
+  shot, _ = fwd(params, *pad(prefix + tail, capacity), fresh, static=static)
   pre = tasks.prefill(cfg, params, prefix, capacity, chunk=64)
-  split, _ = fwd(params, *pad(tail, 16), pre, spec=spec)
+  split, _ = fwd(params, *pad(tail, 16), pre, static=static)
   return np.asarray(shot), np.asarray(split)
 
 
@@ -262,7 +262,7 @@ def test_evict_prefix_is_the_policy_prefill(over):
   got = tasks.evict_prefix(cfg, pre, room)
   tok, n = through_cache._pad(prefix, width)
   _, _, want = evict.prefill(params, tok, n, cache_lib.init_cache(cfg, 1, width + room),
-                             jax.random.PRNGKey(0), spec=step.Static.of(cfg),
+                             jax.random.PRNGKey(0), static=step.Static.of(cfg),
                              sampler=decode.Sampler())
   budget = over.get("cache.budget") or int(np.ceil(over["cache.ratio"] * 90))
   assert got.spec.layout == "compacted" and int(got.held[0]) == budget < 90
@@ -276,7 +276,7 @@ def test_evict_prefix_is_the_policy_prefill(over):
   assert ans == tasks.answer_through_cache(cfg, params, want, tail, 5, tail_pad=16)
   if over["cache.policy"] == "sinks":  # the ring still holds exactly its budget afterwards
     _, after = through_cache._forward(params, *through_cache._pad(tail, 16), got,
-                                      spec=through_cache._static(cfg))
+                                      static=through_cache._static(cfg))
     assert int(after.held[0]) == budget and int(after.lengths[0]) == 96
 
 

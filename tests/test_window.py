@@ -218,10 +218,10 @@ def test_a_policy_evicts_on_the_full_layers_and_leaves_the_rings_as_they_were():
   plain = cache_lib.init_cache(cfg, 2, 12)
   from kvjax import step
   filled, q = evict.prefill_queries(step.prepare_params(cfg, params), tokens, lengths, plain,
-                                    spec=step.Static.of(cfg))
+                                    static=step.Static.of(cfg))
   c = cache_lib.init_cache(pol, 2, 12)
   kept, q2 = evict.prefill_queries(step.prepare_params(pol, params), tokens, lengths, c,
-                                   spec=step.Static.of(pol))
+                                   static=step.Static.of(pol))
   small = evict.compress_filled(kept, lengths, q2, room=4, T=12)
   assert small.k.shape[0] == 2 and np.asarray(small.held).tolist() == [6, 6]
   np.testing.assert_array_equal(small.k_ring, filled.k_ring)

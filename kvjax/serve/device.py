@@ -41,24 +41,24 @@ from kvjax.errors import KvjaxError
 STEP_TRACES: collections.Counter = collections.Counter()  # per tokens shape, at trace time
 
 
-def _call(spec, sampler, params, cache, tokens_BT, positions_BT, last_B, key):
+def _call(static, sampler, params, cache, tokens_BT, positions_BT, last_B, key):
   STEP_TRACES[tokens_BT.shape] += 1
-  out = step.run(spec, params, tokens_BT, positions_BT, cache, logits=last_B[:, None])
+  out = step.run(static, params, tokens_BT, positions_BT, cache, logits=last_B[:, None])
   return sampler(out.logits[:, 0], key), out.cache
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "sampler"), donate_argnames=("cache",))
-def serve_step(params, cache, tokens_BT, positions_BT, last_B, key, *, spec: step.Static,
+@functools.partial(jax.jit, static_argnames=("static", "sampler"), donate_argnames=("cache",))
+def serve_step(params, cache, tokens_BT, positions_BT, last_B, key, *, static: step.Static,
                sampler):
   """One model call; returns the token sampled after each row's last token. The cache's
   `lengths` (and block table) say which rows are which: a paged cache may hold any number."""
-  return _call(spec, sampler, params, cache, tokens_BT, positions_BT, last_B, key)
+  return _call(static, sampler, params, cache, tokens_BT, positions_BT, last_B, key)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "sampler", "width", "all_rows"),
+@functools.partial(jax.jit, static_argnames=("static", "sampler", "width", "all_rows"),
                    donate_argnames=("cache",))
 def serve_contiguous(params, cache, slots_b, tokens_bT, positions_bT, last_b, key, *,
-                     spec: step.Static, sampler, width: int, all_rows: bool):
+                     static: step.Static, sampler, width: int, all_rows: bool):
   """`serve_step` on a contiguous cache's slots `slots_b` (all of them, in order, when
   `all_rows`) and its first `width` token slots: a window gathered, run and written back,
   so a step reads what the live requests can hold, not every reservation to its end."""
@@ -72,7 +72,7 @@ def serve_contiguous(params, cache, slots_b, tokens_bT, positions_bT, last_b, ke
   sub = dataclasses.replace(cache, k=jax.tree.map(window, cache.k), v=jax.tree.map(window, cache.v),
                             lengths=cache.lengths[slots_b],
                             spec=dataclasses.replace(cache.spec, capacity=width))
-  nxt, sub = _call(spec, sampler, params, sub, tokens_bT, positions_bT, last_b, key)
+  nxt, sub = _call(static, sampler, params, sub, tokens_bT, positions_bT, last_b, key)
   return nxt, dataclasses.replace(cache, k=jax.tree.map(put, cache.k, sub.k),
                                   v=jax.tree.map(put, cache.v, sub.v))
 

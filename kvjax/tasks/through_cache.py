@@ -20,15 +20,15 @@ PREFIX_ROUND = 256  # prefix_kv: slots kept per prefix, n rounded up to this
 
 
 def _static(cfg):
-  return step.statics(cfg)["spec"]
+  return step.statics(cfg)["static"]
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
-def _forward(params, tokens_BT, lengths_B, cache, *, spec):
+@functools.partial(jax.jit, static_argnames=("static",))
+def _forward(params, tokens_BT, lengths_B, cache, *, static):
   """One call through the cache (not donated: a prefix cache serves several tails).
   Returns the last valid token's logits [B, V] and the new cache."""
   positions_BT = step.positions(cache.lengths, lengths_B, tokens_BT.shape[1])
-  out = step.run(spec, params, tokens_BT, positions_BT, cache, logits="last")
+  out = step.run(static, params, tokens_BT, positions_BT, cache, logits="last")
   return out.logits[:, 0], out.cache
 
 
@@ -48,19 +48,19 @@ def prefill(cfg, params, ids, capacity: int, chunk: int = 512):
   c = cache_lib.init_cache(cfg, 1, capacity)
   for s in range(0, len(ids), chunk):
     tok, n = _pad(ids[s:s + chunk], chunk)
-    _, c = _forward(params, tok, n, c, spec=_static(cfg))
+    _, c = _forward(params, tok, n, c, static=_static(cfg))
   return c
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "capacity"))
-def _reencode(k_LKSD, v_LKSD, n, *, spec, capacity: int):
+@functools.partial(jax.jit, static_argnames=("static", "capacity"))
+def _reencode(k_LKSD, v_LKSD, n, *, static, capacity: int):
   from kvjax import cache as cache_lib
   from kvjax.codecs import rotate
 
-  c = cache_lib.init_cache(spec, 1, capacity)
+  c = cache_lib.init_cache(static, 1, capacity)
   k = jnp.swapaxes(k_LKSD, 1, 2)[:, None]  # [L, 1, S, K, D]: the S slots fed as T new tokens
   v = jnp.swapaxes(v_LKSD, 1, 2)[:, None]
-  rot_DD = rotate.of(spec.cache, k.shape[-1])  # stored in the basis the model reads it in
+  rot_DD = rotate.of(static.cache, k.shape[-1])  # stored in the basis the model reads it in
   if rot_DD is not None:
     k, v = rotate.apply(k, rot_DD), rotate.apply(v, rot_DD)
   pos = jnp.where(jnp.arange(k.shape[2]) < n, jnp.arange(k.shape[2]), -1)[None, :]
@@ -103,7 +103,7 @@ def encode_prefix(cfg, kv, capacity: int):
   """A fresh `cfg` cache holding the prefix's full-precision K/V stored through its codec
   and layout: the same `write` a prefill with this cache makes after computing them."""
   k, v, n = kv
-  return _reencode(k, v, jnp.int32(n), spec=_static(cfg), capacity=capacity)
+  return _reencode(k, v, jnp.int32(n), static=_static(cfg), capacity=capacity)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +128,7 @@ def prefill_queries(ref_cfg, params, ids, width: int) -> Prefix:
     raise KvjaxError(f"prefix of {len(ids)} tokens exceeds the prefill width {width}")
   c = cache_lib.init_cache(ref_cfg, 1, width)
   tok, n = _pad(ids, width)
-  c, q = evict.prefill_queries(params, tok, n, c, spec=_static(ref_cfg))
+  c, q = evict.prefill_queries(params, tok, n, c, static=_static(ref_cfg))
   return Prefix(prefix_kv(c), q, width)
 
 
@@ -159,14 +159,14 @@ def answer_through_cache(cfg, params, cache, tail_ids, steps: int, tail_pad: int
   holding the prefix; not consumed). Every tail and answer token reads the prefix's
   encoded K/V. `tail_pad` pads the tail so one program serves tails of any length."""
   tok, n = _pad(tail_ids, max(tail_pad, len(tail_ids)))
-  spec = _static(cfg)
-  last, c = _forward(params, tok, n, cache, spec=spec)
+  static = _static(cfg)
+  last, c = _forward(params, tok, n, cache, static=static)
   first_B = jnp.argmax(last, -1).astype(jnp.int32)
   if steps == 1:
     return [int(first_B[0])]
   # the rest through generate's own loop (greedy, no eos: an answer is `steps` tokens long);
   # `c` is this tail's cache, so decode may donate it
   rest_BN, _ = decode.decode(params, c, first_B, jax.random.PRNGKey(0),
-                             spec=dataclasses.replace(spec, eos_id=-1), sampler=decode.Sampler(),
-                             steps=steps - 1)
+                             static=dataclasses.replace(static, eos_id=-1),
+                             sampler=decode.Sampler(), steps=steps - 1)
   return [int(first_B[0])] + [int(t) for t in np.asarray(rest_BN)[0]]

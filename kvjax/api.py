@@ -8,9 +8,9 @@
     s = m.size(cache=c, seq_len=32768, batch=8, budget="80GiB")
     kvjax.run("configs/quickstart.yaml", out="results/q"); kvjax.plot("results/q", out="plots")
 
-`generate` is `kvjax generate` (kvjax.generation), `evaluate` is `kvjax eval`
-(kvjax.evaluate), `size` is `kvjax size` (the CLI's own command on the same flags), `run`
-is `kvjax run` (kvjax.runner), `plot` is `kvjax plot` (kvjax.plots). The weights are read once, by
+`generate` is `kvjax generate` (kvjax.decode.generate), `evaluate` is `kvjax eval`
+(kvjax.lab.evaluate), `size` is `kvjax size` (the CLI's own command on the same flags), `run`
+is `kvjax run` (kvjax.lab.runner), `plot` is `kvjax plot` (kvjax.lab.plots). The weights are read once, by
 `load`; each call applies its cache settings to the loaded model's config, validated as
 `--set` validates them, so a bad value raises `KvjaxError` with the CLI's one-line message.
 """
@@ -102,8 +102,8 @@ class Model:
 
   def encode(self, text: str, chat: bool = False) -> list[int]:
     """Token ids of `text` (through the model's chat template with `chat`)."""
-    from kvjax import generation
-    return generation.prompts(self.tokenizer, text, chat=chat)[0]
+    from kvjax.decode import generate
+    return generate.prompts(self.tokenizer, text, chat=chat)[0]
 
   def generate(self, prompt: Prompt | list[Prompt], cache=None, max_new_tokens: int = 16,
                chat: bool = False, temperature: float | None = None, top_k: int | None = None,
@@ -113,7 +113,7 @@ class Model:
     of ids, or a list of either (a ragged batch). `chat` renders a text prompt as one
     user turn through the model's own template; generation stops at the model's stop
     tokens (EOS, end of turn) unless `stop=False`. Greedy unless `temperature` > 0."""
-    from kvjax import generation
+    from kvjax.decode import generate
 
     items, batch = inputs.prompts(prompt)  # (kvjax.inputs: the checks the CLI's flags get)
     inputs.integer("--max-new-tokens", max_new_tokens)
@@ -124,11 +124,11 @@ class Model:
     ids = []
     for p in items:
       if isinstance(p, str):
-        ids += generation.prompts(self.tokenizer, p, chat=chat)
+        ids += generate.prompts(self.tokenizer, p, chat=chat)
       else:
-        ids += generation.prompts(self.tokenizer, ids=[p], chat=chat)
+        ids += generate.prompts(self.tokenizer, ids=[p], chat=chat)
     cfg = self.with_cache(cache, temperature=temperature, top_k=top_k, top_p=top_p)
-    raw = generation.report(cfg, self.params, self.tokenizer, self.source, ids,
+    raw = generate.report(cfg, self.params, self.tokenizer, self.source, ids,
                             max_new_tokens, seed=seed, stop=stop, chat=chat)
     inputs.refuse_non_finite("generate", raw)
     text = raw.get("text")
@@ -143,7 +143,7 @@ class Model:
     `seqs` windows of `tokens` tokens fed `chunk` tokens at a time (1: pure decode), of
     `text` (the text itself), of the file or folder at `path`, or of a named `corpus`
     (`stdlib`, Python's own sources: the default); at most one of the three. `ref` is what
-    the cache is held to (`kvjax eval --ref`, kvjax.compare): None for the fp32 cache, a
+    the cache is held to (`kvjax eval --ref`, kvjax.lab.compare): None for the fp32 cache, a
     cache (a codec name, dict or CacheConfig) of this model, another loaded `Model`, or a
     model source (`checkpoint:DIR`) on the same tokenizer."""
     return self.compare({"": cache}, ref, text, tokens, seqs, chunk, progress, path=path,
@@ -157,7 +157,7 @@ class Model:
     names); returns {name: EvalResult}, each a paired comparison (Δppl, KL(ref || cache),
     agreement, with 95 % intervals) on the same tokens. `compare(["int4"], ref="bf16")` is
     int4 against bf16 as one paired figure."""
-    from kvjax import evaluate
+    from kvjax.lab import evaluate
 
     kind, value = inputs.eval_source(text, path, corpus)
     inputs.windows(tokens, seqs, chunk)
@@ -185,8 +185,8 @@ class Model:
     return out
 
   def reference(self, ref=None, sample: str = ""):
-    """The `kvjax.evaluate.Reference` that `ref` names (see `evaluate`)."""
-    from kvjax import compare
+    """The `kvjax.lab.evaluate.Reference` that `ref` names (see `evaluate`)."""
+    from kvjax.lab import compare
 
     if ref is None:
       return None
@@ -269,7 +269,7 @@ def run(config: str | Path, out: str | Path | None = None,
   """Run an experiment config's grid, as `kvjax run` (rows appended to `out`, default
   results/<name>; finished cells skipped; the summary table printed unless `quiet`);
   `dry_run` lists the cells and runs nothing."""
-  from kvjax import runner
+  from kvjax.lab import runner
 
   with _quiet(quiet):
     if dry_run:
@@ -296,15 +296,15 @@ def _quiet(quiet: bool):
 def results(path: str | Path, experiment: str | None = None) -> list[dict]:
   """The rows under a results folder or file as flat records (what `kvjax results --format
   csv` writes: variant and workload fields, then every metric, raw units)."""
-  from kvjax.runner import results as results_lib
+  from kvjax.lab.runner import results as results_lib
   return results_lib.records(results_lib.load(path, experiment))
 
 
 def plot(results_dir: str | Path, out: str | Path = "plots", quiet: bool = False) -> list[Path]:
   """Redraw every plot the rows under `results_dir` support, into `out` (PNG and SVG), as
-  `kvjax plot RESULTS_DIR --out OUT` does (kvjax.plots); the paths written. What it drew
+  `kvjax plot RESULTS_DIR --out OUT` does (kvjax.lab.plots); the paths written. What it drew
   and skipped is printed unless `quiet`; no folder or no rows raises `KvjaxError`."""
-  from kvjax import plots
+  from kvjax.lab import plots
 
   with _quiet(quiet):
     return plots.plot_all(results_dir, out)

@@ -1,7 +1,7 @@
 """Multi-process JAX: `jax.distributed.initialize` from `--coordinator/--num-processes/
 --process-id/--distributed` flags or the KVJAX_* environment variables, so one command line
 runs on a single host or across hosts (docs/scaling.md). The device mesh over all hosts'
-devices is kvjax.sharding's.
+devices is kvjax.decode.sharding's.
 
 A multi-process command runs under a small supervisor (`supervise`): the CLI starts the
 same command again as a child process and relays its output. JAX shares fate between the

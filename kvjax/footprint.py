@@ -9,7 +9,7 @@ temporaries, a compiled program's peak, and the one formatter of sizes for peopl
     footprint.human(n)                      # 1.5 KiB
 
 Checking those counts against the device's free memory is `kvjax.memory`; the `kvjax size`
-report is `kvjax.sizing`. Both only read these counts.
+report is `kvjax.lab.sizing`. Both only read these counts.
 
 ## The cache held
 

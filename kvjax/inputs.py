@@ -18,7 +18,7 @@ from kvjax.errors import KvjaxError
 
 I32 = 2**31 - 1
 POSITIVE = (0, False, I32, True)
-CORPORA = ("stdlib", "shakespeare")  # kvjax.data.NAMED
+CORPORA = ("stdlib", "shakespeare")  # kvjax.lab.data.NAMED
 
 
 def count(name: str, value: Any, rng: tuple = POSITIVE) -> int:
@@ -29,7 +29,7 @@ def count(name: str, value: Any, rng: tuple = POSITIVE) -> int:
 
 def integer(name: str, value: Any) -> int:
   """`value` as an int (not a bool, a float or text); its range is checked where it is used
-  (`--max-new-tokens must be >= 1` by program.generate, for both faces)."""
+  (`--max-new-tokens must be >= 1` by generate.generate, for both faces)."""
   if isinstance(value, bool) or not isinstance(value, int):
     count(name, value)  # refused with check_number's line
   return value

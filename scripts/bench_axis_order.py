@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import codecs, metrics
+from kvjax import codecs
+from kvjax.lab import metrics
 
 SHAPES = [(1, 4, 4096, 64), (4, 4, 8192, 128), (4, 8, 8192, 32)]  # (B, K, S, D)
 ORDERS = {"BKSD": ("bkd,bksd->bks", "bks,bksd->bkd", 2),

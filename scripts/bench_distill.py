@@ -7,11 +7,11 @@ the weights' values).
 
 The teacher is the shape as packaged (kvjax/shapes/NAME.yaml); the student the same shape
 with --kv-heads K/V heads (a KV-head conversion, what distill trains). Each step is the
-distillation's own jitted step (`kvjax.convert.distill._fns`): both forward passes, the
+distillation's own jitted step (`kvjax.lab.convert.distill._fns`): both forward passes, the
 chunked float32 KL, the backward pass through the student's attention, and Adam. The first
 step (the compile) is not timed; each later one is timed to its result on the host. The
 row carries the median step's seconds with its 95 % bootstrap interval, tokens per second
-(batch x seq_len over the median step), the platform and `kvjax.metrics.environment()`.
+(batch x seq_len over the median step), the platform and `kvjax.lab.metrics.environment()`.
 The run stops early, keeping the steps timed so far, when --budget seconds have passed.
 """
 
@@ -47,10 +47,10 @@ def main() -> int:
   import numpy as np
 
   from kvjax import config as config_lib
-  from kvjax import intervals, metrics
-  from kvjax.convert import distill
+  from kvjax.lab import intervals, metrics
+  from kvjax.lab.convert import distill
   from kvjax.errors import KvjaxError
-  from kvjax.experiments import load_shape
+  from kvjax.lab.experiments import load_shape
   from kvjax.model.transformer import init_params
 
   t_start = time.perf_counter()

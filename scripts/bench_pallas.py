@@ -228,7 +228,7 @@ def main() -> int:
   contexts = [int(c) for c in (args.contexts or shape["contexts"]).split(",")]
   batches = [int(b) for b in (args.batches or shape["batches"]).split(",")]
   repeats = args.repeats or shape["repeats"]
-  from kvjax import metrics
+  from kvjax.lab import metrics
   env = metrics.environment()
   base = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
           "smoke": not gpu, "heads": shape["heads"], "kv_heads": shape["kv_heads"],

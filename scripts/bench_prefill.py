@@ -18,8 +18,10 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import step
-from kvjax import decode, metrics, model, program
+from kvjax.decode import step
+from kvjax import decode, model
+from kvjax.lab import metrics
+from kvjax.decode import generate
 from kvjax import config as config_lib
 from kvjax.attention import xla as attention_xla
 
@@ -50,7 +52,7 @@ def main() -> None:
   for label, block in (("blocked", default_block), ("one_block", T)):
     attention_xla.NEW_BLOCK = block  # read when the program is traced, inside compile()
     c = config_lib.replace(cfg, seed=block)  # a config of its own: traced afresh
-    progs[label] = program.Program(c, params, program.Shape(B, T, T + 8)).compile(tokens, lengths)
+    progs[label] = generate.Compiled(c, params, generate.Shape(B, T, T + 8)).compile(tokens, lengths)
   attention_xla.NEW_BLOCK = default_block
 
   hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(

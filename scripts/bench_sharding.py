@@ -4,9 +4,9 @@
                                      [--set key=value ...]
 
 Forces `--devices` host CPU devices (XLA_FLAGS, before JAX starts); per mesh, one
-kvjax.program.Program lays params, prompts and cache out on it (kvjax.sharding) and compiles
+kvjax.decode.generate.Compiled lays params, prompts and cache out on it (kvjax.decode.sharding) and compiles
 the default prefill + decode once; the timed repeats then round-robin over the meshes so
-they share the machine's noise (the timing protocol of kvjax.metrics). Ratios to 1x1 are
+they share the machine's noise (the timing protocol of kvjax.lab.metrics). Ratios to 1x1 are
 what to read: forced CPU devices share the same cores, so a mesh only adds partitioning and
 collective overhead here; on real devices the same program splits the work. Prints one
 JSON row per mesh; `same_tokens_as_first` compares every greedy token with the first mesh's.
@@ -34,7 +34,9 @@ def main() -> None:
   import numpy as np
 
   from kvjax import config as config_lib
-  from kvjax import metrics, model, program, sharding
+  from kvjax.lab import metrics
+  from kvjax import model
+  from kvjax.decode import generate, sharding
 
   base = {"model.d_model": 256, "model.n_layers": 4, "model.n_heads": 8, "model.n_kv_heads": 8,
           "cache.codec": "bf16", "workload.batch": 4, "workload.prompt_len": 128,
@@ -46,14 +48,14 @@ def main() -> None:
   lengths = np.full((w.batch,), w.prompt_len, np.int32)
   params0 = model.init_params(cfg.model, cfg.seed)
   steps, S = w.gen_len - 1, w.prompt_len + w.gen_len
-  shape = program.Shape(w.batch, w.prompt_len, S, steps)
+  shape = generate.Shape(w.batch, w.prompt_len, S, steps)
 
   runs = {}
   for item in args.meshes.split(","):
     d, m = (int(x) for x in item.lower().split("x"))
     c = config_lib.apply_overrides(cfg, {"mesh.data": d, "mesh.model": m})
-    # params, prompts and every cache laid out on the mesh (kvjax.sharding), programs compiled
-    prog = program.Program(c, params0, shape).compile(tokens, lengths)
+    # params, prompts and every cache laid out on the mesh (kvjax.decode.sharding), programs compiled
+    prog = generate.Compiled(c, params0, shape).compile(tokens, lengths)
     runs[item] = {"cfg": c, "prog": prog, "ttft": [], "tpot": [], "tokens": None}
 
   for i in range(args.repeats + 1):  # first round is the warm-up

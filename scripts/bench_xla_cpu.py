@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from kvjax import codecs, metrics  # noqa: E402
+from kvjax import codecs
+from kvjax.lab import metrics  # noqa: E402
 from kvjax.codecs import base as codecs_base  # noqa: E402
 from kvjax.attention import base as attn_base, xla  # noqa: E402
 from kvjax.cache import base as cache_base  # noqa: E402

@@ -94,7 +94,7 @@ def dry_run(plan: list[dict]) -> int:
   program, an H200's memory); print one line per stage; 0 when all pass, else 2."""
   os.environ.setdefault("KVJAX_MEMORY_LIMIT", str(H200_LIMIT))
   from kvjax.errors import KvjaxError
-  from kvjax.runner import grid
+  from kvjax.lab.runner import grid
   bad = 0
   for stage in plan:
     if stage.get("kind") in ("script", "pytest"):

@@ -60,7 +60,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's kvjax, whichever is installed
-from kvjax import footprint, intervals  # noqa: E402  (the one count of cache bytes)
+from kvjax import footprint
+from kvjax.lab import intervals  # noqa: E402  (the one count of cache bytes)
 
 DOC = ROOT / "docs" / "experiments.md"
 SOURCES = {"quality": ROOT / "results" / "quality.jsonl",
@@ -215,7 +216,7 @@ def quality_table(rows: list[dict]) -> str:
   return "\n".join(lines) + (
       f"\n\nRows: `results/quality.jsonl` ({rests}). KL in nats; Δppl = ppl / ppl of the "
       f"fp32 cache − 1; in brackets the 95 % interval (a paired bootstrap over 32-token "
-      f"blocks, `kvjax.intervals`).\n\nWithin {LIMIT:g} % Δppl (point estimate) on every "
+      f"blocks, `kvjax.lab.intervals`).\n\nWithin {LIMIT:g} % Δppl (point estimate) on every "
       f"model that ran them: " + ", ".join(within) + f". Above {LIMIT:g} % on at least one "
       f"model: " + ", ".join(over) + f". Of those, the whole interval lies above {LIMIT:g} % "
       f"for: " + (", ".join(sure) or "none") + ".")

@@ -75,7 +75,7 @@ def runnable(entry: dict) -> bool:
 def expected_hashes(entry: dict) -> set[str]:
   """Hashes of the cells the entry's config expands to, as committed now."""
   sys.path.insert(0, str(ROOT))
-  from kvjax import runner
+  from kvjax.lab import runner
   _, cells = runner.expand(ROOT / entry["config"], list(entry.get("set", [])))
   return {c.hash for c in cells}
 

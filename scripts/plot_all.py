@@ -1,4 +1,4 @@
-"""An alias of `kvjax plot` for this checkout (kvjax.plots), kept for older notes:
+"""An alias of `kvjax plot` for this checkout (kvjax.lab.plots), kept for older notes:
 
     python scripts/plot_all.py RESULTS_DIR --out DIR   ==   kvjax plot RESULTS_DIR --out DIR
 """

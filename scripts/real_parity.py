@@ -40,8 +40,8 @@ def main(argv=None) -> int:
 
   import real_models as rm
   from conftest import kvjax_side, transformers_side
-  from kvjax import data, metrics
-  from kvjax import convert
+  from kvjax.lab import data, metrics
+  from kvjax.lab import convert
 
   env, ok = metrics.environment(), True
   for name in args.models:

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import config as config_lib
-from kvjax import data, evaluate, program
-from kvjax import convert
+from kvjax.lab import data, evaluate
+from kvjax.decode import generate
+from kvjax.lab import convert
 from kvjax.model import Transformer
 
 TEXTS = ["", "Hello world", "def main():\n    return 42  # ok\n", "  two leading spaces\tand a tab",
@@ -57,7 +58,7 @@ def greedy_equal(cfg, params, ref_model, prompts_ids, n=32):
   import torch
 
   greedy = config_lib.apply_overrides(cfg, {"workload.temperature": 0.0, "workload.eos_id": -1})
-  got = program.generate(greedy, params, prompts_ids, n, timed=False)["tokens"]
+  got = generate.generate(greedy, params, prompts_ids, n, timed=False)["tokens"]
   for ids, out in zip(prompts_ids, got):
     with torch.no_grad():
       want = ref_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,

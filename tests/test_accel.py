@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 from conftest import tiny_config, tiny_params
 
-from kvjax import step
-from kvjax import attention, decode, experiments, program
+from kvjax.decode import step
+from kvjax import attention, decode
+from kvjax.lab import experiments
+from kvjax.decode import generate
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
@@ -45,7 +47,7 @@ def test_accelerator_program_tokens_equal_cpu_program(over):
     cfg = _cfg(prog, **over)
     assert step.Static.of(cfg).model.program == prog
     assert experiments.variant(cfg)["program"] == prog
-    got[prog] = program.generate(cfg, tiny_params(cfg), PROMPTS, 6, timed=False)["tokens"]
+    got[prog] = generate.generate(cfg, tiny_params(cfg), PROMPTS, 6, timed=False)["tokens"]
   assert got["accelerator"] == got["cpu"]
 
 
@@ -233,8 +235,8 @@ def test_bucketed_decode_equals_full_read_and_compiles_once_per_bucket(over):
   of one unbucketed call; a call per bucket compiles, the calls of a seen bucket do not."""
   cfg = _cfg("accelerator", **{"cache.capacity": 64, **over})
   params = step.prepare_params(cfg, tiny_params(cfg))
-  tokens, lengths = program.pad_prompts(PROMPTS)
-  kw = program.statics(cfg, decode.Sampler())
+  tokens, lengths = generate.pad_prompts(PROMPTS)
+  kw = generate.statics(cfg, decode.Sampler())
   static, n, steps = kw["static"], 8, 3
 
   def first():
@@ -285,7 +287,7 @@ def test_prompt_temporaries_formula_and_the_compiled_prefill_fits_it():
   tokens = jnp.ones((B, T), jnp.int32)
   lowered = decode.prefill.lower(params, tokens, jnp.full((B,), T, jnp.int32),
                                  cache_lib.init_cache(cfg, B, S), jax.random.PRNGKey(0),
-                                 **program.statics(cfg, decode.Sampler()))
+                                 **generate.statics(cfg, decode.Sampler()))
   temp = lowered.compile().memory_analysis().temp_size_in_bytes
   assert 0 < temp <= want
   assert temp < 4 * 2 * B * m.n_heads * T * S  # below two unblocked [T, S] tiles
@@ -297,7 +299,7 @@ def test_llama3_8b_roofline_cells_pass_the_host_check_on_an_h200(monkeypatch, co
   8 x 8k fit what an H200 leaves JAX (0.92 of 139 GiB): weights, one donated cache, a
   decode step's temporaries. Counted as a prompt pass with two caches they would not."""
   from kvjax import memory
-  from kvjax.experiments import roofline
+  from kvjax.lab.experiments import roofline
   monkeypatch.setenv("KVJAX_MEMORY_LIMIT", f"{int(0.92 * 139 * 2**30)}")
   for batch, prompt in ((16, 32760), (8, 8184)):
     cfg = config_lib.load("configs/accel/roofline_llama3_8b.yaml", {

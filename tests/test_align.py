@@ -1,4 +1,4 @@
-"""kvjax.convert.align: aligning the heads a pooling will merge changes no output, and
+"""kvjax.lab.convert.align: aligning the heads a pooling will merge changes no output, and
 heads that differ only by such a change of basis pool without loss."""
 
 import jax.numpy as jnp
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, tiny_params
-from kvjax import convert
-from kvjax.convert import align, layerwise
+from kvjax.lab import convert
+from kvjax.lab.convert import align, layerwise
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
 

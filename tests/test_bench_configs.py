@@ -5,9 +5,9 @@ paired setting passes the host checks, and a tiny run gives the fields the scrip
 
 from pathlib import Path
 
-from kvjax import runner
-from kvjax import experiments as ex
-from kvjax.experiments import latency
+from kvjax.lab import runner
+from kvjax.lab import experiments as ex
+from kvjax.lab.experiments import latency
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,7 +61,7 @@ def test_cache_vs_recompute_b8_is_bench_decodes_grid():
 
 
 def test_roofline_smollm2_paired_times_every_codec_against_bf16_in_each_cell():
-  from kvjax.experiments import roofline
+  from kvjax.lab.experiments import roofline
   _, cells = runner.expand(ROOT / "configs" / "roofline_smollm2_paired.yaml")
   assert sorted((c.cfg.workload.batch, c.cfg.workload.prompt_len) for c in cells) == [
       (1, 1024), (1, 4096), (8, 1024), (8, 4096)]
@@ -79,7 +79,7 @@ def test_each_frontier_setting_is_timed_at_its_shape_by_the_frontier_speed_confi
   and codec it has there: KV heads (every conversion here is to one KV head, or to a latent
   of rank 192), K/V codecs, key axis, groups, rotation, and a policy as the tokens it leaves
   of the 4k context (ratio x 4,096)."""
-  from kvjax.experiments import roofline
+  from kvjax.lab.experiments import roofline
   for model in ("smollm2", "qwen", "gemma3"):
     _, front = runner.expand(ROOT / "configs" / f"frontier_{model}.yaml")
     quality = {c.cfg.param("setting"): c.cfg for c in front}  # each with its setting applied
@@ -105,7 +105,7 @@ def test_roofline_variants_of_another_shape_or_fewer_held_tokens(tmp_path):
   holding fewer tokens is timed from that many; more than the cell's is one line."""
   import pytest
   from kvjax.errors import KvjaxError
-  from kvjax.experiments import roofline
+  from kvjax.lab.experiments import roofline
 
   base = ["model.d_model=32", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2",
           "model.head_dim=8", "model.d_ff=32", "model.vocab_size=64", "model.max_seq_len=64",

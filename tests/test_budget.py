@@ -3,9 +3,10 @@ with an interval, and its plot."""
 
 import pytest
 
-from kvjax import config, intervals
+from kvjax import config
+from kvjax.lab import intervals
 from kvjax.errors import KvjaxError
-from kvjax.experiments import budget
+from kvjax.lab.experiments import budget
 
 TINY = {"model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2, "model.head_dim": 8,
         "model.n_layers": 2, "workload.prompt_len": 64, "workload.gen_len": 3,
@@ -43,7 +44,7 @@ def test_run_cell_rows_interval_and_plot(tmp_path):
   assert m["tokens_per_s"] == pytest.approx(4 / m["tpot_s"])
   (line,) = budget.summary([row])
   assert line["batch"] == 4
-  from kvjax.plots import budget as plot_budget
+  from kvjax.lab.plots import budget as plot_budget
   row["env"] = {"backend": "cpu", "device_kind": "cpu"}
   paths = plot_budget.plot([row], tmp_path)
   assert {p.suffix for p in paths} == {".png", ".svg"} and all(p.stat().st_size for p in paths)

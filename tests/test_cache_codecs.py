@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import program
+from kvjax.decode import generate
 from kvjax.cache import contiguous
 from kvjax import cache as cache_lib
-from kvjax import cli, codecs, config, decode, model, step
+from kvjax import cli, codecs, config, decode, model
+from kvjax.decode import step
 
 # The layouts' writes and windows are held to a from-scratch reference here through the XLA
 # read (`grouped`), whose float32 arithmetic makes the comparison exact to 2e-5; the native
@@ -140,7 +141,7 @@ def test_int8_greedy_tokens_equal_fp32():
   # the fp32 trajectory; free-running greedy generation must then agree token for token.
   assert (top2[..., 1] - top2[..., 0]).min() > 2 * err
   prompts = [TOKS[0, :14].tolist(), TOKS[1, :5].tolist()]
-  outs = [program.generate(config.apply_overrides(tiny()[0], {"cache.codec": c}), params, prompts,
+  outs = [generate.generate(config.apply_overrides(tiny()[0], {"cache.codec": c}), params, prompts,
                           16, timed=False)["tokens"] for c in ("fp32", "int8")]
   assert outs[0] == outs[1]
   assert all(len(set(seq)) > 4 for seq in outs[0])  # not a degenerate constant output
@@ -235,9 +236,9 @@ def test_window_writes_encode_each_block_once_and_exactly():
 def test_no_retrace_across_ragged_lengths_with_window():
   cfg = config.apply_overrides(tiny()[0], {"cache.codec": "int2", **KIVI})
   params = tiny()[1]
-  program.generate(cfg, params, [[1, 2, 3, 4, 5, 6], [7, 8]], 10, timed=False)
+  generate.generate(cfg, params, [[1, 2, 3, 4, 5, 6], [7, 8]], 10, timed=False)
   before = dict(decode.TRACES)
-  program.generate(cfg, params, [[9, 8], [1, 2, 3, 4, 5, 6]], 10, timed=False)
+  generate.generate(cfg, params, [[9, 8], [1, 2, 3, 4, 5, 6]], 10, timed=False)
   assert decode.TRACES == before
 
 
@@ -272,13 +273,13 @@ def test_windowed_write_updates_the_store_in_place(k_axis):
   whole blocks through a reshaped view of the store made XLA:CPU change its layout and copy
   every code of every layer back, each step (a per-token cost the read never saw)."""
   import re
-  from kvjax import experiments as ex
+  from kvjax.lab import experiments as ex
   cfg = config.load(None, {"model.vocab_size": 64, "model.d_model": 32, "model.n_layers": 2,
                            "model.n_heads": 4, "model.n_kv_heads": 2, "model.d_ff": 48,
                            "cache.codec": "int4", "cache.group_size": 4, "cache.residual": 16,
                            "cache.k_axis": k_axis})
   params = ex.random_params(cfg.model, 0)
-  prog = program.Program(cfg, params, program.Shape(1, 0, 512 + 8, 4, context=512)).compile()
+  prog = generate.Compiled(cfg, params, generate.Shape(1, 0, 512 + 8, 4, context=512)).compile()
   cache = prog.fresh()
   stores = {tuple(a.shape) for a in jax.tree.leaves((cache.k, cache.v)) if a.size >= 512}
   assert stores

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from conftest import tiny_config, tiny_params
-from kvjax import cli, program
+from kvjax import cli
+from kvjax.decode import generate
 from kvjax.errors import KvjaxError
 from kvjax.io import chat
 
@@ -138,9 +139,9 @@ def test_gguf_metadata_of_the_instruct_model(smollm2_kvjax):
 def test_generation_stops_at_any_stop_token():
   cfg = tiny_config(**{"workload.temperature": 0.0})
   params = tiny_params(cfg)
-  full = program.generate(cfg, params, [[1, 2, 3]], 8, timed=False)["tokens"][0]
+  full = generate.generate(cfg, params, [[1, 2, 3]], 8, timed=False)["tokens"][0]
   assert len(full) == 8
-  cut = program.generate(cfg, params, [[1, 2, 3]], 8, timed=False,
+  cut = generate.generate(cfg, params, [[1, 2, 3]], 8, timed=False,
                          stop={full[3], 10**6})["tokens"][0]
   assert cut == full[:full.index(full[3]) + 1]
 
@@ -160,7 +161,7 @@ def test_a_model_s_own_template_wraps_the_long_context_prompts():
   template that does not print the user's text once, or none at all, is one line."""
   import types
 
-  from kvjax import tasks
+  from kvjax.lab import tasks
 
   def tok(info, bos_id=None, vocab=()):
     return types.SimpleNamespace(chat=info, bos_id=bos_id, token_to_id={

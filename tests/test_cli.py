@@ -185,7 +185,7 @@ def test_train_through_the_cli(tmp_path, capsys):
 
 
 def test_keyboard_interrupt_mid_run_keeps_rows_and_exits_130(tmp_path, capsys, monkeypatch):
-  from kvjax.experiments import latency
+  from kvjax.lab.experiments import latency
 
   grid = tmp_path / "g.yaml"
   grid.write_text("experiment: latency\nmodel: {d_model: 32, n_layers: 1, n_heads: 4}\n"
@@ -203,7 +203,7 @@ def test_keyboard_interrupt_mid_run_keeps_rows_and_exits_130(tmp_path, capsys, m
   assert rc == 130
   last = err.replace("\r", "\n").strip().splitlines()[-1]
   assert last == "kvjax: interrupted; rows already written are kept"
-  from kvjax import runner
+  from kvjax.lab import runner
   assert len(runner.read_rows(tmp_path / "res" / "latency.jsonl")) == 1
 
 
@@ -213,7 +213,7 @@ def test_error_with_a_live_progress_bar_is_on_its_own_line(capsys, monkeypatch):
   rather than glued onto the bar."""
   from tqdm import tqdm
 
-  from kvjax import program
+  from kvjax.decode import generate
   from kvjax.errors import KvjaxError
   live = []
 
@@ -221,7 +221,7 @@ def test_error_with_a_live_progress_bar_is_on_its_own_line(capsys, monkeypatch):
     live.append(tqdm(total=10, desc="work", file=sys.stderr))
     live[-1].update(3)
     raise KvjaxError("boom")
-  monkeypatch.setattr(program, "generate", fails)
+  monkeypatch.setattr(generate, "generate", fails)
   rc, _, err = run_cli(capsys, "generate", "--prompt-ids", "1", *QUICK)
   assert rc == 2 and err.endswith("kvjax: error: boom\n")
   assert err.split("\n")[-2].split("\r")[-1] == "kvjax: error: boom"

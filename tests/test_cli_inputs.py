@@ -15,7 +15,7 @@ import pytest
 
 from kvjax import cli
 from kvjax import config as config_lib
-from kvjax import data, sizing
+from kvjax.lab import data, sizing
 from kvjax.model import init_params as _INIT
 from kvjax.errors import KvjaxError
 
@@ -103,8 +103,8 @@ def test_eval_numbers_are_checked_before_any_weight_loads(capsys, monkeypatch, t
 
 
 def test_experiment_numbers_are_named_and_checked_before_models_load(tmp_path, monkeypatch):
-  from kvjax.experiments import quality
-  from kvjax.runner import run_file
+  from kvjax.lab.experiments import quality
+  from kvjax.lab.runner import run_file
   monkeypatch.setattr(quality, "load_model", lambda *a: pytest.fail("model loaded"))
   path = tmp_path / "q.yaml"
   path.write_text("experiment: quality\nparams: {models: [gguf:nowhere.gguf], eval_tokens: 1}\n")
@@ -138,7 +138,7 @@ def test_text_windows_name_the_keys_that_set_them():
   tok = types.SimpleNamespace(encode=lambda s: list(s.encode()))
   with pytest.raises(KvjaxError, match=r"fewer than params.eval_tokens 99; lower "
                                        r"params.eval_tokens or pass a longer params.text"):
-    from kvjax import evaluate
+    from kvjax.lab import evaluate
     evaluate.text_windows(tok, "short", 99, 1, ("params.eval_tokens", "params.eval_seqs",
                                                 "params.text"))
 
@@ -225,9 +225,9 @@ def test_set_params_settings_name_adds_a_setting_that_takes_effect(capsys, tmp_p
 
 def test_every_experiment_declares_the_options_its_source_reads():
   import importlib
-  from kvjax.runner import available_experiments
+  from kvjax.lab.runner import available_experiments
   for name in available_experiments():
-    module = importlib.import_module(f"kvjax.experiments.{name}")
+    module = importlib.import_module(f"kvjax.lab.experiments.{name}")
     text = Path(module.__file__).read_text()
     read = set(re.findall(r"""(?:param|\bp)\(\s*["']([a-z_0-9]+)""", text))
     missing = read - set(module.PARAMS) - {"setting", "settings"}
@@ -252,7 +252,7 @@ def test_committed_configs_use_only_options_their_experiment_reads():
   for path in configs:
     raw = config_lib.read_yaml(path)
     if raw.get("experiment"):
-      module = importlib.import_module(f"kvjax.experiments.{raw['experiment']}")
+      module = importlib.import_module(f"kvjax.lab.experiments.{raw['experiment']}")
       extra = _option_names(raw) - set(module.PARAMS) - {"setting", "settings"}
       assert not extra, (path.name, extra)
       checked += 1
@@ -319,8 +319,9 @@ def _write_hf(folder: Path, cfg, params) -> None:
 
 
 def test_generate_json_and_note_say_which_weights_ran(capsys, tmp_path, monkeypatch):
-  from kvjax import model, program
-  monkeypatch.setattr(program, "generate", _fake_generate)
+  from kvjax import model
+  from kvjax.decode import generate
+  monkeypatch.setattr(generate, "generate", _fake_generate)
   monkeypatch.setattr(model, "init_params", _random_params)
   for kind, flags in _write_sources(tmp_path).items():
     rc, out, err = run_cli(capsys, "generate", *flags, "--prompt-ids", "1,2",

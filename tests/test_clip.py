@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from test_cache_codecs import TOKS, tiny
 
-from kvjax import cli, codecs, config, program
+from kvjax import cli, codecs, config
+from kvjax.decode import generate
 from kvjax.codecs import packing, quant
 from kvjax.errors import KvjaxError
 
@@ -94,7 +95,7 @@ def test_the_cache_stores_what_the_clipping_codec_encodes():
   caches = {}
   for codec, clip in (("fp32", "none"), ("int2", "none"), ("int2", "mse")):
     c = config.apply_overrides(cfg, {"cache.codec": codec, "cache.clip": clip})
-    caches[codec, clip] = program.generate(c, params, prompts, 1, timed=False,
+    caches[codec, clip] = generate.generate(c, params, prompts, 1, timed=False,
                                            return_cache=True)["cache"]
   scale = lambda clip: np.asarray(packing.load_meta(caches["int2", clip].k["scale"]))  # noqa: E731
   s0, s1 = scale("none")[:, 0, :, :12], scale("mse")[:, 0, :, :12]
@@ -124,7 +125,7 @@ def test_cli_refuses_an_unknown_clip(capsys):
 
 
 def test_clip_is_in_the_results_variant_only_when_set():
-  from kvjax import experiments
+  from kvjax.lab import experiments
   cfg = tiny()[0]
   assert "clip" not in experiments.variant(config.apply_overrides(cfg, {"cache.codec": "int4"}))
   on = config.apply_overrides(cfg, {"cache.codec": "int4", "cache.clip": "mse"})

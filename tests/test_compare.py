@@ -1,4 +1,4 @@
-"""Paired comparisons against any reference (kvjax.compare): `kvjax eval --ref`, the Python
+"""Paired comparisons against any reference (kvjax.lab.compare): `kvjax eval --ref`, the Python
 API's `evaluate(ref=)` and `compare`, and `kvjax.size` in closed form without weights.
 
 A tiny byte-level model; int4 against bf16 is one paired figure equal to `compare` on the
@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 import kvjax
-from kvjax import cli, evaluate
+from kvjax import cli
+from kvjax.lab import evaluate
 from kvjax import config as config_lib
 from kvjax.io import checkpoint, sources
 
@@ -133,7 +134,7 @@ def test_size_in_closed_form_without_weights(monkeypatch, capsys):
 
 
 def test_quality_experiment_holds_every_setting_to_params_reference(tiny, tmp_path, capsys):
-  from kvjax import runner
+  from kvjax.lab import runner
   cfg = {"name": "q", "experiment": "quality",
          "model": {"d_model": 32, "n_heads": 4, "n_kv_heads": 2},
          "workload": {"gen_len": 0},

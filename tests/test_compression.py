@@ -1,4 +1,4 @@
-"""kvjax/experiments/compression.py: rows of eviction, latent and codec settings on one bytes axis."""
+"""kvjax/lab/experiments/compression.py: rows of eviction, latent and codec settings on one bytes axis."""
 
 import pytest
 from conftest import tiny_config, tiny_params
@@ -24,7 +24,7 @@ def cell(ckpt, **cache):
 
 
 def test_full_is_the_reference_and_eviction_holds_fewer_bytes(ckpt):
-  from kvjax.experiments import compression
+  from kvjax.lab.experiments import compression
   full = compression.run_cell(cell(ckpt))[0]["metrics"]
   assert full["dppl_rel"] == pytest.approx(0, abs=1e-6) and full["kept"] == 1
   # L · (K + V) · heads · D · fp32, plus 4 bytes of lengths per sequence over 30 tokens
@@ -39,7 +39,7 @@ def test_full_is_the_reference_and_eviction_holds_fewer_bytes(ckpt):
 
 
 def test_rows_carry_intervals_and_the_bf16_unit(ckpt):
-  from kvjax.experiments import compression
+  from kvjax.lab.experiments import compression
   full = compression.run_cell(cell(ckpt))[0]["metrics"]
   assert full["kl"] == pytest.approx(0, abs=1e-6) and full["dppl_rel_ci95"] == pytest.approx([0, 0])
   # the unit: the same model's bf16 cache at the same 30 tokens (2 bytes an element)
@@ -51,8 +51,8 @@ def test_rows_carry_intervals_and_the_bf16_unit(ckpt):
 
 
 def test_a_converted_checkpoint_is_a_setting_with_its_recipe(ckpt, tmp_path):
-  from kvjax import convert
-  from kvjax.experiments import compression
+  from kvjax.lab import convert
+  from kvjax.lab.experiments import compression
   cfg, params = checkpoint.load(ckpt)
   mqa_cfg, mqa = convert.mean_pool(cfg, params, 1)
   checkpoint.save(tmp_path / "mqa", mqa_cfg, mqa, step=0,

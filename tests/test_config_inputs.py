@@ -142,12 +142,12 @@ def test_tiny_temperature_samples_greedily_and_huge_stays_finite():
 
 
 def test_non_finite_logits_end_generate_with_one_line():
-  from kvjax import program
+  from kvjax.decode import generate
   cfg = tiny_config(**{"model.n_layers": 1})  # one new token: prefill only, one compile
   params = tiny_params(cfg)
   path = next(p for p, _ in jax_leaves_with_path(params) if "norm" in p)
   with pytest.raises(KvjaxError, match="non-finite logits") as err:
-    program.generate(cfg, set_leaf(params, path, np.nan), [[1, 2, 3]], 1, timed=False)
+    generate.generate(cfg, set_leaf(params, path, np.nan), [[1, 2, 3]], 1, timed=False)
   _one_line(err)
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
-from kvjax.runner import grid
+from kvjax.lab.runner import grid
 
 ROOT = Path(__file__).resolve().parent.parent
 # The model: sections these configs held before they named the shape, verbatim.

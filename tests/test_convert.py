@@ -1,4 +1,4 @@
-"""Conversions between attention variants (kvjax.convert): the exact expansion to more KV
+"""Conversions between attention variants (kvjax.lab.convert): the exact expansion to more KV
 heads gives the same logits for r times the cache, pooling it back returns the original,
 and a target that neither divides nor multiplies the heads is one line."""
 
@@ -11,7 +11,7 @@ from conftest import tiny_config, tiny_params
 from kvjax import cli
 from kvjax import cache as cache_lib
 from kvjax.errors import KvjaxError
-from kvjax import convert
+from kvjax.lab import convert
 from kvjax.io import checkpoint
 from kvjax.model import Transformer
 
@@ -75,7 +75,7 @@ def _fit_args(path, out, *extra):
 
 def test_cli_fit_records_its_recipe_and_resumes_an_interrupted_run(gqa_gguf, tmp_path, capsys,
                                                                     monkeypatch):
-  from kvjax.convert import fit
+  from kvjax.lab.convert import fit
   _, _, path = gqa_gguf
   out = tmp_path / "mqa"
   real, calls = fit._fit_layer, []
@@ -133,7 +133,7 @@ def test_cli_conversions_that_cannot_run_are_one_line(gqa_gguf, tmp_path, capsys
 def test_calibration_texts_share_the_windows_and_interleave(tmp_path):
   """--calib A,B: half the windows from each text, alternating (the fit's held-out tail
   then holds both), each window from its own text."""
-  from kvjax.convert import cli as convert_cli
+  from kvjax.lab.convert import cli as convert_cli
   from kvjax.io import tokenizer
 
   a, b = tmp_path / "a.txt", tmp_path / "b.txt"

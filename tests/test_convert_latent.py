@@ -1,4 +1,4 @@
-"""kvjax.convert.latent: the latent basis chosen by the calibration keys and values keeps them
+"""kvjax.lab.convert.latent: the latent basis chosen by the calibration keys and values keeps them
 better than the weights' own SVD; the fitted rank-A model stays exact under the latent
 cache; impossible conversions are one line."""
 
@@ -11,7 +11,7 @@ from test_policies import run_cached
 
 from kvjax import cli
 from kvjax.cache import latent as latent_cache
-from kvjax.convert import fit, latent, layerwise
+from kvjax.lab.convert import fit, latent, layerwise
 from kvjax.errors import KvjaxError
 from kvjax.io import checkpoint
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvjax import data
+from kvjax.lab import data
 from kvjax.errors import KvjaxError
 from kvjax.io.tokenizer import BOS, ByteTokenizer
 

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, tiny_params
-from kvjax import step
+from kvjax.decode import step
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
 from kvjax import decode
 from kvjax import model as model_lib
-from kvjax import program
+from kvjax.decode import generate
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
 
@@ -37,7 +37,7 @@ def test_greedy_contiguous_equals_none_equals_reference(variant_cfg):
   got = {}
   for layout in ("contiguous", "none"):
     cfg = config_lib.replace(variant_cfg, **{"cache.layout": layout})
-    got[layout] = program.generate(cfg, params, PROMPTS, 10, timed=False)["tokens"]
+    got[layout] = generate.generate(cfg, params, PROMPTS, 10, timed=False)["tokens"]
   assert got["contiguous"] == got["none"]
   assert got["contiguous"][1] == _greedy_reference(variant_cfg, params, PROMPTS[1], 10)
 
@@ -45,10 +45,10 @@ def test_greedy_contiguous_equals_none_equals_reference(variant_cfg):
 def test_decode_compiles_once_for_many_steps_and_new_prompts():
   cfg = tiny_config(**{"model.n_kv_heads": 2, "seed": 1})
   params = tiny_params(cfg)
-  program.generate(cfg, params, PROMPTS, 12, timed=False)
+  generate.generate(cfg, params, PROMPTS, 12, timed=False)
   before = dict(decode.TRACES)
   other = [[t + 1 for t in p] for p in PROMPTS]  # same shapes, new values
-  out = program.generate(cfg, params, other, 12, timed=False)
+  out = generate.generate(cfg, params, other, 12, timed=False)
   assert decode.TRACES == before
   assert all(len(t) == 12 for t in out["tokens"])
 
@@ -69,7 +69,7 @@ def test_unrolled_decode_equals_scanned(case):
   cfg = tiny_config(**{"model.n_kv_heads": 2, **UNROLL_CASES[case]})
   unrolled = config_lib.replace(cfg, **{"model.scan_unroll": cfg.model.n_layers})
   params = tiny_params(cfg)
-  a, b = (program.generate(c, params, PROMPTS, 9, timed=False, return_cache=True)
+  a, b = (generate.generate(c, params, PROMPTS, 9, timed=False, return_cache=True)
           for c in (cfg, unrolled))
   assert a["tokens"] == b["tokens"]
   for x, y in zip(jax.tree.leaves(a["cache"]), jax.tree.leaves(b["cache"]), strict=True):
@@ -85,9 +85,9 @@ def _cache_copies(cfg, B=2, S=24):
   cache, key, sampler = cache_lib.init_cache(cfg, B, S), jax.random.PRNGKey(0), decode.Sampler()
   tok_B = jnp.zeros((B,), jnp.int32)
   hlo = decode.decode.lower(params, cache, tok_B, key,
-                            **program.statics(cfg, sampler, steps=3)).compile().as_text() + \
+                            **generate.statics(cfg, sampler, steps=3)).compile().as_text() + \
       decode.prefill.lower(params, jnp.zeros((B, 5), jnp.int32), tok_B + 5, cache, key,
-                           **program.statics(cfg, sampler)).compile().as_text()
+                           **generate.statics(cfg, sampler)).compile().as_text()
   shapes = {f"[{','.join(map(str, a.shape))}]" for a in jax.tree.leaves(cache) if a.ndim == 5}
   return [ln for ln in hlo.splitlines()
           if " copy(" in ln and any(sh in ln.split(" copy(")[0] for sh in shapes)]
@@ -115,8 +115,8 @@ def test_split_params_run_either_way():
   params = tiny_params(cfg)
   split = step.prepare_params(config_lib.replace(cfg, **{"model.scan_unroll": 2}), params)
   assert "layers" not in split and model_lib.split_layers(split) is split
-  want = program.generate(cfg, params, PROMPTS, 6, timed=False)["tokens"]
-  assert program.generate(cfg, split, PROMPTS, 6, timed=False)["tokens"] == want
+  want = generate.generate(cfg, params, PROMPTS, 6, timed=False)["tokens"]
+  assert generate.generate(cfg, split, PROMPTS, 6, timed=False)["tokens"] == want
 
 
 @pytest.mark.parametrize("codec, itemsize", [("fp32", 4), ("bf16", 2), ("fp16", 2)])
@@ -129,7 +129,7 @@ def test_cache_bytes_equal_closed_form(codec, itemsize):
   assert cache_lib.tree_bytes(cache) == expected
   spec = cache_lib.CacheSpec.from_config(cfg, B, S)
   assert cache_lib.LAYOUTS["contiguous"].closed_form_bytes(spec) == expected
-  out = program.generate(cfg, tiny_params(cfg), PROMPTS, 4, timed=False)
+  out = generate.generate(cfg, tiny_params(cfg), PROMPTS, 4, timed=False)
   S_run = max(map(len, PROMPTS)) + 4
   per_slot = (expected - 4 * B) // S  # generate sizes the cache to prompt + new tokens
   assert out["cache_bytes"] == per_slot * S_run + 4 * B
@@ -184,19 +184,19 @@ def test_samplers():
 def test_sampling_is_reproducible_per_seed():
   cfg = tiny_config(**{"workload.temperature": 1.0, "workload.top_k": 20})
   params = tiny_params(cfg)
-  a = program.generate(cfg, params, PROMPTS, 8, seed=1, timed=False)["tokens"]
-  b = program.generate(cfg, params, PROMPTS, 8, seed=1, timed=False)["tokens"]
-  c = program.generate(cfg, params, PROMPTS, 8, seed=2, timed=False)["tokens"]
+  a = generate.generate(cfg, params, PROMPTS, 8, seed=1, timed=False)["tokens"]
+  b = generate.generate(cfg, params, PROMPTS, 8, seed=1, timed=False)["tokens"]
+  c = generate.generate(cfg, params, PROMPTS, 8, seed=2, timed=False)["tokens"]
   assert a == b and a != c
 
 
 def test_eos_stops_each_sequence():
   cfg = tiny_config()
   params = tiny_params(cfg)
-  free = program.generate(cfg, params, PROMPTS, 8, timed=False)["tokens"]
+  free = generate.generate(cfg, params, PROMPTS, 8, timed=False)["tokens"]
   eos = free[0][2]
   cfg_eos = config_lib.replace(cfg, **{"workload.eos_id": eos})
-  out = program.generate(cfg_eos, params, PROMPTS, 8, timed=False)["tokens"]
+  out = generate.generate(cfg_eos, params, PROMPTS, 8, timed=False)["tokens"]
   for row_free, row in zip(free, out):
     if eos in row_free:
       cut = row_free.index(eos) + 1
@@ -209,8 +209,8 @@ def test_request_limits_are_checked_on_the_host():
   cfg = tiny_config(**{"cache.capacity": 8})
   params = tiny_params(cfg)
   with pytest.raises(KvjaxError, match="exceeds the cache capacity 8"):
-    program.generate(cfg, params, [[1, 2, 3, 4, 5]], 4)
+    generate.generate(cfg, params, [[1, 2, 3, 4, 5]], 4)
   with pytest.raises(KvjaxError, match="outside the vocabulary"):
-    program.generate(cfg, params, [[1, 99]], 2)
+    generate.generate(cfg, params, [[1, 99]], 2)
   with pytest.raises(KvjaxError, match="at least one token"):
-    program.generate(cfg, params, [[]], 2)
+    generate.generate(cfg, params, [[]], 2)

@@ -1,4 +1,4 @@
-"""kvjax.convert.distill: training a mean-pooled MQA's attention toward the original's
+"""kvjax.lab.convert.distill: training a mean-pooled MQA's attention toward the original's
 next-token distributions lowers their held-out KL and changes nothing but q/k/v/o; an
 interrupted run resumes from OUT/partial to the very params of an uninterrupted one; and
 `kvjax convert --method distill` records its recipe and refuses what it cannot distill."""
@@ -12,8 +12,9 @@ import pytest
 
 import model_files as mf
 from conftest import tiny_config, tiny_params
-from kvjax import cli, convert
-from kvjax.convert import distill
+from kvjax import cli
+from kvjax.lab import convert
+from kvjax.lab.convert import distill
 from kvjax.errors import KvjaxError
 from kvjax.io import checkpoint
 from kvjax.model import Transformer

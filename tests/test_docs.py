@@ -138,13 +138,13 @@ def test_the_commit_check_knows_this_repository(tmp_path):
 
 
 def test_the_checks_catch_a_stale_link_and_path(tmp_path):
-  (tmp_path / "kvjax").mkdir()
-  (tmp_path / "kvjax" / "step.py").write_text("")
+  (tmp_path / "kvjax" / "decode").mkdir(parents=True)
+  (tmp_path / "kvjax" / "decode" / "step.py").write_text("")
   page = tmp_path / "page.md"
   (tmp_path / "there.md").write_text("# Top\n\n## The cache's axis order — `[L, B]`\n")
   page.write_text("see [a](nowhere.md), [b](there.md#top), [c](https://x.org),\n"
                   "[d](there.md#the-caches-axis-order--l-b), [e](there.md#gone), [f](#see) and\n"
-                  "`kvjax/no_such_module.py`, `kvjax/step.py`, `configs/train_`, `kvjax/cache/NAME.py`\n"
+                  "`kvjax/no_such_module.py`, `kvjax/decode/step.py`, `configs/train_`, `kvjax/cache/NAME.py`\n"
                   "\n# See\n\nrun at load average 3.1, then commit 2f04a5b; config hash 18b204572da3;\n"
                   "load ~15 on two cores\n")
   assert _stale_links(page, tmp_path) == ["page.md: link (nowhere.md)",
@@ -266,7 +266,7 @@ def test_architecture_is_short_and_its_walk_names_what_exists():
 
 
 def test_the_walk_check_catches_a_stale_name():
-  page = ("intro\n" + WALK + "\n1. **`kvjax/step.py`**: `step.run`, `step.no_such`, "
+  page = ("intro\n" + WALK + "\n1. **`kvjax/decode/step.py`**: `step.run`, `step.no_such`, "
           "`Contiguous.read`, `Contiguous.attach`, `Contiguous.nope`, "
           "`decode.Sampler.from_config`, `attention.base.program`, `gone.run`, `cache.layout`, "
           "`cache.nope`, `jax.lax.scan`, "

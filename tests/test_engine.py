@@ -4,7 +4,7 @@ Bookkeeping is checked without a model: a fake backend keeps token ids in the pa
 instead of K/V, so each "prediction" is a function of the tokens read back through the
 block table. A wrong table, a shared page overwritten or a lost page changes what is
 read, hence the outputs. The real model then checks the numerics: every request gets the
-tokens it gets from `program.generate`, with and without prefix sharing and preemption.
+tokens it gets from `generate.generate`, with and without prefix sharing and preemption.
 """
 
 import hypothesis.strategies as st
@@ -15,9 +15,10 @@ from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvjax import config as config_lib
-from kvjax import metrics, program
+from kvjax.lab import metrics
+from kvjax.decode import generate
 from kvjax.errors import KvjaxError
-from kvjax.serve import allocator, device, engine
+from kvjax.lab.serve import allocator, device, engine
 
 V = 64
 
@@ -242,7 +243,7 @@ def test_engine_refuses_a_mesh_in_one_line(mesh):
 # -- the real model ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def served():
-  """Ragged requests, half with a shared system prompt, and their `program.generate` tokens."""
+  """Ragged requests, half with a shared system prompt, and their `generate.generate` tokens."""
   cfg = tiny_config(**{"model.n_kv_heads": 2, "cache.page_size": 4})
   params = tiny_params(cfg)
   rng = np.random.default_rng(0)
@@ -250,7 +251,7 @@ def served():
   prompts = [(system if i % 2 == 0 else []) + [int(t) for t in rng.integers(0, V, 2 + i)]
              for i in range(7)]
   news = [int(n) for n in rng.integers(2, 12, len(prompts))]
-  ref = program.generate(cfg, params, prompts, max(news), timed=False)["tokens"]
+  ref = generate.generate(cfg, params, prompts, max(news), timed=False)["tokens"]
   return cfg, params, prompts, news, [r[:n] for r, n in zip(ref, news)]
 
 
@@ -295,7 +296,7 @@ def test_contiguous_reservation_engine_matches_generate(served, unroll):
 
 
 def test_workload_stream_is_seeded_skewed_and_shares_system_prompts():
-  from kvjax.experiments import paged_workload
+  from kvjax.lab.experiments import paged_workload
 
   cfg = config_lib.load("configs/paged_workload.yaml")
   a, b = paged_workload.stream(cfg), paged_workload.stream(cfg)
@@ -314,20 +315,20 @@ def test_workload_stream_is_seeded_skewed_and_shares_system_prompts():
 
 
 def test_generate_timer_and_engine_share_the_program(served, monkeypatch):
-  """One driver: `program.generate`, `program.DecodeTimer` and the engine's step all build
-  their jitted calls' static arguments through `kvjax.program.statics`, and give the same
+  """One driver: `generate.generate`, `generate.DecodeTimer` and the engine's step all build
+  their jitted calls' static arguments through `kvjax.decode.generate.statics`, and give the same
   greedy tokens for one config."""
   cfg, params, prompts, news, _ = served
   calls = []
-  real = program.statics
-  monkeypatch.setattr(program, "statics", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+  real = generate.statics
+  monkeypatch.setattr(generate, "statics", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
   prompt, n = prompts[1], 6
 
-  got = program.generate(cfg, params, [prompt], n, timed=False)["tokens"][0]
+  got = generate.generate(cfg, params, [prompt], n, timed=False)["tokens"][0]
   assert len(calls) == 2  # prefill and decode
   tokens, lengths = np.array([prompt], np.int32), np.array([len(prompt)], np.int32)
-  timer = program.DecodeTimer(cfg, params, tokens, lengths, steps=n - 1)
-  assert len(calls) == 4 and isinstance(timer.program, program.Program)
+  timer = generate.DecodeTimer(cfg, params, tokens, lengths, steps=n - 1)
+  assert len(calls) == 4 and isinstance(timer.program, generate.Compiled)
   assert timer.program.run().tokens()[0].tolist() == got
 
   e = engine.Engine(cfg, params, slots=2, max_len=16, chunk=4)

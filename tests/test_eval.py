@@ -11,7 +11,7 @@ import yaml
 
 from kvjax import cli
 from kvjax import config as config_lib
-from kvjax import evaluate
+from kvjax.lab import evaluate
 from kvjax.io import sources
 
 TINY = {"model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,

@@ -1,4 +1,4 @@
-"""Eviction policies on the paged layout (kvjax/cache/paged_compact.py, kvjax/evict.py, the
+"""Eviction policies on the paged layout (kvjax/cache/paged_compact.py, kvjax/decode/evict.py, the
 serving engine's compaction in kvjax/serve): the same tokens as the contiguous layout, the
 budgeted pool measured and in closed form, and in the engine the pages beyond a request's
 kept tokens back in the allocator, where another request takes them."""
@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 from conftest import tiny_config, tiny_params
 
-from kvjax import step
+from kvjax.decode import step
 from kvjax import cache as cache_lib
-from kvjax import cli, policies, program
+from kvjax import cli, policies
+from kvjax.decode import generate
 from kvjax import config as config_lib
 from kvjax.cache import paged, paged_compact
 from kvjax.errors import KvjaxError
-from kvjax.serve import engine, request
+from kvjax.lab.serve import engine, request
 
 PROMPTS = [[1, 5, 9, 3, 7, 2, 8, 4, 6, 11, 13, 12], [3, 2, 1, 9, 8]]  # ragged, 12 and 5
 NEW = 7  # the window/sinks ring of 6 wraps across page boundaries during decode
@@ -28,9 +29,9 @@ def _contiguous_and_paged(base: dict):
   of 4: (contiguous result, paged result, the paged config)."""
   cfg = tiny_config(**base)
   params = tiny_params(cfg)
-  want = program.generate(cfg, params, PROMPTS, NEW, timed=False, return_cache=True)
+  want = generate.generate(cfg, params, PROMPTS, NEW, timed=False, return_cache=True)
   pcfg = tiny_config(**base, **{"cache.layout": "paged", "cache.page_size": 4})
-  got = program.generate(pcfg, params, PROMPTS, NEW, timed=False, return_cache=True)
+  got = generate.generate(pcfg, params, PROMPTS, NEW, timed=False, return_cache=True)
   return want, got, pcfg
 
 
@@ -214,7 +215,7 @@ def test_engine_returns_compacted_pages_to_the_pool_for_other_requests(policy, e
   rng = np.random.default_rng(1)
   prompts = [[int(t) for t in rng.integers(0, 64, n)] for n in (17, 13, 9)]
   news = [6, 4, 5]
-  ref = program.generate(cfg, params, prompts, max(news), timed=False)["tokens"]
+  ref = generate.generate(cfg, params, prompts, max(news), timed=False)["tokens"]
   # 7 pages: the first prompt alone takes 5 (17 tokens); uncompacted, it would leave too few
   # for the second (4 pages) to start before it finishes.
   pcfg = config_lib.replace(cfg, **{"cache.layout": "paged", "cache.num_pages": 7})
@@ -235,11 +236,12 @@ def test_engine_returns_compacted_pages_to_the_pool_for_other_requests(policy, e
 def test_compacting_a_filled_paged_cache_is_what_prefill_returns():
   """`evict.compress_filled` (the long-context tasks' path) on a paged cache prefilled as usual
   equals `evict.prefill`'s paged compaction of the same prompts."""
-  from kvjax import decode, evict
+  from kvjax import decode
+  from kvjax.decode import evict
   cfg = tiny_config(**{"model.n_kv_heads": 2, "cache.layout": "paged", "cache.page_size": 4,
                        "cache.policy": "knorm", "cache.budget": 5, "cache.codec": "int8"})
   params = tiny_params(cfg)
-  tokens, lengths = program.pad_prompts(PROMPTS)
+  tokens, lengths = generate.pad_prompts(PROMPTS)
   T, room, key = tokens.shape[1], 3, jax.random.PRNGKey(0)
   static, sampler = step.Static.of(cfg), decode.Sampler()
   fresh = lambda: cache_lib.init_cache(cfg, 2, T + room)  # noqa: E731

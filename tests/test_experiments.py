@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvjax import cli, config, runner, train
+from kvjax import cli, config
+from kvjax.lab import runner, train
 from kvjax.io import checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,7 +44,7 @@ def test_paged_workload_end_to_end(tmp_path, capsys):
   got = [(r["variant"]["layout"], r["variant"]["prefix_cache"]) for r in rows]
   assert got == [("contiguous", False), ("paged", True), ("paged", False)]
   budget = 32 * 1024
-  from kvjax.experiments import paged_workload
+  from kvjax.lab.experiments import paged_workload
   want = sum(r.max_new_tokens for r in paged_workload.stream(config.load(tmp_path / "pw.yaml")))
   for r in rows:
     m = r["metrics"]

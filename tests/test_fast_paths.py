@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import attention, codecs, config, decode, model, program, step
+from kvjax import attention, codecs, config, decode, model
+from kvjax.decode import generate, step
 from kvjax import cache as cache_lib
 from kvjax.attention import xla
 from kvjax.codecs import base as codecs_base
@@ -244,23 +245,23 @@ def test_generate_matches_no_cache_and_never_retraces(layout, monkeypatch):
                                      "cache.page_size": 8})
   base = config.apply_overrides(cfg, {"cache.layout": "none"})
   prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [1, 2]]
-  got = program.generate(cfg, params, prompts, 20, timed=False)["tokens"]
-  assert got == program.generate(base, params, prompts, 20, timed=False)["tokens"]
-  program.generate(cfg, params, [[3, 4], [1, 2, 3, 4, 5, 6, 7, 8, 9]], 20, timed=False)
+  got = generate.generate(cfg, params, prompts, 20, timed=False)["tokens"]
+  assert got == generate.generate(base, params, prompts, 20, timed=False)["tokens"]
+  generate.generate(cfg, params, [[3, 4], [1, 2, 3, 4, 5, 6, 7, 8, 9]], 20, timed=False)
   before = dict(decode.TRACES)
-  program.generate(cfg, params, [[9, 9, 9], [1] * 9], 20, timed=False)  # same padded width
+  generate.generate(cfg, params, [[9, 9, 9], [1] * 9], 20, timed=False)  # same padded width
   assert decode.TRACES == before
 
 
 def ex_params(cfg):
-  from kvjax import experiments
+  from kvjax.lab import experiments
   return experiments.random_params(cfg.model, cfg.seed)
 
 
 def test_roofline_experiment_rows_and_plot(tmp_path):
   """One tiny cell end to end: the bytes add up, the fraction is ideal / measured, and the
   plot writes PNG + SVG."""
-  from kvjax.experiments import roofline
+  from kvjax.lab.experiments import roofline
   cfg = config.load(None, {"model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2,
                            "model.head_dim": 8, "model.n_layers": 2, "cache.codec": "int8",
                            "workload.prompt_len": 40, "workload.gen_len": 3,
@@ -283,7 +284,7 @@ def test_roofline_experiment_rows_and_plot(tmp_path):
   assert m["roof_s"] == max(m["ideal_s"], m["flops_s"])
   assert m["bound"] == ("bytes" if m["ideal_s"] >= m["flops_s"] else "flops")
   assert m["roof_fraction"] == pytest.approx(m["roof_s"] / m["tpot_s"])
-  from kvjax.plots import roofline as plot_roofline
+  from kvjax.lab.plots import roofline as plot_roofline
   row["env"] = {"backend": "cpu", "device_kind": "cpu"}
   paths = plot_roofline.plot([row], tmp_path)
   assert {p.suffix for p in paths} == {".png", ".svg"} and all(p.stat().st_size for p in paths)
@@ -298,7 +299,7 @@ def test_roofline_attention_dot_is_the_type_the_read_multiplies_in(prog, attn, d
   """The arithmetic roof prices the attention at the dot it runs on: the accelerator
   program's XLA read multiplies in the compute dtype, the CPU program's in float32 (a
   bf16-model GPU row priced at float32 dots read as flops-bound on the H200)."""
-  from kvjax.experiments import roofline
+  from kvjax.lab.experiments import roofline
   cfg = config.load(None, {"model.program": prog, "model.attention": attn,
                            "model.dtype": dtype, "cache.codec": codec})
   assert roofline.attention_dot(cfg) == dot
@@ -308,7 +309,7 @@ def test_roofline_pairs_bandwidth_with_each_repeat(monkeypatch):
   """The fraction is the median of per-repeat ratios, each repeat's step time against the
   bandwidth measured just before it: a slow phase that slows both keeps its ratio (repeat
   1 here), where the median bandwidth over the median time mixes repeats and doubles it."""
-  from kvjax.experiments import roofline
+  from kvjax.lab.experiments import roofline
   bws, tps = iter([4e9, 1e9, 1e9]), iter([0.0, 1.0, 4.0, 2.0])  # decode: warm-up first
   monkeypatch.setattr(roofline.Bandwidth, "__init__", lambda self, mib: None)
   monkeypatch.setattr(roofline.Bandwidth, "measure", lambda self, passes=3: next(bws))
@@ -330,7 +331,7 @@ def test_roofline_interleaves_variants_and_pairs_their_ratios(monkeypatch):
   rotated from repeat to repeat; `tpot_vs_ref` is the median of the per-repeat ratios to
   the reference, so a machine that slows by 3x between repeats leaves the ratio exact
   where the ratio of the medians would not be."""
-  from kvjax.experiments import roofline
+  from kvjax.lab.experiments import roofline
   calls, phase = [], iter([1.0] * 2 + [1.0, 1.0, 3.0, 3.0, 1.0, 1.0])  # warm-ups, then 3 repeats
   monkeypatch.setattr(roofline.Bandwidth, "__init__", lambda self, mib: None)
   monkeypatch.setattr(roofline.Bandwidth, "measure", lambda self, passes=3: 1e9)
@@ -369,7 +370,7 @@ def test_roofline_interleaves_variants_and_pairs_their_ratios(monkeypatch):
 def test_step_bytes_count_the_weights_at_their_stored_dtype():
   """A variant with bf16 weights reads half the weight bytes of the same params in float32
   (the step casts them to `model.param_dtype`), whatever dtype they were handed in."""
-  from kvjax.experiments import roofline
+  from kvjax.lab.experiments import roofline
   cfg = config.load(None, {"model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2,
                            "model.n_layers": 1, "model.vocab_size": 64})
   params = model.init_params(cfg.model, 0)
@@ -386,7 +387,7 @@ def test_step_bytes_count_the_weights_at_their_stored_dtype():
 def test_roofline_refuses_a_bad_bandwidth_size(mib):
   """A bandwidth pass over 0 MiB would divide by zero after the cell's decode ran; the
   host-side check refuses it first, in one line."""
-  from kvjax.experiments import roofline
+  from kvjax.lab.experiments import roofline
   cfg = config.load(None, {"params": {"bandwidth_mib": mib}})
   with pytest.raises(KvjaxError, match="bandwidth_mib") as err:
     roofline.check(cfg)
@@ -402,7 +403,7 @@ def _program(cfg, params, B=2, S=24):
   """Compiled decode (4 steps) for these params: its HLO text and temporary bytes."""
   cache = cache_lib.init_cache(cfg, B, S)
   comp = decode.decode.lower(params, cache, jnp.zeros((B,), jnp.int32), jax.random.PRNGKey(0),
-                             **program.statics(cfg, decode.Sampler(), steps=4)).compile()
+                             **generate.statics(cfg, decode.Sampler(), steps=4)).compile()
   return comp.as_text(), comp.memory_analysis().temp_size_in_bytes
 
 
@@ -453,12 +454,12 @@ PROGRAM_CASES = {
 
 def _tokens_and_cache(cfg, params, prompts, n):
   """Prefill + decode through the compiled programs with these params as given."""
-  tokens, lengths = program.pad_prompts(prompts)
+  tokens, lengths = generate.pad_prompts(prompts)
   sampler, key = decode.Sampler(), jax.random.PRNGKey(0)
   cache = cache_lib.init_cache(cfg, len(prompts), tokens.shape[1] + n)
   tok, _, cache = decode.prefill(params, tokens, lengths, cache, key,
-                                 **program.statics(cfg, sampler))
-  rest, cache = decode.decode(params, cache, tok, key, **program.statics(cfg, sampler, steps=n - 1))
+                                 **generate.statics(cfg, sampler))
+  rest, cache = decode.decode(params, cache, tok, key, **generate.statics(cfg, sampler, steps=n - 1))
   return np.concatenate([np.asarray(tok)[:, None], np.asarray(rest)], 1), cache
 
 
@@ -498,9 +499,9 @@ def test_bf16_weights_from_fp32_params_end_to_end():
   assert {a.dtype for a in jax.tree.leaves(prepared)} == {jnp.dtype(jnp.bfloat16)}
   assert step.prepare_params(cfg, prepared) is prepared
   prompts = [[3, 14, 15, 9, 2, 6], [5, 35]]
-  got = program.generate(cfg, fp32, prompts, 8, timed=False)["tokens"]
+  got = generate.generate(cfg, fp32, prompts, 8, timed=False)["tokens"]
   ref_cfg = config.replace(cfg, **{"cache.layout": "none"})
-  assert got == program.generate(ref_cfg, fp32, prompts, 8, timed=False)["tokens"]
+  assert got == generate.generate(ref_cfg, fp32, prompts, 8, timed=False)["tokens"]
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-from kvjax import cli, config, evaluate, model, train
+from kvjax import cli, config, model
+from kvjax.lab import evaluate, train
 from kvjax.io import checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,7 +114,7 @@ class _FullDisk:
 def test_disk_full_mid_sweep_is_one_line_and_finished_rows_stay(tmp_path, capsys, monkeypatch):
   """The 2nd cell's write fails: exit 2, one line after the erased progress bar, the 1st
   cell's row intact, and a rerun (disk freed) completes the sweep without redoing it."""
-  from kvjax import runner
+  from kvjax.lab import runner
 
   grid = tmp_path / "sweep.yaml"
   grid.write_text("experiment: latency\nmodel: {d_model: 32, n_layers: 1, n_heads: 4}\n"

@@ -1,12 +1,12 @@
-"""One definition per figure (kvjax.figures): a ratio to a reference under one name per
+"""One definition per figure (kvjax.lab.figures): a ratio to a reference under one name per
 estimator, a roof fraction under one name with a value above 1 flagged, the same figure
 in the run summary and `kvjax results`; `--dry-run` lists every interleaved variant."""
 
 import pytest
 
-from kvjax import figures, runner
-from kvjax.experiments import latency, roofline
-from kvjax.runner import table
+from kvjax.lab import figures, runner
+from kvjax.lab.experiments import latency, roofline
+from kvjax.lab.runner import table
 
 
 def _row(setting, tpot, iqr, paired=None, roof=0.5, codec="bf16", variant="MHA"):
@@ -76,7 +76,7 @@ def test_dry_run_lists_every_interleaved_variant(tmp_path, capsys):
 def test_a_paired_row_is_read_against_its_own_reference_not_a_same_codec_row():
   """Two interleaved settings of one codec (Gemma's hybrid and full-attention caches, both
   bf16): the summary showed both as 'reference' because it looked the reference up by codec."""
-  from kvjax.experiments import roofline
+  from kvjax.lab.experiments import roofline
   base = {"variant": {"variant": "MQA", "attention": "native", "codec": "bf16",
                       "k_codec": "bf16", "v_codec": "bf16", "layout": "contiguous"},
           "workload": {"batch": 8, "context": 8192}}

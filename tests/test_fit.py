@@ -1,4 +1,4 @@
-"""kvjax.convert.fit: fitting a pooled model's q/k/v layer by layer brings its attention, and
+"""kvjax.lab.convert.fit: fitting a pooled model's q/k/v layer by layer brings its attention, and
 so its logits, closer to the original's; the budget and inputs are checked on the host."""
 
 import jax.numpy as jnp
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, tiny_params
-from kvjax import convert
-from kvjax.convert import align, fit
+from kvjax.lab import convert
+from kvjax.lab.convert import align, fit
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
 

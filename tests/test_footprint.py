@@ -140,6 +140,6 @@ def test_committed_real_rows_are_what_count_says_they_held():
   peer = footprint.row_bytes(next(r for r in rows if r["variant"].get("peer")))
   assert peer["bytes_per_token_asymptotic"] is None and peer["bits_per_element"] > 0
   # `kvjax results` / the run summary read the committed (older) row the same way
-  from kvjax.runner import table
+  from kvjax.lab.runner import table
   rec = table.flatten(kivi)
   assert round(rec["bytes_per_token"]) == 9630 and rec["bytes_per_token_asymptotic"] == 7200

@@ -32,7 +32,7 @@ from kvjax import cli
 from kvjax import config as config_lib
 from kvjax.config import schema
 from kvjax.errors import KvjaxError
-from kvjax.runner import grid
+from kvjax.lab.runner import grid
 
 EXAMPLES = int(os.environ.get("KVJAX_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,

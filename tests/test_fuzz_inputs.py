@@ -1,6 +1,6 @@
 """The fuzz harness for the shared readers (hypothesis, derandomized, a small budget in the
 suite; `KVJAX_FUZZ_EXAMPLES=500` runs a longer campaign): results rows with any JSON in any
-field go through `kvjax plot`'s and `kvjax results`' reader (kvjax.rowfile) and `plot_all`
+field go through `kvjax plot`'s and `kvjax results`' reader (kvjax.lab.rowfile) and `plot_all`
 without anything but a KvjaxError; the environment variables kvjax reads
 (kvjax.envcheck) and the API's argument checks (kvjax.inputs) either accept a value or
 refuse it in one KvjaxError line."""
@@ -13,9 +13,10 @@ import os
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvjax import envcheck, inputs, plots, rowfile
+from kvjax import envcheck, inputs
+from kvjax.lab import plots, rowfile
 from kvjax.errors import KvjaxError
-from kvjax.runner import results
+from kvjax.lab.runner import results
 from test_plots import timing_row
 
 EXAMPLES = int(os.environ.get("KVJAX_FUZZ_EXAMPLES", "15"))

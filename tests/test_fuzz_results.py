@@ -25,8 +25,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvjax import cli, runner
-from kvjax.runner import results
+from kvjax import cli
+from kvjax.lab import runner
+from kvjax.lab.runner import results
 from test_shared_folder import CFG as SHARED_CFG
 
 # The shared-folder tests' tiny `memory` grid, without its codec axis.
@@ -56,7 +57,7 @@ def base(tmp_path_factory):
 def canned_cells(base, monkeypatch):
   """memory's run_cell replaced by the rows it returned (the runner is what is fuzzed);
   returns the list of cells it is asked to run."""
-  import kvjax.experiments.memory as memory
+  import kvjax.lab.experiments.memory as memory
   asked = []
 
   def run_cell(cfg):
@@ -70,7 +71,7 @@ def canned_cells(base, monkeypatch):
 def expand_once(monkeypatch):
   """The grid expanded once (the config is not what is fuzzed, and expanding is most of a
   resume's time)."""
-  from kvjax.runner import run
+  from kvjax.lab.runner import run
   real, memo = run.expand, {}
 
   def expand(path, overrides=None):

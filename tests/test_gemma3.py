@@ -13,7 +13,7 @@ import pytest
 import real_models as rm
 from conftest import both_sides
 from kvjax import config as config_lib
-from kvjax import data
+from kvjax.lab import data
 
 NAME = "gemma3-270m"
 W = 128

@@ -8,7 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, quants
 
-from kvjax import program
+from kvjax.decode import generate
 from kvjax import config as config_lib
 from kvjax import model
 from kvjax.io import gguf
@@ -220,7 +220,7 @@ def test_smollm2_logits_and_greedy_tokens_match_transformers(smollm2):
   assert np.abs(got - ref).max() < 2e-3 * np.abs(ref).max()
   greedy = config_lib.apply_overrides(cfg, {"workload.temperature": 0.0, "workload.eos_id": -1})
   n = 16  # greedy steps through the cache: a few short windows are enough on a real model
-  out = program.generate(greedy, params, [ids], n, timed=False)["tokens"][0]
+  out = generate.generate(greedy, params, [ids], n, timed=False)["tokens"][0]
   with torch.no_grad():
     want = ref_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
                               min_new_tokens=n)[0, len(ids):].tolist()
@@ -230,7 +230,7 @@ def test_smollm2_logits_and_greedy_tokens_match_transformers(smollm2):
 def test_convert_gguf_to_mqa_checkpoint(tmp_path):
   from kvjax import cli
   from kvjax.io import checkpoint
-  from kvjax import convert
+  from kvjax.lab import convert
   cfg, params = _source(True)
   path = write_gguf(tmp_path / "m.gguf", cfg, params)
   out = tmp_path / "mqa"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 from conftest import tiny_config, tiny_params
-from kvjax import program
+from kvjax.decode import generate
 
 GOLDEN = Path(__file__).parent / "golden" / "decode.json"
 PROMPTS = [[3, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 32], [2, 7, 18, 28, 18]]
@@ -42,7 +42,7 @@ CASES = {
 
 def run_case(overrides: dict) -> dict:
   cfg = tiny_config(**{"model.n_kv_heads": 2, "cache.capacity": 32, **overrides})
-  out = program.generate(cfg, tiny_params(cfg), PROMPTS, 6, timed=False)
+  out = generate.generate(cfg, tiny_params(cfg), PROMPTS, 6, timed=False)
   return {"tokens": out["tokens"], "cache_bytes": out["cache_bytes"]}
 
 

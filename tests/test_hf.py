@@ -21,7 +21,7 @@ import safetensors.numpy as stnp
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kvjax import program
+from kvjax.decode import generate
 from kvjax import cli, model
 from kvjax.io import hf  # noqa: E402
 from kvjax.errors import KvjaxError  # noqa: E402
@@ -128,7 +128,7 @@ def test_greedy_generation_matches_transformers(case):
   ref = out.sequences[:, 8:].tolist()
   top2 = torch.stack(out.scores).topk(2, dim=-1).values
   margin = float((top2[..., 0] - top2[..., 1]).min())
-  got = program.generate(cfg, params, ids.tolist(), 32, timed=False)["tokens"]
+  got = generate.generate(cfg, params, ids.tolist(), 32, timed=False)["tokens"]
   assert got == ref, f"greedy tokens differ (smallest transformers argmax margin {margin:.2e})"
 
 
@@ -233,7 +233,7 @@ def test_sliding_window_is_enforced_not_ignored(tmp_path):
   cfg, params = hf.load(tmp_path)
   assert cfg.model.max_seq_len == 16
   with pytest.raises(KvjaxError, match="max_seq_len"):
-    program.generate(cfg, params, [[1, 2, 3, 4, 5, 6, 7, 8]], 12, timed=False)
+    generate.generate(cfg, params, [[1, 2, 3, 4, 5, 6, 7, 8]], 12, timed=False)
   with pytest.raises(KvjaxError, match="sliding_window=16"):
     hf.load_config(tmp_path, {"model.max_seq_len": 64})
 
@@ -368,7 +368,7 @@ def test_peer_experiment_rows_and_plot(tmp_path):
   """The speed race runs the same function on both sides: transformers' dynamic and
   static caches give kvjax's greedy tokens, and rows feed the plot."""
 
-  from kvjax.experiments import peer
+  from kvjax.lab.experiments import peer
   from kvjax import config as config_lib
 
   cfg = config_lib.load(None, {"model.vocab_size": V, "model.d_model": E, "model.n_layers": 2,
@@ -397,7 +397,7 @@ def test_peer_experiment_rows_and_plot(tmp_path):
   assert by["kvjax_bf16w"]["weight_bytes"] * 2 == by["kvjax"]["weight_bytes"]
   assert by["kvjax_bf16w"]["kv_bytes"] == by["kvjax"]["kv_bytes"]
   assert "bound" not in by["dynamic"]
-  from kvjax.plots import peer as peer_plot
+  from kvjax.lab.plots import peer as peer_plot
   for r in rows:
     r["config"] = cfg.to_dict()
   assert all(p.is_file() for p in peer_plot.plot(rows, tmp_path))
@@ -413,7 +413,7 @@ def test_filled_transformers_cache_decodes_the_same_tokens_every_repeat(arch, ki
   import torch
   import transformers
 
-  from kvjax.experiments import _hf_peers
+  from kvjax.lab.experiments import _hf_peers
 
   torch.manual_seed(0)
   if arch == "gemma3":

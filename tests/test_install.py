@@ -40,7 +40,7 @@ def installed(tmp_path_factory) -> Path:
   (wheel,) = (tmp / "dist").glob("kvjax-*.whl")
   names = zipfile.ZipFile(wheel).namelist()
   assert "kvjax/shapes/llama3-8b.yaml" in names and "kvjax/cli/__main__.py" in names
-  assert {"kvjax/plots/__init__.py", "kvjax/plots/style.py", "kvjax/plots/memory.py"} <= set(names)
+  assert {"kvjax/lab/plots/__init__.py", "kvjax/lab/plots/style.py", "kvjax/lab/plots/memory.py"} <= set(names)
   # the CPU kernels' sources, built on first use
   assert {"kvjax/kernels/read.cc", "kvjax/kernels/matvec.cc",
           "kvjax/kernels/parallel.h"} <= set(names)

@@ -1,4 +1,4 @@
-"""kvjax.intervals: the paired block bootstrap covers a known mean at about its nominal
+"""kvjax.lab.intervals: the paired block bootstrap covers a known mean at about its nominal
 rate and narrows as tokens grow; Wilson intervals equal their closed form."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from kvjax import intervals
+from kvjax.lab import intervals
 
 
 def synthetic(rng, B, M, mu=0.02, kl_mean=0.01, p_agree=0.9, phi=0.5):

@@ -12,7 +12,8 @@ import pytest
 from test_cache_codecs import B, KIVI, TOKS, FakeQuant, logits_for, tiny
 
 from kvjax import cache as cache_lib
-from kvjax import cli, codecs, config, footprint, program
+from kvjax import cli, codecs, config, footprint
+from kvjax.decode import generate
 from kvjax.errors import KvjaxError
 
 NF = 3  # first tokens kept
@@ -24,7 +25,7 @@ def test_first_tokens_round_trip_bit_exact():
   holds the rest from position N on (slot p - N)."""
   cfg, params = tiny()
   prompts = [TOKS[0, :14].tolist(), TOKS[1, :2].tolist()]
-  run = lambda over: program.generate(config.apply_overrides(cfg, over), params, prompts, 4,  # noqa: E731
+  run = lambda over: generate.generate(config.apply_overrides(cfg, over), params, prompts, 4,  # noqa: E731
                                       timed=False, return_cache=True)["cache"]
   ref, got = run({}), run({"cache.codec": "int2", "cache.keep_first": NF})
   assert got.k_first.shape[3] == NF and got.k_first.dtype == jnp.float32
@@ -146,4 +147,4 @@ def test_first_tokens_filling_the_capacity_are_refused_at_build():
   with pytest.raises(KvjaxError, match="cache.keep_first=6 must be below the cache capacity 6"):
     cache_lib.init_cache(cfg, B, 6)
   with pytest.raises(KvjaxError, match="below the cache capacity"):
-    program.generate(cfg, tiny()[1], [[1, 2, 3]], 3, timed=False)
+    generate.generate(cfg, tiny()[1], [[1, 2, 3]], 3, timed=False)

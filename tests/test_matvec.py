@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, tiny_params
-from kvjax import step
+from kvjax.decode import step
 from kvjax import decode, kernels, model
 
 f32, bf16 = jnp.float32, jnp.bfloat16

@@ -114,22 +114,22 @@ def test_run_refuses_a_cell_before_any_runs(capsys, tmp_path):
                                "42949672960 bytes.\n" + "detail line\n" * 50),
 ])
 def test_allocation_failures_that_still_happen_are_one_line(capsys, monkeypatch, exc):
-  from kvjax import program
+  from kvjax.decode import generate
 
   def boom(*a, **k):
     raise exc
-  monkeypatch.setattr(program, "generate", boom)
+  monkeypatch.setattr(generate, "generate", boom)
   rc = cli.main(["generate", "--prompt-ids", "1,2", *QUICK])
   err = capsys.readouterr().err
   assert rc == 2 and err.count("\n") == 1 and err.startswith("kvjax: error: out of memory")
 
 
 def test_other_exceptions_are_not_hidden(monkeypatch):
-  from kvjax import program
+  from kvjax.decode import generate
 
   def boom(*a, **k):
     raise ZeroDivisionError("a bug")
-  monkeypatch.setattr(program, "generate", boom)
+  monkeypatch.setattr(generate, "generate", boom)
   with pytest.raises(ZeroDivisionError):
     cli.main(["generate", "--prompt-ids", "1,2", *QUICK])
 

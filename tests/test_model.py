@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, tiny_params
-from kvjax import step
+from kvjax.decode import step
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
 from kvjax.model import Transformer, apply_rope, rope_cos_sin

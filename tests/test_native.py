@@ -32,7 +32,9 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, tiny_params
-from kvjax import codecs, config as config_lib, evaluate, kernels, program
+from kvjax import codecs, config as config_lib, kernels
+from kvjax.lab import evaluate
+from kvjax.decode import generate
 from kvjax.attention import base as attn_base, native, xla
 from kvjax.cache import base as cache_base
 from kvjax.config import CacheConfig
@@ -217,7 +219,7 @@ def test_model_tokens_equal_the_xla_read(name):
   out = {}
   for attn in ("grouped", "native"):
     cfg = tiny_config(**base, **{"model.attention": attn})
-    out[attn] = program.generate(cfg, tiny_params(cfg), PROMPTS, 8, timed=False)
+    out[attn] = generate.generate(cfg, tiny_params(cfg), PROMPTS, 8, timed=False)
   assert out["native"]["tokens"] == out["grouped"]["tokens"]
   assert out["native"]["cache_bytes"] == out["grouped"]["cache_bytes"]
 
@@ -242,12 +244,13 @@ def test_auto_is_native_on_the_cpu():
 _CHILD = r"""
 import json, sys
 import jax, jax.numpy as jnp
-from kvjax import cache as cache_lib, config, decode, kernels, model, program, step
+from kvjax import cache as cache_lib, config, decode, kernels, model
+from kvjax.decode import generate, step
 cfg = config.load(None, {"model.n_kv_heads": 2, "cache.codec": sys.argv[1]})
 params = step.prepare_params(cfg, model.init_params(cfg.model, 0))
 cache = cache_lib.init_cache(cfg, 2, 24)
 low = decode.decode.lower(params, cache, jnp.zeros((2,), jnp.int32), jax.random.PRNGKey(0),
-                          **program.statics(cfg, decode.Sampler(), steps=4))
+                          **generate.statics(cfg, decode.Sampler(), steps=4))
 text = low.compile().as_text()
 print(json.dumps({"status": kernels.status(), "calls": text.count('custom_call_target="kvjax_read"')}))
 """

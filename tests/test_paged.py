@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from conftest import tiny_config, tiny_params
 
-from kvjax import program
-from kvjax import attention, cli, codecs, decode, step
+from kvjax.decode import generate
+from kvjax import attention, cli, codecs, decode
+from kvjax.decode import step
 from kvjax.cache import paged
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
@@ -95,7 +96,7 @@ def test_model_logits_paged_equal_contiguous(kv_heads, codec, page):
   programs differently, so bits may differ in the last place)."""
   cfg = tiny_config(**{"model.n_kv_heads": kv_heads, "cache.codec": codec,
                        "cache.page_size": page})
-  tokens, lengths = program.pad_prompts([[3, 14, 15, 9, 2, 6, 5], [5, 35], [8, 9, 7, 9]])
+  tokens, lengths = generate.pad_prompts([[3, 14, 15, 9, 2, 6, 5], [5, 35], [8, 9, 7, 9]])
   got = [_model_logits(tiny_params(cfg), tokens, lengths,
                        cfg=config_lib.replace(cfg, **{"cache.layout": lay}))
          for lay in ("contiguous", "paged")]
@@ -188,5 +189,5 @@ def test_cli_generate_paged_gives_the_contiguous_tokens(capsys):
   assert cli.main(args) == 0
   out = json.loads(capsys.readouterr().out)
   cfg = tiny_config()  # the same model the CLI built: defaults + the three overrides
-  ref = program.generate(cfg, tiny_params(cfg), prompts, 6, timed=False)["tokens"]
+  ref = generate.generate(cfg, tiny_params(cfg), prompts, 6, timed=False)["tokens"]
   assert out["layout"] == "paged" and out["tokens"] == ref

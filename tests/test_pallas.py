@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import tiny_config, tiny_params
 
-from kvjax import program
+from kvjax.decode import generate
 from kvjax import attention, decode
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
@@ -131,14 +131,14 @@ def test_greedy_tokens_equal_grouped_without_retrace():
   cfg = tiny_config(**{"model.n_kv_heads": 2, "cache.codec": "int8", "cache.layout": "paged",
                        "cache.page_size": 4})
   params = tiny_params(cfg)
-  want = program.generate(cfg, params, prompts, 8, timed=False)["tokens"]
+  want = generate.generate(cfg, params, prompts, 8, timed=False)["tokens"]
   pcfg = config_lib.replace(cfg, **{"model.attention": "pallas"})
   before = dict(decode.TRACES)
-  got = program.generate(pcfg, params, prompts, 8, timed=False)["tokens"]
+  got = generate.generate(pcfg, params, prompts, 8, timed=False)["tokens"]
   assert got == want
   assert decode.TRACES == {k: v + 1 for k, v in before.items()}  # one trace each, 7 steps
   other = [[t + 1 for t in p] for p in prompts]
-  program.generate(pcfg, params, other, 8, timed=False)
+  generate.generate(pcfg, params, other, 8, timed=False)
   assert decode.TRACES == {k: v + 1 for k, v in before.items()}
 
 

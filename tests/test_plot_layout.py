@@ -19,8 +19,8 @@ import matplotlib.figure
 import matplotlib.pyplot as plt
 import pytest
 
-from kvjax import plots
-from kvjax.plots import style
+from kvjax.lab import plots
+from kvjax.lab.plots import style
 
 PKG = Path(plots.__file__).resolve().parent
 SETTINGS = {"fp32": "fp32", "bf16": "bf16", "int8": "int8", "int4": "int4",
@@ -227,7 +227,7 @@ def test_quality_bytes_agree_with_the_run_summary(drawn):
   the row's context), not the long-context asymptote the rows also carry."""
   import re
 
-  from kvjax.experiments import quality
+  from kvjax.lab.experiments import quality
   (fig,) = [f for path, f in drawn if path.name == "quality_dppl_vs_bytes.png"]
   table = {(line["model"], line["setting"]): line["bytes_per_token"] for line in
            quality.summary([r for r in synthetic_rows() if r["experiment"] == "quality"])}
@@ -267,7 +267,7 @@ def committed():
 
 
 def test_every_committed_plot_reads_at_a_glance(committed):
-  from kvjax.plots import check
+  from kvjax.lab.plots import check
   assert len(committed) > 30  # every experiment with a plot module, every config
   found = {str(path): check.problems(fig) for path, fig in committed}
   assert not {k: v for k, v in found.items() if v}
@@ -276,8 +276,8 @@ def test_every_committed_plot_reads_at_a_glance(committed):
 def test_quality_intervals_are_drawn_whole_or_cut_with_an_arrow(committed):
   """Every Δppl interval of the committed rows is drawn to its true ends, or runs past the
   axis where an arrow marks the cut: never capped at the cut as if it ended there."""
-  from kvjax.plots import check
-  from kvjax.runner import results as results_lib
+  from kvjax.lab.plots import check
+  from kvjax.lab.runner import results as results_lib
   rows = [r for r in results_lib.load(ROOT / "results" / "real", "quality")
           if r["workload"].get("task") == "text" and r["metrics"].get("dppl_rel_ci95")]
   (fig,) = [f for p, f in committed if str(p).endswith("real_quality/quality_dppl_vs_bytes.png")]
@@ -300,7 +300,7 @@ def _fig(**kw):
 
 def test_each_check_fails_on_its_defect():
   from matplotlib.lines import Line2D
-  from kvjax.plots import check
+  from kvjax.lab.plots import check
   # an interval past the axis with no arrow, then with the arrow `save` draws
   fig, ax = _fig()
   ax.errorbar([1.0], [0.0], xerr=[[0.5], [9.0]], capsize=2)

@@ -1,4 +1,4 @@
-"""Plots (kvjax.plots, `kvjax plot`): from a small results folder, every experiment's plots are written as
+"""Plots (kvjax.lab.plots, `kvjax plot`): from a small results folder, every experiment's plots are written as
 non-empty PNG and SVG files, and `plot_all` keeps different configs apart.
 
 Memory rows come from a real tiny run (no compilation, fast); timing rows are built in
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvjax import plots, runner
+from kvjax.lab import plots, runner
 from kvjax.errors import KvjaxError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,7 +83,7 @@ def test_plot_all_writes_non_empty_png_and_svg_per_experiment(results, tmp_path)
 
 
 def test_one_context_still_gives_the_variant_bars(results, tmp_path):
-  from kvjax.plots import latency
+  from kvjax.lab.plots import latency
 
   rows = [r for r in plots.load_rows(results)["latency"] if r["workload"]["context"] == 512
           and r["workload"]["batch"] == 4]
@@ -123,12 +123,12 @@ def test_plot_all_on_an_empty_folder_is_a_one_line_error(tmp_path):
 
 
 def test_variant_colours_are_fixed_by_name():
-  from kvjax.plots.style import variant_color
+  from kvjax.lab.plots.style import variant_color
   assert len({variant_color(v) for v in ("MHA", "GQA-2", "GQA-4", "MQA")}) == 4
   # a variant without a fixed colour gets the same one in every process (not hash())
   import subprocess
   import sys
-  code = ("from kvjax.plots.style import variant_color; "
+  code = ("from kvjax.lab.plots.style import variant_color; "
           "print(variant_color('GQA-3'), variant_color('GQA-5'))")
   seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "PYTHONHASHSEED": seed}, check=True,
@@ -140,8 +140,8 @@ def test_variant_colours_are_fixed_by_name():
 def test_points_are_keyed_by_the_whole_cache_variant(results, tmp_path):
   """Two settings of one codec (int4 whole-head vs int4 groups of 8, or two named settings)
   are two lines/bars, not one overwriting the other."""
-  from kvjax.plots import latency
-  from kvjax.plots.style import cache_label
+  from kvjax.lab.plots import latency
+  from kvjax.lab.plots.style import cache_label
 
   rows = [r for r in runner.read_rows(results / "timing" / "rows.jsonl")
           if r["experiment"] == "latency" and r["variant"]["codec"] == "int8"]
@@ -179,7 +179,7 @@ def test_plot_all_says_what_it_skipped_and_why(tmp_path, capsys):
 
 
 def test_titles_do_not_repeat_the_device():
-  from kvjax.plots.style import subtitle
+  from kvjax.lab.plots.style import subtitle
   row = {"config": {"model": {"n_layers": 1, "d_model": 8, "n_heads": 2}},
          "env": {"backend": "cpu", "device_kind": "cpu"}}
   assert "cpu: cpu" not in subtitle([row]) and subtitle([row]).endswith("cpu")
@@ -232,7 +232,7 @@ def _bars(ax) -> list:
 
 
 def test_quality_plots_draw_intervals_where_rows_have_them(monkeypatch, tmp_path):
-  from kvjax.plots import quality
+  from kvjax.lab.plots import quality
 
   def qrow(setting, dppl, kl, ci=True):
     m = {"dppl_rel": dppl, "kl": kl, "agreement": 0.9, "bytes_per_token": 100.0}
@@ -255,9 +255,9 @@ def test_quality_plots_draw_intervals_where_rows_have_them(monkeypatch, tmp_path
 
 
 def test_long_context_accuracy_bars_are_wilson_intervals(monkeypatch, tmp_path):
-  from kvjax.plots import long_context
+  from kvjax.lab.plots import long_context
 
-  from kvjax import intervals
+  from kvjax.lab import intervals
 
   rows = []
   for s, right in (("fp32", 7), ("int4", 3)):

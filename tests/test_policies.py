@@ -1,4 +1,4 @@
-"""Token eviction policies and compaction (kvjax/policies, kvjax/cache/compact.py, kvjax/evict.py).
+"""Token eviction policies and compaction (kvjax/policies, kvjax/cache/compact.py, kvjax/decode/evict.py).
 
 Selection is checked on hand-made keys and queries whose kept set follows from each
 policy's definition; decoding from a compacted cache is checked against a full forward
@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from conftest import tiny_config, tiny_params
 
-from kvjax import program
-from kvjax import attention, cache as cache_lib, cli, decode, evict, policies, step
+from kvjax.decode import generate
+from kvjax import attention, cache as cache_lib, cli, decode, policies
+from kvjax.decode import evict, step
 from kvjax.cache import compact
 from kvjax import model as model_lib
 from kvjax.errors import KvjaxError
@@ -124,7 +125,7 @@ CONT = [[14, 2, 37, 9, 50], [22, 41, 3, 6, 17]]  # teacher-forced decode tokens
 def run_cached(cfg, params, prompts=PROMPTS, cont=CONT):
   """Prefill (with compaction when a policy is set), then feed `cont` one token at a time.
   Returns the logits [B, 1 + len(cont), V] (prefill's last, then one per step) and caches."""
-  tokens, lengths = program.pad_prompts(prompts)
+  tokens, lengths = generate.pad_prompts(prompts)
   c0 = cache_lib.init_cache(cfg, len(prompts), tokens.shape[1] + len(cont[0]))
   prefill = evict.prefill_for(cfg, decode.prefill)
   sampler = decode.Sampler()
@@ -146,7 +147,7 @@ def masked_reference(cfg, params, keep, prompts=PROMPTS, cont=CONT):
   p of sequence b sees key j of layer l, KV head k iff keep(l, b, k, j, p); prompt queries
   are plain causal. Returns logits at the same positions as `run_cached`."""
   seqs = [p + c for p, c in zip(prompts, cont)]
-  tokens, lengths = program.pad_prompts(seqs)
+  tokens, lengths = generate.pad_prompts(seqs)
   B, T = tokens.shape
   positions = np.where(np.arange(T)[None] < lengths[:, None], np.arange(T)[None], -1)
   L, K = cfg.model.n_layers, cfg.model.n_kv_heads
@@ -257,8 +258,8 @@ def test_budget_at_least_the_prompt_equals_full_cache(policy):
 def test_full_policy_is_todays_cache():
   cfg = tiny_config(**{"cache.policy": "full"})
   params = tiny_params(cfg)
-  a = program.generate(cfg, params, PROMPTS, 4, timed=False, return_cache=True)
-  b = program.generate(tiny_config(), params, PROMPTS, 4, timed=False, return_cache=True)
+  a = generate.generate(cfg, params, PROMPTS, 4, timed=False, return_cache=True)
+  b = generate.generate(tiny_config(), params, PROMPTS, 4, timed=False, return_cache=True)
   assert a["tokens"] == b["tokens"] and a["cache_bytes"] == b["cache_bytes"]
   assert type(a["cache"]) is cache_lib.KVCache
   for x, y in zip(jax.tree.leaves(a["cache"]), jax.tree.leaves(b["cache"])):
@@ -270,7 +271,7 @@ def test_generate_cache_bytes_equal_the_formula_at_the_budget(codec):
   cfg = tiny_config(**{"model.n_kv_heads": 2, "cache.policy": "knorm", "cache.budget": 5,
                        "cache.codec": codec})
   params = tiny_params(cfg)
-  out = program.generate(cfg, params, PROMPTS, 4, timed=False, return_cache=True)
+  out = generate.generate(cfg, params, PROMPTS, 4, timed=False, return_cache=True)
   spec = out["cache"].spec
   assert spec.layout == "compacted" and spec.capacity == 5 + 4
   assert out["cache_bytes"] == cache_lib.tree_bytes(out["cache"])
@@ -278,7 +279,7 @@ def test_generate_cache_bytes_equal_the_formula_at_the_budget(codec):
   L, B, K, D = 2, 2, 2, 8
   per_token = 2 * K * D * 4 if codec == "fp32" else 2 * K * (D + 2)  # int8 + one bf16 scale
   assert out["cache_bytes"] == L * B * (5 + 4) * per_token + 3 * 4 * B
-  full = program.generate(tiny_config(**{"model.n_kv_heads": 2, "cache.codec": codec}),
+  full = generate.generate(tiny_config(**{"model.n_kv_heads": 2, "cache.codec": codec}),
                          params, PROMPTS, 4, timed=False)
   assert out["cache_bytes"] < full["cache_bytes"]
 
@@ -338,7 +339,7 @@ def test_cli_bad_policy_exits_2_and_size_shows_the_budget(capsys):
 def test_ratio_too_small_for_the_window_or_sinks_is_refused_before_jit(over):
   cfg = tiny_config(**over)
   with pytest.raises(KvjaxError, match="raise the ratio"):
-    program.generate(cfg, tiny_params(cfg), PROMPTS, 2, timed=False)
+    generate.generate(cfg, tiny_params(cfg), PROMPTS, 2, timed=False)
 
 
 def test_check_lengths_treats_decode_evicting_policies_alike():

@@ -17,7 +17,7 @@ from conftest import tiny_config, tiny_params
 from test_policies import PROMPTS, masked_reference, run_cached
 
 from kvjax import cache as cache_lib
-from kvjax import program
+from kvjax.decode import generate
 from kvjax.cache import compact
 
 L, B, K, H, D, S = 2, 2, 2, 4, 8, 6  # tiny model (d_model 32, 4 heads) as GQA-2
@@ -185,7 +185,7 @@ def held_positions(caches, full_prefill):
 @pytest.mark.parametrize("policy,size,budgets", [("h2o", {"cache.budget": 6}, [6, 6]),
                                                   ("tova", {"cache.ratio": 0.5}, [6, 3])])
 def test_greedy_decode_equals_the_masked_full_forward(policy, size, budgets, full_run):
-  """`program.generate` (the decode scan) with the cache at its budget throughout (per
+  """`generate.generate` (the decode scan) with the cache at its budget throughout (per
   sequence: ceil(0.5 x 12), ceil(0.5 x 5) for tova); its tokens fed one at a time give the
   same tokens, caches and scores, and logits equal to a full forward pass where each
   decode query sees only the tokens held at its step."""
@@ -193,7 +193,7 @@ def test_greedy_decode_equals_the_masked_full_forward(policy, size, budgets, ful
   budget, N = 6, 8
   cfg = tiny_config(**{"model.n_kv_heads": K, "cache.policy": policy, "cache.window": WINDOW,
                        **size})
-  gen = program.generate(cfg, params, PROMPTS, N, timed=False, return_cache=True)
+  gen = generate.generate(cfg, params, PROMPTS, N, timed=False, return_cache=True)
   c = gen["cache"]
   # Never grows: capacity = the largest budget, every row holds its own, bytes = the formula.
   assert c.spec.capacity == budget and list(c.held) == list(c.budget) == budgets

@@ -16,11 +16,12 @@ from test_policies import PROMPTS, masked_reference, run_cached
 from test_policy_decode import held_positions
 
 from kvjax import cache as cache_lib
-from kvjax import policies, program
+from kvjax import policies
+from kvjax.decode import generate
 from kvjax.cache import paged_compact
 from kvjax.errors import KvjaxError
 from kvjax.policies.replace import ScoreAndReplace
-from kvjax.serve import device as serve_step
+from kvjax.lab.serve import device as serve_step
 
 NAME, K, BUDGET, N = "largest_key_out", 2, 5, 8
 
@@ -51,7 +52,7 @@ def norms(a):
 def test_a_registered_decode_time_policy_decodes_through_both_compacted_layouts(registered):
   cfg = tiny_config(**{"model.n_kv_heads": K, "cache.policy": NAME, "cache.budget": BUDGET})
   params = tiny_params(cfg)
-  gen = program.generate(cfg, params, PROMPTS, N, timed=False, return_cache=True)
+  gen = generate.generate(cfg, params, PROMPTS, N, timed=False, return_cache=True)
   c, toks = gen["cache"], gen["tokens"]
   # The budget throughout: capacity = budget, every row full, bytes = the layout's formula.
   assert c.spec.layout == "compacted" and c.spec.capacity == BUDGET
@@ -98,7 +99,7 @@ def test_a_registered_decode_time_policy_decodes_through_both_compacted_layouts(
   # On pages: the same tokens and held K/V; the serving engine refuses it in one line.
   pcfg = tiny_config(**{"model.n_kv_heads": K, "cache.policy": NAME, "cache.budget": BUDGET,
                         "cache.layout": "paged", "cache.page_size": 4})
-  pgen = program.generate(pcfg, params, PROMPTS, N, timed=False, return_cache=True)
+  pgen = generate.generate(pcfg, params, PROMPTS, N, timed=False, return_cache=True)
   pc = pgen["cache"]
   assert pgen["tokens"] == toks and pc.spec.layout == "paged_compacted"
   view = paged_compact.contiguous_view(pc, BUDGET)

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from kvjax import evaluate, runner
+from kvjax.lab import evaluate, runner
 from kvjax.io import checkpoint
 from kvjax import config as config_lib
 from kvjax.model import init_params
@@ -98,7 +98,7 @@ def test_recall_accuracy_scores_exactly_the_masked_answers(setup, monkeypatch):
 
 
 def test_quality_run_cell_rows(tmp_path, setup):
-  from kvjax.experiments import quality
+  from kvjax.lab.experiments import quality
 
   text = tmp_path / "text.txt"
   text.write_text("for i in range(10):\n    print(i)\n" * 200)
@@ -145,9 +145,9 @@ def test_quality_run_cell_rows(tmp_path, setup):
 def test_a_converted_checkpoint_is_held_to_its_source_model(tmp_path, setup):
   """params.converted: the exact MHA twin of the run's model scores as the model itself,
   with its recipe in the row; a checkpoint of another vocabulary is refused."""
-  from kvjax import convert
+  from kvjax.lab import convert
   from kvjax.errors import KvjaxError
-  from kvjax.experiments import quality
+  from kvjax.lab.experiments import quality
 
   text = tmp_path / "text.txt"
   text.write_text("for i in range(10):\n    print(i)\n" * 200)

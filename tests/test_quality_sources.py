@@ -11,7 +11,7 @@ import transformers
 import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from kvjax import runner
+from kvjax.lab import runner
 
 TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(200))
 

@@ -61,15 +61,15 @@ register(Far())
 '''
 EXPERIMENT = '''"""`tw_greedy`: a throwaway experiment (greedy tokens of each cell), added by a test."""
 
-from kvjax import experiments as ex
-from kvjax import program
+from kvjax.lab import experiments as ex
+from kvjax.decode import generate
 
 PARAMS = frozenset()
 
 
 def run_cell(cfg):
   params = ex.random_params(cfg.model, cfg.seed)
-  out = program.generate(cfg, params, [[1, 2, 3, 4, 5, 6, 7, 8]], 4, timed=False)
+  out = generate.generate(cfg, params, [[1, 2, 3, 4, 5, 6, 7, 8]], 4, timed=False)
   return [{"variant": ex.variant(cfg, policy=cfg.cache.policy),
            "workload": {"prompt_len": 8, "gen_len": 4},
            "metrics": {"tokens": out["tokens"][0], "cache_bytes": out["cache_bytes"]}}]
@@ -80,7 +80,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from kvjax.plots.style import save
+from kvjax.lab.plots.style import save
 
 
 def plot(rows, out_dir):
@@ -132,7 +132,7 @@ def _copy(tmp_path: Path) -> Path:
   (tmp_path / "kvjax" / "codecs" / "tw_half.py").write_text(CODEC)
   (tmp_path / "kvjax" / "cache" / "tw_slots.py").write_text(LAYOUT)
   for where, text in (("attention/tw_attend.py", ATTENTION), ("policies/tw_far.py", POLICY),
-                      ("experiments/tw_greedy.py", EXPERIMENT), ("plots/tw_greedy.py", PLOT)):
+                      ("lab/experiments/tw_greedy.py", EXPERIMENT), ("lab/plots/tw_greedy.py", PLOT)):
     (tmp_path / "kvjax" / where).write_text(text)
   return tmp_path
 

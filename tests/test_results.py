@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from kvjax import cli, runner
+from kvjax import cli
+from kvjax.lab import runner
 
 
 @pytest.fixture(scope="module")

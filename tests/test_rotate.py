@@ -12,7 +12,8 @@ from test_cache_codecs import (B, KIVI, LENS, TOKS, FakeQuant, confident_params,
                                tiny)
 
 from kvjax import cache as cache_lib
-from kvjax import cli, codecs, config, footprint, program
+from kvjax import cli, codecs, config, footprint
+from kvjax.decode import generate
 from kvjax.codecs import rotate
 from kvjax.errors import KvjaxError
 
@@ -43,7 +44,7 @@ def test_fp32_rotated_cache_is_exact(kind, over):
   np.testing.assert_allclose(got, want, atol=1e-5)
   cfg, params = tiny()[0], confident_params()
   prompts = [TOKS[0, :14].tolist(), TOKS[1, :5].tolist()]
-  runs = [program.generate(config.apply_overrides(cfg, {**over, "cache.rotate": r}), params,
+  runs = [generate.generate(config.apply_overrides(cfg, {**over, "cache.rotate": r}), params,
                            prompts, 12, timed=False, return_cache=True) for r in ("none", kind)]
   assert runs[0]["tokens"] == runs[1]["tokens"]
   assert all(len(set(seq)) > 3 for seq in runs[0]["tokens"])
@@ -122,7 +123,7 @@ def test_policies_keep_the_same_tokens(policy, knobs):
   cfg = config.apply_overrides(tiny()[0], {"cache.policy": policy, **knobs})
   params = confident_params()
   prompts = [TOKS[0, :14].tolist(), TOKS[1, :LENS[1]].tolist()]
-  runs = [program.generate(config.apply_overrides(cfg, {"cache.rotate": r}), params, prompts, 6,
+  runs = [generate.generate(config.apply_overrides(cfg, {"cache.rotate": r}), params, prompts, 6,
                            timed=False, return_cache=True) for r in ("none", "hadamard")]
   c0, c1 = (r["cache"] for r in runs)
   assert c0.k.shape == c1.k.shape and c0.k.shape[3] < 14 + 6  # really compacted

@@ -1,4 +1,4 @@
-"""One reader of results rows (kvjax.rowfile) for `kvjax plot`, `kvjax results`, a resumed
+"""One reader of results rows (kvjax.lab.rowfile) for `kvjax plot`, `kvjax results`, a resumed
 `kvjax run` and the API: a row one of them refuses, none of them uses, and none of them
 raises a traceback on it. Each damaged row below once drew, crashed `plot` or `results`, or
 counted as done on resume. Files that are not files (a FIFO, a folder named x.jsonl) are one
@@ -14,9 +14,10 @@ import threading
 
 import pytest
 
-from kvjax import cli, plots, rowfile, runner
+from kvjax import cli
+from kvjax.lab import plots, rowfile, runner
 from kvjax.errors import KvjaxError
-from kvjax.runner import results
+from kvjax.lab.runner import results
 from test_plots import timing_row
 from test_shared_folder import CFG
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from kvjax import cli, config, runner
+from kvjax import cli, config
+from kvjax.lab import runner
 from kvjax.errors import KvjaxError
 
 TINY = """\
@@ -124,7 +125,7 @@ def test_rerun_skips_finished_cells_and_extends_a_grown_grid(tmp_path):
 
 
 def test_an_error_mid_grid_keeps_finished_rows_and_resume_completes(tmp_path, monkeypatch):
-  import kvjax.experiments.memory as memory
+  import kvjax.lab.experiments.memory as memory
 
   out = tmp_path / "out"
   path = write_cfg(tmp_path)
@@ -168,8 +169,8 @@ def test_a_killed_process_keeps_finished_rows(tmp_path):
   out = tmp_path / "out"
   path = write_cfg(tmp_path)
   script = textwrap.dedent(f"""
-      import time, kvjax.experiments.memory as m
-      from kvjax import runner
+      import time, kvjax.lab.experiments.memory as m
+      from kvjax.lab import runner
       real, n = m.run_cell, [0]
       def slow(cfg):
         n[0] += 1
@@ -342,7 +343,7 @@ def test_config_load_and_cli_follow_the_same_rule(tmp_path, capsys):
 def test_a_rows_config_rebuilds_the_cache_spec_that_ran(tmp_path, monkeypatch):
   """Run cells through the runner, capture the config each experiment call received, and
   rebuild the config from each written row: same cache spec, same config."""
-  import kvjax.experiments.memory as memory
+  import kvjax.lab.experiments.memory as memory
 
   from kvjax import cache as cache_lib
   seen = {}

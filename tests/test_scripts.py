@@ -101,7 +101,8 @@ def test_layer_bits_simulated_cache_reads_what_the_codec_cache_holds():
   import numpy as np
 
   from conftest import tiny_config, tiny_params
-  from kvjax import config as config_lib, evaluate
+  from kvjax import config as config_lib
+  from kvjax.lab import evaluate
   from kvjax.codecs import base as codecs
 
   spec = importlib.util.spec_from_file_location("layer_bits", ROOT / "scripts" / "layer_bits.py")

@@ -1,4 +1,4 @@
-"""Sharding on a device mesh (kvjax.sharding): same greedy tokens as one device, intended layouts.
+"""Sharding on a device mesh (kvjax.decode.sharding): same greedy tokens as one device, intended layouts.
 
 The multi-device checks run in ONE child process with 4 forced CPU devices (this file run
 as a script), so the rest of the suite keeps one device; the child prints JSON and the
@@ -17,9 +17,10 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from kvjax import step
-from kvjax import program
-from kvjax import cli, sharding
+from kvjax.decode import step
+from kvjax.decode import generate
+from kvjax import cli
+from kvjax.decode import sharding
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
 
@@ -66,10 +67,10 @@ def child() -> dict:
   for name, K, codec in CASES:
     cfg = _cfg(**{"model.n_kv_heads": K, "cache.codec": codec})
     params = model.init_params(cfg.model, 0)
-    ref = program.generate(cfg, params, PROMPTS, NEW, timed=False)
+    ref = generate.generate(cfg, params, PROMPTS, NEW, timed=False)
     for d, m in MESHES[name]:
       c = config_lib.apply_overrides(cfg, {"mesh.data": d, "mesh.model": m})
-      out = program.generate(c, params, PROMPTS, NEW, timed=False, return_cache=True)
+      out = generate.generate(c, params, PROMPTS, NEW, timed=False, return_cache=True)
       res["runs"].append({"case": name, "K": K, "mesh": [d, m], "same": out["tokens"] == ref["tokens"],
                           "bytes": out["cache_bytes"], "per_device": out["cache_bytes_per_device"],
                           "leaves": _leaf_report(out["cache"])})
@@ -78,16 +79,16 @@ def child() -> dict:
         over = {"model.scan_unroll": cfg.model.n_layers} if layout == "unrolled" else \
             {"cache.layout": layout, "cache.page_size": 4}
         c = config_lib.apply_overrides(cfg, {"mesh.data": 2, "mesh.model": 2, **over})
-        out = program.generate(c, params, PROMPTS, NEW, timed=False, return_cache=True)
+        out = generate.generate(c, params, PROMPTS, NEW, timed=False, return_cache=True)
         res[f"{layout}_same"] = out["tokens"] == ref["tokens"]
         if layout == "paged":
           res["paged_leaves"] = _leaf_report(out["cache"])
   # a hybrid cache (rings for the windowed layer) on a 2x2 mesh, against one device
   wcfg = _cfg(**{"model.n_kv_heads": 2, "model.global_every": 2, "model.sliding_window": 3})
   wparams = model.init_params(wcfg.model, 0)
-  wref = program.generate(wcfg, wparams, PROMPTS, NEW, timed=False)
+  wref = generate.generate(wcfg, wparams, PROMPTS, NEW, timed=False)
   c = config_lib.apply_overrides(wcfg, {"mesh.data": 2, "mesh.model": 2})
-  out = program.generate(c, wparams, PROMPTS, NEW, timed=False, return_cache=True)
+  out = generate.generate(c, wparams, PROMPTS, NEW, timed=False, return_cache=True)
   res["window_same"] = out["tokens"] == wref["tokens"]
   res["window_leaves"] = _leaf_report(out["cache"])
   res["kernel"] = _kernel_operands()
@@ -95,7 +96,7 @@ def child() -> dict:
   for label, c, prompts in (("batch", cfg, PROMPTS[:3]),
                             ("devices", _cfg(**{"mesh.data": 4, "mesh.model": 2}), PROMPTS)):
     try:
-      program.generate(c, model.init_params(c.model, 0), prompts, 2, timed=False)
+      generate.generate(c, model.init_params(c.model, 0), prompts, 2, timed=False)
       res["errors"][label] = None
     except KvjaxError as e:
       res["errors"][label] = str(e)
@@ -115,7 +116,7 @@ def _kernel_operands() -> dict:
   cache = sharding.init_cache(c, 4, 24, mesh)
   token = sharding.put_batch(jnp.zeros((4,), jnp.int32), mesh)
   text = decode.decode.lower(params, cache, token, jax.random.PRNGKey(0),
-                             **program.statics(c, decode.Sampler(), steps=2)).compile().as_text()
+                             **generate.statics(c, decode.Sampler(), steps=2)).compile().as_text()
   calls = [line for line in text.splitlines() if 'custom_call_target="kvjax_read"' in line]
   rows = [int(re.search(r"= \(f32\[(\d+),", line).group(1)) for line in calls]
   return {"status": kernels.status(), "rows": rows}

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from kvjax import cli, runner
-from kvjax.runner import claims, shard
+from kvjax import cli
+from kvjax.lab import runner
+from kvjax.lab.runner import claims, shard
 
 ROOT = Path(__file__).resolve().parent.parent
 CFG = """\
@@ -55,7 +56,7 @@ class Calls(list):
 
 @pytest.fixture
 def calls(monkeypatch) -> Calls:
-  import kvjax.experiments.memory as memory
+  import kvjax.lab.experiments.memory as memory
   real, seen = memory.run_cell, Calls()
 
   def gated(c):
@@ -231,7 +232,7 @@ def test_a_shard_skips_cells_another_file_in_the_folder_holds(cfg, tmp_path):
 
 
 def test_long_context_keeps_the_settings_of_a_context_in_one_shard():
-  import kvjax.experiments.long_context as lc
+  import kvjax.lab.experiments.long_context as lc
   _, cells = runner.expand(ROOT / "configs" / "long_context.yaml",
                            ["grid.params.setting=[fp32, int8, int4]"])  # 4 contexts x 3
   contexts = {c.cfg.param("context") for c in cells}
@@ -265,7 +266,7 @@ def test_every_reader_reads_a_cell_written_twice_once(cfg, tmp_path, capsys):
   """A folder two old runs (no locks) both wrote, plus a shard file repeating them: the
   table and the plots read each cell's rows once, the first file's. The same cell in a
   subfolder (another machine's run) is another measurement and is kept."""
-  from kvjax import plots
+  from kvjax.lab import plots
   out = tmp_path / "out"
   runner.run_file(cfg, out_dir=out, progress=False)
   data = (out / "memory.jsonl").read_bytes()
@@ -273,7 +274,7 @@ def test_every_reader_reads_a_cell_written_twice_once(cfg, tmp_path, capsys):
   (out / "memory.shard-1-of-2.jsonl").write_bytes(data)
   (out / "gpu").mkdir()
   (out / "gpu" / "memory.jsonl").write_bytes(data)
-  from kvjax.runner import results
+  from kvjax.lab.runner import results
   first = runner.read_rows(out / "memory.jsonl")[:8]
   assert results.load(out) == first + first
   rows, skipped = plots.scan_rows(out)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvjax import cli, sizing
+from kvjax import cli
+from kvjax.lab import sizing
 from kvjax.errors import KvjaxError
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,5 +1,5 @@
 """One step through the cache: every program that calls the model against a cache traces
-`kvjax.step.run` (prefill, decode, recompute, streamed evaluation, a policy's prefill and
+`kvjax.decode.step.run` (prefill, decode, recompute, streamed evaluation, a policy's prefill and
 continuation, task prefixes and answers, the serving step, the latency timer), with the
 arguments its reading needs, and the position rule is the one in `step.positions`."""
 
@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, tiny_params
-from kvjax import evaluate, evict, program, step, tasks
-from kvjax.experiments import latency
-from kvjax.serve import engine
+from kvjax.lab import evaluate, tasks
+from kvjax.decode import evict, generate, step
+from kvjax.lab.experiments import latency
+from kvjax.lab.serve import engine
 
 
 @pytest.fixture
@@ -35,14 +36,14 @@ PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8]]
 @pytest.mark.parametrize("layout", ["contiguous", "paged", "none"])
 def test_generate_prefills_and_decodes_through_the_step(runs, layout):
   cfg = tiny_config(**{"cache.layout": layout})
-  program.generate(cfg, tiny_params(cfg), PROMPTS, 3, timed=False)
+  generate.generate(cfg, tiny_params(cfg), PROMPTS, 3, timed=False)
   assert [r.get("logits", "all") for r in runs] == ["last", "all"]  # prefill, then decode
   assert {r["layout"] for r in runs} == {layout}
 
 
 def test_a_policy_prefill_asks_the_step_for_its_queries(runs):
   cfg = tiny_config(**{"cache.policy": "snapkv", "cache.budget": 4, "cache.window": 2})
-  program.generate(cfg, tiny_params(cfg), PROMPTS, 3, timed=False)
+  generate.generate(cfg, tiny_params(cfg), PROMPTS, 3, timed=False)
   assert runs[0]["queries"] is True and runs[0]["logits"] == "last"
   knorm = tiny_config(**{"cache.policy": "knorm", "cache.budget": 4})
   runs.clear()

@@ -9,7 +9,7 @@ import pytest
 
 from kvjax import cli
 from kvjax.errors import KvjaxError
-from kvjax.runner import results, table
+from kvjax.lab.runner import results, table
 
 CFG = """name: tm
 experiment: memory

@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 from conftest import tiny_config, tiny_params
 
-from kvjax import step
+from kvjax.decode import step
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
-from kvjax import evaluate, tasks
+from kvjax.lab import evaluate, tasks
 from kvjax.errors import KvjaxError
 from kvjax.io.tokenizer import ByteTokenizer
-from kvjax.tasks import through_cache
+from kvjax.lab.tasks import through_cache
 
 ENC = ByteTokenizer().encode
 
@@ -223,7 +223,7 @@ def test_prefix_kv_refuses_a_lossy_cache():
 
 
 def test_answer_matches_generate_with_fp32():
-  """The split path decodes what `program.generate` decodes from the whole prompt (fp32)."""
+  """The split path decodes what `generate.generate` decodes from the whole prompt (fp32)."""
   cfg = _tiny()
   params = tiny_params(cfg)
   rng = np.random.default_rng(2)
@@ -250,7 +250,8 @@ def test_evict_prefix_is_the_policy_prefill(over):
   """One fp32 prefill with its queries, stored through the codec and compacted, is the cache
   `evict.prefill` makes for the prefix with that setting; the question reads `budget`
   tokens of the prefix (slots [0, held)), and a ring keeps holding its budget to the end."""
-  from kvjax import decode, evict
+  from kvjax import decode
+  from kvjax.decode import evict
 
   cfg32 = _gqa()
   params = tiny_params(cfg32)
@@ -326,7 +327,7 @@ def _experiment_cfg(tmp_path, **params):
 @pytest.fixture(scope="module")
 def cell_rows(tmp_path_factory):
   """Rows of two cells (int4 KIVI-style and fp32) of the experiment on the tiny model."""
-  from kvjax.experiments import long_context
+  from kvjax.lab.experiments import long_context
 
   tmp = tmp_path_factory.mktemp("lc")
   kivi = _experiment_cfg(tmp)
@@ -335,8 +336,8 @@ def cell_rows(tmp_path_factory):
 
 
 def test_run_cell_end_to_end(cell_rows):
-  from kvjax import intervals
-  from kvjax.experiments import long_context
+  from kvjax.lab import intervals
+  from kvjax.lab.experiments import long_context
 
   rows, fp32 = cell_rows
   # passkey: one example per depth; niah and vt: one example, one query per depth
@@ -369,7 +370,7 @@ def test_run_cell_end_to_end(cell_rows):
 def test_plots_from_rows(cell_rows, tmp_path):
   import json
 
-  from kvjax import plots
+  from kvjax.lab import plots
   res = tmp_path / "res"
   res.mkdir()
   with open(res / "long_context.jsonl", "w") as f:
@@ -389,7 +390,7 @@ def test_policy_cell_answers_through_the_compacted_cache(tmp_path, cell_rows):
   layer and KV head) for each kept token, and its int32 counters."""
   import math
 
-  from kvjax.experiments import long_context
+  from kvjax.lab.experiments import long_context
 
   fp32 = cell_rows[1]
   for name, ratio, codec_bpt, state_bpt in (
@@ -417,7 +418,7 @@ def test_policy_cell_answers_through_the_compacted_cache(tmp_path, cell_rows):
 def test_mean_pooled_kv_heads_setting(tmp_path, cell_rows):
   """`params.kv_heads` in a setting: the model's K/V heads mean-pooled (GQA-2 -> MQA here),
   its own prefill, half the bytes per token; with a policy on top, both apply."""
-  from kvjax.experiments import long_context
+  from kvjax.lab.experiments import long_context
 
   settings = {"mqa": {"params.kv_heads": 1},
               "mqa_win": {"params.kv_heads": 1, "cache.policy": "window", "cache.ratio": 0.5}}
@@ -449,8 +450,8 @@ def test_bad_policy_setting_is_one_line_before_any_cell(tmp_path, setting, match
   """Refused by the experiment's check, and by `kvjax run` before any cell has run."""
   import yaml
 
-  from kvjax import runner
-  from kvjax.experiments import long_context
+  from kvjax.lab import runner
+  from kvjax.lab.experiments import long_context
 
   cfg = _experiment_cfg(tmp_path, setting="bad", settings={"bad": setting})
   with pytest.raises(KvjaxError, match=match) as e:
@@ -475,7 +476,7 @@ def test_eviction_rows_get_their_own_plots(cell_rows, tmp_path):
   import copy
   import json
 
-  from kvjax import plots
+  from kvjax.lab import plots
   rows = []
   for ctx in (700, 1400):
     for r in cell_rows[1]:  # fp32, then each policy at two ratios
@@ -507,7 +508,7 @@ def test_eviction_rows_get_their_own_plots(cell_rows, tmp_path):
     ({"template": "alpaca"}, "unknown params.template"),
 ])
 def test_experiment_check_one_line(tmp_path, params, match):
-  from kvjax.experiments import long_context
+  from kvjax.lab.experiments import long_context
 
   with pytest.raises(KvjaxError, match=match) as e:
     long_context.check(_experiment_cfg(tmp_path, **params))

@@ -8,10 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import program
-from kvjax import cli, convert, train
+from kvjax.decode import generate
+from kvjax import cli
+from kvjax.lab import convert, train
 from kvjax import config as config_lib
-from kvjax.convert import cli as convert_cli
+from kvjax.lab.convert import cli as convert_cli
 from kvjax.io import checkpoint
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer, init_params
@@ -54,7 +55,7 @@ def trained(tmp_path_factory, text_file):
 
 def test_training_reduces_loss_and_writes_artifacts(trained):
   cfg, out, summary = trained
-  from kvjax import data
+  from kvjax.lab import data
   corpus = data.load_corpus(cfg.train.data)
   before = train.validation_loss(cfg, init_params(cfg.model, cfg.seed), corpus)
   assert summary["val_loss"] < before - 0.5
@@ -141,7 +142,7 @@ def test_mean_pool_to_gqa_and_mqa(trained, tmp_path):
   assert mp["layers"]["q_proj"]["kernel"].shape == params["layers"]["q_proj"]["kernel"].shape
   logits = _logits(mcfg, mp, TOKENS)
   assert logits.shape == (1, 8, mcfg.model.vocab_size) and bool(jnp.isfinite(logits).all())
-  got = program.generate(mcfg, mp, [[1, 2, 3]], 4, timed=False)
+  got = generate.generate(mcfg, mp, [[1, 2, 3]], 4, timed=False)
   assert len(got["tokens"][0]) == 4
   with pytest.raises(KvjaxError, match="must divide"):
     convert.mean_pool(cfg, params, 3)
@@ -152,7 +153,7 @@ def test_mean_pool_to_gqa_and_mqa(trained, tmp_path):
 def test_resume_with_a_different_recipe_is_refused(tmp_path):
   from kvjax import config as config_lib
   from kvjax.errors import KvjaxError
-  from kvjax.train import _check_resume
+  from kvjax.lab.train import _check_resume
   a = config_lib.load(None, {"train.lr": 1e-3, "train.steps": 10})
   _check_resume(a, config_lib.replace(a, **{"train.steps": 20}), tmp_path)  # longer run: fine
   with pytest.raises(KvjaxError, match="train.lr"):

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import tiny_config, tiny_params
 from kvjax import config as config_lib
-from kvjax import evaluate
+from kvjax.lab import evaluate
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
 
@@ -140,11 +140,11 @@ def test_windowed_layers_keep_rings_whose_bytes_stop_at_w():
 def test_prefill_longer_than_the_window_then_decode_equals_recomputing():
   """A 12-token prompt into rings of 3 (only each row's last 3 positions are stored), then
   greedy decode: the tokens of recomputing the full forward pass each step."""
-  from kvjax import program
+  from kvjax.decode import generate
   cfg = tiny_config(**{**GEMMA_LIKE, "workload.temperature": 0.0})
   params = _params(cfg)
   prompts = [TOKENS[0, :12].tolist(), TOKENS[1, :7].tolist()]
-  got = program.generate(cfg, params, prompts, 5, timed=False)["tokens"]
+  got = generate.generate(cfg, params, prompts, 5, timed=False)["tokens"]
   S = 12 + 5  # one buffer, padding at position -1: one compile for every length
   full = jax.jit(lambda tok, pos: Transformer(cfg.model).apply({"params": params}, tok, pos)[0])
   for prompt, out in zip(prompts, got):
@@ -163,7 +163,8 @@ def test_an_unrolled_layer_reads_only_its_own_segment_and_decodes_the_same(prog)
   program reads every segment it is given as one masked block, so a second, empty
   segment there costs a full layer's bytes. The tokens equal the traced-index program's,
   which gives every layer both segments."""
-  from kvjax import cache as cache_lib, program
+  from kvjax import cache as cache_lib
+  from kvjax.decode import generate
   from kvjax.cache import ring
   cfg = tiny_config(**{**GEMMA_LIKE, "model.n_layers": 4, "workload.temperature": 0.0,
                        "model.program": prog})
@@ -175,9 +176,9 @@ def test_an_unrolled_layer_reads_only_its_own_segment_and_decodes_the_same(prog)
     assert seg.k is (c.k_ring if cfg.model.is_local(layer) else c.k)
   assert len(ring.read(c.spec, store, lengths, jnp.int32(0), rg)) == 2
   prompts = [TOKENS[0, :9].tolist(), TOKENS[1, :5].tolist()]
-  want = program.generate(cfg, params, prompts, 6, timed=False)["tokens"]
+  want = generate.generate(cfg, params, prompts, 6, timed=False)["tokens"]
   unrolled = config_lib.replace(cfg, **{"model.scan_unroll": 4})
-  assert program.generate(unrolled, params, prompts, 6, timed=False)["tokens"] == want
+  assert generate.generate(unrolled, params, prompts, 6, timed=False)["tokens"] == want
 
 
 # A policy on a windowed model evicts on its full-attention layers; each windowed layer keeps
@@ -189,14 +190,15 @@ def test_a_policy_keeping_every_token_of_a_windowed_model_decodes_the_same(polic
   """A budget above every sequence's length evicts nothing: the tokens of the same model
   without a policy. The compacted cache holds the 2 full layers at the policy's capacity and
   the 2 windowed layers' rings of W slots, its tree bytes equal to the closed form."""
-  from kvjax import cache as cache_lib, program
+  from kvjax import cache as cache_lib
+  from kvjax.decode import generate
   cfg = tiny_config(**{**GEMMA_LIKE, "model.n_layers": 4, "model.sliding_window": window,
                        "workload.temperature": 0.0})
   params = _params(cfg)
   prompts = [TOKENS[0, :12].tolist(), TOKENS[1, :7].tolist()]
-  want = program.generate(cfg, params, prompts, 6, timed=False)["tokens"]
+  want = generate.generate(cfg, params, prompts, 6, timed=False)["tokens"]
   pol = config_lib.replace(cfg, **{"cache.policy": policy, "cache.budget": 40})
-  got = program.generate(pol, params, prompts, 6, timed=False, return_cache=True)
+  got = generate.generate(pol, params, prompts, 6, timed=False, return_cache=True)
   assert got["tokens"] == want
   c = got["cache"]
   assert c.spec.layout == "compacted" and c.k.shape[0] == 2 and c.k_ring.shape[:4] == (
@@ -209,14 +211,15 @@ def test_a_policy_evicts_on_the_full_layers_and_leaves_the_rings_as_they_were():
   tokens, and the rings are exactly those of the same prompt without a policy; decoding
   on reads both (its tokens come out, and differ from no eviction only through what the
   full layers lost)."""
-  from kvjax import cache as cache_lib, evict
+  from kvjax import cache as cache_lib
+  from kvjax.decode import evict
   cfg = tiny_config(**{**GEMMA_LIKE, "model.n_layers": 4})
   params = _params(cfg)
   pol = config_lib.replace(cfg, **{"cache.policy": "window", "cache.budget": 6})
   tokens = jnp.asarray(TOKENS[:, :12])
   lengths = jnp.asarray([12, 12], jnp.int32)
   plain = cache_lib.init_cache(cfg, 2, 12)
-  from kvjax import step
+  from kvjax.decode import step
   filled, q = evict.prefill_queries(step.prepare_params(cfg, params), tokens, lengths, plain,
                                     static=step.Static.of(cfg))
   c = cache_lib.init_cache(pol, 2, 12)
@@ -235,12 +238,12 @@ def test_a_compacted_windowed_cache_reads_the_same_with_the_layer_index_known(pr
   """The unrolled layer loop (each layer reads only its own store: the compacted full
   layers or its ring) decodes the tokens of the scanned loop (every layer gets both), after
   an eviction that changes what the full layers hold."""
-  from kvjax import program
+  from kvjax.decode import generate
   cfg = tiny_config(**{**GEMMA_LIKE, "model.n_layers": 4, "workload.temperature": 0.0,
                        "model.program": prog, "cache.policy": "snapkv", "cache.budget": 17,
                        "cache.window": 4})
   params = _params(cfg)
   prompts = [TOKENS[0].tolist() + TOKENS[1, :8].tolist(), TOKENS[1, :10].tolist()]
-  want = program.generate(cfg, params, prompts, 6, timed=False)["tokens"]
+  want = generate.generate(cfg, params, prompts, 6, timed=False)["tokens"]
   unrolled = config_lib.replace(cfg, **{"model.scan_unroll": 4})
-  assert program.generate(unrolled, params, prompts, 6, timed=False)["tokens"] == want
+  assert generate.generate(unrolled, params, prompts, 6, timed=False)["tokens"] == want

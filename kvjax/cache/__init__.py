@@ -5,7 +5,7 @@ The contract (`CacheSpec`, `Segment` kinds, the `Layout` protocol, the registry)
 `contiguous` (preallocated slots, optional full-precision window), `paged` (a page pool
 and block tables), `compacted` (`compact`: what a cache.policy keeps), `latent` (one
 rank-r vector per token) and `none` (token ids only: the recompute mode of
-`kvjax.step.run`). Adding a layout = one module here that calls `base.register`.
+`kvjax.decode.step.run`). Adding a layout = one module here that calls `base.register`.
 """
 
 from kvjax import plugins, policies

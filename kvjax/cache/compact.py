@@ -1,6 +1,6 @@
 """Compaction: the tokens a policy keeps, copied into a cache whose capacity is the budget.
 
-`program.generate` with `cache.policy` other than `full` prefills into an ordinary
+`generate.generate` with `cache.policy` other than `full` prefills into an ordinary
 contiguous cache (the whole prompt, as every prompt pass needs its own keys anyway),
 asks the policy which tokens to keep (`Policy.keep`, `kvjax.policies`), and copies them
 into an `CompactedCache` (layout `compacted`) of `Policy.capacity` slots:

@@ -1,6 +1,6 @@
 """The `none` layout: no K/V at all, only the token ids. Every step recomputes the whole
 prefix (O(S^2) work per token): the quadratic baseline and the reference. The model never
-reads this cache; `kvjax.step.run` runs the recompute mode when it is handed one."""
+reads this cache; `kvjax.decode.step.run` runs the recompute mode when it is handed one."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ positions whose page is unallocated (table entry = P, the sentinel) are dropped,
 written into another sequence's page.
 
 The host side, which pages a sequence owns, shares or frees, is the serving engine's page
-allocator (kvjax/serve/allocator.py), which fills the block table between steps.
+allocator (kvjax/lab/serve/allocator.py), which fills the block table between steps.
 
 Eviction (`cache.policy` other than `full`) composes with paging: the prompt is prefilled
 into this layout, then the kept tokens are stored by slot, not position, into the pages of

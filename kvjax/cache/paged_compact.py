@@ -1,7 +1,7 @@
 """Eviction on pages: the `paged_compacted` layout, what a `cache.policy` builds from a
 prefilled `paged` cache (`cache.layout=paged` with any evicting policy).
 
-`kvjax.evict.prefill` prefills the whole prompt into an ordinary paged cache, reads it back
+`kvjax.decode.evict.prefill` prefills the whole prompt into an ordinary paged cache, reads it back
 through the block table as one contiguous view, lets the policy select the kept tokens and
 gathers them exactly as the contiguous path does (`kvjax.cache.compact.compress`, reused
 unchanged), then stores them into pages: each sequence owns
@@ -14,8 +14,8 @@ pool, with its ceil((prompt + room) / page_size) pages per sequence, is dropped:
 beyond a sequence's Q are released on the device, and `cache_bytes` is the budgeted pool
 (`closed_form_bytes`). The serving engine does the same in its one shared pool: a request
 is compacted into its own first pages once its prompt is cached, and the pages beyond its
-held tokens go back to its page allocator (kvjax/serve/engine.py, `compact_pages` in
-kvjax/serve/device.py).
+held tokens go back to its page allocator (kvjax/lab/serve/engine.py, `compact_pages` in
+kvjax/lab/serve/device.py).
 
 Slots: `lengths` counts every token seen (the next token's position, which RoPE needs),
 `held` the slots [0, held) that hold a token; slot s lives in logical page s // page_size

@@ -88,7 +88,7 @@ def _check_shape_flags(args) -> None:
 
 
 def cmd_size(args) -> dict:
-  from kvjax import sizing
+  from kvjax.lab import sizing
   from kvjax.registries import codecs  # (every registry: config.validate knows names)
 
   over, file_items, notes = {}, {}, []
@@ -138,46 +138,46 @@ def cmd_size(args) -> dict:
 
 # -- generate -----------------------------------------------------------------------------
 def cmd_generate(args) -> dict:
-  from kvjax import generation
+  from kvjax.decode import generate
   from kvjax.io import sources
 
   over = _cache_overrides(args, _sampling_overrides(args))
   src = sources.from_args(args)
   cfg, params, tok = sources.load(src, over)
-  ids = generation.parse_ids(args.prompt_ids) if args.prompt_ids else None
-  prompts = generation.prompts(tok, args.prompt, ids, chat=args.chat)
-  return generation.report(cfg, params, tok, src, prompts, args.max_new_tokens, seed=args.seed,
+  ids = generate.parse_ids(args.prompt_ids) if args.prompt_ids else None
+  prompts = generate.prompts(tok, args.prompt, ids, chat=args.chat)
+  return generate.report(cfg, params, tok, src, prompts, args.max_new_tokens, seed=args.seed,
                            stop=not args.no_stop, chat=args.chat)
 
 
 # -- run / train --------------------------------------------------------------------------
 def cmd_run(args):
-  from kvjax import runner
+  from kvjax.lab import runner
   if args.dry_run:
     return runner.dry_run(args.file, overrides=args.set, out_dir=args.out, shard=args.shard)
   return runner.run_file(args.file, overrides=args.set, out_dir=args.out, shard=args.shard)
 
 
 def cmd_results(args):
-  from kvjax.runner import results
+  from kvjax.lab.runner import results
   sys.stdout.write(results.table(args.path, args.format, args.experiment, args.columns))
   return {}
 
 
 def cmd_train(args):
-  from kvjax import train
+  from kvjax.lab import train
   return train.train_file(args.file, overrides=args.set, out_dir=args.out)
 
 
 def cmd_convert(args):
-  from kvjax.convert import cli
+  from kvjax.lab.convert import cli
   return cli.convert_cli(args)
 
 
 def cmd_eval(args) -> dict:
   """`kvjax eval`: against the same model's fp32 cache, or with `--ref` against any cache
-  setting or same-tokenizer model (kvjax.compare), the reference read once per window."""
-  from kvjax import compare, evaluate
+  setting or same-tokenizer model (kvjax.lab.compare), the reference read once per window."""
+  from kvjax.lab import compare, evaluate
   from kvjax.io import sources
 
   over = _cache_overrides(args, {})
@@ -204,6 +204,6 @@ def cmd_models(args) -> dict:
 
 # -- plot ---------------------------------------------------------------------------------
 def cmd_plot(args) -> None:
-  from kvjax import plots
+  from kvjax.lab import plots
   written = plots.plot_all(args.results_dir, args.out)
   print(f"{len(written)} files in {args.out}")

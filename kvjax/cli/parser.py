@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
   pl = sub.add_parser("plot", help="redraw every plot a results folder supports (PNG + SVG)",
                       description="Read every *.jsonl under RESULTS_DIR (results rows of "
                       "`kvjax run`), group the rows by experiment and draw each experiment's "
-                      "plots (kvjax/plots/EXPERIMENT.py) into --out; what is not drawn is "
+                      "plots (kvjax/lab/plots/EXPERIMENT.py) into --out; what is not drawn is "
                       "said on stderr, one line each.")
   pl.add_argument("results_dir", metavar="RESULTS_DIR", help="a results folder")
   pl.add_argument("--out", metavar="DIR", default="plots", help="where the files go "

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from kvjax.intervals import BLOCK, RESAMPLES
-from kvjax.intervals import text as ci_text
+from kvjax.lab.intervals import BLOCK, RESAMPLES
+from kvjax.lab.intervals import text as ci_text
 from kvjax.footprint import human
 
 

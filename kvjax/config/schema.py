@@ -145,7 +145,7 @@ class TrainConfig:
   eval_batches: int = 8
   checkpoint_every: int = 100
   log_every: int = 10
-  recall_mix: float = 0.0        # fraction of each batch that is associative recall (kvjax.data)
+  recall_mix: float = 0.0        # fraction of each batch that is associative recall (kvjax.lab.data)
   recall_pairs: int = 8          # key-value pairs (and queries) per recall sequence
 
 

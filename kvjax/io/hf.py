@@ -14,7 +14,7 @@ other than default/llama3, bias on o_proj or the MLP, partial rotary, non-SiLU M
 unexpected tensors. Sliding-window attention (Mistral, Qwen2 with use_sliding_window) is
 honoured exactly by capping `model.max_seq_len` at the window: with at most `window`
 tokens in a sequence the window never excludes anything (HF masks key j for query i only
-when i - j >= window), and `program.check_request` rejects longer requests on the host.
+when i - j >= window), and `generate.check_request` rejects longer requests on the host.
 
 This module reads config.json and checks the result; the tensors are kvjax.io.hf_weights'
 (`read_params`).

@@ -113,7 +113,8 @@ def load(src: Source, overrides: dict | None = None):
     cfg, params = checkpoint.load(src.ref, overrides=overrides)
     folder = None
   else:
-    from kvjax import memory, model, sharding
+    from kvjax import memory, model
+    from kvjax.decode import sharding
     cfg = config_lib.load(src.ref or None, overrides)
     memory.check_params(cfg)  # refuse weights that cannot fit before creating them
     if sharding.is_sharded(cfg):  # created already split: never whole on one device

@@ -230,7 +230,7 @@ def read(q_BKGTD, seg):
   kernel, or None where the kernel does not read this segment's storage (a codec without
   a `stored.kernel`, or a segment without a `kernel_view`).
 
-  Traced under a device mesh (`kvjax.sharding.visible`), the call runs per device inside
+  Traced under a device mesh (`kvjax.decode.sharding.visible`), the call runs per device inside
   `jax.shard_map`: each device reads its own batch rows and KV heads, as the XLA read's
   partitioned dots do, where a plain custom call would gather every input onto each device."""
   kk, vk = seg.k_codec.stored.kernel, seg.v_codec.stored.kernel
@@ -269,7 +269,7 @@ def _scales(codec, scale) -> tuple[int, int]:
 
 def _specs(args, page: int, codes_ndim: int) -> tuple:
   """Per-device pieces of the kernel's inputs: queries [B, K, G, T, D] split batch over
-  `data`, KV heads over `kv` and a head's queries over `rep` (`kvjax.sharding`'s rule);
+  `data`, KV heads over `kv` and a head's queries over `rep` (`kvjax.decode.sharding`'s rule);
   stored leaves their batch and KV heads ([B, K, ...] rows, [L, B, K, ...] layer stacks,
   [L, P, K, ...] page pools whose pages every device shares); the mask and the block table
   their batch; layer and live length whole."""

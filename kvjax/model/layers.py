@@ -150,7 +150,7 @@ def block_forward(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):
 
 def attention_block(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):
   """The attention half of `block_forward`: what it adds to the residual stream x, and the
-  layer's new (k, v[, q]). Variant conversions (`kvjax.convert.fit`) fit its projections
+  layer's new (k, v[, q]). Variant conversions (`kvjax.lab.convert.fit`) fit its projections
   against the original model's."""
   cos, sin = inp.cos_BTD, inp.sin_BTD
   if inp.cos_local is not None:  # local layers rotate with their own base
@@ -186,7 +186,7 @@ def attention_block(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput
     o = norm("post_attn_norm", o)
   kv = (k_BTKD, v_BTKD)
   if layout is not None and (inp.queries or layout.wants_queries(inp.spec)):
-    kv += (q_BTHD,)  # for the layout's `write`, or asked for by the step (`kvjax.step`)
+    kv += (q_BTHD,)  # for the layout's `write`, or asked for by the step (`kvjax.decode.step`)
   return o, kv
 
 

@@ -78,7 +78,7 @@ class Transformer(nn.Module):
   # over per-layer weights, `model.scan_unroll >= n_layers`).
   layer_loop: str = "scan"
   read_bucket: int = 0  # > 0: the accelerator program's reads cover that many stored slots
-  # True: also return the new tokens' rotated queries [L, B, T, H, D] (`kvjax.step.run`)
+  # True: also return the new tokens' rotated queries [L, B, T, H, D] (`kvjax.decode.step.run`)
   return_queries: bool = False
 
   @nn.compact

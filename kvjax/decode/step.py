@@ -1,0 +1,164 @@
+"""One step through the cache: the model over T new tokens against a cache.
+
+    out = step.run(static, params, tokens_BT, positions_BT, cache, logits=, queries=, bucket=)
+    out.logits, out.cache, out.queries
+
+Every program that calls the model through a cache calls `run` inside its own jit: prefill
+and the decode loop (kvjax.decode), prefill with a policy's capture and teacher-forced
+continuations (kvjax.decode.evict), streamed evaluation (kvjax.lab.evaluate), task prefixes, tails and
+answers (kvjax.lab.tasks.through_cache) and the serving step (kvjax.lab.serve.device); the timers
+time those programs. So there is one layer-loop choice (`network`), one position rule
+(`positions`), one recompute path (layout `none`) and one place that builds what jit
+hashes (`statics`, whose `Static` holds the model, cache and mesh configs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax import cache as cache_lib
+from kvjax import model as model_lib
+from kvjax.decode import sharding
+from kvjax.attention import base as attn_base
+from kvjax.config import CacheConfig, Config, MeshConfig, ModelConfig
+from kvjax.model import Transformer
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """What the compiled programs depend on, and all that jit hashes besides the sampler:
+  the model, the cache config (layout, codecs, policy), the mesh and the eos id. A change
+  to anything else in an experiment's Config (train, grid, params, name) never retraces."""
+
+  model: ModelConfig
+  cache: CacheConfig
+  mesh: MeshConfig
+  eos_id: int = -1
+
+  @classmethod
+  def of(cls, cfg: Config) -> "Static":
+    """The Static of `cfg`, its `model.program` resolved (auto: per backend) on the host, so
+    that what jit hashes names the program it compiles."""
+    return cls(resolved(cfg.model), cfg.cache, cfg.mesh, cfg.workload.eos_id)
+
+
+def resolved(m: ModelConfig) -> ModelConfig:
+  """`m` with `program` resolved to `cpu` or `accelerator` (`attention.base.program`)."""
+  prog = attn_base.program(m.program)
+  return m if m.program == prog else dataclasses.replace(m, program=prog)
+
+
+def statics(cfg: Config, sampler=None, **extra) -> dict:
+  """Static keyword arguments of a jitted program's call: its `static` (`Static.of(cfg)`),
+  the sampler when it samples, and `extra` (decode's `steps`, the serving step's widths).
+  Every call site builds them here."""
+  return {"static": Static.of(cfg), **({} if sampler is None else {"sampler": sampler}), **extra}
+
+
+def positions(start_B, lengths_B, T: int):
+  """Positions [B, T] of T right-padded new tokens per row: `start_B` (what the cache holds)
+  onwards for the row's first `lengths_B` tokens, -1 (never stored, never attended) after."""
+  t_1T = jnp.arange(T, dtype=jnp.int32)[None, :]
+  return jnp.where(t_1T < lengths_B[:, None], start_B[:, None] + t_1T, -1)
+
+
+def prepare_params(cfg: Config | Static, params):
+  """Params as the step wants them: in the CPU program split per layer once, here
+  (`model.split_layers`), so that no call pays for the split and no step copies a weight
+  (`model.switched_layers`, or the unrolled loop when `model.unrolled`); in the accelerator
+  program (`model.program`) left stacked for nn.scan (see below); and stored in
+  `model.param_dtype` whatever their source (an imported checkpoint keeps its own dtype
+  until here). A second copy of the layer weights for as long as the caller also keeps the
+  stacked ones; params already split and in that dtype come back as they are."""
+  dtype = jnp.dtype(cfg.model.param_dtype)
+  if resolved(cfg.model).program == "accelerator" and \
+      not model_lib.unrolled(cfg.model) and cfg.model.attention != "pallas":
+    # The accelerator program keeps the stacked params and runs nn.scan: slicing a layer's
+    # weights is fused into its matmuls there, while the switched scan's conditionals would
+    # each copy their branch index to the host and sync once per layer. The Pallas kernel
+    # inside nn.scan failed Flax's loop-invariance check on the H200 (docs/gpu.md), so
+    # `pallas` keeps the switched scan.
+    if "layers" in params:
+      return _prepare(dtype.name, split=False)(params)
+  if "layers" not in params and all(a.dtype == dtype for a in jax.tree.leaves(params)
+                                    if jnp.issubdtype(a.dtype, jnp.floating)):
+    return params
+  return _prepare(dtype.name, split=True)(params)
+
+
+@functools.lru_cache(maxsize=8)
+def _prepare(dtype_name: str, split: bool):
+  """One jitted cast of the floating params to `dtype_name` (after splitting them per layer
+  when `split`) per dtype, so a second model of a shape seen before (the CLI, experiments,
+  tests) reuses its compiled program instead of tracing a new function."""
+  dtype = jnp.dtype(dtype_name)
+
+  def cast(a):
+    return a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a
+  return jax.jit(lambda p: jax.tree.map(cast, model_lib.split_layers(p) if split else p))
+
+
+def network(cfg: Config | Static, params, **kw) -> tuple[Transformer, Any]:
+  """The network of `cfg.model` for these params: the one layer-loop choice. Split ones
+  (`prepare_params`) run the switched layer scan (the default) or, when `model.unrolled`,
+  the unrolled loop. Stacked ones run the nn.scan program (the accelerator program, and the
+  reference the others are tested against), or are split here, inside the program, when
+  unrolled."""
+  if model_lib.unrolled(cfg.model):
+    return Transformer(cfg.model, layer_loop="unrolled", **kw), model_lib.split_layers(params)
+  if "layers" not in params:
+    return Transformer(cfg.model, layer_loop="switch", **kw), params
+  return Transformer(cfg.model, **kw), params
+
+
+@struct.dataclass
+class Out:
+  """What one step returns: logits [B, n, V] (float32; n = T, 1 for `logits="last"`, or the
+  indices asked for), the new cache, and the new tokens' rotated queries [L, B, T, H, D]
+  (in the basis the cache stores keys in) when asked, else None. A pytree, so a jitted
+  program may return it whole."""
+
+  logits: jax.Array
+  cache: Any
+  queries: jax.Array | None = None
+
+
+def run(static: Static, params, tokens_BT, positions_BT, cache, *, logits="all",
+        queries: bool = False, bucket: int = 0) -> Out:
+  """The model over `tokens_BT` at `positions_BT` (-1: padding) against `cache`, which it
+  reads and writes through its layout. `logits`: "all" (this call's T positions), "last"
+  (each row's last valid token: the lm_head, the largest matmul of a prompt, runs once a
+  row) or an int array [B, n] of token indices into this call. `queries`: also return the
+  new tokens' rotated queries (what a policy scoring by attention selects with). `bucket`
+  > 0: the stored slots the accelerator program's reads cover (`decode.bucket_for`).
+
+  With layout `none` (a token buffer) this is the recompute mode: the ids are appended and
+  the whole prefix runs again, logits kept only where wanted, never at all S positions.
+  On a mesh (`mesh.*`) the read runs per device and the cache keeps its layout."""
+  last = isinstance(logits, str) and logits == "last"
+  at = None if isinstance(logits, str) else logits
+  model, params = network(static, params, logits_last=last, read_bucket=bucket,
+                          return_queries=queries)
+  with sharding.visible(static):
+    if cache.spec.layout != "none":
+      res = model.apply({"params": params}, tokens_BT, positions_BT, cache, logits_at=at)
+    else:
+      buf = cache_lib.get("none").write(cache, tokens_BT, positions_BT)
+      S = buf.tokens.shape[1]
+      pos_S = jnp.arange(S, dtype=jnp.int32)
+      pos_BS = jnp.where(pos_S[None, :] < buf.lengths[:, None], pos_S[None, :], -1)
+      if at is not None:  # indices into this call's tokens -> into the buffer
+        at = jnp.take_along_axis(jnp.clip(positions_BT, 0, S - 1), at.astype(jnp.int32), 1)
+      elif not last:  # ("last": the model's own rule, each row's last valid buffer token)
+        at = jnp.clip(positions_BT, 0, S - 1)
+      res = model.apply({"params": params}, buf.tokens, pos_BS, None, logits_at=at)
+      res = (res[0], buf, *res[2:])
+  logits_BnV, new_cache, *q = res
+  new_cache = sharding.constrain_cache(new_cache, static)  # no-op on one device
+  return Out(logits_BnV, new_cache, q[0] if q else None)

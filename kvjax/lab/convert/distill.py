@@ -1,0 +1,303 @@
+"""Distil a converted model's attention toward the original model's next-token distributions.
+
+A conversion (pool, align, fit) changes each layer's K/V heads; `fit` matches each layer's
+attention output on its own. Here the whole converted model (the student) is trained end to
+end against the model it was converted from (the teacher), on calibration windows of
+training text:
+
+    loss = mean over tokens of KL(p_teacher || p_student)
+
+where p are the two models' next-token distributions from the same full forward pass
+(`kvjax.model.Transformer`). Only the attention projections are trained (the q/k/v/o
+kernels and biases of every layer); the embeddings, norms and MLPs stay as they are. The
+KL is taken in float32 over CHUNK token rows at a time, each chunk's logits recomputed in
+the backward pass (`jax.checkpoint`), so no [tokens, vocab] array of a whole batch is held.
+
+Adam with global-norm gradient clipping; the learning rate warms up linearly over the first
+steps, then decays by a cosine to zero at the run's expected last step: `max_steps`, or
+sooner where the time budget (`minutes`) ends first at the speed of the steps so far (the
+first step of a call, its compile, not counted). The batch for step s is fixed by
+(seed, s) (each epoch visits the windows in its own permutation), so a run ended by its
+step count, resumed from its checkpoint, trains exactly as an uninterrupted one would. The
+last tenth of the windows (at least one) is held out; its KL before and after is the report.
+
+With `partial`, the trained weights (float32), the optimizer state and the step are saved
+there every SAVE_EVERY steps and SAVE_SECONDS; a call with the same recipe resumes from
+them, another recipe is refused. `cli` is `kvjax convert --method distill`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from kvjax.config import Config, ModelConfig
+from kvjax.errors import KvjaxError
+from kvjax.model import Transformer
+from kvjax.model.layers import linear, lm_head
+
+TRAINED = ("q_proj", "k_proj", "v_proj", "o_proj")
+CHUNK = 256            # token rows per KL chunk: bounds the [rows, vocab] logits held at once
+SAVE_EVERY, SAVE_SECONDS = 200, 120.0
+
+
+@dataclass(frozen=True)
+class Settings:
+  minutes: float = 30.0   # the whole run's time budget, resumed runs included
+  max_steps: int = 2000
+  lr: float = 1e-4        # Adam's peak learning rate
+  batch: int = 2          # calibration windows per step
+  warmup: int = 20        # steps of linear warm-up (at most a tenth of max_steps)
+  clip: float = 1.0       # global gradient norm
+  seed: int = 0
+
+  def check(self) -> None:
+    if not (self.minutes > 0 and np.isfinite(self.minutes)):
+      raise KvjaxError(f"--minutes must be a positive number, got {self.minutes}")
+    if self.batch < 1 or self.max_steps < 1 or not self.lr > 0 or not self.clip > 0:
+      raise KvjaxError("distill settings need batch >= 1, max_steps >= 1, lr > 0 and clip > 0")
+
+  def lr_at(self, step: int, total: int) -> float:
+    """Step `step`'s learning rate in a run expected to end after `total` steps."""
+    warm = max(1, min(self.warmup, total // 10))
+    decay = 0.5 * (1.0 + math.cos(math.pi * min(step / max(total, 1), 1.0)))
+    return self.lr * min(1.0, (step + 1) / warm) * decay
+
+
+@dataclass
+class Report:
+  before: float     # held-out KL(teacher || student), nats per token, before the run
+  after: float
+  steps: int
+  seconds: float    # training time, resumed runs included
+  resumed_from: int
+
+
+def check(student: ModelConfig, teacher: ModelConfig) -> None:
+  """Student and teacher must differ in their KV heads (or cache form) alone."""
+  keys = ("vocab_size", "n_layers", "d_model", "n_heads", "D")
+  diff = [k for k in keys if getattr(student, k) != getattr(teacher, k)]
+  if diff:
+    raise KvjaxError(f"the student and the teacher differ in {', '.join(diff)}; distill a "
+                     "conversion toward the model it was converted from (--teacher)")
+  if student.latent_rank:
+    raise KvjaxError("distill trains a KV-head conversion's q/k/v/o; a latent (--latent-rank) "
+                     "checkpoint's K/V projections must stay in their rank, so it is not distilled")
+
+
+def _hidden(cfg: ModelConfig, params, tokens_BT):
+  """The final-normed residual stream [B, T, E]: the full forward, its lm_head left unused."""
+  B, T = tokens_BT.shape
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  _, state = Transformer(cfg).apply({"params": params}, tokens_BT, pos, None,
+                                    capture_intermediates=lambda m, _: m.name == "norm",
+                                    mutable=["intermediates"])
+  return state["intermediates"]["norm"]["__call__"][0]
+
+
+def _logprobs(cfg: ModelConfig, params, h_NE):
+  dtype = jnp.dtype(cfg.dtype)
+  if cfg.tie_embeddings:
+    logits = lm_head(h_NE, params["embed_tokens"]["embedding"], dtype)
+  else:
+    logits = linear(h_NE, params["lm_head"], dtype)
+  return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+
+def _kl_sum(cfg, params, h_s, tcfg, teacher, h_t):
+  """Sum over token rows of KL(teacher || student), CHUNK rows at a time."""
+  E = h_s.shape[-1]
+  h_s, h_t = h_s.reshape(-1, E), h_t.reshape(-1, h_t.shape[-1])
+  n = h_s.shape[0]
+  pad = -n % CHUNK
+  mask = jnp.arange(n + pad) < n
+  h_s, h_t = (jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, CHUNK, h.shape[-1]) for h in (h_s, h_t))
+
+  @jax.checkpoint
+  def chunk(total, xs):
+    hs, ht, m = xs
+    lt = _logprobs(tcfg, teacher, ht)
+    kl = jnp.sum(jnp.exp(lt) * (lt - _logprobs(cfg, params, hs)), axis=-1)
+    return total + jnp.sum(jnp.where(m, kl, 0.0)), None
+
+  total, _ = jax.lax.scan(chunk, jnp.float32(0.0), (h_s, h_t, mask.reshape(-1, CHUNK)))
+  return total
+
+
+def _merge(params, theta):
+  layers = dict(params["layers"])
+  for name, leaves in theta.items():
+    layers[name] = {**layers[name], **leaves}
+  return {**params, "layers": layers}
+
+
+@functools.lru_cache(maxsize=4)
+def _fns(cfg: ModelConfig, tcfg: ModelConfig, clip: float):
+  opt = optax.chain(optax.clip_by_global_norm(clip), optax.scale_by_adam())
+
+  def kl(theta, frozen, teacher, tokens_BT):
+    params = _merge(frozen, theta)
+    h_t = jax.lax.stop_gradient(_hidden(tcfg, teacher, tokens_BT))
+    h_s = _hidden(cfg, params, tokens_BT)
+    return _kl_sum(cfg, params, h_s, tcfg, teacher, h_t) / tokens_BT.size
+
+  def step(theta, opt_state, frozen, teacher, tokens_BT, lr):
+    loss, g = jax.value_and_grad(kl)(theta, frozen, teacher, tokens_BT)
+    upd, opt_state = opt.update(g, opt_state, theta)
+    return jax.tree.map(lambda p, u: p - lr * u, theta, upd), opt_state, loss
+
+  return opt, jax.jit(step, donate_argnums=(0, 1)), jax.jit(kl)
+
+
+@functools.lru_cache(maxsize=8)
+def _permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+  return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def batch_rows(seed: int, step: int, batch: int, n: int) -> np.ndarray:
+  """The training windows of step `step`: positions step*batch.. of the epochs' permutations."""
+  return np.array([_permutation(seed, k // n, n)[k % n]
+                   for k in range(step * batch, (step + 1) * batch)])
+
+
+def held_kl(kl_fn, theta, frozen, teacher, tokens_NS) -> float:
+  return float(np.mean([float(kl_fn(theta, frozen, teacher, jnp.asarray(w[None])))
+                        for w in tokens_NS]))
+
+
+def distill(cfg: Config, params: Any, teacher_cfg: Config, teacher: Any, tokens_NS: np.ndarray,
+            s: Settings = Settings(), partial: str | Path | None = None, recipe: dict | None = None,
+            on_step: Callable[[int, float], None] | None = None) -> tuple[Any, Report]:
+  """The student's params with their attention trained toward the teacher; `on_step(step,
+  loss)` after each Adam step. With `partial`, saves there as it goes and resumes from it."""
+  from tqdm import tqdm
+
+  from kvjax.io import checkpoint
+
+  s.check()
+  check(cfg.model, teacher_cfg.model)
+  if tokens_NS.ndim != 2 or len(tokens_NS) < 2:
+    raise KvjaxError("distilling needs at least two calibration windows; raise --calib-tokens")
+  held = max(1, len(tokens_NS) // 10)
+  train, test = tokens_NS[:-held], tokens_NS[-held:]
+  opt, step_fn, kl_fn = _fns(cfg.model, teacher_cfg.model, float(s.clip))
+  theta = {n: {leaf: jnp.array(a, jnp.float32) for leaf, a in params["layers"][n].items()}
+           for n in TRAINED}
+  opt_state, start, spent = opt.init(theta), 0, 0.0
+  before = None
+  if partial is not None and checkpoint.latest_step(partial) is not None:
+    meta = checkpoint.read_meta(partial)
+    if meta.get("recipe") != recipe:
+      raise KvjaxError(f"{partial} holds a partial distillation with another recipe "
+                       f"({meta.get('recipe')}); delete it or choose a new --out folder")
+    got = checkpoint.restore(partial, jax.eval_shape(lambda: theta),
+                             jax.eval_shape(opt.init, theta))
+    theta, opt_state = got["params"], got["opt_state"]
+    start, spent, before = int(meta["step"]), float(meta["seconds"]), float(meta["before"])
+    print(f"resuming the distillation after step {start} of at most {s.max_steps}")
+  if before is None:
+    before = held_kl(kl_fn, theta, params, teacher, test)
+
+  def save(step, seconds):
+    checkpoint.save(partial, cfg, theta, step, opt_state,
+                    meta={"recipe": recipe, "seconds": seconds, "before": before})
+
+  budget = 60.0 * s.minutes
+  t0 = last_save = time.perf_counter()
+  bar = tqdm(total=s.max_steps, initial=start, desc="distill", unit="step", dynamic_ncols=True)
+  step, timed = start, None  # timed: (clock, step) after this call's first step (its compile)
+  try:
+    while step < s.max_steps and spent + time.perf_counter() - t0 < budget:
+      now, total = time.perf_counter(), s.max_steps
+      if timed is not None and step > timed[1]:
+        per_step = (now - timed[0]) / (step - timed[1])
+        total = min(total, step + int((budget - spent - (now - t0)) / per_step) + 1)
+      lr = s.lr_at(step, total)
+      rows = batch_rows(s.seed, step, s.batch, len(train))
+      theta, opt_state, loss = step_fn(theta, opt_state, params, teacher,
+                                       jnp.asarray(train[rows]), jnp.float32(lr))
+      step += 1
+      value = float(loss)
+      bar.update(1)
+      bar.set_postfix(kl=f"{value:.4f}", refresh=False)
+      if on_step is not None:
+        on_step(step, value)
+      now = time.perf_counter()
+      timed = timed or (now, step)
+      if partial is not None and step < s.max_steps and (
+          step % SAVE_EVERY == 0 or now - last_save >= SAVE_SECONDS):
+        save(step, spent + now - t0)
+        last_save = time.perf_counter()
+  finally:
+    bar.close()
+  seconds = spent + time.perf_counter() - t0
+  after = held_kl(kl_fn, theta, params, teacher, test)
+  out = _merge(params, {n: {leaf: a.astype(params["layers"][n][leaf].dtype)
+                            for leaf, a in theta[n].items()} for n in TRAINED})
+  return out, Report(before, after, step, seconds, start)
+
+
+def cli(args, src, windows: Callable, seq_len: int) -> dict:
+  """`kvjax convert --checkpoint DIR --method distill [--teacher SOURCE] --out OUT`: the
+  converted checkpoint DIR distilled toward SOURCE (default: the model DIR was converted
+  from, as its meta records), into OUT (resuming OUT/partial). `windows(tok, text, tokens,
+  seq_len)` and `seq_len` (at most) are `kvjax.lab.convert.cli`'s calibration windows, passed in
+  by it (it imports this module)."""
+  from kvjax import config as config_lib
+  from kvjax.io import checkpoint, sources
+  from kvjax.lab.runner import claims
+
+  if getattr(args, "latent_rank", None) is not None:
+    raise KvjaxError("--method distill trains a converted model's attention; it takes no "
+                     "--latent-rank")
+  s = Settings(minutes=float(args.minutes), max_steps=int(args.steps),
+               lr=getattr(args, "lr", None) or Settings.lr)
+  s.check()
+  overrides = config_lib.parse_set(getattr(args, "set", None))
+  meta = checkpoint.read_meta(src.ref) if src.kind == "checkpoint" else {}
+  teacher = getattr(args, "teacher", None) or meta.get("converted_from")
+  if not teacher:
+    raise KvjaxError(f"{src} records no model it was converted from; distill a converted "
+                     "checkpoint (kvjax convert --out DIR), or name the teacher: --teacher SOURCE")
+  tsrc = sources.parse(teacher)
+  cfg0, tcfg0 = sources.load_config(src, overrides), sources.load_config(tsrc, overrides)
+  check(cfg0.model, tcfg0.model)
+  if args.kv_heads is not None and args.kv_heads != cfg0.model.n_kv_heads:
+    raise KvjaxError(f"--method distill keeps the student's {cfg0.model.n_kv_heads} KV heads; "
+                     f"drop --kv-heads {args.kv_heads} (convert to it first)")
+  recipe = {"method": "distill", "source": str(src), "teacher": str(tsrc), "calib": args.calib,
+            "calib_tokens": int(args.calib_tokens),
+            "calib_seq_len": min(seq_len, cfg0.model.max_seq_len, tcfg0.model.max_seq_len),
+            "minutes": s.minutes, "steps": s.max_steps, "lr": s.lr, "batch": s.batch,
+            "student_recipe": meta.get("recipe", meta.get("method"))}
+  out = Path(args.out)
+  with claims.sole_writer(out, "convert"):
+    if checkpoint.latest_step(out) is not None:
+      raise KvjaxError(f"{out} already holds a checkpoint; choose a new --out folder")
+    cfg, params, tok = sources.load(src, overrides)
+    if tok is None:
+      raise KvjaxError(f"distillation calibrates on text, and {src} has no tokenizer; distill "
+                       "a checkpoint converted from a GGUF or HF model")
+    tcfg, tparams, _ = sources.load(tsrc, overrides)
+    tokens = windows(tok, recipe["calib"], recipe["calib_tokens"], recipe["calib_seq_len"])
+    new_params, r = distill(cfg, params, tcfg, tparams, tokens, s, out / "partial", recipe)
+    report = {"held_kl_before": round(r.before, 6), "held_kl_after": round(r.after, 6),
+              "steps": r.steps, "seconds": round(r.seconds, 1)}
+    checkpoint.save(out, cfg, new_params, step=0, meta={"converted_from": str(tsrc),
+                                                        "method": "distill", "recipe": recipe,
+                                                        **report})
+    shutil.rmtree(out / "partial", ignore_errors=True)
+  print(f"distilled {cfg.model.variant} toward {tsrc}: held-out KL {r.before:.4f} -> "
+        f"{r.after:.4f} nats/token in {r.steps} steps ({r.seconds:.0f} s); checkpoint in {out}")
+  return {"from": cfg.model.variant, "to": cfg.model.variant, "out": str(out),
+          "method": "distill", "recipe": recipe, **report}

@@ -14,6 +14,8 @@ from conftest import tiny_config, tiny_params
 from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+import jax
+from kvjax import cache as cache_lib
 from kvjax import config as config_lib
 from kvjax.lab import metrics
 from kvjax.decode import generate
@@ -328,11 +330,51 @@ def test_generate_timer_and_engine_share_the_program(served, monkeypatch):
   assert len(calls) == 2  # prefill and decode
   tokens, lengths = np.array([prompt], np.int32), np.array([len(prompt)], np.int32)
   timer = generate.DecodeTimer(cfg, params, tokens, lengths, steps=n - 1)
-  assert len(calls) == 4 and isinstance(timer.program, generate.Compiled)
-  assert timer.program.run().tokens()[0].tolist() == got
+  assert len(calls) == 4 and isinstance(timer.compiled, generate.Compiled)
+  assert timer.compiled.run().tokens()[0].tolist() == got
 
   e = engine.Engine(cfg, params, slots=2, max_len=16, chunk=4)
   r = engine.Request(prompt, n)
   e.run([r])
   assert r.output == got
   assert len(calls) > 4 and {"width", "all_rows"} <= set(calls[-1])  # the contiguous step
+
+
+# A model with sliding-window layers: on pages, its windowed layers keep a ring per slot
+# beside the pool (kvjax.cache.paged), which holds the full layers only.
+WINDOWED = {"model.global_every": 2, "model.sliding_window": 5}
+
+
+@pytest.fixture(scope="module")
+def served_windowed(served):
+  cfg, params, prompts, news, _ = served
+  wcfg = config_lib.replace(cfg, **WINDOWED)
+  ref = generate.generate(wcfg, params, prompts, max(news), timed=False)["tokens"]
+  return wcfg, params, prompts, news, [r[:n] for r, n in zip(ref, news)]
+
+
+def test_a_windowed_model_on_pages_serves_what_generate_does_from_rings_beside_the_pool(
+    served_windowed):
+  """Rings per slot ([Lw, slots, K, W, D]), the pool one layer deep, the bytes the closed
+  form's; every request's tokens those of generate (contiguous rings) with no prefix
+  shared (a prefix's pages would not bring its rings), and again under preemption."""
+  cfg, params, prompts, news, ref = served_windowed
+  pcfg = config_lib.replace(cfg, **{"cache.layout": "paged", "cache.num_pages": 48})
+  e = engine.Engine(pcfg, params, slots=4, max_len=32, chunk=8, widths=(16,))
+  c = e.backend.cache
+  assert jax.tree.leaves(c.k)[0].shape[0] == 1 and jax.tree.leaves(c.k_ring)[0].shape[:2] == (1, 4)
+  assert cache_lib.tree_bytes(c) == cache_lib.LAYOUTS["paged"].closed_form_bytes(c.spec)
+  stats, out = _serve(e, prompts, news)
+  assert out == ref and stats["prefix_hit_rate"] == 0
+  need = max(len(p) + n for p, n in zip(prompts, news))
+  tight = config_lib.replace(pcfg, **{"cache.num_pages": -(-need // 4)})
+  stats, out = _serve(engine.Engine(tight, params, slots=4, max_len=32, chunk=8), prompts, news)
+  assert stats["preemptions"] > 0 and out == ref
+
+
+def test_a_windowed_model_in_contiguous_slots_serves_what_generate_does(served_windowed):
+  cfg, params, prompts, news, ref = served_windowed
+  e = engine.Engine(cfg, params, slots=3, max_len=32, chunk=8, widths=(16,))
+  assert e.backend.cache.k_ring is not None
+  stats, out = _serve(e, prompts, news)
+  assert out == ref

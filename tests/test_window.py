@@ -69,6 +69,8 @@ CASES = {
     "contiguous-grouped": {"model.attention": "grouped"},
     "contiguous-reference": {"model.attention": "reference"},
     "paged": {"cache.layout": "paged", "cache.page_size": 4},
+    "paged-accelerator": {"cache.layout": "paged", "cache.page_size": 4,
+                          "model.program": "accelerator"},
     # a residual window shorter than the sliding one: the window reaches into the history
     "first-tokens-and-residual": {"cache.keep_first": 1, "cache.residual": 1},
     "accelerator-program": {"model.program": "accelerator"},
@@ -135,6 +137,14 @@ def test_windowed_layers_keep_rings_whose_bytes_stop_at_w():
   assert cache_lib.tree_bytes(c) == want == cache_lib.LAYOUTS["contiguous"].closed_form_bytes(c.spec)
   whole = cache_lib.init_cache(config_lib.replace(cfg, **{"model.sliding_window": 0}), B, S)
   assert cache_lib.tree_bytes(whole) == B * per_slot * 4 * S + 4 * B
+  # on pages: a pool of the full layers only (every row's pages up front), the same rings
+  pc = cache_lib.init_cache(config_lib.replace(cfg, **{"cache.layout": "paged",
+                                                       "cache.page_size": 4}), B, S)
+  Q = S // 4
+  assert jax.tree.leaves(pc.k)[0].shape[0] == len(full)
+  assert jax.tree.leaves(pc.k_ring)[0].shape[:2] == (2, B)
+  want = B * per_slot * (len(full) * S + len(local) * W) + 4 * B * Q + 4 * B
+  assert cache_lib.tree_bytes(pc) == want == cache_lib.LAYOUTS["paged"].closed_form_bytes(pc.spec)
 
 
 def test_prefill_longer_than_the_window_then_decode_equals_recomputing():
@@ -179,6 +189,16 @@ def test_an_unrolled_layer_reads_only_its_own_segment_and_decodes_the_same(prog)
   want = generate.generate(cfg, params, prompts, 6, timed=False)["tokens"]
   unrolled = config_lib.replace(cfg, **{"model.scan_unroll": 4})
   assert generate.generate(unrolled, params, prompts, 6, timed=False)["tokens"] == want
+  # the paged layout: the same rule, its full layers' segment a page-table read
+  paged_cfg = config_lib.replace(cfg, **{"cache.layout": "paged", "cache.page_size": 4})
+  pc = cache_lib.init_cache(paged_cfg, 2, 20)
+  layout = cache_lib.get("paged")
+  for layer in range(4):
+    (seg,) = layout.read(pc.spec, layout.store(pc), pc.lengths, layer)
+    assert seg.k is (pc.k_ring if cfg.model.is_local(layer) else pc.k)
+  assert len(layout.read(pc.spec, layout.store(pc), pc.lengths, jnp.int32(0))) == 2
+  for c in (paged_cfg, config_lib.replace(paged_cfg, **{"model.scan_unroll": 4})):
+    assert generate.generate(c, params, prompts, 6, timed=False)["tokens"] == want
 
 
 # A policy on a windowed model evicts on its full-attention layers; each windowed layer keeps

@@ -16,6 +16,15 @@ written into another sequence's page.
 The host side, which pages a sequence owns, shares or frees, is the serving engine's page
 allocator (kvjax/lab/serve/allocator.py), which fills the block table between steps.
 
+A model with sliding-window layers (`model.sliding_window`) keeps, as the contiguous layout
+does, each windowed layer in a ring of its last W tokens per sequence (kvjax.cache.ring):
+those rings `[Lw, B, K, W, ...]` sit beside the pool, which then holds only the full
+layers, so a page costs Lg / L of a whole model's page and a windowed layer never takes
+one; a sequence's pages are the full layers' and go back to the pool as before. A ring
+belongs to its sequence's row, so the serving engine caches no prefix for such a model
+(a prefix's pages would not bring its rings). With an eviction policy the pool holds
+every layer and the window is a mask on it, as the compaction expects.
+
 Eviction (`cache.policy` other than `full`) composes with paging: the prompt is prefilled
 into this layout, then the kept tokens are stored by slot, not position, into the pages of
 the budget (`paged_compacted`, kvjax/cache/paged_compact.py); the engine returns the pages
@@ -33,9 +42,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
-from kvjax.cache import base
+from kvjax import policies
+from kvjax.cache import base, ring
 from kvjax.errors import KvjaxError
 
 
@@ -51,6 +62,13 @@ def pages_per_seq(spec: base.CacheSpec) -> int:
 def num_pages(spec: base.CacheSpec) -> int:
   """P: pool size (`cache.num_pages`, or 0 for every sequence's full capacity)."""
   return spec.cache_cfg.num_pages or spec.batch * pages_per_seq(spec)
+
+
+def rings(spec: base.CacheSpec) -> ring.Layers | None:
+  """The windowed layers' ring split (kvjax.cache.ring), or None: no windowed layer, a
+  window as wide as the capacity, or an eviction policy (its compaction reads every layer
+  from the pool)."""
+  return None if policies.evicts(spec.cache_cfg) else ring.layers(spec)
 
 
 def check_config(c, m=None) -> None:
@@ -74,6 +92,8 @@ class PagedCache:
   block_table: jax.Array  # [B, Q] int32 physical page of each logical page; P = unallocated
   lengths: jax.Array      # [B] int32 tokens held per sequence
   spec: base.CacheSpec = struct.field(pytree_node=False)
+  k_ring: Any = None      # sliding-window layers' last W tokens [Lw, B, K, W, ...] (`rings`);
+  v_ring: Any = None      # then the pools hold the other layers only [Lg, P, K, page_size, ...]
 
 
 class Paged(base.Layout):
@@ -87,7 +107,7 @@ class Paged(base.Layout):
       check_config(cache_cfg)
 
   def init(self, spec: base.CacheSpec) -> PagedCache:
-    """A pool with every sequence's pages allocated up front (what `program.generate` needs:
+    """A pool with every sequence's pages allocated up front (what `generate.generate` needs:
     page j of sequence b is physical page b * Q + j). The engine uses `init_pool`."""
     B, Q, P = spec.batch, pages_per_seq(spec), num_pages(spec)
     if P < B * Q:
@@ -98,18 +118,36 @@ class Paged(base.Layout):
     return dataclasses.replace(cache, block_table=jnp.arange(B * Q, dtype=jnp.int32).reshape(B, Q))
 
   def store(self, cache: PagedCache) -> Any:
-    """The whole stacked pools and the block table: a read gathers (layer, page) itself."""
+    """The whole stacked pools and the block table (a read gathers (layer, page) itself),
+    and the rings of the windowed layers where there are any."""
+    if cache.k_ring is not None:
+      return (cache.k, cache.v, cache.block_table, cache.k_ring, cache.v_ring)
     return (cache.k, cache.v, cache.block_table)
 
   def read(self, spec, store, lengths_B, layer):
     """The segment spans the table's Q * page_size slots (a narrower table reads less); the
-    attention gathers only the pages of the blocks it reads, up to the live length."""
-    k, v, bt_BQ = store
+    attention gathers only the pages of the blocks it reads, up to the live length. With
+    rings, a windowed layer reads its ring instead (`ring.read`'s rule: a layer index known
+    when tracing reads its own segment only, a traced one both, the other empty)."""
+    k, v, bt_BQ = store[:3]
     S = bt_BQ.shape[1] * page_size(spec)
     mask_BS = jnp.arange(S)[None, :] < jnp.minimum(lengths_B, spec.capacity)[:, None]
-    return [base.PagedSegment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(lengths_B),
-                              layer=layer, pages=bt_BQ, page_size=page_size(spec),
-                              pos_BS=jnp.broadcast_to(jnp.arange(S)[None, :], mask_BS.shape))]
+    held = jnp.max(lengths_B)
+    rg = rings(spec)
+
+    def pages(local=False, rank=layer):
+      return base.PagedSegment(k, v, mask_BS & ~jnp.asarray(local), spec.kc, spec.vc,
+                               live=jnp.where(local, 0, held), layer=rank, pages=bt_BQ,
+                               page_size=page_size(spec),
+                               pos_BS=jnp.broadcast_to(jnp.arange(S)[None, :], mask_BS.shape))
+    if rg is None:
+      return [pages()]
+    local = rg.is_local(layer)
+    ring_seg = ring.ring_segment(spec, store[3], store[4], lengths_B, held, rg.window, local,
+                                 rg.rank(layer, rg.local))
+    if isinstance(local, bool):
+      return [ring_seg] if local else [pages(False, rg.rank(layer, rg.full))]
+    return ([pages(local, rg.rank(layer, rg.full))] if rg.full else []) + [ring_seg]
 
   def write(self, cache: PagedCache, k_LBTKD, v_LBTKD, positions_BT) -> PagedCache:
     spec = cache.spec
@@ -123,16 +161,26 @@ class Paged(base.Layout):
       return store.at[:, page_BT, :, slot_BT].set(jnp.moveaxis(new, (1, 3), (0, 1)), mode="drop")
 
     k_LBKTD, v_LBKTD = jnp.swapaxes(k_LBTKD, 2, 3), jnp.swapaxes(v_LBTKD, 2, 3)
+    lengths = cache.lengths + jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
+    rg, extra = rings(spec), {}
+    if rg is not None:  # the windowed layers' last W positions to their rings, the rest paged
+      local, full = np.asarray(rg.local, np.int32), np.asarray(rg.full, np.int32)
+      extra["k_ring"], extra["v_ring"] = ring.put_rings(
+          spec, cache.k_ring, cache.v_ring, k_LBKTD[local], v_LBKTD[local], positions_BT,
+          lengths, rg.window)
+      k_LBKTD, v_LBKTD = k_LBKTD[full], v_LBKTD[full]
     k = jax.tree.map(put, cache.k, spec.kc.encode(k_LBKTD))
     v = jax.tree.map(put, cache.v, spec.vc.encode(v_LBKTD))
-    lengths = cache.lengths + jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
-    return dataclasses.replace(cache, k=k, v=v, lengths=lengths)
+    return dataclasses.replace(cache, k=k, v=v, lengths=lengths, **extra)
 
   def closed_form_bytes(self, spec: base.CacheSpec) -> int:
     K, D = spec.n_kv_heads, spec.head_dim
     per_token = spec.kc.bytes_per_token(K, D) + spec.vc.bytes_per_token(K, D)
-    pool = spec.n_layers * num_pages(spec) * page_size(spec) * per_token
-    return int(round(pool)) + 4 * spec.batch * pages_per_seq(spec) + 4 * spec.batch
+    rg = rings(spec)
+    paged_layers = spec.n_layers if rg is None else len(rg.full)
+    pool = paged_layers * num_pages(spec) * page_size(spec) * per_token
+    ringed = 0 if rg is None else len(rg.local) * spec.batch * rg.window * per_token
+    return int(round(pool + ringed)) + 4 * spec.batch * pages_per_seq(spec) + 4 * spec.batch
 
 
 def init_pool(spec: base.CacheSpec) -> PagedCache:
@@ -140,10 +188,16 @@ def init_pool(spec: base.CacheSpec) -> PagedCache:
   check_config(spec.cache_cfg, None)
   L, B, K, D = spec.n_layers, spec.batch, spec.n_kv_heads, spec.head_dim
   P, Q = num_pages(spec), pages_per_seq(spec)
+  rg = rings(spec)
+  extra = {}
+  if rg is not None:  # the pool holds the full layers; each windowed layer a ring per row
+    L = len(rg.full)
+    ring_shape = ring.shapes(spec, rg)[1]
+    extra = {"k_ring": spec.kc.init(ring_shape), "v_ring": spec.vc.init(ring_shape)}
   shape = (L, P, K, page_size(spec), D)
   return PagedCache(k=spec.kc.init(shape), v=spec.vc.init(shape),
                     block_table=jnp.full((B, Q), P, jnp.int32),
-                    lengths=jnp.zeros((B,), jnp.int32), spec=spec)
+                    lengths=jnp.zeros((B,), jnp.int32), spec=spec, **extra)
 
 
 base.register(Paged())

@@ -167,10 +167,12 @@ def cache_leaf_spec(path: list[str], ndim: int, paged: bool = False) -> P:
 
   A paged pool [L, P, K, page, ...] splits KV heads only: any sequence may own (or share,
   with prefix caching) any page, so pages are replicated over `data`; each data shard
-  gathers its sequences' pages locally and the writes (new tokens only) are exchanged."""
+  gathers its sequences' pages locally and the writes (new tokens only) are exchanged.
+  Its windowed layers' rings [Lw, B, K, W, ...] are per sequence: batch over `data`."""
   field = path[0] if path else ""
   if field in CACHE_FIELDS:
-    return P(None, None if paged else "data", "kv", *([None] * (ndim - 3)))
+    pool = paged and field in ("k", "v")
+    return P(None, None if pool else "data", "kv", *([None] * (ndim - 3)))
   if field in ("lengths", "tokens", "block_table"):
     return P("data", *([None] * (ndim - 1)))
   return P()  # a leaf no rule names: replicated

@@ -70,12 +70,42 @@ def serve_contiguous(params, cache, slots_b, tokens_bT, positions_bT, last_b, ke
     return full.at[:, :, :, :width].set(part) if all_rows else \
         full.at[:, slots_b, :, :width].set(part)
 
+  def rows(a):  # a windowed layer's ring [Lw, B, K, W, X]: its rows, every slot
+    return a if all_rows else jnp.take(a, slots_b, axis=1)
+
+  def put_rows(full, part):
+    return part if all_rows else full.at[:, slots_b].set(part)
+
+  rings = {} if cache.k_ring is None else {
+      "k_ring": jax.tree.map(rows, cache.k_ring), "v_ring": jax.tree.map(rows, cache.v_ring)}
   sub = dataclasses.replace(cache, k=jax.tree.map(window, cache.k), v=jax.tree.map(window, cache.v),
                             lengths=cache.lengths[slots_b],
-                            spec=dataclasses.replace(cache.spec, capacity=width))
+                            spec=dataclasses.replace(cache.spec, capacity=width), **rings)
   nxt, sub = _call(static, sampler, params, sub, tokens_bT, positions_bT, last_b, key)
+  if rings:
+    rings = {"k_ring": jax.tree.map(put_rows, cache.k_ring, sub.k_ring),
+             "v_ring": jax.tree.map(put_rows, cache.v_ring, sub.v_ring)}
   return nxt, dataclasses.replace(cache, k=jax.tree.map(put, cache.k, sub.k),
-                                  v=jax.tree.map(put, cache.v, sub.v))
+                                  v=jax.tree.map(put, cache.v, sub.v), **rings)
+
+
+@functools.partial(jax.jit, static_argnames=("static", "sampler"), donate_argnames=("cache",))
+def serve_ringed(params, cache, slots_b, tokens_bT, positions_bT, last_b, key, *,
+                 static: step.Static, sampler):
+  """`serve_step` on a paged cache whose windowed layers keep a ring per slot
+  (kvjax.cache.paged): rows b are slots `slots_b`, so their rings are taken out, run with
+  their block-table rows and put back; the pool is shared, as in `serve_step`."""
+  def rows(a):  # ring leaves [Lw, B, K, W, X]
+    return jnp.take(a, slots_b, axis=1)
+
+  def put(full, part):
+    return full.at[:, slots_b].set(part)
+
+  sub = dataclasses.replace(cache, k_ring=jax.tree.map(rows, cache.k_ring),
+                            v_ring=jax.tree.map(rows, cache.v_ring))
+  nxt, sub = _call(static, sampler, params, sub, tokens_bT, positions_bT, last_b, key)
+  return nxt, dataclasses.replace(sub, k_ring=jax.tree.map(put, cache.k_ring, sub.k_ring),
+                                  v_ring=jax.tree.map(put, cache.v_ring, sub.v_ring))
 
 
 def bucket_widths(capacity: int, smallest: int = 64) -> tuple[int, ...]:
@@ -142,7 +172,12 @@ class ModelBackend:
     per row; host state goes in as data (with a policy, also `held` and `budget` [b])."""
     self.key, sub = jax.random.split(self.key)
     args = [jnp.asarray(a) for a in (tokens_bT, positions_bT, last_b)] + [sub]
-    if self.paged:  # any rows, any width: it is all in the block table
+    if self.paged and self.cache.k_ring is not None:  # rows b's rings, then their pages
+      cache = dataclasses.replace(self.cache, block_table=jnp.asarray(table_bQ),
+                                  lengths=jnp.asarray(lengths_b))
+      nxt, self.cache = serve_ringed(self.params, cache, jnp.asarray(slots_b), *args,
+                                     **generate.statics(self.cfg, self.sampler))
+    elif self.paged:  # any rows, any width: it is all in the block table
       cache = dataclasses.replace(self.cache, block_table=jnp.asarray(table_bQ),
                                   lengths=jnp.asarray(lengths_b),
                                   **{k: jnp.asarray(v) for k, v in held.items()})

@@ -33,6 +33,10 @@ slots [0, held) of its first pages and the pages beyond them go back to the allo
 (`freed_pages`); decode then appends (or writes the window/sinks ring) by slot, on demand
 (request.py). Compacted pages are private, so prefix caching is off for such configs.
 
+A model with sliding-window layers on pages keeps those layers in a ring per slot beside
+the pool (kvjax.cache.paged): its pages hold the full layers only, and prefix caching is
+off (a prefix's pages would not bring its rings); a preempted request recomputes them.
+
 Time is counted in engine steps: arrivals are given in steps, so scheduling, utilization,
 concurrency and hit rates are deterministic for a seed; only `tokens_per_s` is wall time.
 """
@@ -46,7 +50,7 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import policies
-from kvjax.cache import paged
+from kvjax.cache import paged, ring
 from kvjax.config import Config
 from kvjax.errors import KvjaxError
 from kvjax.lab.serve import device
@@ -72,9 +76,16 @@ class Engine:
     self.widths = tuple(sorted({min(w, max_len) for w in widths or ()} | {max_len})) \
         if widths else device.bucket_widths(max_len)
     self.spec = cache_lib.CacheSpec.from_config(cfg, slots, max_len)
+    rg = ring.layers(self.spec)
+    if rg is not None and cfg.cache.layout == "contiguous":
+      # a contiguous step reads `width` slots as a cache of that capacity, which keeps its
+      # rings only while wider than the window: no narrower width
+      self.widths = tuple(sorted({min(max(w, rg.window + 1), max_len) for w in self.widths}))
     self.paged = cfg.cache.layout == "paged"
     self.evicts = policies.evicts(cfg.cache)  # compacted pages are private: no prefix cache
-    self.prefix_cache = prefix_cache and self.paged and not self.evicts
+    # nor where windowed layers keep rings per row: a prefix's pages do not bring its rings
+    self.prefix_cache = prefix_cache and self.paged and not self.evicts and \
+        paged.rings(self.spec) is None
     if self.paged:
       self.page = paged.page_size(self.spec)
       self.n_pages = paged.num_pages(self.spec)

@@ -15,9 +15,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # so nothing carries over to the next run and a program that no longer compiles fails):
 # identical programs compiled again through a new jit object (model.init_params on every
 # call, the CLI and experiments loading a model per command, the same program in a child
-# process, which inherits these variables) are read back instead of compiled again.
-_JAX_CACHE = tempfile.mkdtemp(prefix="kvjax-tests-jax-cache-")
-atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
+# process or in another xdist worker, each of which inherits these variables from the
+# process that made the dir) are read back instead of compiled again. Only that process
+# removes it.
+_JAX_CACHE = os.environ.get("KVJAX_TESTS_JAX_CACHE", "")
+if not os.path.isdir(_JAX_CACHE):
+  _JAX_CACHE = tempfile.mkdtemp(prefix="kvjax-tests-jax-cache-")
+  os.environ["KVJAX_TESTS_JAX_CACHE"] = _JAX_CACHE
+  atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
 os.environ.update({"JAX_COMPILATION_CACHE_DIR": _JAX_CACHE,
                    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"})

@@ -172,7 +172,8 @@ class ModelBackend:
     per row; host state goes in as data (with a policy, also `held` and `budget` [b])."""
     self.key, sub = jax.random.split(self.key)
     args = [jnp.asarray(a) for a in (tokens_bT, positions_bT, last_b)] + [sub]
-    if self.paged and self.cache.k_ring is not None:  # rows b's rings, then their pages
+    ringed = getattr(self.cache, "k_ring", None) is not None  # (a compacted pool has none)
+    if self.paged and ringed:  # rows b's rings, then their pages
       cache = dataclasses.replace(self.cache, block_table=jnp.asarray(table_bQ),
                                   lengths=jnp.asarray(lengths_b))
       nxt, self.cache = serve_ringed(self.params, cache, jnp.asarray(slots_b), *args,

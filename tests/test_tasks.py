@@ -88,6 +88,21 @@ def test_fitted_to_target(task, depths, target):
   assert all(tasks.CHATML.assistant in q.tail for q in e.queries)
 
 
+@pytest.mark.parametrize("task", ["passkey", "niah"])
+def test_a_base_model_prompt_names_the_fact_only_in_its_fact_line(task):
+  """`base` (a model that continues text, not one that follows instructions): no
+  instructions, so the answer's opening words ("The pass key is") meet one earlier match,
+  the fact's line; `plain` opens with instructions that name the fact too."""
+  base = tasks.generate(task, ENC, 700, [0.5], seed=0, template=tasks.BASE)
+  plain = tasks.generate(task, ENC, 700, [0.5], seed=0, template=tasks.PLAIN)
+  name = {"passkey": "pass key", "niah": "magic number"}[task]
+  assert base.prefix.count(name) == 1 and plain.prefix.count(name) > 1
+  assert base.prefix.startswith(tasks.FILLER.split(".")[0])
+  q = base.queries[0]
+  assert base.prefix.index(name) > q.fact_char - 1 and q.tail == plain.queries[0].tail
+  assert "base" in tasks.TEMPLATES
+
+
 def test_score_exact_digits():
   assert tasks.score(" 12345.", "12345") == 1.0
   assert tasks.score("The key is 12345 indeed", "12345") == 1.0

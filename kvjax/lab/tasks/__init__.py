@@ -53,12 +53,12 @@ Modules: `haystack` (the generators, templates and `score`) and `through_cache`
 """
 
 from kvjax.lab.tasks.haystack import (
-    CHATML, FILLER, GEMMA, OWN, PLAIN, TASKS, TEMPLATES, WORDS, Example, Query, Template,
+    BASE, CHATML, FILLER, GEMMA, OWN, PLAIN, TASKS, TEMPLATES, WORDS, Example, Query, Template,
     check_args, generate, own_template, score)
 from kvjax.lab.tasks.through_cache import (
     Prefix, answer_through_cache, encode_prefix, evict_prefix, prefill, prefill_queries, prefix_kv)
 
-__all__ = ["CHATML", "FILLER", "GEMMA", "OWN", "PLAIN", "TASKS", "TEMPLATES", "WORDS", "Example", "Prefix",
-           "Query", "Template", "answer_through_cache", "check_args", "encode_prefix",
+__all__ = ["BASE", "CHATML", "FILLER", "GEMMA", "OWN", "PLAIN", "TASKS", "TEMPLATES", "WORDS",
+           "Example", "Prefix", "Query", "Template", "answer_through_cache", "check_args", "encode_prefix",
            "evict_prefix", "generate", "own_template", "prefill", "prefill_queries",
            "prefix_kv", "score"]

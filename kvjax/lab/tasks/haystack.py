@@ -39,16 +39,21 @@ _INTRO = {
 @dataclasses.dataclass(frozen=True)
 class Template:
   """How a prompt is wrapped: `user` before the context, `assistant` between the question
-  and the answer's opening words."""
+  and the answer's opening words; `intro`: open with the task's instructions (a chat
+  model's prompt). A base model reads no instructions; it continues text, and one that
+  names the fact ("There is a pass key hidden ...") is a second match for the answer's
+  opening words, which such a model copies from instead of the fact."""
   name: str
   user: str
   assistant: str
+  intro: bool = True
 
 
 PLAIN = Template("plain", "", "\n")
+BASE = Template("base", "", "\n", intro=False)
 CHATML = Template("chatml", "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n")
 GEMMA = Template("gemma", "<start_of_turn>user\n", "<end_of_turn>\n<start_of_turn>model\n")
-TEMPLATES = {t.name: t for t in (PLAIN, CHATML, GEMMA)}
+TEMPLATES = {t.name: t for t in (PLAIN, BASE, CHATML, GEMMA)}
 OWN = "model"  # params.template: the model's own chat template (`own_template`)
 _SLOT = "\x00question\x00"
 _TURN_TOKENS = ((GEMMA, "<start_of_turn>"), (CHATML, "<|im_start|>"))
@@ -164,7 +169,7 @@ def _build(task, facts, n_filler: int, template: Template):
   lines: list[list[str]] = [[] for _ in range(n_filler + 1)]  # facts before filler i
   for i, (d, line, *_) in enumerate(facts):
     lines[int(round(d * n_filler))].append((i, line))
-  parts = [template.user + _INTRO[task] + "\n"]
+  parts = [template.user + (_INTRO[task] + "\n" if template.intro else "")]
   pos = len(parts[0])
   offsets = [0] * len(facts)
   for i in range(n_filler + 1):

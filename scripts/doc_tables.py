@@ -81,7 +81,8 @@ SOURCES = {"quality": ROOT / "results" / "quality.jsonl",
            "convert": ROOT / "results" / "real_models" / "convert_smollm2" / "quality.jsonl",
            "shrink": tuple(ROOT / "results" / "real_models" / f"frontier_{m}" / "compression.jsonl"
                            for m in ("smollm2", "qwen", "gemma3")),
-           "lc_models": ROOT / "results" / "real" / "long_context_models" / "long_context.jsonl"}
+           "lc_models": tuple(ROOT / "results" / "real" / f / "long_context.jsonl"
+                              for f in ("long_context_models", "long_context_gemma3_base"))}
 SOURCES["shrink_speed"] = SOURCES["shrink"] + tuple(
     ROOT / "results" / "cpu" / f"frontier_speed_{m}" / "roofline.jsonl"
     for m in ("smollm2", "qwen", "gemma3")) + (
@@ -1019,7 +1020,10 @@ def lc_models_table(rows: list[dict]) -> str:
   cell: dict = {}
   for r in rows:
     v = r["variant"]
-    c = cell.setdefault((v["model"], v["setting"]), {"r": r, "bpt": [], "all": [0, 0]})
+    # a prompt other than the model's own chat template names its line
+    model = v["model"] if r["workload"]["template"] == "model" else \
+        f"{v['model']} ({r['workload']['template']} prompt)"
+    c = cell.setdefault((model, v["setting"]), {"r": r, "bpt": [], "all": [0, 0]})
     c["bpt"].append(_bpt(r))
     for tally in (c.setdefault(r["workload"]["task"], [0, 0]), c["all"]):
       tally[0] += r["metrics"]["accuracy"]
@@ -1048,7 +1052,9 @@ def lc_models_table(rows: list[dict]) -> str:
   w = rows[0]["workload"]
   return "\n".join(lines) + (
       f"\n\nRows: `{path}`, {w['context']:,}-token prompts in each model's own chat template "
-      f"(`{w['template']}`), {w['gen_len']} answer tokens decoded greedily. Each cell: right "
+      f"(`{w['template']}`), and `results/real/long_context_gemma3_base/long_context.jsonl`: "
+      "Gemma 3 270M, a base model, prompted as one (`base`: no turns, no instructions); "
+      f"{w['gen_len']} answer tokens decoded greedily. Each cell: right "
       "in all with the Wilson 95 % interval (* where it is apart from the same model's fp32 "
       "cache's), right per task, and the bytes the cache holds per prefix token "
       "(`kvjax.footprint`).")

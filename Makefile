@@ -18,8 +18,13 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e .
 	touch $@
 
+# With the test extras, optimum-quanto's C++ extension (the peer reference's int4 unpacking)
+# is built here too, once: quanto compiles it into its own package folder on first use, so a
+# fresh environment would otherwise spend the compile inside the first test that calls it.
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -c "from optimum.quanto.library.extensions import get_extension; \
+	  get_extension('quanto_cpp').lib" > /dev/null
 	touch $(VENV)/.installed $@
 
 install: $(VENV)/.installed

@@ -49,9 +49,7 @@ from kvjax.errors import KvjaxError
 PARAMS = frozenset({"interleave", "reference", "bandwidth_mib"})
 
 
-def capacity(cfg: config_lib.Config) -> int:
-  w = cfg.workload
-  return cfg.cache.capacity or w.prompt_len + max(w.gen_len, 2)
+capacity = roofline.capacity  # one rule for the cache a timed cell allocates
 
 
 def check(cfg: config_lib.Config) -> None:

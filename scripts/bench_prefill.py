@@ -18,12 +18,12 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.decode import step
-from kvjax import decode, model
-from kvjax.lab import metrics
-from kvjax.decode import generate
 from kvjax import config as config_lib
+from kvjax import decode, model
 from kvjax.attention import xla as attention_xla
+from kvjax.decode import generate
+from kvjax.decode import step
+from kvjax.lab import metrics
 
 
 def main() -> None:

@@ -41,10 +41,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from kvjax import codecs
-from kvjax.lab import metrics  # noqa: E402
-from kvjax.codecs import base as codecs_base  # noqa: E402
 from kvjax.attention import base as attn_base, xla  # noqa: E402
 from kvjax.cache import base as cache_base  # noqa: E402
+from kvjax.codecs import base as codecs_base  # noqa: E402
+from kvjax.lab import metrics  # noqa: E402
 
 L, B, K, G, S, D = 30, 8, 3, 3, 4096, 64  # SmolLM2-135M's attention, batch 8 x 4k
 

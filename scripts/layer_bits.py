@@ -39,10 +39,10 @@ sys.path.insert(0, str(ROOT))
 import jax.numpy as jnp  # noqa: E402
 
 from kvjax import config as config_lib, footprint
-from kvjax.lab import evaluate, metrics  # noqa: E402
 from kvjax.codecs import base as codecs  # noqa: E402
 from kvjax.errors import KvjaxError  # noqa: E402
 from kvjax.io import sources  # noqa: E402
+from kvjax.lab import evaluate, metrics  # noqa: E402
 
 FULL = None  # a layer stored at full precision (float32)
 

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import config as config_lib
-from kvjax.lab import data, evaluate
 from kvjax.decode import generate
 from kvjax.lab import convert
+from kvjax.lab import data, evaluate
 from kvjax.model import Transformer
 
 TEXTS = ["", "Hello world", "def main():\n    return 42  # ok\n", "  two leading spaces\tand a tab",

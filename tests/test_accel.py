@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from conftest import tiny_config, tiny_params
 
-from kvjax.decode import step
 from kvjax import attention, decode
-from kvjax.lab import experiments
-from kvjax.decode import generate
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
+from kvjax.decode import generate
+from kvjax.decode import step
 from kvjax.errors import KvjaxError
+from kvjax.lab import experiments
 
 PROMPTS = [[3, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 32], [2, 7, 18, 28, 18]]
 CODECS = {  # name -> cache overrides: float, symmetric, packed with groups, fp8, KIVI keys

@@ -5,8 +5,8 @@ paired setting passes the host checks, and a tiny run gives the fields the scrip
 
 from pathlib import Path
 
-from kvjax.lab import runner
 from kvjax.lab import experiments as ex
+from kvjax.lab import runner
 from kvjax.lab.experiments import latency
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -4,8 +4,8 @@ with an interval, and its plot."""
 import pytest
 
 from kvjax import config
-from kvjax.lab import intervals
 from kvjax.errors import KvjaxError
+from kvjax.lab import intervals
 from kvjax.lab.experiments import budget
 
 TINY = {"model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2, "model.head_dim": 8,

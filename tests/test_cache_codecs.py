@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.decode import generate
-from kvjax.cache import contiguous
 from kvjax import cache as cache_lib
 from kvjax import cli, codecs, config, decode, model
+from kvjax.cache import contiguous
+from kvjax.decode import generate
 from kvjax.decode import step
 
 # The layouts' writes and windows are held to a from-scratch reference here through the XLA

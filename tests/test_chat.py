@@ -58,8 +58,8 @@ RUNAWAY = {  # template -> what the one line says; each would hang, exhaust memo
 
 _RENDER_EACH = """
 import json, sys, time
-from kvjax.io import chat
 from kvjax.errors import KvjaxError
+from kvjax.io import chat
 chat.MAX_STEPS = 20_000  # the same rule, a smaller budget: faster
 for template in json.loads(sys.stdin.read()):
   t0 = time.perf_counter()

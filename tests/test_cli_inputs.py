@@ -15,9 +15,9 @@ import pytest
 
 from kvjax import cli
 from kvjax import config as config_lib
+from kvjax.errors import KvjaxError
 from kvjax.lab import data, sizing
 from kvjax.model import init_params as _INIT
-from kvjax.errors import KvjaxError
 
 
 def run_cli(capsys, *argv):

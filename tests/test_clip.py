@@ -11,8 +11,8 @@ import pytest
 from test_cache_codecs import TOKS, tiny
 
 from kvjax import cli, codecs, config
-from kvjax.decode import generate
 from kvjax.codecs import packing, quant
+from kvjax.decode import generate
 from kvjax.errors import KvjaxError
 
 NAMES = ["int8", "int4", "int2", "fp8_e4m3", "nf4", "nf2"]

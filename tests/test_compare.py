@@ -16,9 +16,9 @@ import yaml
 
 import kvjax
 from kvjax import cli
-from kvjax.lab import evaluate
 from kvjax import config as config_lib
 from kvjax.io import checkpoint, sources
+from kvjax.lab import evaluate
 
 TINY = {"model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
                   "max_seq_len": 256}, "tokenizer": "bytes", "seed": 3}

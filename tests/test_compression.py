@@ -3,8 +3,8 @@
 import pytest
 from conftest import tiny_config, tiny_params
 
-from kvjax.io import checkpoint
 from kvjax import config as config_lib
+from kvjax.io import checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,11 @@ import pytest
 
 import model_files as mf
 from conftest import tiny_config, tiny_params
-from kvjax import cli
 from kvjax import cache as cache_lib
+from kvjax import cli
 from kvjax.errors import KvjaxError
-from kvjax.lab import convert
 from kvjax.io import checkpoint
+from kvjax.lab import convert
 from kvjax.model import Transformer
 
 TOKENS = jnp.array([[3, 14, 15, 9, 2, 6, 5, 35, 8, 9]], jnp.int32)

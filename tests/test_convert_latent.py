@@ -11,9 +11,9 @@ from test_policies import run_cached
 
 from kvjax import cli
 from kvjax.cache import latent as latent_cache
-from kvjax.lab.convert import fit, latent, layerwise
 from kvjax.errors import KvjaxError
 from kvjax.io import checkpoint
+from kvjax.lab.convert import fit, latent, layerwise
 
 CALIB = np.random.default_rng(0).integers(0, 64, size=(24, 24)).astype(np.int32)
 

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from kvjax.lab import data
 from kvjax.errors import KvjaxError
 from kvjax.io.tokenizer import BOS, ByteTokenizer
+from kvjax.lab import data
 
 
 def _folder(tmp_path, n=40):

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, tiny_params
-from kvjax.decode import step
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
 from kvjax import decode
 from kvjax import model as model_lib
 from kvjax.decode import generate
+from kvjax.decode import step
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
 

@@ -13,10 +13,10 @@ import pytest
 import model_files as mf
 from conftest import tiny_config, tiny_params
 from kvjax import cli
-from kvjax.lab import convert
-from kvjax.lab.convert import distill
 from kvjax.errors import KvjaxError
 from kvjax.io import checkpoint
+from kvjax.lab import convert
+from kvjax.lab.convert import distill
 from kvjax.model import Transformer
 
 TOKENS = np.random.default_rng(0).integers(0, 64, size=(20, 24)).astype(np.int32)

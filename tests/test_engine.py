@@ -17,9 +17,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import jax
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
-from kvjax.lab import metrics
 from kvjax.decode import generate
 from kvjax.errors import KvjaxError
+from kvjax.lab import metrics
 from kvjax.lab.serve import allocator, device, engine
 
 V = 64

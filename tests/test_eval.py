@@ -11,8 +11,8 @@ import yaml
 
 from kvjax import cli
 from kvjax import config as config_lib
-from kvjax.lab import evaluate
 from kvjax.io import sources
+from kvjax.lab import evaluate
 
 TINY = {"model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
                   "max_seq_len": 256}, "tokenizer": "bytes", "seed": 3}

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from conftest import tiny_config, tiny_params
 
-from kvjax.decode import step
 from kvjax import cache as cache_lib
 from kvjax import cli, policies
-from kvjax.decode import generate
 from kvjax import config as config_lib
 from kvjax.cache import paged, paged_compact
+from kvjax.decode import generate
+from kvjax.decode import step
 from kvjax.errors import KvjaxError
 from kvjax.lab.serve import engine, request
 

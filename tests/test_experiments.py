@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kvjax import cli, config
-from kvjax.lab import runner, train
 from kvjax.io import checkpoint
+from kvjax.lab import runner, train
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from kvjax import attention, codecs, config, decode, model
-from kvjax.decode import generate, step
 from kvjax import cache as cache_lib
 from kvjax.attention import xla
 from kvjax.codecs import base as codecs_base
+from kvjax.decode import generate, step
 from kvjax.errors import KvjaxError
 
 HEADS = [(4, 4), (4, 2), (4, 1)]  # (H, K): MHA, GQA, MQA

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from kvjax import cli, config, model
-from kvjax.lab import evaluate, train
 from kvjax.io import checkpoint
+from kvjax.lab import evaluate, train
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, tiny_params
+from kvjax.errors import KvjaxError
 from kvjax.lab import convert
 from kvjax.lab.convert import align, fit
-from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
 
 CALIB = np.random.default_rng(0).integers(0, 64, size=(40, 24)).astype(np.int32)

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvjax import envcheck, inputs
-from kvjax.lab import plots, rowfile
 from kvjax.errors import KvjaxError
+from kvjax.lab import plots, rowfile
 from kvjax.lab.runner import results
 from test_plots import timing_row
 

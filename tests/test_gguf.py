@@ -8,12 +8,12 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, quants
 
-from kvjax.decode import generate
 from kvjax import config as config_lib
 from kvjax import model
+from kvjax.decode import generate
+from kvjax.errors import KvjaxError
 from kvjax.io import gguf
 from kvjax.io import zoo
-from kvjax.errors import KvjaxError
 
 SHAPE = {"model.vocab_size": 96, "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4,
          "model.n_kv_heads": 2, "model.head_dim": 16, "model.d_ff": 128,

@@ -21,10 +21,10 @@ import safetensors.numpy as stnp
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kvjax.decode import generate
 from kvjax import cli, model
-from kvjax.io import hf  # noqa: E402
+from kvjax.decode import generate
 from kvjax.errors import KvjaxError  # noqa: E402
+from kvjax.io import hf  # noqa: E402
 
 V, E, L = 128, 64, 2
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, tiny_params
-from kvjax.decode import step
 from kvjax import decode, kernels, model
+from kvjax.decode import step
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 

@@ -6,8 +6,8 @@ import statistics
 
 import pytest
 
-from kvjax.lab import metrics
 from kvjax.decode import generate
+from kvjax.lab import metrics
 
 
 def test_summarize_median_spread_and_count():

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, tiny_params
-from kvjax.decode import step
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
+from kvjax.decode import step
 from kvjax.model import Transformer, apply_rope, rope_cos_sin
 
 RAGGED = [9, 5, 12]     # prompt lengths of a ragged batch

@@ -33,11 +33,11 @@ import pytest
 
 from conftest import tiny_config, tiny_params
 from kvjax import codecs, config as config_lib, kernels
-from kvjax.lab import evaluate
-from kvjax.decode import generate
 from kvjax.attention import base as attn_base, native, xla
 from kvjax.cache import base as cache_base
 from kvjax.config import CacheConfig
+from kvjax.decode import generate
+from kvjax.lab import evaluate
 
 f32 = jnp.float32
 CODECS = ["fp32", "bf16", "fp16", "int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2"]

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from conftest import tiny_config, tiny_params
 
-from kvjax.decode import generate
 from kvjax import attention, cli, codecs, decode
-from kvjax.decode import step
-from kvjax.cache import paged
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
+from kvjax.cache import paged
+from kvjax.decode import generate
+from kvjax.decode import step
 from kvjax.errors import KvjaxError
 
 B, S, H, D = 3, 13, 4, 8  # capacity 13: no page size below 13 divides it except 1

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from conftest import tiny_config, tiny_params
 
-from kvjax.decode import generate
 from kvjax import attention, decode
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
 from kvjax.attention import pallas as pa
+from kvjax.decode import generate
 from kvjax.errors import KvjaxError
 
 B, H, D = 3, 4, 8

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvjax.lab import plots, runner
 from kvjax.errors import KvjaxError
+from kvjax.lab import plots, runner
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from conftest import tiny_config, tiny_params
 
-from kvjax.decode import generate
 from kvjax import attention, cache as cache_lib, cli, decode, policies
-from kvjax.decode import evict, step
-from kvjax.cache import compact
 from kvjax import model as model_lib
+from kvjax.cache import compact
+from kvjax.decode import evict, step
+from kvjax.decode import generate
 from kvjax.errors import KvjaxError
 
 

@@ -17,8 +17,8 @@ from conftest import tiny_config, tiny_params
 from test_policies import PROMPTS, masked_reference, run_cached
 
 from kvjax import cache as cache_lib
-from kvjax.decode import generate
 from kvjax.cache import compact
+from kvjax.decode import generate
 
 L, B, K, H, D, S = 2, 2, 2, 4, 8, 6  # tiny model (d_model 32, 4 heads) as GQA-2
 HELD, BUDGET, LENGTHS = [5, 3], [5, 4], [20, 3]  # row 0 full, row 1 one slot short

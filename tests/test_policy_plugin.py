@@ -17,11 +17,11 @@ from test_policy_decode import held_positions
 
 from kvjax import cache as cache_lib
 from kvjax import policies
-from kvjax.decode import generate
 from kvjax.cache import paged_compact
+from kvjax.decode import generate
 from kvjax.errors import KvjaxError
-from kvjax.policies.replace import ScoreAndReplace
 from kvjax.lab.serve import device as serve_step
+from kvjax.policies.replace import ScoreAndReplace
 
 NAME, K, BUDGET, N = "largest_key_out", 2, 5, 8
 

@@ -4,9 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from kvjax.lab import evaluate, runner
-from kvjax.io import checkpoint
 from kvjax import config as config_lib
+from kvjax.io import checkpoint
+from kvjax.lab import evaluate, runner
 from kvjax.model import init_params
 
 MODEL = {"model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,

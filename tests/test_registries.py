@@ -61,8 +61,8 @@ register(Far())
 '''
 EXPERIMENT = '''"""`tw_greedy`: a throwaway experiment (greedy tokens of each cell), added by a test."""
 
-from kvjax.lab import experiments as ex
 from kvjax.decode import generate
+from kvjax.lab import experiments as ex
 
 PARAMS = frozenset()
 

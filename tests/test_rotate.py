@@ -13,8 +13,8 @@ from test_cache_codecs import (B, KIVI, LENS, TOKS, FakeQuant, confident_params,
 
 from kvjax import cache as cache_lib
 from kvjax import cli, codecs, config, footprint
-from kvjax.decode import generate
 from kvjax.codecs import rotate
+from kvjax.decode import generate
 from kvjax.errors import KvjaxError
 
 KINDS = ("hadamard", "random")

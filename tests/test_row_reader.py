@@ -15,8 +15,8 @@ import threading
 import pytest
 
 from kvjax import cli
-from kvjax.lab import plots, rowfile, runner
 from kvjax.errors import KvjaxError
+from kvjax.lab import plots, rowfile, runner
 from kvjax.lab.runner import results
 from test_plots import timing_row
 from test_shared_folder import CFG

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from kvjax import cli, config
-from kvjax.lab import runner
 from kvjax.errors import KvjaxError
+from kvjax.lab import runner
 
 TINY = """\
 name: tiny

@@ -17,11 +17,11 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from kvjax.decode import step
-from kvjax.decode import generate
 from kvjax import cli
-from kvjax.decode import sharding
 from kvjax import config as config_lib
+from kvjax.decode import generate
+from kvjax.decode import sharding
+from kvjax.decode import step
 from kvjax.errors import KvjaxError
 
 TINY = {"model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4}

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvjax import cli
-from kvjax.lab import sizing
 from kvjax.errors import KvjaxError
+from kvjax.lab import sizing
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA3 = ROOT / "kvjax" / "shapes" / "llama3-8b.yaml"

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, tiny_params
-from kvjax.lab import evaluate, tasks
 from kvjax.decode import evict, generate, step
+from kvjax.lab import evaluate, tasks
 from kvjax.lab.experiments import latency
 from kvjax.lab.serve import engine
 

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 from conftest import tiny_config, tiny_params
 
-from kvjax.decode import step
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
-from kvjax.lab import evaluate, tasks
+from kvjax.decode import step
 from kvjax.errors import KvjaxError
 from kvjax.io.tokenizer import ByteTokenizer
+from kvjax.lab import evaluate, tasks
 from kvjax.lab.tasks import through_cache
 
 ENC = ByteTokenizer().encode

@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.decode import generate
 from kvjax import cli
-from kvjax.lab import convert, train
 from kvjax import config as config_lib
-from kvjax.lab.convert import cli as convert_cli
-from kvjax.io import checkpoint
+from kvjax.decode import generate
 from kvjax.errors import KvjaxError
+from kvjax.io import checkpoint
+from kvjax.lab import convert, train
+from kvjax.lab.convert import cli as convert_cli
 from kvjax.model import Transformer, init_params
 
 

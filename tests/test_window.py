@@ -11,8 +11,8 @@ import pytest
 
 from conftest import tiny_config, tiny_params
 from kvjax import config as config_lib
-from kvjax.lab import evaluate
 from kvjax.errors import KvjaxError
+from kvjax.lab import evaluate
 from kvjax.model import Transformer
 
 # Every Gemma 3 knob on the tiny model; layer 0 is local (window 3, RoPE base 100), layer 1

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import sys
 
+from kvjax.footprint import human
 from kvjax.lab.intervals import BLOCK, RESAMPLES
 from kvjax.lab.intervals import text as ci_text
-from kvjax.footprint import human
 
 
 def _ci(ci, fmt: str, scale: float = 1.0) -> str:

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.decode import step
 from kvjax.config import Config
+from kvjax.decode import step
 from kvjax.decode.step import Static
 
 TRACES = {"prefill": 0, "decode": 0}  # incremented at trace time; tests count compilations

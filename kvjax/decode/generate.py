@@ -46,8 +46,8 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import decode, footprint, inputs
-from kvjax.decode import evict, sharding, step
 from kvjax.config import Config
+from kvjax.decode import evict, sharding, step
 from kvjax.errors import KvjaxError
 
 

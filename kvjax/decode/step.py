@@ -24,9 +24,9 @@ from flax import struct
 
 from kvjax import cache as cache_lib
 from kvjax import model as model_lib
-from kvjax.decode import sharding
 from kvjax.attention import base as attn_base
 from kvjax.config import CacheConfig, Config, MeshConfig, ModelConfig
+from kvjax.decode import sharding
 from kvjax.model import Transformer
 
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvjax import config as config_lib
-from kvjax.lab import evaluate
 from kvjax.errors import KvjaxError
+from kvjax.lab import evaluate
 
 FP32 = "fp32"
 

@@ -31,11 +31,11 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
-from kvjax.lab import data, intervals
 from kvjax import footprint, inputs, memory, policies
-from kvjax.decode import generate, step
 from kvjax.config import Config
+from kvjax.decode import generate, step
 from kvjax.errors import KvjaxError
+from kvjax.lab import data, intervals
 from kvjax.model import Transformer
 
 

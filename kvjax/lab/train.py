@@ -24,13 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kvjax.lab import data
-from kvjax import memory
-from kvjax.io import checkpoint
-from kvjax.lab.runner import claims
 from kvjax import config as config_lib
+from kvjax import memory
 from kvjax.config import Config, ModelConfig, jsonfile
 from kvjax.errors import KvjaxError
+from kvjax.io import checkpoint
+from kvjax.lab import data
+from kvjax.lab.runner import claims
 from kvjax.model import Transformer, init_params
 
 

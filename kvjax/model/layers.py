@@ -15,10 +15,10 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax import attention, kernels
+from kvjax.attention.rope import apply_rope
 from kvjax.cache import base as cache_base
 from kvjax.codecs import rotate
 from kvjax.config import ModelConfig
-from kvjax.attention.rope import apply_rope
 
 
 @struct.dataclass

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.config import Config
-from kvjax.lab.convert import layerwise, pool
 from kvjax.errors import KvjaxError
+from kvjax.lab.convert import layerwise, pool
 
 
 def check(cfg: Config, kv_heads: int) -> None:

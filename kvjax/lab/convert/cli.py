@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from kvjax import config as config_lib
-from kvjax.lab.convert import METHODS, align, fit, latent, pool
 from kvjax.errors import KvjaxError
+from kvjax.lab.convert import METHODS, align, fit, latent, pool
 from kvjax.lab.runner import claims
 
 SEQ_LEN = 512  # calibration window (tokens), or the model's max_seq_len if shorter

@@ -30,8 +30,8 @@ import numpy as np
 import optax
 
 from kvjax.config import Config, ModelConfig
-from kvjax.lab.convert import layerwise
 from kvjax.errors import KvjaxError
+from kvjax.lab.convert import layerwise
 
 FITTED = ("q_proj", "k_proj", "v_proj")
 INPUTS = ("converted", "original")

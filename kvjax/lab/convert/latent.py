@@ -29,8 +29,8 @@ import numpy as np
 
 from kvjax import config as config_lib
 from kvjax.cache import latent as latent_cache
-from kvjax.lab.convert import layerwise
 from kvjax.errors import KvjaxError
+from kvjax.lab.convert import layerwise
 
 
 def check(cfg, rank: int) -> None:

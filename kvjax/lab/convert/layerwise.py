@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.attention.rope import rope_cos_sin
 from kvjax.config import ModelConfig
 from kvjax.model.layers import LayerInput, attention_block, mlp_block, rms_norm
-from kvjax.attention.rope import rope_cos_sin
 
 CHUNK = 8  # sequences per forward call: bounds the [chunk, H, S, S] attention weights
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 import numpy as np
 
 from kvjax import config as config_lib
-from kvjax.lab import experiments as ex
 from kvjax import footprint, memory
-from kvjax.lab import intervals, metrics, sizing
 from kvjax.errors import KvjaxError
+from kvjax.lab import experiments as ex
+from kvjax.lab import intervals, metrics, sizing
 
 PARAMS = frozenset({"budget", "max_batch", "reference"})
 

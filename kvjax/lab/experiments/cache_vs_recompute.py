@@ -16,10 +16,10 @@ cached rows) shares the machine's noise.
 from __future__ import annotations
 
 from kvjax import config as config_lib
-from kvjax.lab import experiments as ex
-from kvjax.lab import metrics
 from kvjax.decode import generate
 from kvjax.errors import KvjaxError
+from kvjax.lab import experiments as ex
+from kvjax.lab import metrics
 
 # The params.NAME options this experiment reads (`setting` and `settings` are every
 # experiment's); `kvjax run` refuses any other, which would be accepted and ignored.

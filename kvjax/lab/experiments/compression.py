@@ -30,13 +30,13 @@ says so. Nothing is timed here.
 from __future__ import annotations
 
 
+from kvjax import config as config_lib
+from kvjax import footprint
+from kvjax.cache import latent
+from kvjax.decode import evict
+from kvjax.lab import data, evaluate
 from kvjax.lab import experiments as ex
 from kvjax.lab.experiments import quality
-from kvjax.lab import data, evaluate
-from kvjax import footprint
-from kvjax.decode import evict
-from kvjax.cache import latent
-from kvjax import config as config_lib
 
 # The params.NAME options this experiment reads (`setting` and `settings` are every
 # experiment's); `kvjax run` refuses any other, which would be accepted and ignored.

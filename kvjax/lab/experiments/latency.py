@@ -35,14 +35,14 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import cache as cache_lib
-from kvjax import footprint
-from kvjax.lab import intervals
 from kvjax import config as config_lib
-from kvjax.lab import experiments as ex
-from kvjax.lab import metrics
+from kvjax import footprint
 from kvjax.decode import generate
-from kvjax.lab.experiments import roofline
 from kvjax.errors import KvjaxError
+from kvjax.lab import experiments as ex
+from kvjax.lab import intervals
+from kvjax.lab import metrics
+from kvjax.lab.experiments import roofline
 
 # The params.NAME options this experiment reads (`setting` and `settings` are every
 # experiment's); `kvjax run` refuses any other, which would be accepted and ignored.

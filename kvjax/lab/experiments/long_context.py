@@ -53,15 +53,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from kvjax.lab import experiments as ex
-from kvjax import config as config_lib
 from kvjax import cache as cache_lib
-from kvjax.lab import convert, evaluate, intervals, tasks
+from kvjax import config as config_lib
+from kvjax import footprint
 from kvjax import policies
 from kvjax.decode import step
-from kvjax import footprint
-from kvjax.io import sources
 from kvjax.errors import KvjaxError
+from kvjax.io import sources
+from kvjax.lab import convert, evaluate, intervals, tasks
+from kvjax.lab import experiments as ex
 
 # The params.NAME options this experiment reads (`setting` and `settings` are every
 # experiment's); `kvjax run` refuses any other, which would be accepted and ignored.

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import jax
 
-from kvjax.lab import experiments as ex
-from kvjax import footprint
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
+from kvjax import footprint
 from kvjax.errors import KvjaxError
+from kvjax.lab import experiments as ex
 
 # The params.NAME options this experiment reads (`setting` and `settings` are every
 # experiment's); `kvjax run` refuses any other, which would be accepted and ignored.

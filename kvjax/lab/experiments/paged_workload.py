@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvjax.lab import experiments as ex
 from kvjax import config as config_lib
-from kvjax.lab import metrics
 from kvjax.decode import generate
-from kvjax.lab.serve import engine
 from kvjax.errors import KvjaxError
+from kvjax.lab import experiments as ex
+from kvjax.lab import metrics
+from kvjax.lab.serve import engine
 
 # The params.NAME options this experiment reads (`setting` and `settings` are every
 # experiment's); `kvjax run` refuses any other, which would be accepted and ignored.

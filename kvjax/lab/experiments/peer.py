@@ -58,13 +58,13 @@ from pathlib import Path
 import numpy as np
 
 from kvjax import config as config_lib
+from kvjax import model as model_lib
+from kvjax.decode import generate
+from kvjax.errors import KvjaxError
 from kvjax.lab import experiments as ex
 from kvjax.lab import intervals, metrics
-from kvjax.decode import generate
-from kvjax import model as model_lib
 from kvjax.lab.experiments import _hf_peers as hf_peers
 from kvjax.lab.experiments import roofline
-from kvjax.errors import KvjaxError
 
 # The params.NAME options this experiment reads (`setting` and `settings` are every
 # experiment's); `kvjax run` refuses any other, which would be accepted and ignored.

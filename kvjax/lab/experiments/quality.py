@@ -56,12 +56,12 @@ from pathlib import Path
 from kvjax.lab import experiments as ex
 import numpy as np
 
-from kvjax.lab import data, evaluate, intervals
-from kvjax import footprint
-from kvjax.lab import convert
-from kvjax.io import sources
 from kvjax import config as config_lib
+from kvjax import footprint
 from kvjax.errors import KvjaxError
+from kvjax.io import sources
+from kvjax.lab import convert
+from kvjax.lab import data, evaluate, intervals
 
 # The params.NAME options this experiment reads (`setting` and `settings` are every
 # experiment's); `kvjax run` refuses any other, which would be accepted and ignored.

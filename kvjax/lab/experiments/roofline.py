@@ -38,11 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import config as config_lib
-from kvjax.lab import experiments as ex
 from kvjax import footprint
-from kvjax.lab import intervals, metrics
 from kvjax.decode import generate, step
 from kvjax.errors import KvjaxError
+from kvjax.lab import experiments as ex
+from kvjax.lab import intervals, metrics
 
 # The params.NAME options this experiment reads (`setting` and `settings` are every
 # experiment's); `kvjax run` refuses any other, which would be accepted and ignored.

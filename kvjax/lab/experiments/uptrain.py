@@ -25,12 +25,12 @@ import math
 import time
 from pathlib import Path
 
-from kvjax.lab import experiments as ex
-from kvjax.lab import data, evaluate, train
-from kvjax.io import checkpoint
-from kvjax.lab import convert
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
+from kvjax.io import checkpoint
+from kvjax.lab import convert
+from kvjax.lab import data, evaluate, train
+from kvjax.lab import experiments as ex
 
 # The params.NAME options this experiment reads (`setting` and `settings` are every
 # experiment's); `kvjax run` refuses any other, which would be accepted and ignored.

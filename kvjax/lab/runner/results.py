@@ -22,8 +22,8 @@ import csv
 import io
 from pathlib import Path
 
-from kvjax.lab import rowfile
 from kvjax.errors import KvjaxError
+from kvjax.lab import rowfile
 from kvjax.lab.rowfile import describe, warn
 from kvjax.lab.runner.table import column_text, flatten, identity, is_seconds
 

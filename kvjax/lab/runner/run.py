@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from kvjax import config as config_lib
-from kvjax.lab import rowfile
 from kvjax.errors import KvjaxError
+from kvjax.lab import rowfile
 from kvjax.lab.runner import claims
 from kvjax.lab.runner import shard as shard_lib
 from kvjax.lab.runner.grid import Cell, check_params, coords_str, expand, load_experiment

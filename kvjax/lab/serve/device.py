@@ -34,9 +34,9 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import decode, policies
-from kvjax.decode import generate, sharding, step
 from kvjax.cache import compact, paged, paged_compact
 from kvjax.config import Config
+from kvjax.decode import generate, sharding, step
 from kvjax.errors import KvjaxError
 
 STEP_TRACES: collections.Counter = collections.Counter()  # per tokens shape, at trace time

@@ -107,12 +107,14 @@ def asymptotic(cfg: Config) -> float:
 
 def _growing_layers(cfg: Config) -> int:
   """Layers whose cache grows with the context: all but the sliding-window layers that the
-  layout holds in rings (`kvjax.cache.ring`)."""
+  layout holds in rings (`kvjax.cache.ring`: the contiguous layout, and the paged one
+  without an eviction policy, `kvjax.cache.paged.rings`)."""
   from kvjax import cache
-  from kvjax.cache import ring
-  if cfg.cache.layout != "contiguous" or not cfg.model.windowed:
+  from kvjax.cache import paged, ring
+  if cfg.cache.layout not in ("contiguous", "paged") or not cfg.model.windowed:
     return cfg.model.n_layers
-  rg = ring.layers(cache.CacheSpec.from_config(cfg, 1, 1 << 30))
+  spec = cache.CacheSpec.from_config(cfg, 1, 1 << 30)
+  rg = ring.layers(spec) if cfg.cache.layout == "contiguous" else paged.rings(spec)
   return cfg.model.n_layers if rg is None else len(rg.full)
 
 

@@ -31,6 +31,10 @@ SETTINGS = {
                             "cache.budget": 40, "cache.page_size": 16},
     "latent": {"cache.layout": "latent", "model.latent_rank": 4, "cache.codec": "int8"},
     "none": {"cache.layout": "none"},
+    # one windowed layer of two: its ring stops growing at 8 tokens, on either layout
+    "contiguous_rings": {"model.sliding_window": 8, "model.global_every": 2},
+    "paged_rings": {"model.sliding_window": 8, "model.global_every": 2, "cache.layout": "paged",
+                    "cache.page_size": 16},
 }
 
 

@@ -1,15 +1,20 @@
-"""Prefill and the decode loop: jit-compiled, cache donated, one compile per shape.
+"""The decode core. This module is its token loop: prefill and the decode loop,
+jit-compiled, cache donated, one compile per shape.
 
-    prefill(params, tokens_BT, lengths_B, cache, key, static=, sampler=)  -> token_B, logits, cache
-    decode(params, cache, token_B, key, static=, sampler=, steps=)         -> tokens_BN, cache
-    decode(..., forced_BN=, logprobs=True)     -> tokens_BN, logprobs_BNV, cache (teacher forcing)
+    prefill(params, tokens_BT, lengths_B, cache, key, static=, sampler=) -> token_B, logits, cache
+    decode(params, cache, token_B, key, static=, sampler=, steps=)        -> tokens_BN, cache
+    decode(..., forced_BN=, logprobs=True)  -> tokens_BN, logprobs_BNV, cache (teacher forcing)
 
-Both make one model call per step through `kvjax.decode.step.run`: the model reads and writes the
-cache through its layout (`kvjax.cache`), or, for layout `none`, recomputes the whole
+Beside it: `step` (the one model call, `step.run`, and what jit hashes, `step.Static`),
+`evict` (prefill through a policy's compaction), `generate` (placement, ahead-of-time
+compiles and timed runs for every driver: `kvjax generate`, the timers, the experiments)
+and `sharding` (meshes and `Placement`).
+
+Both programs make one model call per step through `step.run`: the model reads and writes
+the cache through its layout (`kvjax.cache`), or, for layout `none`, recomputes the whole
 prefix (the recompute mode). What jit hashes is `step.Static` (model, cache and mesh
-configs, eos) and the `Sampler`, never the experiment Config. The loop state is a small dataclass.
-Lengths vary as data, never as shapes, so N steps never retrace. `kvjax.decode.generate` places,
-compiles and runs these two for every driver (generate, the timers, the experiments).
+configs, eos) and the `Sampler`, never the experiment Config. The loop state is a small
+dataclass. Lengths vary as data, never as shapes, so N steps never retrace.
 """
 
 from __future__ import annotations

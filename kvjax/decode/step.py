@@ -4,9 +4,9 @@
     out.logits, out.cache, out.queries
 
 Every program that calls the model through a cache calls `run` inside its own jit: prefill
-and the decode loop (kvjax.decode), prefill with a policy's capture and teacher-forced
-continuations (kvjax.decode.evict), streamed evaluation (kvjax.lab.evaluate), task prefixes, tails and
-answers (kvjax.lab.tasks.through_cache) and the serving step (kvjax.lab.serve.device); the timers
+and the decode loop (kvjax.decode), prefill with a policy's capture (kvjax.decode.evict),
+and in the lab streamed evaluation (kvjax.lab.evaluate), task prefixes, tails and answers
+(kvjax.lab.tasks.through_cache) and the serving step (kvjax.lab.serve.device); the timers
 time those programs. So there is one layer-loop choice (`network`), one position rule
 (`positions`), one recompute path (layout `none`) and one place that builds what jit
 hashes (`statics`, whose `Static` holds the model, cache and mesh configs).

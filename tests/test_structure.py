@@ -163,13 +163,14 @@ def test_config_is_the_ground_floor():
 # `kvjax/decode/` (the step, the token loop, the prefill and compaction programs, generate
 # and placement). The library never imports the lab or a face, at any depth
 # (function-level imports included), so it can be read, and reused, alone.
-def _in_any(name: str, prefixes) -> bool:
+def _in(name: str, prefixes) -> bool:
+  """Whether module `name` is one of `prefixes` or inside one of them."""
   return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
 LAB = ("kvjax.lab",)
 FACES = ("kvjax.cli", "kvjax.api", "kvjax.api_types")
-LIBRARY = tuple(n for n in MODULES if n != "kvjax" and not _in_any(n, LAB + FACES))
+LIBRARY = tuple(n for n in MODULES if n != "kvjax" and not _in(n, LAB + FACES))
 
 
 def _reached(graph: dict[str, dict[str, int]], roots) -> dict[str, list[str]]:
@@ -183,10 +184,6 @@ def _reached(graph: dict[str, dict[str, int]], roots) -> dict[str, list[str]]:
         chains[nxt] = chains[node] + [nxt]
         todo.append(nxt)
   return chains
-
-
-def _in(name: str, prefixes) -> bool:
-  return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
 def test_reached_follows_imports_at_any_depth():

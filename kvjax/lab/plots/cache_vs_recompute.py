@@ -31,6 +31,17 @@ def _slope(xs, ys) -> float:
   return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / den if den else float("nan")
 
 
+def _log_axes(ax, xlabel: str, ylabel: str, title: str) -> None:
+  """The look the three figures share: log2 token axis, log y axis in plain numbers, grid."""
+  log2_axis(ax.xaxis, TOKENS)
+  ax.set_yscale("log")
+  ax.yaxis.set_major_formatter(PLAIN)
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title, fontsize=10)
+  ax.grid(True, which="both", alpha=0.3)
+
+
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
   out_dir = Path(out_dir)
   series = _series(rows)
@@ -45,14 +56,8 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     ax.errorbar(xs, ys, yerr=err, marker="o", ms=4, capsize=2,
                 color=LAYOUT_COLORS.get(lay, "C4"), ls="--" if lay == "none" else "-",
                 label=f"{'recompute (none)' if lay == 'none' else lay}: ~ p^{k:.2f}")
-  log2_axis(ax.xaxis, TOKENS)
-  ax.set_yscale("log")
-  ax.yaxis.set_major_formatter(PLAIN)
-  ax.set_xlabel("position p (tokens already in the sequence)")
-  ax.set_ylabel("decode time per token (ms)")
-  ax.set_title(f"Decode time per token vs position: cache vs recompute\n{subtitle(rows)}",
-               fontsize=10)
-  ax.grid(True, which="both", alpha=0.3)
+  _log_axes(ax, "position p (tokens already in the sequence)", "decode time per token (ms)",
+            f"Decode time per token vs position: cache vs recompute\n{subtitle(rows)}")
   ax.legend(fontsize=8, title="layout: fitted growth (upper half)", title_fontsize=8)
   paths += save(fig, out_dir, "cache_vs_recompute_tpot")
 
@@ -66,15 +71,10 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
       if pts:
         ax.annotate(f"{pts[-1][3]:.0f}x", (pts[-1][0], pts[-1][3]), textcoords="offset points",
                     xytext=(-10, 6), fontsize=9)
-    log2_axis(ax.xaxis, TOKENS)
-    ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(PLAIN)
     ax.axhline(1, color="gray", lw=0.8)
-    ax.set_xlabel("position p (tokens already in the sequence)")
-    ax.set_ylabel("speedup: recompute time / cached time per token")
-    ax.set_title(f"What the KV cache buys per decode step (measured interleaved)\n"
-                 f"{subtitle(rows)}", fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
+    _log_axes(ax, "position p (tokens already in the sequence)",
+              "speedup: recompute time / cached time per token",
+              f"What the KV cache buys per decode step (measured interleaved)\n{subtitle(rows)}")
     ax.legend(fontsize=8)
     paths += save(fig, out_dir, "cache_vs_recompute_speedup")
 
@@ -93,14 +93,8 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     ax.plot(xs, tot, marker="o", ms=4, color=LAYOUT_COLORS.get(lay, "C4"),
             ls="--" if lay == "none" else "-",
             label=f"{'recompute (none)' if lay == 'none' else lay}: ~ N^{k:.2f}")
-  log2_axis(ax.xaxis, TOKENS)
-  ax.set_yscale("log")
-  ax.yaxis.set_major_formatter(PLAIN)
-  ax.set_xlabel("tokens generated N")
-  ax.set_ylabel("total decode time (s, integrated per-token time)")
-  ax.set_title(f"Total time to generate N tokens: recompute vs KV cache\n"
-               f"{subtitle(rows)}", fontsize=10)
-  ax.grid(True, which="both", alpha=0.3)
+  _log_axes(ax, "tokens generated N", "total decode time (s, integrated per-token time)",
+            f"Total time to generate N tokens: recompute vs KV cache\n{subtitle(rows)}")
   ax.legend(fontsize=8, title="layout: fitted growth (upper half)", title_fontsize=8)
   paths += save(fig, out_dir, "cache_vs_recompute_total")
   return paths

@@ -2,15 +2,17 @@
 backend that holds the cache (the host scheduler is kvjax/lab/serve/engine.py).
 
 A step runs rows b (a slice of the slots B) of T new tokens through the model
-(`kvjax.decode.step.run`) and samples the token after each row's last one: the engine's chunked prefill ([prefill_rows, chunk]) or decode ([slots, 1]).
+(`kvjax.decode.step.run`) and samples the token after each row's last one: the engine's
+chunked prefill ([prefill_rows, chunk]) or decode ([slots, 1]).
 Keeping prefill narrow matters on compute-bound hardware: a [slots, chunk] step would pad
 every decode row to `chunk` tokens. Likewise a call reads only the smallest of a few
 bucket widths (64, 128, ... tokens, `bucket_widths`) that holds its longest request, not
 every slot's full capacity: for the paged cache that is a narrower block table, for the
 contiguous cache a window of its slots. Each (shape, width) compiles once, ever
-(`Engine.warmup` compiles them all up front; a test counts traces). The paged cache makes the narrow batch
-free (it is just other block-table rows); the contiguous cache gathers those slots' rows
-and writes them back.
+(`Engine.warmup` compiles them all up front; a test counts traces). The paged cache makes
+the narrow batch free (it is just other block-table rows); the contiguous cache gathers
+those slots' rows and writes them back. A windowed model's rings are per slot on either
+layout: a step takes the rows it runs and puts them back (`_ring_rows`).
 
 With a `cache.policy` (paged only) the cache is a `paged_compacted` pool, whose rows also
 carry `held` and `budget` (slots, not positions, index a compacted request's pages), and
@@ -56,6 +58,25 @@ def serve_step(params, cache, tokens_BT, positions_BT, last_B, key, *, static: s
   return _call(static, sampler, params, cache, tokens_BT, positions_BT, last_B, key)
 
 
+def _ring_rows(cache, slots_b, all_rows: bool) -> dict:
+  """A windowed model's rings [Lw, B, K, W, X] at rows `slots_b` (all of them, in order,
+  when `all_rows`), as fields to replace in the cache the step runs; {} without rings."""
+  if getattr(cache, "k_ring", None) is None:  # (a compacted pool has none)
+    return {}
+  take = (lambda a: a) if all_rows else (lambda a: jnp.take(a, slots_b, axis=1))
+  return {"k_ring": jax.tree.map(take, cache.k_ring), "v_ring": jax.tree.map(take, cache.v_ring)}
+
+
+def _rings_back(cache, sub, slots_b, all_rows: bool) -> dict:
+  """The rings of `cache` with rows `slots_b` replaced by `sub`'s (`_ring_rows`' inverse)."""
+  if getattr(cache, "k_ring", None) is None:
+    return {}
+  put = (lambda full, part: part) if all_rows else \
+      (lambda full, part: full.at[:, slots_b].set(part))
+  return {"k_ring": jax.tree.map(put, cache.k_ring, sub.k_ring),
+          "v_ring": jax.tree.map(put, cache.v_ring, sub.v_ring)}
+
+
 @functools.partial(jax.jit, static_argnames=("static", "sampler", "width", "all_rows"),
                    donate_argnames=("cache",))
 def serve_contiguous(params, cache, slots_b, tokens_bT, positions_bT, last_b, key, *,
@@ -70,42 +91,26 @@ def serve_contiguous(params, cache, slots_b, tokens_bT, positions_bT, last_b, ke
     return full.at[:, :, :, :width].set(part) if all_rows else \
         full.at[:, slots_b, :, :width].set(part)
 
-  def rows(a):  # a windowed layer's ring [Lw, B, K, W, X]: its rows, every slot
-    return a if all_rows else jnp.take(a, slots_b, axis=1)
-
-  def put_rows(full, part):
-    return part if all_rows else full.at[:, slots_b].set(part)
-
-  rings = {} if cache.k_ring is None else {
-      "k_ring": jax.tree.map(rows, cache.k_ring), "v_ring": jax.tree.map(rows, cache.v_ring)}
   sub = dataclasses.replace(cache, k=jax.tree.map(window, cache.k), v=jax.tree.map(window, cache.v),
                             lengths=cache.lengths[slots_b],
-                            spec=dataclasses.replace(cache.spec, capacity=width), **rings)
+                            spec=dataclasses.replace(cache.spec, capacity=width),
+                            **_ring_rows(cache, slots_b, all_rows))
   nxt, sub = _call(static, sampler, params, sub, tokens_bT, positions_bT, last_b, key)
-  if rings:
-    rings = {"k_ring": jax.tree.map(put_rows, cache.k_ring, sub.k_ring),
-             "v_ring": jax.tree.map(put_rows, cache.v_ring, sub.v_ring)}
   return nxt, dataclasses.replace(cache, k=jax.tree.map(put, cache.k, sub.k),
-                                  v=jax.tree.map(put, cache.v, sub.v), **rings)
+                                  v=jax.tree.map(put, cache.v, sub.v),
+                                  **_rings_back(cache, sub, slots_b, all_rows))
 
 
-@functools.partial(jax.jit, static_argnames=("static", "sampler"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("static", "sampler", "all_rows"),
+                   donate_argnames=("cache",))
 def serve_ringed(params, cache, slots_b, tokens_bT, positions_bT, last_b, key, *,
-                 static: step.Static, sampler):
+                 static: step.Static, sampler, all_rows: bool):
   """`serve_step` on a paged cache whose windowed layers keep a ring per slot
   (kvjax.cache.paged): rows b are slots `slots_b`, so their rings are taken out, run with
   their block-table rows and put back; the pool is shared, as in `serve_step`."""
-  def rows(a):  # ring leaves [Lw, B, K, W, X]
-    return jnp.take(a, slots_b, axis=1)
-
-  def put(full, part):
-    return full.at[:, slots_b].set(part)
-
-  sub = dataclasses.replace(cache, k_ring=jax.tree.map(rows, cache.k_ring),
-                            v_ring=jax.tree.map(rows, cache.v_ring))
+  sub = dataclasses.replace(cache, **_ring_rows(cache, slots_b, all_rows))
   nxt, sub = _call(static, sampler, params, sub, tokens_bT, positions_bT, last_b, key)
-  return nxt, dataclasses.replace(sub, k_ring=jax.tree.map(put, cache.k_ring, sub.k_ring),
-                                  v_ring=jax.tree.map(put, cache.v_ring, sub.v_ring))
+  return nxt, dataclasses.replace(sub, **_rings_back(cache, sub, slots_b, all_rows))
 
 
 def bucket_widths(capacity: int, smallest: int = 64) -> tuple[int, ...]:
@@ -172,12 +177,13 @@ class ModelBackend:
     per row; host state goes in as data (with a policy, also `held` and `budget` [b])."""
     self.key, sub = jax.random.split(self.key)
     args = [jnp.asarray(a) for a in (tokens_bT, positions_bT, last_b)] + [sub]
-    ringed = getattr(self.cache, "k_ring", None) is not None  # (a compacted pool has none)
-    if self.paged and ringed:  # rows b's rings, then their pages
+    all_rows = len(slots_b) == self.spec.batch and bool((np.diff(slots_b) == 1).all())
+    if self.paged and getattr(self.cache, "k_ring", None) is not None:  # rings, then pages
       cache = dataclasses.replace(self.cache, block_table=jnp.asarray(table_bQ),
                                   lengths=jnp.asarray(lengths_b))
-      nxt, self.cache = serve_ringed(self.params, cache, jnp.asarray(slots_b), *args,
-                                     **generate.statics(self.cfg, self.sampler))
+      nxt, self.cache = serve_ringed(
+          self.params, cache, jnp.asarray(slots_b), *args,
+          **generate.statics(self.cfg, self.sampler, all_rows=all_rows))
     elif self.paged:  # any rows, any width: it is all in the block table
       cache = dataclasses.replace(self.cache, block_table=jnp.asarray(table_bQ),
                                   lengths=jnp.asarray(lengths_b),
@@ -188,7 +194,6 @@ class ModelBackend:
       lengths_B = np.zeros((self.spec.batch,), np.int32)  # rows outside slots_b are not read
       lengths_B[slots_b] = lengths_b
       cache = dataclasses.replace(self.cache, lengths=jnp.asarray(lengths_B))
-      all_rows = len(slots_b) == self.spec.batch and bool((np.diff(slots_b) == 1).all())
       nxt, self.cache = serve_contiguous(
           self.params, cache, jnp.asarray(slots_b), *args,
           **generate.statics(self.cfg, self.sampler, width=width, all_rows=all_rows))

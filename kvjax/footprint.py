@@ -290,13 +290,15 @@ def temp_bytes(cfg: Config, batch: int, tokens: int, capacity: int) -> int:
   1: a decode step) over a cache of `capacity` slots, float32 unless said:
 
   - logits: each row's last token only, B x V (prefill and decode keep no others);
-  - one layer's activations: B x T x (4E + 3F + 2HD);
+  - one layer's activations: B x T x (4E + 3F + 2HD), and its queries, keys and values
+    again as the prompt's blocked pass pads them (B x T x (H + 2K) x D);
+  - the new K and V of every layer, stacked by the layer loop before the layout writes
+    them: 2 x L x B x T x K x D in the compute dtype;
   - the attention's widest tile, 4 x (logits, masked logits, probabilities and their cast
-    to the dot's type, where the compiler fuses none of them): the new tokens read
-    NEW_BLOCK queries at a time against the prompt's keys, B x H x min(T, 128) x T; a
-    stored segment read by the CPU program in blocks of READ_CHUNK slots, B x H x T x
-    min(S, 512), by the accelerator program in one block, NEW_BLOCK queries at a time,
-    B x H x min(T, 128) x S;
+    to the dot's type, where the compiler fuses none of them): a prompt's block of Cq
+    queries against Ck of its own keys (`attention.xla.prompt_blocks`; T x T when the
+    prompt is one block) and, in the same block, against a stored segment: READ_CHUNK
+    slots at a time in the CPU program, all S in the accelerator program's one block;
   - one widened block of K and V codes (2 x B x K x C x D in the compute dtype; C the
     slots a block reads), in case the compiler does not fuse the convert into the dot.
 
@@ -307,17 +309,18 @@ def temp_bytes(cfg: Config, batch: int, tokens: int, capacity: int) -> int:
   none = cfg.cache.layout == "none"
   T = capacity if none else tokens
   S = 0 if none else capacity
-  B, H, K, D, NB = batch, m.n_heads, m.n_kv_heads, m.D, xla.NEW_BLOCK
+  B, H, K, D, L = batch, m.n_heads, m.n_kv_heads, m.D, m.n_layers
+  Cq, Ck = xla.prompt_blocks(T, m.sliding_window)
+  Cq, Ck = (T, T) if T <= Cq else (Cq, Ck)
+  itemsize = _ITEMSIZE[m.dtype]
   logits = B * m.vocab_size
-  acts = B * T * (4 * m.d_model + 3 * m.F + 2 * H * D)
-  new = B * H * min(T, NB) * T
-  if base.program(m.program) == "accelerator":
-    C, stored = S, B * H * min(T, NB) * S
-  else:
-    C = min(S, codecs.READ_CHUNK)
-    stored = B * H * T * C
-  widened = 2 * B * K * C * D * _ITEMSIZE[m.dtype]
-  return 4 * (logits + acts + 4 * (new + stored)) + widened
+  acts = B * T * (4 * m.d_model + 3 * m.F + 2 * H * D) + (B * T * (H + 2 * K) * D if T > 1 else 0)
+  new_kv = 2 * L * B * T * K * D * itemsize
+  new = B * H * Cq * Ck
+  C = S if base.program(m.program) == "accelerator" else min(S, codecs.READ_CHUNK)
+  stored = B * H * Cq * C
+  widened = 2 * B * K * C * D * itemsize
+  return 4 * (logits + acts + 4 * (new + stored)) + widened + new_kv
 
 
 def program_bytes(*compiled) -> int | None:

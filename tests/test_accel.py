@@ -268,21 +268,24 @@ def test_bucketed_decode_equals_full_read_and_compiles_once_per_bucket(over):
 
 # -- the memory estimate -------------------------------------------------------------------------
 def test_prompt_temporaries_formula_and_the_compiled_prefill_fits_it():
-  """The accelerator program reads a stored segment NEW_BLOCK queries at a time: its prefill
-  of 512 tokens into 1024 slots allocates no more than the estimate (tiles of [128, S]
-  logits, not [512, S]; unfused, as XLA:CPU at the suite's optimization level leaves
-  them), and the estimate is the documented closed form."""
+  """A prompt's pass reads in blocks of 128 queries (against 512 of its own keys, and in
+  the accelerator program against a stored segment's S slots at once): its prefill of 512
+  tokens into 1024 slots allocates no more than the estimate (tiles of [128, S] logits,
+  not [512, S]; unfused, as XLA:CPU at the suite's optimization level leaves them), and
+  the estimate is the documented closed form."""
   from kvjax import footprint
   cfg = _cfg("accelerator", **{"cache.capacity": 1024, "model.max_seq_len": 1024})
   m, B, T, S = cfg.model, 2, 512, 1024
-  acts = B * T * (4 * m.d_model + 3 * m.F + 2 * m.n_heads * m.D)
-  tiles = B * m.n_heads * 128 * T + B * m.n_heads * 128 * S
-  widened = 2 * B * m.n_kv_heads * S * m.D * 4
-  want = 4 * (B * m.vocab_size + acts + 4 * tiles) + widened
+  H, K, D = m.n_heads, m.n_kv_heads, m.D
+  acts = B * T * (4 * m.d_model + 3 * m.F + 2 * H * D) + B * T * (H + 2 * K) * D
+  new_kv = 2 * m.n_layers * B * T * K * D * 4
+  tiles = B * H * 128 * 512 + B * H * 128 * S
+  widened = 2 * B * K * S * D * 4
+  want = 4 * (B * m.vocab_size + acts + 4 * tiles) + widened + new_kv
   assert footprint.temp_bytes(cfg, B, T, S) == want
   cpu = _cfg("cpu", **{"cache.capacity": 1024})
   assert footprint.temp_bytes(cpu, B, T, S) == 4 * (B * m.vocab_size + acts + 4 * (
-      B * m.n_heads * 128 * T + B * m.n_heads * T * 512)) + 2 * B * m.n_kv_heads * 512 * m.D * 4
+      B * H * 128 * 512 + B * H * 128 * 512)) + 2 * B * K * 512 * D * 4 + new_kv
   params = step.prepare_params(cfg, tiny_params(cfg))
   tokens = jnp.ones((B, T), jnp.int32)
   lowered = decode.prefill.lower(params, tokens, jnp.full((B,), T, jnp.int32),

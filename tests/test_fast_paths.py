@@ -22,12 +22,14 @@ CODECS = ["fp32", "bf16", "int8", "int4", "fp8_e4m3"]
 
 
 def segment(codec_name, k_BKSD, v_BKSD, lengths_B, cache_cfg=None):
+  """One stored segment of raw K/V: slot s holds position s, the first `lengths_B` valid."""
   kc = codecs.for_role(codec_name, cache_cfg, "k")
   vc = codecs.for_role(codec_name, cache_cfg, "v")
   S = k_BKSD.shape[2]
   mask = jnp.arange(S)[None] < lengths_B[:, None]
   return cache_lib.Segment(kc.encode(k_BKSD), vc.encode(v_BKSD), mask, kc, vc,
-                           live=jnp.max(lengths_B))
+                           live=jnp.max(lengths_B),
+                           pos_BS=jnp.where(mask, jnp.arange(S)[None], -1))
 
 
 def programs(codec_name, cache_cfg=None):
@@ -98,6 +100,67 @@ def test_prompt_query_blocks_equal_reference(T, monkeypatch):
   whole = forward()
   np.testing.assert_allclose(np.where(valid[..., 0], blocked, 0), np.where(valid[..., 0], whole, 0),
                              atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("band, windows", [(0, [0, 0, 0]), (8, [8, 3, 0]), (16, [16, 5, 9])])
+def test_prompt_blocks_in_a_scan_equal_reference(band, windows, monkeypatch):
+  """A prompt longer than its query block runs as one `lax.scan` over query blocks, each
+  reading its own keys in key blocks (the last pulled back) from the first key any of its
+  queries sees: with and without a window band (per-row windows below the band, 0 = full),
+  after a stored segment, ragged rows. The plain attention's output."""
+  monkeypatch.setattr(xla, "NEW_BLOCK", 4)
+  monkeypatch.setattr(xla, "KEY_BLOCK", 8)
+  rng = np.random.default_rng(band)
+  B, H, K, D, S, T = 3, 4, 2, 8, 10, 37
+  lengths_B = jnp.asarray([0, 7, 10], jnp.int32)
+  k, v = (jnp.asarray(rng.standard_normal((B, K, S, D)), jnp.float32) for _ in range(2))
+  q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32) * 3
+  kn, vn = (jnp.asarray(rng.standard_normal((B, T, K, D)), jnp.float32) for _ in range(2))
+  t = jnp.arange(T)[None]
+  pos = jnp.where(t < jnp.array([T, 30, 5])[:, None], lengths_B[:, None] + t, -1)
+  W_B1 = jnp.asarray(windows)[:, None]
+  floor = None if not band else jnp.where(W_B1 > 0, pos - W_B1 + 1, 0).astype(jnp.int32)
+  window = {} if floor is None else {"floor_BT": floor}
+  got, want = (jax.jit(lambda q, kn, vn, pos, k, v, n, f=f: f(
+      q, kn, vn, pos, [segment("fp32", k, v, n)], **window,
+      **({"band": band} if f is attention.grouped else {})))(q, kn, vn, pos, k, v, lengths_B)
+      for f in (attention.grouped, attention.reference))
+  valid = np.asarray(pos >= 0)[:, :, None, None]
+  np.testing.assert_allclose(np.where(valid, got, 0), np.where(valid, want, 0), atol=2e-5,
+                             rtol=1e-5)
+  assert np.all(np.isfinite(np.asarray(got)))
+
+
+def test_a_windowed_layer_reads_its_band_and_a_full_layer_its_triangle():
+  """The keys a 32k-token prompt's pass reads in one layer, counted by the function that
+  sets the traced loop's trip counts (`xla.key_spans`): a 512-token window (Gemma 3's)
+  reads at most 1.2x the keys its window needs; a full layer at most 1.2x the causal
+  triangle; a window as wide as the prompt as much as a full layer."""
+  T, W = 32768, 512
+  need_window = sum(min(t + 1, W) for t in range(T))
+  need_full = T * (T + 1) // 2
+  assert xla.keys_read(T, window=W, band=W) <= 1.2 * need_window
+  assert xla.keys_read(T, window=W, band=W) >= need_window
+  assert need_full <= xla.keys_read(T, window=0, band=W) <= 1.2 * need_full
+  assert need_full <= xla.keys_read(T) <= 1.2 * need_full
+  assert xla.keys_read(T, window=T, band=W) == xla.keys_read(T, window=0, band=W)
+
+
+def test_the_prompt_program_does_not_grow_with_the_prompt():
+  """The model's prompt pass through a cache lowers to the same program at 2,048 and 8,192
+  tokens (one scan of query blocks, no op per block): its HLO has as many instructions,
+  so its compile time follows the layer body, not the prompt."""
+  cfg, params = tiny(2, "fp32")
+  cfg = config.replace(cfg, **{"model.sliding_window": 64, "model.global_every": 2})
+  params = step.prepare_params(cfg, params)
+
+  def ops(T):
+    cache = cache_lib.init_cache(cfg, 1, T)
+    tokens = jnp.zeros((1, T), jnp.int32)
+    lowered = decode.prefill.lower(params, tokens, jnp.asarray([T], jnp.int32), cache,
+                                   jax.random.PRNGKey(0), **step.statics(cfg, decode.Sampler()))
+    return sum(1 for line in lowered.as_text().splitlines() if " = " in line)
+  assert ops(2048) == ops(8192)
 
 
 @pytest.mark.parametrize("codec, planes", [("int4", 2), ("int2", 4), ("int4", 1)])

@@ -379,3 +379,36 @@ def test_continuation_logprobs_full_and_unbudgeted_equal_the_full_forward():
   wcfg = tiny_config(**{"cache.policy": "window", "cache.budget": 4})
   got_w, nbytes_w = evict.continuation_logprobs(wcfg, params, toks[:, :10], toks[:, 10:])
   assert nbytes_w < nbytes and np.max(np.abs(np.asarray(got_w - want))) > 1e-4
+
+
+@pytest.mark.parametrize("which", ["every", "window", "last"])
+def test_attention_mass_in_query_blocks_equals_the_whole_attention(which, monkeypatch):
+  """The attention mass the scoring policies rank by (h2o: every prompt query; snapkv: an
+  observation window; tova: the last query), summed over query blocks of 3 (the last one
+  padded), equals the mass read off the whole [T, T] softmax of each layer and head,
+  averaged over the query heads of each KV head; ragged rows."""
+  from kvjax.policies import attn
+  monkeypatch.setattr(attn, "MASS_BLOCK", 3)
+  rng = np.random.default_rng(7)
+  L, B, T, H, K, D = 2, 2, 11, 4, 2, 8
+  q = rng.standard_normal((L, B, T, H, D)).astype(np.float32)
+  k = rng.standard_normal((L, B, K, T, D)).astype(np.float32)
+  lengths = np.array([11, 6])
+  t = np.arange(T)[None, :]
+  qpos = {"every": np.where(t < lengths[:, None], t, -1),
+          "window": lengths[:, None] - 4 + np.arange(4)[None, :],
+          "last": lengths[:, None] - 1}[which]
+  got = attn.attention_mass(jnp.asarray(q), jnp.asarray(k), jnp.asarray(lengths, jnp.int32),
+                            jnp.asarray(qpos, jnp.int32))
+  want = np.zeros((L, B, K, T))
+  for layer in range(L):
+    for b in range(B):
+      for h in range(H):
+        logits = q[layer, b, :, h] @ k[layer, b, h // (H // K)].T / np.sqrt(D)  # [T, T]
+        for w in qpos[b]:
+          if w < 0:
+            continue
+          seen = np.arange(T) <= min(w, lengths[b] - 1)
+          e = np.exp(logits[w] - logits[w][seen].max()) * seen
+          want[layer, b, h // (H // K)] += e / e.sum() / (H // K)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)

@@ -51,11 +51,11 @@ def read_segment(q_BKGTD, seg, state, program: str = "cpu", bucket: int = 0,
 
 
 def native(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, *, program: str = "cpu",
-           bucket: int = 0, floor_BT=None):
+           bucket: int = 0, floor_BT=None, band: int = 0):
   """`xla.grouped` with the stored segments read by `read_segment`."""
   read = functools.partial(read_segment, program=program, bucket=bucket)
   return xla.grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, read=read,
-                     floor_BT=floor_BT)
+                     floor_BT=floor_BT, band=band)
 
 
 def auto(*args, program: str = "cpu", bucket: int = 0, **window):

@@ -113,85 +113,170 @@ def attend_segment(q_BKGTD, seg, state, native: bool = False, chunk: int | None 
 
 
 # Queries of a prompt attended together to the prompt's own tokens. Keys beyond a block's
-# last query are skipped, which assumes that within one call the valid positions of a row
-# increase with the token index (prefill, engine chunks, recompute and training all place
-# token t at position start + t, padding at -1). The [B, K, G, T, T] logits of a whole
-# prompt, and the several passes over them (mask, max, exp, sum), were the bulk of prefill
-# (docs/methods.md, "CPU decode", *A prompt attends to itself in query blocks*).
-NEW_BLOCK = 128
+# last query are skipped, and a windowed layer's block reads only its band of keys, which
+# assumes that within one call the valid positions of a row are start + token index
+# (prefill, engine chunks, recompute and training all place token t at position start + t,
+# padding at -1). The [B, K, G, T, T] logits of a whole prompt, and the several passes over
+# them (mask, max, exp, sum), were the bulk of prefill (docs/methods.md, "CPU decode", *A
+# prompt attends to itself in query blocks*).
+NEW_BLOCK = 128  # queries a block of a prompt's pass (fewer under a window: `prompt_blocks`)
+KEY_BLOCK = 512  # keys a block of a prompt's own keys (a window's band under a window)
 
 
-def _new_tokens(q_BKGTD, k_BKID, v_BKID, pos_q_BT, pos_k_BI, floor_BT=None):
-  """Logits, mask and value read of a block of queries against this call's own keys, the
-  I tokens up to the block's end (causal, and within each query's window if floored)."""
+def prompt_blocks(T: int, band: int = 0) -> tuple[int, int]:
+  """(queries, keys) a block of a prompt's pass over its own T keys. Without a window,
+  NEW_BLOCK queries against KEY_BLOCK keys at a time. Under a window of `band` tokens
+  (`model.sliding_window`, the static bound of every layer's window) a block of queries
+  sees at most band + queries - 1 keys, so a key block of band + queries reads a windowed
+  layer's band in one block; queries are band / 8 (at most NEW_BLOCK, at least 8), so a
+  windowed layer reads (band + queries) / band = 1.125 times the keys its window needs."""
+  if band <= 0:
+    return NEW_BLOCK, KEY_BLOCK
+  Cq = max(8, min(NEW_BLOCK, band // 8))
+  return Cq, band + Cq
+
+
+def key_spans(lo_T, T: int, Cq: int, Ck: int, xp=jnp):
+  """For each block of Cq queries, the first key it may see and how many key blocks of Ck
+  it reads: `lo_T` [Tq] is each query's lowest visible key index (0 without a window; Tq for
+  padding), and block i reads keys [lo_i, min(T, (i + 1)·Cq)) in ceil(span / Ck) blocks.
+  `xp=numpy` counts on the host what the traced loop reads (`keys_read`)."""
+  Tq = lo_T.shape[0]
+  lo_N = xp.minimum(xp.min(lo_T.reshape(Tq // Cq, Cq), axis=1), T)
+  hi_N = xp.minimum(xp.arange(1, Tq // Cq + 1) * Cq, T)
+  n_N = xp.maximum(hi_N - lo_N + Ck - 1, 0) // Ck
+  return lo_N, n_N
+
+
+def keys_read(T: int, window: int = 0, band: int = 0) -> int:
+  """Keys the prompt's pass of T tokens reads from its own keys, summed over its queries,
+  in one layer whose window is `window` (0: full attention) in a model whose static bound
+  is `band`: the count of the traced loop (`key_spans`), for tests and reports."""
+  import numpy as np  # noqa: PLC0415
+  Cq, Ck = prompt_blocks(T, band)
+  if T <= Cq:
+    return T * T
+  Tq = -(-T // Cq) * Cq
+  t_T = np.arange(Tq)
+  lo_T = np.where(t_T < T, np.maximum(t_T - window + 1, 0) if window else 0, Tq)
+  _, n_N = key_spans(lo_T, T, Cq, Ck, np)
+  return int(np.sum(n_N) * Ck * Cq)
+
+
+def _new_tokens(q_BKGTD, k_BKID, v_BKID, pos_q_BT, pos_k_BI, floor_BT=None, fresh_I=None):
+  """Logits, mask and value read of a block of queries against a block of this call's own
+  keys (causal, and within each query's window if floored; `fresh_I`: the keys of the block
+  not read before)."""
   f32 = jnp.float32
   l_new = jnp.einsum("bkgtd,bkid->bkgti", q_BKGTD, k_BKID, preferred_element_type=f32)
   causal_BTI = (pos_k_BI[:, None, :] <= pos_q_BT[:, :, None]) & (pos_k_BI[:, None, :] >= 0)
   if floor_BT is not None:
     causal_BTI = causal_BTI & (pos_k_BI[:, None, :] >= floor_BT[:, :, None])
+  if fresh_I is not None:
+    causal_BTI = causal_BTI & fresh_I[None, None, :]
   pv_new = lambda p: jnp.einsum("bkgti,bkid->bkgtd", p.astype(v_BKID.dtype), v_BKID,  # noqa
                                 preferred_element_type=f32)
   return l_new, causal_BTI[:, None, None], pv_new
 
 
-def _by_query_block(q_BKGTD, seg, state, bucket: int, floor_BT=None):
-  """The accelerator program's read of one stored segment for a prompt: NEW_BLOCK queries
-  at a time, so no [T, S] logits exist. Each block skips an empty segment on its own (one
-  `cond` each): under one `cond` for all blocks, XLA:CPU kept every block's logits alive
-  at once (the compiled prefill's temporaries, tests/test_accel.py)."""
-  T = q_BKGTD.shape[3]
-  parts = [attend_segment(q_BKGTD[:, :, :, t0:t0 + NEW_BLOCK], seg,
-                          jax.tree.map(lambda a: a[:, :, :, t0:t0 + NEW_BLOCK], state),  # noqa: B023
-                          program="accelerator", bucket=bucket,
-                          floor_BT=None if floor_BT is None else floor_BT[:, t0:t0 + NEW_BLOCK])
-           for t0 in range(0, T, NEW_BLOCK)]
-  return jax.tree.map(lambda *a: jnp.concatenate(a, axis=3), *parts)
+def _initial(B, K, G, T, D):
+  f32 = jnp.float32
+  return (jnp.full((B, K, G, T), base.MASKED, f32), jnp.zeros((B, K, G, T), f32),
+          jnp.zeros((B, K, G, T, D), f32))
+
+
+def _finish(state):
+  """Padding queries see no key at all (s = 0): they read 0, never NaN."""
+  _, s, acc = state
+  return acc / jnp.where(s > 0, s, 1.0)[..., None]
+
+
+def _read_stored(q_BKGTD, segments, state, read, program, bucket, floor_BT):
+  window = {} if floor_BT is None else {"floor_BT": floor_BT}
+  for seg in segments:
+    state = read(q_BKGTD, seg, state, **window) if read else \
+        attend_segment(q_BKGTD, seg, state, program=program, bucket=bucket, **window)
+  return state
+
+
+def _by_query_block(q_BKGTD, k_BKTD, v_BKTD, positions_BT, segments, read, program, bucket,
+                    floor_BT, band):
+  """A prompt's pass, one block of queries at a time in a `lax.scan` (`prompt_blocks`): the
+  program and its compile time do not grow with T, and no [T, S] logits exist. Each block
+  reads the stored segments (each skips an empty one on its own), then its own keys from
+  the first one any of its queries sees (its window's band) to its last query, KEY_BLOCK at
+  a time in a loop whose trip count is data (`key_spans`)."""
+  B, K, G, T, D = q_BKGTD.shape
+  Cq, Ck = prompt_blocks(T, band)
+  Tq, Tk = -(-T // Cq) * Cq, max(T, Ck)
+  pad = lambda a, n, axis, value=0: jnp.pad(  # noqa: E731
+      a, [(0, n - a.shape[axis]) if i == axis else (0, 0) for i in range(a.ndim)],
+      constant_values=value)
+  q_pad, pos_q = pad(q_BKGTD, Tq, 3), pad(positions_BT, Tq, 1, -1)
+  floor_pad = None if floor_BT is None else pad(floor_BT, Tq, 1)
+  k_pad, v_pad, pos_k = pad(k_BKTD, Tk, 2), pad(v_BKTD, Tk, 2), pad(positions_BT, Tk, 1, -1)
+  t_T = jnp.arange(Tq, dtype=jnp.int32)
+  if floor_BT is None:
+    lo_T = jnp.where(t_T < T, 0, Tq)
+  else:  # index of each query's floor: floor - (position - index), over the valid rows
+    lo_BT = jnp.where(pos_q >= 0, floor_pad - pos_q + t_T[None, :], Tq)
+    lo_T = jnp.maximum(jnp.min(lo_BT, axis=0), 0)
+  lo_N, n_N = key_spans(lo_T, T, Cq, Ck)
+
+  def block(_, x):
+    i, lo, n = x
+    t0 = i * Cq
+    cut = lambda a, axis: jax.lax.dynamic_slice_in_dim(a, t0, Cq, axis)  # noqa: E731
+    q, pq = cut(q_pad, 3), cut(pos_q, 1)
+    fq = None if floor_pad is None else cut(floor_pad, 1)
+    state = _read_stored(q, segments, _initial(B, K, G, Cq, D), read, program, bucket, fq)
+
+    def keys(j, st):
+      # The last block may overrun Tk: its start is pulled back, and the keys read before
+      # are masked out (`fresh`).
+      want = lo + j * Ck
+      s0 = jnp.minimum(want, Tk - Ck)
+      kc = lambda a, axis: jax.lax.dynamic_slice_in_dim(a, s0, Ck, axis)  # noqa: E731
+      fresh_I = s0 + jnp.arange(Ck) >= want
+      return base.update(st, *_new_tokens(q, kc(k_pad, 2), kc(v_pad, 2), pq, kc(pos_k, 1), fq,
+                                          fresh_I))
+    return None, _finish(jax.lax.fori_loop(0, n, keys, state))
+
+  N = Tq // Cq
+  _, out_NBKGCD = jax.lax.scan(block, None, (jnp.arange(N, dtype=jnp.int32), lo_N, n_N))
+  out = jnp.moveaxis(out_NBKGCD, 0, 3).reshape(B, K, G, Tq, D)
+  return out[:, :, :, :T]
 
 
 def grouped(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, read=None, *,
-            program: str = "cpu", bucket: int = 0, floor_BT=None) -> jax.Array:
+            program: str = "cpu", bucket: int = 0, floor_BT=None, band: int = 0) -> jax.Array:
   """Grouped-query attention over stored segments + the new tokens. Returns [B, T, H, D].
   `read(q_BKGTD, seg, state) -> state` reads one stored segment (default: the XLA read of
   the resolved `program`, `attend_segment`; `kvjax.attention.pallas` plugs in its
   kernel). `floor_BT` [B, T] (a sliding window): the lowest position each
-  query sees, passed on to `read` as `floor_BT=` (None: every earlier token)."""
+  query sees, passed on to `read` as `floor_BT=` (None: every earlier token); `band`: the
+  static bound of the windows (`model.sliding_window`), which sizes a prompt's blocks."""
   B, T, H, D = q_BTHD.shape
   K = k_BTKD.shape[2]
   G = H // K
   q_BKGTD = (q_BTHD * (D ** -0.5)).reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4)
   k_BKTD = k_BTKD.transpose(0, 2, 1, 3)
   v_BKTD = v_BTKD.transpose(0, 2, 1, 3)
-
-  f32 = jnp.float32
-  state = (jnp.full((B, K, G, T), base.MASKED, f32), jnp.zeros((B, K, G, T), f32),
-           jnp.zeros((B, K, G, T, D), f32))
-  # The accelerator program reads each stored segment in one block, so a prompt's logits
-  # against it would be [T, S] at once: it reads them NEW_BLOCK queries at a time instead.
-  per_block = read is None and program == "accelerator" and T > NEW_BLOCK
-  window = {} if floor_BT is None else {"floor_BT": floor_BT}
-  for seg in segments:
-    if per_block:
-      state = _by_query_block(q_BKGTD, seg, state, bucket, floor_BT)
-    else:
-      state = read(q_BKGTD, seg, state, **window) if read else \
-          attend_segment(q_BKGTD, seg, state, program=program, bucket=bucket, **window)
-  # The new tokens: causal by position; padding (position -1) is never a key. A prompt is
-  # read NEW_BLOCK queries at a time, each block against the keys up to its own end only.
-  outs = []
-  for t0 in range(0, T, NEW_BLOCK):
-    t1 = min(T, t0 + NEW_BLOCK)
-    st = jax.tree.map(lambda a: a[:, :, :, t0:t1], state)  # noqa: B023
-    _, s, acc = base.update(st, *_new_tokens(
-        q_BKGTD[:, :, :, t0:t1], k_BKTD[:, :, :t1], v_BKTD[:, :, :t1], positions_BT[:, t0:t1],
-        positions_BT[:, :t1], None if floor_BT is None else floor_BT[:, t0:t1]))
-    # Padding queries see no key at all (s = 0): they read 0, never NaN.
-    outs.append(acc / jnp.where(s > 0, s, 1.0)[..., None])
-  out_BKGTD = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
+  if T > prompt_blocks(T, band)[0]:  # a prompt: blocks of queries in one scan
+    out_BKGTD = _by_query_block(q_BKGTD, k_BKTD, v_BKTD, positions_BT, segments, read,
+                                program, bucket, floor_BT, band if floor_BT is not None else 0)
+  else:  # a decode step or a short prompt: one block of queries, all of its own keys
+    state = _read_stored(q_BKGTD, segments, _initial(B, K, G, T, D), read, program, bucket,
+                         floor_BT)
+    out_BKGTD = _finish(base.update(state, *_new_tokens(q_BKGTD, k_BKTD, v_BKTD, positions_BT,
+                                                        positions_BT, floor_BT)))
   return out_BKGTD.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(q_BTHD.dtype)
 
 
-def reference(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, floor_BT=None) -> jax.Array:
-  """The plain path (tests): every stored slot dequantized, one softmax over everything."""
+def reference(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, floor_BT=None,
+              band: int = 0) -> jax.Array:
+  """The plain path (tests): every stored slot dequantized, one softmax over everything
+  (every key read, masked: `band`, which sizes the blocked variants' blocks, is not used)."""
   B, T, H, D = q_BTHD.shape
   K = k_BTKD.shape[2]
   q_BKGTD = (q_BTHD * (D ** -0.5)).reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)

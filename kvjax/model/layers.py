@@ -177,7 +177,7 @@ def attention_block(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput
   segments = [] if layout is None else layout.read(inp.spec, inp.store, inp.lengths_B, layer)
   attend = attention.get(cfg.attention, cfg.program, inp.bucket)
   floor_BT = window_floor(cfg, layer, inp.positions_BT)
-  window = {} if floor_BT is None else {"floor_BT": floor_BT}
+  window = {} if floor_BT is None else {"floor_BT": floor_BT, "band": cfg.sliding_window}
   attn_BTHD = attend(q_BTHD, k_BTKD, v_BTKD, inp.positions_BT, segments, **window)
   if rot_DD is not None:
     attn_BTHD = rotate.apply(attn_BTHD, rot_DD, back=True)

@@ -21,31 +21,46 @@ from kvjax import codecs
 from kvjax.policies.replace import ScoreAndReplace
 
 
+MASS_BLOCK = 256  # chosen queries a block of `attention_mass` (h2o chooses every prompt query)
+
+
 def attention_mass(q_LBTHD, k_LBKSD, lengths_B, qpos_BW):
   """[L, B, K, S]: for each key, the softmax attention it gets from the W queries at
   positions `qpos_BW` ([B, W] int32; -1: no query), summed over those queries and averaged
   over the G query heads that share its KV head. Causal: the query at t sees keys j <= t,
-  and only j < length. Only the chosen queries are gathered, so the work is W x S per
-  layer, not T x S."""
+  and only j < length. The chosen queries are gathered and scored MASS_BLOCK at a time (a
+  `lax.scan` per layer, summing as it goes), so the work is W x S per layer and no more than
+  MASS_BLOCK x S logits exist at once: a 32k-token prompt scored by every query (h2o)
+  never forms its [T, T] attention."""
   L, B, T, H, D = q_LBTHD.shape
   K, S = k_LBKSD.shape[2], k_LBKSD.shape[3]
   W, G = qpos_BW.shape[1], H // K
-  idx = jnp.clip(qpos_BW, 0, T - 1)[None, :, :, None, None]
-  q_LBWHD = jnp.take_along_axis(q_LBTHD, idx, axis=2)
+  Wb = min(W, MASS_BLOCK)
+  N = -(-W // Wb)
+  qpos_NBW = jnp.pad(qpos_BW, [(0, 0), (0, N * Wb - W)], constant_values=-1) \
+      .reshape(B, N, Wb).transpose(1, 0, 2)
   j_S = jnp.arange(S)
-  see_BWS = (j_S[None, None, :] <= qpos_BW[:, :, None]) & \
-      (j_S[None, None, :] < lengths_B[:, None, None]) & (qpos_BW >= 0)[:, :, None]
 
   def layer(args):
-    q_BWHD, k_BKSD = args
-    q_BKGWD = q_BWHD.astype(jnp.float32).reshape(B, W, K, G, D).transpose(0, 2, 3, 1, 4)
-    logits = jnp.einsum("bkgwd,bksd->bkgws", q_BKGWD * D ** -0.5, k_BKSD.astype(jnp.float32))
-    mask = see_BWS[:, None, None]
-    p = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
-    p = jnp.where(mask, p, 0.0)  # rows with no visible key (no query) give 0, not NaN
-    return p.sum(axis=3).mean(axis=2)  # [B, K, S]
+    q_BTHD, k_BKSD = args
+    k_BKSD = k_BKSD.astype(jnp.float32)
 
-  return jax.lax.map(layer, (q_LBWHD, k_LBKSD))
+    def block(acc_BKGS, qpos_BW):
+      idx = jnp.clip(qpos_BW, 0, T - 1)[:, :, None, None]
+      q_BWHD = jnp.take_along_axis(q_BTHD, idx, axis=1).astype(jnp.float32)
+      q_BKGWD = q_BWHD.reshape(B, Wb, K, G, D).transpose(0, 2, 3, 1, 4)
+      logits = jnp.einsum("bkgwd,bksd->bkgws", q_BKGWD * D ** -0.5, k_BKSD)
+      see_BWS = (j_S[None, None, :] <= qpos_BW[:, :, None]) & \
+          (j_S[None, None, :] < lengths_B[:, None, None]) & (qpos_BW >= 0)[:, :, None]
+      mask = see_BWS[:, None, None]
+      p = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
+      p = jnp.where(mask, p, 0.0)  # rows with no visible key (no query) give 0, not NaN
+      return acc_BKGS + p.sum(axis=3), None
+
+    acc_BKGS, _ = jax.lax.scan(block, jnp.zeros((B, K, G, S), jnp.float32), qpos_NBW)
+    return acc_BKGS.mean(axis=2)  # [B, K, S]
+
+  return jax.lax.map(layer, (q_LBTHD, k_LBKSD))
 
 
 def step_attention(q_HD, k_store, kc, mask_S, k_new_KD):

@@ -79,7 +79,8 @@ def test_none_layout_temporaries_cover_the_recomputed_prefix():
   cached = footprint.temp_bytes(cfg, 1, 8, 1024)
   none = footprint.temp_bytes(config.load(None, {"cache.layout": "none"}), 1, 8, 1024)
   m = cfg.model
-  assert none > 20 * cached  # the prefix's activations, not the prompt's
+  # the prefix's activations and its blocked pass over 1,024 tokens, not the prompt's 8
+  assert none > 15 * cached
   assert none >= 4 * 1024 * (4 * m.d_model + 3 * m.F + 2 * m.n_heads * m.D)
 
 

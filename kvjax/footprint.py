@@ -290,8 +290,11 @@ def temp_bytes(cfg: Config, batch: int, tokens: int, capacity: int) -> int:
   1: a decode step) over a cache of `capacity` slots, float32 unless said:
 
   - logits: each row's last token only, B x V (prefill and decode keep no others);
-  - one layer's activations: B x T x (4E + 3F + 2HD), and its queries, keys and values
-    again as the prompt's blocked pass pads them (B x T x (H + 2K) x D);
+  - one layer's activations: per token, the residual stream and the attention's output
+    projection (2E), the queries with their grouped and blocked copies and the attention's
+    output (4HD), the keys and values with theirs (4KD) and the RoPE tables (4D); and the
+    MLP's gate, up and gated products (3F) for the tokens of one block of a long prompt's
+    MLP (`model.layers.MLP_ROWS`);
   - the new K and V of every layer, stacked by the layer loop before the layout writes
     them: 2 x L x B x T x K x D in the compute dtype;
   - the attention's widest tile, 4 x (logits, masked logits, probabilities and their cast
@@ -314,7 +317,9 @@ def temp_bytes(cfg: Config, batch: int, tokens: int, capacity: int) -> int:
   Cq, Ck = (T, T) if T <= Cq else (Cq, Ck)
   itemsize = _ITEMSIZE[m.dtype]
   logits = B * m.vocab_size
-  acts = B * T * (4 * m.d_model + 3 * m.F + 2 * H * D) + (B * T * (H + 2 * K) * D if T > 1 else 0)
+  from kvjax.model import layers
+  acts = B * T * (2 * m.d_model + 4 * H * D + 4 * K * D + 4 * D) + \
+      B * min(T, layers.MLP_ROWS) * 3 * m.F
   new_kv = 2 * L * B * T * K * D * itemsize
   new = B * H * Cq * Ck
   C = S if base.program(m.program) == "accelerator" else min(S, codecs.READ_CHUNK)

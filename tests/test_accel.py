@@ -277,7 +277,7 @@ def test_prompt_temporaries_formula_and_the_compiled_prefill_fits_it():
   cfg = _cfg("accelerator", **{"cache.capacity": 1024, "model.max_seq_len": 1024})
   m, B, T, S = cfg.model, 2, 512, 1024
   H, K, D = m.n_heads, m.n_kv_heads, m.D
-  acts = B * T * (4 * m.d_model + 3 * m.F + 2 * H * D) + B * T * (H + 2 * K) * D
+  acts = B * T * (2 * m.d_model + 4 * H * D + 4 * K * D + 4 * D) + B * T * 3 * m.F
   new_kv = 2 * m.n_layers * B * T * K * D * 4
   tiles = B * H * 128 * 512 + B * H * 128 * S
   widened = 2 * B * K * S * D * 4

@@ -163,6 +163,28 @@ def test_the_prompt_program_does_not_grow_with_the_prompt():
   assert ops(2048) == ops(8192)
 
 
+def test_a_long_prompts_mlp_in_row_blocks_equals_the_whole(monkeypatch):
+  """The MLP of a prompt longer than `layers.MLP_ROWS` runs a block of rows at a time (the
+  last padded): the model's logits equal those of one MLP over every row, ragged rows."""
+  from kvjax.model import layers
+  cfg, params = tiny(2, "fp32")
+  rng = np.random.default_rng(3)
+  tokens = jnp.asarray(rng.integers(0, 260, (2, 11)), jnp.int32)
+  t = jnp.arange(11)[None]
+  pos = jnp.where(t < jnp.array([11, 6])[:, None], t, -1)
+
+  def forward():  # traced afresh while MLP_ROWS holds the value it tests
+    return np.asarray(jax.jit(lambda p, t, q: model.Transformer(cfg.model).apply(
+        {"params": p}, t, q)[0])(params, tokens, pos))
+  monkeypatch.setattr(layers, "MLP_ROWS", 4)
+  blocked = forward()
+  monkeypatch.setattr(layers, "MLP_ROWS", 64)
+  whole = forward()
+  valid = np.asarray(pos >= 0)[..., None]
+  np.testing.assert_allclose(np.where(valid, blocked, 0), np.where(valid, whole, 0), atol=1e-5,
+                             rtol=1e-5)
+
+
 @pytest.mark.parametrize("codec, planes", [("int4", 2), ("int2", 4), ("int4", 1)])
 def test_plane_wise_packed_reads_equal_reference(codec, planes, monkeypatch):
   """Packed codes read one bit plane at a time (`PLANE_MIN` lowered so the tiny head_dim

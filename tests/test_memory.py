@@ -81,7 +81,7 @@ def test_none_layout_temporaries_cover_the_recomputed_prefix():
   m = cfg.model
   # the prefix's activations and its blocked pass over 1,024 tokens, not the prompt's 8
   assert none > 15 * cached
-  assert none >= 4 * 1024 * (4 * m.d_model + 3 * m.F + 2 * m.n_heads * m.D)
+  assert none >= 4 * 1024 * (2 * m.d_model + 3 * m.F + 4 * m.n_heads * m.D)
 
 
 def test_cli_generate_refuses_a_cache_larger_than_memory(capsys):
@@ -178,3 +178,24 @@ def test_program_bytes_is_the_largest_program_net_of_donation():
   def broken():
     raise NotImplementedError
   assert footprint.program_bytes(types.SimpleNamespace(memory_analysis=broken)) is None
+
+
+@pytest.mark.parametrize("shape, T", [("gemma3-270m", 32768), ("qwen2.5-coder-0.5b", 16384)])
+def test_long_prompt_temporaries_match_the_compiled_prefill(shape, T):
+  """A long prompt's prefill at a real model's shape (compiled, never run: no weights are
+  made): the closed form of its temporaries covers what XLA's buffer assignment allocates
+  and exceeds it by at most a quarter, so the memory check neither lets a long prompt
+  through that cannot fit nor refuses one that can by much."""
+  import jax.numpy as jnp
+  from kvjax import cache as cache_lib, decode, model
+  from kvjax.decode import step
+  from kvjax.lab.experiments import load_shape
+  cfg = load_shape(shape)
+  params = jax.eval_shape(lambda: step.prepare_params(cfg, model.init_params(cfg.model, 0)))
+  cache = jax.eval_shape(lambda: cache_lib.init_cache(cfg, 1, T + 1))
+  lowered = decode.prefill.lower(params, jax.ShapeDtypeStruct((1, T), jnp.int32),
+                                 jax.ShapeDtypeStruct((1,), jnp.int32), cache,
+                                 jax.random.PRNGKey(0), **step.statics(cfg, decode.Sampler()))
+  temp = lowered.compile().memory_analysis().temp_size_in_bytes
+  est = footprint.temp_bytes(cfg, 1, T, T + 1)
+  assert temp <= est <= 1.25 * temp

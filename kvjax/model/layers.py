@@ -145,7 +145,24 @@ def block_forward(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):
   k, v and those queries are in the rotated basis (`kvjax.codecs.rotate`)."""
   o_BTE, kv = attention_block(cfg, dense, norm, x_BTE, layer, inp)
   x_BTE = x_BTE + o_BTE
-  return x_BTE + mlp_block(cfg, dense, norm, x_BTE), kv
+  return x_BTE + mlp_rows(cfg, dense, norm, x_BTE), kv
+
+
+MLP_ROWS = 2048  # tokens a block of a long prompt's MLP (its gate, up and gated products)
+
+
+def mlp_rows(cfg: ModelConfig, dense, norm, x_BTE):
+  """`mlp_block`, MLP_ROWS tokens at a time (a `lax.map`) when a call has more: the MLP
+  treats each token alone, so a long prompt's [T, 3F] products need never exist at once
+  (a 32k-token prompt through Qwen2.5's F = 4,864 would hold 1.9 GB of them)."""
+  B, T, E = x_BTE.shape
+  if T <= MLP_ROWS:
+    return mlp_block(cfg, dense, norm, x_BTE)
+  n = -(-T // MLP_ROWS)
+  x_NBRE = jnp.pad(x_BTE, [(0, 0), (0, n * MLP_ROWS - T), (0, 0)]) \
+      .reshape(B, n, MLP_ROWS, E).swapaxes(0, 1)
+  y_NBRE = jax.lax.map(lambda x: mlp_block(cfg, dense, norm, x), x_NBRE)
+  return y_NBRE.swapaxes(0, 1).reshape(B, n * MLP_ROWS, E)[:, :T]
 
 
 def attention_block(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):

@@ -1,0 +1,76 @@
+"""The position experiment (kvjax/lab/experiments/position.py) at tiny size: per-position
+terms streamed in lockstep with the fp32 reference equal the stored-reference path, and a
+run writes one row per bucket, the fp32 setting's exactly the reference's."""
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from kvjax import cli, config
+from kvjax.errors import KvjaxError
+from kvjax.lab import evaluate
+from kvjax.lab.experiments import position
+
+MODEL = {"vocab_size": 260, "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+         "head_dim": 8, "max_seq_len": 96}
+
+
+def test_lockstep_terms_equal_the_stored_reference_path():
+  """`terms` (the fp32 reference streamed beside the setting, segment by segment) gives,
+  position by position, the NLL, KL and agreement of the setting's and the reference's
+  whole log-probabilities (each streamed on its own), for every position with a target."""
+  from kvjax import model
+  cfg = config.load(None, {**{f"model.{k}": v for k, v in MODEL.items()}, "cache.codec": "int4"})
+  params = model.init_params(cfg.model, 0)
+  tokens = np.random.default_rng(0).integers(0, 260, (1, 80)).astype(np.int32)
+  ref_cfg = evaluate.reference_config(cfg)
+  got = position.terms(cfg, ref_cfg, params, tokens, chunk=16)
+  whole = evaluate.token_terms(evaluate.host_logprobs(cfg, params, tokens, 16),
+                               evaluate.host_logprobs(ref_cfg, params, tokens, 16), tokens[:, 1:])
+  for g, w in zip(got, whole):
+    assert g.shape == (1, 79)
+    np.testing.assert_allclose(g, w[:, :79], rtol=1e-6, atol=1e-9)
+  assert not np.array_equal(got[0], got[1])  # int4 is not the reference
+
+
+def _config(tmp_path, **params):
+  model_file = tmp_path / "tiny.yaml"
+  model_file.write_text(yaml.safe_dump({"tokenizer": "bytes", "model": MODEL}))
+  cfg = {"name": "position_tiny", "experiment": "position", "model": MODEL,
+         "grid": {"params.setting": ["fp32", "int4"]},
+         "params": {"models": [f"config:{model_file}"], "text": "stdlib", "tokens": 200,
+                    "chunk": 16, "buckets": [0, 32, 64],
+                    "settings": {"fp32": {"cache.codec": "fp32"}, "int4": {"cache.codec": "int4"}},
+                    **params}}
+  path = tmp_path / "position.yaml"
+  path.write_text(yaml.safe_dump(cfg))
+  return path
+
+
+def test_a_run_writes_a_row_per_bucket_up_to_the_models_context(tmp_path, capsys):
+  """200 tokens asked of a 96-token model: it reads 96, in buckets 0-32, 32-64 and 64-96;
+  the fp32 setting's rows are the reference itself (Δppl and KL 0, agreement 1), int4's
+  carry intervals."""
+  out = tmp_path / "out"
+  assert cli.main(["run", str(_config(tmp_path)), "--out", str(out)]) == 0
+  rows = [json.loads(line) for f in sorted(out.rglob("*.jsonl")) for line in open(f)]
+  assert len(rows) == 6
+  for r in rows:
+    assert r["workload"]["context"] == 96 and r["workload"]["protocol"] == "streamed"
+  by = {(r["variant"]["setting"], tuple(r["workload"]["bucket"])): r["metrics"] for r in rows}
+  assert set(by) == {(s, b) for s in ("fp32", "int4") for b in ((0, 32), (32, 64), (64, 96))}
+  for b in ((0, 32), (32, 64), (64, 96)):
+    assert by["fp32", b]["dppl_rel"] == 0 and by["fp32", b]["kl"] < 1e-9
+    assert by["fp32", b]["agreement"] == 1
+    lo, hi = by["int4", b]["dppl_rel_ci95"]
+    assert lo <= by["int4", b]["dppl_rel"] <= hi
+  assert by["int4", (64, 96)]["positions"] == 95 - 64  # the last token predicts nothing
+
+
+@pytest.mark.parametrize("buckets", [[0], [1, 10], [0, 10, 10], [0, "x"]])
+def test_bad_buckets_are_refused_in_one_line(tmp_path, capsys, buckets):
+  rc = cli.main(["run", str(_config(tmp_path, buckets=buckets)), "--out", str(tmp_path / "o")])
+  err = capsys.readouterr().err
+  assert rc == 2 and "params.buckets" in err and err.count("\n") == 1

@@ -44,6 +44,10 @@ A generated block sits between `<!-- doc_tables:NAME begin -->` and
             accuracy (results/real_models/frontier_passkey/) and decode step at batch 8 x 4k
             against bf16's (results/cpu/frontier_speed_{smollm2,qwen,gemma3}/roofline.jsonl,
             configs/frontier_speed_*.yaml).
+  long_prefill  (docs/long_prompts.md) results/cpu/long_prefill.jsonl: a long prompt's
+            prefill per model and length (scripts/long_prefill.py): compile and prefill
+            time, peak memory against the estimate, keys read per kind of layer, and
+            transformers' prefill of the same prompt.
   gpu       (docs/gpu.md) results/gpu/h200/: the last device run (scripts/device_check.sh):
             device and versions, each decode step against the copy bandwidth it probed,
             Gemma's hybrid against its full variant, the distillation step against the
@@ -1164,6 +1168,45 @@ def gpu_table(rows: list[dict]) -> str:
 
 
 BUILDERS["gpu"] = gpu_table
+
+
+def long_prefill_table(rows: list[dict]) -> str:
+  """docs/long_prompts.md: each long prompt's prefill (scripts/long_prefill.py), its memory
+  against the estimate, the keys each kind of layer reads, and transformers beside it."""
+  rows = [r for r in rows if r.get("bench") == "long_prefill"]
+  names = {"gguf:gemma3-270m": "Gemma 3 270M", "gguf:qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B",
+           "gguf:smollm2-135m": "SmolLM2-135M"}
+  gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
+  out = ["| model | tokens | compile (s) | prefill (s) | tokens/s | GFLOP/s | of XLA's matmul | "
+         "prefill peak RSS (GiB) | estimate (GiB) | peak / estimate | load peak (GiB) | full "
+         "layers: keys read / needed | windowed layers: keys read / needed |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in sorted(rows, key=lambda r: (r["model"], r["tokens"])):
+    reads = r["reads"]
+    ratio = {k: f"{v['keys_read'] / v['keys_needed']:.2f}x" for k, v in reads.items()}
+    out.append(f"| {names.get(r['model'], r['model'])} | {r['tokens']:,} | {r['compile_s']:.1f} | "
+               f"{r['prefill_s']:.1f} | {r['tokens_per_s']:.0f} | {r['flops_per_s'] / 1e9:.0f} | "
+               f"{r['flops_roof_fraction']:.2f} | "
+               f"{gib(r['prefill_peak_rss_bytes'])} | {gib(r['prefill_estimate_bytes'])} | "
+               f"{r['prefill_peak_over_estimate']:.2f} | {gib(r['load_peak_rss_bytes'])} | "
+               f"{ratio['full']} | {ratio.get('windowed', '—')} |")
+  peers = [r for r in rows if "speedup_vs_torch" in r]
+  if peers:
+    out += ["", "| model | tokens | kvjax prefill (s) | transformers prefill (s) | kvjax's "
+            "speed / transformers' | 95 % interval | threads | same first token |",
+            "|---|---:|---:|---:|---:|---|---:|---|"]
+    for r in peers:
+      lo, hi = r["speedup_vs_torch_ci"]
+      out.append(f"| {names.get(r['model'], r['model'])} | {r['tokens']:,} | "
+                 f"{r['prefill_s']:.1f} | {r['torch_prefill_s']:.1f} | "
+                 f"{r['speedup_vs_torch']:.2f}x | [{lo:.2f}, {hi:.2f}] | {r['torch_threads']} | "
+                 f"{'yes' if r['torch_first_token'] == r['first_token'] else 'no'} |")
+  return "\n".join(out)
+
+
+SOURCES["long_prefill"] = ROOT / "results" / "cpu" / "long_prefill.jsonl"
+DOCS["long_prefill"] = ROOT / "docs" / "long_prompts.md"
+BUILDERS["long_prefill"] = long_prefill_table
 
 
 def render(doc: str, blocks: dict[str, str], path: Path = DOC) -> str:

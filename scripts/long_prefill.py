@@ -5,7 +5,9 @@ ready plus kvjax's closed forms of the cache and the prompt's temporaries, the p
 the model was read beside kvjax's whole estimate (`kvjax.memory.estimate`: weights + cache
 + temporaries, plus the process's own resident bytes before the model), and the keys
 each kind of layer reads in the prompt's pass against what its attention needs
-(`attention.xla.keys_read`). The prompt is the named prose text, tokenized, cut to T tokens.
+(`attention.xla.keys_read`); the prefill's arithmetic rate against XLA's own float32 matmul
+of 2048 x 2048 on this host (the FLOPs roof). The prompt is the named prose text,
+tokenized, cut to T tokens.
 
     python scripts/long_prefill.py --model gguf:gemma3-270m --tokens 2048,8192,16384,32768 \
         --out results/cpu/long_prefill.jsonl [--set model.param_dtype=bfloat16]
@@ -113,6 +115,8 @@ def one(model: str, overrides: list[str], T: int, repeats: int = 1, peer: bool =
       torch_first = run_torch()
       torch_times.append(time.perf_counter() - t0)
   prefill_s = float(np.median(times))
+  from kvjax.lab.experiments.roofline import DotProbe
+  dot_flops = DotProbe(2048).measure()["f32"]  # XLA's float32 matmul on this host, now
   if peer:
     from kvjax.lab import intervals
     ratio, ci = intervals.paired_ratio(torch_times, times[1:])
@@ -140,7 +144,8 @@ def one(model: str, overrides: list[str], T: int, repeats: int = 1, peer: bool =
   return {"bench": "long_prefill", "model": model, "overrides": overrides, "tokens": T,
           "first_token": first, "compile_s": compile_s,
           "prefill_s": prefill_s, "prefill_times_s": times, "tokens_per_s": T / prefill_s,
-          "flops": flops, "flops_per_s": flops / prefill_s, **peer_fields,
+          "flops": flops, "flops_per_s": flops / prefill_s, "dot_flops_per_s": dot_flops,
+          "flops_roof_fraction": flops / prefill_s / dot_flops, **peer_fields,
           "prefill_peak_rss_bytes": peak, "rss_before_prefill_bytes": loaded_rss,
           "prefill_estimate_bytes": prefill_estimate,
           "prefill_peak_over_estimate": peak / prefill_estimate,

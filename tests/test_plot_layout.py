@@ -109,6 +109,15 @@ def synthetic_rows() -> list[dict]:
                       {"tpot_s": 1e-3 * (i + 1), "ttft_s": 1e-2 * (i + 1), "tpot_s_iqr": 1e-4,
                        "ttft_s_iqr": 1e-3, "tpot_vs_kvjax": i + 1.0, "ttft_vs_kvjax": i + 1.0},
                       peer=peer))
+  for text in ("shakespeare", "stdlib"):  # position: a row per bucket
+    for s in ("int8", "int4", "int4_kivi"):
+      for i, b in enumerate(((0, 1024), (1024, 4096), (4096, 8192))):
+        d = 0.01 * (i + 1) * (2 if s == "int4" else 1)
+        rows.append(row("position", "GQA-3", s, {"task": "text_by_position", "data": text,
+                                                 "context": 8192, "chunk": 512,
+                                                 "bucket": list(b), "batch": 1},
+                        {"dppl_rel": d, "dppl_rel_ci95": [d / 2, 1.5 * d], "kl": 1e-3,
+                         "agreement": 0.9}, model="smollm2-135m"))
   for v, method, frac, ppl in (("MHA", "mha", 0.0, 5.0), ("GQA-2", "converted", 0.0, 7.0),
                                ("GQA-2", "uptrained", 0.05, 5.5), ("GQA-2", "scratch", 0.0, 5.4)):
     rows.append(row("uptrain", v, "fp32", {"task": "uptrain"}, {"ppl": ppl}, method=method,

@@ -6,7 +6,9 @@ hands it (`kvjax.cache.base`). Each module of this folder registers its variants
 `xla` (grouped, reference), `native` (the CPU program's default) and `pallas`; `auto`, the
 default name, resolves to `native` in the CPU program and `grouped` in the accelerator
 program (`resolve`, `program`). A variant may also take the keywords `program` and `bucket`
-(`get` binds them where it does). Adding a variant = one module here that calls `register`.
+(`get` binds them where it does), and under a sliding window `floor_BT` (each query's
+lowest visible position) and `band` (the window's static bound, which sizes a prompt's
+blocks: `xla.prompt_blocks`). Adding a variant = one module here that calls `register`.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ scripts/bench_prefill.py and bench_sharding.py; the serving engine through `stat
              then prepared once (`step.prepare_params`);
   compile    prefill (through the compaction of `cache.policy` when it is not `full`,
              kvjax.decode.evict) and `steps` decode steps, ahead of time: `compile_s`
-             (both programs, and the one prefill run whose cache decode is lowered on),
-             `peak_bytes` (footprint.program_bytes);
+             (both programs; decode is lowered on the shapes prefill returns, so nothing
+             runs), `peak_bytes` (footprint.program_bytes);
   run        a fresh cache every time, allocated before the clock starts (both programs
              donate it); prefill, then decode, each blocked on and timed.
 
@@ -36,6 +36,7 @@ narrow `step.Static` and the sampler, never the experiment Config.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -45,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
-from kvjax import decode, footprint, inputs
+from kvjax import decode, footprint, inputs, progress
 from kvjax.config import Config
 from kvjax.decode import evict, sharding, step
 from kvjax.errors import KvjaxError
@@ -115,8 +116,9 @@ class Compiled:
       prefill = evict.prefill_for(cfg, decode.prefill)
       cache = self.fresh()
       self.pre = prefill.lower(self.params, *self.prompts, cache, self.keys[0], **kw).compile()
-      if s.steps > 0:  # decode is lowered on what prefill returns (compaction reshapes it)
-        self.token, _, cache = self.pre(self.params, *self.prompts, cache, self.keys[0])
+      if s.steps > 0:  # decode is lowered on what prefill returns (compaction reshapes it):
+        # its shapes and shardings, so compiling runs no prefill (a long prompt's costs minutes)
+        self.token, _, cache = self.pre.out_info
     else:
       self.token, cache = self.place.full(s.batch, 0), self.fresh()
     if s.steps > 0:  # the accelerator program reads a bucket of slots, not the capacity
@@ -125,7 +127,6 @@ class Compiled:
       self.dec = decode.decode.lower(self.params, cache, self.token, self.keys[1], **kw,
                                      bucket=self.bucket).compile()
     self.compile_s = time.perf_counter() - t0
-    jax.block_until_ready(cache)
     return self
 
   @property
@@ -206,9 +207,12 @@ def generate(cfg: Config, params, prompts: list[list[int]], max_new_tokens: int,
   steps = max_new_tokens - 1
   shape = Shape(len(prompts), tokens.shape[1], capacity, steps)
   prog = Compiled(cfg, params, shape, keys=keys).compile(tokens, lengths)
-  if timed:
-    prog.run()  # warm-up: first executions pay one-time costs
-  run = prog.run()
+  bar = progress.layers(cfg.model.n_layers * (1 + timed)) if progress.wanted(shape.width) \
+      else contextlib.nullcontext()
+  with bar:  # a long prompt's prefill ticks once a layer (warm-up and timed run)
+    if timed:
+      prog.run()  # warm-up: first executions pay one-time costs
+    run = prog.run()
   if run.logits is not None and not sharding.to_host(jnp.all(jnp.isfinite(run.logits))):
     raise KvjaxError("the forward pass produced non-finite logits (NaN or inf), so no tokens "
                      "are printed; check the weights and model.rope_theta, model.norm_eps, "

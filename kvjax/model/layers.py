@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax import attention, kernels
+from kvjax import attention, kernels, progress
 from kvjax.attention.rope import apply_rope
 from kvjax.cache import base as cache_base
 from kvjax.codecs import rotate
@@ -145,7 +145,10 @@ def block_forward(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput):
   k, v and those queries are in the rotated basis (`kvjax.codecs.rotate`)."""
   o_BTE, kv = attention_block(cfg, dense, norm, x_BTE, layer, inp)
   x_BTE = x_BTE + o_BTE
-  return x_BTE + mlp_rows(cfg, dense, norm, x_BTE), kv
+  x_BTE = x_BTE + mlp_rows(cfg, dense, norm, x_BTE)
+  if progress.wanted(x_BTE.shape[1]):  # a long prompt: one tick a layer, once it is done
+    jax.debug.callback(progress.tick, x_BTE[0, 0, 0])
+  return x_BTE, kv
 
 
 MLP_ROWS = 2048  # tokens a block of a long prompt's MLP (its gate, up and gated products)

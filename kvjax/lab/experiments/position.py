@@ -19,6 +19,8 @@ reference again (twice a setting's arithmetic), so a cell's time is two long pre
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from kvjax import memory
@@ -103,6 +105,9 @@ def run_cell(cfg) -> list[dict]:
       # prediction at position t (reading t + 1 tokens) scores token t + 1
       sl = slice(lo, min(hi, nll.shape[1]))
       metrics = evaluate.metrics_of(nll[:, sl], nll_ref[:, sl], kl[:, sl], agree[:, sl])
+      rough = intervals.few_blocks(sl.stop - sl.start)
+      if rough:
+        print(f"kvjax: warning: positions {lo}-{hi} of {src.name}: {rough}", file=sys.stderr)
       rows.append({"variant": var,
                    "workload": {"task": "text_by_position", "data": text, "context": M,
                                 "chunk": chunk, "bucket": [lo, hi], "batch": 1,

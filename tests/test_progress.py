@@ -1,0 +1,34 @@
+"""kvjax/progress.py: a long prompt's prefill ticks once a layer inside a bar; a short one's
+program has no tick; a tick with no bar open does nothing."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import cache as cache_lib, config, decode, model, progress
+from kvjax.decode import step
+
+
+def _prefill(cfg, params, T):
+  cache = cache_lib.init_cache(cfg, 1, T + 1)
+  tokens = jnp.asarray(np.arange(T)[None] % 200, jnp.int32)
+  out = decode.prefill(params, tokens, jnp.asarray([T], jnp.int32), cache,
+                       jax.random.PRNGKey(0), **step.statics(cfg, decode.Sampler()))
+  jax.block_until_ready(out)
+
+
+def test_a_long_prompt_ticks_once_a_layer_and_a_short_one_never(monkeypatch):
+  monkeypatch.setattr(progress, "TOKENS", 16)
+  cfg = config.load(None, {"model.n_layers": 3, "model.d_model": 32, "model.n_heads": 4,
+                           "model.n_kv_heads": 2, "model.head_dim": 8,
+                           "model.norm_eps": 1.2345e-6})  # its own programs: none cached
+  params = step.prepare_params(cfg, model.init_params(cfg.model, 0))
+  with progress.layers(100) as bar:
+    _prefill(cfg, params, 20)
+    jax.effects_barrier()
+    assert bar.n == 3
+    _prefill(cfg, params, 8)  # below TOKENS: no callback in its program
+    jax.effects_barrier()
+    assert bar.n == 3
+  _prefill(cfg, params, 20)  # no bar open: the ticks go nowhere
+  jax.effects_barrier()

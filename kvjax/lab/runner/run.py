@@ -133,7 +133,10 @@ def _run_cell(module, name: str, cell: Cell, n_cells: int) -> list[str]:
   setting = cell.cfg.param("setting", "")
   lines = []
   for j, row in enumerate(rows):
-    variant = {**row["variant"], "setting": setting} if setting else row["variant"]
+    # the cell's setting names the row, unless the experiment named it (an interleaved
+    # variant of a cell that a setting also chose: its name says which of the cell's rows)
+    variant = {**row["variant"], "setting": setting} \
+        if setting and not row["variant"].get("setting") else row["variant"]
     lines.append(encode({
         "experiment": name, "config_hash": cell.hash,
         "cell": {"index": cell.index, "of": n_cells, "row": j, "rows": len(rows),

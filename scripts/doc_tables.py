@@ -48,6 +48,12 @@ A generated block sits between `<!-- doc_tables:NAME begin -->` and
             prefill per model and length (scripts/long_prefill.py): compile and prefill
             time, peak memory against the estimate, keys read per kind of layer, and
             transformers' prefill of the same prompt.
+  long_speed  (docs/long_prompts.md) results/cpu/long_speed_{qwen,gemma3}/roofline.jsonl:
+            the decode step at 8k-32k tokens per setting against bf16's, with the cache's
+            share of the bytes and the binding roof (configs/long_speed_*.yaml).
+  position  (docs/long_prompts.md) results/real_models/position/position.jsonl: each
+            setting's Δppl and KL per position bucket on one long document per text
+            (configs/position.yaml).
   gpu       (docs/gpu.md) results/gpu/h200/: the last device run (scripts/device_check.sh):
             device and versions, each decode step against the copy bandwidth it probed,
             Gemma's hybrid against its full variant, the distillation step against the
@@ -1204,6 +1210,75 @@ def long_prefill_table(rows: list[dict]) -> str:
   return "\n".join(out)
 
 
+def position_table(rows: list[dict]) -> str:
+  """docs/long_prompts.md: each setting's Δppl and KL per position bucket, per model and
+  text (configs/position.yaml), with intervals; the cells not yet run said so."""
+  rows = [r for r in rows if r.get("workload", {}).get("task") == "text_by_position"]
+  if not rows:
+    return "No rows yet: `kvjax run configs/position.yaml --out results/real_models/position`."
+  kilo = lambda n: f"{n // 1024}k" if n and n % 1024 == 0 else str(n)  # noqa: E731
+  out = []
+  for model in sorted({r["variant"]["model"] for r in rows}):
+    for text in sorted({r["workload"]["data"] for r in rows if r["variant"]["model"] == model}):
+      here = [r for r in rows if r["variant"]["model"] == model and r["workload"]["data"] == text]
+      buckets = sorted({tuple(r["workload"]["bucket"]) for r in here})
+      context = max(r["workload"]["context"] for r in here)
+      out += [f"**{model}, {text}** (the first {context:,} tokens; Δppl against the fp32 "
+              "cache with its 95 % interval, then KL in nats):", "",
+              "| setting | " + " | ".join(f"{kilo(a)}–{kilo(b)}" for a, b in buckets) + " |",
+              "|---|" + "---:|" * len(buckets)]
+      for s in sorted({r["variant"]["setting"] for r in here}):
+        by = {tuple(r["workload"]["bucket"]): r["metrics"] for r in here
+              if r["variant"]["setting"] == s}
+        cells = [f"{_signed(100 * by[b]['dppl_rel'])}{_pct_ci(by[b])}, {_kl(by[b]['kl'])}"
+                 if b in by else "not run" for b in buckets]
+        out.append(f"| `{s}` | " + " | ".join(cells) + " |")
+      out.append("")
+  return "\n".join(out).rstrip()
+
+
+def long_speed_table(rows: list[dict]) -> str:
+  """docs/long_prompts.md: the decode step at 8k-32k tokens (configs/long_speed_*.yaml):
+  bf16's step, its cache's share of the bytes, its binding roof, and every other setting's
+  step against it with the interval."""
+  rows = [r for r in rows if r.get("experiment") == "roofline"]
+  if not rows:
+    return "Not run yet: `kvjax run configs/long_speed_qwen.yaml --out results/cpu/long_speed_qwen`."
+  names = {"long_speed_qwen": "Qwen2.5-Coder-0.5B", "long_speed_gemma3": "Gemma 3 270M"}
+  out = []
+  for cfg_name in sorted({r["config"]["name"] for r in rows}):
+    mine = [r for r in rows if r["config"]["name"] == cfg_name]
+    others = sorted({r["variant"]["setting"] for r in mine} - {"bf16"})
+    out += [f"**{names.get(cfg_name, cfg_name)}** (bf16 weights; each setting's step over "
+            "bf16's in the same repeats, 95 % interval):", "",
+            "| batch x context | bf16 step (ms) | cache share of its bytes | binding roof | "
+            "roof fraction | " + " | ".join(f"`{o}`" for o in others) + " |",
+            "|---|---:|---:|---|---:|" + "---:|" * len(others)]
+    shapes = sorted({(r["workload"]["batch"], r["workload"]["context"]) for r in mine})
+    for b, c in shapes:
+      here = {r["variant"]["setting"]: r["metrics"] for r in mine
+              if (r["workload"]["batch"], r["workload"]["context"]) == (b, c)}
+      ref = here.get("bf16")
+      if ref is None:
+        continue
+      frac = ref.get("roof_fraction")
+      cells = [f"{here[o]['tpot_vs_ref']:.2f}×{_ci(here[o].get('tpot_vs_ref_ci95'), lambda v: f'{v:.2f}')}"
+               if o in here else "—" for o in others]
+      out.append(f"| {b} x {c:,} | {1e3 * ref['tpot_s']:.1f} | {ref['kv_fraction']:.2f} | "
+                 f"{ref['bound']} | {f'{frac:.2f}' if frac is not None and frac <= 1 else '—'} | "
+                 + " | ".join(cells) + " |")
+    out.append("")
+  return "\n".join(out).rstrip()
+
+
+SOURCES["long_speed"] = tuple(p for p in (ROOT / "results" / "cpu" / f"long_speed_{m}" /
+                                         "roofline.jsonl" for m in ("qwen", "gemma3"))
+                              if p.exists())  # a model not yet run: its table says so
+DOCS["long_speed"] = ROOT / "docs" / "long_prompts.md"
+BUILDERS["long_speed"] = long_speed_table
+SOURCES["position"] = ROOT / "results" / "real_models" / "position" / "position.jsonl"
+DOCS["position"] = ROOT / "docs" / "long_prompts.md"
+BUILDERS["position"] = position_table
 SOURCES["long_prefill"] = ROOT / "results" / "cpu" / "long_prefill.jsonl"
 DOCS["long_prefill"] = ROOT / "docs" / "long_prompts.md"
 BUILDERS["long_prefill"] = long_prefill_table

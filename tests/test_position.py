@@ -9,7 +9,6 @@ import pytest
 import yaml
 
 from kvjax import cli, config
-from kvjax.errors import KvjaxError
 from kvjax.lab import evaluate
 from kvjax.lab.experiments import position
 

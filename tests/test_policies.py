@@ -412,3 +412,19 @@ def test_attention_mass_in_query_blocks_equals_the_whole_attention(which, monkey
           e = np.exp(logits[w] - logits[w][seen].max()) * seen
           want[layer, b, h // (H // K)] += e / e.sum() / (H // K)
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+def test_ratio_budget_is_one_number_on_host_and_device():
+  """ceil(ratio x length) in float64 wherever it is asked: a traced length reads the host's
+  table, so the compacted cache holds what the host-side check and the sizes expect (in
+  float32, 0.3 x 90 rounds up to 27.000002 and its ceiling to 28)."""
+  from kvjax import config as config_lib
+  from kvjax.policies import base, token_budget
+
+  c = config_lib.CacheConfig(policy="snapkv", ratio=0.3)
+  lengths = np.arange(1, 200, dtype=np.int32)
+  host = token_budget.budgets(c, lengths)
+  device = jax.jit(lambda n: token_budget.budgets(c, n, 256))(jnp.asarray(lengths))
+  np.testing.assert_array_equal(host, np.asarray(device))
+  assert int(host[89]) == 27 and base.static_budget(c, 90) == 27
+  assert int(policies.budgets(c, np.array([1], np.int32))[0]) == 1

@@ -205,7 +205,7 @@ def compress(cache, lengths_B, room: int, q_LBTHD=None, T: int | None = None) ->
   pol = policy_of(spec)
   T = T or spec.capacity
   Sk = min(policies.static_budget(c, T), T)
-  budget_B = policies.budgets(c, lengths_B)
+  budget_B = policies.budgets(c, lengths_B, T)
   k_store, v_store, rings = cache.k, cache.v, {}
   rg = ring.split(spec)
   if rg is not None:  # a windowed model: its full layers compacted, its windowed layers' rings

@@ -212,7 +212,8 @@ def top_positions(scores_LBKS, lengths_B, budget_B, Sk: int) -> jax.Array:
 def static_budget(c, T: int) -> int:
   """The largest per-sequence budget for prompts of at most T tokens (a shape)."""
   if c.ratio:
-    return max(1, math.ceil(c.ratio * T))
+    from kvjax.policies.token_budget import ratio_budgets
+    return int(ratio_budgets(c.ratio, [T])[0])
   return effective_budget(c)
 
 

@@ -103,6 +103,23 @@ def tally(scores) -> dict:
           "accuracy_ci95": wilson(k, len(s))}
 
 
+def shares(scores) -> dict:
+  """`score` (the mean of scores in [0, 1], each a question's share of expected strings
+  found), `n` questions and the Wilson 95 % interval `score_ci95` with n trials and the
+  summed shares as successes: for 0/1 scores exactly `wilson`; for fractional shares at
+  least as wide as a binomial of the same mean needs (a share's variance is at most
+  mean x (1 - mean)), so it never claims more than the questions show."""
+  s = np.asarray([float(x) for x in scores], float)
+  if s.size == 0:
+    return {"score": float("nan"), "n": 0, "score_ci95": None}
+  n, p = s.size, float(s.mean())
+  z = 1.959963984540054
+  centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+  half = z / (1 + z * z / n) * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+  return {"score": p, "n": int(n),
+          "score_ci95": [float(max(0.0, centre - half)), float(min(1.0, centre + half))]}
+
+
 def separated(a: list[float] | None, b: list[float] | None) -> bool:
   """Whether two intervals do not overlap (a difference worth calling one)."""
   return bool(a and b) and (a[1] < b[0] or b[1] < a[0])

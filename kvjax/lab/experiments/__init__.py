@@ -4,7 +4,8 @@ Each module defines `run_cell(cfg) -> list[dict]` (rows with `variant`, `workloa
 `metrics` dicts; the runner adds the rest) and may define `check(cfg)`, host-side limits
 checked for every cell before any cell runs, and `summary(rows) -> list[dict]`, the
 flat records of the table printed at the end, and `share_key(cfg)`, equal for cells that
-share work (`kvjax run --shard` keeps them in one part). The helpers below are what several
+share work (`kvjax run --shard` keeps them in one part), and `estimate(cfgs)`, a line saying
+how long the cells left will take here, printed before a run starts. The helpers below are what several
 experiments share; the experiment runner (`kvjax.lab.runner`) finds them by name.
 """
 

@@ -237,6 +237,11 @@ def run_file(path: str | Path, overrides: list[str] | dict | None = None,
   part = f" shard {shard[0]}/{shard[1]}: {len(mine)} of" if shard else ":"
   print(f"kvjax run: {name}{part} {len(cells)} cells, {len(mine) - len(todo)} already done, "
         f"{len(todo)} to run -> {own}", file=sys.stderr)
+  estimate = getattr(module, "estimate", None)
+  if estimate is not None and todo:  # a long run says how long before it starts
+    said = estimate([c.cfg for c in todo])
+    if said:
+      print(f"kvjax run: {name}: {said}", file=sys.stderr)
   bar = tqdm(total=len(todo), desc=name, unit="cell", disable=not progress or not todo,
              file=sys.stderr, dynamic_ncols=True)
   ran, held, out = 0, [], _Appender(own)

@@ -48,17 +48,26 @@ is the one `kvjax.decode.evict.prefill` returns for the prefix (tests/test_tasks
 Scoring (`score`): the first run of digits in the generated text must equal the answer
 exactly (so "123456" does not count for "12345").
 
-Modules: `haystack` (the generators, templates and `score`) and `through_cache`
-(prefilling, storing the prefix through a codec or compacting it, and answering); this face re-exports both.
+Question-aware eviction (`aware`): the question is fed through the prefix's fp32 cache with
+its queries kept, so the policy scores context and question together and compacts the
+whole prompt; the answer's first token comes from the uncompacted prompt, the rest read
+the compacted cache (`continue_greedy`).
+
+Modules: `haystack` (the passkey/niah/vt generators, templates and `score`), `ruler` (the
+RULER-style suite: eleven tasks in three families, scored by the share of expected strings)
+and `through_cache` (prefilling, storing the prefix through a codec or compacting it, and
+answering); this face re-exports the first and the last.
 """
 
 from kvjax.lab.tasks.haystack import (
     BASE, CHATML, FILLER, GEMMA, OWN, PLAIN, TASKS, TEMPLATES, WORDS, Example, Query, Template,
     check_args, generate, own_template, score)
 from kvjax.lab.tasks.through_cache import (
-    Prefix, answer_through_cache, encode_prefix, evict_prefix, prefill, prefill_queries, prefix_kv)
+    Prefix, answer_through_cache, aware, continue_greedy, encode_prefix, evict_prefix, prefill,
+    prefill_queries, prefix_kv)
 
 __all__ = ["BASE", "CHATML", "FILLER", "GEMMA", "OWN", "PLAIN", "TASKS", "TEMPLATES", "WORDS",
-           "Example", "Prefix", "Query", "Template", "answer_through_cache", "check_args", "encode_prefix",
+           "Example", "Prefix", "Query", "Template", "answer_through_cache", "aware", "check_args",
+           "continue_greedy", "encode_prefix",
            "evict_prefix", "generate", "own_template", "prefill", "prefill_queries",
            "prefix_kv", "score"]

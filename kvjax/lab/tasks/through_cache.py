@@ -133,6 +133,20 @@ def prefill_queries(ref_cfg, params, ids, width: int) -> Prefix:
   return Prefix(prefix_kv(c), q, width)
 
 
+def _compact(cfg, kv, q, width: int, room: int):
+  """`kv` stored through `cfg`'s codec in a cache of `width` slots, then compacted by its
+  policy with the queries `q` [L, 1, width, H, D] (rotated into the basis the keys are
+  stored in under `cache.rotate`), `room` slots free after."""
+  from kvjax.decode import evict
+  from kvjax.codecs import rotate
+
+  c = encode_prefix(cfg, kv, width)
+  rot_DD = rotate.of(cfg.cache, q.shape[-1])
+  if rot_DD is not None:
+    q = rotate.apply(q, rot_DD)
+  return evict.compress_filled(c, jnp.array([kv[2]], jnp.int32), q, room=room, T=width)
+
+
 def evict_prefix(cfg, prefix: Prefix, room: int):
   """The cache `cfg` holds after prefilling the prefix: its K/V stored through the codec,
   then compacted by `cache.policy` to its budget (`kvjax.decode.evict.compress_filled`), with `room` free
@@ -141,19 +155,66 @@ def evict_prefix(cfg, prefix: Prefix, room: int):
   (a call's queries and fresh K/V do not depend on the codec; under `cache.rotate` the
   fp32 prefix's queries are rotated into the basis its keys are stored in). `full`: the
   encoded contiguous cache, `width + room` slots."""
-  from kvjax.decode import evict
   from kvjax import policies
-  from kvjax.codecs import rotate
 
   n = prefix.kv[2]
   if not policies.evicts(cfg.cache):
     return encode_prefix(cfg, prefix.kv, prefix.width + room)
   policies.check_lengths(cfg.cache, [n])
-  c = encode_prefix(cfg, prefix.kv, prefix.width)
-  q, rot_DD = prefix.q, rotate.of(cfg.cache, prefix.q.shape[-1])
-  if rot_DD is not None:
-    q = rotate.apply(q, rot_DD)
-  return evict.compress_filled(c, jnp.array([n], jnp.int32), q, room=room, T=prefix.width)
+  return _compact(cfg, prefix.kv, prefix.q, prefix.width, room)
+
+
+@functools.partial(jax.jit, static_argnames=("static",))
+def _forward_queries(params, tokens_BT, lengths_B, cache, *, static):
+  """`_forward`, also returning the call's rotated queries [L, B, T, H, D]."""
+  positions_BT = step.positions(cache.lengths, lengths_B, tokens_BT.shape[1])
+  out = step.run(static, params, tokens_BT, positions_BT, cache, logits="last", queries=True)
+  return out.logits[:, 0], out.cache, out.queries
+
+
+@jax.jit
+def _place(q_prefix, q_tail, n):
+  """The prefix's queries [L, 1, P, H, D] (positions [0, n) valid) and the tail's [L, 1, t,
+  H, D] (at positions n, n + 1, ...) in one [L, 1, P + t, H, D] array."""
+  L, B, P, H, D = q_prefix.shape
+  out = jnp.zeros((L, B, P + q_tail.shape[2], H, D), q_prefix.dtype).at[:, :, :P].set(q_prefix)
+  return jax.lax.dynamic_update_slice(out, q_tail.astype(out.dtype), (0, 0, n, 0, 0))
+
+
+def aware(cfg, ref_cfg, params, prefix: Prefix, tail_ids, tail_pad: int, room: int):
+  """Question-aware eviction: (the prompt's last logits [1, V], the compacted cache).
+
+  The tail goes through the prefix's fp32 cache (`ref_cfg`) with its queries kept, so
+  context and question are one prompt prefilled at full precision, as if in one call; the
+  policy then scores [context; question] with the queries of both (snapkv's observation
+  window is the question's last tokens) and compacts the whole prompt to its budget (a
+  `cache.ratio` of context + question), the codec storing what it keeps. The answer's first
+  token comes from the returned logits, which read the uncompacted prompt (as a prefill
+  that compresses after it returns, SnapKV's and kvpress's protocol); every later token
+  reads the compacted cache. `room`: slots left for the answer."""
+  from kvjax import policies
+
+  width = prefix.width + tail_pad
+  full = encode_prefix(ref_cfg, prefix.kv, width)
+  tok, t = _pad(tail_ids, tail_pad)
+  last, full, q_tail = _forward_queries(params, tok, t, full, static=_static(ref_cfg))
+  n = prefix.kv[2] + len(tail_ids)
+  policies.check_lengths(cfg.cache, [n])
+  kv = prefix_kv(full)
+  q = _place(prefix.q, q_tail, jnp.int32(prefix.kv[2]))
+  return last, _compact(cfg, kv, q, width, room)
+
+
+def continue_greedy(cfg, params, cache, first: int, steps: int) -> list:
+  """`steps` greedy tokens in all, `first` the first and the rest decoded through `cache`
+  (consumed) by generate's own loop (greedy, no eos: an answer is `steps` tokens long)."""
+  if steps == 1:
+    return [first]
+  static = dataclasses.replace(_static(cfg), eos_id=-1)
+  rest_BN, _ = decode.decode(params, cache, jnp.array([first], jnp.int32),
+                             jax.random.PRNGKey(0), static=static, sampler=decode.Sampler(),
+                             steps=steps - 1)
+  return [first] + [int(t) for t in np.asarray(rest_BN)[0]]
 
 
 def answer_through_cache(cfg, params, cache, tail_ids, steps: int, tail_pad: int = 0):
@@ -161,14 +222,6 @@ def answer_through_cache(cfg, params, cache, tail_ids, steps: int, tail_pad: int
   holding the prefix; not consumed). Every tail and answer token reads the prefix's
   encoded K/V. `tail_pad` pads the tail so one program serves tails of any length."""
   tok, n = _pad(tail_ids, max(tail_pad, len(tail_ids)))
-  static = _static(cfg)
-  last, c = _forward(params, tok, n, cache, static=static)
-  first_B = jnp.argmax(last, -1).astype(jnp.int32)
-  if steps == 1:
-    return [int(first_B[0])]
-  # the rest through generate's own loop (greedy, no eos: an answer is `steps` tokens long);
+  last, c = _forward(params, tok, n, cache, static=_static(cfg))
   # `c` is this tail's cache, so decode may donate it
-  rest_BN, _ = decode.decode(params, c, first_B, jax.random.PRNGKey(0),
-                             static=dataclasses.replace(static, eos_id=-1),
-                             sampler=decode.Sampler(), steps=steps - 1)
-  return [int(first_B[0])] + [int(t) for t in np.asarray(rest_BN)[0]]
+  return continue_greedy(cfg, params, c, int(jnp.argmax(last[0])), steps)

@@ -54,6 +54,10 @@ A generated block sits between `<!-- doc_tables:NAME begin -->` and
   position  (docs/long_prompts.md) results/real_models/position/position.jsonl: each
             setting's Δppl and KL per position bucket on one long document per text
             (configs/position.yaml).
+  ruler     (docs/long_context.md) results/real_models/ruler_{qwen,gemma3,smollm2}/
+            ruler.jsonl: per model and context, each cache and protocol's score per task
+            family with Wilson intervals, its bytes against bf16's, and the best setting
+            per bytes band (configs/ruler_*.yaml).
   gpu       (docs/gpu.md) results/gpu/h200/: the last device run (scripts/device_check.sh):
             device and versions, each decode step against the copy bandwidth it probed,
             Gemma's hybrid against its full variant, the distillation step against the
@@ -67,6 +71,8 @@ import json
 import re
 import sys
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's kvjax, whichever is installed
@@ -1282,6 +1288,82 @@ BUILDERS["position"] = position_table
 SOURCES["long_prefill"] = ROOT / "results" / "cpu" / "long_prefill.jsonl"
 DOCS["long_prefill"] = ROOT / "docs" / "long_prompts.md"
 BUILDERS["long_prefill"] = long_prefill_table
+
+
+RULER_CALIBRATED = 0.8  # kvjax.lab.experiments.ruler.CALIBRATED
+_BYTES_BANDS = ((0.3, "at most 0.3 of bf16's bytes"), (0.6, "0.3 to 0.6"), (1.01, "0.6 to 1"))
+
+
+def _share_cell(scores: list[float]) -> str:
+  t = intervals.shares(scores)
+  return f"{t['score']:.2f}{_ci(t['score_ci95'], lambda v: f'{v:.2f}')} ({t['n']})"
+
+
+def ruler_table(rows: list[dict]) -> str:
+  """docs/long_context.md: per model and context, each cache and protocol's score per task
+  family (Wilson 95 % intervals over questions, n in brackets) and its bytes per prompt
+  token against a bf16 cache's; families where the fp32 cache scores below 0.8 marked
+  beyond the model and not ranked; per bytes band, the best calibrated niah score or the
+  settings whose intervals overlap it."""
+  rows = [r for r in rows if r.get("experiment") == "ruler"]
+  if not rows:
+    return "No rows yet: `kvjax run configs/ruler_qwen.yaml --out results/real_models/ruler_qwen`."
+  out = []
+  for model in sorted({r["variant"]["model"] for r in rows}):
+    for n in sorted({r["workload"]["context"] for r in rows if r["variant"]["model"] == model}):
+      here = [r for r in rows if r["variant"]["model"] == model and r["workload"]["context"] == n]
+      fams = list(dict.fromkeys(r["workload"]["family"] for r in here))
+      prompts = len({(r["workload"]["task"], r["workload"]["sample"]) for r in here})
+      fp32 = {f: [r["metrics"]["score"] for r in here if r["variant"]["setting"] == "fp32"
+                  and r["workload"]["family"] == f] for f in fams}
+      ok = {f: bool(fp32[f]) and np.mean(fp32[f]) >= RULER_CALIBRATED for f in fams}
+      bf16 = 0.5 * np.mean([r["metrics"]["bytes_per_token"] for r in here
+                            if r["variant"]["setting"] == "fp32"])
+      tasks = sorted({r["workload"]["task"] for r in here})
+      out += [f"**{model} at {n:,} tokens** ({prompts} prompts of {len(tasks)} tasks; score "
+              "per family with its 95 % interval and the questions asked; a family where the "
+              "fp32 cache scores below 0.8 is beyond the model and not ranked):", "",
+              "| cache | protocol | bytes / bf16's | " + " | ".join(
+                  f + ("" if ok[f] else " (beyond the model)") for f in fams) + " |",
+              "|---|---|---:|" + "---:|" * len(fams)]
+      keys = sorted({(r["variant"]["setting"], r["variant"].get("protocol", "blind"))
+                     for r in here}, key=lambda k: (k[0] != "fp32", k))
+      ranked = []
+      for s, p in keys:
+        mine = [r for r in here if (r["variant"]["setting"], r["variant"].get("protocol",
+                                                                             "blind")) == (s, p)]
+        frac = np.mean([r["metrics"]["bytes_per_token"] for r in mine]) / bf16
+        cells = []
+        for f in fams:
+          sc = [r["metrics"]["score"] for r in mine if r["workload"]["family"] == f]
+          cells.append(_share_cell(sc) if sc else "—")
+          if f == "niah" and ok[f] and sc:
+            ranked.append((frac, s, p, intervals.shares(sc)))
+        out.append(f"| `{s}` | {p} | {frac:.2f} | " + " | ".join(cells) + " |")
+      out.append("")
+      for hi_frac, band in _BYTES_BANDS:
+        lo_frac = max([0.0] + [h for h, _ in _BYTES_BANDS if h < hi_frac])
+        inb = [x for x in ranked if lo_frac < x[0] <= hi_frac]
+        if not inb:
+          continue
+        best = max(inb, key=lambda x: x[3]["score"])
+        ties = [x for x in inb if x is not best and not intervals.separated(
+            x[3]["score_ci95"], best[3]["score_ci95"])]
+        tie = (f"; its interval overlaps {', '.join(f'`{x[1]}` ({x[2]})' for x in ties)}"
+               if ties else "; apart from every other setting here")
+        out.append(f"- niah, {band}: `{best[1]}` ({best[2]}) scores {best[3]['score']:.2f}"
+                   f"{tie}.")
+      if not ok.get("niah", False):
+        out.append("- niah is beyond the model here: nothing is ranked.")
+      out.append("")
+  return "\n".join(out).rstrip()
+
+
+SOURCES["ruler"] = tuple(p for p in (ROOT / "results" / "real_models" / f"ruler_{m}" /
+                                     "ruler.jsonl" for m in ("qwen", "gemma3", "smollm2"))
+                         if p.exists())
+DOCS["ruler"] = ROOT / "docs" / "long_context.md"
+BUILDERS["ruler"] = ruler_table
 
 
 def render(doc: str, blocks: dict[str, str], path: Path = DOC) -> str:

@@ -301,3 +301,16 @@ def test_prefill_flops_counts_windowed_layers_by_their_window():
   win = exp.prefill_flops(config_lib.apply_overrides(
       tiny_config(), {"model.sliding_window": 64, "model.global_every": 2}).model, 1024)
   assert win < full and exp.prefill_flops(m, 2048) > 2 * full
+
+
+def test_plot_from_rows(rows, tmp_path):
+  import json
+
+  from kvjax.lab import plots
+  res = tmp_path / "res"
+  res.mkdir()
+  (res / "ruler.jsonl").write_text("".join(
+      json.dumps({"experiment": "ruler", **r}) + "\n" for r in rows))
+  written = plots.plot_all(res, tmp_path / "plots")
+  assert sorted(p.name for p in written) == ["ruler_tiny.png", "ruler_tiny.svg"]
+  assert all(p.stat().st_size > 1000 for p in written)

@@ -8,7 +8,7 @@ BIN     = $(VENV)/bin
 OUT    ?= results/quickstart
 PLOTS  ?= plots
 
-.PHONY: demo test install install-test models kernels reproduce bench-read-kernel clean
+.PHONY: demo test install install-test install-kvpress models kernels reproduce bench-read-kernel clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,15 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
+
+# kvpress, the peer of the long-context suite (scripts/kvpress_peer.py), in its own
+# environment: kvpress 0.5.5 caps transformers below the version kvjax tests against.
+KVPRESS_VENV ?= .venv-kvpress
+install-kvpress: $(KVPRESS_VENV)/.installed
+$(KVPRESS_VENV)/.installed:
+	$(PYTHON) -m venv $(KVPRESS_VENV)
+	$(KVPRESS_VENV)/bin/python -m pip install --quiet "kvpress==0.5.5" "torch==2.13.0" gguf
+	touch $@
 
 demo: install models kernels
 	$(BIN)/kvjax run configs/quickstart.yaml --out $(OUT)

@@ -58,6 +58,10 @@ A generated block sits between `<!-- doc_tables:NAME begin -->` and
             ruler.jsonl: per model and context, each cache and protocol's score per task
             family with Wilson intervals, its bytes against bf16's, and the best setting
             per bytes band (configs/ruler_*.yaml).
+  kvpress   (docs/long_context.md) results/real_models/kvpress_peer/peer.jsonl: kvpress's
+            presses against kvjax's policies on the same prompts: Jaccard of the kept
+            sets, with kvpress's scoring rule on kvjax's keys, and both scores
+            (scripts/kvpress_peer.py).
   gpu       (docs/gpu.md) results/gpu/h200/: the last device run (scripts/device_check.sh):
             device and versions, each decode step against the copy bandwidth it probed,
             Gemma's hybrid against its full variant, the distillation step against the
@@ -1358,6 +1362,41 @@ def ruler_table(rows: list[dict]) -> str:
       out.append("")
   return "\n".join(out).rstrip()
 
+
+def kvpress_table(rows: list[dict]) -> str:
+  """docs/long_context.md: kvpress against kvjax on the same prompts (scripts/kvpress_peer.py):
+  per press, the Jaccard index of the kept sets per (layer, KV head), the same with
+  kvpress's scoring rule applied to kvjax's keys and queries, and both sides' scores."""
+  rows = [r for r in rows if r.get("experiment") == "kvpress_peer"]
+  if not rows:
+    return "Not run yet: `make install-kvpress && python scripts/kvpress_peer.py`."
+  r0 = rows[0]
+  v = r0["metrics"]["versions_kvpress"]
+  out = [f"**{r0['variant']['model']}, {len({r['workload']['id'] for r in rows})} prompts of "
+         f"{r0['workload']['context']:,} tokens, {r0['variant']['ratio_removed']:.0%} of each "
+         f"context removed** (kvpress {v.get('kvpress', '?')}, transformers "
+         f"{v.get('transformers', '?')}; Jaccard per layer and KV head, averaged over them and "
+         "the prompts; scores with their 95 % interval):", "",
+         "| press | kvjax policy | Jaccard | (layer, head) at ≥ 0.9 | Jaccard with kvpress's rule "
+         "on kvjax's keys | score kvjax | score kvpress |", "|---|---|---:|---:|---:|---:|---:|"]
+  for press in dict.fromkeys(r["variant"]["press"] for r in rows):
+    mine = [r for r in rows if r["variant"]["press"] == press]
+    m = [r["metrics"] for r in mine]
+    rule = [x["jaccard_kvpress_rule_mean"] for x in m if x.get("jaccard_kvpress_rule_mean")
+            is not None]
+    pol = ", ".join(f"{k.split('.', 1)[1]}={val}" for k, val in mine[0]["variant"]["kvjax"].items())
+    out.append(f"| {press} | {pol} | {np.mean([x['jaccard_mean'] for x in m]):.3f} | "
+               f"{np.mean([x['jaccard_share_090'] for x in m]):.2f} | "
+               f"{f'{np.mean(rule):.3f}' if rule else '—'} | "
+               f"{_share_cell([x['score_kvjax'] for x in m])} | "
+               f"{_share_cell([x['score_kvpress'] for x in m])} |")
+  return "\n".join(out)
+
+
+SOURCES["kvpress"] = tuple(p for p in (ROOT / "results" / "real_models" / "kvpress_peer" /
+                                       "peer.jsonl",) if p.exists())
+DOCS["kvpress"] = ROOT / "docs" / "long_context.md"
+BUILDERS["kvpress"] = kvpress_table
 
 SOURCES["ruler"] = tuple(p for p in (ROOT / "results" / "real_models" / f"ruler_{m}" /
                                      "ruler.jsonl" for m in ("qwen", "gemma3", "smollm2"))

@@ -81,6 +81,25 @@ def terms(tcfg, ref_cfg, params, tokens_BM, chunk: int, progress=None) -> tuple:
   return nll, nll_ref, kl[:, :n], agree[:, :n]
 
 
+def estimate(cfgs) -> str | None:
+  """The hours the cells `cfgs` will take here: per cell and model, two streams of the
+  model's context (the setting's and the fp32 reference's), each a prefill's arithmetic
+  (`ruler.prefill_flops`) at half the probed f32 matmul rate."""
+  from kvjax.lab.experiments import roofline, ruler
+
+  if not cfgs:
+    return None
+  flops_s = roofline.DotProbe().measure()["f32"] * 0.5
+  total = 0.0
+  for cfg in cfgs:
+    for src in quality.models(cfg):
+      m = quality.load_model(src)[0].model
+      total += 2 * ruler.prefill_flops(m, min(cfg.param_int("tokens", 32768), m.max_seq_len)) \
+          / flops_s
+  return (f"about {total / 3600:.1f} hours on this machine for {len(cfgs)} cells (a rough "
+          "estimate from a matmul probe: within 2x)")
+
+
 def run_cell(cfg) -> list[dict]:
   from tqdm import tqdm
 

@@ -237,3 +237,35 @@ def test_generate_on_random_weights_says_so_in_human_mode_only(capsys):
   assert len(lines) == 1 and "random weights" in lines[0] and "--checkpoint" in lines[0]
   rc, out, err = run_cli(capsys, *argv, "--json")
   assert rc == 0 and json.loads(out)["random_weights"] is True and "random weights" not in err
+
+
+def test_generate_prompt_file_and_one_run_without_warmup(capsys, tmp_path, monkeypatch):
+  """--prompt-file reads the same text --prompt takes; --no-warmup runs the program once
+  (a long prompt prefilled once, not twice) and says its timings are not warm."""
+  from kvjax.decode import generate
+
+  runs = []
+  real = generate.Compiled.run
+  monkeypatch.setattr(generate.Compiled, "run", lambda self: runs.append(1) or real(self))
+  f = tmp_path / "prompt.txt"
+  f.write_text("héllo there")
+  common = ["generate", "--config", "configs/quickstart.yaml", *QUICK, "--max-new-tokens", "4",
+            "--greedy", "--json"]
+  rc, out, _ = run_cli(capsys, *common, "--prompt", "héllo there")
+  assert rc == 0 and len(runs) == 2 and json.loads(out)["warm"] is True
+  rc, out2, _ = run_cli(capsys, *common, "--prompt-file", str(f), "--no-warmup")
+  assert rc == 0 and len(runs) == 3
+  a, b = json.loads(out), json.loads(out2)
+  assert a["tokens"] == b["tokens"] and b["warm"] is False
+
+
+@pytest.mark.parametrize("content,match", [(None, "cannot read --prompt-file"),
+                                           (b"\xff\xfe bad", "is not UTF-8 text"),
+                                           (b"", "is empty")])
+def test_generate_bad_prompt_file_one_line(capsys, tmp_path, content, match):
+  f = tmp_path / "p.txt"
+  if content is not None:
+    f.write_bytes(content)
+  rc, out, err = run_cli(capsys, "generate", "--config", "configs/quickstart.yaml", *QUICK,
+                         "--prompt-file", str(f))
+  assert rc == 2 and match in err and len(err.strip().splitlines()) == 1 and out == ""

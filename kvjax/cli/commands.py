@@ -145,9 +145,10 @@ def cmd_generate(args) -> dict:
   src = sources.from_args(args)
   cfg, params, tok = sources.load(src, over)
   ids = generate.parse_ids(args.prompt_ids) if args.prompt_ids else None
-  prompts = generate.prompts(tok, args.prompt, ids, chat=args.chat)
+  text = generate.read_prompt(args.prompt_file) if args.prompt_file else args.prompt
+  prompts = generate.prompts(tok, text, ids, chat=args.chat)
   return generate.report(cfg, params, tok, src, prompts, args.max_new_tokens, seed=args.seed,
-                           stop=not args.no_stop, chat=args.chat)
+                           stop=not args.no_stop, chat=args.chat, warm=not args.no_warmup)
 
 
 # -- run / train --------------------------------------------------------------------------

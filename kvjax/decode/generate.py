@@ -194,8 +194,8 @@ def generate(cfg: Config, params, prompts: list[list[int]], max_new_tokens: int,
   """Prefill + decode for a batch of ragged prompts.
 
   Both programs are compiled ahead of time (reported as `compile_s`), run once to warm
-  up, then timed: `ttft_s` is prefill + first sample, `tpot_s` the decode loop time per
-  token. Returns new tokens per sequence (cut after the first stop token: `workload.eos_id`
+  up (unless `timed` is False: one run), then timed: `ttft_s` is prefill + first sample,
+  `tpot_s` the decode loop time per token. Returns new tokens per sequence (cut after the first stop token: `workload.eos_id`
   and the ids in `stop`), cache bytes and timings (and the
   final cache under "cache" with `return_cache`). With more than one device in `cfg.mesh`
   the parameters, prompts and cache are laid out on the mesh first (kvjax.decode.sharding).
@@ -294,10 +294,31 @@ def prompts(tok, text: str | None = None, ids: list[list[int]] | None = None,
   raise KvjaxError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3")
 
 
+def read_prompt(path: str) -> str:
+  """A prompt file's text (UTF-8); a missing, unreadable or undecodable file is one line."""
+  from pathlib import Path
+
+  try:
+    raw = Path(path).read_bytes()
+  except OSError as e:
+    raise KvjaxError(f"cannot read --prompt-file {path}: {e.strerror or e}") from None
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise KvjaxError(f"--prompt-file {path} is not UTF-8 text (byte {e.start}); convert it "
+                     "or pass token ids with --prompt-ids") from None
+  if not text:
+    raise KvjaxError(f"--prompt-file {path} is empty; give it the prompt's text")
+  return text
+
+
 def report(cfg, params, tok, src, prompt_ids: list[list[int]], max_new_tokens: int,
-           seed: int | None = None, stop: bool = True, chat: bool = False) -> dict:
+           seed: int | None = None, stop: bool = True, chat: bool = False,
+           warm: bool = True) -> dict:
   """Generate and describe the run: tokens (and text), cache bytes, timings, the variant.
-  `stop`: end each sequence at the model's first stop token (else `workload.eos_id` only)."""
+  `stop`: end each sequence at the model's first stop token (else `workload.eos_id` only).
+  `warm`: a warm-up run before the timed one (False: one run, its timings including
+  first-execution costs)."""
   from kvjax import memory
 
   if prompt_ids and all(prompt_ids) and max_new_tokens > 0:  # else generate names the problem
@@ -306,12 +327,13 @@ def report(cfg, params, tok, src, prompt_ids: list[list[int]], max_new_tokens: i
                  what="this generate")
   stops = sorted(getattr(tok, "stop_ids", ())) if stop and tok is not None else []
   # `seed` seeds sampling only; the weights of a config model come from its `seed` key.
-  out = generate(cfg, params, prompt_ids, max_new_tokens, seed=seed, stop=stops)
+  out = generate(cfg, params, prompt_ids, max_new_tokens, seed=seed, stop=stops, timed=warm)
   result = {"tokens": out["tokens"]}
   if tok is not None:
     result["text"] = [tok.decode(t) for t in out["tokens"]]
   result.update({k: out[k] for k in ("cache_bytes", "cache_bytes_per_device", "ttft_s", "tpot_s",
                                      "compile_s", "capacity")})
+  result["warm"] = warm  # False: ttft_s and tpot_s include first-execution costs
   result["mesh"] = {"data": cfg.mesh.data, "model": cfg.mesh.model}
   result.update({"variant": cfg.model.variant, "layout": cfg.cache.layout,
                  "policy": cfg.cache.policy,

@@ -94,6 +94,8 @@ def test_a_checkpoint_config_yaml_that_is_a_fifo_is_one_line(tmp_path):
 @pytest.mark.parametrize("item, needle", [
     ("cache.codec=", "no value"), ("cache.codec=  ", "no value"),
     ("params.settings.x={", "malformed YAML"), ("params.settings={a: 1", "malformed YAML"),
+    ("params.context=[1, 2", "malformed YAML"), ('params.text="abc', "malformed YAML"),
+    ("params.text='abc", "malformed YAML"),
 ])
 def test_a_set_item_is_never_silently_empty_or_text(item, needle):
   """`--set cache.codec=` once emptied the codec (fp32 ran), `--set params.settings.x={`
@@ -101,3 +103,20 @@ def test_a_set_item_is_never_silently_empty_or_text(item, needle):
   with pytest.raises(KvjaxError, match=needle):
     config_lib.parse_set([item])
   assert config_lib.parse_set(["train.data=my file.txt"]) == {"train.data": "my file.txt"}
+
+
+def test_a_grid_too_large_is_counted_and_refused_before_it_expands(tmp_path):
+  """A grid of millions of cells once hung `--dry-run`: its size is counted from the axes
+  and refused in one line naming each axis's length."""
+  import yaml
+
+  from kvjax.lab.runner import grid
+  axis = list(range(200))
+  path = tmp_path / "big.yaml"
+  path.write_text(yaml.safe_dump({"name": "big", "experiment": "quality",
+                                  "grid": {"seed": axis, "workload.batch": axis[1:],
+                                           "workload.prompt_len": axis[1:]}}))
+  t0 = time.perf_counter()
+  with pytest.raises(KvjaxError, match=r"7,920,200 cells \(200 seed x 199") as e:
+    grid.expand(path)
+  assert "\n" not in str(e.value) and time.perf_counter() - t0 < 30

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import itertools
+import math
 import pkgutil
 import sys
 from pathlib import Path
@@ -166,6 +167,9 @@ def _effective(coords: dict, items: dict) -> dict:
   return coords
 
 
+MAX_CELLS = 100_000  # a grid's cells, counted from its axes before any is built
+
+
 def expand(path: str | Path, overrides: list[str] | dict | None = None
            ) -> tuple[config_lib.Config, list[Cell]]:
   """Read a config file and return (base config, validated cells), nothing run yet."""
@@ -177,6 +181,12 @@ def expand(path: str | Path, overrides: list[str] | dict | None = None
   axes, plain = _grid_axes(raw, over or {})
   file_items = config_lib.flat(raw)
   base = compose(file_items, {}, plain, check=False)
+  count = math.prod(len(v) for v in axes.values())
+  if count > MAX_CELLS:  # counted from the axes before any cell is built
+    sizes = " x ".join(f"{len(v)} {k}" for k, v in axes.items())
+    raise KvjaxError(f"the grid expands to {count:,} cells ({sizes}), more than the "
+                     f"{MAX_CELLS:,} a run takes; split it into several configs or shorten "
+                     "its axes")
   cells, seen = [], set()
   keys = list(axes)
   for combo in itertools.product(*(axes[k] for k in keys)):

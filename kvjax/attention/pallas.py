@@ -284,7 +284,8 @@ def attend_segment(q_BKGTD, seg, state, program: str = "cpu", bucket: int = 0):
   has none."""
   if seg.mask_BS.shape[1] == 0:
     return state
-  if not (_kernel_reads(seg.k_codec) and _kernel_reads(seg.v_codec)):
+  if not (_kernel_reads(seg.k_codec) and _kernel_reads(seg.v_codec)) or \
+      seg.head_BKS is not None:  # (one slot mask per sequence; per-head budgets read in XLA)
     return xla.attend_segment(q_BKGTD, seg, state, program=program, bucket=bucket)
   return merge(state, *segment_state(q_BKGTD, seg))
 

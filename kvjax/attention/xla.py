@@ -94,6 +94,9 @@ def attend_segment(q_BKGTD, seg, state, native: bool = False, chunk: int | None 
     mask_BC = jax.lax.dynamic_slice_in_dim(seg.mask_BS, start, C, axis=1) & \
         (idx_C >= i * C)[None, :]
     mask = mask_BC[:, None, None, None, :]
+    if seg.head_BKS is not None:  # [B, K, 1, 1, C]: per-head budgets (kvjax.policies.heads)
+      mask = mask & jax.lax.dynamic_slice_in_dim(seg.head_BKS, start, C, axis=2)[:, :, None,
+                                                                                   None]
     if floor_BT is not None:  # [B, 1, 1, T, C]: each query's own window
       pos_BC = jax.lax.dynamic_slice_in_dim(seg.pos_BS, start, C, axis=1)
       mask = mask & (pos_BC[:, None, None, None, :] >= floor_BT[:, None, None, :, None])
@@ -289,12 +292,19 @@ def reference(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, floor_BT=None,
       (positions_BT[:, None, :] >= 0)
   if floor_BT is not None:
     causal_BTI = causal_BTI & (positions_BT[:, None, :] >= floor_BT[:, :, None])
-  masks = [jnp.broadcast_to(seg.mask_BS[:, None, :], (B, T, seg.mask_BS.shape[1]))
-           if floor_BT is None else window_mask(seg, floor_BT) for seg in segments] + [causal_BTI]
+  K = k_BTKD.shape[2]
+
+  def seg_mask(seg):  # [B, K, T, S']
+    m = jnp.broadcast_to(seg.mask_BS[:, None, :], (B, T, seg.mask_BS.shape[1])) \
+        if floor_BT is None else window_mask(seg, floor_BT)
+    m = m[:, None]
+    return m if seg.head_BKS is None else m & seg.head_BKS[:, :, None, :]
+  masks = [jnp.broadcast_to(seg_mask(seg), (B, K, T, seg.mask_BS.shape[1])) for seg in segments]
+  masks += [jnp.broadcast_to(causal_BTI[:, None], (B, K, T, T))]
   k, v, mask = (jnp.concatenate(ks, axis=2), jnp.concatenate(vs, axis=2),
-                jnp.concatenate(masks, axis=2))
+                jnp.concatenate(masks, axis=3))
   logits = jnp.einsum("bkgtd,bksd->bkgts", q_BKGTD.astype(jnp.float32), k)
-  probs = jax.nn.softmax(jnp.where(mask[:, None, None], logits, base.MASKED), axis=-1)
+  probs = jax.nn.softmax(jnp.where(mask[:, :, None], logits, base.MASKED), axis=-1)
   out = jnp.einsum("bkgts,bksd->bkgtd", probs, v)
   return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(q_BTHD.dtype)
 

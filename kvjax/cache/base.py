@@ -119,6 +119,8 @@ class Segment:
                          # step costs the tokens held, not the capacity allocated.
   pos_BS: Any = None     # [B, S'] the position each slot holds (None: the layout does not
                          # say, and a layer with a window cannot read it: `model.sliding_window`)
+  head_BKS: Any = None   # [B, K, S'] False where a slot is not its KV head's own (per-head
+                         # budgets, `kvjax.policies.heads`); None: every head reads mask_BS
 
   @property
   def unit(self) -> int:

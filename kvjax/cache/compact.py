@@ -45,6 +45,7 @@ from flax import struct
 
 from kvjax import policies
 from kvjax.cache import base, ring
+from kvjax.policies import heads as heads_lib
 from kvjax.errors import KvjaxError
 from kvjax.policies.base import seen
 from kvjax.policies.replace import scatter_heads
@@ -61,6 +62,9 @@ class CompactedCache:
   spec: base.CacheSpec = struct.field(pytree_node=False)
   k_ring: Any = None     # windowed layers' last W tokens [Lw, B, K, W, ...] (then k, v and
   v_ring: Any = None     # state hold the full layers only: [Lg, ...])
+  head_held: Any = None  # cache.heads=adaptive: [L, B, K] int32, the prompt's slots each head
+  prompt_end: Any = None # holds ([0, head_held)) and [B] the slots the prompt took; slots
+  #                        from prompt_end on (decode's) are valid in every head
 
 
 def policy_of(spec: base.CacheSpec):
@@ -107,17 +111,25 @@ class Compacted(base.Layout):
     return compress(cache, lengths_B, room, q_LBTHD, T=T)
 
   def store(self, cache: CompactedCache) -> Any:
-    """The stacked stores and the held counts (a read slices (layer, block) itself)."""
+    """The stacked stores and the held counts (a read slices (layer, block) itself); last,
+    under adaptive heads, the per-head counts."""
     rings = () if cache.k_ring is None else (cache.k_ring, cache.v_ring)
-    return (cache.k, cache.v, cache.held, *rings)
+    heads = () if cache.head_held is None else ((cache.head_held, cache.prompt_end),)
+    return (cache.k, cache.v, cache.held, *rings, *heads)
 
   def read(self, spec, store, lengths_B, layer):
     k, v, held_B = store[:3]
     mask_BS = jnp.arange(spec.capacity)[None, :] < held_B[:, None]
     rg = ring.split(spec)
     if rg is None:
+      head = None
+      if heads_lib.adaptive(spec.cache_cfg):  # each head's own prompt slots, then decode's
+        head_held, end_B = store[-1]
+        s_S = jnp.arange(spec.capacity)
+        head = (s_S[None, None, :] < head_held[layer][:, :, None]) | \
+            (s_S[None, None, :] >= end_B[:, None, None])
       return [base.LayerSegment(k, v, mask_BS, spec.kc, spec.vc, live=jnp.max(held_B),
-                                layer=layer)]
+                                layer=layer, head_BKS=head)]
     # A windowed model: the full layers' compacted store, where every held token is in
     # sight (position 0 is at or above a full layer's window floor, 0), and the rings. A
     # layer index known when tracing reads its own only, as `ring.read` does.
@@ -219,12 +231,21 @@ def compress(cache, lengths_B, room: int, q_LBTHD=None, T: int | None = None) ->
     q_LBTHD = None if q_LBTHD is None else q_LBTHD[full]
   k_LBKSD = spec.kc.decode(jax.tree.map(lambda a: a[:, :, :, :T], k_store), jnp.float32) \
       if spec.kc.token_block == 1 else None
-  pos_LBKS, kept_state = pol.keep(policies.Context(k_LBKSD, lengths_B, budget_B, c, q_LBTHD), Sk)
+  ctx = policies.Context(k_LBKSD, lengths_B, budget_B, c, q_LBTHD)
+  heads = {}
+  if heads_lib.adaptive(c):  # per-head counts: slots past a head's count are not its own
+    Sk = heads_lib.prompt_slots(c, Sk, T)
+    pos_LBKS, count_LBK = heads_lib.spread(pol.scores(ctx), lengths_B, budget_B, Sk)
+    kept_state = {}
+    held_B = jnp.max(count_LBK, axis=(0, 2))
+    heads = {"head_held": count_LBK, "prompt_end": held_B}
+  else:
+    pos_LBKS, kept_state = pol.keep(ctx, Sk)
+    held_B = policies.held(lengths_B, budget_B)
 
   new_spec = dataclasses.replace(spec, layout="compacted", capacity=pol.capacity(c, T, room))
   fresh = Compacted().init(new_spec)
 
-  held_B = policies.held(lengths_B, budget_B)
   used_BS = jnp.arange(Sk)[None, :] < held_B[:, None]
 
   def place(store, kept):  # unused slots stay zero, as in a fresh cache
@@ -238,7 +259,7 @@ def compress(cache, lengths_B, room: int, q_LBTHD=None, T: int | None = None) ->
                                                 empty[:, :, :, :Sk]))
   state = {name: place_state(fresh.state[name], kept_state[name]) for name in fresh.state}
   return CompactedCache(k=k, v=v, lengths=cache.lengths, held=held_B, budget=budget_B,
-                        state=state, spec=new_spec, **rings)
+                        state=state, spec=new_spec, **rings, **heads)
 
 
 def _layers(store, idx):

@@ -109,6 +109,8 @@ class CacheConfig:
   ratio: float = 0.0             # alternative to budget: fraction of each prompt kept, (0, 1]
   sinks: int = 4                 # first tokens always kept by policy `sinks`
   window: int = 0                # recent (window/sinks/h2o) or snapkv observation window
+  heads: str = "uniform"         # uniform | adaptive: one budget per layer spread over its KV
+                                 # heads by score (AdaKV; kvjax.policies.heads)
   rotate: str = "none"           # none | hadamard | random: K, Q, V rotated per head (kvjax.codecs.rotate)
   rotate_seed: int = 0           # the seed of `rotate: random`'s orthogonal matrix
   keep_first: int = 0            # tokens at each sequence's start kept in full precision

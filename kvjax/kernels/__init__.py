@@ -235,8 +235,8 @@ def read(q_BKGTD, seg):
   partitioned dots do, where a plain custom call would gather every input onto each device."""
   kk, vk = seg.k_codec.stored.kernel, seg.v_codec.stored.kernel
   view = seg.kernel_view()
-  if kk is None or vk is None or view is None or not available():
-    return None
+  if kk is None or vk is None or view is None or not available() or seg.head_BKS is not None:
+    return None  # (the kernel reads one slot mask per sequence, not one per KV head)
   layer, n_layers, pages, page, pool_rows = view
   kc, ks, kz = _leaves(seg.k)
   vc, vs, vz = _leaves(seg.v)

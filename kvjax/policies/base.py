@@ -165,9 +165,12 @@ class Policy:
 
   def capacity(self, c, T: int, room: int) -> int:
     """Slots of the compacted cache for prompts of width T and `room` decode tokens: the
-    kept prompt plus the room, or the budget alone for a policy that evicts in decode."""
+    kept prompt plus the room (`heads.prompt_slots`: more under adaptive heads), or the
+    budget alone for a policy that evicts in decode."""
+    from kvjax.policies import heads
     budget = static_budget(c, T)
-    return min(budget, T + room) if self.decode_evicts else min(budget, T) + room
+    return min(budget, T + room) if self.decode_evicts else \
+        heads.prompt_slots(c, budget, T) + room
 
   def write_slots(self, c, positions_BT, lengths_B, held_B, budget_B):
     """Where decode writes new tokens (numpy or jax): (slot of each token [B, T], -1 when

@@ -50,6 +50,8 @@ def held_tokens(c, seq_len: int) -> int:
 def check_config(c, m=None) -> None:
   """Host-side checks of the policy settings (hooked into `config.validate`)."""
   pol = get(c.policy)
+  from kvjax.policies import heads
+  heads.check(c, pol, m)
   if c.budget < 0 or c.sinks < 0 or c.window < 0:
     raise KvjaxError("cache.budget, cache.sinks and cache.window must be >= 0")
   if c.ratio and not 0 < c.ratio <= 1:

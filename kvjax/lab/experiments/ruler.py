@@ -232,7 +232,8 @@ def _answer(tcfg, ref, params, tok, prefix, tail, ask, tail_pad: int, protocol: 
     else:
       last, cache = tasks.aware(tcfg, ref, params, prefix, tail, tail_pad, steps)
       n_sel = n_prompt
-    n_held = int(np.asarray(cache.held)[0])
+    n_held = int(np.asarray(cache.held)[0]) if cache.head_held is None else \
+        float(np.asarray(cache.head_held)[:, 0].mean())  # per-head budgets: their mean
     sized = footprint.count(tcfg, n_sel)
     per_token, asym = sized.per_token, sized.asymptotic
     held = {"held_tokens": n_held, "kept": n_held / n_sel, "selected_from": n_sel}

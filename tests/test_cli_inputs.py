@@ -333,3 +333,16 @@ def test_generate_json_and_note_say_which_weights_ran(capsys, tmp_path, monkeypa
     from kvjax.cli import show
     show.print_human("generate", res)
     assert ("random weights" in capsys.readouterr().err) is (kind == "config"), kind
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "configs/quickstart.yaml", "--dry-run", "--out", "/tmp/kvjax-\udcff"],
+    ["run", "/tmp/\udcfe.yaml"],
+    ["generate", "--checkpoint", "/tmp/\udcff", "--prompt", "hi"],
+])
+def test_arguments_that_are_not_utf8_are_one_line(argv, capsys):
+  """Undecodable bytes in a path (they arrive as lone surrogates) once reached orbax, pybind
+  or a JSON row and raised a traceback."""
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err.strip()
+  assert "is not UTF-8 text" in err and len(err.splitlines()) == 1

@@ -123,6 +123,16 @@ def _fail(message: str) -> int:
   return 2
 
 
+def _utf8_arguments(args) -> None:
+  """Every text argument (paths among them) must be UTF-8: undecodable bytes arrive as lone
+  surrogates, which rows, JSON and the checkpoint writer cannot hold (one line here, not a
+  traceback from deep inside them)."""
+  for name, value in vars(args).items():
+    for v in value if isinstance(value, list) else [value]:
+      if isinstance(v, str):
+        inputs.text("the file argument" if name == "file" else f"--{name.replace('_', '-')}", v)
+
+
 def main(argv: list[str] | None = None) -> int:
   _quiet_libraries()
   args = None
@@ -130,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     envcheck.check()  # KVJAX_*, XLA_FLAGS: before JAX starts (an XLA abort is no message)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    _utf8_arguments(args)
     if hasattr(args, "distributed"):
       from kvjax import distributed
       how = (args.coordinator, args.num_processes, args.process_id, args.distributed,

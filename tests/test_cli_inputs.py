@@ -260,7 +260,7 @@ def test_committed_configs_use_only_options_their_experiment_reads():
 
 
 # -- --json says what ran, for every model source -------------------------------------------
-def _fake_generate(cfg, params, prompts, max_new_tokens, seed=None, stop=()):
+def _fake_generate(cfg, params, prompts, max_new_tokens, seed=None, stop=(), timed=True):
   assert params is not None
   return {"tokens": [[1] * max_new_tokens for _ in prompts], "cache_bytes": 1,
           "cache_bytes_per_device": 1, "ttft_s": 0.0, "tpot_s": 0.0, "compile_s": 0.0,

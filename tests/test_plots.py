@@ -178,6 +178,28 @@ def test_plot_all_says_what_it_skipped_and_why(tmp_path, capsys):
   assert len(err) == 3
 
 
+def test_rows_found_and_refused_are_one_line_naming_file_row_and_why(tmp_path):
+  """A folder whose rows are all malformed once said 'no results rows' on two lines; rows a
+  plot cannot read (an older schema) once exited 0 with nothing drawn."""
+  folder = tmp_path / "res"
+  folder.mkdir()
+  (folder / "x.jsonl").write_text(json.dumps({"experiment": "quality", "variant": 3,
+                                              "workload": {}, "metrics": {}}) + "\n")
+  with pytest.raises(KvjaxError, match=r"x.jsonl: 1 unreadable lines .*line 1: variant is "
+                     "not an object") as e:
+    plots.plot_all(folder, tmp_path / "plots")
+  assert "\n" not in str(e.value)
+  old = tmp_path / "old"
+  old.mkdir()
+  (old / "p.jsonl").write_text(json.dumps({"experiment": "position", "variant": {},
+                                           "workload": {"task": "text_by_position"},
+                                           "metrics": {}}) + "\n")
+  with pytest.raises(KvjaxError, match="no plot drawn: kvjax/lab/plots/position.py cannot "
+                     "read the 1 position rows") as e:
+    plots.plot_all(old, tmp_path / "plots2")
+  assert "\n" not in str(e.value)
+
+
 def test_titles_do_not_repeat_the_device():
   from kvjax.lab.plots.style import subtitle
   row = {"config": {"model": {"n_layers": 1, "d_model": 8, "n_heads": 2}},

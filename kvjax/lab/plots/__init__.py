@@ -55,12 +55,15 @@ def plot_all(results_dir: str | Path, out_dir: str | Path, log=print) -> list[Pa
     raise KvjaxError(f"no results folder {results_dir}; run `kvjax run CONFIG --out "
                      f"{results_dir}` first")
   groups, skipped = scan_rows(results_dir)
+  if not groups and skipped:  # rows were found and refused: say where and why, once
+    more = f" (and {len(skipped) - 1} more files)" if len(skipped) > 1 else ""
+    raise KvjaxError(f"no readable results rows under {results_dir}: {skipped[0]}{more}")
   for line in skipped:
     print(f"kvjax plot: skipped {line}", file=sys.stderr)
   if not groups:
     raise KvjaxError(f"no results rows under {results_dir} (no *.jsonl of `kvjax run`); "
                      "name the folder `kvjax run --out` wrote")
-  written = []
+  written, unread = [], []
   for name, rows in sorted(groups.items()):
     module = plot_module(name)
     if module is None:
@@ -85,9 +88,11 @@ def plot_all(results_dir: str | Path, out_dir: str | Path, log=print) -> list[Pa
               ZeroDivisionError) as e:  # rows of another shape (an older kvjax's, edited)
         _close_figures()
         first = (str(e).strip().splitlines() or [""])[0][:120]
-        print(f"kvjax plot: skipped {name} ({config_name}): kvjax/lab/plots/{name}.py cannot read "
-              f"its {len(sub)} rows ({type(e).__name__}: {first}); rows of another shape "
-              "(an older kvjax's, or edited): rerun the experiment", file=sys.stderr)
+        why = (f"kvjax/lab/plots/{name}.py cannot read the {len(sub)} {name} rows of "
+               f"{config_name} ({type(e).__name__}: {first}); rows of another shape (an older "
+               "kvjax's, or edited): rerun the experiment")
+        unread.append(why)
+        print(f"kvjax plot: skipped {name} ({config_name}): {why}", file=sys.stderr)
         continue
       if not paths:
         print(f"kvjax plot: skipped {name} ({config_name}): its {len(sub)} rows give "
@@ -96,4 +101,6 @@ def plot_all(results_dir: str | Path, out_dir: str | Path, log=print) -> list[Pa
       log(f"{name} ({config_name}): {len(sub)} rows -> {where}/: "
           + ", ".join(p.name for p in paths if p.suffix == ".png"))
       written += paths
+  if unread and not written:  # nothing drawn because rows could not be read: not a success
+    raise KvjaxError(f"no plot drawn: {unread[0]}")
   return written

@@ -118,6 +118,16 @@ def synthetic_rows() -> list[dict]:
                                                  "bucket": list(b), "batch": 1},
                         {"dppl_rel": d, "dppl_rel_ci95": [d / 2, 1.5 * d], "kl": 1e-3,
                          "agreement": 0.9}, model="smollm2-135m"))
+  for n in (8192, 16384):  # ruler: a row per question, cache and protocol
+    for fam, task in (("niah", "niah_single_1"), ("vt", "vt")):
+      for s, protocol in (("fp32", "blind"), ("int4", "blind"), ("snapkv_25", "blind"),
+                          ("snapkv_25", "aware")):
+        for q in range(3):
+          rows.append(row("ruler", "GQA-2", s, {"task": task, "family": fam, "context": n,
+                                                "sample": q, "key": str(q),
+                                                "protocol": protocol},
+                          {"score": 1.0 if (s == "fp32" or q) else 0.0},
+                          protocol=protocol, model="qwen2.5-coder-0.5b"))
   for v, method, frac, ppl in (("MHA", "mha", 0.0, 5.0), ("GQA-2", "converted", 0.0, 7.0),
                                ("GQA-2", "uptrained", 0.05, 5.5), ("GQA-2", "scratch", 0.0, 5.4)):
     rows.append(row("uptrain", v, "fp32", {"task": "uptrain"}, {"ppl": ppl}, method=method,

@@ -35,6 +35,9 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     contexts = sorted({r["workload"]["context"] for r in mine})
     families = list(dict.fromkeys(r["workload"]["family"] for r in mine))
     look = Look(mine)
+    # the codec palette gives every fp32-coded policy one colour: one colour a cache here
+    names = sorted({cache_label(r) for r in mine})
+    color = {n: plt.cm.tab20(i % 20) for i, n in enumerate(names)}
     fig, axes = plt.subplots(len(contexts), len(families),
                              figsize=(4.6 * len(families), 3.6 * len(contexts)), squeeze=False)
     for i, n in enumerate(contexts):
@@ -53,7 +56,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
           if protocol == "aware":
             mark = {**mark, "mfc": "none"}
           ax.errorbar([x], [t["score"]], yerr=[[t["score"] - lo], [hi - t["score"]]],
-                      color=look.color(s), capsize=3, ms=6, ls="none",
+                      color=color[s], capsize=3, ms=6, ls="none",
                       label=f"{s} ({protocol})", **mark)
         fp32 = [r["metrics"]["score"] for r in here if cache_label(r) == "fp32"]
         beyond = bool(fp32) and float(np.mean(fp32)) < CALIBRATED

@@ -120,3 +120,19 @@ def test_a_grid_too_large_is_counted_and_refused_before_it_expands(tmp_path):
   with pytest.raises(KvjaxError, match=r"7,920,200 cells \(200 seed x 199") as e:
     grid.expand(path)
   assert "\n" not in str(e.value) and time.perf_counter() - t0 < 30
+
+
+def test_a_checkpoint_names_its_tokenizer_file_absolutely(tmp_path, monkeypatch):
+  """A checkpoint written with a relative tokenizer path (`tokenizer: gguf:m.gguf`, or a
+  tokenizer.json) once broke when used from another folder: the path is stored absolute."""
+  (tmp_path / "m.gguf").write_bytes(b"GGUF")
+  (tmp_path / "tokenizer.json").write_text("{}")
+  monkeypatch.chdir(tmp_path)
+  for name, want in (("gguf:m.gguf", f"gguf:{tmp_path / 'm.gguf'}"),
+                     ("tokenizer.json", str(tmp_path / "tokenizer.json")),
+                     ("bytes", "bytes"), ("gguf:missing.gguf", "gguf:missing.gguf")):
+    cfg = config_lib.apply_overrides(config_lib.Config(), {"tokenizer": name})
+    checkpoint.write_config(tmp_path / "ck", cfg)
+    monkeypatch.chdir("/")
+    assert checkpoint.read_config(tmp_path / "ck").tokenizer == want
+    monkeypatch.chdir(tmp_path)

@@ -47,12 +47,25 @@ def _manager(out_dir: Path, keep: int = 2, read_only: bool = False):
   return ocp.CheckpointManager(Path(out_dir).absolute() / "steps", options=opts)
 
 
+def _absolute_tokenizer(name: str) -> str:
+  """A tokenizer that names a file (`gguf:PATH`, a tokenizer.json) as an absolute path, so
+  the checkpoint reads it from any working folder (a relative one broke elsewhere)."""
+  kind, path = ("gguf:", name[5:]) if name.startswith("gguf:") else ("", name)
+  if path and Path(path).is_file():
+    return kind + str(Path(path).resolve())
+  return name
+
+
 def write_config(out_dir: str | Path, cfg: Config) -> None:
-  """Atomically write the resolved config (tmp file + rename)."""
+  """Atomically write the resolved config (tmp file + rename), a tokenizer file named by
+  its absolute path."""
   out = Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   tmp = out / "config.yaml.tmp"
-  tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=True))
+  data = cfg.to_dict()
+  if isinstance(data.get("tokenizer"), str):
+    data["tokenizer"] = _absolute_tokenizer(data["tokenizer"])
+  tmp.write_text(yaml.safe_dump(data, sort_keys=True))
   os.replace(tmp, out / "config.yaml")
 
 

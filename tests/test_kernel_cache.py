@@ -95,6 +95,14 @@ def test_a_compiler_that_fails_silently_is_named(cache, monkeypatch):
   assert not cache.exists()
 
 
+def test_a_compiler_that_exits_0_without_a_library_is_named(cache, monkeypatch):
+  """`CXX=true` once ended in a bare 'No such file or directory' for the temporary file."""
+  monkeypatch.setenv("CXX", "/bin/true")
+  with pytest.raises(OSError, match=r"/bin/true exited 0 without writing .*set CXX"):
+    kernels.build()
+  assert not cache.exists()
+
+
 @pytest.mark.parametrize("value, on", [("", True), ("on", True), ("1", True), ("TRUE", True),
                                        ("off", False), ("0", False), ("no", False),
                                        ("false", False), (" False ", False)])

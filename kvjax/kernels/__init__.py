@@ -133,6 +133,9 @@ def build() -> Path:
       subprocess.run([cxx, *FLAGS, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o",
                       str(tmp)],
                      check=True, capture_output=True, text=True)
+      if not tmp.is_file():  # (`CXX=true` exits 0 and writes nothing)
+        raise OSError(f"its build wrote no library ({cxx} exited 0 without writing {tmp.name}); "
+                      "set CXX to a working C++ compiler, or KVJAX_KERNEL=off")
       out.with_suffix(".sha256").unlink(missing_ok=True)
       os.replace(tmp, out)
       _write_record(out)

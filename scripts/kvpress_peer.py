@@ -204,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     _fail(f"the kvpress side exited {side.returncode}; its output is above")
   theirs = {}
   for line in (out / "kvpress.jsonl").read_text().splitlines():
-    r = json.loads(line)
+    try:
+      r = json.loads(line)
+    except json.JSONDecodeError:  # a line torn by a killed run: the side runs it again
+      continue
     theirs[(r["id"], r["press"])] = r
   params = step.prepare_params(mcfg, raw)
   rows_path = out / "peer.jsonl"

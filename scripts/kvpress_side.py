@@ -93,6 +93,9 @@ def main(argv: list[str]) -> int:
   model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                             dtype=torch.float32)
   model.eval()
+  if out_path.exists() and out_path.stat().st_size and not out_path.read_bytes().endswith(b"\n"):
+    with out_path.open("a") as f:  # a line torn by a killed run ends here, not in the next
+      f.write("\n")
   with out_path.open("a") as f:
     for prompt in spec["prompts"]:
       for name, press in spec["presses"].items():

@@ -314,3 +314,12 @@ def test_plot_from_rows(rows, tmp_path):
   written = plots.plot_all(res, tmp_path / "plots")
   assert sorted(p.name for p in written) == ["ruler_tiny.png", "ruler_tiny.svg"]
   assert all(p.stat().st_size > 1000 for p in written)
+
+
+def test_a_prefill_the_memory_cannot_hold_is_refused_before_it_starts(tmp_path, monkeypatch):
+  from kvjax.lab.experiments import ruler as exp
+
+  monkeypatch.setenv("KVJAX_MEMORY_LIMIT", "1MiB")
+  with pytest.raises(KvjaxError, match="one-call prefill.*queries x2") as e:
+    exp.check(_cfg(tmp_path))
+  assert "\n" not in str(e.value)

@@ -138,8 +138,14 @@ def check(cfg) -> None:
         policies.check_lengths(c.cache, [n // 2])
     _example(cfg, spec)  # a context too short for its question, a question over tail_pad
     ref = evaluate.reference_config(mcfg)
-    memory.check(ref, 1, n + cfg.param_int("tail_pad", 96) + max(ruler.GEN_LEN.values()), n,
-                 params=True, what="this cell's one-call prefill")
+    m = mcfg.model
+    parts = memory.estimate(ref, 1, n + cfg.param_int("tail_pad", 96)
+                            + max(ruler.GEN_LEN.values()), n, params=True)
+    # the prefill's rotated queries, every layer's, kept for the policies (twice: the
+    # aware protocol places the question's beside them)
+    parts["queries x2"] = 2 * m.n_layers * n * m.n_heads * m.D * 4
+    memory.check_parts(parts, "this cell's one-call prefill", "shorten params.context or "
+                       "choose a smaller model")
   del task
 
 

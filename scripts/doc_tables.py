@@ -797,7 +797,7 @@ def sinks100_table(rows: list[dict]) -> str:
                           "configs/long_context_sinks_100.yaml")
 
 
-MODELS = (("gemma3-270m", "Gemma 3 (MQA)"), ("qwen2.5-coder-0.5b", "Qwen2.5 (GQA-7)"),
+MODELS = (("gemma3-270m", "Gemma 3 (MQA)"), ("qwen2.5-coder-0.5b", "Qwen2.5 (GQA-2)"),
           ("smollm2-135m", "SmolLM2 (GQA-3)"))
 TEXTS = (("stdlib", "code"), ("shakespeare", "prose"))
 

@@ -109,7 +109,7 @@ def test_segment_read_at_head_dim_64(route, name, G, T):
 @pytest.mark.parametrize("name,K,G,D", [(c, 1, 4, 256) for c in ("int8", "int4", "bf16")] +
                          [(c, 2, 7, 64) for c in ("int8", "int4", "bf16")])
 def test_segment_read_at_the_new_models_shapes(route, name, K, G, D):
-  """Gemma 3's MQA (head_dim 256, 4 query heads on its one KV head) and Qwen2.5's GQA-7
+  """Gemma 3's MQA (head_dim 256, 4 query heads on its one KV head) and Qwen2.5's GQA-2
   (head_dim 64, 7 query heads a KV head: an odd row group), one decode query a row, over a
   slot mask with holes (a window folded in, a ragged start)."""
   seg = _segment(name, K, 72, D, seed=5)

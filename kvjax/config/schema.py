@@ -84,12 +84,8 @@ class ModelConfig:
 
   @property
   def variant(self) -> str:
-    """MHA / GQA-<kv heads> / MQA, the name used in results and plots."""
-    if self.n_kv_heads == self.n_heads:
-      return "MHA"
-    if self.n_kv_heads == 1:
-      return "MQA"
-    return f"GQA-{self.n_kv_heads}"
+    """MHA / GQA-<kv heads> / MQA (`variant_name`), the name used everywhere."""
+    return variant_name(self.n_heads, self.n_kv_heads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +112,16 @@ class CacheConfig:
   keep_first: int = 0            # tokens at each sequence's start kept in full precision
   clip: str = "none"             # none | mse: each quantization group's range searched for the
                                  # least squared error (kvjax.codecs.clip)
+
+
+def variant_name(n_heads: int, n_kv_heads: int) -> str:
+  """The attention variant's one name: MHA, MQA, or GQA-N with N the KV heads (the GQA
+  paper's groups), so Qwen2.5's 14 query heads on 2 KV heads are GQA-2."""
+  if n_kv_heads == n_heads:
+    return "MHA"
+  if n_kv_heads == 1:
+    return "MQA"
+  return f"GQA-{n_kv_heads}"
 
 
 @dataclasses.dataclass(frozen=True)

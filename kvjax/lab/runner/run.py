@@ -28,6 +28,30 @@ from kvjax.lab.runner.table import flatten, format_table, identity, with_identit
 CELL_CACHE_KEYS = ("k_codec", "v_codec", "k_axis", "group_size", "residual", "layout")
 
 
+def _models_variant(cfg) -> str | None:
+  """The variants of the real models a cell runs (`params.models`), from their shapes, not
+  the config's placeholder `model:` section (which only sizes the checks); None when the
+  cell names none, or one whose shape cannot be read without loading it."""
+  from kvjax.config.schema import variant_name
+  from kvjax.io import sources, zoo
+
+  models = cfg.param("models", ())
+  models = (models,) if isinstance(models, str) else tuple(models or ())
+  names = []
+  for spec in models:
+    try:
+      src = sources.parse(str(spec))
+    except KvjaxError:
+      return None
+    if src.kind == "gguf" and src.ref in zoo.MODELS:
+      names.append(variant_name(*zoo.MODELS[src.ref].heads))
+    elif src.kind == "config":
+      names.append(config_lib.load(src.ref).model.variant)
+    else:
+      return None
+  return ", ".join(dict.fromkeys(names)) or None
+
+
 def cell_record(cell: Cell, differs: dict | None = None, cfg=None,
                 interleaved: str | None = None) -> dict:
   """What `--dry-run` lists for a cell: its grid coordinates, setting, resolved cache and
@@ -41,7 +65,7 @@ def cell_record(cell: Cell, differs: dict | None = None, cfg=None,
     rec["interleaved"] = interleaved
   if cell.cfg.param("setting", ""):
     rec["setting"] = cell.cfg.param("setting")
-  rec["variant"] = m.variant
+  rec["variant"] = _models_variant(cfg) or m.variant
   rec.update({k: getattr(c, k) for k in CELL_CACHE_KEYS})
   shown = set(rec) | {"codec"}  # (the K and V codecs are there)
   rec.update({k: v for k, v in (differs or {}).items() if k not in shown})

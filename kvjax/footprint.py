@@ -85,9 +85,9 @@ class Held:
 
 def layout_name(cfg: Config) -> str:
   """The layout that holds the tokens: a cache.policy's compacted one, else cache.layout."""
-  from kvjax import policies
+  from kvjax import cache, policies
   if policies.evicts(cfg.cache):
-    return "paged_compacted" if cfg.cache.layout == "paged" else "compacted"
+    return cache.compacted(cfg.cache.layout).name  # (the registry's: one place names it)
   return cfg.cache.layout
 
 

@@ -243,7 +243,7 @@ def compress(cache, lengths_B, room: int, q_LBTHD=None, T: int | None = None) ->
     pos_LBKS, kept_state = pol.keep(ctx, Sk)
     held_B = policies.held(lengths_B, budget_B)
 
-  new_spec = dataclasses.replace(spec, layout="compacted", capacity=pol.capacity(c, T, room))
+  new_spec = dataclasses.replace(spec, layout=Compacted.name, capacity=pol.capacity(c, T, room))
   fresh = Compacted().init(new_spec)
 
   used_BS = jnp.arange(Sk)[None, :] < held_B[:, None]

@@ -181,7 +181,7 @@ def contiguous_view(cache, T: int):
 def to_pages(ev: compact.CompactedCache) -> CompactedPagedCache:
   """A compacted contiguous cache [L, B, K, cap, X] stored into B x Q pages (slot s of
   sequence b in its logical page s // page_size, physical page b Q + s // page_size)."""
-  spec = dataclasses.replace(ev.spec, layout="paged_compacted",  # a pool of just these pages
+  spec = dataclasses.replace(ev.spec, layout=PagedCompacted.name,  # a pool of just these pages
                              cache_cfg=dataclasses.replace(ev.spec.cache_cfg, num_pages=0))
   ps, Q = page_size(spec), pages_per_seq(spec)
 

@@ -27,6 +27,7 @@ from kvjax import footprint, memory
 from kvjax.errors import KvjaxError
 from kvjax.lab import experiments as ex
 from kvjax.lab import intervals, metrics, sizing
+from kvjax.lab.experiments import roofline
 
 PARAMS = frozenset({"budget", "max_batch", "reference"})
 
@@ -46,9 +47,7 @@ def _budget(cfg: config_lib.Config) -> int:
         from None
 
 
-def capacity(cfg: config_lib.Config) -> int:
-  w = cfg.workload
-  return cfg.cache.capacity or w.prompt_len + max(w.gen_len, 2)
+capacity = roofline.capacity  # a filled decode's slots: the one rule, the roofline's
 
 
 def need(cfg: config_lib.Config, batch: int) -> int:
@@ -80,7 +79,6 @@ def check(cfg: config_lib.Config) -> None:
 
 
 def run_cell(cfg: config_lib.Config) -> list[dict]:
-  from kvjax.lab.experiments import roofline
   w = cfg.workload
   batch = largest_batch(cfg)
   params = ex.random_params(cfg.model, cfg.seed)

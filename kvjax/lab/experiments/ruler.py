@@ -194,13 +194,16 @@ def run_cell(cfg) -> list[dict]:
     for ask in e.asks:
       tail = tok.encode(ask.tail)
       n_prompt = e.context_tokens + len(tail)
+      shared: dict = {}  # the aware protocol's prompt, made once per question
       for name, tcfg in _model_cfgs(cfg, mcfg).items():
         evicts = policies.evicts(tcfg.cache)
         for protocol in (protocols if evicts else ("blind",)):
           if protocol == "aware" and not policies.get(tcfg.cache.policy).needs_queries:
             continue
+          if protocol == "aware" and "prompt" not in shared:
+            shared["prompt"] = tasks.question_prompt(ref, params, prefix, tail, tail_pad)
           row = _answer(tcfg, ref, params, tok, prefix, tail, ask, tail_pad, protocol,
-                        e.context_tokens, n_prompt)
+                        e.context_tokens, n_prompt, shared.get("prompt"))
           c = tcfg.cache
           extra = dict(policy=c.policy, budget=c.budget, ratio=c.ratio, window=c.window,
                        sinks=c.sinks) if evicts else {}
@@ -222,7 +225,7 @@ def run_cell(cfg) -> list[dict]:
 
 
 def _answer(tcfg, ref, params, tok, prefix, tail, ask, tail_pad: int, protocol: str,
-            n_context: int, n_prompt: int) -> dict:
+            n_context: int, n_prompt: int, prompt=None) -> dict:
   """One question through one cache: the row's metrics."""
   steps = ask.gen_len
   held = {}
@@ -236,7 +239,7 @@ def _answer(tcfg, ref, params, tok, prefix, tail, ask, tail_pad: int, protocol: 
       cache = tasks.evict_prefix(tcfg, prefix, tail_pad + steps)
       n_sel = n_context
     else:
-      last, cache = tasks.aware(tcfg, ref, params, prefix, tail, tail_pad, steps)
+      last, cache = tasks.aware(tcfg, ref, params, prefix, tail, tail_pad, steps, prompt)
       n_sel = n_prompt
     n_held = int(np.asarray(cache.held)[0]) if cache.head_held is None else \
         float(np.asarray(cache.head_held)[:, 0].mean())  # per-head budgets: their mean

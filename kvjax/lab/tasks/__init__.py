@@ -63,11 +63,11 @@ from kvjax.lab.tasks.haystack import (
     BASE, CHATML, FILLER, GEMMA, OWN, PLAIN, TASKS, TEMPLATES, WORDS, Example, Query, Template,
     check_args, generate, own_template, score)
 from kvjax.lab.tasks.through_cache import (
-    Prefix, answer_through_cache, aware, continue_greedy, encode_prefix, evict_prefix, prefill,
-    prefill_queries, prefix_kv)
+    Prefix, Prompt, answer_through_cache, aware, continue_greedy, encode_prefix, evict_prefix,
+    prefill, prefill_queries, prefix_kv, question_prompt)
 
 __all__ = ["BASE", "CHATML", "FILLER", "GEMMA", "OWN", "PLAIN", "TASKS", "TEMPLATES", "WORDS",
-           "Example", "Prefix", "Query", "Template", "answer_through_cache", "aware", "check_args",
-           "continue_greedy", "encode_prefix",
+           "Example", "Prefix", "Prompt", "Query", "Template", "answer_through_cache", "aware",
+           "check_args", "continue_greedy", "encode_prefix", "question_prompt",
            "evict_prefix", "generate", "own_template", "prefill", "prefill_queries",
            "prefix_kv", "score"]

@@ -181,28 +181,47 @@ def _place(q_prefix, q_tail, n):
   return jax.lax.dynamic_update_slice(out, q_tail.astype(out.dtype), (0, 0, n, 0, 0))
 
 
-def aware(cfg, ref_cfg, params, prefix: Prefix, tail_ids, tail_pad: int, room: int):
-  """Question-aware eviction: (the prompt's last logits [1, V], the compacted cache).
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+  """Context and question prefilled together at full precision (`question_prompt`): the
+  prompt's last logits [1, V], its K/V (`prefix_kv`: n = context + question tokens) and
+  its rotated queries [L, 1, width, H, D], what every policy of the aware protocol
+  compacts from."""
+  last: jax.Array
+  kv: tuple
+  q: jax.Array
+  width: int
 
-  The tail goes through the prefix's fp32 cache (`ref_cfg`) with its queries kept, so
-  context and question are one prompt prefilled at full precision, as if in one call; the
-  policy then scores [context; question] with the queries of both (snapkv's observation
-  window is the question's last tokens) and compacts the whole prompt to its budget (a
-  `cache.ratio` of context + question), the codec storing what it keeps. The answer's first
-  token comes from the returned logits, which read the uncompacted prompt (as a prefill
-  that compresses after it returns, SnapKV's and kvpress's protocol); every later token
-  reads the compacted cache. `room`: slots left for the answer."""
-  from kvjax import policies
 
+def question_prompt(ref_cfg, params, prefix: Prefix, tail_ids, tail_pad: int) -> Prompt:
+  """The tail fed through the prefix's fp32 cache (`ref_cfg`) with its queries kept: the
+  context and the question as one prompt, as if prefilled in one call. One per question,
+  shared by every cache that compacts it."""
   width = prefix.width + tail_pad
   full = encode_prefix(ref_cfg, prefix.kv, width)
   tok, t = _pad(tail_ids, tail_pad)
   last, full, q_tail = _forward_queries(params, tok, t, full, static=_static(ref_cfg))
-  n = prefix.kv[2] + len(tail_ids)
-  policies.check_lengths(cfg.cache, [n])
-  kv = prefix_kv(full)
-  q = _place(prefix.q, q_tail, jnp.int32(prefix.kv[2]))
-  return last, _compact(cfg, kv, q, width, room)
+  return Prompt(last, prefix_kv(full), _place(prefix.q, q_tail, jnp.int32(prefix.kv[2])),
+                width)
+
+
+def aware(cfg, ref_cfg, params, prefix: Prefix, tail_ids, tail_pad: int, room: int,
+          prompt: Prompt | None = None):
+  """Question-aware eviction: (the prompt's last logits [1, V], the compacted cache).
+
+  Context and question are one prompt prefilled at full precision (`question_prompt`, or
+  `prompt` when the caller made it for several caches); the policy then scores [context;
+  question] with the queries of both (snapkv's observation window is the question's last
+  tokens) and compacts the whole prompt to its budget (a `cache.ratio` of context +
+  question), the codec storing what it keeps. The answer's first token comes from the
+  returned logits, which read the uncompacted prompt (as a prefill that compresses after
+  it returns, SnapKV's and kvpress's protocol); every later token reads the compacted
+  cache. `room`: slots left for the answer."""
+  from kvjax import policies
+
+  prompt = prompt or question_prompt(ref_cfg, params, prefix, tail_ids, tail_pad)
+  policies.check_lengths(cfg.cache, [prompt.kv[2]])
+  return prompt.last, _compact(cfg, prompt.kv, prompt.q, prompt.width, room)
 
 
 def continue_greedy(cfg, params, cache, first: int, steps: int) -> list:

@@ -191,6 +191,8 @@ def run_cell(cfg) -> list[dict]:
     width = _context(cfg)
     ref = evaluate.reference_config(dataclasses.replace(mcfg, seed=cfg.seed))
     prefix = tasks.prefill_queries(ref, params, tok.encode(e.context), width)
+    blind: dict = {}  # name -> the cache each question reads under the blind protocol: one
+    #                   per cache, every question of the prompt (a question never consumes it)
     for ask in e.asks:
       tail = tok.encode(ask.tail)
       n_prompt = e.context_tokens + len(tail)
@@ -202,8 +204,10 @@ def run_cell(cfg) -> list[dict]:
             continue
           if protocol == "aware" and "prompt" not in shared:
             shared["prompt"] = tasks.question_prompt(ref, params, prefix, tail, tail_pad)
+          if protocol == "blind" and name not in blind:
+            blind[name] = _blind_cache(tcfg, prefix, tail_pad + ask.gen_len)
           row = _answer(tcfg, ref, params, tok, prefix, tail, ask, tail_pad, protocol,
-                        e.context_tokens, n_prompt, shared.get("prompt"))
+                        e.context_tokens, n_prompt, shared.get("prompt"), blind.get(name))
           c = tcfg.cache
           extra = dict(policy=c.policy, budget=c.budget, ratio=c.ratio, window=c.window,
                        sinks=c.sinks) if evicts else {}
@@ -224,19 +228,29 @@ def run_cell(cfg) -> list[dict]:
   return rows
 
 
+def _blind_cache(tcfg, prefix, room: int):
+  """The cache the question reads under the blind protocol: the context stored through the
+  codec (`room` slots after the context's width for the question and the answer), or
+  compacted by the policy before the question."""
+  if not policies.evicts(tcfg.cache):
+    return tasks.encode_prefix(tcfg, prefix.kv, prefix.width + room)
+  return tasks.evict_prefix(tcfg, prefix, room)
+
+
 def _answer(tcfg, ref, params, tok, prefix, tail, ask, tail_pad: int, protocol: str,
-            n_context: int, n_prompt: int, prompt=None) -> dict:
-  """One question through one cache: the row's metrics."""
+            n_context: int, n_prompt: int, prompt=None, blind=None) -> dict:
+  """One question through one cache: the row's metrics. `blind`: the cache of
+  `_blind_cache`, made once for every question of the prompt."""
   steps = ask.gen_len
   held = {}
   if not policies.evicts(tcfg.cache):
-    cache = tasks.encode_prefix(tcfg, prefix.kv, prefix.width + tail_pad + steps)
+    cache = blind if blind is not None else _blind_cache(tcfg, prefix, tail_pad + steps)
     ids = tasks.answer_through_cache(tcfg, params, cache, tail, steps, tail_pad)
     sized = footprint.count(tcfg, n_prompt)
     per_token, asym = sized.per_token, sized.asymptotic
   else:
     if protocol == "blind":
-      cache = tasks.evict_prefix(tcfg, prefix, tail_pad + steps)
+      cache = blind if blind is not None else _blind_cache(tcfg, prefix, tail_pad + steps)
       n_sel = n_context
     else:
       last, cache = tasks.aware(tcfg, ref, params, prefix, tail, tail_pad, steps, prompt)

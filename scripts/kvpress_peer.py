@@ -9,11 +9,11 @@ below the version kvjax tests against), which `scripts/kvpress_side.py` runs in.
 
 1. Prompts: the RULER-style suite's niah tasks and vt (kvjax/lab/tasks/ruler.py) at
    `--context` tokens in the model's chat template, cycled over tasks and samples; the first
-   question of each. Written to OUT/prompts.json (token ids, so both sides read the same).
+   question of each. Written to WORK/prompts.json (token ids, so both sides read the same).
 2. kvpress: each press compresses the context during its prefill (the question-blind
    pipeline), its kept indices per layer and KV head recorded as it takes them, then the
    question reads the compressed cache and `gen_len` tokens are decoded greedily
-   (OUT/kvpress.jsonl, one line per prompt and press; resumed where it stopped).
+   (WORK/kvpress.jsonl, one line per prompt and press; resumed where it stopped).
 3. kvjax: one one-call fp32 prefill per prompt with its queries; per press the matching
    policy with the same kept count (kvpress keeps int(n x (1 - ratio)), at least 1, set as
    `cache.budget`), its kept positions from the policy's own selection on the prefill's
@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--prompts", type=int, default=20)
   ap.add_argument("--ratio", type=float, default=0.5, help="the share each press removes")
   ap.add_argument("--out", default="results/real_models/kvpress_peer")
+  ap.add_argument("--work", default="results/tmp_kvpress_peer",
+                  help="the prompts and kvpress's raw output (kept indices): large, not committed")
   a = ap.parse_args(argv)
   if not 0 < a.ratio < 1:
     _fail(f"--ratio must be in (0, 1), got {a.ratio}")
@@ -191,19 +193,20 @@ def main(argv: list[str] | None = None) -> int:
     _fail(str(e))
   if a.context > mcfg.model.max_seq_len:
     _fail(f"--context {a.context} exceeds {a.model}'s context {mcfg.model.max_seq_len}")
-  out = ROOT / a.out
+  out, work = ROOT / a.out, ROOT / a.work
   out.mkdir(parents=True, exist_ok=True)
+  work.mkdir(parents=True, exist_ok=True)
   prompts = make_prompts(a.model, a.context, a.prompts, tok)
   spec = {"gguf": str(gguf), "prompts": prompts,
           "presses": {k: {**p, "ratio": a.ratio} for k, (p, _) in PRESSES.items()}}
-  (out / "prompts.json").write_text(json.dumps(spec))
+  (work / "prompts.json").write_text(json.dumps(spec))
   side = subprocess.run([str(SIDE_PY), str(ROOT / "scripts" / "kvpress_side.py"),
-                         str(out / "prompts.json"), str(out / "kvpress.jsonl")],
+                         str(work / "prompts.json"), str(work / "kvpress.jsonl")],
                         env={**os.environ, "PYTHONPATH": ""})
   if side.returncode:
     _fail(f"the kvpress side exited {side.returncode}; its output is above")
   theirs = {}
-  for line in (out / "kvpress.jsonl").read_text().splitlines():
+  for line in (work / "kvpress.jsonl").read_text().splitlines():
     try:
       r = json.loads(line)
     except json.JSONDecodeError:  # a line torn by a killed run: the side runs it again

@@ -15,20 +15,17 @@ line per (prompt, press) appended to OUT.jsonl; a line already there is not run 
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
 from pathlib import Path
 
-import torch
-import transformers
-from transformers import DynamicCache
-
-import kvpress
-from kvpress.utils import compute_n_kept
+# torch, transformers and kvpress are imported where used: `--help` answers without them
 
 
 def _press(spec: dict):
+  import kvpress
   cls = getattr(kvpress, spec["press"])
   kw = {k: v for k, v in spec.items() if k not in ("press", "ratio")}
   return cls(compression_ratio=spec["ratio"], **kw)
@@ -37,6 +34,7 @@ def _press(spec: dict):
 def _kept(press, model):
   """Hook the press's `score` so the kept indices of every layer are recorded as the press
   takes them (`scores.topk(n_kept)` with kvpress's own `compute_n_kept`)."""
+  from kvpress.utils import compute_n_kept
   kept: dict = {}
   inner = press.score
 
@@ -50,8 +48,16 @@ def _kept(press, model):
   return kept
 
 
-@torch.no_grad()
 def run_one(model, prompt: dict, spec: dict) -> dict:
+  import torch
+  with torch.no_grad():
+    return _run_one(model, prompt, spec)
+
+
+def _run_one(model, prompt: dict, spec: dict) -> dict:
+  import torch
+  from transformers import DynamicCache
+
   press = _press(spec)
   kept = _kept(press, model)
   ctx = torch.tensor([prompt["context"]])
@@ -77,7 +83,15 @@ def run_one(model, prompt: dict, spec: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
-  spec_path, out_path = Path(argv[0]), Path(argv[1])
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("prompts", help="the prompts file scripts/kvpress_peer.py writes")
+  ap.add_argument("out", help="the JSON-lines file to append to (resumed where it stopped)")
+  a = ap.parse_args(argv)
+  import torch
+  import transformers
+
+  import kvpress
+  spec_path, out_path = Path(a.prompts), Path(a.out)
   spec = json.loads(spec_path.read_text())
   done = set()
   if out_path.exists():

@@ -148,7 +148,7 @@ def parse_set(items: list[str] | None) -> dict[str, Any]:
     try:
       out[key.strip()] = yamlfile.parse(raw, f"--set {item}")
     except yamlfile.SyntaxProblem:  # (a duplicate key or an alias cycle is still refused)
-      if raw.strip()[0] in "{[\"'&*!|>%@`":  # meant as YAML (`x={`, `x=[1,`), never a name
+      if raw.strip()[0] in "{\"'&*!|>%@`":  # meant as YAML (`x={`, `x="a`), never a name
         raise
       out[key.strip()] = raw  # not YAML: the text itself (a file name, a codec name)
   return out

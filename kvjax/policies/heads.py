@@ -46,8 +46,8 @@ def check(c, pol, m=None) -> None:
     raise KvjaxError(f"unknown cache.heads '{c.heads}'; use {' or '.join(HEADS)}")
   if not adaptive(c):
     return
-  from kvjax.policies.base import Policy
-  if pol.name == "full" or type(pol).scores is Policy.scores or pol.decode_evicts:
+  scores = type(pol).scores.__qualname__  # (the base's raises: the policy does not score)
+  if pol.name == "full" or scores == "Policy.scores" or pol.decode_evicts:
     raise KvjaxError(f"cache.heads=adaptive spreads the budget of a policy that scores "
                      f"tokens and appends in decode (snapkv, knorm); {pol.name} does not")
   if c.layout != "contiguous":

@@ -11,13 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.errors import KvjaxError
-from kvjax.policies.base import POLICIES, effective_budget, get, static_budget
-
-
-def ratio_budgets(ratio: float, lengths) -> np.ndarray:
-  """ceil(ratio x length), at least 1, in float64 on the host: the one definition of a
-  ratio's budget (float32 on the device would keep 28 of 90 tokens at ratio 0.3)."""
-  return np.maximum(1, np.ceil(float(ratio) * np.asarray(lengths, np.float64))).astype(np.int32)
+from kvjax.policies.base import POLICIES, effective_budget, get, ratio_budgets, static_budget  # noqa: F401
 
 
 def budgets(c, lengths_B, T: int | None = None) -> Any:

@@ -101,7 +101,7 @@ def check_memory(cfg: config_lib.Config, batch: int, capacity: int, tokens: int,
   memory.check(cfg, batch, capacity, tokens, params=True, what="this cell", caches=caches)
 
 
-def _mapping(value) -> dict | None:
+def mapping(value) -> dict | None:
   """A YAML mapping as the config holds it (frozen to sorted (key, value) pairs), or None."""
   if isinstance(value, dict):
     return dict(value)
@@ -117,13 +117,13 @@ def interleaved(cfg: config_lib.Config) -> dict:
   raw = cfg.param("interleave", None)
   if not raw:
     return {}
-  table = _mapping(raw)
+  table = mapping(raw)
   if table is None:
     raise KvjaxError("params.interleave must map a variant name to config overrides, e.g. "
                      "{window_50: {cache.policy: window, cache.ratio: 0.5}}")
   out = {}
   for name, over in table.items():
-    over = {} if over in (None, (), {}) else _mapping(over)
+    over = {} if over in (None, (), {}) else mapping(over)
     if over is None or any(str(k).startswith("params") for k in over):
       raise KvjaxError(f"params.interleave.{name} must map cache/model keys to values")
     out[str(name)] = config_lib.apply_overrides(cfg, {str(k): v for k, v in over.items()})

@@ -76,7 +76,7 @@ def _settings(cfg) -> dict:
   return {k: dict(v) for k, v in dict(cfg.param("settings", None) or {}).items()}
 
 
-def _models(cfg) -> list[str]:
+def models(cfg) -> list[str]:
   models = cfg.param("models", ())
   if isinstance(models, str):
     models = (models,)
@@ -117,8 +117,8 @@ def check(cfg) -> None:
   if cfg.param("template", "plain") not in (*tasks.TEMPLATES, tasks.OWN):
     raise KvjaxError(f"unknown params.template '{cfg.param('template')}'; use one of "
                      f"{', '.join(tasks.TEMPLATES)} or {tasks.OWN} (the model's own)")
-  for spec in _models(cfg):
-    _, mcfg, _, tok = _load(spec)
+  for spec in models(cfg):
+    _, mcfg, _, tok = load(spec)
     ex.check_context(mcfg, _context(cfg))
     if _kv_heads(cfg):
       convert.check_target(mcfg.model, _kv_heads(cfg))
@@ -129,7 +129,7 @@ def check(cfg) -> None:
 
 
 @functools.lru_cache(maxsize=2)
-def _load(spec: str):
+def load(spec: str):
   src = sources.parse(spec)
   mcfg, params, tok = sources.load(src)
   if tok is None:
@@ -148,7 +148,7 @@ def _model(spec: str, cfg):
   """`_load`, with the K/V heads mean-pooled (or expanded exactly, to a multiple) to
   `params.kv_heads` when the setting asks, the
   params prepared as every step through a cache takes them (`kvjax.decode.step.prepare_params`)."""
-  src, mcfg, params, tok = _load(spec)
+  src, mcfg, params, tok = load(spec)
   kv = _kv_heads(cfg)
   if kv and kv != mcfg.model.n_kv_heads:
     mcfg, params = _pooled(spec, kv)
@@ -157,7 +157,7 @@ def _model(spec: str, cfg):
 
 @functools.lru_cache(maxsize=1)
 def _pooled(spec: str, kv_heads: int):
-  _, mcfg, params, _ = _load(spec)
+  _, mcfg, params, _ = load(spec)
   grow = kv_heads > mcfg.model.n_kv_heads  # a multiple: the exact twin (more cache, same outputs)
   return (convert.expand if grow else convert.mean_pool)(mcfg, params, kv_heads)
 
@@ -244,7 +244,7 @@ def _query_prefixes(spec: str, cfg, mcfg, params, tok):
 def run_cell(cfg) -> list[dict]:
   rows = []
   gen_len, tail_pad = cfg.param_int("gen_len", 12), cfg.param_int("tail_pad", 64)
-  for spec in _models(cfg):
+  for spec in models(cfg):
     src, mcfg, params, tok = _model(spec, cfg)
     tcfg = cell_config(cfg, mcfg)
     c = tcfg.cache

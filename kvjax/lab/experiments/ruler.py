@@ -66,14 +66,14 @@ def _caches(cfg) -> dict:
   """`params.caches`: name -> {cache key: value}; an fp32 cache named `fp32` first when
   the table has none (every cell's calibration)."""
   raw = cfg.param("caches", None)
-  table = ex._mapping(raw) if raw else {}
+  table = ex.mapping(raw) if raw else {}
   if table is None or not table:
     raise KvjaxError("ruler needs params.caches: a mapping of names to cache overrides, e.g. "
                      "{fp32: {cache.codec: fp32}, snapkv_25: {cache.policy: snapkv, "
                      "cache.ratio: 0.25}}")
   out = {}
   for name, over in table.items():
-    over = {} if over in (None, (), {}) else ex._mapping(over)
+    over = {} if over in (None, (), {}) else ex.mapping(over)
     if over is None or any(not str(k).startswith("cache.") for k in over):
       raise KvjaxError(f"params.caches.{name} must map cache.* keys to values")
     out[str(name)] = {str(k): v for k, v in over.items()}
@@ -125,8 +125,8 @@ def check(cfg) -> None:
                      f"{', '.join(tasks.TEMPLATES)} or {tasks.OWN} (the model's own)")
   text = str(cfg.param("text", "shakespeare"))
   data.eval_text(text, what="params.text")
-  for spec in long_context._models(cfg):
-    _, mcfg, _, _ = long_context._load(spec)
+  for spec in long_context.models(cfg):
+    _, mcfg, _, _ = long_context.load(spec)
     ex.check_context(mcfg, n)
     for name, c in _model_cfgs(cfg, mcfg).items():
       pol = policies.get(c.cache.policy)
@@ -169,7 +169,7 @@ def _example(cfg, spec: str) -> ruler.Suite:
 @functools.lru_cache(maxsize=64)
 def _made(spec: str, task: str, context: int, seed: int, template: str, text: str,
           tail_pad: int) -> ruler.Suite:
-  tok = long_context._load(spec)[3]
+  tok = long_context.load(spec)[3]
   form = tasks.own_template(tok) if template == tasks.OWN else tasks.TEMPLATES[template]
   e = ruler.make(task, tok.encode, context - ruler.GEN_LEN[task], seed=seed, template=form,
                  prose=_prose(text))
@@ -183,8 +183,8 @@ def _made(spec: str, task: str, context: int, seed: int, template: str, text: st
 def run_cell(cfg) -> list[dict]:
   rows = []
   tail_pad, protocols = cfg.param_int("tail_pad", 96), _protocols(cfg)
-  for spec in long_context._models(cfg):
-    src, mcfg, raw, tok = long_context._load(spec)
+  for spec in long_context.models(cfg):
+    src, mcfg, raw, tok = long_context.load(spec)
     from kvjax.decode import step
     params = step.prepare_params(mcfg, raw)
     e = _example(cfg, spec)
@@ -314,8 +314,8 @@ def estimate(cfgs) -> str | None:
   for cfg in cfgs:
     n, task = _context(cfg), _task(cfg)
     n_caches = len(_caches(cfg))
-    for spec in long_context._models(cfg):
-      m = long_context._load(spec)[1].model
+    for spec in long_context.models(cfg):
+      m = long_context.load(spec)[1].model
       p = footprint.param_count(m)
       total += prefill_flops(m, n) / flops_s
       asks = 4 if task.startswith("niah_multikey") else 1

@@ -50,6 +50,7 @@ import numpy as np
 
 from kvjax import config as config_lib
 from kvjax import footprint, memory, policies
+from kvjax.decode import step
 from kvjax.errors import KvjaxError
 from kvjax.lab import data, evaluate, intervals, tasks
 from kvjax.lab import experiments as ex
@@ -118,8 +119,8 @@ def _model_cfgs(cfg, mcfg) -> dict:
 def check(cfg) -> None:
   """Host-side, before any prefill: names, lengths, protocols, each cache on each model,
   and memory for the one-call prefill."""
-  task, n = _task(cfg), _context(cfg)
-  protocols = _protocols(cfg)
+  _task(cfg)
+  n, protocols = _context(cfg), _protocols(cfg)
   if cfg.param("template", "plain") not in (*tasks.TEMPLATES, tasks.OWN):
     raise KvjaxError(f"unknown params.template '{cfg.param('template')}'; use one of "
                      f"{', '.join(tasks.TEMPLATES)} or {tasks.OWN} (the model's own)")
@@ -131,7 +132,7 @@ def check(cfg) -> None:
     for name, c in _model_cfgs(cfg, mcfg).items():
       pol = policies.get(c.cache.policy)
       if policies.evicts(c.cache):
-        if "aware" in protocols and not pol.needs_queries and protocols == ("aware",):
+        if protocols == ("aware",) and not pol.needs_queries:
           raise KvjaxError(f"params.caches.{name}: {c.cache.policy} scores without queries, "
                            "so it has no question-aware form; add blind to params.protocols "
                            "or drop this cache")
@@ -146,7 +147,6 @@ def check(cfg) -> None:
     parts["queries x2"] = 2 * m.n_layers * n * m.n_heads * m.D * 4
     memory.check_parts(parts, "this cell's one-call prefill", "shorten params.context or "
                        "choose a smaller model")
-  del task
 
 
 def share_key(cfg) -> int:
@@ -185,8 +185,8 @@ def run_cell(cfg) -> list[dict]:
   tail_pad, protocols = cfg.param_int("tail_pad", 96), _protocols(cfg)
   for spec in long_context.models(cfg):
     src, mcfg, raw, tok = long_context.load(spec)
-    from kvjax.decode import step
     params = step.prepare_params(mcfg, raw)
+    caches = _model_cfgs(cfg, mcfg)  # validated once, read by every question
     e = _example(cfg, spec)
     width = _context(cfg)
     ref = evaluate.reference_config(dataclasses.replace(mcfg, seed=cfg.seed))
@@ -197,7 +197,7 @@ def run_cell(cfg) -> list[dict]:
       tail = tok.encode(ask.tail)
       n_prompt = e.context_tokens + len(tail)
       shared: dict = {}  # the aware protocol's prompt, made once per question
-      for name, tcfg in _model_cfgs(cfg, mcfg).items():
+      for name, tcfg in caches.items():
         evicts = policies.evicts(tcfg.cache)
         for protocol in (protocols if evicts else ("blind",)):
           if protocol == "aware" and not policies.get(tcfg.cache.policy).needs_queries:
@@ -240,18 +240,17 @@ def _blind_cache(tcfg, prefix, room: int):
 def _answer(tcfg, ref, params, tok, prefix, tail, ask, tail_pad: int, protocol: str,
             n_context: int, n_prompt: int, prompt=None, blind=None) -> dict:
   """One question through one cache: the row's metrics. `blind`: the cache of
-  `_blind_cache`, made once for every question of the prompt."""
+  `_blind_cache`, made once for every question of the prompt (the blind protocol's);
+  `prompt`: `tasks.question_prompt`, made once for every cache (the aware protocol's)."""
   steps = ask.gen_len
   held = {}
   if not policies.evicts(tcfg.cache):
-    cache = blind if blind is not None else _blind_cache(tcfg, prefix, tail_pad + steps)
-    ids = tasks.answer_through_cache(tcfg, params, cache, tail, steps, tail_pad)
+    ids = tasks.answer_through_cache(tcfg, params, blind, tail, steps, tail_pad)
     sized = footprint.count(tcfg, n_prompt)
     per_token, asym = sized.per_token, sized.asymptotic
   else:
     if protocol == "blind":
-      cache = blind if blind is not None else _blind_cache(tcfg, prefix, tail_pad + steps)
-      n_sel = n_context
+      cache, n_sel = blind, n_context
     else:
       last, cache = tasks.aware(tcfg, ref, params, prefix, tail, tail_pad, steps, prompt)
       n_sel = n_prompt

@@ -182,12 +182,13 @@ def _plan(task: str, rng, prose: list[str]) -> _Plan:
            "to memorize them. I will quiz you about the " + kind + " afterwards.")
   value = _uuid if kind == "uuids" else _number
 
+  rng_start = rng.integers(0, 1 << 30)  # where the prose starts; seeds the shuffles
+
   def prose_pieces(n):
     if not prose:
       raise KvjaxError("the prose haystack needs the named prose text: run make models")
     start = int(rng_start) % len(prose)
     return [prose[(start + i) % len(prose)] for i in range(n)]
-  rng_start = rng.integers(0, 1 << 30)
   opening = "The special magic {k} for {key} mentioned in the provided text {verb}"
   ask = "What {verb} {det}special magic {k} for {key} mentioned in the provided text?"
 

@@ -44,10 +44,37 @@ def rope_cos_sin(positions_BT: jax.Array, cfg: ModelConfig,
 
 def apply_rope(x: jax.Array, cos_BTD: jax.Array, sin_BTD: jax.Array) -> jax.Array:
   """x [B, T, heads, D] (H query heads, K KV heads, or any number) rotated at the positions
-  of the tables."""
+  of the tables ([B, T, D], or [B, T, heads, D]: each head its own, `partial`)."""
   dtype = x.dtype
   x = x.astype(jnp.float32)
   half = x.shape[-1] // 2
   rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-  out = x * cos_BTD[:, :, None, :] + rotated * sin_BTD[:, :, None, :]
+  if cos_BTD.ndim == 3:
+    cos_BTD, sin_BTD = cos_BTD[:, :, None, :], sin_BTD[:, :, None, :]
+  out = x * cos_BTD + rotated * sin_BTD
   return out.astype(dtype)
+
+
+def partial(cos_BTD, sin_BTD, keep_NP):
+  """Per-head tables [B, T, N, D] that rotate only the frequency pairs `keep_NP` [N, D/2]
+  marks (1: rotated; 0: left as it is, cos 1 and sin 0): partial RoPE
+  (`model.rope_pairs`)."""
+  keep_ND = jnp.concatenate([keep_NP, keep_NP], axis=-1).astype(bool)[None, None]
+  return (jnp.where(keep_ND, cos_BTD[:, :, None, :], 1.0),
+          jnp.where(keep_ND, sin_BTD[:, :, None, :], 0.0))
+
+
+def pair_columns(keep_KP, r: int):
+  """(rope [K, 2r], rest [K, D - 2r]) head_dim columns of each head: those of its r kept
+  frequency pairs (`keep_KP` [K, D/2], 1 where kept: pair i is columns i and i + D/2), in
+  order, and the others. Traced or not: r is static."""
+  P = keep_KP.shape[-1]
+  order = jnp.argsort(-keep_KP.astype(jnp.float32), axis=-1, stable=True)  # kept pairs first
+  kept, rest = order[:, :r], order[:, r:]
+  return (jnp.concatenate([kept, kept + P], axis=-1),
+          jnp.concatenate([rest, rest + P], axis=-1))
+
+
+def default_keep(L: int, K: int, P: int, r: int):
+  """[L, K, P] the partial-RoPE mask of a fresh model: the r highest-frequency pairs."""
+  return jnp.broadcast_to((jnp.arange(P) < r).astype(jnp.float32), (L, K, P))

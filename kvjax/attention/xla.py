@@ -196,9 +196,10 @@ def _finish(state):
 
 def _read_stored(q_BKGTD, segments, state, read, program, bucket, floor_BT):
   window = {} if floor_BT is None else {"floor_BT": floor_BT}
-  for seg in segments:
-    state = read(q_BKGTD, seg, state, **window) if read else \
-        attend_segment(q_BKGTD, seg, state, program=program, bucket=bucket, **window)
+  if read is None:
+    read = functools.partial(attend_segment, program=program, bucket=bucket)
+  for seg in segments:  # (a segment may read itself in another form: `Segment.attend`)
+    state = seg.attend(q_BKGTD, state, lambda q, s, st: read(q, s, st, **window))
   return state
 
 
@@ -284,6 +285,7 @@ def reference(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, floor_BT=None,
   K = k_BTKD.shape[2]
   q_BKGTD = (q_BTHD * (D ** -0.5)).reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)
   whole = lambda seg, enc: seg.cut(enc, 0, seg.mask_BS.shape[1])  # noqa: E731
+  segments = [seg.dense() for seg in segments]  # (a latent's rows up-projected)
   ks = [seg.k_codec.decode(whole(seg, seg.k), jnp.float32) for seg in segments] + \
       [k_BTKD.transpose(0, 2, 1, 3).astype(jnp.float32)]
   vs = [seg.v_codec.decode(whole(seg, seg.v), jnp.float32) for seg in segments] + \

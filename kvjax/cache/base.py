@@ -127,6 +127,17 @@ class Segment:
     """The fewest tokens a block may hold: whole codec token blocks."""
     return max(self.k_codec.token_block, self.v_codec.token_block)
 
+  def attend(self, q_BKGTD, state, read):
+    """Fold this segment into the online-softmax `state` of the queries [B, K, G, T, D]:
+    `read(q, segment, state)` is the attention's read of a stored segment. A segment
+    stored in another form than K and V (the latent's absorbed rows) transforms the
+    queries and the state around that read."""
+    return read(q_BKGTD, self, state)
+
+  def dense(self) -> "Segment":
+    """This segment as plain K and V (what the reference attention reads): itself here."""
+    return self
+
   def kernel_view(self):
     """Where the CPU read kernel (`kvjax.kernels`) finds this segment's tokens: (layer,
     layers in the store, block table, page size, pages in the pool); page size 0: rows

@@ -9,22 +9,35 @@ so the A numbers c = ([k_pre | v] - b) @ Uᵀ = h @ W_down determine the token's
 The `latent` layout stores c (through the K codec, as an [L, B, 1, S, A] store: one "head"
 of width A) and reads K and V back as c @ U + b.
 
-RoPE: applied after the up-projection, at read time. The model hands the layout keys
-already rotated at their positions; `write` rotates them back (RoPE at -θ), projects onto
-the latent, and `read` up-projects every slot and rotates its key again at the slot's
-position (slot = position, as in `contiguous`). No decoupled RoPE part is cached.
+RoPE, two forms (`model.rope_pairs`):
 
-Read cost: each layer up-projects its whole store to a float32 [B, K, S, D] K and V on
-every call (folding U into the query and output projections is not built), so the
-latent saves memory held, not time.
+  r = 0: RoPE after the up-projection, at read time. The model hands the layout keys
+      already rotated at their positions; `write` rotates them back (RoPE at -θ), projects
+      onto the latent, and `read` up-projects every slot and rotates its key again at the
+      slot's position (slot = position, as in `contiguous`). Each layer up-projects its
+      whole store to a float32 [B, K, S, D] K and V on every call: the latent saves memory
+      held, not time.
+  r > 0: decoupled RoPE, as MLA serves it. The model rotates only r frequency pairs of each
+      KV head (partial RoPE: `rope_keep` marks them); those 2r rotated key columns per head
+      are cached as they are, beside the latent, which compresses the other D - 2r key
+      columns with the values (Y = K·(2D - 2r)). A slot holds one row [c ; k_rope] of
+      W = A + 2·K·r numbers, and a layer reads it absorbed (`AbsorbedSegment`): each query
+      head's non-rotated part is multiplied into latent space (q Ukᵀ: the key up-projection
+      folded into the query), so a logit is q̃ · c + q_rope · k_rope; the values are the
+      row itself (the latent's own storage, its rope columns ignored), and the probability-
+      weighted latent is up-projected once per query head after the read (Uv: folded into
+      the output). The whole read is one MQA-style read of W-wide rows by all H query
+      heads: through the CPU read kernel, or the XLA read, never widened to K and V.
 
-Bytes per token: L · (K codec bytes of one A-wide vector) — L · A · 4 with fp32, against
-2 · L · K · D · 4 for the dense cache.
+Bytes per token: L · (K codec bytes of one W-wide row; W = A at r = 0) — L · W · 4 with
+fp32, against 2 · L · K · D · 4 for the dense cache. Codecs apply to the whole row.
 
 `kvjax convert --latent-rank A` builds such a model from a dense one (`factor`): per
 layer, the SVD of [W_k | W_v] ([E, Y]) gives U = the top A right singular vectors and
-W ← W Uᵀ U (the best rank-A approximation). At A = min(E, Y) nothing is lost and the
-logits equal the dense model's (tests/test_latent.py).
+W ← W Uᵀ U (the best rank-A approximation); `rope_pairs` r > 0 first picks each KV head's r
+pairs by the weights' share of q·k (`weight_pairs`) and factors the rest. At A = min(E, Y)
+and r = 0 or r = D/2 nothing is lost and the logits equal the dense model's
+(tests/test_latent.py, tests/test_mla.py).
 """
 
 from __future__ import annotations
@@ -38,20 +51,32 @@ from flax import struct
 
 from kvjax import codecs
 from kvjax.cache import base
-from kvjax.attention.rope import apply_rope, rope_cos_sin
+from kvjax.attention.base import MASKED
+from kvjax.attention.rope import apply_rope, pair_columns, rope_cos_sin
 from kvjax.errors import KvjaxError
 
 
+def width(m) -> int:
+  """Y: the K/V columns the latent compresses (2·K·D, less 2r rotated key columns a head)."""
+  return m.n_kv_heads * (2 * m.D - 2 * m.rope_pairs)
+
+
+def row_width(m) -> int:
+  """W: numbers a slot holds per layer, the latent and the rotated key columns."""
+  return m.latent_rank + 2 * m.n_kv_heads * m.rope_pairs
+
+
 def full_rank(m) -> int:
-  """The rank at which the factorization is exact: min(E, 2·K·D)."""
-  return min(m.d_model, 2 * m.n_kv_heads * m.D)
+  """The rank at which the factorization is exact: min(E, Y)."""
+  return min(m.d_model, width(m))
 
 
 def check_config(c, m) -> None:
   """Host-side checks (`Latent.check`): the rank of any model, and what the layout needs."""
   if m.latent_rank < 0 or m.latent_rank > full_rank(m):
     raise KvjaxError(f"model.latent_rank={m.latent_rank} must be in [0, {full_rank(m)}] "
-                     "(0: dense K/V; at most min(d_model, 2 * n_kv_heads * head_dim))")
+                     "(0: dense K/V; at most min(d_model, n_kv_heads * (2 * head_dim - 2 * "
+                     "rope_pairs)))")
   if c.layout != "latent":
     return
   if not m.latent_rank:
@@ -75,13 +100,16 @@ class LatentCache:
   c: Any                 # K codec storage of the latents, leaves [L, B, 1, S, A]
   lengths: jax.Array     # [B] int32: tokens held per sequence
   spec: base.CacheSpec = struct.field(pytree_node=False)
-  up: Any = None         # [L, A, Y] and [L, Y] (Y = 2·K·D): the model's up-projection and K/V
-  bias: Any = None       # bias, attached for one model call only (`Latent.attach`; weights,
-                         # not cache: `write` detaches them)
+  up: Any = None         # [L, A, Y]: the model's up-projection, and [L, Y] its K/V bias,
+  bias: Any = None       # attached for one model call only (`Latent.attach`; weights, not
+                         # cache: `write` detaches them)
+  rope: Any = None       # [L, K, 2r] and [L, K, D - 2r]: each head's rotated and other key
+  rest: Any = None       # columns (model.rope_pairs > 0; attached like `up`)
 
 
 def weights(params, m) -> tuple[jax.Array, jax.Array]:
-  """(up [L, A, Y], bias [L, Y]) from stacked (`layers`) or split (`layers_i`) params."""
+  """(up [L, A, Y], bias [L, Y]) from stacked (`layers`) or split (`layers_i`) params; with
+  rope pairs, the bias of the key columns the latent holds (`columns`)."""
   def stacked(name, leaf):
     if "layers" in params:
       return params["layers"][name][leaf]
@@ -91,16 +119,111 @@ def weights(params, m) -> tuple[jax.Array, jax.Array]:
     up = params["layers"]["latent_up"]
   else:
     up = jnp.stack([params[f"layers_{i}"]["latent_up"] for i in range(m.n_layers)])
-  L, KD = up.shape[0], m.n_kv_heads * m.D
-  if m.qkv_bias:
-    bias = jnp.concatenate([stacked("k_proj", "bias"), stacked("v_proj", "bias")], axis=-1)
-  else:
-    bias = jnp.zeros((L, 2 * KD), jnp.float32)
-  return up.astype(jnp.float32), bias.astype(jnp.float32)
+  L, K, D = up.shape[0], m.n_kv_heads, m.D
+  if not m.qkv_bias:
+    return up.astype(jnp.float32), jnp.zeros((L, width(m)), jnp.float32)
+  bk, bv = stacked("k_proj", "bias").astype(jnp.float32), stacked("v_proj", "bias")
+  if m.rope_pairs:
+    _, rest = columns(params, m)
+    bk = jnp.take_along_axis(bk.reshape(L, K, D), rest, axis=-1).reshape(L, -1)
+  return up.astype(jnp.float32), jnp.concatenate([bk, bv.astype(jnp.float32)], axis=-1)
+
+
+def columns(params, m) -> tuple[jax.Array, jax.Array]:
+  """(rope [L, K, 2r], rest [L, K, D - 2r]): the key columns each layer's heads rotate and
+  cache as they are, and those the latent compresses (`rope.pair_columns` of `rope_keep`)."""
+  keep_LKP = jnp.asarray(params["rope_keep"])
+  rope_cols, rest = jax.vmap(lambda k: pair_columns(k, m.rope_pairs))(keep_LKP)
+  return rope_cols, rest
+
+
+def _take(x, idx_KC):
+  """x [..., K, D] -> [..., K, C]: each head's columns `idx_KC` ([K, C], or any shape that
+  broadcasts against x's leading axes)."""
+  idx = jnp.broadcast_to(idx_KC, (*x.shape[:-1], idx_KC.shape[-1]))
+  return jnp.take_along_axis(x, idx, axis=-1)
+
+
+def _place(parts, idxs, D):
+  """[..., K, D] from column blocks [..., K, C_i] at each head's columns `idxs[i]` [K, C_i]."""
+  x = jnp.concatenate(parts, axis=-1)
+  idx = jnp.concatenate(idxs, axis=-1)
+  inv = jnp.argsort(idx, axis=-1)  # each head's columns back in order
+  return _take(x, inv)
+
+
+@dataclasses.dataclass(frozen=True)
+class AbsorbedSegment(base.LayerSegment):
+  """One layer's latent rows [L, B, 1, S, W] (W = A + K·2r) read as MLA reads them: `k` and
+  `v` are the same leaves, and `attend` transforms the queries into row space, reads the
+  rows as one KV head of width W (the CPU read kernel or the XLA read), and brings the
+  result back to each head's D values. `dense` is the up-projected read (the reference)."""
+
+  up: Any = None        # [A, Y] this layer's up-projection, [Y] its K/V bias
+  bias: Any = None
+  rope: Any = None      # [K, 2r], [K, D - 2r] this layer's key columns
+  rest: Any = None
+  rank: int = 0         # A
+  head_dim: int = 0     # D
+
+  def _parts(self):
+    K, N = self.rest.shape
+    A, D = self.rank, self.head_dim
+    up_k = self.up[:, :K * N].reshape(A, K, N)
+    up_v = self.up[:, K * N:].reshape(A, K, D)
+    return up_k, up_v, self.bias[:K * N].reshape(K, N), self.bias[K * N:].reshape(K, D)
+
+  def attend(self, q_BKGTD, state, read):
+    B, K, G, T, D = q_BKGTD.shape
+    f32 = jnp.float32
+    up_k, up_v, b_k, b_v = self._parts()
+    q = q_BKGTD.astype(f32)
+    q_nope = _take(q.transpose(0, 2, 3, 1, 4), self.rest).transpose(0, 3, 1, 2, 4)
+    q_rope = _take(q.transpose(0, 2, 3, 1, 4), self.rope).transpose(0, 3, 1, 2, 4)
+    q_lat = jnp.einsum("bkgtn,akn->bkgta", q_nope, up_k)
+    const_BKGT = jnp.einsum("bkgtn,kn->bkgt", q_nope, b_k)  # q · (the keys' bias): the latent
+    eye_KK = jnp.eye(K, dtype=f32)                          # holds the key less its bias
+    q_pos = jnp.einsum("bkgtr,kj->bkgtjr", q_rope, eye_KK).reshape(B, K, G, T, -1)
+    q_row = jnp.concatenate([q_lat, q_pos], axis=-1)
+    W = q_row.shape[-1]
+    q_B1HTW = q_row.reshape(B, 1, K * G, T, W)
+    rows = base.LayerSegment(self.k, self.v, self.mask_BS, self.k_codec, self.v_codec,
+                             live=self.live, layer=self.layer)
+    init = (jnp.full((B, 1, K * G, T), MASKED, f32), jnp.zeros((B, 1, K * G, T), f32),
+            jnp.zeros((B, 1, K * G, T, W), f32))
+    m, s, acc = read(q_B1HTW, rows, init)
+    m, s = m.reshape(B, K, G, T), s.reshape(B, K, G, T)
+    acc_A = acc.reshape(B, K, G, T, W)[..., :self.rank]
+    acc_D = jnp.einsum("bkgta,akd->bkgtd", acc_A, up_v) + s[..., None] * b_v[None, :, None, None]
+    part = (jnp.where(s > 0, m + const_BKGT, m), s, acc_D)
+    return merge(state, part)
+
+  def dense(self):
+    """The up-projected read: K and V [B, K, S, D] in float32 from the rows."""
+    rows = self.cut(self.k, 0, self.mask_BS.shape[1])          # [B, 1, S, W]
+    row = self.k_codec.decode(rows, jnp.float32)[:, 0]
+    K, N = self.rest.shape
+    D = self.head_dim
+    B, S = row.shape[:2]
+    kv = row[..., :self.rank] @ self.up + self.bias
+    k_nope, v = kv[..., :K * N].reshape(B, S, K, N), kv[..., K * N:].reshape(B, S, K, D)
+    k_rope = row[..., self.rank:].reshape(B, S, K, -1)
+    k = _place([k_rope, k_nope], [self.rope, self.rest], D)
+    f32 = codecs.get("fp32")
+    return base.Segment(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), self.mask_BS, f32,
+                        f32, live=self.live)
+
+
+def merge(state, part):
+  """Fold one online-softmax partial state (m, s, acc) into another."""
+  (m1, s1, a1), (m2, s2, a2) = state, part
+  m = jnp.maximum(m1, m2)
+  c1, c2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
+  return m, s1 * c1 + s2 * c2, a1 * c1[..., None] + a2 * c2[..., None]
 
 
 class Latent(base.Layout):
-  """`capacity` slots per sequence of one rank-A latent per layer; position p in slot p."""
+  """`capacity` slots per sequence of one W-wide row per layer; position p in slot p."""
 
   name = "latent"
 
@@ -109,20 +232,28 @@ class Latent(base.Layout):
 
   def init(self, spec: base.CacheSpec) -> LatentCache:
     m = spec.model_cfg
-    shape = (spec.n_layers, spec.batch, 1, spec.capacity, m.latent_rank)
+    shape = (spec.n_layers, spec.batch, 1, spec.capacity, row_width(m))
     return LatentCache(c=spec.kc.init(shape),
                        lengths=jnp.zeros((spec.batch,), jnp.int32), spec=spec)
 
   def attach(self, cache: LatentCache, params) -> LatentCache:
-    up, bias = weights(params, cache.spec.model_cfg)
-    return dataclasses.replace(cache, up=up, bias=bias)
+    m = cache.spec.model_cfg
+    up, bias = weights(params, m)
+    rope_cols, rest = columns(params, m) if m.rope_pairs else (None, None)
+    return dataclasses.replace(cache, up=up, bias=bias, rope=rope_cols, rest=rest)
 
   def store(self, cache: LatentCache) -> Any:
-    return (cache.c, cache.up, cache.bias)
+    return (cache.c, cache.up, cache.bias, cache.rope, cache.rest)
 
   def read(self, spec, store, lengths_B, layer):
-    c, up, bias = store
+    c, up, bias, rope_cols, rest = store
     m = spec.model_cfg
+    mask_BS = jnp.arange(spec.capacity)[None, :] < lengths_B[:, None]
+    if m.rope_pairs:  # the rows read absorbed, as one W-wide head (`AbsorbedSegment`)
+      return [AbsorbedSegment(c, c, mask_BS, spec.kc, spec.kc, live=jnp.max(lengths_B),
+                              layer=layer, up=up[layer], bias=bias[layer],
+                              rope=rope_cols[layer], rest=rest[layer],
+                              rank=m.latent_rank, head_dim=m.D)]
     B, S, K, D = spec.batch, spec.capacity, spec.n_kv_heads, spec.head_dim
     c_B1SA = jax.tree.map(lambda a: a[layer], c)
     lat_BSA = spec.kc.decode(c_B1SA, jnp.float32)[:, 0]
@@ -131,54 +262,136 @@ class Latent(base.Layout):
     v_BSKD = kv_BSY[..., K * D:].reshape(B, S, K, D)
     cos, sin = rope_cos_sin(jnp.arange(S, dtype=jnp.int32)[None, :], m)
     k_BSKD = apply_rope(k_BSKD, cos, sin)  # RoPE after the up-projection, at slot = position
-    mask_BS = jnp.arange(S)[None, :] < lengths_B[:, None]
     f32 = codecs.get("fp32")
     return [base.Segment(k_BSKD.transpose(0, 2, 1, 3), v_BSKD.transpose(0, 2, 1, 3), mask_BS,
                          f32, f32, live=jnp.max(lengths_B))]
 
   def write(self, cache: LatentCache, k_LBTKD, v_LBTKD, positions_BT) -> LatentCache:
     spec = cache.spec
+    m = spec.model_cfg
     L, B, T, K, D = k_LBTKD.shape
-    cos, sin = rope_cos_sin(positions_BT, spec.model_cfg)
-    # Undo RoPE (rotation by -θ): the latent holds the unrotated key.
-    k_flat = jnp.moveaxis(k_LBTKD.astype(jnp.float32), 0, 2).reshape(B, T, L * K, D)  # L·K heads
-    k_pre = jnp.moveaxis(apply_rope(k_flat, cos, -sin).reshape(B, T, L, K, D), 2, 0)
-    kv_LBTY = jnp.concatenate([k_pre.reshape(L, B, T, K * D),
-                               v_LBTKD.astype(jnp.float32).reshape(L, B, T, K * D)], axis=-1)
-    c_LBTA = jnp.einsum("lbty,lay->lbta", kv_LBTY - cache.bias[:, None, None], cache.up)
+    k32, v32 = k_LBTKD.astype(jnp.float32), v_LBTKD.astype(jnp.float32)
+    if m.rope_pairs:  # the rotated columns kept as they are; the rest and V to the latent
+      idx = lambda cols: cols[:, None, None]  # noqa: E731  [L, 1, 1, K, C]
+      k_rope = _take(k32, idx(cache.rope))
+      k_rest = _take(k32, idx(cache.rest))
+      kv_LBTY = jnp.concatenate([k_rest.reshape(L, B, T, -1), v32.reshape(L, B, T, K * D)], -1)
+    else:
+      cos, sin = rope_cos_sin(positions_BT, m)
+      # Undo RoPE (rotation by -θ): the latent holds the unrotated key.
+      k_flat = jnp.moveaxis(k32, 0, 2).reshape(B, T, L * K, D)  # L·K heads
+      k_pre = jnp.moveaxis(apply_rope(k_flat, cos, -sin).reshape(B, T, L, K, D), 2, 0)
+      kv_LBTY = jnp.concatenate([k_pre.reshape(L, B, T, K * D), v32.reshape(L, B, T, K * D)],
+                                axis=-1)
+    row_LBTW = jnp.einsum("lbty,lay->lbta", kv_LBTY - cache.bias[:, None, None], cache.up)
+    if m.rope_pairs:
+      row_LBTW = jnp.concatenate([row_LBTW, k_rope.reshape(L, B, T, -1)], axis=-1)
     slots_BT = jnp.where(positions_BT >= 0, positions_BT, spec.capacity)  # padding: dropped
-    new = spec.kc.encode(c_LBTA[:, :, None])
+    new = spec.kc.encode(row_LBTW[:, :, None])
     c = jax.tree.map(base.scatter(slots_BT), cache.c, new)
     lengths = cache.lengths + jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
-    return dataclasses.replace(cache, c=c, lengths=lengths, up=None, bias=None)
+    return dataclasses.replace(cache, c=c, lengths=lengths, up=None, bias=None, rope=None,
+                               rest=None)
 
   def closed_form_bytes(self, spec: base.CacheSpec) -> int:
-    per_token = spec.kc.bytes_per_token(1, spec.model_cfg.latent_rank)
+    per_token = spec.kc.bytes_per_token(1, row_width(spec.model_cfg))
     return int(round(spec.n_layers * spec.batch * spec.capacity * per_token)) + 4 * spec.batch
 
 
 base.register(Latent())
 
 
-def factor(cfg, params, rank: int):
-  """(config with model.latent_rank = rank and cache.layout = latent, params whose K/V
-  projections are their best rank-`rank` approximation, with `latent_up`), per layer."""
+def weight_pairs(m, params) -> jax.Array:
+  """[L, K, D/2] the `rope_pairs` frequency pairs each KV head keeps rotating, chosen from the
+  weights alone: pair i of head k scores |Wk's columns of the pair| times the summed |Wq's
+  columns of the pair| over the head's query group (a bound on its share of q·k; the
+  calibrated conversion scores activations instead, `kvjax.lab.convert.latent`)."""
+  layers = params["layers"]
+  L, E = layers["k_proj"]["kernel"].shape[:2]
+  K, G, D, P = m.n_kv_heads, m.G, m.D, m.D // 2
+  pair = lambda w: jnp.sqrt(jnp.sum(w[..., :P] ** 2 + w[..., P:] ** 2, axis=1))  # noqa: E731
+  wk = pair(layers["k_proj"]["kernel"].astype(jnp.float32).reshape(L, E, K, D))
+  wq = pair(layers["q_proj"]["kernel"].astype(jnp.float32).reshape(L, E, K * G, D))
+  return keep_top(wk * wq.reshape(L, K, G, P).sum(axis=2), m.rope_pairs)
+
+
+def keep_top(score_LKP, r: int) -> jax.Array:
+  """[L, K, P] 1.0 at each head's r highest-scoring pairs, 0.0 elsewhere."""
+  top = jnp.argsort(-score_LKP, axis=-1)[..., :r]
+  keep = jnp.zeros(score_LKP.shape, jnp.float32)
+  return jnp.put_along_axis(keep, top, 1.0, axis=-1, inplace=False)
+
+
+def split_kv(m, layers, keep_LKP) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(W [L, E, Y]: the key columns the latent holds then the values, the key columns of
+  each head it does not hold [L, E, K, 2r] (empty at r = 0), rest [L, K, D - 2r])."""
+  Wk = layers["k_proj"]["kernel"].astype(jnp.float32)
+  Wv = layers["v_proj"]["kernel"].astype(jnp.float32)
+  L, E, _ = Wk.shape
+  K, D = m.n_kv_heads, m.D
+  if not m.rope_pairs:
+    return jnp.concatenate([Wk, Wv], -1), jnp.zeros((L, E, K, 0)), jnp.zeros((L, K, D), int)
+  rope_cols, rest = jax.vmap(lambda k: pair_columns(k, m.rope_pairs))(keep_LKP)
+  Wk4 = Wk.reshape(L, E, K, D)
+  w_rest = jnp.take_along_axis(Wk4, rest[:, None], axis=-1).reshape(L, E, -1)
+  w_rope = jnp.take_along_axis(Wk4, rope_cols[:, None], axis=-1)
+  return jnp.concatenate([w_rest, Wv], -1), w_rope, (rope_cols, rest)
+
+
+def join_kv(m, W_LEY, w_rope, cols) -> tuple[jax.Array, jax.Array]:
+  """(k_proj, v_proj kernels) from `split_kv`'s parts (W possibly of lower rank)."""
+  K, D = m.n_kv_heads, m.D
+  L, E, _ = W_LEY.shape
+  if not m.rope_pairs:
+    return W_LEY[..., :K * D], W_LEY[..., K * D:]
+  rope_cols, rest = cols
+  N = rest.shape[-1]
+  k_rest = W_LEY[..., :K * N].reshape(L, E, K, N)
+  k = _place([w_rope, k_rest], [rope_cols[:, None], rest[:, None]], D)
+  return k.reshape(L, E, K * D), W_LEY[..., K * N:]
+
+
+def check_conversion(m, rank: int, rope_pairs: int) -> None:
+  """Host-side refusals of `--latent-rank A --rope-pairs r` for model `m`."""
+  if not 0 <= rope_pairs <= m.D // 2:
+    raise KvjaxError(f"--rope-pairs {rope_pairs} must be in [0, {m.D // 2}] for heads of "
+                     f"{m.D} (the frequency pairs each key head keeps rotating)")
+  if rope_pairs and (m.rope_local_theta or m.windowed):
+    raise KvjaxError("--rope-pairs needs one RoPE base and no window; this model has local "
+                     "layers (model.rope_local_theta / sliding_window)")
+  full = full_rank(dataclasses.replace(m, rope_pairs=rope_pairs))
+  if not 1 <= rank <= full:
+    raise KvjaxError(f"--latent-rank {rank} must be in [1, {full}] for this model "
+                     "(min(d_model, n_kv_heads * (2 * head_dim - 2 * rope_pairs)))")
+
+
+def factor(cfg, params, rank: int, rope_pairs: int = 0):
+  """(config with model.latent_rank = rank (and model.rope_pairs) and cache.layout = latent,
+  params whose K/V projections are their best rank-`rank` approximation, with `latent_up`,
+  and with rope pairs `rope_keep` (`weight_pairs`)), per layer."""
   from kvjax import config as config_lib
-  m = cfg.model
-  if not 1 <= rank <= full_rank(m):
-    raise KvjaxError(f"--latent-rank {rank} must be in [1, {full_rank(m)}] for this model "
-                     "(min(d_model, 2 * n_kv_heads * head_dim))")
+  check_conversion(cfg.model, rank, rope_pairs)
+  new_cfg = config_lib.apply_overrides(cfg, {"model.latent_rank": rank,
+                                             "model.rope_pairs": rope_pairs,
+                                             "cache.layout": "latent"})
+  m = new_cfg.model
+  if cfg.model.rope_pairs and cfg.model.rope_pairs != rope_pairs:
+    raise KvjaxError("this model already rotates part of its pairs (model.rope_pairs); "
+                     "convert the model it came from")
   if "layers" not in params:
     raise KvjaxError("latent conversion needs stacked layer params (a scanned model)")
   layers = dict(params["layers"])
-  Wk, Wv = layers["k_proj"]["kernel"], layers["v_proj"]["kernel"]  # [L, E, K·D]
-  W = jnp.concatenate([Wk, Wv], axis=-1).astype(jnp.float32)
+  keep = (params["rope_keep"] if "rope_keep" in params else weight_pairs(m, params)) \
+      if rope_pairs else None
+  W, w_rope, cols = split_kv(m, layers, keep)
   _, _, Vt = jnp.linalg.svd(W, full_matrices=False)
   up = Vt[:, :rank]  # [L, A, Y], orthonormal rows
   W_r = jnp.einsum("lex,lax,lay->ley", W, up, up)
-  KD = Wk.shape[-1]
-  layers["k_proj"] = {**layers["k_proj"], "kernel": W_r[..., :KD].astype(Wk.dtype)}
-  layers["v_proj"] = {**layers["v_proj"], "kernel": W_r[..., KD:].astype(Wv.dtype)}
+  Wk, Wv = join_kv(m, W_r, w_rope, cols)
+  layers["k_proj"] = {**layers["k_proj"], "kernel": Wk.astype(layers["k_proj"]["kernel"].dtype)}
+  layers["v_proj"] = {**layers["v_proj"], "kernel": Wv.astype(layers["v_proj"]["kernel"].dtype)}
   layers["latent_up"] = up.astype(jnp.dtype(m.param_dtype))
-  new_cfg = config_lib.apply_overrides(cfg, {"model.latent_rank": rank, "cache.layout": "latent"})
-  return new_cfg, {**params, "layers": layers}
+  out = {**params, "layers": layers}
+  if rope_pairs:
+    out["rope_keep"] = jnp.asarray(keep, jnp.float32)
+  return new_cfg, out

@@ -39,6 +39,7 @@ _RANGES = {
     # added to a mean square of activations: at least float32's smallest normal, at most 1
     "model.norm_eps": (F32_TINY, True, 1, True),
     "model.scan_unroll": _POS, "model.max_seq_len": _POS, "model.latent_rank": _NONNEG,
+    "model.rope_pairs": _NONNEG,
     "model.query_scale": (0, True, F32_MAX, True), "model.global_every": _NONNEG,
     "model.sliding_window": _NONNEG, "model.rope_local_theta": (0, True, F32_MAX, True),
     "cache.budget": _NONNEG, "cache.ratio": _UNIT, "cache.sinks": _NONNEG,
@@ -68,6 +69,7 @@ _DEFAULT_HINT = {"model.head_dim": " (0 picks d_model // n_heads)",
                                 "cache.budget sizes the cache)",
                  "cache.budget": " (0 means cache.ratio or no eviction)",
                  "model.latent_rank": " (0 means no latent cache)",
+                 "model.rope_pairs": " (0 means every frequency pair rotates)",
                  "model.sliding_window": " (0 means every layer attends to all tokens)",
                  "workload.temperature": " (0 means greedy)",
                  "workload.top_k": " (0 means no top-k cut)",
@@ -214,6 +216,12 @@ def validate(cfg: Config) -> Config:
     raise KvjaxError(f"model.sliding_window={m.sliding_window} exceeds the model's context "
                      f"model.max_seq_len={m.max_seq_len}; use a window of at most "
                      f"{m.max_seq_len} tokens (0: no window)")
+  if m.rope_pairs > m.D // 2:
+    raise KvjaxError(f"model.rope_pairs={m.rope_pairs} exceeds the {m.D // 2} frequency pairs "
+                     f"of a head of {m.D}; use at most {m.D // 2} (0: every pair rotates)")
+  if m.rope_pairs and (m.rope_local_theta or m.windowed):
+    raise KvjaxError("model.rope_pairs (partial RoPE) takes one RoPE base and no window; this "
+                     "model has local layers: set model.rope_pairs=0")
   if m.program not in PROGRAMS:
     raise KvjaxError(f"unknown model.program '{m.program}'; use one of {', '.join(PROGRAMS)}")
   if c.k_axis not in ("token", "channel"):

@@ -38,6 +38,10 @@ class ModelConfig:
                                  # run them unrolled over per-layer weights (model.unrolled)
   max_seq_len: int = 4096        # longest position the model is meant for (RoPE tables, checks)
   latent_rank: int = 0           # A > 0: rank-A K/V projections, cacheable as latents (kvjax.cache.latent)
+  rope_pairs: int = 0            # r > 0: each KV head rotates r of its D/2 frequency pairs (the
+                                 # `rope_keep` param picks them) and the rest not (partial RoPE);
+                                 # a latent then caches those 2r key columns beside the latent
+                                 # and its decode reads the latent absorbed (MLA)
   program: str = "auto"          # cpu | accelerator | auto (per backend): the layer loop and
                                  # cache read the compiled programs use (attention.base.program)
   # Architecture knobs beyond Llama (kvjax.model.layers): Qwen2 is Llama + qkv_bias; Gemma 3

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax import attention, kernels, progress
+from kvjax.attention import rope
 from kvjax.attention.rope import apply_rope
 from kvjax.cache import base as cache_base
 from kvjax.codecs import rotate
@@ -36,6 +37,7 @@ class LayerInput:
   queries: bool = struct.field(pytree_node=False, default=False)  # return the rotated queries
   cos_local: Any = None     # [B, T, D] the local layers' RoPE tables (model.rope_local_theta)
   sin_local: Any = None
+  rope_keep: Any = None     # [L, K, D/2] the pairs each KV head rotates (model.rope_pairs)
 
 
 def rms_norm(x, weight, eps: float, dtype):
@@ -185,7 +187,13 @@ def attention_block(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput
   q_BTHD, k_BTKD, v_BTKD = q.reshape(B, T, H, D), k.reshape(B, T, K, D), v.reshape(B, T, K, D)
   if cfg.qk_norm:
     q_BTHD, k_BTKD = norm("q_norm", q_BTHD), norm("k_norm", k_BTKD)
-  q_BTHD, k_BTKD = apply_rope(q_BTHD, cos, sin), apply_rope(k_BTKD, cos, sin)
+  if cfg.rope_pairs:  # partial RoPE: each KV head (and its queries) rotates its kept pairs
+    keep_KP = per_layer(layer, inp.rope_keep)
+    cos_k, sin_k = rope.partial(cos, sin, keep_KP)
+    cos_q, sin_q = rope.partial(cos, sin, jnp.repeat(keep_KP, H // K, axis=0))
+    q_BTHD, k_BTKD = apply_rope(q_BTHD, cos_q, sin_q), apply_rope(k_BTKD, cos_k, sin_k)
+  else:
+    q_BTHD, k_BTKD = apply_rope(q_BTHD, cos, sin), apply_rope(k_BTKD, cos, sin)
   if cfg.query_scale and cfg.query_scale != D:  # the attention scales by D**-0.5
     q_BTHD = q_BTHD * jnp.asarray((D / cfg.query_scale) ** 0.5, q_BTHD.dtype)
 
@@ -220,6 +228,12 @@ def mlp_block(cfg: ModelConfig, dense, norm, x_BTE):
   return down
 
 
+def latent_width(cfg: ModelConfig) -> int:
+  """Y: the key and value columns a latent compresses, 2·K·D, less the 2r rotated key columns
+  per KV head the cache keeps beside it (`model.rope_pairs`)."""
+  return cfg.n_kv_heads * (2 * cfg.D - 2 * cfg.rope_pairs)
+
+
 class Block(nn.Module):
   """One decoder layer with its own params (Flax): x is the carry of a layer loop, `layer`
   its index, `inp` the same for every layer."""
@@ -233,6 +247,6 @@ class Block(nn.Module):
     proj = lambda h, outs: [dense(cfg, f, n, b)(h) for n, f, b in outs]  # noqa: E731
     norm = lambda name, x: RMSNorm(cfg.norm_eps, dtype, pdtype, name=name)(x)  # noqa: E731
     if cfg.latent_rank:  # the latent cache's up-projection (read by kvjax.cache.latent, not here)
-      self.param("latent_up", nn.initializers.zeros,
-                 (cfg.latent_rank, 2 * cfg.n_kv_heads * cfg.D), pdtype)
+      self.param("latent_up", nn.initializers.zeros, (cfg.latent_rank, latent_width(cfg)),
+                 pdtype)
     return block_forward(cfg, proj, norm, x_BTE, layer, inp)

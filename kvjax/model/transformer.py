@@ -29,7 +29,7 @@ from kvjax.cache import base as cache_base
 from kvjax.config import ModelConfig
 from kvjax.model.layers import (EXTRA_NORMS, Block, Head, LayerInput, RMSNorm, block_forward,
                                 embed_rows, linears, lm_head, rms_norm)
-from kvjax.attention.rope import rope_cos_sin
+from kvjax.attention.rope import default_keep, rope_cos_sin
 
 
 def switched_layers(cfg: ModelConfig, layers: list, x_BTE, inp: LayerInput):
@@ -95,12 +95,18 @@ class Transformer(nn.Module):
       x_BTE = x_BTE * jnp.asarray(cfg.d_model ** 0.5, dtype)
     cos, sin = rope_cos_sin(positions_BT, cfg)
     local = rope_cos_sin(positions_BT, cfg, local=True) if cfg.rope_local_theta else (None,) * 2
-    inp = LayerInput(positions_BT, cos, sin, cos_local=local[0], sin_local=local[1])
+    keep = None
+    if cfg.rope_pairs:  # which frequency pairs each layer's KV heads rotate (partial RoPE)
+      L, K, P = cfg.n_layers, cfg.n_kv_heads, cfg.D // 2
+      keep = self.param("rope_keep", lambda _, shape: default_keep(*shape, cfg.rope_pairs),
+                        (L, K, P))
+    inp = LayerInput(positions_BT, cos, sin, cos_local=local[0], sin_local=local[1],
+                     rope_keep=keep)
     if cache is not None:  # the layers read the whole stacked store, each at its own layer
       layout = cache_base.layout_of(cache)
       cache = layout.attach(cache, self.variables.get("params", {}))
       inp = LayerInput(positions_BT, cos, sin, cache.lengths, layout.store(cache), cache.spec,
-                       self.read_bucket, self.return_queries, *local)
+                       self.read_bucket, self.return_queries, *local, rope_keep=keep)
 
     if self.layer_loop == "unrolled":  # a Python loop, one weight tree per layer
       kv = []

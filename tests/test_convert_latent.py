@@ -45,7 +45,7 @@ def test_the_fitted_latent_model_is_closer_and_its_cache_still_exact():
   cfg = tiny_config(**{"model.n_kv_heads": 2, "seed": 3})
   params = tiny_params(cfg)
   lcfg, lparams = latent.factor(cfg, params, 4, CALIB)
-  parts = latent.Factored(cfg.model.n_kv_heads * cfg.model.D)
+  parts = latent.Factored(lcfg.model)
   fitted, reports = fit.fit(lcfg, lparams, cfg, params, CALIB,
                             fit.Settings(max_steps=150, batch=8), parts=parts)
   for r in reports:
@@ -80,8 +80,65 @@ def test_cli_latent_fit_records_its_recipe(gqa_gguf, tmp_path, capsys):  # noqa:
   assert len(meta["layers"]) == lcfg.model.n_layers and not (out / "partial").exists()
 
 
+def test_calibrated_rope_pairs_are_those_with_the_most_q_dot_k():
+  """A pair whose key columns are scaled up carries more of q·k: the calibrated choice keeps
+  it, and the converted model keeps it rotated (its cache holds it beside the latent)."""
+  cfg = tiny_config(**{"model.n_kv_heads": 2, "seed": 3})
+  params = tiny_params(cfg)
+  D, P = cfg.model.D, cfg.model.D // 2
+  k = np.array(params["layers"]["k_proj"]["kernel"])  # [L, E, K·D]
+  for col in (3, 3 + P):                          # pair 3 of KV head 1, in every layer
+    k[:, :, D + col] *= 8.0
+  boosted = {**params, "layers": {**params["layers"],
+                                  "k_proj": {**params["layers"]["k_proj"], "kernel": jnp.asarray(k)}}}
+  lcfg, lparams = latent.factor(cfg, boosted, 8, CALIB, rope_pairs=1)
+  keep = np.asarray(lparams["rope_keep"])
+  assert lcfg.model.rope_pairs == 1 and keep.shape == (2, 2, P)
+  assert (keep[:, 1, 3] == 1).all() and (keep.sum(-1) == 1).all()
+  got, _ = run_cached(lcfg, lparams)  # absorbed latent = the same model's dense cache
+  dense = tiny_config(**{"model.n_kv_heads": 2, "seed": 3, "model.latent_rank": 8,
+                         "model.rope_pairs": 1})
+  want, _ = run_cached(dense, lparams)
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_fit_trains_a_rope_pair_latent_and_keeps_it_exact():
+  cfg = tiny_config(**{"model.n_kv_heads": 2, "seed": 3})
+  params = tiny_params(cfg)
+  lcfg, lparams = latent.factor(cfg, params, 6, CALIB, rope_pairs=2)
+  fitted, reports = fit.fit(lcfg, lparams, cfg, params, CALIB,
+                            fit.Settings(max_steps=150, batch=8), parts=latent.Factored(lcfg.model))
+  for r in reports:
+    assert r.after < 0.8 * r.before, r
+  np.testing.assert_array_equal(fitted["rope_keep"], lparams["rope_keep"])
+  got, _ = run_cached(lcfg, fitted)
+  dense = tiny_config(**{"model.n_kv_heads": 2, "seed": 3, "model.latent_rank": 6,
+                         "model.rope_pairs": 2})
+  np.testing.assert_allclose(got, run_cached(dense, fitted)[0], atol=1e-4, rtol=1e-4)
+
+
+def test_cli_rope_pairs_pool_and_fit(gqa_gguf, tmp_path, capsys):  # noqa: F811
+  _, _, path = gqa_gguf
+  for method in ("pool", "fit"):
+    out = tmp_path / method
+    rc = cli.main(["convert", "--gguf", str(path), "--latent-rank", "8", "--rope-pairs", "2",
+                   "--method", method, "--calib-tokens", "1024", "--minutes", "0.02",
+                   "--steps", "2", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    lcfg, lparams = checkpoint.load(out)
+    assert lcfg.model.rope_pairs == 2 and lcfg.model.latent_rank == 8
+    keep = np.asarray(lparams["rope_keep"])
+    assert keep.shape == (lcfg.model.n_layers, lcfg.model.n_kv_heads, lcfg.model.D // 2)
+    assert (keep.sum(-1) == 2).all()
+  assert checkpoint.read_meta(tmp_path / "fit")["recipe"]["rope_pairs"] == 2
+
+
 @pytest.mark.parametrize("extra, says", [
     (["--latent-rank", "999", "--method", "fit"], "--latent-rank 999 must be in"),
+    (["--latent-rank", "8", "--rope-pairs", "999"], "--rope-pairs 999 must be in"),
+    (["--latent-rank", "8", "--rope-pairs", "999", "--method", "fit"],
+     "--rope-pairs 999 must be in"),
+    (["--kv-heads", "1", "--rope-pairs", "2"], "give --latent-rank R with it"),
 ])
 def test_impossible_latent_conversions_are_one_line(gqa_gguf, tmp_path, capsys, extra,  # noqa: F811
                                                     says):

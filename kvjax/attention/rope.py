@@ -55,13 +55,13 @@ def apply_rope(x: jax.Array, cos_BTD: jax.Array, sin_BTD: jax.Array) -> jax.Arra
   return out.astype(dtype)
 
 
-def partial(cos_BTD, sin_BTD, keep_NP):
-  """Per-head tables [B, T, N, D] that rotate only the frequency pairs `keep_NP` [N, D/2]
+def partial(cos_BTD, sin_BTD, keep):
+  """Per-head tables [B, T, heads, D] that rotate only the frequency pairs `keep` [heads, P]
   marks (1: rotated; 0: left as it is, cos 1 and sin 0): partial RoPE
   (`model.rope_pairs`)."""
-  keep_ND = jnp.concatenate([keep_NP, keep_NP], axis=-1).astype(bool)[None, None]
-  return (jnp.where(keep_ND, cos_BTD[:, :, None, :], 1.0),
-          jnp.where(keep_ND, sin_BTD[:, :, None, :], 0.0))
+  keep_D = jnp.concatenate([keep, keep], axis=-1).astype(bool)[None, None]
+  return (jnp.where(keep_D, cos_BTD[:, :, None, :], 1.0),
+          jnp.where(keep_D, sin_BTD[:, :, None, :], 0.0))
 
 
 def pair_columns(keep_KP, r: int):

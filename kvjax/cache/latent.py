@@ -186,12 +186,12 @@ class AbsorbedSegment(base.LayerSegment):
     q_pos = jnp.einsum("bkgtr,kj->bkgtjr", q_rope, eye_KK).reshape(B, K, G, T, -1)
     q_row = jnp.concatenate([q_lat, q_pos], axis=-1)
     W = q_row.shape[-1]
-    q_B1HTW = q_row.reshape(B, 1, K * G, T, W)
+    q_rows = q_row.reshape(B, 1, K * G, T, W)
     rows = base.LayerSegment(self.k, self.v, self.mask_BS, self.k_codec, self.v_codec,
                              live=self.live, layer=self.layer)
     init = (jnp.full((B, 1, K * G, T), MASKED, f32), jnp.zeros((B, 1, K * G, T), f32),
             jnp.zeros((B, 1, K * G, T, W), f32))
-    m, s, acc = read(q_B1HTW, rows, init)
+    m, s, acc = read(q_rows, rows, init)
     m, s = m.reshape(B, K, G, T), s.reshape(B, K, G, T)
     acc_A = acc.reshape(B, K, G, T, W)[..., :self.rank]
     acc_D = jnp.einsum("bkgta,akd->bkgtd", acc_A, up_v) + s[..., None] * b_v[None, :, None, None]
@@ -283,11 +283,11 @@ class Latent(base.Layout):
       k_pre = jnp.moveaxis(apply_rope(k_flat, cos, -sin).reshape(B, T, L, K, D), 2, 0)
       kv_LBTY = jnp.concatenate([k_pre.reshape(L, B, T, K * D), v32.reshape(L, B, T, K * D)],
                                 axis=-1)
-    row_LBTW = jnp.einsum("lbty,lay->lbta", kv_LBTY - cache.bias[:, None, None], cache.up)
+    rows = jnp.einsum("lbty,lay->lbta", kv_LBTY - cache.bias[:, None, None], cache.up)
     if m.rope_pairs:
-      row_LBTW = jnp.concatenate([row_LBTW, k_rope.reshape(L, B, T, -1)], axis=-1)
+      rows = jnp.concatenate([rows, k_rope.reshape(L, B, T, -1)], axis=-1)
     slots_BT = jnp.where(positions_BT >= 0, positions_BT, spec.capacity)  # padding: dropped
-    new = spec.kc.encode(row_LBTW[:, :, None])
+    new = spec.kc.encode(rows[:, :, None])
     c = jax.tree.map(base.scatter(slots_BT), cache.c, new)
     lengths = cache.lengths + jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
     return dataclasses.replace(cache, c=c, lengths=lengths, up=None, bias=None, rope=None,

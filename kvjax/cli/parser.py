@@ -213,6 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
                  help="factor K/V projections to rank R for the latent (MLA-style) cache "
                  "(--method pool: the weights' SVD; fit: the calibration keys and values, "
                  "then each layer fitted)")
+  c.add_argument("--rope-pairs", type=_number("--rope-pairs", (0, True, 1 << 16, True)),
+                 default=0, metavar="r",
+                 help="with --latent-rank: each KV head keeps r frequency pairs rotated, cached "
+                 "beside the latent, and stops rotating the rest, which the latent compresses "
+                 "with the values (MLA's decoupled RoPE: the decode reads the latent absorbed); "
+                 "pool picks the pairs by the weights, fit by q·k on the calibration text")
   c.add_argument("--method", default="pool", metavar="pool|align|fit|distill",
                  help="how fewer KV heads are made: pool (mean of each group), align (each "
                  "group's heads rotated onto its first, exactly, then pooled), fit (aligned, "

@@ -33,6 +33,7 @@ def convert_cli(args) -> dict:
 
   src = sources.from_args(args)
   rank = getattr(args, "latent_rank", None)
+  pairs = getattr(args, "rope_pairs", None) or 0
   method = getattr(args, "method", "pool")
   if method == "distill":  # a converted checkpoint trained end to end toward a teacher
     from kvjax.lab.convert import distill
@@ -41,6 +42,8 @@ def convert_cli(args) -> dict:
     raise KvjaxError("convert needs exactly one of --kv-heads K or --latent-rank R")
   if method not in METHODS:
     raise KvjaxError(f"--method '{method}' unknown; use one of {', '.join(METHODS)}")
+  if pairs and rank is None:
+    raise KvjaxError("--rope-pairs shapes a latent conversion; give --latent-rank R with it")
   if rank is not None and method not in ("pool", "fit"):
     raise KvjaxError(f"--latent-rank takes --method pool (SVD of the weights) or fit (SVD of "
                      f"the calibration keys and values, then fitted), not {method}")
@@ -56,7 +59,10 @@ def convert_cli(args) -> dict:
     if method != "pool":
       align.check(cfg0, args.kv_heads)
   elif method == "fit":
-    latent.check(cfg0, rank)
+    latent.check(cfg0, rank, pairs)
+  else:
+    from kvjax.cache import latent as latent_cache
+    latent_cache.check_conversion(cfg0.model, rank, pairs)
   recipe = _recipe(args, src, method, settings, min(SEQ_LEN, cfg0.model.max_seq_len))
   with claims.sole_writer(args.out, "convert"):  # one writer per --out, from the start
     return _convert(args, src, rank, recipe, settings, overrides)
@@ -66,6 +72,8 @@ def _recipe(args, src, method: str, settings: fit.Settings, seq_len: int) -> dic
   recipe = {"method": method, "kv_heads": args.kv_heads, "source": str(src)}
   if getattr(args, "latent_rank", None) is not None:
     recipe["latent_rank"] = int(args.latent_rank)
+  if getattr(args, "rope_pairs", None):
+    recipe["rope_pairs"] = int(args.rope_pairs)
   if method != "pool":
     recipe.update(calib=args.calib, calib_tokens=int(args.calib_tokens), calib_seq_len=seq_len)
   if method == "fit":
@@ -108,8 +116,12 @@ def _convert(args, src, rank, recipe: dict, settings: fit.Settings, overrides: d
   meta = {"converted_from": str(src)}
   if rank is not None and recipe["method"] == "pool":
     from kvjax.cache import latent as latent_cache
-    new_cfg, new_params = latent_cache.factor(cfg, params, rank)
+    pairs = recipe.get("rope_pairs", 0)
+    new_cfg, new_params = latent_cache.factor(cfg, params, rank, pairs)
     meta["method"], what = f"latent_rank_{rank}", f"rank-{rank} latent K/V (SVD per layer)"
+    if pairs:
+      meta["method"] += f"_rope_{pairs}"
+      what += f", {pairs} rotated pairs a KV head cached beside it (chosen by the weights)"
   elif rank is None and args.kv_heads > cfg.model.n_kv_heads:
     new_cfg, new_params = pool.expand(cfg, params, args.kv_heads)
     meta["method"], what = "expand", "K/V heads copied to their query groups (exact)"
@@ -126,6 +138,9 @@ def _convert(args, src, rank, recipe: dict, settings: fit.Settings, overrides: d
     if rank is not None:
       what = (f"rank-{rank} latent K/V (SVD of the calibration keys and values), each "
               "layer's q and K/V factors fitted to the original attention")
+      if recipe.get("rope_pairs"):
+        what += (f"; {recipe['rope_pairs']} rotated pairs a KV head (the most q·k on the "
+                 "calibration text) cached beside it")
   checkpoint.save(out, new_cfg, new_params, step=0, meta=meta)
   shutil.rmtree(out / "partial", ignore_errors=True)
   print(f"converted {before} -> {new_cfg.model.variant} ({what}); checkpoint in {out}")
@@ -153,7 +168,8 @@ def _calibrated(out: Path, cfg, params, tok, recipe: dict, settings: fit.Setting
     done, reports = int(meta["layers_done"]), list(meta["layers"])
     print(f"resuming the fit after layer {done - 1} of {new_cfg.model.n_layers}")
   elif "latent_rank" in recipe:
-    new_cfg, new_params = latent.factor(cfg, params, recipe["latent_rank"], tokens_NS)
+    new_cfg, new_params = latent.factor(cfg, params, recipe["latent_rank"], tokens_NS,
+                                        recipe.get("rope_pairs", 0))
   else:
     aligned = align.align(cfg, params, recipe["kv_heads"], tokens_NS)
     new_cfg, new_params = pool.mean_pool(cfg, aligned, recipe["kv_heads"])
@@ -176,8 +192,7 @@ def _calibrated(out: Path, cfg, params, tok, recipe: dict, settings: fit.Setting
     bar.set_postfix(layer=layer, loss=f"{value:.4f}", refresh=False)
 
   try:
-    parts = (latent.Factored(cfg.model.n_kv_heads * cfg.model.D) if "latent_rank" in recipe
-             else fit.Dense())
+    parts = latent.Factored(new_cfg.model) if "latent_rank" in recipe else fit.Dense()
     new_params, _ = fit.fit(new_cfg, new_params, cfg, params, tokens_NS, settings,
                             start_layer=done, on_layer=on_layer, on_step=on_step, parts=parts)
   finally:

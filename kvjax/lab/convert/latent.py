@@ -13,10 +13,14 @@ down-projection [E, A] and an up-projection [A, Y], whose product is the K/V ker
 After a layer's fit, `store` writes that product and the orthonormal basis of its rows as
 `latent_up`, so the latent layout's c = ([k | v] - b) Uᵀ and [k | v] = c U + b stay exact.
 
-RoPE: the latent layout up-projects, then rotates keys at their positions when it reads,
-so every frequency pair keeps its rotation and none needs to be cached apart (a read that
-folds U into the query, which needs keys without RoPE in part of their width, is not
-built).
+RoPE (`--rope-pairs r`, `model.rope_pairs`): r = 0 keeps every pair rotated, and the latent
+layout up-projects, then rotates keys at their positions when it reads. r > 0 converts to
+MLA's form: each KV head keeps rotating the r frequency pairs that carry most of its q·k on
+the calibration text (per pair, the mean over tokens of |q_pair| |k_pair| summed over the
+head's query group: rotation leaves both norms as they are), stops rotating the others, and
+the latent compresses those unrotated key columns with the values, so the layout caches
+the rotated columns beside the latent and reads it absorbed. Unrotating pairs changes the
+model: r < D/2 needs the fit (and distillation) to recover.
 """
 
 from __future__ import annotations
@@ -33,69 +37,110 @@ from kvjax.errors import KvjaxError
 from kvjax.lab.convert import layerwise
 
 
-def check(cfg, rank: int) -> None:
+def check(cfg, rank: int, rope_pairs: int = 0) -> None:
   """Host-side refusals before any weight is read."""
   m = cfg.model
   if m.latent_rank:
     raise KvjaxError("this model is already latent; convert the dense model it came from")
-  if not 1 <= rank <= latent_cache.full_rank(m):
-    raise KvjaxError(f"--latent-rank {rank} must be in [1, {latent_cache.full_rank(m)}] for this "
-                     "model (min(d_model, 2 * n_kv_heads * head_dim))")
+  latent_cache.check_conversion(m, rank, rope_pairs)
   if m.windowed or m.rope_local_theta or m.qk_norm:
     raise KvjaxError("a calibrated latent conversion needs one RoPE base, no window and no "
                      "q/k norm (the latent layout reads neither); this model has them")
 
 
-def factor(cfg, params: Any, rank: int, tokens_NS: np.ndarray):
+def pair_scores(m, p: dict, h_NE: np.ndarray) -> np.ndarray:
+  """[K, D/2] each KV head's pairs scored by their share of q·k on the normed inputs h: the
+  mean over tokens of |q_pair| |k_pair|, summed over the head's query group (biases in)."""
+  K, G, D, P = m.n_kv_heads, m.G, m.D, m.D // 2
+
+  def proj(name, heads):
+    y = h_NE @ np.asarray(p[name]["kernel"], np.float64)
+    if "bias" in p[name]:
+      y = y + np.asarray(p[name]["bias"], np.float64)
+    y = y.reshape(len(h_NE), heads, D)
+    return np.sqrt(y[..., :P] ** 2 + y[..., P:] ** 2)  # [N, heads, P]
+  q, k = proj("q_proj", K * G).reshape(len(h_NE), K, G, P), proj("k_proj", K)
+  return np.mean(q.sum(axis=2) * k, axis=0)
+
+
+def factor(cfg, params: Any, rank: int, tokens_NS: np.ndarray, rope_pairs: int = 0):
   """(latent config, params) with each layer's K/V kernel projected onto the top-`rank`
-  directions of its calibration keys and values."""
-  check(cfg, rank)
+  directions of its calibration keys and values (with rope pairs: the unrotated key
+  columns and the values, after each head's pairs are chosen by `pair_scores`)."""
+  check(cfg, rank, rope_pairs)
   m = cfg.model
   if "layers" not in params:
     raise KvjaxError("latent conversion needs stacked layer params (a scanned model)")
   new_cfg = config_lib.apply_overrides(cfg, {"model.latent_rank": rank,
+                                             "model.rope_pairs": rope_pairs,
                                              "cache.layout": "latent"})
-  KD = m.n_kv_heads * m.D
+  nm = new_cfg.model
   layers = dict(params["layers"])
-  W_LEY = np.concatenate([np.asarray(layers[n]["kernel"], np.float32)
-                          for n in ("k_proj", "v_proj")], axis=-1)
-  ups, x = [], layerwise.embed(m, params, tokens_NS)
+  keeps, ups, x = [], [], layerwise.embed(m, params, tokens_NS)
   for layer in range(m.n_layers):
-    h = layerwise.normed_input(m, params, layer, x).reshape(-1, m.d_model)
-    kv = h.astype(np.float64) @ W_LEY[layer].astype(np.float64)  # [N·S, Y], without bias
+    h = layerwise.normed_input(m, params, layer, x).reshape(-1, m.d_model).astype(np.float64)
+    p = layerwise.layer_params(params, layer)
+    keep = None
+    if rope_pairs:
+      keep = latent_cache.keep_top(jnp.asarray(pair_scores(m, p, h))[None], rope_pairs)
+      keeps.append(np.asarray(keep[0]))
+    W, _, _ = latent_cache.split_kv(nm, {n: {"kernel": jnp.asarray(p[n]["kernel"])[None]}
+                                         for n in ("k_proj", "v_proj")}, keep)
+    kv = h @ np.asarray(W[0], np.float64)  # [N·S, Y], without bias
     _, vecs = np.linalg.eigh(kv.T @ kv)
     ups.append(vecs[:, ::-1][:, :rank].T)  # [A, Y], the top directions first
     x = layerwise.advance(m, params, layer, x)
+  keep_LKP = jnp.asarray(np.stack(keeps), jnp.float32) if rope_pairs else None
+  W, w_rope, cols = latent_cache.split_kv(nm, layers, keep_LKP)
   up_LAY = np.stack(ups).astype(np.float32)
-  W_r = (W_LEY @ up_LAY.transpose(0, 2, 1)) @ up_LAY  # W Uᵀ U, layer by layer
-  for name, part in (("k_proj", W_r[..., :KD]), ("v_proj", W_r[..., KD:])):
+  W = np.asarray(W, np.float32)
+  W_r = (W @ up_LAY.transpose(0, 2, 1)) @ up_LAY  # W Uᵀ U, layer by layer
+  Wk, Wv = latent_cache.join_kv(nm, jnp.asarray(W_r), w_rope, cols)
+  for name, part in (("k_proj", Wk), ("v_proj", Wv)):
     layers[name] = {**layers[name], "kernel": jnp.asarray(part, layers[name]["kernel"].dtype)}
   layers["latent_up"] = jnp.asarray(up_LAY, jnp.dtype(m.param_dtype))
-  return new_cfg, {**params, "layers": layers}
+  out = {**params, "layers": layers}
+  if rope_pairs:
+    out["rope_keep"] = keep_LKP
+  return new_cfg, out
 
 
 @dataclass(frozen=True)
 class Factored:
-  """A latent layer's trainable parts for `kvjax.lab.convert.fit`: q_proj, down [E, A], up [A, Y]."""
-  kv_width: int  # K·D: where the K columns end in [k | v]
+  """A latent layer's trainable parts for `kvjax.lab.convert.fit`: q_proj, down [E, A], up
+  [A, Y], and with rope pairs the rotated key columns [E, K, 2r] kept beside the latent."""
+  model: Any  # the latent model's config (its rank, rope pairs, heads)
+
+  def _keep(self, p):
+    return jnp.asarray(p["rope_keep"])[None] if self.model.rope_pairs else None
 
   def theta(self, p: dict) -> dict:
-    W = jnp.concatenate([p["k_proj"]["kernel"], p["v_proj"]["kernel"]], -1).astype(jnp.float32)
+    W, w_rope, _ = latent_cache.split_kv(
+        self.model, {n: {"kernel": jnp.asarray(p[n]["kernel"])[None]}
+                     for n in ("k_proj", "v_proj")}, self._keep(p))
     up = jnp.asarray(p["latent_up"], jnp.float32)
-    return {"q_proj": {leaf: jnp.asarray(a, jnp.float32) for leaf, a in p["q_proj"].items()},
-            "down": W @ up.T, "up": up}  # W = W Uᵀ U: the product is the layer as it is
+    theta = {"q_proj": {leaf: jnp.asarray(a, jnp.float32) for leaf, a in p["q_proj"].items()},
+             "down": W[0] @ up.T, "up": up}  # W = W Uᵀ U: the product is the layer as it is
+    if self.model.rope_pairs:
+      theta["rope"] = w_rope[0]
+    return theta
 
   def weights(self, theta: dict, p: dict) -> dict:
-    W = theta["down"] @ theta["up"]
+    W = (theta["down"] @ theta["up"])[None]
+    keep = self._keep(p)
+    w_rope = theta["rope"][None] if self.model.rope_pairs else None
+    cols = latent_cache.split_kv(self.model, {n: {"kernel": jnp.asarray(p[n]["kernel"])[None]}
+                                              for n in ("k_proj", "v_proj")}, keep)[2]
+    Wk, Wv = latent_cache.join_kv(self.model, W, w_rope, cols)
     return {"q_proj": theta["q_proj"],
-            "k_proj": {**p["k_proj"], "kernel": W[:, :self.kv_width]},
-            "v_proj": {**p["v_proj"], "kernel": W[:, self.kv_width:]}}
+            "k_proj": {**p["k_proj"], "kernel": Wk[0]},
+            "v_proj": {**p["v_proj"], "kernel": Wv[0]}}
 
   def store(self, params: Any, layer: int, theta: dict) -> Any:
     W = np.asarray(theta["down"] @ theta["up"], np.float64)
     rank = theta["up"].shape[0]
     up = np.linalg.svd(W, full_matrices=False)[2][:rank]  # the rows W spans, orthonormal
-    theta = {"q_proj": theta["q_proj"], "down": jnp.asarray(W @ up.T, jnp.float32),
+    theta = {**theta, "down": jnp.asarray(W @ up.T, jnp.float32),
              "up": jnp.asarray(up, jnp.float32)}
     p = layerwise.layer_params(params, layer)
     params = layerwise.set_layer(params, layer, self.weights(theta, p))

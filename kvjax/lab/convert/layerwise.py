@@ -24,8 +24,12 @@ CHUNK = 8  # sequences per forward call: bounds the [chunk, H, S, S] attention w
 
 
 def layer_params(params: Any, layer: int) -> dict:
-  """Layer `layer`'s weights out of the stacked [L, ...] tree."""
-  return jax.tree.map(lambda a: a[layer], params["layers"])
+  """Layer `layer`'s weights out of the stacked [L, ...] tree (with its row of `rope_keep`,
+  the pairs its heads rotate, where the model has partial RoPE)."""
+  p = jax.tree.map(lambda a: a[layer], params["layers"])
+  if "rope_keep" in params:
+    p["rope_keep"] = params["rope_keep"][layer]
+  return p
 
 
 def set_layer(params: Any, layer: int, layer_p: dict) -> Any:
@@ -59,6 +63,9 @@ def layer_input(cfg: ModelConfig, S: int, n: int) -> LayerInput:
 def attention_out(cfg: ModelConfig, p: dict, x_NSE, layer) -> jax.Array:
   """What layer `layer`'s attention adds to the residual stream x (float32)."""
   inp = layer_input(cfg, x_NSE.shape[1], x_NSE.shape[0])
+  if cfg.rope_pairs:  # every layer index reads this layer's pairs
+    keep = p["rope_keep"]
+    inp = inp.replace(rope_keep=jnp.broadcast_to(keep, (cfg.n_layers, *keep.shape)))
   o, _ = attention_block(cfg, _dense(p), _norm(cfg, p), x_NSE.astype(jnp.float32), layer, inp)
   return o.astype(jnp.float32)
 

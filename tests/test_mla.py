@@ -107,19 +107,24 @@ def test_absorbed_read_equals_the_up_projected_read(codec, attention):
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
-def wide(**over):
-  """A model whose latent row is 32 wide (A 24 + 2 KV heads x 2 pairs x 2): a width the
-  read kernel's fused scan takes."""
-  return tiny_config(**{"model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": 2,
-                        "model.head_dim": 16, **over})
+def wide(d_model, head_dim):
+  """A model of 2 KV heads of `head_dim` keeping 2 rotated pairs each (8 columns a row)."""
+  return tiny_config(**{"model.d_model": d_model, "model.n_heads": 4, "model.n_kv_heads": 2,
+                        "model.head_dim": head_dim})
 
 
 @pytest.mark.skipif(not kernels.available(), reason="needs the CPU read kernel (g++)")
-@pytest.mark.parametrize("codec", ["fp32", "int8"])
-def test_absorbed_decode_goes_through_the_read_kernel_without_up_projecting(codec):
-  cfg = wide()
-  lcfg, lparams = mla(cfg, 24, 2)
-  assert latent.row_width(lcfg.model) == 32
+@pytest.mark.parametrize("codec,d_model,head_dim,rank,width", [
+    ("fp32", 64, 16, 24, 32), ("int8", 64, 16, 24, 32), ("fp32", 128, 32, 88, 96),
+    ("bf16", 128, 32, 88, 96), ("int8", 128, 32, 88, 96), ("int4", 128, 32, 88, 96),
+    ("fp32", 128, 32, 104, 112), ("int8", 128, 32, 104, 112)])
+def test_absorbed_decode_goes_through_the_read_kernel_without_up_projecting(
+    codec, d_model, head_dim, rank, width):
+  """Rows of the widths the kernel's fused scan takes: read by the kernel, as the
+  reference reads them up-projected, with no [B, S, Y] up-projection in the step."""
+  cfg = wide(d_model, head_dim)
+  lcfg, lparams = mla(cfg, rank, 2)
+  assert latent.row_width(lcfg.model) == width
   want, cache = one_step(lcfg, lparams, "reference", codec)
   got, _ = one_step(lcfg, lparams, "native", codec, cache)
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)

@@ -7,7 +7,8 @@
 // caller merges it with the state of the other segments.
 //
 // Two scans do it, never through a widened copy of the cache in memory. The fused scan
-// (head_dim 16-128 known at compile time, K and V each read by functions compiled for
+// (head_dim 16, 32, 64, 96, 112 or 128 known at compile time: 96 and 112 are MLA rows'
+// widths; K and V each read by functions compiled for
 // their codec kind and scale layout, so any K codec meets any V codec) converts each code
 // where it is used; whole-head scales and zero points are applied to the logits and
 // probabilities, head_dim groups and per-channel scales to the converted codes in
@@ -538,6 +539,15 @@ inline v8 reduce8(const v8* a) {
 #endif
 }
 
+// The most blocks of a loop over `units` equal blocks at most `cap` wide: the largest
+// divisor of units up to cap, so blocks never run past the row (head_dim 96 is six
+// sixteen-column units: blocks of 3 or 6, never of 4).
+constexpr int fit_blocks(int units, int cap) {
+  for (int b = cap < units ? cap : units; b > 1; --b)
+    if (units % b == 0) return b;
+  return 1;
+}
+
 // What a tile's reads need of the query rows: the rows, their sums (for zero points) and,
 // for integer keys, each row as 15-bit integers times a scale.
 struct Rows {
@@ -552,7 +562,7 @@ struct Rows {
 template <int KIND, int MODE, int D, int R>
 void pv_rows(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE], float* __restrict acc) {
   constexpr int C0 = R == 1 ? 8 : R == 4 ? 2 : 4;
-  constexpr int C = C0 * 8 <= D ? C0 : D / 8;
+  constexpr int C = fit_blocks(D / 8, C0);
   for (int d0 = 0; d0 < D; d0 += 8 * C) {
     v8 a[R][C] = {};
     for (int t = 0; t < n; ++t) {
@@ -741,7 +751,7 @@ void qk_rows_int32(const int16_t* __restrict q16, const float* qsc, const Leaf& 
 // latency. Slots past n hold p = 0 and a valid token, so the pairs may run one past n.
 template <int KIND, int D, int R>
 void pv_rows16(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE], float* __restrict acc) {
-  constexpr int V = D / 16, CB0 = R <= 3 ? 8 : 4, CB = CB0 < V ? CB0 : V;
+  constexpr int V = D / 16, CB0 = R <= 3 ? 8 : 4, CB = fit_blocks(V, CB0);
   constexpr int U = R * CB >= 8 ? 1 : 2;
   for (int d0 = 0; d0 < D; d0 += 16 * CB) {
     __m512 a[U][R][CB];
@@ -815,7 +825,7 @@ void pv_rows_int(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE], fl
   }
   const int32_t* pp[R];  // (p_t, p_t+1) pairs
   for (int j = 0; j < R; ++j) pp[j] = reinterpret_cast<const int32_t*>(p16[j]);
-  constexpr int UNITS = D / 32, UB0 = R == 1 ? 8 : R <= 3 ? 4 : 2, UB = UB0 < UNITS ? UB0 : UNITS;
+  constexpr int UNITS = D / 32, UB0 = R == 1 ? 8 : R <= 3 ? 4 : 2, UB = fit_blocks(UNITS, UB0);
   for (int u0 = 0; u0 < UNITS; u0 += UB) {
     __m512i ax[R][UB], ay[R][UB];
     for (int j = 0; j < R; ++j)
@@ -1212,7 +1222,7 @@ void qk_rows_bf16(const float* __restrict q, const Leaf& kl, const int64_t* idx,
 template <int D, int R>
 void pv_rows_bf16(const Leaf& vl, const int64_t* idx, int n, float (*p)[TILE],
                   float* __restrict acc) {
-  constexpr int B = D / 32, CB0 = R <= 2 ? 4 : 2, CB = CB0 < B ? CB0 : B;
+  constexpr int B = D / 32, CB0 = R <= 2 ? 4 : 2, CB = fit_blocks(B, CB0);
   constexpr int U = R * CB * 2 >= 8 ? 1 : 2;
   const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
@@ -1563,6 +1573,9 @@ ScanFn fused(const Leaf& kl, const Leaf& vl, int D, int M, Fused& f) {
     case 32: return reads_for<32>(kl, true, f) && reads_for<32>(vl, false, f) ? scan_fused<32> : nullptr;
     case 64: return reads_for<64>(kl, true, f) && reads_for<64>(vl, false, f) ? scan_fused<64> : nullptr;
     case 128: return reads_for<128>(kl, true, f) && reads_for<128>(vl, false, f) ? scan_fused<128> : nullptr;
+    // the widths of MLA rows (a latent and its rotated key columns, read as one head)
+    case 96: return reads_for<96>(kl, true, f) && reads_for<96>(vl, false, f) ? scan_fused<96> : nullptr;
+    case 112: return reads_for<112>(kl, true, f) && reads_for<112>(vl, false, f) ? scan_fused<112> : nullptr;
   }
   return nullptr;
 }

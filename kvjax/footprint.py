@@ -98,8 +98,8 @@ def asymptotic(cfg: Config) -> float:
   if c.layout == "none" and not policies.evicts(c):
     return 4.0  # the token id, recomputed into K/V at every step
   k, v = codecs.for_role(c.k_codec, c, "k"), codecs.for_role(c.v_codec, c, "v")
-  if c.layout == "latent":
-    return m.n_layers * k.bytes_per_token(1, m.latent_rank)
+  if c.layout == "latent":  # one row a layer: the latent and its rotated key columns
+    return m.n_layers * k.bytes_per_token(1, m.latent_rank + 2 * m.n_kv_heads * m.rope_pairs)
   state = policies.get(c.policy).state_bytes_per_token(m.n_kv_heads)
   return _growing_layers(cfg) * (k.bytes_per_token(m.n_kv_heads, m.D)
                                  + v.bytes_per_token(m.n_kv_heads, m.D) + state)
@@ -184,8 +184,9 @@ def _row_config(row: dict) -> Config | None:
   cfg = _shape(v["model"])
   if v.get("kv_heads"):
     cache["model.n_kv_heads"] = v["kv_heads"]
-  if v.get("latent_rank"):
-    cache["model.latent_rank"] = v["latent_rank"]
+  for key in ("latent_rank", "rope_pairs"):
+    if v.get(key):
+      cache[f"model.{key}"] = v[key]
   try:
     return config_lib.apply_overrides(cfg, cache, check=False)  # as recorded: it ran
   except KvjaxError:  # a setting this version no longer builds: the row's own fields stand

@@ -1434,13 +1434,16 @@ void scan_fused(const float* __restrict q, const Leaf& kl, const Leaf& vl, const
     const bool run = n == TILE && idx[TILE - 1] - idx[0] == TILE - 1;
     metas(kl, idx, run, ks, ko);
     metas(vl, idx, run, vs, vo);
-    for (int i0 = 0; i0 < M; i0 += 4) {
-      const int R = std::min(4, M - i0);
+    // Rows in groups of at most 4, as even as they go (9 rows: 3 + 3 + 3, not 4 + 4 + 1,
+    // whose last group of one has too few independent sums to hide the multiply-adds)
+    for (int i0 = 0, groups = (M + 3) / 4; i0 < M; --groups) {
+      const int R = (M - i0 + groups - 1) / groups;
       Rows rows{q + size_t(i0) * D, q16 + i0 * D, qsc + i0};
       float* ai = acc + size_t(i0) * D;
       fn.qk[R - 1](rows, kl, idx, n, lt);
       softmax_rows<D>(R, lt, ks, ko, vs, vo, okf, qsum + i0, m + i0, s + i0, ai);
       fn.pv[R - 1](vl, idx, n, lt, ai);
+      i0 += R;
     }
   }
 }

@@ -42,7 +42,9 @@ def variant(cfg: config_lib.Config, **extra) -> dict:
   codec = c.k_codec if c.k_codec == c.v_codec else f"K{c.k_codec}/V{c.v_codec}"
   mods = {**({"rotate": c.rotate} if c.rotate != "none" else {}),
            **({"keep_first": c.keep_first} if c.keep_first else {}),
-           **({"clip": c.clip} if c.clip != "none" else {})}
+           **({"clip": c.clip} if c.clip != "none" else {}),
+           **({"latent_rank": m.latent_rank} if m.latent_rank else {}),
+           **({"rope_pairs": m.rope_pairs} if m.rope_pairs else {})}
   return {"variant": m.variant, "attention": attention.resolve(m.attention, m.program),
           "program": m.program, "heads": m.n_heads,
           "kv_heads": m.n_kv_heads, "k_codec": c.k_codec, "v_codec": c.v_codec, "codec": codec,
@@ -63,7 +65,10 @@ def bytes_per_token(cfg: config_lib.Config) -> float:
   Codecs are bound to their role (`for_role`), so group sizes and per-channel keys count.
   """
   from kvjax import codecs
+  from kvjax import footprint
   m, c = cfg.model, cfg.cache
+  if c.layout == "latent":
+    return footprint.asymptotic(cfg)
   k, v = codecs.for_role(c.k_codec, c, "k"), codecs.for_role(c.v_codec, c, "v")
   return m.n_layers * (k.bytes_per_token(m.n_kv_heads, m.D)
                        + v.bytes_per_token(m.n_kv_heads, m.D))

@@ -131,13 +131,31 @@ def step_flops(cfg: config_lib.Config, params, batch: int, held_from: int, steps
   and the attention's logits and values over each sequence's live tokens (a windowed
   layer's last W)."""
   m = cfg.model
-  mats = sum(a.size for a in jax.tree.leaves(params) if a.ndim >= 2)
+  not_multiplied = ("latent_up", "rope_keep")  # read by the cache (`latent_flops`), or a mask
+  mats = sum(a.size for path, a in jax.tree_util.tree_flatten_with_path(params)[0]
+             if a.ndim >= 2 and not any(getattr(k, "key", None) in not_multiplied for k in path))
   if not m.tie_embeddings:  # the table is gathered, not multiplied; the lm_head is its own
     mats -= params["embed_tokens"]["embedding"].size
   live = held_from + (steps + 1) / 2
   read = sum(min(live, m.window_of(i)) if m.window_of(i) else live for i in range(m.n_layers))
   attn = 2 * 2 * m.n_heads * m.D * read  # a sliding-window layer reads at most its window
+  if cfg.cache.layout == "latent":
+    attn = latent_flops(m, read)
   return {"weight_flops": 2 * batch * mats, "attention_flops": batch * attn}
+
+
+def latent_flops(m, read: float) -> float:
+  """A latent cache's attention FLOPs for one sequence over `read` held tokens (summed over
+  layers). Without rope pairs every held token is up-projected to K and V (A·Y multiply-adds)
+  before the dense read's two products; with them (`kvjax.cache.latent.AbsorbedSegment`)
+  each query head's two products run over the W-wide rows, plus the queries' and outputs'
+  own projections in and out of latent space, once per layer."""
+  A, H, D, r = m.latent_rank, m.n_heads, m.D, m.rope_pairs
+  Y = m.n_kv_heads * (2 * D - 2 * r)
+  if not r:
+    return 2 * A * Y * read + 2 * 2 * H * D * read
+  W = A + 2 * m.n_kv_heads * r
+  return 2 * 2 * H * W * read + m.n_layers * 2 * H * ((D - 2 * r) * A + A * D)
 
 
 def attention_dot(cfg: config_lib.Config) -> str:

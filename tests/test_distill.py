@@ -156,10 +156,30 @@ def test_cli_distillations_that_cannot_run_are_one_line(converted, tmp_path, cap
     assert checkpoint.latest_step(tmp_path / "x") is None
 
 
-def test_a_latent_student_is_refused():
-  cfg = tiny_config(**{"model.n_kv_heads": 2})
-  latent = tiny_config(**{"model.n_kv_heads": 2, "model.latent_rank": 8})
-  with pytest.raises(KvjaxError, match="latent") as e:
-    distill.check(latent.model, cfg.model)
-  assert "\n" not in str(e.value)
-  distill.check(tiny_config(**{"model.n_kv_heads": 1}).model, cfg.model)  # KV heads may differ
+@pytest.mark.parametrize("pairs", [0, 2])
+def test_a_latent_student_trains_in_its_rank_and_its_cache_stays_exact(models, pairs):
+  """A rank-6 latent (with or without rope pairs): distilling lowers its held-out KL, its
+  K/V kernel keeps rank 6 with `latent_up` an orthonormal basis of its rows, the pair mask
+  is unchanged, and its latent cache still gives the model's own logits."""
+  from kvjax.cache import latent
+  from kvjax import config as config_lib
+  from test_policies import run_cached
+  cfg, params, _, _ = models
+  lcfg, lparams = latent.factor(cfg, params, 6, pairs)
+  got, r = distill.distill(lcfg, lparams, cfg, params, TOKENS,
+                           dataclasses.replace(SETTINGS, max_steps=30))
+  assert r.after < 0.8 * r.before, r
+  up = np.asarray(got["layers"]["latent_up"], np.float64)
+  np.testing.assert_allclose(np.einsum("lay,lby->lab", up, up),
+                             np.broadcast_to(np.eye(6), (2, 6, 6)), atol=1e-5)
+  m = lcfg.model
+  W, _, _ = latent.split_kv(m, got["layers"], got.get("rope_keep"))
+  W = np.asarray(W, np.float64)
+  np.testing.assert_allclose(np.einsum("ley,lay,laz->lez", W, up, up), W, atol=1e-5)
+  assert np.abs(W - np.asarray(latent.split_kv(m, lparams["layers"],
+                                               lparams.get("rope_keep"))[0])).max() > 1e-4
+  if pairs:
+    np.testing.assert_array_equal(got["rope_keep"], lparams["rope_keep"])
+  dense = config_lib.apply_overrides(lcfg, {"cache.layout": "contiguous"})
+  np.testing.assert_allclose(run_cached(lcfg, got)[0], run_cached(dense, got)[0],
+                             atol=1e-4, rtol=1e-4)

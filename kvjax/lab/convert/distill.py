@@ -9,7 +9,9 @@ training text:
 
 where p are the two models' next-token distributions from the same full forward pass
 (`kvjax.model.Transformer`). Only the attention projections are trained (the q/k/v/o
-kernels and biases of every layer); the embeddings, norms and MLPs stay as they are. The
+kernels and biases of every layer; a latent student's K/V kernel as its two factors and the
+rotated key columns beside them, so it keeps its rank, and its up-projection is then the
+orthonormal basis of what was trained); the embeddings, norms and MLPs stay as they are. The
 KL is taken in float32 over CHUNK token rows at a time, each chunk's logits recomputed in
 the backward pass (`jax.checkpoint`), so no [tokens, vocab] array of a whole batch is held.
 
@@ -41,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from kvjax.cache import latent as latent_cache
 from kvjax.config import Config, ModelConfig
 from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
@@ -90,9 +93,6 @@ def check(student: ModelConfig, teacher: ModelConfig) -> None:
   if diff:
     raise KvjaxError(f"the student and the teacher differ in {', '.join(diff)}; distill a "
                      "conversion toward the model it was converted from (--teacher)")
-  if student.latent_rank:
-    raise KvjaxError("distill trains a KV-head conversion's q/k/v/o; a latent (--latent-rank) "
-                     "checkpoint's K/V projections must stay in their rank, so it is not distilled")
 
 
 def _hidden(cfg: ModelConfig, params, tokens_BT):
@@ -134,11 +134,54 @@ def _kl_sum(cfg, params, h_s, tcfg, teacher, h_t):
   return total
 
 
-def _merge(params, theta):
+def _theta(m: ModelConfig, params) -> dict:
+  """The trained weights in float32: q/k/v/o of every layer; for a latent student, q and o,
+  the K/V biases, and the K/V kernel as its factors (`latent`: down [L, E, A] and up
+  [L, A, Y], with the rotated key columns [L, E, K, 2r] kept beside the latent), so it keeps
+  its rank while it trains."""
+  layers = params["layers"]
+  f32 = lambda leaves: {leaf: jnp.array(a, jnp.float32) for leaf, a in leaves.items()}  # noqa
+  if not m.latent_rank:
+    return {n: f32(layers[n]) for n in TRAINED}
+  theta = {n: f32(layers[n]) for n in ("q_proj", "o_proj")}
+  theta.update({n: {"bias": jnp.array(layers[n]["bias"], jnp.float32)}
+                for n in ("k_proj", "v_proj") if "bias" in layers[n]})
+  W, w_rope, _ = latent_cache.split_kv(m, layers, params.get("rope_keep"))
+  up = jnp.asarray(layers["latent_up"], jnp.float32)
+  theta["latent"] = {"down": jnp.einsum("ley,lay->lea", W, up), "up": up,
+                     **({"rope": w_rope} if m.rope_pairs else {})}
+  return theta
+
+
+def _merge(params, theta, m: ModelConfig):
+  """params with the trained weights of `theta` in place (a latent's kernels from its
+  factors)."""
   layers = dict(params["layers"])
   for name, leaves in theta.items():
-    layers[name] = {**layers[name], **leaves}
+    if name != "latent":
+      layers[name] = {**layers[name], **leaves}
+  if "latent" in theta:
+    lat = theta["latent"]
+    W = jnp.einsum("lea,lay->ley", lat["down"], lat["up"])
+    cols = latent_cache.split_kv(m, layers, params.get("rope_keep"))[2]
+    Wk, Wv = latent_cache.join_kv(m, W, lat.get("rope"), cols)
+    layers["k_proj"] = {**layers["k_proj"], "kernel": Wk}
+    layers["v_proj"] = {**layers["v_proj"], "kernel": Wv}
   return {**params, "layers": layers}
+
+
+def _stored(m: ModelConfig, params, theta) -> Any:
+  """The student after training, in its params' dtypes; a latent's up-projection the
+  orthonormal rows its trained K/V kernel spans (so its cache stays exact)."""
+  merged = _merge(params, theta, m)
+  layers = dict(jax.tree.map(lambda a, ref: jnp.asarray(a, ref.dtype), merged["layers"],
+                             params["layers"]))
+  if m.latent_rank:
+    W = np.einsum("lea,lay->ley", np.asarray(theta["latent"]["down"], np.float64),
+                  np.asarray(theta["latent"]["up"], np.float64))
+    up = np.stack([np.linalg.svd(w, full_matrices=False)[2][:m.latent_rank] for w in W])
+    layers["latent_up"] = jnp.asarray(up, params["layers"]["latent_up"].dtype)
+  return {**merged, "layers": layers}
 
 
 @functools.lru_cache(maxsize=4)
@@ -146,7 +189,7 @@ def _fns(cfg: ModelConfig, tcfg: ModelConfig, clip: float):
   opt = optax.chain(optax.clip_by_global_norm(clip), optax.scale_by_adam())
 
   def kl(theta, frozen, teacher, tokens_BT):
-    params = _merge(frozen, theta)
+    params = _merge(frozen, theta, cfg)
     h_t = jax.lax.stop_gradient(_hidden(tcfg, teacher, tokens_BT))
     h_s = _hidden(cfg, params, tokens_BT)
     return _kl_sum(cfg, params, h_s, tcfg, teacher, h_t) / tokens_BT.size
@@ -191,8 +234,7 @@ def distill(cfg: Config, params: Any, teacher_cfg: Config, teacher: Any, tokens_
   held = max(1, len(tokens_NS) // 10)
   train, test = tokens_NS[:-held], tokens_NS[-held:]
   opt, step_fn, kl_fn = _fns(cfg.model, teacher_cfg.model, float(s.clip))
-  theta = {n: {leaf: jnp.array(a, jnp.float32) for leaf, a in params["layers"][n].items()}
-           for n in TRAINED}
+  theta = _theta(cfg.model, params)
   opt_state, start, spent = opt.init(theta), 0, 0.0
   before = None
   if partial is not None and checkpoint.latest_step(partial) is not None:
@@ -242,9 +284,7 @@ def distill(cfg: Config, params: Any, teacher_cfg: Config, teacher: Any, tokens_
     bar.close()
   seconds = spent + time.perf_counter() - t0
   after = held_kl(kl_fn, theta, params, teacher, test)
-  out = _merge(params, {n: {leaf: a.astype(params["layers"][n][leaf].dtype)
-                            for leaf, a in theta[n].items()} for n in TRAINED})
-  return out, Report(before, after, step, seconds, start)
+  return _stored(cfg.model, params, theta), Report(before, after, step, seconds, start)
 
 
 def cli(args, src, windows: Callable, seq_len: int) -> dict:

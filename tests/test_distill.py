@@ -183,3 +183,16 @@ def test_a_latent_student_trains_in_its_rank_and_its_cache_stays_exact(models, p
   dense = config_lib.apply_overrides(lcfg, {"cache.layout": "contiguous"})
   np.testing.assert_allclose(run_cached(lcfg, got)[0], run_cached(dense, got)[0],
                              atol=1e-4, rtol=1e-4)
+
+def test_windows_longer_than_a_query_block_distill_and_fit(models):
+  """Calibration windows over xla.NEW_BLOCK tokens (a real conversion's are 512): the fit's
+  layer outputs and the distillation's forward are differentiated through them."""
+  from kvjax.attention import xla
+  from kvjax.lab.convert import fit
+  cfg, params, mqa_cfg, pooled = models
+  long = np.random.default_rng(1).integers(0, 64, size=(4, xla.NEW_BLOCK + 40)).astype(np.int32)
+  _, r = distill.distill(mqa_cfg, pooled, cfg, params, long,
+                         dataclasses.replace(SETTINGS, max_steps=2, batch=1))
+  assert r.steps == 2 and np.isfinite(r.after)
+  _, reports = fit.fit(mqa_cfg, pooled, cfg, params, long, fit.Settings(max_steps=2, batch=2))
+  assert len(reports) == cfg.model.n_layers and all(np.isfinite(x.after) for x in reports)

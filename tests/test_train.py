@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import optax
 
 from kvjax import cli
 from kvjax import config as config_lib
@@ -167,3 +168,22 @@ def test_a_model_with_its_own_tokenizer_is_not_trained_on_byte_ids(tmp_path, tex
   with pytest.raises(KvjaxError, match="byte-level ids"):
     train.train(cfg, tmp_path / "out", progress=False)
   assert not (tmp_path / "out").exists()
+
+
+def test_a_window_longer_than_a_query_block_trains():
+  """Windows over xla.NEW_BLOCK tokens: the forward reads a long prompt in blocks whose loop
+  reverse-mode differentiation cannot cross, so training takes its gradient through the
+  reference attention (`model.trainable`), with the same loss as the decode path's."""
+  from conftest import tiny_config, tiny_params
+  from kvjax.attention import xla
+  from kvjax.model import Transformer
+  cfg = tiny_config()
+  params = tiny_params(cfg)
+  T = xla.NEW_BLOCK + 72
+  x = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, T)), jnp.int32)
+  loss, grads = jax.value_and_grad(train.loss_fn)(params, cfg.model, x, x, jnp.ones_like(x))
+  assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T))
+  logits, _ = Transformer(cfg.model).apply({"params": params}, x, pos, None)  # blocked reads
+  want = optax.softmax_cross_entropy_with_integer_labels(logits, x).mean()
+  np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)

@@ -31,7 +31,7 @@ from kvjax.errors import KvjaxError
 from kvjax.io import checkpoint
 from kvjax.lab import data
 from kvjax.lab.runner import claims
-from kvjax.model import Transformer, init_params
+from kvjax.model import Transformer, init_params, trainable
 
 
 def schedule(cfg: Config) -> optax.Schedule:
@@ -64,7 +64,8 @@ def loss_fn(params, model_cfg: ModelConfig, inputs_BT, targets_BT, mask_BT):
   """Masked mean next-token cross-entropy (nats) of the full forward pass."""
   B, T = inputs_BT.shape
   positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  logits, _ = Transformer(model_cfg).apply({"params": params}, inputs_BT, positions, None)
+  logits, _ = Transformer(trainable(model_cfg)).apply({"params": params}, inputs_BT, positions,
+                                                      None)
   nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets_BT)
   m = mask_BT.astype(jnp.float32)
   return jnp.sum(nll * m) / jnp.maximum(jnp.sum(m), 1.0)

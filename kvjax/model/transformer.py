@@ -19,6 +19,7 @@ whose compile time grows with depth (measurements in docs/methods.md, "The layer
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -146,6 +147,15 @@ class Transformer(nn.Module):
     if self.return_queries:
       return logits_BTV.astype(jnp.float32), cache, q[0]
     return logits_BTV.astype(jnp.float32), cache
+
+
+def trainable(cfg: ModelConfig) -> ModelConfig:
+  """The config a gradient is taken through (training, a conversion's fit and distillation):
+  the same model with the `reference` attention, one softmax over every key. The blocked
+  reads of a long prompt (`kvjax.attention.xla`) loop a data-dependent number of times,
+  which reverse-mode differentiation cannot cross; the windows trained on are short enough
+  for their [T, T] logits."""
+  return dataclasses.replace(cfg, attention="reference")
 
 
 def init_params(cfg: ModelConfig, seed: int = 0):

@@ -46,7 +46,7 @@ import optax
 from kvjax.cache import latent as latent_cache
 from kvjax.config import Config, ModelConfig
 from kvjax.errors import KvjaxError
-from kvjax.model import Transformer
+from kvjax.model import Transformer, trainable
 from kvjax.model.layers import linear, lm_head
 
 TRAINED = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -99,7 +99,7 @@ def _hidden(cfg: ModelConfig, params, tokens_BT):
   """The final-normed residual stream [B, T, E]: the full forward, its lm_head left unused."""
   B, T = tokens_BT.shape
   pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  _, state = Transformer(cfg).apply({"params": params}, tokens_BT, pos, None,
+  _, state = Transformer(trainable(cfg)).apply({"params": params}, tokens_BT, pos, None,
                                     capture_intermediates=lambda m, _: m.name == "norm",
                                     mutable=["intermediates"])
   return state["intermediates"]["norm"]["__call__"][0]

@@ -18,6 +18,7 @@ import numpy as np
 
 from kvjax.attention.rope import rope_cos_sin
 from kvjax.config import ModelConfig
+from kvjax.model import trainable
 from kvjax.model.layers import LayerInput, attention_block, mlp_block, rms_norm
 
 CHUNK = 8  # sequences per forward call: bounds the [chunk, H, S, S] attention weights
@@ -61,7 +62,9 @@ def layer_input(cfg: ModelConfig, S: int, n: int) -> LayerInput:
 
 
 def attention_out(cfg: ModelConfig, p: dict, x_NSE, layer) -> jax.Array:
-  """What layer `layer`'s attention adds to the residual stream x (float32)."""
+  """What layer `layer`'s attention adds to the residual stream x (float32), through the
+  attention a gradient can cross (`kvjax.model.trainable`: the fit differentiates it)."""
+  cfg = trainable(cfg)
   inp = layer_input(cfg, x_NSE.shape[1], x_NSE.shape[0])
   if cfg.rope_pairs:  # every layer index reads this layer's pairs
     keep = p["rope_keep"]

@@ -146,3 +146,31 @@ def test_calibration_texts_share_the_windows_and_interleave(tmp_path):
   assert firsts == ["a", "b"] * 3
   with pytest.raises(KvjaxError, match="--calib"):
     convert_cli.calib_tokens(tok, ",", 256, 64)
+
+
+def test_a_conversion_is_judged_on_retrieval_through_its_own_cache(tmp_path, capsys):
+  """--judge-context N: 10 passkeys and 10 needles of N tokens, answered through the
+  converted model's cache, recorded in its meta with Wilson intervals and printed; a length
+  the model cannot hold is one line before anything is written."""
+  from kvjax.lab import intervals
+  from kvjax.lab.convert import judge
+  cfg = tiny_config(**{"model.n_kv_heads": 2, "model.max_seq_len": 512, "seed": 4})
+  path = mf.write_gguf(tmp_path / "m.gguf", cfg, tiny_params(cfg))
+  out = tmp_path / "lat"
+  rc = cli.main(["convert", "--gguf", str(path), "--latent-rank", "8", "--rope-pairs", "1",
+                 "--judge-context", "256", "--out", str(out)])
+  printed = capsys.readouterr().out
+  assert rc == 0
+  got = checkpoint.read_meta(out)["retrieval"]
+  assert got["context"] == 256 and set(got) == {"context", *judge.TASKS}
+  for task in judge.TASKS:
+    r = got[task]
+    assert r["n"] == len(judge.DEPTHS) * judge.SEEDS and 0 <= r["correct"] <= r["n"]
+    lo, hi = intervals.wilson(r["correct"], r["n"])
+    assert r["ci95"] == [round(lo, 4), round(hi, 4)]
+    assert f"{task} {r['correct']}/{r['n']}" in printed
+  rc = cli.main(["convert", "--gguf", str(path), "--latent-rank", "8", "--judge-context", "500",
+                 "--out", str(tmp_path / "x")])
+  err = capsys.readouterr().err
+  assert rc == 2 and "--judge-context 500" in err and err.count("\n") == 1
+  assert not (tmp_path / "x").exists()

@@ -219,6 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
                  "beside the latent, and stops rotating the rest, which the latent compresses "
                  "with the values (MLA's decoupled RoPE: the decode reads the latent absorbed); "
                  "pool picks the pairs by the weights, fit by q·k on the calibration text")
+  c.add_argument("--judge-context", type=_number("--judge-context", (0, True, 1 << 20, True)),
+                 default=None, metavar="N",
+                 help="after converting, ask the converted model 10 passkeys and 10 needles "
+                 "of N tokens through its own cache, recorded in the checkpoint's meta "
+                 "(default 1024 where the model has the positions and a tokenizer; 0: skip)")
   c.add_argument("--method", default="pool", metavar="pool|align|fit|distill",
                  help="how fewer KV heads are made: pool (mean of each group), align (each "
                  "group's heads rotated onto its first, exactly, then pooled), fit (aligned, "

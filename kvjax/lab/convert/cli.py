@@ -16,7 +16,7 @@ import numpy as np
 
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
-from kvjax.lab.convert import METHODS, align, fit, latent, pool
+from kvjax.lab.convert import METHODS, align, fit, judge, latent, pool
 from kvjax.lab.runner import claims
 
 SEQ_LEN = 512  # calibration window (tokens), or the model's max_seq_len if shorter
@@ -54,6 +54,7 @@ def convert_cli(args) -> dict:
   settings.check()
   overrides = config_lib.parse_set(getattr(args, "set", None))
   cfg0 = sources.load_config(src, overrides)  # refusals from the header, before the weights
+  judge.check(args, cfg0)
   if args.kv_heads is not None:
     pool.check_target(cfg0.model, args.kv_heads)
     if method != "pool":
@@ -141,12 +142,17 @@ def _convert(args, src, rank, recipe: dict, settings: fit.Settings, overrides: d
       if recipe.get("rope_pairs"):
         what += (f"; {recipe['rope_pairs']} rotated pairs a KV head (the most q·k on the "
                  "calibration text) cached beside it")
+  print(f"converted {before} -> {new_cfg.model.variant} ({what})")
+  retrieval = judge.for_cli(args, new_cfg, new_params, tok)
+  if retrieval is not None:
+    meta["retrieval"] = retrieval
   checkpoint.save(out, new_cfg, new_params, step=0, meta=meta)
   shutil.rmtree(out / "partial", ignore_errors=True)
-  print(f"converted {before} -> {new_cfg.model.variant} ({what}); checkpoint in {out}")
+  print(f"checkpoint in {out}")
   return {"from": before, "to": new_cfg.model.variant, "out": str(out),
           "latent_rank": new_cfg.model.latent_rank, "method": meta["method"],
-          **({"recipe": meta["recipe"]} if "recipe" in meta else {})}
+          **({"recipe": meta["recipe"]} if "recipe" in meta else {}),
+          **({"retrieval": retrieval} if retrieval is not None else {})}
 
 
 def _calibrated(out: Path, cfg, params, tok, recipe: dict, settings: fit.Settings):

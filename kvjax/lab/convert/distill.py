@@ -312,6 +312,8 @@ def cli(args, src, windows: Callable, seq_len: int) -> dict:
   tsrc = sources.parse(teacher)
   cfg0, tcfg0 = sources.load_config(src, overrides), sources.load_config(tsrc, overrides)
   check(cfg0.model, tcfg0.model)
+  from kvjax.lab.convert import judge
+  judge.check(args, cfg0)
   if args.kv_heads is not None and args.kv_heads != cfg0.model.n_kv_heads:
     raise KvjaxError(f"--method distill keeps the student's {cfg0.model.n_kv_heads} KV heads; "
                      f"drop --kv-heads {args.kv_heads} (convert to it first)")
@@ -333,6 +335,10 @@ def cli(args, src, windows: Callable, seq_len: int) -> dict:
     new_params, r = distill(cfg, params, tcfg, tparams, tokens, s, out / "partial", recipe)
     report = {"held_kl_before": round(r.before, 6), "held_kl_after": round(r.after, 6),
               "steps": r.steps, "seconds": round(r.seconds, 1)}
+    from kvjax.lab.convert import judge
+    retrieval = judge.for_cli(args, cfg, new_params, tok)
+    if retrieval is not None:
+      report["retrieval"] = retrieval
     checkpoint.save(out, cfg, new_params, step=0, meta={"converted_from": str(tsrc),
                                                         "method": "distill", "recipe": recipe,
                                                         **report})

@@ -35,6 +35,8 @@ A generated block sits between `<!-- doc_tables:NAME begin -->` and
             SmolLM2, on code and prose, and which model loses more to each from the intervals.
   parity    results/cpu/real_parity.jsonl: each real model against transformers
             (scripts/real_parity.py): perplexity, greedy tokens, the MHA twin.
+  mla_speed results/cpu/mla_speed_{smollm2,qwen}/roofline.jsonl: the latent served as MLA
+            (absorbed) against bf16, MQA and the up-projecting latent (docs/frontier.md).
   convert   results/real_models/convert_smollm2/quality.jsonl: SmolLM2 made an MQA by
             pooling, alignment and fitting (configs/convert_smollm2.yaml).
   shrink    results/real_models/frontier_{smollm2,qwen,gemma3}/compression.jsonl: the frontier
@@ -1403,6 +1405,51 @@ SOURCES["ruler"] = tuple(p for p in (ROOT / "results" / "real_models" / f"ruler_
                          if p.exists())
 DOCS["ruler"] = ROOT / "docs" / "long_context.md"
 BUILDERS["ruler"] = ruler_table
+
+
+def mla_speed_table(rows: list[dict]) -> str:
+  """Per model shape: each setting's row width, bytes held per token against bf16's, decode
+  step, ratio to bf16 with its interval, and the fraction of the roof that binds."""
+  rows = [r for r in rows if r["experiment"] == "roofline" and "tpot_vs_ref" in r["metrics"]]
+  if not rows:
+    raise SystemExit("doc_tables: no MLA speed rows; run `kvjax run configs/mla_speed_smollm2"
+                     ".yaml --out results/cpu/mla_speed_smollm2` (and mla_speed_qwen)")
+  out = ["| model shape | setting | what | row per layer | bytes vs bf16 | decode step | "
+         "vs bf16 | roof fraction (binds) |", "|---|---|---|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    v, m, mod = r["variant"], r["metrics"], r["config"]["model"]
+    ref = next(x for x in rows if x["config"]["model"]["d_model"] == mod["d_model"]
+               and x["variant"]["setting"] == "bf16")
+    K, D = v["kv_heads"], mod.get("head_dim") or mod["d_model"] // mod["n_heads"]
+    if v.get("rope_pairs"):
+      width = v["latent_rank"] + 2 * K * v["rope_pairs"]
+      what = (f"latent {v['latent_rank']} + {v['rope_pairs']} rotated pairs × {K} heads, "
+              "read absorbed")
+    elif v.get("latent_rank"):
+      width, what = v["latent_rank"], f"latent {v['latent_rank']}, up-projected every step"
+    else:
+      width, what = 2 * K * D, ("MQA" if K == 1 else f"GQA-{K}") + " K and V"
+    what += "" if v["codec"] == "bf16" else f", {v['codec']}"
+    share = m["bytes_per_token_asymptotic"] / ref["metrics"]["bytes_per_token_asymptotic"]
+    out.append(f"| {r['config'].get('name', '').replace('mla_speed_', '')} | `{v['setting']}` | "
+               f"{what} | {width} | {share:.3f} | {1e3 * m['tpot_s']:.1f} ms | "
+               f"{m['tpot_vs_ref']:.2f}×{_ci(m.get('tpot_vs_ref_ci95'), '{:.2f}'.format)} | "
+               f"{m['roof_fraction']:.2f} ({m['bound']}) |")
+  env = rows[0]["env"]
+  w = rows[0]["workload"]
+  return "\n".join(out) + (
+      f"\n\nRows: `results/cpu/mla_speed_{{smollm2,qwen}}/roofline.jsonl` (configs/mla_speed_"
+      f"{{smollm2,qwen}}.yaml), batch {w['batch']} × {w['context']:,} tokens, "
+      f"{rows[0]['metrics']['repeats']} repeats per model with every setting timed in turn "
+      f"in each; ratios are medians of per-repeat ratios with bootstrap 95 % intervals. "
+      f"{env['cpu_count']} CPU cores{' of ' + env['cpu_model'] if env.get('cpu_model') else ''}.")
+
+
+SOURCES["mla_speed"] = tuple(p for p in (ROOT / "results" / "cpu" / f"mla_speed_{m}" /
+                                         "roofline.jsonl" for m in ("smollm2", "qwen"))
+                             if p.exists())
+DOCS["mla_speed"] = ROOT / "docs" / "frontier.md"
+BUILDERS["mla_speed"] = mla_speed_table
 
 
 def render(doc: str, blocks: dict[str, str], path: Path = DOC) -> str:

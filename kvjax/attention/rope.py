@@ -64,12 +64,12 @@ def partial(cos_BTD, sin_BTD, keep):
           jnp.where(keep_D, sin_BTD[:, :, None, :], 0.0))
 
 
-def pair_columns(keep_KP, r: int):
+def pair_columns(keep_pairs, r: int):
   """(rope [K, 2r], rest [K, D - 2r]) head_dim columns of each head: those of its r kept
-  frequency pairs (`keep_KP` [K, D/2], 1 where kept: pair i is columns i and i + D/2), in
+  frequency pairs (`keep_pairs` [K, D/2], 1 where kept: pair i is columns i and i + D/2), in
   order, and the others. Traced or not: r is static."""
-  P = keep_KP.shape[-1]
-  order = jnp.argsort(-keep_KP.astype(jnp.float32), axis=-1, stable=True)  # kept pairs first
+  P = keep_pairs.shape[-1]
+  order = jnp.argsort(-keep_pairs.astype(jnp.float32), axis=-1, stable=True)  # kept pairs first
   kept, rest = order[:, :r], order[:, r:]
   return (jnp.concatenate([kept, kept + P], axis=-1),
           jnp.concatenate([rest, rest + P], axis=-1))

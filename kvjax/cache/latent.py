@@ -132,8 +132,8 @@ def weights(params, m) -> tuple[jax.Array, jax.Array]:
 def columns(params, m) -> tuple[jax.Array, jax.Array]:
   """(rope [L, K, 2r], rest [L, K, D - 2r]): the key columns each layer's heads rotate and
   cache as they are, and those the latent compresses (`rope.pair_columns` of `rope_keep`)."""
-  keep_LKP = jnp.asarray(params["rope_keep"])
-  rope_cols, rest = jax.vmap(lambda k: pair_columns(k, m.rope_pairs))(keep_LKP)
+  keep_all = jnp.asarray(params["rope_keep"])
+  rope_cols, rest = jax.vmap(lambda k: pair_columns(k, m.rope_pairs))(keep_all)
   return rope_cols, rest
 
 
@@ -315,14 +315,14 @@ def weight_pairs(m, params) -> jax.Array:
   return keep_top(wk * wq.reshape(L, K, G, P).sum(axis=2), m.rope_pairs)
 
 
-def keep_top(score_LKP, r: int) -> jax.Array:
+def keep_top(scores, r: int) -> jax.Array:
   """[L, K, P] 1.0 at each head's r highest-scoring pairs, 0.0 elsewhere."""
-  top = jnp.argsort(-score_LKP, axis=-1)[..., :r]
-  keep = jnp.zeros(score_LKP.shape, jnp.float32)
+  top = jnp.argsort(-scores, axis=-1)[..., :r]
+  keep = jnp.zeros(scores.shape, jnp.float32)
   return jnp.put_along_axis(keep, top, 1.0, axis=-1, inplace=False)
 
 
-def split_kv(m, layers, keep_LKP) -> tuple[jax.Array, jax.Array, jax.Array]:
+def split_kv(m, layers, keep_all) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(W [L, E, Y]: the key columns the latent holds then the values, the key columns of
   each head it does not hold [L, E, K, 2r] (empty at r = 0), rest [L, K, D - 2r])."""
   Wk = layers["k_proj"]["kernel"].astype(jnp.float32)
@@ -331,7 +331,7 @@ def split_kv(m, layers, keep_LKP) -> tuple[jax.Array, jax.Array, jax.Array]:
   K, D = m.n_kv_heads, m.D
   if not m.rope_pairs:
     return jnp.concatenate([Wk, Wv], -1), jnp.zeros((L, E, K, 0)), jnp.zeros((L, K, D), int)
-  rope_cols, rest = jax.vmap(lambda k: pair_columns(k, m.rope_pairs))(keep_LKP)
+  rope_cols, rest = jax.vmap(lambda k: pair_columns(k, m.rope_pairs))(keep_all)
   Wk4 = Wk.reshape(L, E, K, D)
   w_rest = jnp.take_along_axis(Wk4, rest[:, None], axis=-1).reshape(L, E, -1)
   w_rope = jnp.take_along_axis(Wk4, rope_cols[:, None], axis=-1)

@@ -7,8 +7,8 @@ B batch, T tokens this call, S cache slots, L layers, H query heads, K KV heads,
 D head_dim, E d_model, V vocab, N decode steps, M teacher-forced tokens, C tokens per
 attention read block, J codec blocks, R residual-window slots, O tokens leaving the window,
 Q pages per sequence, A latent rank, Y latent's K/V columns (2·K·D less rope columns),
-P frequency pairs per head, W window, X codec storage width, Z Pallas splits, I a call's
-own keys (the 24 letters names use; a test keeps the two lists equal).
+W window, X codec storage width, Z Pallas splits, I a call's own keys (the 23 letters
+names use; a test keeps the two lists equal).
 
 This package face re-exports the public names of its modules: `schema` (the dataclasses
 and their keys), `loader` (YAML, `--set`, overrides, packaged shapes), `checks` (ranges

@@ -188,9 +188,9 @@ def attention_block(cfg: ModelConfig, dense, norm, x_BTE, layer, inp: LayerInput
   if cfg.qk_norm:
     q_BTHD, k_BTKD = norm("q_norm", q_BTHD), norm("k_norm", k_BTKD)
   if cfg.rope_pairs:  # partial RoPE: each KV head (and its queries) rotates its kept pairs
-    keep_KP = per_layer(layer, inp.rope_keep)
-    cos_k, sin_k = rope.partial(cos, sin, keep_KP)
-    cos_q, sin_q = rope.partial(cos, sin, jnp.repeat(keep_KP, H // K, axis=0))
+    keep_pairs = per_layer(layer, inp.rope_keep)
+    cos_k, sin_k = rope.partial(cos, sin, keep_pairs)
+    cos_q, sin_q = rope.partial(cos, sin, jnp.repeat(keep_pairs, H // K, axis=0))
     q_BTHD, k_BTKD = apply_rope(q_BTHD, cos_q, sin_q), apply_rope(k_BTKD, cos_k, sin_k)
   else:
     q_BTHD, k_BTKD = apply_rope(q_BTHD, cos, sin), apply_rope(k_BTKD, cos, sin)

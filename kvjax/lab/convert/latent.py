@@ -90,8 +90,8 @@ def factor(cfg, params: Any, rank: int, tokens_NS: np.ndarray, rope_pairs: int =
     _, vecs = np.linalg.eigh(kv.T @ kv)
     ups.append(vecs[:, ::-1][:, :rank].T)  # [A, Y], the top directions first
     x = layerwise.advance(m, params, layer, x)
-  keep_LKP = jnp.asarray(np.stack(keeps), jnp.float32) if rope_pairs else None
-  W, w_rope, cols = latent_cache.split_kv(nm, layers, keep_LKP)
+  keep_all = jnp.asarray(np.stack(keeps), jnp.float32) if rope_pairs else None
+  W, w_rope, cols = latent_cache.split_kv(nm, layers, keep_all)
   up_LAY = np.stack(ups).astype(np.float32)
   W = np.asarray(W, np.float32)
   W_r = (W @ up_LAY.transpose(0, 2, 1)) @ up_LAY  # W Uᵀ U, layer by layer
@@ -101,7 +101,7 @@ def factor(cfg, params: Any, rank: int, tokens_NS: np.ndarray, rope_pairs: int =
   layers["latent_up"] = jnp.asarray(up_LAY, jnp.dtype(m.param_dtype))
   out = {**params, "layers": layers}
   if rope_pairs:
-    out["rope_keep"] = keep_LKP
+    out["rope_keep"] = keep_all
   return new_cfg, out
 
 

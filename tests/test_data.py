@@ -99,3 +99,22 @@ def test_training_batch_mixes_recall_rows():
   a = data.training_batch(c, np.random.default_rng(7), 4, 32)
   b = data.training_batch(c, np.random.default_rng(7), 4, 32)
   assert all(np.array_equal(u, v) for u, v in zip(a, b))
+
+
+def test_the_retrieval_corpus_asks_what_its_haystack_holds():
+  """Each generated document states a fact in its haystack, asks for it, and answers it;
+  the corpus is a named calibration text like the others."""
+  import re
+  from kvjax.lab import data
+  docs = data.retrieval_documents()
+  assert len(docs) == data.RETRIEVAL_DOCS
+  kinds = {name.split("/")[1].split("_")[0] for name in docs}
+  assert kinds == {"passkey", "niah", "vt"}
+  for name in sorted(docs)[::97]:
+    text = docs[name].decode()
+    body, question = text.rsplit("Question:", 1)
+    answer = re.findall(r"\d+", question)[-1]
+    assert answer in body, name  # the answer is in the haystack before the question
+    assert 150 < len(text.split()) <= data.RETRIEVAL_WORDS + 40
+  assert "Question:" in data.calib_text("retrieval", chars=20_000)
+  assert data.retrieval_documents() is docs  # generated once a process

@@ -95,7 +95,29 @@ def _stream(docs: list[bytes]) -> np.ndarray:
   return np.concatenate(parts)
 
 
-NAMED = ("stdlib", "shakespeare")  # corpora known by name: code (stdlib) and prose
+NAMED = ("stdlib", "shakespeare", "retrieval")  # corpora known by name: code (stdlib), prose,
+                                                # and generated retrieval documents
+RETRIEVAL_DOCS, RETRIEVAL_WORDS = 600, 300
+
+
+@functools.lru_cache(maxsize=1)
+def retrieval_documents() -> dict[str, bytes]:
+  """The `retrieval` corpus: RETRIEVAL_DOCS generated documents of about RETRIEVAL_WORDS
+  words, each a haystack with a passkey, a keyed needle or a variable chain at a seeded
+  depth, its question, and the answer (`kvjax.lab.tasks.haystack`, plain template). Mixed
+  into a distillation's calibration (`--calib stdlib,shakespeare,retrieval`), it asks the
+  student to find what the teacher finds, not only the next word of code and prose."""
+  from kvjax.lab.tasks import haystack
+  words = lambda text: text.split()  # noqa: E731  (sizes in words: no tokenizer needed)
+  docs = {}
+  for i in range(RETRIEVAL_DOCS):
+    task = haystack.TASKS[i % len(haystack.TASKS)]
+    depth = float(np.random.default_rng([7, i]).uniform(0.05, 0.95))
+    ex = haystack.generate(task, words, RETRIEVAL_WORDS, [depth], seed=i,
+                           template=haystack.PLAIN)
+    q = ex.queries[0]
+    docs[f"retrieval/{task}_{i:04d}.txt"] = f"{ex.prefix}{q.tail} {q.answer}.".encode()
+  return docs
 
 
 def named_documents(source: str) -> dict[str, bytes] | None:
@@ -103,6 +125,8 @@ def named_documents(source: str) -> dict[str, bytes] | None:
   `kvjax models fetch`), None for any other source."""
   if source == "stdlib":
     return stdlib_documents()
+  if source == "retrieval":
+    return retrieval_documents()
   from kvjax.io import zoo
   if source in zoo.TEXTS:
     return folder_documents(zoo.text_folder(source))

@@ -63,3 +63,17 @@ def test_a_converted_checkpoint_is_a_setting_with_its_recipe(ckpt, tmp_path):
   assert v["kv_heads"] == 1 and v["conversion"] == "pool" and v["recipe"] == "kv_heads=1"
   assert m["ppl_ref"] == full["metrics"]["ppl_ref"] and m["dppl_rel"] != 0  # the original's ref
   assert m["of_bf16"] == pytest.approx(full["metrics"]["of_bf16"] / 4, rel=0.01)  # 1 of 4 heads
+
+
+def test_params_reference_is_read_not_ignored(ckpt):
+  """params.reference=int4: the int4 setting is then the reference itself (Δppl 0, KL 0) and
+  the fp32 cache is not; the rows name their reference."""
+  from kvjax.lab.experiments import compression
+  int4 = compression.run_cell(cell(ckpt, cache={"codec": "int4"}, reference="int4"))[0]
+  fp32 = compression.run_cell(cell(ckpt, reference="int4"))[0]
+  assert int4["metrics"]["kl"] == pytest.approx(0, abs=1e-6)
+  assert int4["metrics"]["dppl_rel"] == pytest.approx(0, abs=1e-6)
+  assert fp32["metrics"]["kl"] > 0
+  assert int4["workload"]["reference"] != "fp32 cache" and "int4" in int4["workload"]["reference"]
+  plain = compression.run_cell(cell(ckpt))[0]
+  assert plain["workload"]["reference"] == "fp32 cache"

@@ -12,7 +12,8 @@ compacted by the policy), then the continuation is teacher-forced token by token
 the cache (`kvjax.decode.evict.continuation_logprobs`).
 
 Row metrics, over the continuation's tokens: `ppl` through this cache, `ppl_ref` through
-the original model's fp32 cache, `dppl_rel` = ppl / ppl_ref - 1, `kl` (KL(ref || cache)
+the original model's fp32 cache (or the cache `params.reference` names, as in the quality
+experiment; the row's `workload.reference` says which), `dppl_rel` = ppl / ppl_ref - 1, `kl` (KL(ref || cache)
 per token), `agreement` (argmax equal to the reference's), each of the last three with its
 95 % paired-bootstrap interval (`kvjax.lab.intervals`); `cache_bytes` held at the end (batch
 of all windows), `bytes_per_token` = cache_bytes / (windows x (context + continuation))
@@ -49,7 +50,7 @@ _REF: dict = {}
 def check(cfg) -> None:
   ex.check_int_params(cfg, {"context": (512, 2), "continuation": (64, 2), "eval_seqs": (2, 1),
                             "latent_rank": (0, 0)})
-  quality.check(cfg)
+  quality.check(cfg)  # (params.reference refused there when malformed)
 
 
 def _tokens(cfg, mcfg, tok):
@@ -61,11 +62,13 @@ def _tokens(cfg, mcfg, tok):
 
 
 def _reference(src, cfg, mcfg, params, tok):
-  key = (str(src), cfg.param("context", 512), cfg.param("continuation", 64),
-         cfg.param("eval_seqs", 2), cfg.param("text", "stdlib"))
+  key = (str(src), repr(quality.reference_items(cfg)), cfg.param("context", 512),
+         cfg.param("continuation", 64), cfg.param("eval_seqs", 2), cfg.param("text", "stdlib"))
   if key not in _REF:
     _REF.clear()
     ref_cfg = evaluate.reference_config(quality.cell_config(cfg, mcfg))
+    if quality.reference_items(cfg):  # params.reference: held to that cache instead of fp32
+      ref_cfg = config_lib.apply_overrides(ref_cfg, quality.reference_items(cfg))
     toks = _tokens(cfg, mcfg, tok)
     T = cfg.param_int("context", 512)
     lp, nbytes = evict.continuation_logprobs(ref_cfg, params, toks[:, :T], toks[:, T:])
@@ -112,6 +115,7 @@ def run_cell(cfg) -> list[dict]:
                    bf16_bytes_per_token=unit, of_bf16=per_token / unit)
     rows.append({"variant": var,
                  "workload": {"task": "text", "batch": B, "context": T,
-                              "continuation": M, "data": str(cfg.param("text", "stdlib"))},
+                              "continuation": M, "data": str(cfg.param("text", "stdlib")),
+                              "reference": quality.reference_name(cfg)},
                  "metrics": metrics})
   return rows

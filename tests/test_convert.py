@@ -174,3 +174,17 @@ def test_a_conversion_is_judged_on_retrieval_through_its_own_cache(tmp_path, cap
   err = capsys.readouterr().err
   assert rc == 2 and "--judge-context 500" in err and err.count("\n") == 1
   assert not (tmp_path / "x").exists()
+
+
+def test_fewer_heads_default_to_align_and_pool_says_what_it_costs(gqa_gguf, tmp_path, capsys):
+  _, _, path = gqa_gguf
+  rc = cli.main(["convert", "--gguf", str(path), "--kv-heads", "1", "--calib-tokens", "1024",
+                 "--out", str(tmp_path / "a")])
+  printed = capsys.readouterr().out
+  assert rc == 0 and "--method align (the default" in printed
+  assert checkpoint.read_meta(tmp_path / "a")["method"] == "align"
+  rc = cli.main(["convert", "--gguf", str(path), "--kv-heads", "1", "--method", "pool",
+                 "--out", str(tmp_path / "p")])
+  printed = capsys.readouterr().out
+  assert rc == 0 and "--method pool: each group's K/V heads averaged" in printed
+  assert checkpoint.read_meta(tmp_path / "p")["method"] == "mean_pool"

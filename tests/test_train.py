@@ -134,7 +134,7 @@ def test_mean_pool_to_gqa_and_mqa(trained, tmp_path):
                              (k[:, :, 2] + k[:, :, 3]) / 2, rtol=1e-6)
   # MQA through the CLI: expected shapes and a working model
   args = argparse.Namespace(checkpoint=str(out), hf=None, kv_heads=1, out=str(tmp_path / "mqa"),
-                            set=[])
+                            set=[], method="pool")
   assert convert_cli.convert_cli(args)["to"] == "MQA"
   mcfg, mp = checkpoint.load(tmp_path / "mqa")
   assert mcfg.model.n_kv_heads == 1 and mcfg.model.variant == "MQA"

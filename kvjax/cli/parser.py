@@ -224,10 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
                  help="after converting, ask the converted model 10 passkeys and 10 needles "
                  "of N tokens through its own cache, recorded in the checkpoint's meta "
                  "(default 1024 where the model has the positions and a tokenizer; 0: skip)")
-  c.add_argument("--method", default="pool", metavar="pool|align|fit|distill",
+  c.add_argument("--method", default=None, metavar="pool|align|fit|distill",
                  help="how fewer KV heads are made: pool (mean of each group), align (each "
-                 "group's heads rotated onto its first, exactly, then pooled), fit (aligned, "
+                 "group's heads rotated onto its first, exactly, then pooled; the default for "
+                 "fewer heads where the model has a tokenizer), fit (aligned, "
                  "pooled, then each layer's q/k/v fitted to the original's attention); "
+                 "expanding to more heads and --latent-rank default to pool; "
                  "distill trains a converted checkpoint's q/k/v/o end to end toward --teacher's "
                  "next-token distributions (KL on the calibration text)")
   c.add_argument("--teacher", metavar="SOURCE",

@@ -34,17 +34,17 @@ def convert_cli(args) -> dict:
   src = sources.from_args(args)
   rank = getattr(args, "latent_rank", None)
   pairs = getattr(args, "rope_pairs", None) or 0
-  method = getattr(args, "method", "pool")
+  method = getattr(args, "method", None)
   if method == "distill":  # a converted checkpoint trained end to end toward a teacher
     from kvjax.lab.convert import distill
     return distill.cli(args, src, calib_tokens, SEQ_LEN)
   if (args.kv_heads is None) == (rank is None):
     raise KvjaxError("convert needs exactly one of --kv-heads K or --latent-rank R")
-  if method not in METHODS:
+  if method is not None and method not in METHODS:
     raise KvjaxError(f"--method '{method}' unknown; use one of {', '.join(METHODS)}")
   if pairs and rank is None:
     raise KvjaxError("--rope-pairs shapes a latent conversion; give --latent-rank R with it")
-  if rank is not None and method not in ("pool", "fit"):
+  if rank is not None and method not in (None, "pool", "fit"):
     raise KvjaxError(f"--latent-rank takes --method pool (SVD of the weights) or fit (SVD of "
                      f"the calibration keys and values, then fitted), not {method}")
   settings = fit.Settings(minutes=getattr(args, "minutes", 30.0),
@@ -55,6 +55,10 @@ def convert_cli(args) -> dict:
   overrides = config_lib.parse_set(getattr(args, "set", None))
   cfg0 = sources.load_config(src, overrides)  # refusals from the header, before the weights
   judge.check(args, cfg0)
+  method = default_method(cfg0, args.kv_heads) if method is None else method
+  if method == "pool" and args.kv_heads is not None and args.kv_heads < cfg0.model.n_kv_heads:
+    print("--method pool: each group's K/V heads averaged with no calibration, which can "
+          "multiply perplexity many times over; --method align (the default) or fit keep more")
   if args.kv_heads is not None:
     pool.check_target(cfg0.model, args.kv_heads)
     if method != "pool":
@@ -67,6 +71,21 @@ def convert_cli(args) -> dict:
   recipe = _recipe(args, src, method, settings, min(SEQ_LEN, cfg0.model.max_seq_len))
   with claims.sole_writer(args.out, "convert"):  # one writer per --out, from the start
     return _convert(args, src, rank, recipe, settings, overrides)
+
+
+def default_method(cfg, kv_heads: int | None) -> str:
+  """--method when none is given: `align` for fewer KV heads (exact rotations on the
+  calibration text, then pooled: minutes on 2 cores, where `pool` alone can multiply
+  perplexity hundreds of times), where the model has a tokenizer to calibrate with; else
+  `pool` (expanding to more heads is exact either way; a latent's SVD of the weights). Said
+  in one line when chosen."""
+  fewer = kv_heads is not None and kv_heads < cfg.model.n_kv_heads
+  if fewer and cfg.tokenizer not in ("", "none"):
+    print(f"--method align (the default for fewer KV heads: each group's heads rotated onto "
+          f"its first on {SEQ_LEN}-token calibration windows, then pooled; --method fit "
+          "trains each layer too, pool skips the calibration)")
+    return "align"
+  return "pool"
 
 
 def _recipe(args, src, method: str, settings: fit.Settings, seq_len: int) -> dict:

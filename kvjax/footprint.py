@@ -93,13 +93,12 @@ def layout_name(cfg: Config) -> str:
 
 def asymptotic(cfg: Config) -> float:
   """Bytes one more stored token costs over all layers, long-context limit."""
-  from kvjax import codecs, policies
+  from kvjax import cache, codecs, policies
   m, c = cfg.model, cfg.cache
-  if c.layout == "none" and not policies.evicts(c):
-    return 4.0  # the token id, recomputed into K/V at every step
+  own = cache.get(c.layout).asymptotic(cfg)  # a layout storing tokens otherwise says so
+  if own is not None:
+    return own
   k, v = codecs.for_role(c.k_codec, c, "k"), codecs.for_role(c.v_codec, c, "v")
-  if c.layout == "latent":  # one row a layer: the latent and its rotated key columns
-    return m.n_layers * k.bytes_per_token(1, m.latent_rank + 2 * m.n_kv_heads * m.rope_pairs)
   state = policies.get(c.policy).state_bytes_per_token(m.n_kv_heads)
   return _growing_layers(cfg) * (k.bytes_per_token(m.n_kv_heads, m.D)
                                  + v.bytes_per_token(m.n_kv_heads, m.D) + state)

@@ -242,6 +242,12 @@ class Layout:
   def closed_form_bytes(self, spec: CacheSpec) -> int:
     raise NotImplementedError
 
+  def asymptotic(self, cfg: Config) -> float | None:
+    """Bytes one more stored token costs over all layers in the long-context limit, where
+    this layout stores tokens otherwise than as K and V through the codecs
+    (`kvjax.footprint.asymptotic` counts those); None: as K and V."""
+    return None
+
 
 LAYOUTS: dict[str, Layout] = {}
 

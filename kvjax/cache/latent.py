@@ -293,6 +293,11 @@ class Latent(base.Layout):
     return dataclasses.replace(cache, c=c, lengths=lengths, up=None, bias=None, rope=None,
                                rest=None)
 
+  def asymptotic(self, cfg) -> float:
+    """One W-wide row a layer through the K codec (the latent and its rotated columns)."""
+    kc = codecs.for_role(cfg.cache.k_codec, cfg.cache, "k")
+    return cfg.model.n_layers * kc.bytes_per_token(1, row_width(cfg.model))
+
   def closed_form_bytes(self, spec: base.CacheSpec) -> int:
     per_token = spec.kc.bytes_per_token(1, row_width(spec.model_cfg))
     return int(round(spec.n_layers * spec.batch * spec.capacity * per_token)) + 4 * spec.batch

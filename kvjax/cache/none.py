@@ -39,5 +39,11 @@ class NoCache(base.Layout):
   def closed_form_bytes(self, spec: base.CacheSpec) -> int:
     return 4 * spec.batch * spec.capacity + 4 * spec.batch
 
+  def asymptotic(self, cfg) -> float | None:
+    """The token id, recomputed into K/V at every step (a policy's compacted cache holds
+    K and V: counted as such)."""
+    from kvjax import policies
+    return None if policies.evicts(cfg.cache) else 4.0
+
 
 base.register(NoCache())

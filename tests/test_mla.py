@@ -159,6 +159,8 @@ def test_row_bytes_are_the_latent_and_the_rotated_columns(codec, bytes_per):
     ({"model.n_kv_heads": 2, "model.rope_pairs": 1, "model.latent_rank": 29},
      "must be in [0, 28]"),
     ({"model.rope_pairs": 1, "model.sliding_window": 8}, "takes one RoPE base and no window"),
+    ({"model.latent_rank": 8, "model.qk_norm": True, "cache.layout": "latent"},
+     "normalizes each key head after its projection"),
 ])
 def test_bad_rope_pair_settings_are_one_line_errors(over, needle):
   with pytest.raises(KvjaxError) as e:
@@ -170,7 +172,15 @@ def test_bad_rope_pair_settings_are_one_line_errors(over, needle):
                                                (29, 1, "--latent-rank 29 must be in [1, 28]"),
                                                (0, 1, "--latent-rank 0 must be in")])
 def test_bad_conversions_are_refused_before_any_weight_is_touched(rank, pairs, needle):
+  """(A model whose norms forbid the transform is refused by the same check.)"""
   cfg = tiny_config(**{"model.n_kv_heads": 2})  # Y = 2 heads x (16 - 2 pairs' columns) = 28
   with pytest.raises(KvjaxError) as e:
     latent.factor(cfg, tiny_params(cfg), rank, pairs)
   assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_model_with_key_norms_is_refused_before_its_weights():
+  cfg = tiny_config(**{"model.qk_norm": True})
+  with pytest.raises(KvjaxError, match="normalizes each key head") as e:
+    latent.factor(cfg, tiny_params(cfg), 8, 1)
+  assert "\n" not in str(e.value)

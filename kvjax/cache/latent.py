@@ -86,6 +86,10 @@ def check_config(c, m) -> None:
     raise KvjaxError("cache.layout=latent reads one RoPE base and no window; this model has "
                      "local layers (model.sliding_window / rope_local_theta): use "
                      "cache.layout=contiguous or paged")
+  if m.qk_norm:
+    raise KvjaxError("cache.layout=latent holds keys as a linear map of the layer's input, and "
+                     "this model normalizes each key head after its projection "
+                     "(model.qk_norm); use cache.layout=contiguous or paged")
   if c.residual or c.k_axis == "channel":
     raise KvjaxError("cache.layout=latent stores single latents; set cache.residual=0 and "
                      "cache.k_axis=token")
@@ -364,6 +368,10 @@ def check_conversion(m, rank: int, rope_pairs: int) -> None:
   if rope_pairs and (m.rope_local_theta or m.windowed):
     raise KvjaxError("--rope-pairs needs one RoPE base and no window; this model has local "
                      "layers (model.rope_local_theta / sliding_window)")
+  if m.qk_norm:
+    raise KvjaxError("a latent conversion needs keys that are a linear map of the layer's "
+                     "input; this model normalizes each key head after its projection "
+                     "(model.qk_norm)")
   full = full_rank(dataclasses.replace(m, rope_pairs=rope_pairs))
   if not 1 <= rank <= full:
     raise KvjaxError(f"--latent-rank {rank} must be in [1, {full}] for this model "

@@ -184,3 +184,15 @@ def test_a_model_with_key_norms_is_refused_before_its_weights():
   with pytest.raises(KvjaxError, match="normalizes each key head") as e:
     latent.factor(cfg, tiny_params(cfg), 8, 1)
   assert "\n" not in str(e.value)
+
+
+def test_a_row_wider_than_the_kernel_takes_is_read_by_xla():
+  """A full-rank latent of heads of 64 keeps rows over the kernel's widest (256): the native
+  read hands them to XLA instead of failing at run time."""
+  cfg = tiny_config(**{"model.d_model": 320, "model.n_heads": 4, "model.n_kv_heads": 4,
+                       "model.head_dim": 64})
+  lcfg, lparams = mla(cfg, 300, 1)  # W = 300 + 2 x 4 x 1 = 308
+  assert latent.row_width(lcfg.model) > kernels.MAX_WIDTH
+  want, cache = one_step(lcfg, lparams, "reference", "fp32")
+  got, _ = one_step(lcfg, lparams, "native", "fp32", cache)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)

@@ -44,6 +44,7 @@ TARGET = "kvjax_read"
 MATVEC = "kvjax_matvec"
 MATVEC_T = "kvjax_matvec_t"
 MATVEC_ROWS = 16  # the most rows `weight_dots` hands to the kernel (a decode step's)
+MAX_WIDTH = 256   # the widest head (or latent row) the read kernel takes (read.cc's buffers)
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17",
          "-shared", "-fPIC", "-w"]
 
@@ -240,6 +241,8 @@ def read(q_BKGTD, seg):
   view = seg.kernel_view()
   if kk is None or vk is None or view is None or not available() or seg.head_BKS is not None:
     return None  # (the kernel reads one slot mask per sequence, not one per KV head)
+  if q_BKGTD.shape[-1] > MAX_WIDTH:
+    return None  # (a wide latent row: the XLA read takes it)
   layer, n_layers, pages, page, pool_rows = view
   kc, ks, kz = _leaves(seg.k)
   vc, vs, vz = _leaves(seg.v)

@@ -81,7 +81,7 @@ def test_cli_latent_fit_records_its_recipe(gqa_gguf, tmp_path, capsys):  # noqa:
 
 
 def test_calibrated_rope_pairs_are_those_with_the_most_q_dot_k():
-  """A pair whose key columns are scaled up carries more of q·k: the calibrated choice keeps
+  """A pair whose key columns are scaled up carries more of q·k: the calibrated choice (qk) keeps
   it, and the converted model keeps it rotated (its cache holds it beside the latent)."""
   cfg = tiny_config(**{"model.n_kv_heads": 2, "seed": 3})
   params = tiny_params(cfg)
@@ -91,7 +91,7 @@ def test_calibrated_rope_pairs_are_those_with_the_most_q_dot_k():
     k[:, :, D + col] *= 8.0
   boosted = {**params, "layers": {**params["layers"],
                                   "k_proj": {**params["layers"]["k_proj"], "kernel": jnp.asarray(k)}}}
-  lcfg, lparams = latent.factor(cfg, boosted, 8, CALIB, rope_pairs=1)
+  lcfg, lparams = latent.factor(cfg, boosted, 8, CALIB, rope_pairs=1, choice="qk")
   keep = np.asarray(lparams["rope_keep"])
   assert lcfg.model.rope_pairs == 1 and keep.shape == (2, 2, P)
   assert (keep[:, 1, 3] == 1).all() and (keep.sum(-1) == 1).all()
@@ -129,8 +129,9 @@ def test_cli_rope_pairs_pool_and_fit(gqa_gguf, tmp_path, capsys):  # noqa: F811
     assert lcfg.model.rope_pairs == 2 and lcfg.model.latent_rank == 8
     keep = np.asarray(lparams["rope_keep"])
     assert keep.shape == (lcfg.model.n_layers, lcfg.model.n_kv_heads, lcfg.model.D // 2)
-    assert (keep.sum(-1) == 2).all()
-  assert checkpoint.read_meta(tmp_path / "fit")["recipe"]["rope_pairs"] == 2
+    assert (keep.sum(-1) == 2).all() and (keep[..., :2] == 1).all()  # the highest frequencies
+  recipe = checkpoint.read_meta(tmp_path / "fit")["recipe"]
+  assert recipe["rope_pairs"] == 2 and recipe["rope_choice"] == "high"
 
 
 @pytest.mark.parametrize("extra, says", [
@@ -139,6 +140,8 @@ def test_cli_rope_pairs_pool_and_fit(gqa_gguf, tmp_path, capsys):  # noqa: F811
     (["--latent-rank", "8", "--rope-pairs", "999", "--method", "fit"],
      "--rope-pairs 999 must be in"),
     (["--kv-heads", "1", "--rope-pairs", "2"], "give --latent-rank R with it"),
+    (["--latent-rank", "8", "--rope-pairs", "2", "--rope-choice", "low"],
+     "--rope-choice 'low' unknown"),
 ])
 def test_impossible_latent_conversions_are_one_line(gqa_gguf, tmp_path, capsys, extra,  # noqa: F811
                                                     says):

@@ -105,7 +105,7 @@ def converted(tmp_path_factory):
   cfg = tiny_config(**{"model.n_kv_heads": 2, "model.max_seq_len": 128, "seed": 4})
   path = mf.write_gguf(root / "m.gguf", cfg, tiny_params(cfg))
   mqa = root / "mqa"
-  assert cli.main(["convert", "--gguf", str(path), "--kv-heads", "1", "--out", str(mqa)]) == 0
+  assert cli.main(["convert", "--gguf", str(path), "--kv-heads", "1", "--method", "pool", "--out", str(mqa)]) == 0
   text = root / "calib.txt"
   text.write_text(" ".join(f"abcd ef {i} {i * i % 97}" for i in range(2000)))
   return path, mqa, text

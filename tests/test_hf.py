@@ -334,7 +334,7 @@ def test_cli_convert_hf_mean_pools_and_generates(llama, tmp_path, capsys):
 
   m, folder = llama
   out = tmp_path / "mqa"
-  assert cli.main(["convert", "--hf", str(folder), "--kv-heads", "1", "--out", str(out)]) == 0
+  assert cli.main(["convert", "--hf", str(folder), "--kv-heads", "1", "--method", "pool", "--out", str(out)]) == 0
   assert "GQA-2 -> MQA" in capsys.readouterr().out
   cfg, params = checkpoint.load(out)
   assert cfg.model.n_kv_heads == 1 and cfg.model.n_heads == 4

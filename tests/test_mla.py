@@ -65,9 +65,16 @@ def test_partial_rope_latent_cache_decodes_as_the_full_forward_pass(kv_heads, pa
   assert np.max(np.abs(np.asarray(orig) - np.asarray(got))) > 1e-3
 
 
-def test_pairs_are_chosen_per_head_and_stored_as_a_mask():
+def test_the_highest_frequencies_are_kept_by_default():
   cfg = tiny_config(**{"model.n_kv_heads": 2})
   _, lparams = mla(cfg, 8, 2)
+  np.testing.assert_array_equal(lparams["rope_keep"],
+                                np.broadcast_to([1.0, 1.0, 0.0, 0.0], (2, 2, 4)))
+
+
+def test_pairs_are_chosen_per_head_and_stored_as_a_mask():
+  cfg = tiny_config(**{"model.n_kv_heads": 2})
+  _, lparams = latent.factor(cfg, tiny_params(cfg), 8, 2, "qk")
   keep = np.asarray(lparams["rope_keep"])
   assert keep.shape == (2, 2, 4) and set(np.unique(keep)) <= {0.0, 1.0}
   assert (keep.sum(-1) == 2).all()

@@ -35,7 +35,8 @@ fp32, against 2 · L · K · D · 4 for the dense cache. Codecs apply to the who
 `kvjax convert --latent-rank A` builds such a model from a dense one (`factor`): per
 layer, the SVD of [W_k | W_v] ([E, Y]) gives U = the top A right singular vectors and
 W ← W Uᵀ U (the best rank-A approximation); `rope_pairs` r > 0 first picks each KV head's r
-pairs by the weights' share of q·k (`weight_pairs`) and factors the rest. At A = min(E, Y)
+pairs (the r highest frequencies, or by the weights' share of q·k: `weight_pairs`) and
+factors the rest. At A = min(E, Y)
 and r = 0 or r = D/2 nothing is lost and the logits equal the dense model's
 (tests/test_latent.py, tests/test_mla.py).
 """
@@ -52,7 +53,7 @@ from flax import struct
 from kvjax import codecs
 from kvjax.cache import base
 from kvjax.attention.base import MASKED
-from kvjax.attention.rope import apply_rope, pair_columns, rope_cos_sin
+from kvjax.attention.rope import apply_rope, default_keep, pair_columns, rope_cos_sin
 from kvjax.errors import KvjaxError
 
 
@@ -360,8 +361,10 @@ def join_kv(m, W_LEY, w_rope, cols) -> tuple[jax.Array, jax.Array]:
   return k.reshape(L, E, K * D), W_LEY[..., K * N:]
 
 
-def check_conversion(m, rank: int, rope_pairs: int) -> None:
-  """Host-side refusals of `--latent-rank A --rope-pairs r` for model `m`."""
+def check_conversion(m, rank: int, rope_pairs: int, choice: str = "high") -> None:
+  """Host-side refusals of `--latent-rank A --rope-pairs r --rope-choice C` for model `m`."""
+  if choice not in ROPE_CHOICES:
+    raise KvjaxError(f"--rope-choice '{choice}' unknown; use one of {', '.join(ROPE_CHOICES)}")
   if not 0 <= rope_pairs <= m.D // 2:
     raise KvjaxError(f"--rope-pairs {rope_pairs} must be in [0, {m.D // 2}] for heads of "
                      f"{m.D} (the frequency pairs each key head keeps rotating)")
@@ -378,12 +381,15 @@ def check_conversion(m, rank: int, rope_pairs: int) -> None:
                      "(min(d_model, n_kv_heads * (2 * head_dim - 2 * rope_pairs)))")
 
 
-def factor(cfg, params, rank: int, rope_pairs: int = 0):
+ROPE_CHOICES = ("high", "qk")  # the r highest-frequency pairs; or those with the most q·k
+
+
+def factor(cfg, params, rank: int, rope_pairs: int = 0, choice: str = "high"):
   """(config with model.latent_rank = rank (and model.rope_pairs) and cache.layout = latent,
   params whose K/V projections are their best rank-`rank` approximation, with `latent_up`,
   and with rope pairs `rope_keep` (`weight_pairs`)), per layer."""
   from kvjax import config as config_lib
-  check_conversion(cfg.model, rank, rope_pairs)
+  check_conversion(cfg.model, rank, rope_pairs, choice)
   new_cfg = config_lib.apply_overrides(cfg, {"model.latent_rank": rank,
                                              "model.rope_pairs": rope_pairs,
                                              "cache.layout": "latent"})
@@ -394,8 +400,11 @@ def factor(cfg, params, rank: int, rope_pairs: int = 0):
   if "layers" not in params:
     raise KvjaxError("latent conversion needs stacked layer params (a scanned model)")
   layers = dict(params["layers"])
-  keep = (params["rope_keep"] if "rope_keep" in params else weight_pairs(m, params)) \
-      if rope_pairs else None
+  keep = None
+  if rope_pairs:
+    keep = (params["rope_keep"] if "rope_keep" in params else
+            weight_pairs(m, params) if choice == "qk" else
+            default_keep(m.n_layers, m.n_kv_heads, m.D // 2, rope_pairs))
   W, w_rope, cols = split_kv(m, layers, keep)
   _, _, Vt = jnp.linalg.svd(W, full_matrices=False)
   up = Vt[:, :rank]  # [L, A, Y], orthonormal rows

@@ -218,7 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
                  help="with --latent-rank: each KV head keeps r frequency pairs rotated, cached "
                  "beside the latent, and stops rotating the rest, which the latent compresses "
                  "with the values (MLA's decoupled RoPE: the decode reads the latent absorbed); "
-                 "pool picks the pairs by the weights, fit by q·k on the calibration text")
+                 "--rope-choice says which pairs")
+  c.add_argument("--rope-choice", default="high", metavar="high|qk",
+                 help="which pairs --rope-pairs keeps rotated: high (the default: the highest "
+                 "frequencies, the pairs whose rotation matters over a long context) or qk "
+                 "(those with the most |q||k|: pool by the weights, fit on the calibration "
+                 "text)")
   c.add_argument("--judge-context", type=_number("--judge-context", (0, True, 1 << 20, True)),
                  default=None, metavar="N",
                  help="after converting, ask the converted model 10 passkeys and 10 needles "

@@ -34,6 +34,7 @@ def convert_cli(args) -> dict:
   src = sources.from_args(args)
   rank = getattr(args, "latent_rank", None)
   pairs = getattr(args, "rope_pairs", None) or 0
+  choice = getattr(args, "rope_choice", None) or "high"
   method = getattr(args, "method", None)
   if method == "distill":  # a converted checkpoint trained end to end toward a teacher
     from kvjax.lab.convert import distill
@@ -64,10 +65,10 @@ def convert_cli(args) -> dict:
     if method != "pool":
       align.check(cfg0, args.kv_heads)
   elif method == "fit":
-    latent.check(cfg0, rank, pairs)
+    latent.check(cfg0, rank, pairs, choice)
   else:
     from kvjax.cache import latent as latent_cache
-    latent_cache.check_conversion(cfg0.model, rank, pairs)
+    latent_cache.check_conversion(cfg0.model, rank, pairs, choice)
   recipe = _recipe(args, src, method, settings, min(SEQ_LEN, cfg0.model.max_seq_len))
   with claims.sole_writer(args.out, "convert"):  # one writer per --out, from the start
     return _convert(args, src, rank, recipe, settings, overrides)
@@ -94,6 +95,7 @@ def _recipe(args, src, method: str, settings: fit.Settings, seq_len: int) -> dic
     recipe["latent_rank"] = int(args.latent_rank)
   if getattr(args, "rope_pairs", None):
     recipe["rope_pairs"] = int(args.rope_pairs)
+    recipe["rope_choice"] = getattr(args, "rope_choice", None) or "high"
   if method != "pool":
     recipe.update(calib=args.calib, calib_tokens=int(args.calib_tokens), calib_seq_len=seq_len)
   if method == "fit":
@@ -137,11 +139,13 @@ def _convert(args, src, rank, recipe: dict, settings: fit.Settings, overrides: d
   if rank is not None and recipe["method"] == "pool":
     from kvjax.cache import latent as latent_cache
     pairs = recipe.get("rope_pairs", 0)
-    new_cfg, new_params = latent_cache.factor(cfg, params, rank, pairs)
+    new_cfg, new_params = latent_cache.factor(cfg, params, rank, pairs,
+                                              recipe.get("rope_choice", "high"))
     meta["method"], what = f"latent_rank_{rank}", f"rank-{rank} latent K/V (SVD per layer)"
     if pairs:
       meta["method"] += f"_rope_{pairs}"
-      what += f", {pairs} rotated pairs a KV head cached beside it (chosen by the weights)"
+      what += (f", {pairs} rotated pairs a KV head cached beside it "
+               f"({'the highest frequencies' if recipe['rope_choice'] == 'high' else 'chosen by the weights'})")
   elif rank is None and args.kv_heads > cfg.model.n_kv_heads:
     new_cfg, new_params = pool.expand(cfg, params, args.kv_heads)
     meta["method"], what = "expand", "K/V heads copied to their query groups (exact)"
@@ -159,8 +163,9 @@ def _convert(args, src, rank, recipe: dict, settings: fit.Settings, overrides: d
       what = (f"rank-{rank} latent K/V (SVD of the calibration keys and values), each "
               "layer's q and K/V factors fitted to the original attention")
       if recipe.get("rope_pairs"):
-        what += (f"; {recipe['rope_pairs']} rotated pairs a KV head (the most q·k on the "
-                 "calibration text) cached beside it")
+        what += (f"; {recipe['rope_pairs']} rotated pairs a KV head ("
+                 + ("the highest frequencies" if recipe["rope_choice"] == "high" else
+                    "the most q·k on the calibration text") + ") cached beside it")
   print(f"converted {before} -> {new_cfg.model.variant} ({what})")
   retrieval = judge.for_cli(args, new_cfg, new_params, tok)
   if retrieval is not None:
@@ -194,7 +199,8 @@ def _calibrated(out: Path, cfg, params, tok, recipe: dict, settings: fit.Setting
     print(f"resuming the fit after layer {done - 1} of {new_cfg.model.n_layers}")
   elif "latent_rank" in recipe:
     new_cfg, new_params = latent.factor(cfg, params, recipe["latent_rank"], tokens_NS,
-                                        recipe.get("rope_pairs", 0))
+                                        recipe.get("rope_pairs", 0),
+                                        recipe.get("rope_choice", "high"))
   else:
     aligned = align.align(cfg, params, recipe["kv_heads"], tokens_NS)
     new_cfg, new_params = pool.mean_pool(cfg, aligned, recipe["kv_heads"])

@@ -15,9 +15,10 @@ After a layer's fit, `store` writes that product and the orthonormal basis of it
 
 RoPE (`--rope-pairs r`, `model.rope_pairs`): r = 0 keeps every pair rotated, and the latent
 layout up-projects, then rotates keys at their positions when it reads. r > 0 converts to
-MLA's form: each KV head keeps rotating the r frequency pairs that carry most of its q·k on
-the calibration text (per pair, the mean over tokens of |q_pair| |k_pair| summed over the
-head's query group: rotation leaves both norms as they are), stops rotating the others, and
+MLA's form: each KV head keeps rotating r frequency pairs (`--rope-choice high`, the
+default: the r highest frequencies; `qk`: those that carry most of its q·k on the
+calibration text, per pair the mean over tokens of |q_pair| |k_pair| summed over the head's
+query group, MHA2MLA's 2-norm criterion), stops rotating the others, and
 the latent compresses those unrotated key columns with the values, so the layout caches
 the rotated columns beside the latent and reads it absorbed. Unrotating pairs changes the
 model: r < D/2 needs the fit (and distillation) to recover.
@@ -32,17 +33,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import config as config_lib
+from kvjax.attention.rope import default_keep
 from kvjax.cache import latent as latent_cache
 from kvjax.errors import KvjaxError
 from kvjax.lab.convert import layerwise
 
 
-def check(cfg, rank: int, rope_pairs: int = 0) -> None:
+def check(cfg, rank: int, rope_pairs: int = 0, choice: str = "high") -> None:
   """Host-side refusals before any weight is read."""
   m = cfg.model
   if m.latent_rank:
     raise KvjaxError("this model is already latent; convert the dense model it came from")
-  latent_cache.check_conversion(m, rank, rope_pairs)
+  latent_cache.check_conversion(m, rank, rope_pairs, choice)
   if m.windowed or m.rope_local_theta or m.qk_norm:
     raise KvjaxError("a calibrated latent conversion needs one RoPE base, no window and no "
                      "q/k norm (the latent layout reads neither); this model has them")
@@ -63,11 +65,12 @@ def pair_scores(m, p: dict, h_NE: np.ndarray) -> np.ndarray:
   return np.mean(q.sum(axis=2) * k, axis=0)
 
 
-def factor(cfg, params: Any, rank: int, tokens_NS: np.ndarray, rope_pairs: int = 0):
+def factor(cfg, params: Any, rank: int, tokens_NS: np.ndarray, rope_pairs: int = 0,
+           choice: str = "high"):
   """(latent config, params) with each layer's K/V kernel projected onto the top-`rank`
   directions of its calibration keys and values (with rope pairs: the unrotated key
   columns and the values, after each head's pairs are chosen by `pair_scores`)."""
-  check(cfg, rank, rope_pairs)
+  check(cfg, rank, rope_pairs, choice)
   m = cfg.model
   if "layers" not in params:
     raise KvjaxError("latent conversion needs stacked layer params (a scanned model)")
@@ -81,8 +84,11 @@ def factor(cfg, params: Any, rank: int, tokens_NS: np.ndarray, rope_pairs: int =
     h = layerwise.normed_input(m, params, layer, x).reshape(-1, m.d_model).astype(np.float64)
     p = layerwise.layer_params(params, layer)
     keep = None
-    if rope_pairs:
+    if rope_pairs and choice == "qk":
       keep = latent_cache.keep_top(jnp.asarray(pair_scores(m, p, h))[None], rope_pairs)
+      keeps.append(np.asarray(keep[0]))
+    elif rope_pairs:  # the r highest frequencies, every head
+      keep = default_keep(1, m.n_kv_heads, m.D // 2, rope_pairs)
       keeps.append(np.asarray(keep[0]))
     W, _, _ = latent_cache.split_kv(nm, {n: {"kernel": jnp.asarray(p[n]["kernel"])[None]}
                                          for n in ("k_proj", "v_proj")}, keep)

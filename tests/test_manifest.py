@@ -5,6 +5,7 @@ now, and `make reproduce` (scripts/reproduce.sh) runs exactly the recorded comma
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -39,7 +40,7 @@ def test_every_run_file_has_one_recorded_config_and_command(manifest):
     assert not entry["config"].startswith("/") and entry["out"].startswith("results")
     assert manifest.commands(entry) == list(entry.get("before", [])) + [
         f"kvjax run {entry['config']} --out {entry['out']}"
-        + "".join(f" --set {s}" for s in entry.get("set", []))]
+        + "".join(f" --set {shlex.quote(s)}" for s in entry.get("set", []))]  # a shell's
   # the converted checkpoints a quality config reads are made by its `before` commands
   conv = runs["results/real_models/convert_smollm2/quality.jsonl"]
   assert all(c.split()[:2] == ["kvjax", "convert"] for c in conv["before"])

@@ -11,12 +11,10 @@ of width A) and reads K and V back as c @ U + b.
 
 RoPE, two forms (`model.rope_pairs`):
 
-  r = 0: RoPE after the up-projection, at read time. The model hands the layout keys
-      already rotated at their positions; `write` rotates them back (RoPE at -θ), projects
-      onto the latent, and `read` up-projects every slot and rotates its key again at the
-      slot's position (slot = position, as in `contiguous`). Each layer up-projects its
-      whole store to a float32 [B, K, S, D] K and V on every call: the latent saves memory
-      held, not time.
+  r = 0: RoPE after the up-projection: `write` rotates the keys back (RoPE at -θ) before
+      projecting them, and `read` up-projects every slot to a float32 [B, K, S, D] K and V
+      and rotates its key again at the slot's position (slot = position) on every call:
+      the latent saves memory held, not time.
   r > 0: decoupled RoPE, as MLA serves it. The model rotates only r frequency pairs of each
       KV head (partial RoPE: `rope_keep` marks them); those 2r rotated key columns per head
       are cached as they are, beside the latent, which compresses the other D - 2r key
@@ -44,6 +42,7 @@ and r = 0 or r = D/2 nothing is lost and the logits equal the dense model's
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -53,6 +52,7 @@ from flax import struct
 from kvjax import codecs
 from kvjax.cache import base
 from kvjax.attention.base import MASKED
+from kvjax.attention.native import merge
 from kvjax.attention.rope import apply_rope, default_keep, pair_columns, rope_cos_sin
 from kvjax.errors import KvjaxError
 
@@ -115,15 +115,12 @@ class LatentCache:
 def weights(params, m) -> tuple[jax.Array, jax.Array]:
   """(up [L, A, Y], bias [L, Y]) from stacked (`layers`) or split (`layers_i`) params; with
   rope pairs, the bias of the key columns the latent holds (`columns`)."""
-  def stacked(name, leaf):
+  def stacked(*path):  # the leaf at `path` of every layer, [L, ...]
     if "layers" in params:
-      return params["layers"][name][leaf]
-    return jnp.stack([params[f"layers_{i}"][name][leaf] for i in range(m.n_layers)])
-
-  if "layers" in params:
-    up = params["layers"]["latent_up"]
-  else:
-    up = jnp.stack([params[f"layers_{i}"]["latent_up"] for i in range(m.n_layers)])
+      return functools.reduce(lambda a, k: a[k], path, params["layers"])
+    return jnp.stack([functools.reduce(lambda a, k: a[k], path, params[f"layers_{i}"])
+                      for i in range(m.n_layers)])
+  up = stacked("latent_up")
   L, K, D = up.shape[0], m.n_kv_heads, m.D
   if not m.qkv_bias:
     return up.astype(jnp.float32), jnp.zeros((L, width(m)), jnp.float32)
@@ -219,14 +216,6 @@ class AbsorbedSegment(base.LayerSegment):
                         f32, live=self.live)
 
 
-def merge(state, part):
-  """Fold one online-softmax partial state (m, s, acc) into another."""
-  (m1, s1, a1), (m2, s2, a2) = state, part
-  m = jnp.maximum(m1, m2)
-  c1, c2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
-  return m, s1 * c1 + s2 * c2, a1 * c1[..., None] + a2 * c2[..., None]
-
-
 class Latent(base.Layout):
   """`capacity` slots per sequence of one W-wide row per layer; position p in slot p."""
 
@@ -312,10 +301,8 @@ base.register(Latent())
 
 
 def weight_pairs(m, params) -> jax.Array:
-  """[L, K, D/2] the `rope_pairs` frequency pairs each KV head keeps rotating, chosen from the
-  weights alone: pair i of head k scores |Wk's columns of the pair| times the summed |Wq's
-  columns of the pair| over the head's query group (a bound on its share of q·k; the
-  calibrated conversion scores activations instead, `kvjax.lab.convert.latent`)."""
+  """[L, K, D/2] the pairs each KV head keeps rotating by the weights (`--rope-choice qk`):
+  |Wk's columns of the pair| times the summed |Wq's| over the head's query group."""
   layers = params["layers"]
   L, E = layers["k_proj"]["kernel"].shape[:2]
   K, G, D, P = m.n_kv_heads, m.G, m.D, m.D // 2
@@ -335,10 +322,8 @@ def keep_top(scores, r: int) -> jax.Array:
 def split_kv(m, layers, keep_all) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(W [L, E, Y]: the key columns the latent holds then the values, the key columns of
   each head it does not hold [L, E, K, 2r] (empty at r = 0), rest [L, K, D - 2r])."""
-  Wk = layers["k_proj"]["kernel"].astype(jnp.float32)
-  Wv = layers["v_proj"]["kernel"].astype(jnp.float32)
-  L, E, _ = Wk.shape
-  K, D = m.n_kv_heads, m.D
+  Wk, Wv = (layers[n]["kernel"].astype(jnp.float32) for n in ("k_proj", "v_proj"))
+  (L, E, _), K, D = Wk.shape, m.n_kv_heads, m.D
   if not m.rope_pairs:
     return jnp.concatenate([Wk, Wv], -1), jnp.zeros((L, E, K, 0)), jnp.zeros((L, K, D), int)
   rope_cols, rest = jax.vmap(lambda k: pair_columns(k, m.rope_pairs))(keep_all)
@@ -350,8 +335,7 @@ def split_kv(m, layers, keep_all) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 def join_kv(m, W_LEY, w_rope, cols) -> tuple[jax.Array, jax.Array]:
   """(k_proj, v_proj kernels) from `split_kv`'s parts (W possibly of lower rank)."""
-  K, D = m.n_kv_heads, m.D
-  L, E, _ = W_LEY.shape
+  (L, E, _), K, D = W_LEY.shape, m.n_kv_heads, m.D
   if not m.rope_pairs:
     return W_LEY[..., :K * D], W_LEY[..., K * D:]
   rope_cols, rest = cols
@@ -359,6 +343,9 @@ def join_kv(m, W_LEY, w_rope, cols) -> tuple[jax.Array, jax.Array]:
   k_rest = W_LEY[..., :K * N].reshape(L, E, K, N)
   k = _place([w_rope, k_rest], [rope_cols[:, None], rest[:, None]], D)
   return k.reshape(L, E, K * D), W_LEY[..., K * N:]
+
+
+ROPE_CHOICES = ("high", "qk")  # the r highest-frequency pairs; or those with the most q·k
 
 
 def check_conversion(m, rank: int, rope_pairs: int, choice: str = "high") -> None:
@@ -372,16 +359,13 @@ def check_conversion(m, rank: int, rope_pairs: int, choice: str = "high") -> Non
     raise KvjaxError("--rope-pairs needs one RoPE base and no window; this model has local "
                      "layers (model.rope_local_theta / sliding_window)")
   if m.qk_norm:
-    raise KvjaxError("a latent conversion needs keys that are a linear map of the layer's "
-                     "input; this model normalizes each key head after its projection "
-                     "(model.qk_norm)")
+    raise KvjaxError("a latent conversion needs keys linear in the layer's input; this model "
+                     "normalizes each key head after its projection (model.qk_norm)")
   full = full_rank(dataclasses.replace(m, rope_pairs=rope_pairs))
   if not 1 <= rank <= full:
     raise KvjaxError(f"--latent-rank {rank} must be in [1, {full}] for this model "
                      "(min(d_model, n_kv_heads * (2 * head_dim - 2 * rope_pairs)))")
 
-
-ROPE_CHOICES = ("high", "qk")  # the r highest-frequency pairs; or those with the most q·k
 
 
 def factor(cfg, params, rank: int, rope_pairs: int = 0, choice: str = "high"):
@@ -400,14 +384,11 @@ def factor(cfg, params, rank: int, rope_pairs: int = 0, choice: str = "high"):
   if "layers" not in params:
     raise KvjaxError("latent conversion needs stacked layer params (a scanned model)")
   layers = dict(params["layers"])
-  keep = None
-  if rope_pairs:
-    keep = (params["rope_keep"] if "rope_keep" in params else
-            weight_pairs(m, params) if choice == "qk" else
-            default_keep(m.n_layers, m.n_kv_heads, m.D // 2, rope_pairs))
+  keep = None if not rope_pairs else params["rope_keep"] if "rope_keep" in params else \
+      weight_pairs(m, params) if choice == "qk" else \
+      default_keep(m.n_layers, m.n_kv_heads, m.D // 2, rope_pairs)
   W, w_rope, cols = split_kv(m, layers, keep)
-  _, _, Vt = jnp.linalg.svd(W, full_matrices=False)
-  up = Vt[:, :rank]  # [L, A, Y], orthonormal rows
+  up = jnp.linalg.svd(W, full_matrices=False)[2][:, :rank]  # [L, A, Y], orthonormal rows
   W_r = jnp.einsum("lex,lax,lay->ley", W, up, up)
   Wk, Wv = join_kv(m, W_r, w_rope, cols)
   layers["k_proj"] = {**layers["k_proj"], "kernel": Wk.astype(layers["k_proj"]["kernel"].dtype)}

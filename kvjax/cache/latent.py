@@ -134,9 +134,7 @@ def weights(params, m) -> tuple[jax.Array, jax.Array]:
 def columns(params, m) -> tuple[jax.Array, jax.Array]:
   """(rope [L, K, 2r], rest [L, K, D - 2r]): the key columns each layer's heads rotate and
   cache as they are, and those the latent compresses (`rope.pair_columns` of `rope_keep`)."""
-  keep_all = jnp.asarray(params["rope_keep"])
-  rope_cols, rest = jax.vmap(lambda k: pair_columns(k, m.rope_pairs))(keep_all)
-  return rope_cols, rest
+  return jax.vmap(lambda k: pair_columns(k, m.rope_pairs))(jnp.asarray(params["rope_keep"]))
 
 
 def _take(x, idx_KC):
@@ -326,10 +324,9 @@ def split_kv(m, layers, keep_all) -> tuple[jax.Array, jax.Array, jax.Array]:
   (L, E, _), K, D = Wk.shape, m.n_kv_heads, m.D
   if not m.rope_pairs:
     return jnp.concatenate([Wk, Wv], -1), jnp.zeros((L, E, K, 0)), jnp.zeros((L, K, D), int)
-  rope_cols, rest = jax.vmap(lambda k: pair_columns(k, m.rope_pairs))(keep_all)
+  rope_cols, rest = columns({"rope_keep": keep_all}, m)
   Wk4 = Wk.reshape(L, E, K, D)
-  w_rest = jnp.take_along_axis(Wk4, rest[:, None], axis=-1).reshape(L, E, -1)
-  w_rope = jnp.take_along_axis(Wk4, rope_cols[:, None], axis=-1)
+  w_rest, w_rope = _take(Wk4, rest[:, None]).reshape(L, E, -1), _take(Wk4, rope_cols[:, None])
   return jnp.concatenate([w_rest, Wv], -1), w_rope, (rope_cols, rest)
 
 

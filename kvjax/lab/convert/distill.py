@@ -163,7 +163,7 @@ def _merge(params, theta, m: ModelConfig):
   if "latent" in theta:
     lat = theta["latent"]
     W = jnp.einsum("lea,lay->ley", lat["down"], lat["up"])
-    cols = latent_cache.split_kv(m, layers, params.get("rope_keep"))[2]
+    cols = latent_cache.columns(params, m) if m.rope_pairs else None
     Wk, Wv = latent_cache.join_kv(m, W, lat.get("rope"), cols)
     layers["k_proj"] = {**layers["k_proj"], "kernel": Wk}
     layers["v_proj"] = {**layers["v_proj"], "kernel": Wv}

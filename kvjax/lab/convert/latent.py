@@ -135,8 +135,8 @@ class Factored:
     W = (theta["down"] @ theta["up"])[None]
     keep = self._keep(p)
     w_rope = theta["rope"][None] if self.model.rope_pairs else None
-    cols = latent_cache.split_kv(self.model, {n: {"kernel": jnp.asarray(p[n]["kernel"])[None]}
-                                              for n in ("k_proj", "v_proj")}, keep)[2]
+    cols = latent_cache.columns({"rope_keep": keep}, self.model) if self.model.rope_pairs \
+        else None
     Wk, Wv = latent_cache.join_kv(self.model, W, w_rope, cols)
     return {"q_proj": theta["q_proj"],
             "k_proj": {**p["k_proj"], "kernel": Wk[0]},

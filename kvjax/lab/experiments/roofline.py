@@ -150,12 +150,11 @@ def latent_flops(m, read: float) -> float:
   before the dense read's two products; with them (`kvjax.cache.latent.AbsorbedSegment`)
   each query head's two products run over the W-wide rows, plus the queries' and outputs'
   own projections in and out of latent space, once per layer."""
+  from kvjax.cache import latent
   A, H, D, r = m.latent_rank, m.n_heads, m.D, m.rope_pairs
-  Y = m.n_kv_heads * (2 * D - 2 * r)
   if not r:
-    return 2 * A * Y * read + 2 * 2 * H * D * read
-  W = A + 2 * m.n_kv_heads * r
-  return 2 * 2 * H * W * read + m.n_layers * 2 * H * ((D - 2 * r) * A + A * D)
+    return 2 * A * latent.width(m) * read + 2 * 2 * H * D * read
+  return 2 * 2 * H * latent.row_width(m) * read + m.n_layers * 2 * H * ((D - 2 * r) * A + A * D)
 
 
 def attention_dot(cfg: config_lib.Config) -> str:

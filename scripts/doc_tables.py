@@ -82,8 +82,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's kvjax, whichever is installed
-from kvjax import footprint
-from kvjax.lab import intervals  # noqa: E402  (the one count of cache bytes)
+from kvjax import footprint  # noqa: E402  (the one count of cache bytes)
+from kvjax.lab import intervals  # noqa: E402
+from kvjax.lab.tasks import ruler  # noqa: E402  (the one calibration rule of the suite)
 
 DOC = ROOT / "docs" / "experiments.md"
 SOURCES = {"quality": ROOT / "results" / "quality.jsonl",
@@ -1296,7 +1297,6 @@ DOCS["long_prefill"] = ROOT / "docs" / "long_prompts.md"
 BUILDERS["long_prefill"] = long_prefill_table
 
 
-RULER_CALIBRATED = 0.8  # kvjax.lab.experiments.ruler.CALIBRATED
 _BYTES_BANDS = ((0.3, "at most 0.3 of bf16's bytes"), (0.6, "0.3 to 0.6"), (1.01, "0.6 to 1"))
 
 
@@ -1305,12 +1305,31 @@ def _share_cell(scores: list[float]) -> str:
   return f"{t['score']:.2f}{_ci(t['score_ci95'], lambda v: f'{v:.2f}')} ({t['n']})"
 
 
+def _ruler_ranking(ranked: list, fam: str) -> list[str]:
+  """Per bytes band: the best setting's score, and the settings whose intervals overlap it."""
+  out = []
+  for hi_frac, band in _BYTES_BANDS:
+    lo_frac = max([0.0] + [h for h, _ in _BYTES_BANDS if h < hi_frac])
+    inb = [x for x in ranked if lo_frac < x[0] <= hi_frac]
+    if not inb:
+      continue
+    best = max(inb, key=lambda x: x[3]["score"])
+    ties = [x for x in inb if x is not best and not intervals.separated(
+        x[3]["score_ci95"], best[3]["score_ci95"])]
+    tie = (f"; its interval overlaps {', '.join(f'`{x[1]}` ({x[2]})' for x in ties)}"
+           if ties else "; the only setting in this band" if len(inb) == 1
+           else "; apart from every other setting here")
+    out.append(f"- {fam}, {band}: `{best[1]}` ({best[2]}) scores {best[3]['score']:.2f}{tie}.")
+  return out
+
+
 def ruler_table(rows: list[dict]) -> str:
   """docs/long_context.md: per model and context, each cache and protocol's score per task
   family (Wilson 95 % intervals over questions, n in brackets) and its bytes per prompt
-  token against a bf16 cache's; families where the fp32 cache scores below 0.8 marked
-  beyond the model and not ranked; per bytes band, the best calibrated niah score or the
-  settings whose intervals overlap it."""
+  token against a bf16 cache's. A family is scored over the tasks whose fp32 cache scores
+  at least 0.8 (`ruler.family_rows`); the others are listed as beyond the model, and a
+  family with none is not ranked. Per calibrated family and bytes band: the best score, or
+  the settings whose intervals overlap it."""
   rows = [r for r in rows if r.get("experiment") == "ruler"]
   if not rows:
     return "No rows yet: `kvjax run configs/ruler_qwen.yaml --out results/real_models/ruler_qwen`."
@@ -1318,49 +1337,48 @@ def ruler_table(rows: list[dict]) -> str:
   for model in sorted({r["variant"]["model"] for r in rows}):
     for n in sorted({r["workload"]["context"] for r in rows if r["variant"]["model"] == model}):
       here = [r for r in rows if r["variant"]["model"] == model and r["workload"]["context"] == n]
+      cal = ruler.calibration(here)
       fams = list(dict.fromkeys(r["workload"]["family"] for r in here))
+      used, ok, head = {}, {}, {}
+      for f in fams:
+        mine = [r for r in here if r["workload"]["family"] == f]
+        used[f], ok[f] = ruler.family_rows(mine, cal)
+        k, m = (len({r["workload"]["task"] for r in x}) for x in (used[f], mine))
+        head[f] = (f"{f} ({k} of {m} tasks)" if ok[f] and k < m
+                   else f"{f} (beyond the model)" if ok[f] is False else f)
       prompts = len({(r["workload"]["task"], r["workload"]["sample"]) for r in here})
-      fp32 = {f: [r["metrics"]["score"] for r in here if r["variant"]["setting"] == "fp32"
-                  and r["workload"]["family"] == f] for f in fams}
-      ok = {f: bool(fp32[f]) and np.mean(fp32[f]) >= RULER_CALIBRATED for f in fams}
       bf16 = 0.5 * np.mean([r["metrics"]["bytes_per_token"] for r in here
                             if r["variant"]["setting"] == "fp32"])
       tasks = sorted({r["workload"]["task"] for r in here})
       out += [f"**{model} at {n:,} tokens** ({prompts} prompts of {len(tasks)} tasks; score "
-              "per family with its 95 % interval and the questions asked; a family where the "
-              "fp32 cache scores below 0.8 is beyond the model and not ranked):", "",
-              "| cache | protocol | bytes / bf16's | " + " | ".join(
-                  f + ("" if ok[f] else " (beyond the model)") for f in fams) + " |",
-              "|---|---|---:|" + "---:|" * len(fams)]
+              "per family over the tasks its fp32 cache answers (at least 0.8), with the "
+              "95 % interval and the questions asked):", "",
+              "| cache | protocol | bytes / bf16's | " + " | ".join(head[f] for f in fams)
+              + " |", "|---|---|---:|" + "---:|" * len(fams)]
       keys = sorted({(r["variant"]["setting"], r["variant"].get("protocol", "blind"))
                      for r in here}, key=lambda k: (k[0] != "fp32", k))
-      ranked = []
+      ranked: dict = {f: [] for f in fams}
       for s, p in keys:
         mine = [r for r in here if (r["variant"]["setting"], r["variant"].get("protocol",
                                                                              "blind")) == (s, p)]
         frac = np.mean([r["metrics"]["bytes_per_token"] for r in mine]) / bf16
         cells = []
         for f in fams:
-          sc = [r["metrics"]["score"] for r in mine if r["workload"]["family"] == f]
+          sc = [r["metrics"]["score"] for r in used[f] if (r["variant"]["setting"],
+                r["variant"].get("protocol", "blind")) == (s, p)]
           cells.append(_share_cell(sc) if sc else "—")
-          if f == "niah" and ok[f] and sc:
-            ranked.append((frac, s, p, intervals.shares(sc)))
+          if ok[f] and sc:
+            ranked[f].append((frac, s, p, intervals.shares(sc)))
         out.append(f"| `{s}` | {p} | {frac:.2f} | " + " | ".join(cells) + " |")
       out.append("")
-      for hi_frac, band in _BYTES_BANDS:
-        lo_frac = max([0.0] + [h for h, _ in _BYTES_BANDS if h < hi_frac])
-        inb = [x for x in ranked if lo_frac < x[0] <= hi_frac]
-        if not inb:
-          continue
-        best = max(inb, key=lambda x: x[3]["score"])
-        ties = [x for x in inb if x is not best and not intervals.separated(
-            x[3]["score_ci95"], best[3]["score_ci95"])]
-        tie = (f"; its interval overlaps {', '.join(f'`{x[1]}` ({x[2]})' for x in ties)}"
-               if ties else "; apart from every other setting here")
-        out.append(f"- niah, {band}: `{best[1]}` ({best[2]}) scores {best[3]['score']:.2f}"
-                   f"{tie}.")
-      if not ok.get("niah", False):
-        out.append("- niah is beyond the model here: nothing is ranked.")
+      beyond = sorted(t for (_, _, t), v in cal.items() if v < ruler.CALIBRATED)
+      if beyond:
+        out.append("- Beyond the model here (the fp32 cache's score): " + ", ".join(
+            f"{t} ({cal[(model, n, t)]:.2f})" for t in beyond) + ".")
+      for f in fams:
+        out += _ruler_ranking(ranked[f], f) if ok[f] else [
+            f"- {f} is beyond the model here: nothing is ranked." if ok[f] is False else
+            f"- {f} has no fp32 rows to calibrate it here: nothing is ranked."]
       out.append("")
   return "\n".join(out).rstrip()
 

@@ -250,3 +250,14 @@ LONGEST_FIRST = ("test_plot_layout.py", "test_qwen2.py", "test_gemma3.py", "test
 def pytest_collection_modifyitems(session, config, items):
   rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within kept
+
+
+def ruler_row(task, setting, score, model="m", context=8192):
+  """A `ruler` experiment row of one question (kvjax.lab.experiments.ruler's fields)."""
+  from kvjax.lab.tasks import ruler
+
+  return {"experiment": "ruler", "variant": {"model": model, "setting": setting,
+                                             "protocol": "blind"},
+          "workload": {"context": context, "task": task, "family": ruler.FAMILY[task],
+                       "sample": 0, "key": "k"},
+          "metrics": {"score": score, "bytes_per_token": 8.0 if setting == "fp32" else 4.0}}

@@ -5,6 +5,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from conftest import ruler_row
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,7 +72,7 @@ def test_missing_markers_are_a_one_line_error(doc_tables):
     doc_tables.render("no markers here\n", {"quality": "x"})
 
 
-def lc_row(setting, task, context, depth, right, bpt, policy="full", ratio=0.0, codec="fp32"):
+def lcruler_row(setting, task, context, depth, right, bpt, policy="full", ratio=0.0, codec="fp32"):
   variant = {"variant": "GQA-3", "setting": setting, "model": "m", "k_codec": codec,
              "v_codec": codec, "codec": codec}
   if policy != "full":
@@ -89,11 +90,11 @@ def test_evict_table_and_its_targets_follow_the_rows(doc_tables):
   for ctx in (1024, 2048):
     for d, ok in ((0.1, 0), (0.9, 1)):
       for task in ("passkey", "niah"):
-        rows.append(lc_row("fp32", task, ctx, d, ok, 46080))
-        rows.append(lc_row("int8", task, ctx, d, ok, 11880, codec="int8"))
-        rows.append(lc_row("window_50", task, ctx, d, ok, 23063, "window", 0.5))
-        rows.append(lc_row("snapkv_50", task, ctx, d, 0, 23063, "snapkv", 0.5))
-        rows.append(lc_row("sinks_50_int8", task, ctx, d, ok and ctx == 1024, 5900, "sinks",
+        rows.append(lcruler_row("fp32", task, ctx, d, ok, 46080))
+        rows.append(lcruler_row("int8", task, ctx, d, ok, 11880, codec="int8"))
+        rows.append(lcruler_row("window_50", task, ctx, d, ok, 23063, "window", 0.5))
+        rows.append(lcruler_row("snapkv_50", task, ctx, d, 0, 23063, "snapkv", 0.5))
+        rows.append(lcruler_row("sinks_50_int8", task, ctx, d, ok and ctx == 1024, 5900, "sinks",
                            0.5, "int8"))
   text = doc_tables.evict_table(rows)
   assert "| `window_50` | window, half of the prefix | 23,063 | 50.0% | 2/4 | 2/4 | 2/4 | 2/4 " \
@@ -204,7 +205,7 @@ def test_layer_bits_table_describes_each_setting(doc_tables):
   assert "2 × 64 stdlib tokens fed 8 per step" in text
 
 
-def _frontier_row(setting, of_bf16, dppl, ci, **variant):
+def _frontierruler_row(setting, of_bf16, dppl, ci, **variant):
   return {"experiment": "compression", "variant": {"setting": setting, "model": "m",
           "variant": "GQA-3", "k_codec": "int4", "v_codec": "int4", **variant},
           "workload": {"data": "stdlib", "batch": 8, "context": 1792, "continuation": 256},
@@ -212,10 +213,10 @@ def _frontier_row(setting, of_bf16, dppl, ci, **variant):
 
 
 def test_shrink_table_names_each_budgets_winner_and_whether_it_is_told_apart(doc_tables):
-  rows = [_frontier_row("a", 0.30, 0.01, [0.0, 0.02]),
-          _frontier_row("b", 0.24, 0.05, [0.04, 0.06]),
-          _frontier_row("c", 0.20, 0.08, [0.03, 0.13]),
-          _frontier_row("d", 0.10, 0.50, [0.40, 0.60], conversion="fit", kv_heads=1, **{"variant": "MQA"})]
+  rows = [_frontierruler_row("a", 0.30, 0.01, [0.0, 0.02]),
+          _frontierruler_row("b", 0.24, 0.05, [0.04, 0.06]),
+          _frontierruler_row("c", 0.20, 0.08, [0.03, 0.13]),
+          _frontierruler_row("d", 0.10, 0.50, [0.40, 0.60], conversion="fit", kv_heads=1, **{"variant": "MQA"})]
   lines = doc_tables.shrink_table(rows).splitlines()
   at = {line.split("|")[3].strip(): line for line in lines[2:6]}
   assert "`a`" in at["0.5"] and "`b`" in at["0.5"] and "| yes |" in at["0.5"]  # apart
@@ -234,7 +235,7 @@ def test_shrink_speed_table_joins_passkey_and_decode_time_to_each_frontier_setti
   rows = []
   for setting, of, conv in (("bf16", 1.0, None), ("int8", 0.5, None), ("mqa_int8", 0.17, "ck/m-mqa")):
     for text, d in (("stdlib", 0.02), ("shakespeare", 0.01)):
-      r = _frontier_row(setting, of, d, [d / 2, 2 * d])
+      r = _frontierruler_row(setting, of, d, [d / 2, 2 * d])
       r["workload"]["data"] = text
       r["config"] = {"name": "frontier_m", "cache": {**cache, "k_codec": setting[-4:],
                                                      "v_codec": setting[-4:]},
@@ -242,7 +243,7 @@ def test_shrink_speed_table_joins_passkey_and_decode_time_to_each_frontier_setti
       rows.append(r)
   for model, right in (("m", 9), ("m-mqa", 2)):  # the passkey run names its own settings
     for i in range(10):
-      r = lc_row("q8", "passkey", 1024, 0.5, i < right, 100, codec="int8")
+      r = lcruler_row("q8", "passkey", 1024, 0.5, i < right, 100, codec="int8")
       r["variant"]["model"], r["config"] = model, {"cache": cache}
       rows.append(r)
   rows.append({"experiment": "roofline", "config": {"name": "frontier_speed_m"},
@@ -267,7 +268,7 @@ def test_lc_models_table_has_a_line_per_model_and_a_column_per_setting(doc_table
     for setting, codec, right in (("fp32", "fp32", fp32_right),
                                   ("int4", "int4", 4 if model == "gemma3-270m" else 17)):
       for i in range(20):
-        r = lc_row(setting, "passkey" if i < 10 else "niah", 1024, 0.5, i < right, 0,
+        r = lcruler_row(setting, "passkey" if i < 10 else "niah", 1024, 0.5, i < right, 0,
                    codec=codec)
         r["variant"].update(model=model, variant=variant)
         r["workload"]["template"] = "model"
@@ -287,3 +288,12 @@ def test_lc_models_table_has_a_line_per_model_and_a_column_per_setting(doc_table
       f"{held['smollm2-135m', 'int4']}) |")
   with pytest.raises(SystemExit, match="configs/long_context_models.yaml"):
     doc_tables.lc_models_table([])
+
+
+def test_ruler_table_ranks_calibrated_tasks(doc_tables):
+  """A family's cells read only the tasks fp32 answers; the others are listed."""
+  rows = [ruler_row("niah_single_1", "fp32", 1.0), ruler_row("niah_single_1", "int4", 0.0),
+          ruler_row("niah_multikey_3", "fp32", 0.0), ruler_row("niah_multikey_3", "int4", 1.0)]
+  text = doc_tables.ruler_table(rows)
+  assert "niah (1 of 2 tasks)" in text and "niah_multikey_3 (0.00)" in text
+  assert "| `int4` | blind | 1.00 | 0.00" in text

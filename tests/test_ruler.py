@@ -6,7 +6,7 @@ import re
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_config, tiny_params
+from conftest import ruler_row, tiny_config, tiny_params
 
 from kvjax import cache as cache_lib
 from kvjax import config as config_lib
@@ -270,6 +270,29 @@ def test_summary_marks_uncalibrated(rows):
   flipped = [dict(r, metrics={**r["metrics"], "score": 1.0}) if r["variant"]["setting"] ==
              "fp32" else r for r in rows]
   assert all(t["calibrated"] for t in exp.summary(flipped)["by task"])
+
+
+def test_family_scored_over_its_calibrated_tasks():
+  """niah_single_1 is answered by fp32 (1.0), niah_multikey_3 is not (0.0): niah is read from
+  single_1 alone, its one task; a family whose every task fp32 misses is beyond the model,
+  read whole; no fp32 rows leave calibration unknown."""
+  from kvjax.lab.experiments import ruler as exp
+
+  rows = [ruler_row("niah_single_1", "fp32", 1.0), ruler_row("niah_single_1", "int4", 0.0),
+          ruler_row("niah_multikey_3", "fp32", 0.0), ruler_row("niah_multikey_3", "int4", 1.0),
+          ruler_row("cwe", "fp32", 0.5), ruler_row("cwe", "int4", 0.25)]
+  assert ruler.calibration(rows) == {("m", 8192, "niah_single_1"): 1.0,
+                                     ("m", 8192, "niah_multikey_3"): 0.0,
+                                     ("m", 8192, "cwe"): 0.5}
+  fam = {(t["family"], t["cache"]): t for t in exp.summary(rows)["by family"]}
+  assert fam[("niah", "int4")]["score"] == 0.0 and fam[("niah", "int4")]["tasks"] == 1
+  assert fam[("niah", "fp32")]["score"] == 1.0 and fam[("niah", "fp32")]["calibrated"]
+  assert fam[("aggregation", "int4")]["score"] == 0.25
+  assert fam[("aggregation", "int4")]["calibrated"] is False
+  task = {(t["task"], t["cache"]): t["calibrated"] for t in exp.summary(rows)["by task"]}
+  assert task[("niah_single_1", "int4")] and not task[("niah_multikey_3", "int4")]
+  blind = [r for r in rows if r["variant"]["setting"] != "fp32"]
+  assert ruler.family_rows(blind) == (blind, None)
 
 
 @pytest.mark.parametrize("params,match", [

@@ -115,6 +115,23 @@ def mapping(value) -> dict | None:
   return None
 
 
+def caches(cfg: config_lib.Config, example: str) -> dict[str, dict]:
+  """`params.caches`: name -> {cache.* key: value} (an empty mapping: the model's own cache),
+  in the file's order; one line naming the fix where it is missing or maps other keys."""
+  raw = cfg.param("caches", None)
+  table = mapping(raw) if raw else None
+  if not table:
+    raise KvjaxError(f"{cfg.experiment} needs params.caches: a mapping of names to cache "
+                     f"overrides, e.g. {example}")
+  out = {}
+  for name, over in table.items():
+    over = {} if over in (None, (), {}) else mapping(over)
+    if over is None or any(not str(k).startswith("cache.") for k in over):
+      raise KvjaxError(f"params.caches.{name} must map cache.* keys to values")
+    out[str(name)] = {str(k): v for k, v in over.items()}
+  return out
+
+
 def interleaved(cfg: config_lib.Config) -> dict:
   """name -> the cell's config with that variant's overrides (`params.interleave`), the
   reference (`params.reference`, else the variant without overrides, else the first by

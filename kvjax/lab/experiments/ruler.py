@@ -31,7 +31,8 @@ family, the fact's depth and token, and the bytes the cache holds per prompt tok
 (`kvjax.footprint`, with the policy's kept tokens and state; `held_tokens`, `kept` on
 evicting rows). The summary scores each (model, context, family or task, cache, protocol)
 with the Wilson 95 % interval over questions (`kvjax.lab.intervals.shares`), and marks a
-(model, context, task) whose fp32 cache scores below `CALIBRATED` "beyond the model".
+(model, context, task) whose fp32 cache scores below `CALIBRATED` "beyond the model"; a
+family is scored over the tasks the model answers (`ruler.family_rows`).
 
 `params.text` names the prose a prose haystack is cut from (default `shakespeare`);
 `params.template` how each model is prompted (plain, base, chatml, gemma, or `model`: its
@@ -60,24 +61,14 @@ from kvjax.lab.tasks import ruler
 PARAMS = frozenset({"caches", "context", "models", "protocols", "sample", "tail_pad", "task",
                     "template", "text"})
 PROTOCOLS = ("blind", "aware")
-CALIBRATED = 0.8  # the fp32 cache's score below which a (model, context, task) is not ranked
+CALIBRATED = ruler.CALIBRATED
 
 
 def _caches(cfg) -> dict:
   """`params.caches`: name -> {cache key: value}; an fp32 cache named `fp32` first when
   the table has none (every cell's calibration)."""
-  raw = cfg.param("caches", None)
-  table = ex.mapping(raw) if raw else {}
-  if table is None or not table:
-    raise KvjaxError("ruler needs params.caches: a mapping of names to cache overrides, e.g. "
-                     "{fp32: {cache.codec: fp32}, snapkv_25: {cache.policy: snapkv, "
-                     "cache.ratio: 0.25}}")
-  out = {}
-  for name, over in table.items():
-    over = {} if over in (None, (), {}) else ex.mapping(over)
-    if over is None or any(not str(k).startswith("cache.") for k in over):
-      raise KvjaxError(f"params.caches.{name} must map cache.* keys to values")
-    out[str(name)] = {str(k): v for k, v in over.items()}
+  out = ex.caches(cfg, "{fp32: {cache.codec: fp32}, snapkv_25: {cache.policy: snapkv, "
+                       "cache.ratio: 0.25}}")
   return out if any(not o or o == {"cache.codec": "fp32"} for o in out.values()) \
       else {"fp32": {}, **out}
 
@@ -271,31 +262,47 @@ def _answer(tcfg, ref, params, tok, prefix, tail, ask, tail_pad: int, protocol: 
           "bytes_per_token": per_token, "bytes_per_token_asymptotic": asym, **held}
 
 
+def _scores(rows: list[dict], level: str, what: str, calibrated) -> list[dict]:
+  """One record per (cache, protocol) of rows of one model, context and task or family."""
+  acc: dict = {}
+  for r in rows:
+    acc.setdefault((r["variant"].get("setting"), r["variant"].get("protocol")), []).append(r)
+  recs = []
+  for (setting, protocol), rs in sorted(acc.items(), key=str):
+    t = intervals.shares([r["metrics"]["score"] for r in rs])
+    v, w = rs[0]["variant"], rs[0]["workload"]
+    recs.append({"model": v.get("model"), "context": w["context"], level: what,
+                 "cache": setting, "protocol": protocol, "score": t["score"],
+                 "score_ci95": intervals.text(t["score_ci95"], "{:.2f}"), "n": t["n"],
+                 "bytes_per_token": float(np.mean([r["metrics"]["bytes_per_token"]
+                                                   for r in rs])),
+                 "calibrated": calibrated,
+                 **({"tasks": len({r["workload"]["task"] for r in rs})}
+                    if level == "family" else {})})
+  return recs
+
+
 def summary(rows: list[dict]) -> dict:
   """Per (model, context, family, cache, protocol) and per task: the mean share with its
-  Wilson interval over questions; `calibrated` False where the fp32 cache of that model,
-  context and task (or family) scores below CALIBRATED."""
-  out = {}
-  for level in ("family", "task"):
-    acc: dict = {}
-    for r in rows:
-      v, w = r["variant"], r["workload"]
-      k = (v.get("model"), w["context"], w[level], v.get("setting"), v.get("protocol"))
-      acc.setdefault(k, ([], []))
-      acc[k][0].append(r["metrics"]["score"])
-      acc[k][1].append(r["metrics"]["bytes_per_token"])
-    fp32 = {k[:3]: np.mean(s) for k, (s, _) in acc.items() if k[3] == "fp32"}
-    recs = []
-    for (m, n, what, setting, protocol), (s, b) in sorted(acc.items(), key=str):
-      t = intervals.shares(s)
-      ref = fp32.get((m, n, what))
-      recs.append({"model": m, "context": n, level: what, "cache": setting,
-                   "protocol": protocol, "score": t["score"],
-                   "score_ci95": intervals.text(t["score_ci95"], "{:.2f}"), "n": t["n"],
-                   "bytes_per_token": float(np.mean(b)),
-                   "calibrated": None if ref is None else bool(ref >= CALIBRATED)})
-    out[f"by {level}"] = recs
-  return out
+  Wilson interval over questions. A task is `calibrated` where its fp32 cache scores at
+  least CALIBRATED (None without fp32 rows); a family is scored over its calibrated tasks
+  (`tasks` counts them) and is uncalibrated only where none is (`ruler.family_rows`)."""
+  cal = ruler.calibration(rows)
+  groups: dict = {}
+  for r in rows:
+    v, w = r["variant"], r["workload"]
+    groups.setdefault((v.get("model"), w["context"]), []).append(r)
+  by_task, by_family = [], []
+  for (m, n), mine in sorted(groups.items(), key=str):
+    for task in dict.fromkeys(r["workload"]["task"] for r in mine):
+      ref = cal.get((m, n, task))
+      by_task += _scores([r for r in mine if r["workload"]["task"] == task], "task", task,
+                         None if ref is None else bool(ref >= CALIBRATED))
+    for fam in dict.fromkeys(r["workload"]["family"] for r in mine):
+      here = [r for r in mine if r["workload"]["family"] == fam]
+      used, ok = ruler.family_rows(here, cal)
+      by_family += _scores(used, "family", fam, ok)
+  return {"by family": by_family, "by task": by_task}
 
 
 def estimate(cfgs) -> str | None:

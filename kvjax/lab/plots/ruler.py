@@ -3,9 +3,10 @@
   ruler_<model>: one row of panels per context length, one column per task family; each
     cache at (its bytes per prompt token as a share of a bf16 cache's, its mean score with
     the Wilson 95 % interval over questions); filled markers read the question-blind
-    protocol, open ones the question-aware; a panel where the fp32 cache scores below
-    the calibration threshold is titled "beyond the model". One figure per model (their
-    contexts and head shapes differ).
+    protocol, open ones the question-aware. A family is plotted over the tasks whose fp32
+    cache scores at least the calibration threshold (`ruler.family_rows`), its title saying
+    how many; one with none is plotted whole and titled "beyond the model". One figure per
+    model (their contexts and head shapes differ).
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import numpy as np
 
 from kvjax.lab import intervals
 from kvjax.lab.plots.style import Look, cache_label, model_label, save
-
-CALIBRATED = 0.8  # as kvjax.lab.experiments.ruler.CALIBRATED (plots never import experiments)
+from kvjax.lab.tasks import ruler
 
 
 def _bf16_bytes(rows: list[dict]) -> float:
@@ -42,8 +42,10 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
                              figsize=(4.6 * len(families), 3.6 * len(contexts)), squeeze=False)
     for i, n in enumerate(contexts):
       for j, fam in enumerate(families):
-        ax, here = axes[i][j], [r for r in mine if r["workload"]["context"] == n
-                                and r["workload"]["family"] == fam]
+        ax, whole = axes[i][j], [r for r in mine if r["workload"]["context"] == n
+                                 and r["workload"]["family"] == fam]
+        here, calibrated = ruler.family_rows(whole)
+        k, m = (len({r["workload"]["task"] for r in x}) for x in (here, whole))
         bf16 = _bf16_bytes(here)
         groups: dict = {}
         for r in here:
@@ -58,12 +60,11 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
           ax.errorbar([x], [t["score"]], yerr=[[t["score"] - lo], [hi - t["score"]]],
                       color=color[s], capsize=3, ms=6, ls="none",
                       label=f"{s} ({protocol})", **mark)
-        fp32 = [r["metrics"]["score"] for r in here if cache_label(r) == "fp32"]
-        beyond = bool(fp32) and float(np.mean(fp32)) < CALIBRATED
         n_q = len({(r["workload"]["task"], r["workload"]["sample"], r["workload"]["key"])
                    for r in here})
-        ax.set_title(f"{fam}, {n:,} tokens ({n_q} questions)"
-                     + (": beyond the model" if beyond else ""), fontsize=9)
+        tasks = f", {k} of {m} tasks" if calibrated and k < m else ""
+        ax.set_title(f"{fam}, {n:,} tokens ({n_q} questions{tasks})"
+                     + (": beyond the model" if calibrated is False else ""), fontsize=9)
         ax.set_xlim(0, 2.1)  # fp32 at 2: twice bf16's bytes
         ax.set_ylim(-0.05, 1.05)
         ax.grid(True, alpha=0.3)

@@ -102,6 +102,13 @@ def test_eval_numbers_are_checked_before_any_weight_loads(capsys, monkeypatch, t
   assert "--tokens 5000 exceeds model.max_seq_len=4096" in line
 
 
+def test_eval_of_an_eviction_policy_points_at_the_experiments(capsys, tiny_yaml):
+  """Streaming keeps every token: an evicting policy is refused, naming where it is measured."""
+  line = one_error_line(capsys, "eval", "--config", tiny_yaml, "--tokens", "16", "--set",
+                        "cache.policy=snapkv", "--set", "cache.ratio=0.5")
+  assert "configs/frontier_smollm2.yaml" in line and "configs/ruler_qwen.yaml" in line
+
+
 def test_experiment_numbers_are_named_and_checked_before_models_load(tmp_path, monkeypatch):
   from kvjax.lab.experiments import quality
   from kvjax.lab.runner import run_file

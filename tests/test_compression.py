@@ -50,6 +50,17 @@ def test_rows_carry_intervals_and_the_bf16_unit(ckpt):
   assert lo <= m["dppl_rel"] <= hi and m["kl"] > 0 and m["of_bf16"] < 0.75  # scales in
 
 
+def test_summary_reads_dppl_in_percent_with_its_interval(ckpt):
+  from kvjax.lab.experiments import compression
+  rows = compression.run_cell(cell(ckpt, cache={"codec": "int4"}))
+  rec, = compression.summary(rows)
+  m = rows[0]["metrics"]
+  assert rec["dppl_%"] == pytest.approx(100 * m["dppl_rel"]) and rec["setting"] is not None
+  lo, hi = (float(x) for x in rec["dppl_%_ci95"].strip("[]").split(","))
+  assert (lo, hi) == pytest.approx([100 * x for x in m["dppl_rel_ci95"]], abs=1e-3)
+  assert rec["of_bf16"] == m["of_bf16"] and rec["reference"] == "fp32 cache"
+
+
 def test_a_converted_checkpoint_is_a_setting_with_its_recipe(ckpt, tmp_path):
   from kvjax.lab import convert
   from kvjax.lab.experiments import compression

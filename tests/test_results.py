@@ -59,6 +59,28 @@ def test_markdown_is_one_table_per_experiment(rows_dir, capsys):
   assert (table[0]["tokens_per_s_ci95_lo"], table[0]["tokens_per_s_ci95_hi"]) == ("480.0", "520.0")
 
 
+def test_markdown_reads_relative_metrics_in_percent_with_their_intervals(tmp_path, capsys):
+  """dppl_rel 0.0123 [0.004, 0.021] reads `+1.23 [+0.40, +2.10]` under `dppl_%` in markdown,
+  KL carries its interval in its cell; CSV keeps the raw fraction and the interval columns."""
+  row = {"experiment": "compression", "config_hash": "x", "variant": {"setting": "int4"},
+         "workload": {"context": 8},
+         "metrics": {"dppl_rel": 0.0123, "dppl_rel_ci95": [0.004, 0.021], "kl": 0.5,
+                     "kl_ci95": [0.25, 0.75], "ppl": 9.0}}
+  path = tmp_path / "r.jsonl"
+  path.write_text(json.dumps(row) + "\n")
+  assert cli.main(["results", str(path)]) == 0
+  head, _, line = capsys.readouterr().out.splitlines()[:3]
+  split = lambda text: [c.strip() for c in text.strip().strip("|").split("|")]  # noqa: E731
+  cells = dict(zip(split(head), split(line)))
+  assert cells["dppl_%"] == "+1.23 [+0.40, +2.10]"
+  assert cells["kl"] == "0.50 [0.25, 0.75]" and "dppl_rel_ci95_lo" not in head
+  assert cli.main(["results", str(path), "--columns", "dppl_%"]) == 0
+  assert "+1.23 [+0.40, +2.10]" in capsys.readouterr().out
+  assert cli.main(["results", str(path), "--format", "csv"]) == 0
+  rec = next(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+  assert float(rec["dppl_rel"]) == 0.0123 and float(rec["dppl_rel_ci95_lo"]) == 0.004
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["results", "/no/such/dir"], "no results file or folder"),
     (["results", "{d}", "--experiment", "quality"], "no rows of experiment 'quality'"),

@@ -270,7 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
   esrc.add_argument("--hf", metavar="DIR")
   esrc.add_argument("--gguf", metavar="FILE|NAME")
   e.add_argument("--text", default="stdlib",
-                 help="a text file, or `stdlib` (Python's own sources and docs; the default)")
+                 help="a text file or folder, or a named text: `stdlib` (Python's own sources "
+                      "and docs; the default), `shakespeare` (prose and verse; `kvjax models "
+                      "fetch shakespeare`), `retrieval` (generated haystacks with their "
+                      "questions)")
   e.add_argument("--tokens", type=_number("--tokens", _POS), default=512,
                  help="tokens per window (M)")
   e.add_argument("--seqs", type=_number("--seqs", _POS), default=1,

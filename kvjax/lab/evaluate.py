@@ -80,7 +80,10 @@ def stream_segments(cfg: Config, params, tokens_BM, chunk: int = 1, segment: int
     raise KvjaxError(f"chunk must be positive, got {chunk}")
   if policies.evicts(cfg.cache):
     raise KvjaxError(f"streaming evaluation keeps every token; cache.policy={cfg.cache.policy} "
-                     "acts after a prefill (kvjax generate); set cache.policy=full here")
+                     "acts after a prefill: its perplexity is measured by `kvjax run "
+                     "configs/frontier_smollm2.yaml` (a compacted context, then scored "
+                     "tokens), its retrieval by configs/ruler_qwen.yaml; set "
+                     "cache.policy=full here")
   if M > cfg.model.max_seq_len:
     raise KvjaxError(f"{M} tokens exceed model.max_seq_len={cfg.model.max_seq_len}; "
                      "evaluate a shorter context")

@@ -35,7 +35,7 @@ from kvjax import config as config_lib
 from kvjax import footprint
 from kvjax.cache import latent
 from kvjax.decode import evict
-from kvjax.lab import data, evaluate
+from kvjax.lab import data, evaluate, intervals
 from kvjax.lab import experiments as ex
 from kvjax.lab.experiments import quality
 
@@ -119,3 +119,19 @@ def run_cell(cfg) -> list[dict]:
                               "reference": quality.reference_name(cfg)},
                  "metrics": metrics})
   return rows
+
+
+def summary(rows: list[dict]) -> list[dict]:
+  """A record per row: the model, text and setting, its bytes per token against a bf16
+  cache's, then Δppl % (against the row's reference) and KL with their 95 % intervals."""
+  out = []
+  for r in rows:
+    v, w, m = r["variant"], r["workload"], r["metrics"]
+    out.append({"model": v.get("model"), "setting": v.get("setting"), "text": w.get("data"),
+                "reference": w.get("reference", "fp32 cache"),
+                "bytes_per_token": m.get("bytes_per_token"), "of_bf16": m.get("of_bf16"),
+                "ppl": m["ppl"], "ppl_ref": m["ppl_ref"], "dppl_%": 100 * m["dppl_rel"],
+                "dppl_%_ci95": intervals.text(m.get("dppl_rel_ci95"), "{:+.3f}", 100),
+                "kl": m["kl"], "kl_ci95": intervals.text(m.get("kl_ci95")),
+                "agreement": m["agreement"]})
+  return out

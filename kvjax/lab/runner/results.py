@@ -6,8 +6,10 @@ keeps raw values in SI units (seconds, bytes) and every column; markdown formats
 the run's summary table does (times in ms, bytes in one unit per column, one number format
 per column, newlines and `|` escaped) and shows a compact set of columns by default: the
 fields that tell its rows apart (`table.identity`'s cache keys, and the variant and workload
-fields that vary), then the headline metrics (`COMPACT_METRICS`). `--columns a,b,c` chooses
-the columns of either format (`all`: every one).
+fields that vary), then the headline metrics (`COMPACT_METRICS`). In markdown a relative
+metric (`dppl_rel`) reads as a percentage (`dppl_%`), and a metric with a 95 % interval
+carries it in brackets in its own cell (CSV keeps them as `_ci95_lo`/`_hi` columns).
+`--columns a,b,c` chooses the columns of either format (`all`: every one).
 
 The files of one folder are merged (a sweep split with `--shard`, or runs that shared it): a
 row of a cell that an earlier file or line of the same folder already holds is left out (the
@@ -96,7 +98,7 @@ def choose(recs: list[dict], columns: str | None, default) -> list[str]:
   if columns.strip() == "all":
     return keys
   asked = [c.strip() for c in columns.split(",") if c.strip()]
-  named = {(k[:-2] + "_ms" if is_seconds(k) else k): k for k in keys}
+  named = {_head(k): k for k in keys}
   bad = [c for c in asked if c not in keys and c not in named]
   if bad or not asked:
     raise KvjaxError(f"--columns names no column '{bad[0] if bad else columns}'; these rows "
@@ -126,10 +128,41 @@ def escape(text: str) -> str:
       .replace("\n", "\\n")
 
 
+def _head(key: str) -> str:
+  """A column's markdown name: seconds in ms, a relative metric in percent."""
+  return key[:-2] + "_ms" if is_seconds(key) else key[:-4] + "_%" if key.endswith("_rel") \
+      else key
+
+
+def _column(key: str, recs: list[dict]) -> list[str]:
+  """A markdown column: `column_text`'s, a relative metric in percent with its sign, and
+  the interval (`KEY_ci95_lo`, `_hi`) in brackets, in the column's format, where a record
+  has one."""
+  lo, hi = f"{key}_ci95_lo", f"{key}_ci95_hi"
+  rel = key.endswith("_rel")
+  def num(v):
+    return 100 * v if rel and isinstance(v, (int, float)) and not isinstance(v, bool) else v
+  vals = [num(r.get(key)) for r in recs]
+  ends = [(num(r.get(lo)), num(r.get(hi))) for r in recs]
+  flat = column_text(key, vals + [e for pair in ends for e in pair if e is not None])
+  texts, it = flat[:len(vals)], iter(flat[len(vals):])
+  def signed(t, v):
+    return "+" + t if rel and isinstance(v, (int, float)) and v > 0 else t
+  out = []
+  for t, v, (a, b) in zip(texts, vals, ends):
+    ci = f" [{signed(next(it), a)}, {signed(next(it), b)}]" if a is not None and b is not None \
+        else ""
+    out.append(signed(t, v) + ci)
+  return out
+
+
 def to_markdown(recs: list[dict], columns: str | None = None, fields: set = frozenset()) -> str:
   keys = choose(recs, columns, lambda rs: compact(rs, fields))
-  heads = [k[:-2] + "_ms" if is_seconds(k) else k for k in keys]
-  cols = [column_text(k, [rec.get(k) for rec in recs]) for k in keys]
+  shown = set(keys)
+  keys = [k for k in keys if not (k.endswith(("_ci95_lo", "_ci95_hi")) and
+                                  k.rsplit("_ci95_", 1)[0] in shown)]  # in their metric's cell
+  heads = [_head(k) for k in keys]
+  cols = [_column(k, recs) for k in keys]
   lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
   lines += ["| " + " | ".join(escape(c) for c in cells) + " |" for cells in zip(*cols)]
   return "\n".join(lines) + "\n"

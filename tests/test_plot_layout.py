@@ -362,3 +362,21 @@ def test_each_check_fails_on_its_defect():
   ax.set_xlim(1024 / 1.5, 1024 * 1.5)  # what long_context_evict does
   assert not check.problems(fig)
   plt.close(fig)
+
+
+def test_the_tick_and_legend_checks_fail_on_their_defects():
+  """A log axis over a narrow range labels its minor ticks 1.7×10⁰ by default; `plain_log`
+  reads them as numbers; two legend entries of one name are caught."""
+  from kvjax.lab.plots import check
+  fig, ax = _fig()
+  ax.plot([1.0, 2.0], [1.3, 1.9], "o")
+  ax.set_yscale("log")
+  found = check.problems(fig)
+  assert any("mantissa-times-power" in p for p in found), found
+  style.plain_log(ax.yaxis)
+  assert not check.problems(fig)
+  ax.plot([1.5], [1.5], "s", label="int4")
+  ax.plot([1.2], [1.6], "^", label="int4")
+  ax.legend()
+  assert any("legend label given twice: 'int4'" in p for p in check.problems(fig))
+  plt.close(fig)

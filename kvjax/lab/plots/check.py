@@ -10,7 +10,10 @@ draws every plot `kvjax plot` makes from the committed rows and runs `problems` 
     one colour;
   - points of one category spread away from its tick: on an axis whose ticks name
     categories (set with set_xticks / set_yticks), every marker sits near a tick, not pushed
-    across the panel as if it were another category.
+    across the panel as if it were another category;
+  - tick labels that do not read as numbers: a mantissa times a power (`1.7×10⁰`), or a
+    numeric axis with data on it and fewer than two labelled ticks in view;
+  - one legend label given to two entries (two points, one name).
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ def problems(fig) -> list[str]:
   r = fig.canvas.get_renderer()
   out = [f"text leaves the figure: {t!r}" for t in clipped_text(fig, drawn=True)]
   out += overlapping_text(fig, r) + text_on_intervals(fig, r) + uncut_intervals(fig)
-  out += empty_legend_entries(fig) + spread_categories(fig)
+  out += empty_legend_entries(fig) + spread_categories(fig) + unreadable_ticks(fig)
+  out += shared_legend_labels(fig)
   return out
 
 
@@ -228,4 +232,39 @@ def spread_categories(fig) -> list[str]:
             out.append(f"a point of {ln.get_label()!r} lies between categories of the "
                        f"{'x' if k == 0 else 'y'} axis (at {v:g})")
             break
+  return out
+
+
+def unreadable_ticks(fig) -> list[str]:
+  """Tick labels in mantissa-times-power form, and numeric axes (with lines on them) that
+  label fewer than two ticks in view."""
+  out = []
+  for ax in fig.axes:
+    if not ax.get_visible() or not ax.lines:
+      continue
+    for axis, name in ((ax.xaxis, "x"), (ax.yaxis, "y")):
+      if isinstance(axis.get_major_locator(), FixedLocator) or not axis.get_visible():
+        continue  # a category axis names its own ticks
+      lo, hi = sorted(axis.get_view_interval())
+      shown = []
+      for which in (axis.get_majorticklabels(), axis.get_minorticklabels()):
+        shown += [t.get_text() for t in which if t.get_visible() and t.get_text().strip()]
+      powered = [t for t in shown if "times" in t or "×" in t]
+      if powered:
+        out.append(f"{name} tick label in mantissa-times-power form: {powered[0]!r}")
+      locs = [v for v in axis.get_majorticklocs() if lo <= v <= hi]
+      if len(shown) < 2 and len(locs) < 2 and axis.get_scale() != "linear":
+        out.append(f"{name} axis labels fewer than two ticks ({lo:g} to {hi:g})")
+  return out
+
+
+def shared_legend_labels(fig) -> list[str]:
+  """A legend that gives one label to two entries."""
+  out = []
+  for leg in _legends(fig):
+    seen: set = set()
+    for t in leg.get_texts():
+      if t.get_text() in seen:
+        out.append(f"legend label given twice: {t.get_text()!r}")
+      seen.add(t.get_text())
   return out

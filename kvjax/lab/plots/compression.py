@@ -1,16 +1,18 @@
 """Plot of the `compression` experiment.
 
   compression_dppl_vs_bytes: perplexity of the continuation through the cache over the
-    uncompressed fp32 cache's (log scale), against the cache bytes held per token seen,
-    one line per method: each eviction policy across its ratios, quantization (codecs
-    without eviction), the latent cache across ranks, and eviction + quantization pairs
-    as their own points. Lower left is better.
+    uncompressed fp32 cache's (log scale, plain numbers), with its 95 % interval, against
+    the cache bytes held per token seen, one line per method: each eviction policy across
+    its ratios, quantization (codecs without eviction), the latent cache across ranks, and
+    eviction + quantization pairs as their own points; each setting its own marker and
+    legend entry; a panel per text.
+    Lower left is better.
   compression_frontier_MODEL_TEXT: the Pareto front of one model on one text: perplexity
     over the original model's fp32 cache against the bytes held per token as a fraction of
-    the same model's bf16 cache, every setting with its 95 % interval, one marker per
-    structure (full cache, fewer heads, latent, policy) and a colour per codec family, the
-    front (no other setting holds fewer bytes and loses less) drawn as a
-    line through its settings, which the x label names. Rows written before intervals and
+    the same model's bf16 cache, every setting with its 95 % interval, its own marker and
+    a legend entry naming its structure (full cache, fewer heads, latent, policy), a colour
+    per codec family, the front (no other setting holds fewer bytes and loses less) drawn
+    as a line through its settings, which the x label names. Rows written before intervals and
     `of_bf16` existed draw only the first figure.
 """
 
@@ -21,7 +23,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 from kvjax.lab.plots.style import (
-    FAMILY_COLORS, MARKERS, bytes_per_token, codec_family, human_bytes, model_label, save)
+    Look, bytes_per_token, cache_label, human_bytes, model_label, plain_log, save)
 
 
 def method(v: dict) -> str:
@@ -39,26 +41,34 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
   rows = [r for r in rows if r["workload"].get("task") == "text"]
   if not rows:
     return []
-  groups: dict[str, list] = {}
-  for r in rows:
-    groups.setdefault(method(r["variant"]), []).append(r)
-  fig, ax = plt.subplots(figsize=(7.5, 4.8))
-  for i, (name, rs) in enumerate(sorted(groups.items())):  # a marker per method
-    rs = sorted(rs, key=lambda r: bytes_per_token(r))
-    xs = [bytes_per_token(r) for r in rs]
-    ys = [r["metrics"]["ppl"] / r["metrics"]["ppl_ref"] for r in rs]
-    ax.plot(xs, ys, marker=MARKERS[i % len(MARKERS)], ls="-" if len(rs) > 1 else "none",
-            label=name)
-  ax.set_xscale("log", base=2)
-  ax.xaxis.set_major_formatter(plt.FuncFormatter(human_bytes))
-  ax.set_xlabel("cache bytes held per token seen")
-  ax.set_yscale("log")
-  ax.set_ylabel("perplexity / fp32 full cache's")
-  ax.axhline(1, color="grey", lw=0.8)
-  ax.legend(fontsize=8)
+  look = Look(rows)
+  texts = sorted({r["workload"].get("data", "text") for r in rows})
+  fig, axes = plt.subplots(1, len(texts), figsize=(5 * len(texts) + 4, 5.2), squeeze=False)
+  for ax, text in zip(axes[0], texts):
+    mine = [r for r in rows if r["workload"].get("data", "text") == text]
+    groups: dict[str, list] = {}
+    for r in mine:
+      groups.setdefault(method(r["variant"]), []).append(r)
+    for name, rs in sorted(groups.items()):  # a thin line through each method's points
+      rs = sorted(rs, key=lambda r: bytes_per_token(r))
+      if len(rs) > 1:
+        ax.plot([bytes_per_token(r) for r in rs],
+                [r["metrics"]["ppl"] / r["metrics"]["ppl_ref"] for r in rs],
+                color="grey", lw=0.7, zorder=0)
+    for r in mine:  # each setting its own marker, its codec family's colour, its interval
+      _point(ax, look, r, bytes_per_token(r), r["metrics"]["ppl"] / r["metrics"]["ppl_ref"],
+             f"{cache_label(r)} ({method(r['variant'])})")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    _plain_ticks(ax, [bytes_per_token(r) for r in mine], human_bytes)
+    ax.set_xlabel("cache bytes held per token seen")
+    ax.set_ylabel("perplexity / fp32 full cache's (95 % interval)")
+    ax.axhline(1, color="grey", lw=0.8)
+    ax.set_title(text, fontsize=9)
+  _legend(axes[0][-1], [a for row in axes for a in row])
   models = sorted({model_label(r) for r in rows})
   w = rows[0]["workload"]
-  ax.set_title(f"compression: eviction, latent and quantization — {', '.join(models)}, "
+  fig.suptitle(f"compression: eviction, latent and quantization; {', '.join(models)}; "
                f"context {w['context']}, {w['continuation']} tokens scored", fontsize=9)
   paths = save(fig, Path(out_dir), "compression_dppl_vs_bytes")
   framed = [r for r in rows if "of_bf16" in r["metrics"] and r["metrics"].get("dppl_rel_ci95")]
@@ -68,6 +78,41 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
   for (model, text), rs in sorted(by.items()):
     paths += frontier(rs, out_dir, f"compression_frontier_{_slug(model)}_{_slug(text)}")
   return paths
+
+
+def _point(ax, look, r: dict, x: float, y: float, label: str) -> None:
+  """One setting: its marker and colour (`Look`), and its Δppl interval when the row has one
+  (as a ratio of perplexities: 1 + the interval's ends)."""
+  ci = r["metrics"].get("dppl_rel_ci95")
+  s = cache_label(r)
+  kw = dict(color=look.color(s), ls="none", ms=6, label=label, **look.marker(s))
+  if ci:
+    ax.errorbar([x], [y], yerr=[[max(y - 1 - ci[0], 0)], [max(1 + ci[1] - y, 0)]],
+                capsize=2, **kw)
+  else:
+    ax.plot([x], [y], **kw)
+
+
+def _legend(ax, axes=None) -> None:
+  """Every setting named once (over `axes`), beside `ax` (it hides no point), in two columns
+  when long."""
+  seen: dict = {}
+  for a in axes or [ax]:
+    for h, label in zip(*a.get_legend_handles_labels()):
+      seen.setdefault(label, h)
+  ax.legend(list(seen.values()), list(seen), fontsize=6.5, loc="upper left",
+            bbox_to_anchor=(1.01, 1.0), ncol=2 if len(seen) > 16 else 1)
+
+
+def _plain_ticks(ax, xs: list[float], fmt) -> None:
+  """Plain-number y ticks on the log axis (`plain_log`) and, on a log-2 x axis spanning
+  less than three octaves, the data's own extremes and a middle tick so that it reads."""
+  plain_log(ax.yaxis)
+  ax.xaxis.set_major_formatter(plt.FuncFormatter(fmt))
+  lo, hi = min(xs), max(xs)
+  if hi < 8 * lo:
+    ax.set_xticks(sorted({lo, (lo * hi) ** 0.5, hi}) if hi > lo else [lo])
+    ax.xaxis.set_minor_locator(plt.NullLocator())
 
 
 def _slug(name: str) -> str:
@@ -98,33 +143,27 @@ def structure(v: dict) -> str:
 
 
 def frontier(rows: list[dict], out_dir: Path, stem: str) -> list[Path]:
-  """Colour by codec family (the house look), marker by structure."""
-  shapes = {name: MARKERS[i % len(MARKERS)]
-            for i, name in enumerate(sorted({structure(r["variant"]) for r in rows}))}
-  groups: dict[tuple, list] = {}
+  """Colour by codec family, a marker per setting (the house look, `Look`); each legend
+  entry names the setting and its structure."""
+  look = Look(rows)
+  fig, ax = plt.subplots(figsize=(10 if len(rows) <= 16 else 13, 5.2))  # a legend beside
   for r in rows:
-    groups.setdefault((structure(r["variant"]), codec_family(r)), []).append(r)
-  fig, ax = plt.subplots(figsize=(10, 5.2))
-  for (shape, family), rs in sorted(groups.items()):
-    xs = [r["metrics"]["of_bf16"] for r in rs]
-    ys = [1 + r["metrics"]["dppl_rel"] for r in rs]
-    lo = [y - (1 + r["metrics"]["dppl_rel_ci95"][0]) for y, r in zip(ys, rs)]
-    hi = [(1 + r["metrics"]["dppl_rel_ci95"][1]) - y for y, r in zip(ys, rs)]
-    ax.errorbar(xs, ys, yerr=[lo, hi], marker=shapes[shape], ls="none", capsize=2,
-                color=FAMILY_COLORS[family], label=f"{shape}, {family or 'other'}")
+    _point(ax, look, r, r["metrics"]["of_bf16"], 1 + r["metrics"]["dppl_rel"],
+           f"{cache_label(r)} ({structure(r['variant'])})")
   front = pareto(rows)
   ax.plot([r["metrics"]["of_bf16"] for r in front], [1 + r["metrics"]["dppl_rel"] for r in front],
           color="grey", lw=0.9, ls="--", label="Pareto front", zorder=0)
   ax.set_xscale("log", base=2)
-  ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda x, _p=None: f"{x:g}"))
-  names = ", ".join(r["variant"].get("setting", "?") for r in front)
+  ax.set_yscale("log")
+  _plain_ticks(ax, [r["metrics"]["of_bf16"] for r in rows], lambda x, _p=None: f"{x:.3g}")
+  names = [r["variant"].get("setting", "?") for r in front]
+  names = ",\n".join(", ".join(names[i:i + 4]) for i in range(0, len(names), 4))
   ax.set_xlabel("cache bytes held per token, as a fraction of the model's bf16 cache\n"
                 f"the front, fewest bytes first: {names}")
-  ax.set_yscale("log")
   ax.set_ylabel("perplexity / fp32 cache's (95 % interval)")
   ax.axhline(1, color="grey", lw=0.8)
-  ax.legend(fontsize=7, title=model_label(rows[0]), title_fontsize=8, loc="upper left",
-            bbox_to_anchor=(1.01, 1.0))  # beside the axes: it hides no point
+  _legend(ax)
+  ax.get_legend().set_title(model_label(rows[0]), prop={"size": 8})
   w = rows[0]["workload"]
   ax.set_title(f"every way to shrink the cache: {w['data']}, context {w['context']}, "
                f"{w['continuation']} tokens scored x {w['batch']} windows", fontsize=9)

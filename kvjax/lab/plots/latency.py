@@ -11,7 +11,7 @@ from matplotlib.ticker import MultipleLocator
 
 from kvjax.lab.plots.style import (
     BYTES, PLAIN, TOKENS, Look, bar_look, bytes_per_token, cache_label, codec_order, log2_axis,
-    save, subtitle, variant_order)
+    plain_log, save, subtitle, variant_order)
 
 
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
@@ -53,7 +53,7 @@ def _vs_context(rows, out_dir, metric, ylabel, what):
                       **look.style(v, c))
     log2_axis(ax.xaxis, TOKENS)
     ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(PLAIN)
+    plain_log(ax.yaxis)
     ax.set_xlabel("context length (tokens in the cache)")
     ax.set_ylabel(ylabel)
     ax.set_title(f"batch {b}", fontsize=9)
@@ -77,8 +77,7 @@ def _vs_batch(rows, out_dir):
         ax.plot([p[0] for p in pts], [p[1] for p in pts], **look.style(v, c))
   log2_axis(ax.xaxis, PLAIN)
   ax.set_yscale("log")
-  ax.yaxis.set_major_formatter(PLAIN)
-  ax.yaxis.set_minor_formatter(PLAIN)
+  plain_log(ax.yaxis)
   ax.set_xlabel("batch size (sequences)")
   ax.set_ylabel("decode throughput (new tokens / s)")
   ax.set_title(f"Decode throughput vs batch at context {ctx}\n{subtitle(rows)}", fontsize=10)

@@ -196,6 +196,17 @@ SPARSE = FuncFormatter(lambda y, _pos=None: f"{y:g}" if f"{y:.0e}"[0] in "235" e
 TOKENS = FuncFormatter(lambda n, _pos=None: f"{n / 1024:g}k" if n >= 1024 else f"{n:g}")
 
 
+def plain_log(axis) -> None:
+  """A log axis read in plain numbers (2, 0.5: never 2×10⁰): every major tick, and the
+  minor ticks at 2, 3 and 5 x 10^k when the view spans under about a decade and a half (so
+  an axis never shows a single tick, and a wide one does not crowd)."""
+  def minor(v, _pos=None):
+    lo, hi = sorted(axis.get_view_interval())
+    return SPARSE(v) if lo > 0 and hi < 30 * lo else ""
+  axis.set_major_formatter(PLAIN)
+  axis.set_minor_formatter(FuncFormatter(minor))
+
+
 def log2_axis(axis, formatter=None, every: int = 1) -> None:
   """Log base-2 scale with ticks every `every` powers of two and readable labels."""
   from matplotlib.ticker import LogLocator, NullFormatter

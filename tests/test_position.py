@@ -17,21 +17,27 @@ MODEL = {"vocab_size": 260, "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_he
 
 
 def test_lockstep_terms_equal_the_stored_reference_path():
-  """`terms` (the fp32 reference streamed beside the setting, segment by segment) gives,
-  position by position, the NLL, KL and agreement of the setting's and the reference's
-  whole log-probabilities (each streamed on its own), for every position with a target."""
+  """`terms` (the fp32 reference streamed once beside every cache, segment by segment)
+  gives, position by position, the NLL, KL and agreement of each cache's and the
+  reference's whole log-probabilities (each streamed on its own), for every position with
+  a target."""
   from kvjax import model
   cfg = config.load(None, {**{f"model.{k}": v for k, v in MODEL.items()}, "cache.codec": "int4"})
   params = model.init_params(cfg.model, 0)
   tokens = np.random.default_rng(0).integers(0, 260, (1, 80)).astype(np.int32)
   ref_cfg = evaluate.reference_config(cfg)
-  got = position.terms(cfg, ref_cfg, params, tokens, chunk=16)
-  whole = evaluate.token_terms(evaluate.host_logprobs(cfg, params, tokens, 16),
-                               evaluate.host_logprobs(ref_cfg, params, tokens, 16), tokens[:, 1:])
-  for g, w in zip(got, whole):
-    assert g.shape == (1, 79)
-    np.testing.assert_allclose(g, w[:, :79], rtol=1e-6, atol=1e-9)
-  assert not np.array_equal(got[0], got[1])  # int4 is not the reference
+  int8 = config.apply_overrides(cfg, {"cache.codec": "int8"})
+  got = position.terms({"int4": cfg, "int8": int8}, ref_cfg, params, tokens, chunk=16)
+  assert list(got) == ["int4", "int8"]
+  ref_lp = evaluate.host_logprobs(ref_cfg, params, tokens, 16)
+  for name, c in (("int4", cfg), ("int8", int8)):
+    whole = evaluate.token_terms(evaluate.host_logprobs(c, params, tokens, 16), ref_lp,
+                                 tokens[:, 1:])
+    for g, w in zip(got[name], whole):
+      assert g.shape == (1, 79)
+      np.testing.assert_allclose(g, w[:, :79], rtol=1e-6, atol=1e-9)
+    assert not np.array_equal(got[name][0], got[name][1])  # not the reference
+  assert got["int4"][2].mean() > got["int8"][2].mean()  # KL: 4 bits drift more than 8
 
 
 def _config(tmp_path, **params):
@@ -70,6 +76,44 @@ def test_a_run_writes_a_row_per_bucket_up_to_the_models_context(tmp_path, capsys
   # 32 positions are one bootstrap block: each bucket's interval is said to be rough
   assert err.count("intervals are rough") == 6
   assert "position: about" in err and "hours on this machine for 2 cells" in err  # before
+
+
+def test_a_cell_of_caches_writes_what_a_cell_per_cache_writes(tmp_path, capsys):
+  """`params.caches` streams the reference once beside every cache: its rows' metrics equal
+  those of one cell per setting, named the same, in fewer streams (the estimate counts 3
+  streams for the cell where the per-setting grid counts 2 x 2)."""
+  one = tmp_path / "one"
+  assert cli.main(["run", str(_config(tmp_path)), "--out", str(one)]) == 0
+  caches = {"fp32": {"cache.codec": "fp32"}, "int4": {"cache.codec": "int4"}}
+  path = _config(tmp_path, caches=caches)
+  raw = yaml.safe_load(path.read_text())
+  del raw["grid"], raw["params"]["settings"]
+  path.write_text(yaml.safe_dump(raw))
+  both = tmp_path / "both"
+  assert cli.main(["run", str(path), "--out", str(both)]) == 0
+  assert "for 1 cells" in capsys.readouterr().err
+  read = lambda d: {(r["variant"]["setting"], tuple(r["workload"]["bucket"])): r["metrics"]
+                    for f in sorted(d.rglob("*.jsonl")) for line in open(f)
+                    for r in [json.loads(line)]}
+  a, b = read(one), read(both)
+  assert set(a) == set(b) and len(a) == 6
+  for k in a:
+    for m in a[k]:
+      np.testing.assert_allclose(a[k][m], b[k][m], rtol=1e-6, atol=1e-12, err_msg=f"{k} {m}")
+
+
+@pytest.mark.parametrize("caches,match", [
+    ({"x": {"model.d_model": 8}}, "must map cache"),
+    ({"x": {"cache.codec": "int3"}}, "int3"),
+    ([], "needs params.caches")])
+def test_bad_caches_are_refused_in_one_line(tmp_path, capsys, caches, match):
+  path = _config(tmp_path, caches=caches)
+  raw = yaml.safe_load(path.read_text())
+  del raw["grid"], raw["params"]["settings"]
+  path.write_text(yaml.safe_dump(raw))
+  rc = cli.main(["run", str(path), "--out", str(tmp_path / "o")])
+  err = capsys.readouterr().err
+  assert rc == 2 and match in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("buckets", [[0], [1, 10], [0, 10, 10], [0, "x"]])

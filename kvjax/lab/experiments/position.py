@@ -1,11 +1,12 @@
 """position: how a cache setting's error grows with the distance between a query and the
 keys it reads, on one long document per text, up to each model's context.
 
-A cell is one cache setting (`params.setting`) on every model of `params.models`. The first
-`params.tokens` tokens of the named text (`params.text`: `shakespeare` prose, `stdlib` code;
-its validation documents joined) are streamed `params.chunk` tokens a call through the
-setting's cache and, side by side, segment by segment, through the same model's fp32
-cache; each segment's per-position NLL, KL and argmax agreement are kept (never a [M, V]
+A cell is one text on every model of `params.models`, through every cache of
+`params.caches` (name -> cache overrides; without it, the cell's own cache, named by its
+`params.setting`). The first `params.tokens` tokens of the named text (`params.text`:
+`shakespeare` prose, `stdlib` code; its validation documents joined) are streamed
+`params.chunk` tokens a call through each cache and, side by side, segment by segment,
+through the same model's fp32 cache, which every cache of the cell shares; each segment's per-position NLL, KL and argmax agreement are kept (never a [M, V]
 reference: at 32k tokens one would be tens of gigabytes), and the positions are cut into
 the buckets `params.buckets` (token boundaries; default 0, 1k, 4k, 8k, 16k, 32k). A row per
 bucket: Δppl, KL and agreement over the predictions made at those positions, each with its
@@ -13,8 +14,8 @@ bucket: Δppl, KL and agreement over the predictions made at those positions, ea
 document: it covers the tokens' noise, not another document's).
 
 A model whose context (`model.max_seq_len`) is shorter than `params.tokens` reads as many
-tokens as its context holds; buckets past them are left out. Each cell streams the
-reference again (twice a setting's arithmetic), so a cell's time is two long prefills'.
+tokens as its context holds; buckets past them are left out. A cell of N caches costs N + 1
+long prefills (the reference streamed once beside them all); one cell per cache costs 2N.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ import sys
 
 import numpy as np
 
+from kvjax import config as config_lib
 from kvjax import memory
 from kvjax.errors import KvjaxError
 from kvjax.lab import data, evaluate, intervals
 from kvjax.lab import experiments as ex
 from kvjax.lab.experiments import quality
 
-PARAMS = frozenset({"buckets", "chunk", "models", "text", "tokens"})
+PARAMS = frozenset({"buckets", "caches", "chunk", "models", "text", "tokens"})
 BUCKETS = (0, 1024, 4096, 8192, 16384, 32768)
 
 
@@ -49,7 +51,16 @@ def check(cfg) -> None:
   ex.check_int_params(cfg, {"tokens": (32768, 2), "chunk": (512, 1)})
   buckets(cfg)
   data.eval_text(str(cfg.param("text", "shakespeare")), what="params.text")
+  for over in _caches(cfg).values():
+    config_lib.apply_overrides(cfg, over)  # a bad key or value: one line, before any weight
   quality.check(cfg)  # every model exists
+
+
+def _caches(cfg) -> dict[str, dict]:
+  """name -> cache overrides: `params.caches`, or the cell's own cache under its setting."""
+  if cfg.param("caches", None) is None:
+    return {str(cfg.param("setting", "")): {}}
+  return ex.caches(cfg, "{int8: {cache.codec: int8}, int4: {cache.codec: int4}}")
 
 
 def share_key(cfg) -> str:
@@ -63,27 +74,32 @@ def _ids(tok, text: str, M: int) -> np.ndarray:
                                ("params.tokens", "params.seqs", "params.text"))
 
 
-def terms(tcfg, ref_cfg, params, tokens_BM, chunk: int, progress=None) -> tuple:
-  """Per-position (NLL, NLL of the reference, KL, argmax agreement) [B, M - 1] of `tcfg`'s
-  cache against `ref_cfg`'s, both streamed segment by segment in lockstep."""
-  parts = []
-  streams = zip(evaluate.stream_segments(ref_cfg, params, tokens_BM, chunk, progress=progress),
-                evaluate.stream_segments(tcfg, params, tokens_BM, chunk, progress=progress))
+def terms(tcfgs: dict, ref_cfg, params, tokens_BM, chunk: int, progress=None) -> dict:
+  """name -> per-position (NLL, NLL of the reference, KL, argmax agreement) [B, M - 1] of
+  each of `tcfgs`' caches against `ref_cfg`'s, all streamed segment by segment in lockstep
+  (the reference once)."""
+  names = list(tcfgs)
+  streams = [evaluate.stream_segments(c, params, tokens_BM, chunk, progress=progress)
+             for c in (ref_cfg, *tcfgs.values())]
   tokens_BM = np.asarray(tokens_BM)
-  for (start, ref_lp), (_, lp) in streams:
+  parts: dict = {n: [] for n in names}
+  for (start, ref_lp), *segs in zip(*streams):
     if start is None:
       break
-    m = lp.shape[1]
-    nxt = tokens_BM[:, start + 1:start + m + 1]
-    parts.append(evaluate.token_terms(lp, ref_lp, nxt))
-  nll, nll_ref, kl, agree = (np.concatenate(x, axis=1) for x in zip(*parts))
-  n = nll.shape[1]  # the last position has no target
-  return nll, nll_ref, kl[:, :n], agree[:, :n]
+    for name, (_, lp) in zip(names, segs):
+      m = lp.shape[1]
+      parts[name].append(evaluate.token_terms(lp, ref_lp, tokens_BM[:, start + 1:start + m + 1]))
+  out = {}
+  for name in names:
+    nll, nll_ref, kl, agree = (np.concatenate(x, axis=1) for x in zip(*parts[name]))
+    n = nll.shape[1]  # the last position has no target
+    out[name] = (nll, nll_ref, kl[:, :n], agree[:, :n])
+  return out
 
 
 def estimate(cfgs) -> str | None:
-  """The hours the cells `cfgs` will take here: per cell and model, two streams of the
-  model's context (the setting's and the fp32 reference's), each a prefill's arithmetic
+  """The hours the cells `cfgs` will take here: per cell and model, one stream of the
+  model's context per cache and one for the fp32 reference, each a prefill's arithmetic
   (`ruler.prefill_flops`) at half the probed f32 matmul rate."""
   from kvjax.lab.experiments import roofline, ruler
 
@@ -94,8 +110,8 @@ def estimate(cfgs) -> str | None:
   for cfg in cfgs:
     for src in quality.models(cfg):
       m = quality.load_model(src)[0].model
-      total += 2 * ruler.prefill_flops(m, min(cfg.param_int("tokens", 32768), m.max_seq_len)) \
-          / flops_s
+      n = min(cfg.param_int("tokens", 32768), m.max_seq_len)
+      total += (1 + len(_caches(cfg))) * ruler.prefill_flops(m, n) / flops_s
   return (f"about {total / 3600:.1f} hours on this machine for {len(cfgs)} cells (a rough "
           "estimate from a matmul probe: within 2x)")
 
@@ -111,27 +127,41 @@ def run_cell(cfg) -> list[dict]:
     if tok is None:
       raise KvjaxError(f"{src} has no tokenizer to read params.text with")
     M = min(want, mcfg.model.max_seq_len)
-    tcfg = quality.cell_config(cfg, mcfg)
-    ref_cfg = evaluate.reference_config(tcfg)
-    for c in (tcfg, ref_cfg):
-      memory.check(c, 1, M, chunk, what="this cell")
+    base = quality.cell_config(cfg, mcfg)
+    tcfgs = {name: config_lib.validate(config_lib.apply_overrides(base, over))
+             for name, over in _caches(cfg).items()}
+    ref_cfg = evaluate.reference_config(base)
+    memory.check_parts({  # each cache twice: a step's input and output
+        "caches": 2 * sum(memory.cache_bytes(c, 1, M) for c in (ref_cfg, *tcfgs.values())),
+        "temporaries": memory.temp_bytes(ref_cfg, 1, chunk, M)}, "this cell")
     tokens = _ids(tok, text, M)
-    with tqdm(total=2 * M, desc=f"position {src.name}", unit="tok", leave=False) as bar:
-      nll, nll_ref, kl, agree = terms(tcfg, ref_cfg, params, tokens, chunk, bar)
-    var = ex.variant(tcfg, setting=cfg.param("setting", ""), model=src.name)
-    edges = [b for b in buckets(cfg) if b < M] + [M]
-    for lo, hi in zip(edges, edges[1:]):
-      # prediction at position t (reading t + 1 tokens) scores token t + 1
-      sl = slice(lo, min(hi, nll.shape[1]))
-      metrics = evaluate.metrics_of(nll[:, sl], nll_ref[:, sl], kl[:, sl], agree[:, sl])
-      rough = intervals.few_blocks(sl.stop - sl.start)
-      if rough:
-        print(f"kvjax: warning: positions {lo}-{hi} of {src.name}: {rough}", file=sys.stderr)
-      rows.append({"variant": var,
-                   "workload": {"task": "text_by_position", "data": text, "context": M,
-                                "chunk": chunk, "bucket": [lo, hi], "batch": 1,
-                                "reference": "fp32 cache", "protocol": "streamed"},
-                   "metrics": {**metrics, "positions": sl.stop - sl.start}})
+    with tqdm(total=(1 + len(tcfgs)) * M, desc=f"position {src.name}", unit="tok",
+              leave=False) as bar:
+      got = terms(tcfgs, ref_cfg, params, tokens, chunk, bar)
+    for name, tcfg in tcfgs.items():
+      rows += _rows(cfg, tcfg, ex.variant(tcfg, setting=name, model=src.name), got[name],
+                    M, text, chunk)
+  return rows
+
+
+def _rows(cfg, tcfg, var: dict, got: tuple, M: int, text: str, chunk: int) -> list[dict]:
+  """A row per position bucket of one cache's per-position terms."""
+  nll, nll_ref, kl, agree = got
+  rows = []
+  edges = [b for b in buckets(cfg) if b < M] + [M]
+  for lo, hi in zip(edges, edges[1:]):
+    # prediction at position t (reading t + 1 tokens) scores token t + 1
+    sl = slice(lo, min(hi, nll.shape[1]))
+    metrics = evaluate.metrics_of(nll[:, sl], nll_ref[:, sl], kl[:, sl], agree[:, sl])
+    rough = intervals.few_blocks(sl.stop - sl.start)
+    if rough:
+      print(f"kvjax: warning: positions {lo}-{hi} of {var['model']} ({var['setting']}): "
+            f"{rough}", file=sys.stderr)
+    rows.append({"variant": var,
+                 "workload": {"task": "text_by_position", "data": text, "context": M,
+                              "chunk": chunk, "bucket": [lo, hi], "batch": 1,
+                              "reference": "fp32 cache", "protocol": "streamed"},
+                 "metrics": {**metrics, "positions": sl.stop - sl.start}})
   return rows
 
 

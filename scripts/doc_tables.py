@@ -125,6 +125,8 @@ def _rows(path: Path | tuple) -> list[dict]:
   if isinstance(path, tuple):  # a block written from several runs' rows
     return [r for one in path for r in _rows(one)]
   rows = []
+  if not path.exists():  # not run yet: its table says so
+    return rows
   for line in path.read_text().splitlines():
     try:
       rows.append(json.loads(line))
@@ -1236,8 +1238,11 @@ def position_table(rows: list[dict]) -> str:
       here = [r for r in rows if r["variant"]["model"] == model and r["workload"]["data"] == text]
       buckets = sorted({tuple(r["workload"]["bucket"]) for r in here})
       context = max(r["workload"]["context"] for r in here)
-      out += [f"**{model}, {text}** (the first {context:,} tokens; Δppl against the fp32 "
-              "cache with its 95 % interval, then KL in nats):", "",
+      compacted = any(r["workload"].get("protocol", "").startswith("compacted") for r in here)
+      how = ("; each policy compacts the prefix before each bucket, then keeps the bucket"
+             if compacted else "")
+      out += [f"**{model}, {text}** (the first {context:,} tokens{how}; Δppl against the "
+              "fp32 cache with its 95 % interval, then KL in nats):", "",
               "| setting | " + " | ".join(f"{kilo(a)}–{kilo(b)}" for a, b in buckets) + " |",
               "|---|" + "---:|" * len(buckets)]
       for s in sorted({r["variant"]["setting"] for r in here}):
@@ -1292,6 +1297,12 @@ BUILDERS["long_speed"] = long_speed_table
 SOURCES["position"] = ROOT / "results" / "real_models" / "position" / "position.jsonl"
 DOCS["position"] = ROOT / "docs" / "long_prompts.md"
 BUILDERS["position"] = position_table
+SOURCES["position_policy"] = ROOT / "results" / "real_models" / "position_policy" / \
+    "position.jsonl"
+DOCS["position_policy"] = ROOT / "docs" / "long_prompts.md"
+BUILDERS["position_policy"] = lambda rows: position_table(rows) if rows else (
+    "No rows yet: `kvjax run configs/position_policy.yaml --out "
+    "results/real_models/position_policy`.")
 SOURCES["long_prefill"] = ROOT / "results" / "cpu" / "long_prefill.jsonl"
 DOCS["long_prefill"] = ROOT / "docs" / "long_prompts.md"
 BUILDERS["long_prefill"] = long_prefill_table

@@ -17,7 +17,7 @@ MODEL = {"vocab_size": 260, "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_he
 
 
 def test_lockstep_terms_equal_the_stored_reference_path():
-  """`terms` (the fp32 reference streamed once beside every cache, segment by segment)
+  """`evaluate.lockstep_terms` (the fp32 reference streamed once beside every cache, segment by segment)
   gives, position by position, the NLL, KL and agreement of each cache's and the
   reference's whole log-probabilities (each streamed on its own), for every position with
   a target."""
@@ -27,7 +27,7 @@ def test_lockstep_terms_equal_the_stored_reference_path():
   tokens = np.random.default_rng(0).integers(0, 260, (1, 80)).astype(np.int32)
   ref_cfg = evaluate.reference_config(cfg)
   int8 = config.apply_overrides(cfg, {"cache.codec": "int8"})
-  got = position.terms({"int4": cfg, "int8": int8}, ref_cfg, params, tokens, chunk=16)
+  got = evaluate.lockstep_terms({"int4": cfg, "int8": int8}, ref_cfg, params, tokens, chunk=16)
   assert list(got) == ["int4", "int8"]
   ref_lp = evaluate.host_logprobs(ref_cfg, params, tokens, 16)
   for name, c in (("int4", cfg), ("int8", int8)):
@@ -38,6 +38,54 @@ def test_lockstep_terms_equal_the_stored_reference_path():
       np.testing.assert_allclose(g, w[:, :79], rtol=1e-6, atol=1e-9)
     assert not np.array_equal(got[name][0], got[name][1])  # not the reference
   assert got["int4"][2].mean() > got["int8"][2].mean()  # KL: 4 bits drift more than 8
+
+
+def test_a_policy_is_compacted_at_each_bucket_start():
+  """snapkv at a quarter, read by bucket: the first bucket (no prefix) is the reference's
+  own; a later bucket [lo, hi) equals prefilling its prefix compacted by the policy, then
+  teacher-forcing the bucket (`evict.continuation_logprobs`, the frontier's protocol); at
+  ratio 1 nothing is evicted and every bucket is the reference's."""
+  from kvjax import model
+  from kvjax.decode import evict
+  cfg = config.load(None, {f"model.{k}": v for k, v in MODEL.items()})
+  params = model.init_params(cfg.model, 0)
+  tokens = np.random.default_rng(1).integers(0, 260, (1, 96)).astype(np.int32)
+  ref_cfg = evaluate.reference_config(cfg)
+  snap = config.apply_overrides(cfg, {"cache.policy": "snapkv", "cache.ratio": 0.25,
+                                      "cache.window": 4})
+  keep = config.apply_overrides(snap, {"cache.ratio": 1.0})
+  edges = [0, 32, 64, 96]
+  got = evaluate.lockstep_terms({"snap": snap, "keep": keep}, ref_cfg, params, tokens, 16,
+                                edges=edges)
+  nll, nll_ref, kl, agree = got["snap"]
+  np.testing.assert_allclose(kl[:, :32], 0, atol=1e-6)
+  assert kl[:, 32:].mean() > 1e-4
+  np.testing.assert_allclose(got["keep"][2], 0, atol=1e-5)
+  for lo, hi in zip(edges[1:], edges[2:]):
+    lp, _ = evict.continuation_logprobs(snap, params, tokens[:, :lo], tokens[:, lo:hi])
+    want = -np.take_along_axis(np.asarray(lp[:, 1:]), tokens[:, lo + 1:hi, None], -1)[..., 0]
+    np.testing.assert_allclose(nll[:, lo:hi - 1], want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_policy_needs_bucket_edges_on_the_chunk(tmp_path, capsys):
+  path = _config(tmp_path, caches={"snap": {"cache.policy": "snapkv", "cache.ratio": 0.5}},
+                 buckets=[0, 40, 64])
+  raw = yaml.safe_load(path.read_text())
+  del raw["grid"], raw["params"]["settings"]
+  path.write_text(yaml.safe_dump(raw))
+  rc = cli.main(["run", str(path), "--out", str(tmp_path / "o")])
+  err = capsys.readouterr().err
+  assert rc == 2 and "multiple of params.chunk=16" in err and err.count("\n") == 1, err
+  raw["params"]["buckets"] = [0, 32, 64]
+  path.write_text(yaml.safe_dump(raw))
+  rc = cli.main(["run", str(path), "--out", str(tmp_path / "o")])  # before any weight
+  assert rc == 2 and "snapkv window" in capsys.readouterr().err
+  raw["params"]["caches"]["snap"]["cache.window"] = 4
+  path.write_text(yaml.safe_dump(raw))
+  assert cli.main(["run", str(path), "--out", str(tmp_path / "o")]) == 0
+  rows = [json.loads(line) for f in (tmp_path / "o").rglob("*.jsonl") for line in open(f)]
+  assert [r["workload"]["protocol"] for r in rows] == ["compacted at the bucket's start"] * 3
+  assert rows[0]["metrics"]["kl"] < 1e-9 < rows[1]["metrics"]["kl"]
 
 
 def _config(tmp_path, **params):

@@ -65,20 +65,22 @@ def _stream(params, tokens_BM, valid_BM, cache, *, static, chunk: int):
 
 
 def stream_segments(cfg: Config, params, tokens_BM, chunk: int = 1, segment: int = 256,
-                    progress=None):
+                    progress=None, cache=None):
   """Yield (start, log-probabilities [B, m, V]) of consecutive segments of the sequence,
   computed through one cache that persists across segments; then (None, cache bytes).
 
   Each segment is one compiled `lax.scan` over `segment // chunk` steps (the same program
   for every segment), so long windows show progress (`progress` is a tqdm bar or None)
   and the caller never holds more than one segment of test log-probabilities.
-  Sequences are right-padded with position -1 (never stored, never attended).
+  Sequences are right-padded with position -1 (never stored, never attended). `cache`:
+  continue that cache (its tokens come before these, positions from its lengths), with
+  room for these tokens; else a fresh one.
   """
   tokens_BM = np.asarray(tokens_BM, np.int32)
   B, M = tokens_BM.shape
   if chunk <= 0:
     raise KvjaxError(f"chunk must be positive, got {chunk}")
-  if policies.evicts(cfg.cache):
+  if policies.evicts(cfg.cache) and cache is None:
     raise KvjaxError(f"streaming evaluation keeps every token; cache.policy={cfg.cache.policy} "
                      "acts after a prefill: its perplexity is measured by `kvjax run "
                      "configs/frontier_smollm2.yaml` (a compacted context, then scored "
@@ -91,7 +93,7 @@ def stream_segments(cfg: Config, params, tokens_BM, chunk: int = 1, segment: int
   total = seg * -(-M // seg)
   tok = np.pad(tokens_BM, ((0, 0), (0, total - M)))
   valid = np.arange(total)[None, :].repeat(B, 0) < M
-  c = cache_lib.init_cache(cfg, B, max(cfg.cache.capacity, M))
+  c = cache_lib.init_cache(cfg, B, max(cfg.cache.capacity, M)) if cache is None else cache
   params, kw = step.prepare_params(cfg, params), step.statics(cfg, chunk=chunk)
   for start in range(0, total, seg):
     lp, c = _stream(params, tok[:, start:start + seg], valid[:, start:start + seg], c, **kw)
@@ -99,6 +101,83 @@ def stream_segments(cfg: Config, params, tokens_BM, chunk: int = 1, segment: int
       progress.update(min(seg, M - start) * B)
     yield start, lp[:, :max(0, min(seg, M - start))]
   yield None, cache_lib.tree_bytes(c)
+
+
+def without_policy(cfg: Config) -> Config:
+  """`cfg` keeping every token: its codec and layout, `cache.policy=full`."""
+  return config_lib.apply_overrides(cfg, {"cache.policy": "full", "cache.budget": 0,
+                                          "cache.ratio": 0.0})
+
+
+def compacted_segments(cfg: Config, params, tokens_1M, chunk: int, edges, prefix_of,
+                       progress=None):
+  """`stream_segments` for an evicting cache: the tokens of each bucket [edges[i],
+  edges[i+1]) streamed through the cache `cfg`'s policy leaves of the prefix before it,
+  compacted once at the bucket's start (`tasks.evict_prefix`, with the one-call prefill
+  `prefix_of(n)` of the first n tokens, which every policy of a cell shares) and every
+  bucket token kept after; the first bucket (no prefix) through the codec alone. The
+  segments start where `stream_segments`'s do when every edge is a multiple of `chunk`.
+  Then (None, bytes of the last bucket's cache)."""
+  from kvjax.lab import tasks
+
+  tokens_1M = np.asarray(tokens_1M, np.int32)
+  nbytes = 0
+  for lo, hi in zip(edges, edges[1:]):
+    if lo == 0:
+      c0, run_cfg = None, without_policy(cfg)
+    else:
+      c0, run_cfg = tasks.evict_prefix(cfg, prefix_of(lo), room=hi - lo), cfg
+    for start, out in stream_segments(run_cfg, params, tokens_1M[:, lo:hi], chunk,
+                                      segment=chunk, progress=progress, cache=c0):
+      if start is None:
+        nbytes = out
+      else:
+        yield lo + start, out
+  yield None, nbytes
+
+
+def lockstep_terms(tcfgs: dict, ref_cfg, params, tokens_BM, chunk: int, progress=None,
+                   edges=None) -> dict:
+  """name -> per-position (NLL, NLL of the reference, KL, argmax agreement) [B, M - 1] of
+  each of `tcfgs`' caches against `ref_cfg`'s, all streamed segment by segment in lockstep
+  (the reference once). A cache whose policy evicts is compacted at each of `edges` (token
+  boundaries from 0, each a multiple of `chunk`; `compacted_segments`), every policy from
+  one shared prefill of each prefix."""
+  from kvjax.lab import tasks
+
+  names = list(tcfgs)
+  tokens_BM = np.asarray(tokens_BM)
+  memo: dict = {}
+
+  def prefix_of(n: int):
+    if n not in memo:
+      memo.clear()  # one prefix at a time: every policy reaches it in the same segment
+      memo[n] = tasks.prefill_queries(ref_cfg, params, tokens_BM[0, :n].tolist(), n)
+    return memo[n]
+
+  def stream(c):
+    if not policies.evicts(c.cache):
+      return stream_segments(c, params, tokens_BM, chunk, segment=chunk, progress=progress)
+    if edges is None or tokens_BM.shape[0] != 1 or any(e % chunk for e in edges):
+      raise KvjaxError(f"cache.policy={c.cache.policy} is evaluated by position on one "
+                       "sequence, compacted at bucket edges that are multiples of the chunk")
+    return compacted_segments(c, params, tokens_BM, chunk, edges, prefix_of, progress)
+
+  streams = [stream(c) for c in (ref_cfg, *tcfgs.values())]
+  parts: dict = {n: [] for n in names}
+  for (start, ref_lp), *segs in zip(*streams):
+    if start is None:
+      break
+    for name, (got, lp) in zip(names, segs):
+      assert got == start, (name, got, start)  # lockstep: the same positions
+      m = lp.shape[1]
+      parts[name].append(token_terms(lp, ref_lp, tokens_BM[:, start + 1:start + m + 1]))
+  out = {}
+  for name in names:
+    nll, nll_ref, kl, agree = (np.concatenate(x, axis=1) for x in zip(*parts[name]))
+    n = nll.shape[1]  # the last position has no target
+    out[name] = (nll, nll_ref, kl[:, :n], agree[:, :n])
+  return out
 
 
 def stream_logprobs(cfg: Config, params, tokens_BM, chunk: int = 1):

@@ -3,7 +3,12 @@ keys it reads, on one long document per text, up to each model's context.
 
 A cell is one text on every model of `params.models`, through every cache of
 `params.caches` (name -> cache overrides; without it, the cell's own cache, named by its
-`params.setting`). The first `params.tokens` tokens of the named text (`params.text`:
+`params.setting`). A cache whose policy evicts (snapkv, h2o, tova, knorm, window, sinks at
+a ratio or budget) is read by bucket: the prefix before a bucket is prefilled once in one
+call (shared by every policy), compacted by the policy, and the bucket's tokens are
+streamed through what it kept (window and sinks rings keep evicting as they go); its rows
+say `protocol: compacted at the bucket's start`, and its first bucket has no prefix to
+compact (the codec alone). The first `params.tokens` tokens of the named text (`params.text`:
 `shakespeare` prose, `stdlib` code; its validation documents joined) are streamed
 `params.chunk` tokens a call through each cache and, side by side, segment by segment,
 through the same model's fp32 cache, which every cache of the cell shares; each segment's per-position NLL, KL and argmax agreement are kept (never a [M, V]
@@ -25,7 +30,7 @@ import sys
 import numpy as np
 
 from kvjax import config as config_lib
-from kvjax import memory
+from kvjax import memory, policies
 from kvjax.errors import KvjaxError
 from kvjax.lab import data, evaluate, intervals
 from kvjax.lab import experiments as ex
@@ -51,8 +56,16 @@ def check(cfg) -> None:
   ex.check_int_params(cfg, {"tokens": (32768, 2), "chunk": (512, 1)})
   buckets(cfg)
   data.eval_text(str(cfg.param("text", "shakespeare")), what="params.text")
-  for over in _caches(cfg).values():
-    config_lib.apply_overrides(cfg, over)  # a bad key or value: one line, before any weight
+  chunk = cfg.param_int("chunk", 512)
+  for name, over in _caches(cfg).items():
+    c = config_lib.apply_overrides(cfg, over)  # a bad key or value: one line, before weights
+    if policies.evicts(c.cache) and any(b % chunk for b in buckets(cfg)):
+      raise KvjaxError(f"params.caches.{name} evicts ({c.cache.policy}): it is compacted at "
+                       f"each bucket's start, so every params.buckets edge must be a multiple "
+                       f"of params.chunk={chunk}")
+    if policies.evicts(c.cache):  # each prefix it compacts holds enough to keep its window
+      policies.check_lengths(c.cache, [b for b in buckets(cfg)[1:]
+                                       if b < cfg.param_int("tokens", 32768)])
   quality.check(cfg)  # every model exists
 
 
@@ -72,29 +85,6 @@ def _ids(tok, text: str, M: int) -> np.ndarray:
   """The text's first M tokens [1, M]."""
   return evaluate.text_windows(tok, data.eval_text(text, what="params.text"), M, 1,
                                ("params.tokens", "params.seqs", "params.text"))
-
-
-def terms(tcfgs: dict, ref_cfg, params, tokens_BM, chunk: int, progress=None) -> dict:
-  """name -> per-position (NLL, NLL of the reference, KL, argmax agreement) [B, M - 1] of
-  each of `tcfgs`' caches against `ref_cfg`'s, all streamed segment by segment in lockstep
-  (the reference once)."""
-  names = list(tcfgs)
-  streams = [evaluate.stream_segments(c, params, tokens_BM, chunk, progress=progress)
-             for c in (ref_cfg, *tcfgs.values())]
-  tokens_BM = np.asarray(tokens_BM)
-  parts: dict = {n: [] for n in names}
-  for (start, ref_lp), *segs in zip(*streams):
-    if start is None:
-      break
-    for name, (_, lp) in zip(names, segs):
-      m = lp.shape[1]
-      parts[name].append(evaluate.token_terms(lp, ref_lp, tokens_BM[:, start + 1:start + m + 1]))
-  out = {}
-  for name in names:
-    nll, nll_ref, kl, agree = (np.concatenate(x, axis=1) for x in zip(*parts[name]))
-    n = nll.shape[1]  # the last position has no target
-    out[name] = (nll, nll_ref, kl[:, :n], agree[:, :n])
-  return out
 
 
 def estimate(cfgs) -> str | None:
@@ -137,19 +127,28 @@ def run_cell(cfg) -> list[dict]:
     tokens = _ids(tok, text, M)
     with tqdm(total=(1 + len(tcfgs)) * M, desc=f"position {src.name}", unit="tok",
               leave=False) as bar:
-      got = terms(tcfgs, ref_cfg, params, tokens, chunk, bar)
+      got = evaluate.lockstep_terms(tcfgs, ref_cfg, params, tokens, chunk, bar,
+                                    edges=_edges(cfg, M))
     for name, tcfg in tcfgs.items():
-      rows += _rows(cfg, tcfg, ex.variant(tcfg, setting=name, model=src.name), got[name],
-                    M, text, chunk)
+      c = tcfg.cache
+      evicting = dict(policy=c.policy, ratio=c.ratio, budget=c.budget, window=c.window,
+                      sinks=c.sinks) if policies.evicts(c) else {}
+      var = ex.variant(tcfg, setting=name, model=src.name, **evicting)
+      rows += _rows(cfg, tcfg, var, got[name], M, text, chunk)
   return rows
+
+
+def _edges(cfg, M: int) -> list[int]:
+  """The bucket boundaries up to M tokens."""
+  return [b for b in buckets(cfg) if b < M] + [M]
 
 
 def _rows(cfg, tcfg, var: dict, got: tuple, M: int, text: str, chunk: int) -> list[dict]:
   """A row per position bucket of one cache's per-position terms."""
   nll, nll_ref, kl, agree = got
   rows = []
-  edges = [b for b in buckets(cfg) if b < M] + [M]
-  for lo, hi in zip(edges, edges[1:]):
+  evicts = policies.evicts(tcfg.cache)
+  for lo, hi in zip(_edges(cfg, M), _edges(cfg, M)[1:]):
     # prediction at position t (reading t + 1 tokens) scores token t + 1
     sl = slice(lo, min(hi, nll.shape[1]))
     metrics = evaluate.metrics_of(nll[:, sl], nll_ref[:, sl], kl[:, sl], agree[:, sl])
@@ -160,7 +159,9 @@ def _rows(cfg, tcfg, var: dict, got: tuple, M: int, text: str, chunk: int) -> li
     rows.append({"variant": var,
                  "workload": {"task": "text_by_position", "data": text, "context": M,
                               "chunk": chunk, "bucket": [lo, hi], "batch": 1,
-                              "reference": "fp32 cache", "protocol": "streamed"},
+                              "reference": "fp32 cache",
+                              "protocol": "compacted at the bucket's start" if evicts
+                              else "streamed"},
                  "metrics": {**metrics, "positions": sl.stop - sl.start}})
   return rows
 

@@ -61,29 +61,60 @@ def _quality_stat(dnll, n_t, kl, agree, n_p, axis=-1):
   return np.stack([np.expm1(dnll.sum(axis) / nt), kl.sum(axis) / npos, agree.sum(axis) / npos])
 
 
+METHODS = ("blocks", "two_stage", "windows")
+
+
 def quality_ci(nll_Bm, nll_ref_Bm, kl_BM, agree_BM, block: int = BLOCK,
-               n_resamples: int = RESAMPLES, seed: int = SEED) -> dict:
+               n_resamples: int = RESAMPLES, seed: int = SEED, method: str = "blocks") -> dict:
   """`dppl_rel_ci95`, `kl_ci95`, `agreement_ci95` ([lo, hi]) of B windows of M positions:
   the next-token NLLs through the cache and the reference ([B, m], m = M - 1: the
-  prediction at t scoring token t+1), per-position KL(ref || cache) and argmax matches ([B, M])."""
-  from scipy import stats
+  prediction at t scoring token t+1), per-position KL(ref || cache) and argmax matches
+  ([B, M]). `method`: `blocks` resamples the blocks of all windows as one pool; `two_stage`
+  resamples windows, then blocks within each drawn window; `windows` resamples whole
+  windows (scripts/interval_coverage.py measures how often each covers other text)."""
+  if method not in METHODS:
+    raise ValueError(f"unknown bootstrap method {method!r}; use one of {METHODS}")
   kl = np.asarray(kl_BM, np.float64)
-  M = kl.shape[1]
+  B, M = kl.shape
   dnll = np.asarray(nll_Bm, np.float64) - np.asarray(nll_ref_Bm, np.float64)
   data = (block_sums(dnll, M, block), block_sums(np.ones_like(dnll), M, block),
           block_sums(kl, M, block), block_sums(agree_BM, M, block),
           block_sums(np.ones_like(kl), M, block))
   if len(data[0]) < 2 or not data[1].sum():  # one block: nothing to resample
     lo = hi = _quality_stat(*data)
-  else:
+  elif method == "blocks" or B < 2:
+    from scipy import stats
     r = stats.bootstrap(data, _quality_stat, paired=True, vectorized=True,
                         confidence_level=LEVEL, n_resamples=n_resamples, method="percentile",
                         random_state=seed)
     lo, hi = r.confidence_interval.low, r.confidence_interval.high
+  else:
+    lo, hi = _nested(tuple(d.reshape(B, -1) for d in data), n_resamples, seed,
+                     blocks=method == "two_stage")
   names = ("dppl_rel_ci95", "kl_ci95", "agreement_ci95")
   out = {k: [float(a), float(b)] for k, a, b in zip(names, lo, hi)}
   out["kl_ci95"] = [max(x, 0.0) for x in out["kl_ci95"]]  # as the point: KL >= 0
   return out
+
+
+def _nested(sums_Bn: tuple, n_resamples: int, seed: int, blocks: bool):
+  """Percentile interval of the statistics over resamples that draw B windows with
+  replacement and, with `blocks`, each drawn window's n blocks with replacement."""
+  rng = np.random.default_rng(seed)
+  B, n = sums_Bn[0].shape
+  stats = []
+  for r0 in range(0, n_resamples, 250):  # bounded memory: 250 x B x n indices at a time
+    R = min(250, n_resamples - r0)
+    w = rng.integers(0, B, (R, B))
+    if blocks:
+      k = rng.integers(0, n, (R, B, n))
+      tot = [s[w[..., None], k].sum((1, 2)) for s in sums_Bn]
+    else:
+      tot = [s.sum(1)[w].sum(1) for s in sums_Bn]
+    stats.append(_quality_stat(*(t[:, None] for t in tot)))
+  est = np.concatenate(stats, axis=1)  # [3, R]
+  a = (1 - LEVEL) / 2
+  return np.quantile(est, a, axis=1), np.quantile(est, 1 - a, axis=1)
 
 
 def wilson(k: int, n: int) -> list[float] | None:

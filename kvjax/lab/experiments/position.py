@@ -121,9 +121,16 @@ def run_cell(cfg) -> list[dict]:
     tcfgs = {name: config_lib.validate(config_lib.apply_overrides(base, over))
              for name, over in _caches(cfg).items()}
     ref_cfg = evaluate.reference_config(base)
-    memory.check_parts({  # each cache twice: a step's input and output
+    parts = {  # each cache twice: a step's input and output
         "caches": 2 * sum(memory.cache_bytes(c, 1, M) for c in (ref_cfg, *tcfgs.values())),
-        "temporaries": memory.temp_bytes(ref_cfg, 1, chunk, M)}, "this cell")
+        "temporaries": memory.temp_bytes(ref_cfg, 1, chunk, M)}
+    lo = max([b for b in _edges(cfg, M)[:-1]], default=0)
+    if lo and any(policies.evicts(c.cache) for c in tcfgs.values()):
+      m = ref_cfg.model  # the longest prefix prefilled in one call, its queries kept
+      parts["the longest prefix's prefill"] = (
+          memory.temp_bytes(ref_cfg, 1, lo, lo) + memory.cache_bytes(ref_cfg, 1, lo)
+          + 4 * m.n_layers * lo * m.n_heads * m.head_dim)
+    memory.check_parts(parts, "this cell")
     tokens = _ids(tok, text, M)
     with tqdm(total=(1 + len(tcfgs)) * M, desc=f"position {src.name}", unit="tok",
               leave=False) as bar:

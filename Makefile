@@ -68,7 +68,7 @@ kernels: install
 # `pytest` alone runs it in one process.
 TEST_WORKERS ?= 4
 test: install-test models kernels
-	$(BIN)/python -m pytest -n auto --maxprocesses $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -n auto --maxprocesses $(TEST_WORKERS) --dist loadfile --durations=25
 
 # One thread of the CPU read kernel's fused scan per codec, without jax (scripts/bench_read_kernel.cc):
 # the kernel's own arithmetic, apart from the rest of a decode step. Run on an idle machine.

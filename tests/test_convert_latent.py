@@ -47,7 +47,7 @@ def test_the_fitted_latent_model_is_closer_and_its_cache_still_exact():
   lcfg, lparams = latent.factor(cfg, params, 4, CALIB)
   parts = latent.Factored(lcfg.model)
   fitted, reports = fit.fit(lcfg, lparams, cfg, params, CALIB,
-                            fit.Settings(max_steps=150, batch=8), parts=parts)
+                            fit.FitSettings(max_steps=150, batch=8), parts=parts)
   for r in reports:
     assert r.after < 0.8 * r.before, r
   up = np.asarray(fitted["layers"]["latent_up"], np.float64)  # [L, A, Y], orthonormal rows
@@ -107,7 +107,7 @@ def test_the_fit_trains_a_rope_pair_latent_and_keeps_it_exact():
   params = tiny_params(cfg)
   lcfg, lparams = latent.factor(cfg, params, 6, CALIB, rope_pairs=2)
   fitted, reports = fit.fit(lcfg, lparams, cfg, params, CALIB,
-                            fit.Settings(max_steps=150, batch=8), parts=latent.Factored(lcfg.model))
+                            fit.FitSettings(max_steps=150, batch=8), parts=latent.Factored(lcfg.model))
   for r in reports:
     assert r.after < 0.8 * r.before, r
   np.testing.assert_array_equal(fitted["rope_keep"], lparams["rope_keep"])

@@ -20,7 +20,7 @@ from kvjax.lab.convert import distill
 from kvjax.model import Transformer
 
 TOKENS = np.random.default_rng(0).integers(0, 64, size=(20, 24)).astype(np.int32)
-SETTINGS = distill.Settings(minutes=60, max_steps=8, lr=3e-3, batch=4)
+SETTINGS = distill.DistillSettings(minutes=60, max_steps=8, lr=3e-3, batch=4)
 
 
 @pytest.fixture(scope="module")
@@ -194,5 +194,5 @@ def test_windows_longer_than_a_query_block_distill_and_fit(models):
   _, r = distill.distill(mqa_cfg, pooled, cfg, params, long,
                          dataclasses.replace(SETTINGS, max_steps=2, batch=1))
   assert r.steps == 2 and np.isfinite(r.after)
-  _, reports = fit.fit(mqa_cfg, pooled, cfg, params, long, fit.Settings(max_steps=2, batch=2))
+  _, reports = fit.fit(mqa_cfg, pooled, cfg, params, long, fit.FitSettings(max_steps=2, batch=2))
   assert len(reports) == cfg.model.n_layers and all(np.isfinite(x.after) for x in reports)

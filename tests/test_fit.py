@@ -25,7 +25,7 @@ def test_fit_lowers_every_layers_error_and_the_logits_error(inputs):
   cfg = tiny_config(**{"model.n_kv_heads": 4, "model.qkv_bias": True, "seed": 9})
   params = tiny_params(cfg)
   mqa_cfg, pooled = convert.mean_pool(cfg, align.align(cfg, params, 1, CALIB), 1)
-  settings = fit.Settings(minutes=60, max_steps=60, lr=3e-3, batch=8, inputs=inputs)
+  settings = fit.FitSettings(minutes=60, max_steps=60, lr=3e-3, batch=8, inputs=inputs)
   seen = []
   fitted, reports = fit.fit(mqa_cfg, pooled, cfg, params, CALIB, settings,
                             on_layer=lambda layer, p, r: seen.append(layer))
@@ -44,7 +44,7 @@ def test_a_resumed_fit_leaves_the_layers_before_it_alone():
   cfg = tiny_config(**{"model.n_kv_heads": 2, "seed": 9})
   params = tiny_params(cfg)
   mqa_cfg, pooled = convert.mean_pool(cfg, params, 1)
-  settings = fit.Settings(minutes=60, max_steps=5, lr=3e-3)
+  settings = fit.FitSettings(minutes=60, max_steps=5, lr=3e-3)
   fitted, reports = fit.fit(mqa_cfg, pooled, cfg, params, CALIB, settings, start_layer=1)
   assert [r.layer for r in reports] == [1]
   np.testing.assert_array_equal(fitted["layers"]["k_proj"]["kernel"][0],
@@ -54,10 +54,10 @@ def test_a_resumed_fit_leaves_the_layers_before_it_alone():
 
 
 @pytest.mark.parametrize("settings, says", [
-    (fit.Settings(minutes=float("nan")), "--minutes"),
-    (fit.Settings(minutes=-1), "--minutes"),
-    (fit.Settings(inputs="mixed"), "converted, original"),
-    (fit.Settings(batch=0), "batch"),
+    (fit.FitSettings(minutes=float("nan")), "--minutes"),
+    (fit.FitSettings(minutes=-1), "--minutes"),
+    (fit.FitSettings(inputs="mixed"), "converted, original"),
+    (fit.FitSettings(batch=0), "batch"),
 ])
 def test_impossible_settings_are_one_line(settings, says):
   with pytest.raises(KvjaxError) as e:
@@ -78,7 +78,7 @@ def test_a_fit_that_does_not_help_a_layer_keeps_it_as_it_was():
   cfg = tiny_config(**{"model.n_kv_heads": 2, "seed": 9})
   params = tiny_params(cfg)
   mqa_cfg, pooled = convert.mean_pool(cfg, params, 1)
-  settings = fit.Settings(minutes=60, max_steps=4, lr=5.0)
+  settings = fit.FitSettings(minutes=60, max_steps=4, lr=5.0)
   fitted, reports = fit.fit(mqa_cfg, pooled, cfg, params, CALIB, settings)
   assert all(r.kept and r.after == r.before for r in reports), reports
   for name in fit.FITTED:

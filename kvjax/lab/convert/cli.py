@@ -48,10 +48,10 @@ def convert_cli(args) -> dict:
   if rank is not None and method not in (None, "pool", "fit"):
     raise KvjaxError(f"--latent-rank takes --method pool (SVD of the weights) or fit (SVD of "
                      f"the calibration keys and values, then fitted), not {method}")
-  settings = fit.Settings(minutes=getattr(args, "minutes", 30.0),
+  settings = fit.FitSettings(minutes=getattr(args, "minutes", 30.0),
                           inputs=getattr(args, "fit_inputs", "converted"),
                           max_steps=getattr(args, "steps", 2000),
-                          lr=getattr(args, "lr", None) or fit.Settings.lr)
+                          lr=getattr(args, "lr", None) or fit.FitSettings.lr)
   settings.check()
   overrides = config_lib.parse_set(getattr(args, "set", None))
   cfg0 = sources.load_config(src, overrides)  # refusals from the header, before the weights
@@ -89,7 +89,7 @@ def default_method(cfg, kv_heads: int | None) -> str:
   return "pool"
 
 
-def _recipe(args, src, method: str, settings: fit.Settings, seq_len: int) -> dict:
+def _recipe(args, src, method: str, settings: fit.FitSettings, seq_len: int) -> dict:
   recipe = {"method": method, "kv_heads": args.kv_heads, "source": str(src)}
   if getattr(args, "latent_rank", None) is not None:
     recipe["latent_rank"] = int(args.latent_rank)
@@ -127,7 +127,7 @@ def calib_tokens(tok, text_source: str, n_tokens: int, seq_len: int) -> np.ndarr
   return np.stack([row for _, _, row in rows])
 
 
-def _convert(args, src, rank, recipe: dict, settings: fit.Settings, overrides: dict) -> dict:
+def _convert(args, src, rank, recipe: dict, settings: fit.FitSettings, overrides: dict) -> dict:
   from kvjax.io import checkpoint, sources
 
   out = Path(args.out)
@@ -179,7 +179,7 @@ def _convert(args, src, rank, recipe: dict, settings: fit.Settings, overrides: d
           **({"retrieval": retrieval} if retrieval is not None else {})}
 
 
-def _calibrated(out: Path, cfg, params, tok, recipe: dict, settings: fit.Settings):
+def _calibrated(out: Path, cfg, params, tok, recipe: dict, settings: fit.FitSettings):
   """Align + pool (and fit), resuming a partial fit of the same recipe in OUT/partial."""
   from kvjax.io import checkpoint
 

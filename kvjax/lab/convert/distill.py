@@ -55,7 +55,7 @@ SAVE_EVERY, SAVE_SECONDS = 200, 120.0
 
 
 @dataclass(frozen=True)
-class Settings:
+class DistillSettings:
   minutes: float = 30.0   # the whole run's time budget, resumed runs included
   max_steps: int = 2000
   lr: float = 1e-4        # Adam's peak learning rate
@@ -219,7 +219,7 @@ def held_kl(kl_fn, theta, frozen, teacher, tokens_NS) -> float:
 
 
 def distill(cfg: Config, params: Any, teacher_cfg: Config, teacher: Any, tokens_NS: np.ndarray,
-            s: Settings = Settings(), partial: str | Path | None = None, recipe: dict | None = None,
+            s: DistillSettings = DistillSettings(), partial: str | Path | None = None, recipe: dict | None = None,
             on_step: Callable[[int, float], None] | None = None) -> tuple[Any, Report]:
   """The student's params with their attention trained toward the teacher; `on_step(step,
   loss)` after each Adam step. With `partial`, saves there as it goes and resumes from it."""
@@ -300,8 +300,8 @@ def cli(args, src, windows: Callable, seq_len: int) -> dict:
   if getattr(args, "latent_rank", None) is not None:
     raise KvjaxError("--method distill trains a converted model's attention; it takes no "
                      "--latent-rank")
-  s = Settings(minutes=float(args.minutes), max_steps=int(args.steps),
-               lr=getattr(args, "lr", None) or Settings.lr)
+  s = DistillSettings(minutes=float(args.minutes), max_steps=int(args.steps),
+               lr=getattr(args, "lr", None) or DistillSettings.lr)
   s.check()
   overrides = config_lib.parse_set(getattr(args, "set", None))
   meta = checkpoint.read_meta(src.ref) if src.kind == "checkpoint" else {}

@@ -53,7 +53,7 @@ class Dense:
 
 
 @dataclass(frozen=True)
-class Settings:
+class FitSettings:
   minutes: float = 30.0     # the whole fit's time budget
   lr: float = 3e-3          # Adam's peak learning rate (cosine decay to 0 per layer)
   batch: int = 4            # calibration sequences per step
@@ -99,7 +99,7 @@ def _rel_error(cfg, parts, p, x, target, scale, layer) -> float:
 
 
 def _fit_layer(cfg: ModelConfig, parts, p: dict, x_NSE, target_NSE, scale, layer: int,
-               seconds: float, s: Settings, rng: np.random.Generator,
+               seconds: float, s: FitSettings, rng: np.random.Generator,
                on_step: Callable[[float], None]) -> tuple[dict, int]:
   """Adam on layer `layer`'s `parts` within `seconds`; returns them and the steps."""
   _, grad = _step_fns(cfg, parts)
@@ -132,7 +132,7 @@ def _fit_layer(cfg: ModelConfig, parts, p: dict, x_NSE, target_NSE, scale, layer
 
 
 def fit(cfg: Config, params: Any, original_cfg: Config, original: Any, tokens_NS: np.ndarray,
-        s: Settings = Settings(), start_layer: int = 0,
+        s: FitSettings = FitSettings(), start_layer: int = 0,
         on_layer: Callable[[int, Any, LayerReport], None] | None = None,
         on_step: Callable[[int, float], None] | None = None,
         parts=Dense()) -> tuple[Any, list[LayerReport]]:

@@ -61,7 +61,7 @@ def _quality_stat(dnll, n_t, kl, agree, n_p, axis=-1):
   return np.stack([np.expm1(dnll.sum(axis) / nt), kl.sum(axis) / npos, agree.sum(axis) / npos])
 
 
-METHODS = ("blocks", "two_stage", "windows")
+METHODS = ("blocks", "two_stage", "windows", "windows_t")
 
 
 def quality_ci(nll_Bm, nll_ref_Bm, kl_BM, agree_BM, block: int = BLOCK,
@@ -71,7 +71,9 @@ def quality_ci(nll_Bm, nll_ref_Bm, kl_BM, agree_BM, block: int = BLOCK,
   prediction at t scoring token t+1), per-position KL(ref || cache) and argmax matches
   ([B, M]). `method`: `blocks` resamples the blocks of all windows as one pool; `two_stage`
   resamples windows, then blocks within each drawn window; `windows` resamples whole
-  windows (scripts/interval_coverage.py measures how often each covers other text)."""
+  windows; `windows_t` is the cluster-robust interval over windows (`windows_t`); with one
+  window every method is `blocks` (scripts/interval_coverage.py measures how often each
+  covers other windows of the text)."""
   if method not in METHODS:
     raise ValueError(f"unknown bootstrap method {method!r}; use one of {METHODS}")
   kl = np.asarray(kl_BM, np.float64)
@@ -82,6 +84,8 @@ def quality_ci(nll_Bm, nll_ref_Bm, kl_BM, agree_BM, block: int = BLOCK,
           block_sums(np.ones_like(kl), M, block))
   if len(data[0]) < 2 or not data[1].sum():  # one block: nothing to resample
     lo = hi = _quality_stat(*data)
+  elif method == "windows_t" and B >= 2:
+    lo, hi = windows_t(*(d.reshape(B, -1).sum(1) for d in data))
   elif method == "blocks" or B < 2:
     from scipy import stats
     r = stats.bootstrap(data, _quality_stat, paired=True, vectorized=True,
@@ -95,6 +99,24 @@ def quality_ci(nll_Bm, nll_ref_Bm, kl_BM, agree_BM, block: int = BLOCK,
   out = {k: [float(a), float(b)] for k, a, b in zip(names, lo, hi)}
   out["kl_ci95"] = [max(x, 0.0) for x in out["kl_ci95"]]  # as the point: KL >= 0
   return out
+
+
+def windows_t(dnll_B, nt_B, kl_B, agree_B, np_B):
+  """(lo, hi) of (Δppl, KL, agreement) over B windows taken as independent draws of the
+  text: each a ratio of sums R = ΣX / ΣN, its standard error from the windows' linearized
+  terms X_b − R·N_b (the cluster-robust sandwich with the B / (B − 1) correction), and a
+  Student t quantile with B − 1 degrees of freedom; Δppl on the log scale, then expm1."""
+  from scipy import stats
+  B = len(dnll_B)
+  t = stats.t.ppf(0.5 + LEVEL / 2, B - 1)
+  out = []
+  for x, n in ((dnll_B, nt_B), (kl_B, np_B), (agree_B, np_B)):
+    r = x.sum() / n.sum()
+    se = np.sqrt(B / (B - 1) * np.sum((x - r * n) ** 2)) / n.sum()
+    out.append((r - t * se, r + t * se))
+  (a, b), (c, d), (e, f) = out
+  return (np.array([np.expm1(a), c, max(e, 0.0)]),
+          np.array([np.expm1(b), d, min(f, 1.0)]))
 
 
 def _nested(sums_Bn: tuple, n_resamples: int, seed: int, blocks: bool):

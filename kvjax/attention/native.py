@@ -6,7 +6,7 @@ fp16, int8, int4, int2 and fp8 with whole-head or head_dim-group scales per toke
 per-channel keys; contiguous, per-layer and paged storage) is read by it: each code
 converted where it is used, the rows spread over XLA's threads. Any other segment (the
 normal-float codecs), and every segment where the kernel is not built, is read block by block in its
-codes' own type through XLA's library dots (`Codec.qk` / `pv` with `native=True`,
+codes' own type through XLA's library dots (`Codec.qk` / `pv` with `in_stored_type=True`,
 `kvjax.codecs.dots`): bf16 blocks through bf16 dots, int8 / int4 / int2 codes through int8
 dots, fp8 through bf16, each scale applied outside the dot. `CHUNK` tokens a block: no
 block is widened there, so a block only bounds the logits of one online-softmax step.
@@ -45,7 +45,7 @@ def read_segment(q_BKGTD, seg, state, program: str = "cpu", bucket: int = 0,
     seg, floor_BT = dataclasses.replace(seg, mask_BS=xla.window_mask(seg, floor_BT)[:, 0]), None
   part = None if floor_BT is not None else kernels.read(q_BKGTD, seg)
   if part is None:
-    return xla.attend_segment(q_BKGTD, seg, state, native=True, chunk=CHUNK, program=program,
+    return xla.attend_segment(q_BKGTD, seg, state, in_stored_type=True, chunk=CHUNK, program=program,
                               bucket=bucket, floor_BT=floor_BT)
   return merge(state, part)
 

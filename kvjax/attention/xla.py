@@ -62,11 +62,11 @@ def window_mask(seg, floor_BT):
   return seg.mask_BS[:, None, :] & (seg.pos_BS[:, None, :] >= floor_BT[:, :, None])
 
 
-def attend_segment(q_BKGTD, seg, state, native: bool = False, chunk: int | None = None,
+def attend_segment(q_BKGTD, seg, state, in_stored_type: bool = False, chunk: int | None = None,
                    program: str = "cpu", bucket: int = 0, floor_BT=None):
   """Online softmax over the stored tokens [0, live) of one segment, block by block,
   `chunk` tokens at a time; `native` reads each block through the codecs' stored-type
-  dots (`Codec.qk` / `pv` with `native=True`). The
+  dots (`Codec.qk` / `pv` with `in_stored_type=True`). The
   accelerator program reads one block (`block_size`) through `folded`, where only a convert
   precedes each dot. `floor_BT` [B, T]: each query sees only slots holding a position at
   or above its floor (a sliding window; None: no window)."""
@@ -75,9 +75,9 @@ def attend_segment(q_BKGTD, seg, state, native: bool = False, chunk: int | None 
     return state
   C = block_size(seg, S, chunk, program, bucket)
   accel = program == "accelerator"
-  if native:
-    qk = functools.partial(seg.k_codec.qk, native=True)
-    pv = functools.partial(seg.v_codec.pv, native=True)
+  if in_stored_type:
+    qk = functools.partial(seg.k_codec.qk, in_stored_type=True)
+    pv = functools.partial(seg.v_codec.pv, in_stored_type=True)
   elif accel:
     qk = functools.partial(folded.qk, seg.k_codec)
     pv = lambda p, v: folded.pv(seg.v_codec, p, v, q_BKGTD.dtype)  # noqa: E731

@@ -122,19 +122,19 @@ class Codec:
     return n_kv_heads * head_dim * jnp.dtype(self.dtype).itemsize
 
   # -- the read interface: the attention's two reads of a block, and what is stored --------
-  def qk(self, q_BKGTD: jax.Array, k_enc: Any, native: bool = False) -> jax.Array:
+  def qk(self, q_BKGTD: jax.Array, k_enc: Any, in_stored_type: bool = False) -> jax.Array:
     """Logits [B, K, G, T, C] over a block of C stored tokens in one go (the caller keeps
-    blocks small, so whatever is widened here is block-sized). `native`: the block read in
+    blocks small, so whatever is widened here is block-sized). `in_stored_type`: the block read in
     its stored type (`codecs.dots`, the `native` attention): bf16 codes meet the query in
     bf16 digits; fp32 and fp16 (which bf16 cannot hold exactly) read as without it."""
-    if native and jnp.dtype(self.dtype) == jnp.bfloat16:
+    if in_stored_type and jnp.dtype(self.dtype) == jnp.bfloat16:
       return dots.qk(q_BKGTD, load_bits(k_enc, self.dtype))
     return dot_qk(q_BKGTD, self.decode(k_enc, q_BKGTD.dtype))
 
-  def pv(self, p_BKGTC: jax.Array, v_enc: Any, native: bool = False) -> jax.Array:
-    """Probability-weighted values [B, K, G, T, D] of a block of C stored tokens, `native`
-    as in `qk`."""
-    if native and jnp.dtype(self.dtype) == jnp.bfloat16:
+  def pv(self, p_BKGTC: jax.Array, v_enc: Any, in_stored_type: bool = False) -> jax.Array:
+    """Probability-weighted values [B, K, G, T, D] of a block of C stored tokens,
+    `in_stored_type` as in `qk`."""
+    if in_stored_type and jnp.dtype(self.dtype) == jnp.bfloat16:
       return dots.pv(p_BKGTC, load_bits(v_enc, self.dtype))
     return dot_pv(p_BKGTC, self.decode(v_enc, p_BKGTC.dtype))
 

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.codecs import base, clip, logits, packing
-from kvjax.codecs import native as native_reads
+from kvjax.codecs import stored_type_reads
 from kvjax.codecs.packing import SCALE_BYTES, SCALE_DTYPE, pack, unpack  # noqa: F401 (the face)
 from kvjax.errors import KvjaxError
 
@@ -233,11 +233,11 @@ class ScaledCodec(base.Codec):
     scales = "channel" if self.axis == "channel" else "grouped" if self.group else "whole"
     return base.Stored("scaled", kernel, scales)
 
-  def qk(self, q_BKGTD, enc, native: bool = False):
-    """Logits over a block of C stored tokens, scales folded in: [B, K, G, T, C]; `native`:
-    in the codes' stored type (`codecs.native`), for the codes this class stores."""
-    if native and self.storage == "scaled":
-      return native_reads.qk(self, q_BKGTD, enc)
+  def qk(self, q_BKGTD, enc, in_stored_type: bool = False):
+    """Logits over a block of C stored tokens, scales folded in: [B, K, G, T, C]; `in_stored_type`:
+    in the codes' stored type (`codecs.stored_type_reads`), for the codes this class stores."""
+    if in_stored_type and self.storage == "scaled":
+      return stored_type_reads.qk(self, q_BKGTD, enc)
     c_BKCD, s, off = self._parts(enc, q_BKGTD.dtype)
     G, D = q_BKGTD.shape[2], q_BKGTD.shape[4]
     f32 = jnp.float32
@@ -258,11 +258,11 @@ class ScaledCodec(base.Codec):
       return l
     return logits.group_logits(q_BKGTD, c_BKCD, s, off)
 
-  def pv(self, p_BKGTC, enc, native: bool = False):
+  def pv(self, p_BKGTC, enc, in_stored_type: bool = False):
     """Probability-weighted values of a block of C tokens, scales folded into p: [B,K,G,T,D];
-    `native` as in `qk`."""
-    if native and self.storage == "scaled":
-      return native_reads.pv(self, p_BKGTC, enc)
+    `in_stored_type` as in `qk`."""
+    if in_stored_type and self.storage == "scaled":
+      return stored_type_reads.pv(self, p_BKGTC, enc)
     c_BKCD, s, off = self._parts(enc, jnp.float32)
     B, K, G, T, C = p_BKGTC.shape
     D = c_BKCD.shape[-1]

@@ -1,4 +1,5 @@
-"""The `native` read of the scaled codecs (`quant.ScaledCodec.qk` / `pv` with `native=True`):
+"""The read of the scaled codecs in their stored type (`quant.ScaledCodec.qk` / `pv` with
+`in_stored_type=True`, what the `native` attention reads through XLA):
 a block of codes meets the query (or probability) rows in the codes' own type through
 `codecs.dots`, and every scale, zero point and offset is applied around the dot, never
 to the block:

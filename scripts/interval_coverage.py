@@ -101,7 +101,7 @@ def main() -> None:
   from kvjax import config as config_lib
   from kvjax.errors import KvjaxError
   from kvjax.io import sources
-  from kvjax.lab import data, evaluate, metrics
+  from kvjax.lab import data, evaluate, lockstep, metrics
 
   try:
     if min(a.sets, a.windows) < 2 or a.tokens < 2 or a.chunk < 1 or a.resamples < 100:
@@ -135,7 +135,7 @@ def main() -> None:
     parts = {c: [] for c in codecs}
     t0 = time.perf_counter()
     for j in range(a.sets):  # a set's windows in one batch; the terms are kept per window
-      got = evaluate.lockstep_terms(tcfgs, ref_cfg, params,
+      got = lockstep.terms(tcfgs, ref_cfg, params,
                                     ids[j * a.windows:(j + 1) * a.windows], a.chunk)
       for c in codecs:
         parts[c].append(got[c])

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from kvjax import cli, config
-from kvjax.lab import evaluate
+from kvjax.lab import evaluate, lockstep
 from kvjax.lab.experiments import position
 
 MODEL = {"vocab_size": 260, "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
@@ -17,7 +17,7 @@ MODEL = {"vocab_size": 260, "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_he
 
 
 def test_lockstep_terms_equal_the_stored_reference_path():
-  """`evaluate.lockstep_terms` (the fp32 reference streamed once beside every cache, segment by segment)
+  """`lockstep.terms` (the fp32 reference streamed once beside every cache, segment by segment)
   gives, position by position, the NLL, KL and agreement of each cache's and the
   reference's whole log-probabilities (each streamed on its own), for every position with
   a target."""
@@ -27,7 +27,7 @@ def test_lockstep_terms_equal_the_stored_reference_path():
   tokens = np.random.default_rng(0).integers(0, 260, (1, 80)).astype(np.int32)
   ref_cfg = evaluate.reference_config(cfg)
   int8 = config.apply_overrides(cfg, {"cache.codec": "int8"})
-  got = evaluate.lockstep_terms({"int4": cfg, "int8": int8}, ref_cfg, params, tokens, chunk=16)
+  got = lockstep.terms({"int4": cfg, "int8": int8}, ref_cfg, params, tokens, chunk=16)
   assert list(got) == ["int4", "int8"]
   ref_lp = evaluate.host_logprobs(ref_cfg, params, tokens, 16)
   for name, c in (("int4", cfg), ("int8", int8)):
@@ -55,7 +55,7 @@ def test_a_policy_is_compacted_at_each_bucket_start():
                                       "cache.window": 4})
   keep = config.apply_overrides(snap, {"cache.ratio": 1.0})
   edges = [0, 32, 64, 96]
-  got = evaluate.lockstep_terms({"snap": snap, "keep": keep}, ref_cfg, params, tokens, 16,
+  got = lockstep.terms({"snap": snap, "keep": keep}, ref_cfg, params, tokens, 16,
                                 edges=edges)
   nll, nll_ref, kl, agree = got["snap"]
   np.testing.assert_allclose(kl[:, :32], 0, atol=1e-6)

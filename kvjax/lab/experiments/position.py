@@ -32,7 +32,7 @@ import numpy as np
 from kvjax import config as config_lib
 from kvjax import memory, policies
 from kvjax.errors import KvjaxError
-from kvjax.lab import data, evaluate, intervals
+from kvjax.lab import data, evaluate, intervals, lockstep
 from kvjax.lab import experiments as ex
 from kvjax.lab.experiments import quality
 
@@ -134,7 +134,7 @@ def run_cell(cfg) -> list[dict]:
     tokens = _ids(tok, text, M)
     with tqdm(total=(1 + len(tcfgs)) * M, desc=f"position {src.name}", unit="tok",
               leave=False) as bar:
-      got = evaluate.lockstep_terms(tcfgs, ref_cfg, params, tokens, chunk, bar,
+      got = lockstep.terms(tcfgs, ref_cfg, params, tokens, chunk, bar,
                                     edges=_edges(cfg, M))
     for name, tcfg in tcfgs.items():
       c = tcfg.cache

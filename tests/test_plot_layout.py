@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt
 import pytest
 
 from kvjax.lab import plots
-from kvjax.lab.plots import style
+from kvjax.lab.plots import style, texts
 
 PKG = Path(plots.__file__).resolve().parent
 SETTINGS = {"fp32": "fp32", "bf16": "bf16", "int8": "int8", "int4": "int4",
@@ -183,7 +183,7 @@ def test_every_plot_module_draws_from_the_synthetic_folder(drawn):
 
 
 def test_no_text_outside_its_canvas(drawn):
-  clipped = {str(path): style.clipped_text(fig) for path, fig in drawn}
+  clipped = {str(path): texts.clipped_text(fig) for path, fig in drawn}
   assert not {k: v for k, v in clipped.items() if v}
 
 
@@ -192,17 +192,17 @@ def test_the_check_fails_on_a_clipped_figure():
   ax.set_title("a title far too long for a canvas three inches wide, cut at both edges")
   im = ax.imshow([[0, 1]])
   fig.colorbar(im, ax=ax, label="a colour-bar label")
-  found = style.clipped_text(fig)
+  found = texts.clipped_text(fig)
   plt.close(fig)
   assert any(t.startswith("a title far too long") for t in found), found
   fig, ax = plt.subplots(figsize=(3, 2))
   im = ax.imshow([[0, 1]])
   fig.colorbar(im, ax=ax, label="accuracy").ax.yaxis.label.set_fontsize(40)
-  assert "accuracy" in style.clipped_text(fig)
+  assert "accuracy" in texts.clipped_text(fig)
   plt.close(fig)
   fig, ax = plt.subplots(figsize=(4, 3), layout="constrained")
   ax.set_title("short")
-  assert style.clipped_text(fig) == []
+  assert texts.clipped_text(fig) == []
   plt.close(fig)
 
 

@@ -1,7 +1,7 @@
 """What a plot must not do to be read at a glance, checked on a drawn figure (the plot test
 draws every plot `kvjax plot` makes from the committed rows and runs `problems` on each):
 
-  - text leaving the figure (`style.clipped_text`) or overlapping other text (a title over
+  - text leaving the figure (`texts.clipped_text`) or overlapping other text (a title over
     tick labels, two annotations on each other), or a title over a plot area;
   - a text label on an interval (an error bar), where it hides what the bar says;
   - an interval that runs beyond its axis without an arrow at the cut (`style.cut_arrows`,
@@ -25,7 +25,8 @@ from matplotlib.patches import Patch
 from matplotlib.text import Text
 from matplotlib.ticker import FixedLocator
 
-from kvjax.lab.plots.style import CUT_GID, clipped_text, shown_texts
+from kvjax.lab.plots.style import CUT_GID
+from kvjax.lab.plots.texts import clipped_text, shown_texts
 
 PAD = 1.0  # pixels of overlap tolerated (antialiasing)
 

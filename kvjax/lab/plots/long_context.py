@@ -29,8 +29,9 @@ from kvjax.lab.plots import long_context_evict as evict
 from kvjax.lab.plots.long_common import setting as _setting
 from kvjax.lab.plots.long_common import settings as _settings
 from kvjax.lab.plots.long_common import title as _title
+from kvjax.lab.plots.texts import label_points
 from kvjax.lab.plots.style import (
-    BYTES, MARKERS, TOKENS, bytes_per_token, label_points, save, wilson_yerr)
+    BYTES, MARKERS, TOKENS, bytes_per_token, save, wilson_yerr)
 
 
 def heatmap(rows, out_dir: Path) -> list[Path]:

@@ -22,8 +22,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from kvjax.lab.plots.long_common import setting, title
+from kvjax.lab.plots.texts import label_points
 from kvjax.lab.plots.style import (
-    BYTES, MARKERS, TOKENS, bytes_per_token, label_points, save, wilson_yerr)
+    BYTES, MARKERS, TOKENS, bytes_per_token, save, wilson_yerr)
 
 METHOD_COLORS = {"window": "#ff7f0e", "sinks": "#2ca02c", "snapkv": "#1f77b4", "h2o": "#9467bd",
                  "tova": "#8c564b", "knorm": "#7f7f7f", "quantization": "#d62728",

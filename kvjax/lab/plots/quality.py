@@ -19,8 +19,9 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
+from kvjax.lab.plots.texts import label_points
 from kvjax.lab.plots.style import (
-    FAMILY_COLORS, HATCHES, Look, bytes_per_token, cache_label, label_points, save, variant_color,
+    FAMILY_COLORS, HATCHES, Look, bytes_per_token, cache_label, save, variant_color,
     variant_order)
 
 

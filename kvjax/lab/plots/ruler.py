@@ -4,7 +4,7 @@
     cache at (its bytes per prompt token as a share of a bf16 cache's, its mean score with
     the Wilson 95 % interval over questions); filled markers read the question-blind
     protocol, open ones the question-aware. A family is plotted over the tasks whose fp32
-    cache scores at least the calibration threshold (`ruler.family_rows`), its title saying
+    cache scores at least the calibration threshold (`calibration.family_rows`), its title saying
     how many; one with none is plotted whole and titled "beyond the model". One figure per
     model (their contexts and head shapes differ).
 """
@@ -18,7 +18,7 @@ import numpy as np
 
 from kvjax.lab import intervals
 from kvjax.lab.plots.style import Look, cache_label, model_label, save
-from kvjax.lab.tasks import ruler
+from kvjax.lab.tasks import calibration
 
 
 def _bf16_bytes(rows: list[dict]) -> float:
@@ -44,7 +44,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
       for j, fam in enumerate(families):
         ax, whole = axes[i][j], [r for r in mine if r["workload"]["context"] == n
                                  and r["workload"]["family"] == fam]
-        here, calibrated = ruler.family_rows(whole)
+        here, calibrated = calibration.family_rows(whole)
         k, m = (len({r["workload"]["task"] for r in x}) for x in (here, whole))
         bf16 = _bf16_bytes(here)
         groups: dict = {}

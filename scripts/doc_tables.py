@@ -84,7 +84,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's kvjax, whichever is installed
 from kvjax import footprint  # noqa: E402  (the one count of cache bytes)
 from kvjax.lab import intervals  # noqa: E402
-from kvjax.lab.tasks import ruler  # noqa: E402  (the one calibration rule of the suite)
+from kvjax.lab.tasks import calibration  # noqa: E402  (the suite's one calibration rule)
 
 DOC = ROOT / "docs" / "experiments.md"
 SOURCES = {"quality": ROOT / "results" / "quality.jsonl",
@@ -1338,7 +1338,7 @@ def ruler_table(rows: list[dict]) -> str:
   """docs/long_context.md: per model and context, each cache and protocol's score per task
   family (Wilson 95 % intervals over questions, n in brackets) and its bytes per prompt
   token against a bf16 cache's. A family is scored over the tasks whose fp32 cache scores
-  at least 0.8 (`ruler.family_rows`); the others are listed as beyond the model, and a
+  at least 0.8 (`calibration.family_rows`); the others are listed as beyond the model, and a
   family with none is not ranked. Per calibrated family and bytes band: the best score, or
   the settings whose intervals overlap it."""
   rows = [r for r in rows if r.get("experiment") == "ruler"]
@@ -1348,12 +1348,12 @@ def ruler_table(rows: list[dict]) -> str:
   for model in sorted({r["variant"]["model"] for r in rows}):
     for n in sorted({r["workload"]["context"] for r in rows if r["variant"]["model"] == model}):
       here = [r for r in rows if r["variant"]["model"] == model and r["workload"]["context"] == n]
-      cal = ruler.calibration(here)
+      cal = calibration.calibration(here)
       fams = list(dict.fromkeys(r["workload"]["family"] for r in here))
       used, ok, head = {}, {}, {}
       for f in fams:
         mine = [r for r in here if r["workload"]["family"] == f]
-        used[f], ok[f] = ruler.family_rows(mine, cal)
+        used[f], ok[f] = calibration.family_rows(mine, cal)
         k, m = (len({r["workload"]["task"] for r in x}) for x in (used[f], mine))
         head[f] = (f"{f} ({k} of {m} tasks)" if ok[f] and k < m
                    else f"{f} (beyond the model)" if ok[f] is False else f)
@@ -1382,7 +1382,7 @@ def ruler_table(rows: list[dict]) -> str:
             ranked[f].append((frac, s, p, intervals.shares(sc)))
         out.append(f"| `{s}` | {p} | {frac:.2f} | " + " | ".join(cells) + " |")
       out.append("")
-      beyond = sorted(t for (_, _, t), v in cal.items() if v < ruler.CALIBRATED)
+      beyond = sorted(t for (_, _, t), v in cal.items() if v < calibration.CALIBRATED)
       if beyond:
         out.append("- Beyond the model here (the fp32 cache's score): " + ", ".join(
             f"{t} ({cal[(model, n, t)]:.2f})" for t in beyond) + ".")

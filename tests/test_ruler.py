@@ -14,7 +14,7 @@ from kvjax.decode import step
 from kvjax.errors import KvjaxError
 from kvjax.io.tokenizer import ByteTokenizer
 from kvjax.lab import evaluate, intervals, tasks
-from kvjax.lab.tasks import haystack, ruler, through_cache
+from kvjax.lab.tasks import calibration, haystack, ruler, through_cache
 
 ENC = ByteTokenizer().encode
 PROSE = " ".join(f"Sentence number {i} of the story went on. It was a quiet day {i}!"
@@ -281,7 +281,7 @@ def test_family_scored_over_its_calibrated_tasks():
   rows = [ruler_row("niah_single_1", "fp32", 1.0), ruler_row("niah_single_1", "int4", 0.0),
           ruler_row("niah_multikey_3", "fp32", 0.0), ruler_row("niah_multikey_3", "int4", 1.0),
           ruler_row("cwe", "fp32", 0.5), ruler_row("cwe", "int4", 0.25)]
-  assert ruler.calibration(rows) == {("m", 8192, "niah_single_1"): 1.0,
+  assert calibration.calibration(rows) == {("m", 8192, "niah_single_1"): 1.0,
                                      ("m", 8192, "niah_multikey_3"): 0.0,
                                      ("m", 8192, "cwe"): 0.5}
   fam = {(t["family"], t["cache"]): t for t in exp.summary(rows)["by family"]}
@@ -292,7 +292,7 @@ def test_family_scored_over_its_calibrated_tasks():
   task = {(t["task"], t["cache"]): t["calibrated"] for t in exp.summary(rows)["by task"]}
   assert task[("niah_single_1", "int4")] and not task[("niah_multikey_3", "int4")]
   blind = [r for r in rows if r["variant"]["setting"] != "fp32"]
-  assert ruler.family_rows(blind) == (blind, None)
+  assert calibration.family_rows(blind) == (blind, None)
 
 
 @pytest.mark.parametrize("params,match", [

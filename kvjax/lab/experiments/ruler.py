@@ -32,7 +32,7 @@ family, the fact's depth and token, and the bytes the cache holds per prompt tok
 evicting rows). The summary scores each (model, context, family or task, cache, protocol)
 with the Wilson 95 % interval over questions (`kvjax.lab.intervals.shares`), and marks a
 (model, context, task) whose fp32 cache scores below `CALIBRATED` "beyond the model"; a
-family is scored over the tasks the model answers (`ruler.family_rows`).
+family is scored over the tasks the model answers (`calibration.family_rows`).
 
 `params.text` names the prose a prose haystack is cut from (default `shakespeare`);
 `params.template` how each model is prompted (plain, base, chatml, gemma, or `model`: its
@@ -56,12 +56,12 @@ from kvjax.errors import KvjaxError
 from kvjax.lab import data, evaluate, intervals, tasks
 from kvjax.lab import experiments as ex
 from kvjax.lab.experiments import long_context
-from kvjax.lab.tasks import ruler
+from kvjax.lab.tasks import calibration, ruler
 
 PARAMS = frozenset({"caches", "context", "models", "protocols", "sample", "tail_pad", "task",
                     "template", "text"})
 PROTOCOLS = ("blind", "aware")
-CALIBRATED = ruler.CALIBRATED
+CALIBRATED = calibration.CALIBRATED
 
 
 def _caches(cfg) -> dict:
@@ -286,8 +286,8 @@ def summary(rows: list[dict]) -> dict:
   """Per (model, context, family, cache, protocol) and per task: the mean share with its
   Wilson interval over questions. A task is `calibrated` where its fp32 cache scores at
   least CALIBRATED (None without fp32 rows); a family is scored over its calibrated tasks
-  (`tasks` counts them) and is uncalibrated only where none is (`ruler.family_rows`)."""
-  cal = ruler.calibration(rows)
+  (`tasks` counts them) and is uncalibrated only where none is (`calibration.family_rows`)."""
+  cal = calibration.calibration(rows)
   groups: dict = {}
   for r in rows:
     v, w = r["variant"], r["workload"]
@@ -300,7 +300,7 @@ def summary(rows: list[dict]) -> dict:
                          None if ref is None else bool(ref >= CALIBRATED))
     for fam in dict.fromkeys(r["workload"]["family"] for r in mine):
       here = [r for r in mine if r["workload"]["family"] == fam]
-      used, ok = ruler.family_rows(here, cal)
+      used, ok = calibration.family_rows(here, cal)
       by_family += _scores(used, "family", fam, ok)
   return {"by family": by_family, "by task": by_task}
 

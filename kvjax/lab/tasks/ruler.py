@@ -30,9 +30,7 @@ generator seeded by (task, length, seed), so one set of arguments gives one exam
 
 Score (`score`): the share of the expected strings found in the generated text, ignoring
 case (RULER's string-match-all); a question with one expected string scores 0 or 1.
-Calibration (`calibration`, `family_rows`): a (model, context, task) whose fp32 cache
-scores below `CALIBRATED` is beyond the model there; a family is scored over the tasks the
-model answers, and is beyond the model only where it answers none of them.
+Which scores are ranked: `kvjax.lab.tasks.calibration`.
 
 The context fills `target` tokens of the model's tokenizer, less the longest question's
 tail: a bisection on the number of haystack pieces (sentences of the prose, filler
@@ -59,7 +57,6 @@ FAMILY = {
 TASKS = tuple(FAMILY)
 FAMILIES = tuple(dict.fromkeys(FAMILY.values()))
 SINGLE = ("niah_single_1", "niah_single_2", "niah_single_3")
-CALIBRATED = 0.8  # the fp32 cache's mean score below which a (model, context, task) is not ranked
 
 # tokens an answer may take: seven digits, a UUID (36 characters), four numbers, five
 # variable names, ten words, three words; each with room for the model's punctuation
@@ -376,28 +373,3 @@ def score(generated: str, expected) -> float:
     raise KvjaxError("a question must expect at least one string")
   text = generated.lower()
   return sum(e.lower() in text for e in expected) / len(expected)
-
-
-def _where(r: dict) -> tuple:
-  return r["variant"].get("model"), r["workload"]["context"], r["workload"]["task"]
-
-
-def calibration(rows: list[dict]) -> dict[tuple, float]:
-  """The fp32 cache's mean score per (model, context, task) of the suite's rows."""
-  acc: dict = {}
-  for r in rows:
-    if r["variant"].get("setting") == "fp32":
-      acc.setdefault(_where(r), []).append(r["metrics"]["score"])
-  return {k: float(np.mean(v)) for k, v in acc.items()}
-
-
-def family_rows(rows: list[dict], cal: dict[tuple, float] | None = None
-                ) -> tuple[list[dict], bool | None]:
-  """The rows a family's score is read from (all of one model, context and family): those of
-  its calibrated tasks, and True; where no task is calibrated, all of them, and False; all
-  of them and None where no task has fp32 rows to calibrate it."""
-  cal = calibration(rows) if cal is None else cal
-  if not any(_where(r) in cal for r in rows):
-    return rows, None
-  ok = [r for r in rows if cal.get(_where(r), 0.0) >= CALIBRATED]
-  return (ok, True) if ok else (rows, False)

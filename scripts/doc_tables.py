@@ -135,6 +135,15 @@ def _rows(path: Path | tuple) -> list[dict]:
   return rows
 
 
+def _ci_method(rows: list[dict]) -> str:
+  """How the rows' quality intervals were drawn (rows before `ci_method` was recorded
+  resampled 32-token blocks alone)."""
+  how = {r.get("metrics", {}).get("ci_method", "blocks") for r in rows}
+  words = {"blocks": "a paired bootstrap over 32-token blocks",
+           "two_stage": "a paired bootstrap of the windows, then of 32-token blocks in each"}
+  return "; ".join(words.get(h, h) for h in sorted(how))
+
+
 def _signed(v: float) -> str:
   if v == 0:
     return "0 %"
@@ -241,8 +250,8 @@ def quality_table(rows: list[dict]) -> str:
                                 f" (run on {', '.join(m for m, _, _ in got)} only)"))
   return "\n".join(lines) + (
       f"\n\nRows: `results/quality.jsonl` ({rests}). KL in nats; Δppl = ppl / ppl of the "
-      f"fp32 cache − 1; in brackets the 95 % interval (a paired bootstrap over 32-token "
-      f"blocks, `kvjax.lab.intervals`).\n\nWithin {LIMIT:g} % Δppl (point estimate) on every "
+      f"fp32 cache − 1; in brackets the 95 % interval ({_ci_method(rows)}, "
+      f"`kvjax.lab.intervals`).\n\nWithin {LIMIT:g} % Δppl (point estimate) on every "
       f"model that ran them: " + ", ".join(within) + f". Above {LIMIT:g} % on at least one "
       f"model: " + ", ".join(over) + f". Of those, the whole interval lies above {LIMIT:g} % "
       f"for: " + (", ".join(sure) or "none") + ".")
@@ -1303,6 +1312,38 @@ DOCS["position_policy"] = ROOT / "docs" / "long_prompts.md"
 BUILDERS["position_policy"] = lambda rows: position_table(rows) if rows else (
     "No rows yet: `kvjax run configs/position_policy.yaml --out "
     "results/real_models/position_policy`.")
+
+
+def coverage_table(rows: list[dict]) -> str:
+  """docs/methods.md: per model, text, codec, windows per set and deal, the share of sets
+  whose 95 % interval holds the pooled estimate, Δppl / KL, per interval method
+  (scripts/interval_coverage.py)."""
+  rows = [r for r in rows if r.get("experiment") == "interval_coverage"]
+  if not rows:
+    return ("Not run yet: `python scripts/interval_coverage.py --model gguf:smollm2-135m "
+            "--text stdlib --out results/real_models/interval_coverage.jsonl`.")
+  methods = list(dict.fromkeys(r["variant"]["method"] for r in rows))
+  out = ["| model | text | codec | windows a set | deal | sets | " + " | ".join(
+      f"`{m}`" for m in methods) + " |", "|---|---|---|---:|---|---:|" + "---:|" * len(methods)]
+  keys = sorted({(r["variant"]["model"], r["workload"]["data"], r["variant"]["codec"],
+                  r["workload"]["windows"], r["variant"]["assign"]) for r in rows},
+                key=lambda k: (k[0], k[1], k[2] != "int8", k[3], k[4]))
+  for k in keys:
+    here = {r["variant"]["method"]: r["metrics"] for r in rows
+            if (r["variant"]["model"], r["workload"]["data"], r["variant"]["codec"],
+                r["workload"]["windows"], r["variant"]["assign"]) == k}
+    m0 = next(iter(here.values()))
+    sets = m0["sets"] * m0.get("deals", 1)
+    cells = [f"{here[m]['dppl_rel_coverage']:.2f} / {here[m]['kl_coverage']:.2f}"
+             if m in here else "—" for m in methods]
+    out.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {k[4]} | {sets} | " + " | ".join(cells)
+               + " |")
+  return "\n".join(out)
+
+
+SOURCES["coverage"] = ROOT / "results" / "real_models" / "interval_coverage.jsonl"
+DOCS["coverage"] = ROOT / "docs" / "methods.md"
+BUILDERS["coverage"] = coverage_table
 SOURCES["long_prefill"] = ROOT / "results" / "cpu" / "long_prefill.jsonl"
 DOCS["long_prefill"] = ROOT / "docs" / "long_prompts.md"
 BUILDERS["long_prefill"] = long_prefill_table

@@ -65,13 +65,13 @@ def test_lossy_codec_changes_perplexity(tiny):
 
 def test_eval_json_carries_intervals_around_its_points(tiny, capsys):
   argv = ["eval", "--config", str(tiny / "model.yaml"), "--text", str(tiny / "text.txt"),
-          "--tokens", "160", "--seqs", "2", "--chunk", "16", "--codec", "int2"]
+          "--tokens", "80", "--seqs", "4", "--chunk", "16", "--codec", "int2"]
   assert cli.main(argv + ["--json"]) == 0
   out = json.loads(capsys.readouterr().out)
   for key in ("dppl_rel", "kl", "agreement"):
     lo, hi = out[f"{key}_ci95"]
     assert lo <= out[key] <= hi, key
-  assert out["warnings"] == []  # 2 x 160 tokens: 10 blocks of 32, enough
+  assert out["warnings"] == []  # 4 windows of 80 tokens: 12 blocks of 32, enough
   assert cli.main(argv) == 0  # the person's output prints the intervals
   text = capsys.readouterr().out
   assert "{:+.3f}".format(100 * out["dppl_rel_ci95"][0]) in text and "bootstrap" in text

@@ -276,8 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "questions)")
   e.add_argument("--tokens", type=_number("--tokens", _POS), default=512,
                  help="tokens per window (M)")
-  e.add_argument("--seqs", type=_number("--seqs", _POS), default=1,
-                 help="windows (B); 1 = the first M tokens")
+  e.add_argument("--seqs", type=_number("--seqs", _POS), default=4,
+                 help="windows (B), evenly spaced over the text (the default 4: fewer "
+                      "give intervals that may not cover other text); 1 = the first M tokens")
   e.add_argument("--chunk", type=_number("--chunk", _POS), default=1,
                  help="tokens per step (1 = pure decode)")
   e.add_argument("--codec", help=Listed("cache codec for K and V: {codecs}"))

@@ -80,8 +80,8 @@ def print_human(command: str, result: dict) -> None:
           f"KL {result['kl']:.3g}{_ci(ci['kl'], '{:.3g}')}  "
           f"agreement {result['agreement']:.4f}{_ci(ci['agreement'], '{:.4f}')}")
     if ci["dppl_rel"]:
-      print(f"  (95 % intervals: a paired bootstrap over blocks of {BLOCK} tokens, "
-            f"{RESAMPLES} resamples)")
+      print(f"  (95 % intervals: a paired bootstrap of the {result.get('seqs', 1)} windows, "
+            f"then blocks of {BLOCK} tokens within each, {RESAMPLES} resamples)")
     print(f"cache {result['bytes_per_token']:,.0f} B/token held at {result['tokens']} tokens "
           f"({result['bits_per_element']:.2f} bits/element all-in), "
           f"{result['bytes_per_token_asymptotic']:,.0f} B/token in the long-context limit")

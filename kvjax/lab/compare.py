@@ -3,7 +3,7 @@
 `kvjax eval --ref SETTING`, `Model.evaluate(ref=...)`, `Model.compare(...)` and the quality
 experiment's `params.reference` all hold a cache (A) to a reference (B) read on the same
 token windows: Δppl = ppl(A) / ppl(B) - 1, KL(B || A) and the argmax agreement of A with B,
-each with the paired block-bootstrap 95 % interval of `kvjax.lab.intervals` (the tokens are
+each with the paired two-stage bootstrap 95 % interval of `kvjax.lab.intervals` (the tokens are
 shared, so the per-token numbers of A and B are resampled together). B is
 
   - a cache setting of the same model: a codec name (`bf16`, `int8`) or `cache.*` keys as
@@ -113,7 +113,7 @@ def reference(spec, cfg: config_lib.Config, params, tok, sample: str = "") -> ev
 
 
 def eval_cli(src, overrides: dict, ref: str | None, text: str = "stdlib", tokens: int = 512,
-             seqs: int = 1, chunk: int = 1, progress: bool = True) -> dict:
+             seqs: int = 4, chunk: int = 1, progress: bool = True) -> dict:
   """`kvjax eval ... --ref SETTING`: the configured cache against the reference."""
   from kvjax.io import sources
 

@@ -17,7 +17,8 @@ model on the same tokenizer, read once per window and reused by every setting,
              fixed (teacher-forced) continuation, so one early flip spoils nothing after
   recall     accuracy on associative-recall answers (kvjax.lab.data) at a given context
 dppl_rel, kl and agreement each come with a 95 % interval (`*_ci95`, [lo, hi]): a paired
-bootstrap over blocks of 32 contiguous tokens of the windows (kvjax.lab.intervals).
+bootstrap of the windows, then of blocks of 32 contiguous tokens within each
+(kvjax.lab.intervals).
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ def _token_terms(lp_BmV, ref_BmV, nxt_Bn):  # one program: no full-vocabulary te
 
 def metrics_of(nll_Bm, nll_ref_Bm, kl_BM, agree_BM) -> dict:
   """ppl, ppl_ref, dppl_rel, kl, agreement of per-position numbers (`token_terms`), each
-  with its 95 % interval (`kvjax.lab.intervals`: a paired bootstrap over token blocks)."""
+  with its 95 % interval (`kvjax.lab.intervals`: a paired bootstrap of windows, then token blocks)."""
   ppl, ppl_ref = float(np.exp(np.mean(nll_Bm))), float(np.exp(np.mean(nll_ref_Bm)))
   return {"ppl": ppl, "ppl_ref": ppl_ref, "dppl_rel": ppl / ppl_ref - 1.0,
           "kl": max(float(np.mean(kl_BM)), 0.0), "agreement": float(np.mean(agree_BM)),
@@ -262,7 +263,7 @@ def text_windows(tok, text: str, n_tokens: int, seqs: int,
   return data.eval_windows(ids, seqs, n_tokens - 1)
 
 
-def eval_cli(src, overrides: dict, text: str = "stdlib", tokens: int = 512, seqs: int = 1,
+def eval_cli(src, overrides: dict, text: str = "stdlib", tokens: int = 512, seqs: int = 4,
              chunk: int = 1, progress: bool = True) -> dict:
   """`kvjax eval`: the configured cache against an fp32 contiguous cache, same tokens."""
   from kvjax.io import sources
@@ -327,7 +328,7 @@ def eval_settings(cfgs: dict, params, tok, src, text: str, tokens: int, seqs: in
     memory.check(c, B, M, chunk, what="this eval")  # two caches of M slots, as generate's
   params = step.prepare_params(first, params)  # once for every pass (they reuse it as is)
   ref_params = params if ref.kind == "cache" else ref.params
-  warnings = [w for w in (intervals.few_blocks(M, B),) if w]
+  warnings = [w for w in (intervals.few_blocks(M, B), intervals.few_windows(B)) if w]
   out = {}
   with tqdm(total=(1 + len(cfgs)) * B * M, desc="eval", unit="tok",
             disable=None if progress else True, leave=False) as bar:

@@ -1,18 +1,24 @@
 """95 % intervals of the quality numbers, so two settings are told apart only where their
 intervals separate.
 
-Perplexity, KL and agreement (`kvjax eval`, the `quality` experiment) come from a *paired
-block bootstrap*. The tested cache and the fp32 reference read the same tokens, so their
-per-token numbers are resampled together: each window is cut into contiguous blocks of
-`BLOCK` positions, and each block gives five sums: NLL through the cache minus NLL
-through the reference (its targets), its number of targets, KL, argmax matches, and its
-number of positions. Blocks, not tokens, are resampled because a passage that is hard
-for the model is hard for several tokens in a row. `scipy.stats.bootstrap` (paired,
-percentile method, `RESAMPLES` resamples, seeded with `SEED` so a row's interval is the
-same every run) resamples whole blocks and recomputes each statistic as a ratio of means
-over them: Δppl = exp(ΣΔNLL / Σtargets) − 1, KL = ΣKL / Σpositions, agreement =
-Σmatches / Σpositions. Fewer than `MIN_BLOCKS` blocks give a rough interval (`kvjax eval`
-warns).
+Perplexity, KL and agreement (`kvjax eval`, the `quality` and `compression` experiments)
+come from a *paired two-stage bootstrap*. The tested cache and the fp32 reference read the
+same tokens, so their per-token numbers are resampled together: each window is cut into
+contiguous blocks of `BLOCK` positions, and each block gives five sums: NLL through the
+cache minus NLL through the reference (its targets), its number of targets, KL, argmax
+matches, and its number of positions. A resample draws the windows with replacement,
+then each drawn window's blocks with replacement (`two_stage`), so the interval sees how
+much a figure moves from one stretch of text to another as well as within a window: over
+disjoint sets of windows of a real model's text, the block-only bootstrap held the pooled
+estimate less often than its nominal rate (scripts/interval_coverage.py, rows in
+results/real_models/interval_coverage.jsonl). Blocks, not tokens, because a passage that
+is hard for the model is hard for several tokens in a row. Each statistic is a ratio of
+means over what was drawn: Δppl = exp(ΣΔNLL / Σtargets) − 1, KL = ΣKL / Σpositions,
+agreement = Σmatches / Σpositions; the percentile interval of `RESAMPLES` resamples, seeded
+with `SEED` so a row's interval is the same every run. One window has only its blocks to
+resample (`blocks`, scipy.stats.bootstrap): its interval cannot see other text, and fewer
+than `MIN_WINDOWS` windows are warned about (`few_windows`), as are fewer than
+`MIN_BLOCKS` blocks (`few_blocks`).
 
 Task accuracies (long-context retrieval) get a Wilson score interval of the number right
 out of the number asked (`scipy.stats.binomtest(k, n).proportion_ci(method="wilson")`).
@@ -27,6 +33,7 @@ BLOCK = 32        # token positions per bootstrap block (within one window)
 RESAMPLES = 2000  # bootstrap resamples of the blocks
 SEED = 0          # the bootstrap's random state: a row's interval is reproducible
 MIN_BLOCKS = 10   # fewer blocks than this: the interval is rough
+MIN_WINDOWS = 4   # fewer windows than this: the interval may not cover other text
 
 
 def block_sums(x_BM, n: int, block: int = BLOCK) -> np.ndarray:
@@ -55,6 +62,15 @@ def few_blocks(M: int, B: int = 1) -> str | None:
           f"rough; evaluate at least {MIN_BLOCKS * BLOCK} tokens (--tokens, --seqs)")
 
 
+def few_windows(B: int) -> str | None:
+  """A warning when B windows are too few for the interval to cover other text."""
+  if B >= MIN_WINDOWS:
+    return None
+  return (f"{B} window{'s' if B > 1 else ''}: the 95 % intervals resample "
+          f"{'its blocks only and' if B == 1 else 'so few windows that they'} may not cover "
+          f"a rerun on other text; evaluate at least {MIN_WINDOWS} windows (--seqs)")
+
+
 def _quality_stat(dnll, n_t, kl, agree, n_p, axis=-1):
   """(Δppl, KL, agreement) as ratios of block means, along `axis` (vectorized)."""
   nt, npos = n_t.sum(axis), n_p.sum(axis)
@@ -65,7 +81,8 @@ METHODS = ("blocks", "two_stage", "windows", "windows_t")
 
 
 def quality_ci(nll_Bm, nll_ref_Bm, kl_BM, agree_BM, block: int = BLOCK,
-               n_resamples: int = RESAMPLES, seed: int = SEED, method: str = "blocks") -> dict:
+               n_resamples: int = RESAMPLES, seed: int = SEED, method: str = "two_stage"
+               ) -> dict:
   """`dppl_rel_ci95`, `kl_ci95`, `agreement_ci95` ([lo, hi]) of B windows of M positions:
   the next-token NLLs through the cache and the reference ([B, m], m = M - 1: the
   prediction at t scoring token t+1), per-position KL(ref || cache) and argmax matches
@@ -98,6 +115,7 @@ def quality_ci(nll_Bm, nll_ref_Bm, kl_BM, agree_BM, block: int = BLOCK,
   names = ("dppl_rel_ci95", "kl_ci95", "agreement_ci95")
   out = {k: [float(a), float(b)] for k, a, b in zip(names, lo, hi)}
   out["kl_ci95"] = [max(x, 0.0) for x in out["kl_ci95"]]  # as the point: KL >= 0
+  out["ci_method"] = method if B >= 2 else "blocks"  # what a row's intervals resampled
   return out
 
 

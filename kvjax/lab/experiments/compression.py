@@ -48,7 +48,7 @@ _REF: dict = {}
 
 
 def check(cfg) -> None:
-  ex.check_int_params(cfg, {"context": (512, 2), "continuation": (64, 2), "eval_seqs": (2, 1),
+  ex.check_int_params(cfg, {"context": (512, 2), "continuation": (64, 2), "eval_seqs": (4, 1),
                             "latent_rank": (0, 0)})
   quality.check(cfg)  # (params.reference refused there when malformed)
 
@@ -56,14 +56,14 @@ def check(cfg) -> None:
 def _tokens(cfg, mcfg, tok):
   n = cfg.param_int("context", 512) + cfg.param_int("continuation", 64)
   text = data.eval_text(str(cfg.param("text", "stdlib")), what="params.text")
-  return evaluate.text_windows(tok, text, n, cfg.param_int("eval_seqs", 2),
+  return evaluate.text_windows(tok, text, n, cfg.param_int("eval_seqs", 4),
                                ("params.context + params.continuation", "params.eval_seqs",
                                 "params.text"))
 
 
 def _reference(src, cfg, mcfg, params, tok):
   key = (str(src), repr(quality.reference_items(cfg)), cfg.param("context", 512),
-         cfg.param("continuation", 64), cfg.param("eval_seqs", 2), cfg.param("text", "stdlib"))
+         cfg.param("continuation", 64), cfg.param("eval_seqs", 4), cfg.param("text", "stdlib"))
   if key not in _REF:
     _REF.clear()
     ref_cfg = evaluate.reference_config(quality.cell_config(cfg, mcfg))

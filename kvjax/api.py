@@ -136,7 +136,7 @@ class Model:
     return GenerateResult.of(raw, text=None if text is None else one(text),
                              tokens=one(raw["tokens"]))
 
-  def evaluate(self, text: str | None = None, cache=None, tokens: int = 512, seqs: int = 1,
+  def evaluate(self, text: str | None = None, cache=None, tokens: int = 512, seqs: int = 4,
                chunk: int = 1, progress: bool = False, *, path: str | Path | None = None,
                corpus: str | None = None, ref=None) -> EvalResult:
     """Quality through the cache against a reference on the same tokens, as `kvjax eval`:

@@ -99,6 +99,7 @@ def main() -> None:
   ap.add_argument("--out", required=True)
   a = ap.parse_args()
   from kvjax import config as config_lib
+  from kvjax import memory
   from kvjax.errors import KvjaxError
   from kvjax.io import sources
   from kvjax.lab import data, evaluate, lockstep, metrics
@@ -123,8 +124,12 @@ def main() -> None:
     sizes = [int(x) for x in a.set_sizes.split(",") if x] or [a.windows]
     if any(b < 2 or b > a.sets * a.windows // 2 for b in sizes):
       raise KvjaxError("each --set-sizes entry must be >= 2 and leave at least two sets")
-    tcfgs = {c: config_lib.apply_overrides(cfg, {"cache.codec": c}) for c in codecs}
+    cfg = config_lib.apply_overrides(cfg, {"cache.capacity": a.tokens})  # a window's slots,
+    tcfgs = {c: config_lib.apply_overrides(cfg, {"cache.codec": c}) for c in codecs}  # not 32k
     ref_cfg = evaluate.reference_config(cfg)
+    memory.check_parts({"caches": 2 * sum(memory.cache_bytes(x, a.windows, a.tokens)
+                                          for x in (ref_cfg, *tcfgs.values()))},
+                       "this coverage run")
   except KvjaxError as e:
     sys.exit(f"interval_coverage: error: {e}")
   keep = Path(a.cache)

@@ -97,15 +97,18 @@ def test_eval_json_reports_held_bytes_and_warns(tmp_path, capsys):
   (tmp_path / "model.yaml").write_text(yaml.safe_dump(TINY))
   (tmp_path / "text.txt").write_text("the cache holds what it holds, window and all. " * 20)
   argv = ["eval", "--config", str(tmp_path / "model.yaml"), "--text", str(tmp_path / "text.txt"),
-          "--tokens", "48", "--chunk", "8", "--codec", "int4", "--set", "cache.k_axis=channel",
+          "--tokens", "48", "--seqs", "1", "--chunk", "8", "--codec", "int4", "--set",
+          "cache.k_axis=channel",
           "--set", "cache.group_size=4", "--set", "cache.residual=16", "--json"]
   assert cli.main(argv) == 0
   out, err = capsys.readouterr()
   res = json.loads(out)
   assert res["bytes_per_token"] == res["cache_bytes"] / 48  # one sequence, all it holds
   assert res["bytes_per_token"] > res["bytes_per_token_asymptotic"]
-  window, blocks = err.splitlines()  # the window's warning, and 48 tokens' rough interval
+  # the window's warning, 48 tokens' rough interval, and one window's
+  window, blocks, windows = err.splitlines()
   assert "warning" in window and "cache.residual=16" in window and "bootstrap blocks" in blocks
+  assert "at least 4 windows" in windows
   assert res["bits_per_element"] == pytest.approx(
       8 * res["bytes_per_token"] / (2 * 2 * 2 * 8))
 

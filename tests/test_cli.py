@@ -240,8 +240,9 @@ def test_generate_on_random_weights_says_so_in_human_mode_only(capsys):
 
 
 def test_generate_prompt_file_and_one_run_without_warmup(capsys, tmp_path, monkeypatch):
-  """--prompt-file reads the same text --prompt takes; --no-warmup runs the program once
-  (a long prompt prefilled once, not twice) and says its timings are not warm."""
+  """--prompt-file reads the same text --prompt takes; by default the program runs once (a
+  long prompt prefilled once, not twice) and says its timings are not warm; --warmup runs
+  it untimed first."""
   from kvjax.decode import generate
 
   runs = []
@@ -251,12 +252,14 @@ def test_generate_prompt_file_and_one_run_without_warmup(capsys, tmp_path, monke
   f.write_text("héllo there")
   common = ["generate", "--config", "configs/quickstart.yaml", *QUICK, "--max-new-tokens", "4",
             "--greedy", "--json"]
-  rc, out, _ = run_cli(capsys, *common, "--prompt", "héllo there")
+  rc, out, _ = run_cli(capsys, *common, "--prompt", "héllo there", "--warmup")
   assert rc == 0 and len(runs) == 2 and json.loads(out)["warm"] is True
-  rc, out2, _ = run_cli(capsys, *common, "--prompt-file", str(f), "--no-warmup")
+  rc, out2, _ = run_cli(capsys, *common, "--prompt-file", str(f))
   assert rc == 0 and len(runs) == 3
   a, b = json.loads(out), json.loads(out2)
   assert a["tokens"] == b["tokens"] and b["warm"] is False
+  rc, _, _ = run_cli(capsys, *common, "--prompt-file", str(f), "--no-warmup")  # as before
+  assert rc == 0 and len(runs) == 4
 
 
 @pytest.mark.parametrize("content,match", [(None, "cannot read --prompt-file"),

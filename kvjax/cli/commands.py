@@ -148,7 +148,7 @@ def cmd_generate(args) -> dict:
   text = generate.read_prompt(args.prompt_file) if args.prompt_file else args.prompt
   prompts = generate.prompts(tok, text, ids, chat=args.chat)
   return generate.report(cfg, params, tok, src, prompts, args.max_new_tokens, seed=args.seed,
-                           stop=not args.no_stop, chat=args.chat, warm=not args.no_warmup)
+                           stop=not args.no_stop, chat=args.chat, warm=args.warmup and not args.no_warmup)
 
 
 # -- run / train --------------------------------------------------------------------------

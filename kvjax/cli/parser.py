@@ -148,9 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
   pr.add_argument("--prompt-file", metavar="FILE", help="the prompt as UTF-8 text in a file "
                   "(a long document)")
   g.add_argument("--max-new-tokens", type=_number("--max-new-tokens", _POS), default=16)
-  g.add_argument("--no-warmup", action="store_true", help="run once (default: a warm-up run, "
-                 "then the timed one); ttft_s and tpot_s then include first-execution costs, "
-                 "and a long prompt is prefilled once instead of twice")
+  g.add_argument("--warmup", action="store_true", help="run the program once untimed, then "
+                 "the timed run, so ttft_s and tpot_s exclude first-execution costs (a long "
+                 "prompt is then prefilled twice); default: one run, whose timings include "
+                 "them")
+  g.add_argument("--no-warmup", action="store_true", help="one run (the default)")
   g.add_argument("--chat", action="store_true", help="render --prompt as one user turn "
                  "through the model's own chat template (GGUF/Hugging Face metadata)")
   g.add_argument("--no-stop", action="store_true", help="generate --max-new-tokens tokens "

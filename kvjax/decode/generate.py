@@ -314,11 +314,11 @@ def read_prompt(path: str) -> str:
 
 def report(cfg, params, tok, src, prompt_ids: list[list[int]], max_new_tokens: int,
            seed: int | None = None, stop: bool = True, chat: bool = False,
-           warm: bool = True) -> dict:
+           warm: bool = False) -> dict:
   """Generate and describe the run: tokens (and text), cache bytes, timings, the variant.
   `stop`: end each sequence at the model's first stop token (else `workload.eos_id` only).
-  `warm`: a warm-up run before the timed one (False: one run, its timings including
-  first-execution costs)."""
+  `warm`: a warm-up run before the timed one (False, the default: one run, its timings
+  including first-execution costs, and a long prompt prefilled once)."""
   from kvjax import memory
 
   if prompt_ids and all(prompt_ids) and max_new_tokens > 0:  # else generate names the problem

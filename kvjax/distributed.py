@@ -32,9 +32,20 @@ CHILD = "KVJAX_DISTRIBUTED_CHILD"   # set in the supervised child: it runs the c
 MAX_TIMEOUT = 86400
 # The C++ runtime's fatal log line (absl/glog: severity F, date, time, thread, file:line]).
 _FATAL = re.compile(rb"^F\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\] ")
-# gloo's notice, printed to stdout by each rank's threads (two may interleave on one line).
-_GLOO = re.compile(rb"^(\[Gloo\] Rank )*(\d+ )?is connected to \d+ peer ranks\. Expected "
-                   rb"number of connected peer ranks is : \d+\s*$")
+# gloo's notice, printed to stdout by each rank's threads: two may interleave anywhere, so a
+# line may hold pieces of both, or a piece glued to the command's own output.
+_GLOO_MARK = re.compile(rb"\[Gloo\] Rank |peer ranks\. Expected number of connected peer ranks")
+_GLOO_PART = re.compile(rb"\[Gloo\] Rank (\d+ )?|(\d+ )?is connected to \d+|\s*peer ranks\. "
+                        rb"Expected number of connected peer ranks is : \d+")
+
+
+def strip_gloo(line: bytes) -> bytes:
+  """`line` without any piece of gloo's connection notices (b"" when nothing else is left;
+  a line without the notice's marks is returned as it is)."""
+  if not _GLOO_MARK.search(line):
+    return line
+  rest = _GLOO_PART.sub(b"", line)
+  return b"" if not rest.strip() else rest if rest.endswith(b"\n") else rest + b"\n"
 
 
 def settings(coordinator: str | None = None, num_processes: int | None = None,
@@ -152,7 +163,8 @@ def _death_message(rc: int, fatal: list[bytes], s: dict) -> str:
 def _relay_stdout(pipe) -> None:
   out = sys.stdout.buffer
   for line in iter(pipe.readline, b""):
-    if _GLOO.match(line):
+    line = strip_gloo(line)
+    if not line:
       continue
     try:
       out.write(line)

@@ -121,3 +121,20 @@ def test_bad_distributed_timeouts_are_one_line(capsys, monkeypatch):
   monkeypatch.setenv("KVJAX_DISTRIBUTED_TIMEOUT", "90000")
   with pytest.raises(Exception, match="1..86400"):
     distributed.settings("127.0.0.1:1", 2, 0)
+
+
+@pytest.mark.parametrize("line,kept", [
+    (b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks "
+     b"is : 1\n", b""),
+    # two ranks' notices interleaved, split across two lines
+    (b"[Gloo] Rank 0 is connected to 1[Gloo] Rank 0 is connected to 1 peer ranks. Expected "
+     b"number of connected peer ranks is : 1\n", b""),
+    (b" peer ranks. Expected number of connected peer ranks is : 1\n", b""),
+    # a notice's tail glued to the command's own output: the output stays
+    (b' peer ranks. Expected number of connected peer ranks is : 1{"tokens": [1]}\n',
+     b'{"tokens": [1]}\n'),
+    (b'{"text": "it is connected to 3 things"}\n', b'{"text": "it is connected to 3 things"}\n'),
+])
+def test_gloo_notices_are_stripped_from_the_relayed_stdout(line, kept):
+  from kvjax import distributed
+  assert distributed.strip_gloo(line) == kept

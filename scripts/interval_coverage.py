@@ -173,10 +173,10 @@ def main() -> None:
   for r in rows:
     m = r["metrics"]
     print(f"{src.name} {a.text} {r['variant']['codec']:5s} B={r['workload']['windows']} "
-          f"{r['variant']['assign']:7s} "
-          f"{r['variant']['method']:9s} "
-          f"Δppl coverage {m['dppl_rel_coverage']:.2f} (width {100 * m['dppl_rel_width_median']:.2f} "
-          f"points)  KL coverage {m['kl_coverage']:.2f}")
+          f"{r['variant']['assign']:7s} {r['variant']['method']:9s} "
+          f"Δppl coverage {m['dppl_rel_coverage']:.2f} "
+          f"(width {100 * m['dppl_rel_width_median']:.2f} points)  "
+          f"KL coverage {m['kl_coverage']:.2f}")
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def quality_ci(nll_Bm, nll_ref_Bm, kl_BM, agree_BM, block: int = BLOCK,
   prediction at t scoring token t+1), per-position KL(ref || cache) and argmax matches
   ([B, M]). `method`: `blocks` resamples the blocks of all windows as one pool; `two_stage`
   resamples windows, then blocks within each drawn window; `windows` resamples whole
-  windows; `windows_t` is the cluster-robust interval over windows (`windows_t`); with one
+  windows; `windows_t` is the cluster-robust t interval over windows; with one
   window every method is `blocks` (scripts/interval_coverage.py measures how often each
   covers other windows of the text)."""
   if method not in METHODS:

@@ -33,8 +33,8 @@ def compacted_segments(cfg: Config, params, tokens_1M, chunk: int, edges, prefix
   compacted once at the bucket's start (`tasks.evict_prefix`, with the one-call prefill
   `prefix_of(n)` of the first n tokens, which every policy of a cell shares) and every
   bucket token kept after; the first bucket (no prefix) through the codec alone. The
-  segments start where `evaluate.stream_segments`'s do when every edge is a multiple of `chunk`.
-  Then (None, bytes of the last bucket's cache)."""
+  segments start where `evaluate.stream_segments`'s do when every edge is a multiple of
+  `chunk`. Then (None, bytes of the last bucket's cache)."""
   tokens_1M = np.asarray(tokens_1M, np.int32)
   nbytes = 0
   for lo, hi in zip(edges, edges[1:]):
@@ -43,7 +43,7 @@ def compacted_segments(cfg: Config, params, tokens_1M, chunk: int, edges, prefix
     else:
       c0, run_cfg = tasks.evict_prefix(cfg, prefix_of(lo), room=hi - lo), cfg
     for start, out in evaluate.stream_segments(run_cfg, params, tokens_1M[:, lo:hi], chunk,
-                                      segment=chunk, progress=progress, cache=c0):
+                                               segment=chunk, progress=progress, cache=c0):
       if start is None:
         nbytes = out
       else:
@@ -52,7 +52,7 @@ def compacted_segments(cfg: Config, params, tokens_1M, chunk: int, edges, prefix
 
 
 def terms(tcfgs: dict, ref_cfg, params, tokens_BM, chunk: int, progress=None,
-                   edges=None) -> dict:
+          edges=None) -> dict:
   """name -> per-position (NLL, NLL of the reference, KL, argmax agreement) [B, M - 1] of
   each of `tcfgs`' caches against `ref_cfg`'s, all streamed segment by segment in lockstep
   (the reference once). A cache whose policy evicts is compacted at each of `edges` (token
@@ -70,7 +70,8 @@ def terms(tcfgs: dict, ref_cfg, params, tokens_BM, chunk: int, progress=None,
 
   def stream(c):
     if not policies.evicts(c.cache):
-      return evaluate.stream_segments(c, params, tokens_BM, chunk, segment=chunk, progress=progress)
+      return evaluate.stream_segments(c, params, tokens_BM, chunk, segment=chunk,
+                                      progress=progress)
     if edges is None or tokens_BM.shape[0] != 1 or any(e % chunk for e in edges):
       raise KvjaxError(f"cache.policy={c.cache.policy} is evaluated by position on one "
                        "sequence, compacted at bucket edges that are multiples of the chunk")
@@ -83,8 +84,8 @@ def terms(tcfgs: dict, ref_cfg, params, tokens_BM, chunk: int, progress=None,
       break
     for name, (got, lp) in zip(names, segs):
       assert got == start, (name, got, start)  # lockstep: the same positions
-      m = lp.shape[1]
-      parts[name].append(evaluate.token_terms(lp, ref_lp, tokens_BM[:, start + 1:start + m + 1]))
+      nxt = tokens_BM[:, start + 1:start + lp.shape[1] + 1]  # each position's target
+      parts[name].append(evaluate.token_terms(lp, ref_lp, nxt))
   out = {}
   for name in names:
     nll, nll_ref, kl, agree = (np.concatenate(x, axis=1) for x in zip(*parts[name]))

@@ -11,7 +11,8 @@ say `protocol: compacted at the bucket's start`, and its first bucket has no pre
 compact (the codec alone). The first `params.tokens` tokens of the named text (`params.text`:
 `shakespeare` prose, `stdlib` code; its validation documents joined) are streamed
 `params.chunk` tokens a call through each cache and, side by side, segment by segment,
-through the same model's fp32 cache, which every cache of the cell shares; each segment's per-position NLL, KL and argmax agreement are kept (never a [M, V]
+through the same model's fp32 cache, which every cache of the cell shares; each segment's
+per-position NLL, KL and argmax agreement are kept (never a [M, V]
 reference: at 32k tokens one would be tens of gigabytes), and the positions are cut into
 the buckets `params.buckets` (token boundaries; default 0, 1k, 4k, 8k, 16k, 32k). A row per
 bucket: Δppl, KL and agreement over the predictions made at those positions, each with its
@@ -59,13 +60,15 @@ def check(cfg) -> None:
   chunk = cfg.param_int("chunk", 512)
   for name, over in _caches(cfg).items():
     c = config_lib.apply_overrides(cfg, over)  # a bad key or value: one line, before weights
-    if policies.evicts(c.cache) and any(b % chunk for b in buckets(cfg)):
+    if not policies.evicts(c.cache):
+      continue
+    if any(b % chunk for b in buckets(cfg)):
       raise KvjaxError(f"params.caches.{name} evicts ({c.cache.policy}): it is compacted at "
                        f"each bucket's start, so every params.buckets edge must be a multiple "
                        f"of params.chunk={chunk}")
-    if policies.evicts(c.cache):  # each prefix it compacts holds enough to keep its window
-      policies.check_lengths(c.cache, [b for b in buckets(cfg)[1:]
-                                       if b < cfg.param_int("tokens", 32768)])
+    # each prefix it compacts holds enough to keep its window
+    policies.check_lengths(c.cache, [b for b in buckets(cfg)[1:]
+                                     if b < cfg.param_int("tokens", 32768)])
   quality.check(cfg)  # every model exists
 
 
@@ -124,7 +127,7 @@ def run_cell(cfg) -> list[dict]:
     parts = {  # each cache twice: a step's input and output
         "caches": 2 * sum(memory.cache_bytes(c, 1, M) for c in (ref_cfg, *tcfgs.values())),
         "temporaries": memory.temp_bytes(ref_cfg, 1, chunk, M)}
-    lo = max([b for b in _edges(cfg, M)[:-1]], default=0)
+    lo = _edges(cfg, M)[-2]  # the last bucket's start: the longest prefix compacted
     if lo and any(policies.evicts(c.cache) for c in tcfgs.values()):
       m = ref_cfg.model  # the longest prefix prefilled in one call, its queries kept
       parts["the longest prefix's prefill"] = (
@@ -155,7 +158,8 @@ def _rows(cfg, tcfg, var: dict, got: tuple, M: int, text: str, chunk: int) -> li
   nll, nll_ref, kl, agree = got
   rows = []
   evicts = policies.evicts(tcfg.cache)
-  for lo, hi in zip(_edges(cfg, M), _edges(cfg, M)[1:]):
+  edges = _edges(cfg, M)
+  for lo, hi in zip(edges, edges[1:]):
     # prediction at position t (reading t + 1 tokens) scores token t + 1
     sl = slice(lo, min(hi, nll.shape[1]))
     metrics = evaluate.metrics_of(nll[:, sl], nll_ref[:, sl], kl[:, sl], agree[:, sl])

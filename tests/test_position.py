@@ -172,3 +172,133 @@ def test_bad_buckets_are_refused_in_one_line(tmp_path, capsys, buckets):
   rc = cli.main(["run", str(_config(tmp_path, buckets=buckets)), "--out", str(tmp_path / "o")])
   err = capsys.readouterr().err
   assert rc == 2 and "params.buckets" in err and err.count("\n") == 1
+
+
+def _setup(seed=2):
+  from kvjax import model
+  cfg = config.load(None, {f"model.{k}": v for k, v in MODEL.items()})
+  params = model.init_params(cfg.model, 0)
+  tokens = np.random.default_rng(seed).integers(0, 260, (1, 90)).astype(np.int32)
+  tcfgs = {"int4": config.apply_overrides(cfg, {"cache.codec": "int4"}),
+           "snap": config.apply_overrides(cfg, {"cache.policy": "snapkv", "cache.ratio": 0.25,
+                                                "cache.window": 4})}
+  return tcfgs, evaluate.reference_config(cfg), params, tokens
+
+
+def _same(a, b):
+  assert list(a) == list(b)
+  for name in a:
+    for x, y in zip(a[name], b[name]):
+      np.testing.assert_array_equal(x, y, err_msg=name)
+
+
+def test_pieces_cut_at_edges_on_the_chunk_and_every_piece():
+  assert lockstep.pieces(90, 16, [0, 32, 64, 90], piece=4096) == [(0, 32), (32, 64), (64, 90)]
+  assert lockstep.pieces(90, 16, [0, 32, 64, 90], piece=56) == [  # 56: 48, whole chunks
+      (0, 32), (32, 48), (48, 64), (64, 90)]
+  assert lockstep.pieces(90, 16, None, piece=16) == [
+      (0, 16), (16, 32), (32, 48), (48, 64), (64, 80), (80, 90)]
+
+
+def test_a_sequence_read_in_pieces_gives_the_terms_of_one_read():
+  """Cut every 16 tokens (each stream's cache handed from piece to piece, an evicting one
+  compacted afresh at each bucket's start only), the terms are exactly those of the
+  sequence read bucket by bucket."""
+  tcfgs, ref_cfg, params, tokens = _setup()
+  edges = [0, 32, 64, 90]
+  whole = lockstep.terms(tcfgs, ref_cfg, params, tokens, 16, edges=edges)
+  _same(lockstep.terms(tcfgs, ref_cfg, params, tokens, 16, edges=edges, piece=16), whole)
+
+
+class _Killed(Exception):
+  pass
+
+
+class _DiesAfter(lockstep.Store):
+  """A store whose run is killed after its n-th save."""
+
+  def __init__(self, folder, n):
+    super().__init__(folder)
+    self.n = n
+
+  def save(self, *a, **k):
+    super().save(*a, **k)
+    self.n -= 1
+    if self.n == 0:
+      raise _Killed
+
+
+def test_a_killed_run_resumes_from_its_last_saved_piece(tmp_path, capsys):
+  """Killed after the piece ending at 48 (mid-bucket: snapkv's cache there is not saved, so
+  its bucket is read again up to 48), a second run on the same folder starts at 48 and
+  writes exactly the terms of a run never killed; the folder of another run's state is
+  set aside with a warning, and a corrupt one too."""
+  tcfgs, ref_cfg, params, tokens = _setup()
+  edges = [0, 32, 64, 90]
+  whole = lockstep.terms(tcfgs, ref_cfg, params, tokens, 16, edges=edges)
+  with pytest.raises(_Killed):
+    lockstep.terms(tcfgs, ref_cfg, params, tokens, 16, edges=edges, piece=16,
+                   store=_DiesAfter(tmp_path, 3))
+  store = lockstep.Store(tmp_path)
+  key = lockstep.run_key(tcfgs, ref_cfg, tokens, 16, edges, 16)
+  assert store.load(key, {})[0] == 48  # the tokens done when it was killed
+
+  class Bar:
+    def __init__(self):
+      self.steps = []
+
+    def update(self, k):
+      self.steps.append(k)
+
+  bar = Bar()
+  _same(lockstep.terms(tcfgs, ref_cfg, params, tokens, 16, bar, edges=edges, piece=16,
+                       store=store), whole)
+  # the 48 tokens done counted at once for all three streams, the rest a segment at a time
+  assert bar.steps[0] == 3 * 48 and sum(bar.steps) == 3 * 90
+  # a state of another run (other tokens) is not resumed
+  other = tokens.copy()
+  other[0, 5] += 1
+  got = lockstep.terms(tcfgs, ref_cfg, params, other, 16, edges=edges, piece=16, store=store)
+  assert "cannot be resumed (written by another run)" in capsys.readouterr().err
+  with pytest.raises(AssertionError):
+    _same(got, whole)
+  store.path.write_bytes(b"not an npz")
+  _same(lockstep.terms(tcfgs, ref_cfg, params, tokens, 16, edges=edges, piece=16,
+                       store=store), whole)
+  assert "cannot be resumed" in capsys.readouterr().err
+
+
+def test_a_cell_killed_midway_resumes_in_the_runners_scratch_folder(tmp_path, monkeypatch):
+  """`kvjax run` hands the position cell a scratch folder: killed after its first saved
+  piece, the next run resumes there (it saves from 48 on only) and writes the
+  rows a run never killed writes; the folder is gone once the rows are written."""
+  caches = {"int4": {"cache.codec": "int4"}}
+  path = _config(tmp_path, caches=caches)
+  raw = yaml.safe_load(path.read_text())
+  del raw["grid"], raw["params"]["settings"]
+  path.write_text(yaml.safe_dump(raw))
+  monkeypatch.setattr(lockstep, "PIECE", 16)
+  saved = []
+  real_save = lockstep.Store.save
+
+  def save(self, key, done, caches_, parts):
+    real_save(self, key, done, caches_, parts)
+    saved.append(done)
+    if done == 32 and saved.count(32) == 1:
+      raise _Killed
+
+  monkeypatch.setattr(lockstep.Store, "save", save)
+  out = tmp_path / "o"
+  with pytest.raises(_Killed):
+    cli.main(["run", str(path), "--out", str(out)])
+  assert list((out / ".kvjax-partial").rglob("lockstep.npz"))
+  assert not list(out.rglob("*.jsonl")) or not any(open(f).read() for f in out.rglob("*.jsonl"))
+  assert cli.main(["run", str(path), "--out", str(out)]) == 0
+  assert saved == [16, 32, 48, 64, 80]  # the second run started after 32
+  assert not (out / ".kvjax-partial").exists()
+  fresh = tmp_path / "fresh"
+  assert cli.main(["run", str(path), "--out", str(fresh)]) == 0
+  read = lambda d: [(r["variant"]["setting"], r["workload"]["bucket"], r["metrics"])
+                    for f in sorted(d.rglob("*.jsonl")) for line in open(f)
+                    for r in [json.loads(line)]]
+  assert read(out) == read(fresh) and len(read(out)) == 3

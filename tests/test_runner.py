@@ -427,7 +427,7 @@ def test_dry_run_lists_resolved_cells_and_runs_nothing(tmp_path, capsys):
   assert "4 cells (4 cells already in" in text and "to run" not in text
 
 
-def test_a_row_the_experiment_named_keeps_its_name_beside_the_cells_setting():
+def test_a_row_the_experiment_named_keeps_its_name_beside_the_cells_setting(tmp_path):
   """A cell chosen by params.setting whose experiment names its own rows (interleaved
   variants, each row one of them) keeps the rows' names; an unnamed row takes the cell's."""
   import json
@@ -438,5 +438,6 @@ def test_a_row_the_experiment_named_keeps_its_name_beside_the_cells_setting():
           {"variant": {"variant": "MHA", "setting": ""}, "workload": {}, "metrics": {"x": 2.0}},
           {"variant": {"variant": "MHA"}, "workload": {}, "metrics": {"x": 3.0}}]
   module = types.SimpleNamespace(run_cell=lambda c: rows)
-  lines = run._run_cell(module, "fake", grid.Cell(0, {"params.setting": "b1_8k"}, cfg), 1)
+  lines = run._run_cell(module, "fake", grid.Cell(0, {"params.setting": "b1_8k"}, cfg), 1,
+                        tmp_path)
   assert [json.loads(line)["variant"]["setting"] for line in lines] == ["int8", "b1_8k", "b1_8k"]

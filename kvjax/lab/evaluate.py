@@ -66,9 +66,10 @@ def _stream(params, tokens_BM, valid_BM, cache, *, static, chunk: int):
 
 
 def stream_segments(cfg: Config, params, tokens_BM, chunk: int = 1, segment: int = 256,
-                    progress=None, cache=None):
+                    progress=None, cache=None, keep: bool = False):
   """Yield (start, log-probabilities [B, m, V]) of consecutive segments of the sequence,
-  computed through one cache that persists across segments; then (None, cache bytes).
+  computed through one cache that persists across segments; then (None, cache bytes), or
+  (None, the cache itself) with `keep`.
 
   Each segment is one compiled `lax.scan` over `segment // chunk` steps (the same program
   for every segment), so long windows show progress (`progress` is a tqdm bar or None)
@@ -101,7 +102,7 @@ def stream_segments(cfg: Config, params, tokens_BM, chunk: int = 1, segment: int
     if progress is not None:
       progress.update(min(seg, M - start) * B)
     yield start, lp[:, :max(0, min(seg, M - start))]
-  yield None, cache_lib.tree_bytes(c)
+  yield None, c if keep else cache_lib.tree_bytes(c)
 
 
 def stream_logprobs(cfg: Config, params, tokens_BM, chunk: int = 1):

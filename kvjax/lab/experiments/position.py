@@ -22,11 +22,14 @@ document: it covers the tokens' noise, not another document's).
 A model whose context (`model.max_seq_len`) is shorter than `params.tokens` reads as many
 tokens as its context holds; buckets past them are left out. A cell of N caches costs N + 1
 long prefills (the reference streamed once beside them all); one cell per cache costs 2N.
+Every `lockstep.PIECE` tokens the streams' caches and terms are saved in the runner's
+scratch folder for the cell: a run killed mid-document resumes from the last piece saved.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -109,7 +112,9 @@ def estimate(cfgs) -> str | None:
           "estimate from a matmul probe: within 2x)")
 
 
-def run_cell(cfg) -> list[dict]:
+def run_cell(cfg, scratch=None) -> list[dict]:
+  """The cell's rows; with `scratch` (the runner's folder for this cell), the streams' state
+  is saved every `lockstep.PIECE` tokens, and a killed cell resumes from it."""
   from tqdm import tqdm
 
   rows = []
@@ -137,8 +142,9 @@ def run_cell(cfg) -> list[dict]:
     tokens = _ids(tok, text, M)
     with tqdm(total=(1 + len(tcfgs)) * M, desc=f"position {src.name}", unit="tok",
               leave=False) as bar:
-      got = lockstep.terms(tcfgs, ref_cfg, params, tokens, chunk, bar,
-                                    edges=_edges(cfg, M))
+      store = lockstep.Store(Path(scratch) / src.name) if scratch else None
+      got = lockstep.terms(tcfgs, ref_cfg, params, tokens, chunk, bar, edges=_edges(cfg, M),
+                           store=store)
     for name, tcfg in tcfgs.items():
       c = tcfg.cache
       evicting = dict(policy=c.policy, ratio=c.ratio, budget=c.budget, window=c.window,

@@ -7,11 +7,17 @@ so a second run takes only the cells nobody holds or has finished, then waits fo
 ones (running any whose holder ended without finishing). `--shard I/N` runs one part of the
 grid into its own file (kvjax.lab.runner.shard); a cell counts as done when it is complete in
 any of the experiment's files in the folder.
+
+An experiment whose `run_cell` takes `scratch` gets a folder of its own per cell
+(`OUT/.kvjax-partial/<cell hash>`) to save its state in as it goes, so a cell killed midway
+resumes there; the folder is removed once the cell's rows are written.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -25,6 +31,7 @@ from kvjax.lab.runner.rows import check_rows, complete_rows, describe, encode, r
 from kvjax.lab.runner.table import flatten, format_table, identity, with_identity
 
 
+PARTIAL_DIR = ".kvjax-partial"
 CELL_CACHE_KEYS = ("k_codec", "v_codec", "k_axis", "group_size", "residual", "layout")
 
 
@@ -146,11 +153,26 @@ def dry_run(path: str | Path, overrides: list[str] | dict | None = None,
       base.experiment, shard)), "cells": len(mine), "ran": 0, "records": recs}
 
 
-def _run_cell(module, name: str, cell: Cell, n_cells: int) -> list[str]:
+def scratch(folder: Path, cell: Cell) -> Path:
+  """The folder a cell may save its partial state in (see the module's doc)."""
+  return Path(folder) / PARTIAL_DIR / cell.hash
+
+
+def _drop_scratch(folder: Path, cell: Cell) -> None:
+  shutil.rmtree(scratch(folder, cell), ignore_errors=True)
+  try:
+    (Path(folder) / PARTIAL_DIR).rmdir()  # only when no other cell's state is left
+  except OSError:
+    pass
+
+
+def _run_cell(module, name: str, cell: Cell, n_cells: int, folder: Path) -> list[str]:
   """One cell's rows as results lines."""
   from kvjax.lab import metrics
+  kw = {"scratch": scratch(folder, cell)} \
+      if "scratch" in inspect.signature(module.run_cell).parameters else {}
   try:
-    rows = check_rows(name, module.run_cell(cell.cfg))
+    rows = check_rows(name, module.run_cell(cell.cfg, **kw))
   except KvjaxError as e:
     raise KvjaxError(f"grid cell {coords_str(cell.coords)}: {e}") from None
   env = metrics.environment()
@@ -207,13 +229,15 @@ def _claim_and_run(module, name, cell, n_cells, folder: Path, out: _Appender,
       return "held"
     with claims.locked(folder, out.path.name):
       if cell.hash in _done(folder, name):
+        _drop_scratch(folder, cell)
         return "done"
-    lines = _run_cell(module, name, cell, n_cells)
+    lines = _run_cell(module, name, cell, n_cells, folder)
     with claims.locked(folder, out.path.name):  # re-read: append what nobody has written
-      if cell.hash in _done(folder, name):
-        return "done"
-      out.write(lines)
-    return "ran"
+      got = "done" if cell.hash in _done(folder, name) else "ran"
+      if got == "ran":
+        out.write(lines)
+    _drop_scratch(folder, cell)
+    return got
 
 
 def _summary(module, name: str, rows: list[dict]):

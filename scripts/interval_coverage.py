@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -109,9 +110,15 @@ def main() -> None:
       raise KvjaxError("--sets and --windows must be >= 2, --tokens >= 2, --chunk >= 1 and "
                        "--resamples >= 100")
     out = Path(a.out)
-    done = {(r["variant"]["model"], r["workload"]["data"]) for r in
-            (json.loads(line) for line in out.read_text().splitlines() if line.strip())} \
-        if out.exists() else set()
+    done = set()
+    for i, line in enumerate(out.read_text().splitlines() if out.exists() else (), 1):
+      try:
+        r = json.loads(line) if line.strip() else None
+        if r is not None:
+          done.add((r["variant"]["model"], r["workload"]["data"]))
+      except (ValueError, KeyError, TypeError) as e:
+        raise KvjaxError(f"{out} line {i} is not a coverage row ({type(e).__name__}: {e}); "
+                         "remove it or write to another --out") from None
     src = sources.parse(a.model)
     if (src.name, a.text) in done:
       print(f"interval_coverage: {src.name} on {a.text} already in {out}; nothing to do")
@@ -131,24 +138,46 @@ def main() -> None:
                                           for x in (ref_cfg, *tcfgs.values()))},
                        "this coverage run")
   except KvjaxError as e:
-    sys.exit(f"interval_coverage: error: {e}")
+    print(f"interval_coverage: error: {e}", file=sys.stderr)
+    sys.exit(2)
   keep = Path(a.cache)
   keep.mkdir(parents=True, exist_ok=True)
   files = {c: keep / f"{src.name}_{a.text}_{c}_{a.sets}x{a.windows}x{a.tokens}_c{a.chunk}.npz"
            for c in codecs}
   if not all(f.exists() for f in files.values()):
-    parts = {c: [] for c in codecs}
+    # the batches done so far, kept after each: a killed run resumes at its next batch
+    partial = keep / f"{src.name}_{a.text}_{'-'.join(codecs)}_{a.sets}x{a.windows}x" \
+                     f"{a.tokens}_c{a.chunk}.partial.npz"
+    parts, first = {c: [] for c in codecs}, 0
+    if partial.exists():
+      try:
+        with np.load(partial) as z:
+          first = int(z["batches"])
+          parts = {c: [tuple(z[f"{c}_{k}"] for k in range(4))] for c in codecs}
+        print(f"interval_coverage: resuming after batch {first}/{a.sets} ({partial})",
+              file=sys.stderr)
+      except (OSError, ValueError, KeyError) as e:
+        print(f"interval_coverage: warning: {partial} cannot be resumed ({e}); starting "
+              "over", file=sys.stderr)
+        parts, first = {c: [] for c in codecs}, 0
     t0 = time.perf_counter()
-    for j in range(a.sets):  # a set's windows in one batch; the terms are kept per window
+    for j in range(first, a.sets):  # a set's windows in one batch; terms kept per window
       got = lockstep.terms(tcfgs, ref_cfg, params,
-                                    ids[j * a.windows:(j + 1) * a.windows], a.chunk)
+                           ids[j * a.windows:(j + 1) * a.windows], a.chunk)
       for c in codecs:
-        parts[c].append(got[c])
-      print(f"interval_coverage: batch {j + 1}/{a.sets} ({time.perf_counter() - t0:.0f} s)",
-            file=sys.stderr)
+        parts[c] = [tuple(np.concatenate(x) for x in zip(*parts[c], got[c]))]
+      tmp = partial.with_name(partial.name + ".tmp.npz")
+      np.savez(tmp, batches=j + 1, **{f"{c}_{k}": parts[c][0][k] for c in codecs
+                                      for k in range(4)})
+      os.replace(tmp, partial)
+      took = time.perf_counter() - t0
+      left = took / (j + 1 - first) * (a.sets - j - 1)
+      print(f"interval_coverage: batch {j + 1}/{a.sets} ({took:.0f} s; about "
+            f"{left / 60:.0f} min left)", file=sys.stderr)
     for c in codecs:
-      nll, ref, kl, agree = (np.concatenate(x) for x in zip(*parts[c]))
+      nll, ref, kl, agree = parts[c][0]
       np.savez_compressed(files[c], nll=nll, ref=ref, kl=kl, agree=agree)
+    partial.unlink()
   env = metrics.environment()
   rows = []
   for c in codecs:

@@ -185,3 +185,56 @@ def test_bench_accelerator_turns_a_pytest_stage_into_a_row(tmp_path):
                                                          "seconds": 1.5}
   junit.write_text('<testsuites><testsuite><testcase classname="tests.test_a" name="t_')
   assert bench_accelerator.test_row({"tests": []}, junit, {}) is None  # cut short: no row
+
+
+KILLED_AFTER_TWO = """
+import runpy, sys
+from kvjax.lab import lockstep
+real, calls = lockstep.terms, []
+def terms(*a, **k):
+  calls.append(1)
+  if len(calls) == 3:
+    raise SystemExit("killed")
+  return real(*a, **k)
+lockstep.terms = terms
+sys.argv = ["scripts/interval_coverage.py", *sys.argv[1:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_interval_coverage_resumes_a_killed_run_at_its_next_batch(tmp_path):
+  """Killed in its third batch, the coverage study keeps the two batches done; the next run
+  says it resumes after batch 2 and its per-window terms equal a run never killed. A
+  malformed line in the rows file is refused in one line."""
+  import numpy as np
+  import yaml
+  model = tmp_path / "tiny.yaml"
+  model.write_text(yaml.safe_dump({"tokenizer": "bytes", "model": {
+      "vocab_size": 260, "d_model": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2,
+      "head_dim": 8, "max_seq_len": 96}}))
+  args = ["--model", f"config:{model}", "--text", "stdlib", "--codecs", "int4", "--sets", "4",
+          "--windows", "2", "--tokens", "40", "--chunk", "8", "--resamples", "100",
+          "--deals", "2"]
+  cache, fresh = tmp_path / "cache", tmp_path / "fresh"
+  proc = _run("-c", KILLED_AFTER_TWO, *args, "--cache", str(cache), "--out",
+              str(tmp_path / "a.jsonl"))
+  assert proc.returncode == 1 and "killed" in proc.stderr
+  assert "batch 2/4" in proc.stderr and not (tmp_path / "a.jsonl").exists()
+  proc = _run("scripts/interval_coverage.py", *args, "--cache", str(cache), "--out",
+              str(tmp_path / "a.jsonl"))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "resuming after batch 2/4" in proc.stderr and "batch 1/4" not in proc.stderr
+  assert not list(cache.glob("*.partial.npz"))
+  proc = _run("scripts/interval_coverage.py", *args, "--cache", str(fresh), "--out",
+              str(tmp_path / "b.jsonl"))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  (a,), (b,) = cache.glob("*.npz"), fresh.glob("*.npz")
+  with np.load(a) as za, np.load(b) as zb:
+    assert za["nll"].shape == (8, 39)
+    for k in ("nll", "ref", "kl", "agree"):
+      np.testing.assert_array_equal(za[k], zb[k])
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"variant": {"model": "x"}, "workload": {"data": "stdlib"}}\n{oops\n')
+  proc = _run("scripts/interval_coverage.py", *args, "--cache", str(fresh), "--out", str(bad))
+  assert proc.returncode == 2 and "bad.jsonl line 2 is not a coverage row" in proc.stderr
+  assert proc.stderr.strip().count("\n") == 0, proc.stderr

@@ -302,3 +302,25 @@ def test_a_cell_killed_midway_resumes_in_the_runners_scratch_folder(tmp_path, mo
                     for f in sorted(d.rglob("*.jsonl")) for line in open(f)
                     for r in [json.loads(line)]]
   assert read(out) == read(fresh) and len(read(out)) == 3
+
+
+def test_the_estimate_counts_the_prefix_prefills_of_an_evicting_cell(tmp_path, monkeypatch):
+  """Streams: the reference and each cache over the model's 96 tokens; an evicting cache adds
+  the one-call prefill of each bucket's prefix (32 and 64 tokens), once per cell."""
+  from kvjax.lab.experiments import roofline, ruler
+  from kvjax.lab.runner import run
+  monkeypatch.setattr(roofline.DotProbe, "measure", lambda self: {"f32": 2.0})
+  seen = []
+  monkeypatch.setattr(ruler, "prefill_flops", lambda m, n: seen.append(n) or 72.0 * n)
+  caches = {"int4": {"cache.codec": "int4"},
+            "snap": {"cache.policy": "snapkv", "cache.ratio": 0.5, "cache.window": 4},
+            "h2o": {"cache.policy": "h2o", "cache.ratio": 0.5}}
+  path = _config(tmp_path, caches=caches)
+  raw = yaml.safe_load(path.read_text())
+  del raw["grid"], raw["params"]["settings"]
+  path.write_text(yaml.safe_dump(raw))
+  cells = run._select(path, None, None)[2]
+  said = position.estimate([c.cfg for c in cells])
+  assert sorted(seen) == [32, 64, 96]
+  # 72 flops a token at 1 flop/s: 4 streams of 96 tokens, then prefixes of 32 and 64
+  assert said.startswith(f"about {72 * (4 * 96 + 32 + 64) / 3600:.1f} hours"), said

@@ -96,7 +96,8 @@ def _ids(tok, text: str, M: int) -> np.ndarray:
 def estimate(cfgs) -> str | None:
   """The hours the cells `cfgs` will take here: per cell and model, one stream of the
   model's context per cache and one for the fp32 reference, each a prefill's arithmetic
-  (`ruler.prefill_flops`) at half the probed f32 matmul rate."""
+  (`ruler.prefill_flops`), and where a cache evicts, the one-call prefill of each bucket's
+  prefix, all at half the probed f32 matmul rate."""
   from kvjax.lab.experiments import roofline, ruler
 
   if not cfgs:
@@ -108,6 +109,9 @@ def estimate(cfgs) -> str | None:
       m = quality.load_model(src)[0].model
       n = min(cfg.param_int("tokens", 32768), m.max_seq_len)
       total += (1 + len(_caches(cfg))) * ruler.prefill_flops(m, n) / flops_s
+      if any(policies.evicts(config_lib.apply_overrides(cfg, over).cache)
+             for over in _caches(cfg).values()):
+        total += sum(ruler.prefill_flops(m, lo) for lo in _edges(cfg, n)[1:-1]) / flops_s
   return (f"about {total / 3600:.1f} hours on this machine for {len(cfgs)} cells (a rough "
           "estimate from a matmul probe: within 2x)")
 

@@ -324,3 +324,19 @@ def test_the_estimate_counts_the_prefix_prefills_of_an_evicting_cell(tmp_path, m
   assert sorted(seen) == [32, 64, 96]
   # 72 flops a token at 1 flop/s: 4 streams of 96 tokens, then prefixes of 32 and 64
   assert said.startswith(f"about {72 * (4 * 96 + 32 + 64) / 3600:.1f} hours"), said
+
+
+def test_a_dry_run_lists_each_cache_of_a_cell_with_its_own_columns(tmp_path, capsys):
+  caches = {"int4": {"cache.codec": "int4"}, "snap": {"cache.policy": "snapkv",
+                                                      "cache.ratio": 0.5, "cache.window": 4}}
+  path = _config(tmp_path, caches=caches)
+  raw = yaml.safe_load(path.read_text())
+  del raw["grid"], raw["params"]["settings"]
+  path.write_text(yaml.safe_dump(raw))
+  assert cli.main(["run", str(path), "--dry-run"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert "1 cells, 2 variants" in lines[0]
+  head = lines[1].split()
+  rows = [dict(zip(head, line.split())) for line in lines[3:5]]
+  assert [(r["cache"], r["k_codec"], r["policy"]) for r in rows] == [
+      ("int4", "int4", "full"), ("snap", "fp32", "snapkv")]

@@ -90,7 +90,21 @@ def _pairs(value) -> dict | None:
 
 def variant_records(cell: Cell, differs: dict | None = None) -> list[dict]:
   """`cell_record` of every variant the cell runs: one per `params.interleave` entry (the
-  reference first, as the experiments order them), else the cell itself."""
+  reference first, as the experiments order them), one per `params.caches` entry (each
+  with its own cache's columns), else the cell itself."""
+  caches = _pairs(cell.cfg.param("caches", None))
+  if caches:
+    out = []
+    for name, over in caches.items():
+      try:
+        cfg = config_lib.apply_overrides(
+            cell.cfg, {str(k): v for k, v in (_pairs(over) or {}).items()})
+      except KvjaxError:
+        return [cell_record(cell, differs)]  # the experiment's check names what is wrong
+      rec = cell_record(cell, differs, cfg)
+      out.append({**{k: v for k, v in rec.items() if k != "layout"}, "cache": str(name),
+                  "policy": cfg.cache.policy, "layout": cfg.cache.layout})
+    return out
   table = _pairs(cell.cfg.param("interleave", None))
   if not table:
     return [cell_record(cell, differs)]

@@ -198,8 +198,9 @@ def evict_accuracy_vs_context(rows, out_dir: Path, named: bool = True) -> list[P
   axes[0][1].set_title(f"a fixed budget of about {target:.0f} prefix tokens (legend: ratio)"
                        if target else "fixed budget: no ratio-0.5 rows", fontsize=10)
   axes[0][0].set_ylabel("accuracy (exact digits)")
-  axes[0][0].legend(fontsize=8)
-  axes[0][1].legend(fontsize=7)
+  for ax, size in zip(axes[0], (8, 7)):
+    if ax.get_legend_handles_labels()[0]:  # a panel with no line gets no empty legend
+      ax.legend(fontsize=size)
   fig.suptitle(title(rows) + ": accuracy vs context at a fixed budget (bars: Wilson 95 % "
                "intervals)", fontsize=10)
   return save(fig, out_dir, "long_context_evict_accuracy_vs_context")

@@ -26,7 +26,7 @@ from kvjax import envcheck, inputs
 from kvjax import registries  # noqa: F401  (config.validate then knows every registry's names)
 from kvjax.api_types import (CacheConfig, EvalResult, GenerateResult, RunReport, SizeResult,
                              cache_items)
-from kvjax.errors import KvjaxError
+from kvjax.errors import KvjaxError, as_arg
 
 __all__ = ["CacheConfig", "EvalResult", "GenerateResult", "Model", "RunReport", "SizeResult",
            "load", "plot", "results", "run", "size"]
@@ -116,8 +116,11 @@ class Model:
     from kvjax.decode import generate
 
     items, batch = inputs.prompts(prompt)  # (kvjax.inputs: the checks the CLI's flags get)
-    inputs.integer("--max-new-tokens", max_new_tokens)
+    inputs.integer("max_new_tokens", max_new_tokens)
     inputs.seed(seed)
+    for name, value, integer in (("temperature", temperature, False), ("top_k", top_k, True),
+                                 ("top_p", top_p, False)):
+      inputs.number(name, value, f"workload.{name}", integer)
     for name, flag in (("chat", chat), ("stop", stop)):
       if not isinstance(flag, bool):
         raise KvjaxError(f"{name} must be True or False, got {flag!r}")
@@ -233,6 +236,8 @@ def _size(flags: list[str], items: dict, seq_len, batch, budget) -> SizeResult:
   from kvjax import cli
   from kvjax.cli import commands
 
+  for name, value in (("seq_len", seq_len), ("batch", batch)):  # named as keywords here
+    as_arg(name, inputs.count, value)
   argv = ["size", *flags, "--seq-len", str(seq_len), "--batch", str(batch)]
   argv += ["--budget", str(budget)] if budget is not None else []
   for key, value in items.items():

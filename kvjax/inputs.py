@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvjax.config import check_number, range_of
-from kvjax.errors import KvjaxError
+from kvjax.errors import ArgError, KvjaxError, as_arg
 
 I32 = 2**31 - 1
 POSITIVE = (0, False, I32, True)
@@ -28,16 +28,27 @@ def count(name: str, value: Any, rng: tuple = POSITIVE) -> int:
 
 
 def integer(name: str, value: Any) -> int:
-  """`value` as an int (not a bool, a float or text); its range is checked where it is used
-  (`--max-new-tokens must be >= 1` by generate.generate, for both faces)."""
+  """`value` as an int (not a bool, a float or text), the argument `name` (an `ArgError`);
+  its range is checked where it is used (`max_new_tokens must be >= 1` by
+  generate.check_request, for both faces)."""
   if isinstance(value, bool) or not isinstance(value, int):
-    count(name, value)  # refused with check_number's line
+    as_arg(name, count, value)  # refused with check_number's line
+  return value
+
+
+def number(name: str, value: Any, key: str, integer: bool) -> Any:
+  """The argument `name` (None, or a number in config key `key`'s range), refused as an
+  `ArgError` that names the argument, not the key."""
+  if value is not None:
+    as_arg(name, check_number, value, range_of(key), integer)
   return value
 
 
 def seed(value: Any) -> int | None:
   """A sampling seed: None, or an integer in the `seed` key's range (as `--seed`)."""
-  return None if value is None else count("seed", value, range_of("seed"))
+  if value is not None:
+    as_arg("seed", count, value, range_of("seed"))
+  return value
 
 
 def text(what: str, value: Any) -> str:
@@ -88,17 +99,16 @@ def _one(p: Any):
 
 
 def windows(tokens: Any, seqs: Any, chunk: Any) -> None:
-  """The eval window flags: integers, `--tokens` >= 2 (a token and the next one), `--seqs`
-  >= 1 and `--chunk` >= 1."""
-  for name, v in (("--chunk", chunk), ("--tokens", tokens), ("--seqs", seqs)):
-    if isinstance(v, bool) or not isinstance(v, int):
-      count(name, v)  # not an integer: refused with the flag's range
+  """The eval windows' arguments (`ArgError`s): integers, `tokens` >= 2 (a token and the
+  next one), `seqs` >= 1 and `chunk` >= 1."""
+  for name, v in (("chunk", chunk), ("tokens", tokens), ("seqs", seqs)):
+    integer(name, v)
   if chunk <= 0:
-    raise KvjaxError(f"--chunk must be positive, got {chunk}")
+    raise ArgError("chunk", f"{{arg}} must be positive, got {chunk}")
   if tokens < 2:
-    raise KvjaxError(f"--tokens must be >= 2 (a token and the next one), got {tokens}")
+    raise ArgError("tokens", f"{{arg}} must be >= 2 (a token and the next one), got {tokens}")
   if seqs < 1:
-    raise KvjaxError(f"--seqs must be >= 1, got {seqs}")
+    raise ArgError("seqs", f"{{arg}} must be >= 1, got {seqs}")
 
 
 def eval_source(text_arg: Any, path: Any, corpus: Any) -> tuple[str, str]:

@@ -70,8 +70,9 @@ def test_size_is_the_cli_size(tiny, capsys):
     (lambda m: m.generate("x", cache={"codec": "int5"}), "unknown codec 'int5'"),
     (lambda m: m.generate([], max_new_tokens=2), "at least one token"),
     (lambda m: m.generate("x", chat=True), "no chat template"),
-    (lambda m: m.size(seq_len=0), "--seq-len"),
-    (lambda m: m.evaluate(chunk=0), "--chunk must be positive"),
+    (lambda m: m.size(seq_len=0), "seq_len must be an integer > 0"),
+    (lambda m: m.size(batch=1.5), "batch must be an integer in (0, "),
+    (lambda m: m.evaluate(chunk=0), "chunk must be positive"),
 ])
 def test_errors_are_the_cli_lines(tiny, call, words):
   with pytest.raises(kvjax.KvjaxError, match=r"^[^\n]*$") as e:

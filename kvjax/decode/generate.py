@@ -49,7 +49,7 @@ from kvjax import cache as cache_lib
 from kvjax import decode, footprint, inputs, progress
 from kvjax.config import Config
 from kvjax.decode import evict, sharding, step
-from kvjax.errors import KvjaxError
+from kvjax.errors import ArgError, KvjaxError
 
 
 statics = step.statics  # the static keyword arguments of every jitted program's call
@@ -171,7 +171,7 @@ def check_request(cfg: Config, prompts: list[list[int]], max_new_tokens: int,
                   capacity: int) -> None:
   """Shape-level limits, checked on the host before anything is traced."""
   if max_new_tokens < 1:
-    raise KvjaxError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    raise ArgError("max_new_tokens", f"{{arg}} must be >= 1, got {max_new_tokens}")
   V = cfg.model.vocab_size
   for p in prompts:
     bad = [t for t in p if not 0 <= t < V]

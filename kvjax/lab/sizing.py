@@ -17,7 +17,7 @@ import dataclasses
 import re
 
 from kvjax import config as config_lib
-from kvjax.errors import KvjaxError
+from kvjax.errors import ArgError, KvjaxError
 
 UNITS = {"b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
@@ -33,16 +33,17 @@ def parse_bytes(text: str) -> tuple[int, str]:
   m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", str(text))
   unit = m and m.group(2).lower()
   if not m or unit not in UNITS:
-    raise KvjaxError(f"--budget '{text}' needs a number and a unit, e.g. 80GiB or 80GB "
-                     "(units: B, KB, MB, GB, TB = powers of 1000; KiB, MiB, GiB, TiB = of 1024)")
+    raise ArgError("budget", f"{{arg}} '{text}' needs a number and a unit, e.g. 80GiB or "
+                   "80GB (units: B, KB, MB, GB, TB = powers of 1000; KiB, MiB, GiB, TiB = of "
+                   "1024)")
   if len(m.group(1)) > 24:  # a float of hundreds of digits is infinity, then an overflow
-    raise KvjaxError(f"--budget '{str(text)[:40]}' has too many digits; give e.g. 80GiB")
+    raise ArgError("budget", f"{{arg}} '{str(text)[:40]}' has too many digits; give e.g. 80GiB")
   n = int(float(m.group(1)) * UNITS[unit])
   if n <= 0:
-    raise KvjaxError(f"--budget must be positive, got '{text}'")
+    raise ArgError("budget", f"{{arg}} must be positive, got '{text}'")
   if n > 2**60:
-    raise KvjaxError(f"--budget '{text}' is more than 1 EiB, more than any machine; give the "
-                     "memory of one device, e.g. 80GiB")
+    raise ArgError("budget", f"{{arg}} '{text}' is more than 1 EiB, more than any machine; "
+                   "give the memory of one device, e.g. 80GiB")
   name = {k.lower(): k for k in ("B", "KB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB")}[unit]
   power = "2^" + str({"kib": 10, "mib": 20, "gib": 30, "tib": 40}[unit]) if unit.endswith("ib") \
       else "10^" + str({"b": 0, "kb": 3, "mb": 6, "gb": 9, "tb": 12}[unit])

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from kvjax import config as config_lib
-from kvjax import envcheck, inputs
+from kvjax import envcheck, faces, inputs
 from kvjax import registries  # noqa: F401  (config.validate then knows every registry's names)
 from kvjax.api_types import (CacheConfig, EvalResult, GenerateResult, RunReport, SizeResult,
                              cache_items)
@@ -102,8 +102,7 @@ class Model:
 
   def encode(self, text: str, chat: bool = False) -> list[int]:
     """Token ids of `text` (through the model's chat template with `chat`)."""
-    from kvjax.decode import generate
-    return generate.prompts(self.tokenizer, text, chat=chat)[0]
+    return faces.prompts(self.tokenizer, text, chat=chat)[0]
 
   def generate(self, prompt: Prompt | list[Prompt], cache=None, max_new_tokens: int = 16,
                chat: bool = False, temperature: float | None = None, top_k: int | None = None,
@@ -113,8 +112,6 @@ class Model:
     of ids, or a list of either (a ragged batch). `chat` renders a text prompt as one
     user turn through the model's own template; generation stops at the model's stop
     tokens (EOS, end of turn) unless `stop=False`. Greedy unless `temperature` > 0."""
-    from kvjax.decode import generate
-
     items, batch = inputs.prompts(prompt)  # (kvjax.inputs: the checks the CLI's flags get)
     inputs.integer("max_new_tokens", max_new_tokens)
     inputs.seed(seed)
@@ -127,11 +124,11 @@ class Model:
     ids = []
     for p in items:
       if isinstance(p, str):
-        ids += generate.prompts(self.tokenizer, p, chat=chat)
+        ids += faces.prompts(self.tokenizer, p, chat=chat)
       else:
-        ids += generate.prompts(self.tokenizer, ids=[p], chat=chat)
+        ids += faces.prompts(self.tokenizer, ids=[p], chat=chat)
     cfg = self.with_cache(cache, temperature=temperature, top_k=top_k, top_p=top_p)
-    raw = generate.report(cfg, self.params, self.tokenizer, self.source, ids,
+    raw = faces.report(cfg, self.params, self.tokenizer, self.source, ids,
                             max_new_tokens, seed=seed, stop=stop, chat=chat)
     inputs.refuse_non_finite("generate", raw)
     text = raw.get("text")

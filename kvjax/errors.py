@@ -11,15 +11,20 @@ class KvjaxError(Exception):
 
 
 class ArgError(KvjaxError):
-  """A bad value of the argument `arg`: `template` holds `{arg}` wherever it is named."""
+  """A bad value of the argument `arg`: `template` holds `{arg}` wherever it is named;
+  `cli`, where the command line says it otherwise than by renaming one argument (its
+  `--prompt` and `--prompt-ids` are one `prompt` in Python), is the command line's line."""
 
-  def __init__(self, arg: str, template: str):
-    self.arg, self.template = arg, template
+  def __init__(self, arg: str, template: str, cli: str | None = None):
+    self.arg, self.template, self.cli = arg, template, cli
     super().__init__(self.named(arg))
 
   def named(self, name: str) -> str:
     """The message with the argument called `name`."""
     return self.template.replace("{arg}", name)
+
+  def on_command_line(self) -> str:
+    return self.cli or self.named(flag(self.arg))
 
 
 def flag(arg: str) -> str:

@@ -19,7 +19,7 @@ from kvjax import cache as cache_lib
 from kvjax import config as config_lib
 from kvjax.decode import generate
 from kvjax.errors import KvjaxError
-from kvjax.lab import metrics
+from kvjax.lab import metrics, timers
 from kvjax.lab.serve import allocator, device, engine
 
 V = 64
@@ -317,7 +317,7 @@ def test_workload_stream_is_seeded_skewed_and_shares_system_prompts():
 
 
 def test_generate_timer_and_engine_share_the_program(served, monkeypatch):
-  """One driver: `generate.generate`, `generate.DecodeTimer` and the engine's step all build
+  """One driver: `generate.generate`, `timers.DecodeTimer` and the engine's step all build
   their jitted calls' static arguments through `kvjax.decode.generate.statics`, and give the same
   greedy tokens for one config."""
   cfg, params, prompts, news, _ = served
@@ -329,7 +329,7 @@ def test_generate_timer_and_engine_share_the_program(served, monkeypatch):
   got = generate.generate(cfg, params, [prompt], n, timed=False)["tokens"][0]
   assert len(calls) == 2  # prefill and decode
   tokens, lengths = np.array([prompt], np.int32), np.array([len(prompt)], np.int32)
-  timer = generate.DecodeTimer(cfg, params, tokens, lengths, steps=n - 1)
+  timer = timers.DecodeTimer(cfg, params, tokens, lengths, steps=n - 1)
   assert len(calls) == 4 and isinstance(timer.compiled, generate.Compiled)
   assert timer.compiled.run().tokens()[0].tolist() == got
 

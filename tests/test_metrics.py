@@ -6,8 +6,7 @@ import statistics
 
 import pytest
 
-from kvjax.decode import generate
-from kvjax.lab import metrics
+from kvjax.lab import metrics, timers
 
 
 def test_summarize_median_spread_and_count():
@@ -61,7 +60,7 @@ def test_decode_timer_reports_compiled_peak_and_cache_bytes(monkeypatch):
   from conftest import tiny_config, tiny_params
   cfg = tiny_config()
   tokens = np.ones((2, 4), np.int32)
-  timer = generate.DecodeTimer(cfg, tiny_params(cfg), tokens, np.full((2,), 4, np.int32),
+  timer = timers.DecodeTimer(cfg, tiny_params(cfg), tokens, np.full((2,), 4, np.int32),
                               steps=4)
   assert timer.capacity == 4 + 4 + 1 and timer.compile_s > 0
   ticks = iter([1.0, 1.25, 2.25])  # prefill 0.25 s, then decode 1 s over 4 steps

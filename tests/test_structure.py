@@ -169,7 +169,7 @@ def _in(name: str, prefixes) -> bool:
 
 
 LAB = ("kvjax.lab",)
-FACES = ("kvjax.cli", "kvjax.api", "kvjax.api_types")
+FACES = ("kvjax.cli", "kvjax.api", "kvjax.api_types", "kvjax.faces")
 LIBRARY = tuple(n for n in MODULES if n != "kvjax" and not _in(n, LAB + FACES))
 
 

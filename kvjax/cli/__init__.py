@@ -22,7 +22,7 @@ from kvjax.cli.commands import DEFAULT_CODEC, codec_names, layout_names
 from kvjax.cli.parser import NUMBER_FLAGS, build_parser
 from kvjax.cli.show import print_human
 from kvjax import envcheck, inputs
-from kvjax.errors import ArgError, KvjaxError, flag
+from kvjax.errors import ArgError, KvjaxError
 
 __all__ = ["DEFAULT_CODEC", "build_parser", "codec_names", "layout_names", "main",
            "parse_args"]
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         print_human(args.command, result)
     return 0
   except ArgError as e:  # a library call's argument, named as this face names it
-    return _fail(e.named(flag(e.arg)))
+    return _fail(e.on_command_line())
   except KvjaxError as e:
     return _fail(str(e))
   except BrokenPipeError:  # `kvjax size ... | head -1`: the reader left; nothing to report

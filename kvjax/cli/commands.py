@@ -138,16 +138,16 @@ def cmd_size(args) -> dict:
 
 # -- generate -----------------------------------------------------------------------------
 def cmd_generate(args) -> dict:
-  from kvjax.decode import generate
+  from kvjax import faces
   from kvjax.io import sources
 
   over = _cache_overrides(args, _sampling_overrides(args))
   src = sources.from_args(args)
   cfg, params, tok = sources.load(src, over)
-  ids = generate.parse_ids(args.prompt_ids) if args.prompt_ids else None
-  text = generate.read_prompt(args.prompt_file) if args.prompt_file else args.prompt
-  prompts = generate.prompts(tok, text, ids, chat=args.chat)
-  return generate.report(cfg, params, tok, src, prompts, args.max_new_tokens, seed=args.seed,
+  ids = faces.parse_ids(args.prompt_ids) if args.prompt_ids else None
+  text = faces.read_prompt(args.prompt_file) if args.prompt_file else args.prompt
+  prompts = faces.prompts(tok, text, ids, chat=args.chat)
+  return faces.report(cfg, params, tok, src, prompts, args.max_new_tokens, seed=args.seed,
                            stop=not args.no_stop, chat=args.chat, warm=args.warmup and not args.no_warmup)
 
 

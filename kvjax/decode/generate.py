@@ -1,15 +1,11 @@
-"""`kvjax generate` and every timer: placement, compiled prefill and decode, fresh caches,
-timed runs; prompts in and the printed result out.
-
-The command line (`kvjax.cli.commands.cmd_generate`) and the Python API
-(`kvjax.Model.generate`) both call `prompts` (text or ids to token ids, through the
-model's chat template with `chat`) and `report` (the memory check, `generate`, the result
-the CLI prints as JSON), so a prompt, a check and a result are the same whichever face
-asked. Generation stops at the model's stop tokens (its EOS and end-of-turn ids,
-kvjax.io.chat) unless `stop=False`.
+"""Placement, compiled prefill and decode, fresh caches, timed runs: `generate` (the call
+`kvjax generate` and `Model.generate` reach through `kvjax.faces.report`, which also reads
+their prompts and writes the result they print) and `Compiled`, which every timer goes
+through. Generation stops at the stop tokens it is given (the model's EOS and end-of-turn
+ids, kvjax.io.chat, unless the caller asks for none).
 
 The drivers that compile prefill and decode ahead of time go through `Compiled`
-(`generate` below, `DecodeTimer`, the roofline and peer experiments,
+(`generate` below, the lab's `DecodeTimer`, the roofline and peer experiments,
 scripts/bench_prefill.py and bench_sharding.py; the serving engine through `statics` and
 `Placement`):
 
@@ -233,113 +229,3 @@ def generate(cfg: Config, params, prompts: list[list[int]], max_new_tokens: int,
       "compile_s": prog.compile_s,
       "capacity": capacity,
   }
-
-
-class DecodeTimer:
-  """Compiled prefill + decode for one config and shape (a `Compiled`), timed
-  one repeat at a time.
-
-  Both programs donate the cache, so every repeat allocates a fresh cache *outside* the
-  timed region. `once()` returns (ttft_s, decode_s); several timers can be called in
-  turn (`bench_interleaved`) so that A-vs-B ratios share the same machine noise.
-  """
-
-  def __init__(self, cfg, params, tokens_BT, lengths_B, steps: int, capacity: int = 0,
-               prepare: bool = True):
-    self.steps = max(int(steps), 1)
-    B, T = tokens_BT.shape
-    self.capacity = capacity or T + self.steps + 1
-    shape = Shape(B, T, self.capacity, self.steps)
-    # prepare=False: the params as given (stacked ones run the nn.scan program)
-    self.compiled = Compiled(cfg, params, shape, prepare=prepare).compile(tokens_BT,
-                                                                                lengths_B)
-    self.compile_s = self.compiled.compile_s
-    self.cache_bytes = None
-    self.peak_bytes = self.compiled.peak_bytes
-
-  def once(self) -> tuple[float, float]:
-    run = self.compiled.run()
-    self.cache_bytes = cache_lib.tree_bytes(run.cache)
-    return run.prefill_s, run.decode_s / self.steps
-
-
-def parse_ids(items: list[str]) -> list[list[int]]:
-  """`--prompt-ids 1,2,3` items as one id list each."""
-  prompts = []
-  for item in items:
-    try:
-      prompts.append([int(x) for x in item.replace(" ", "").split(",") if x])
-    except ValueError:
-      raise KvjaxError(f"--prompt-ids expects comma-separated integers, got '{item}'") from None
-  return prompts
-
-
-def prompts(tok, text: str | None = None, ids: list[list[int]] | None = None,
-            chat: bool = False) -> list[list[int]]:
-  """Token ids of one text prompt (rendered as one user turn by the model's chat template
-  with `chat`) or of the id lists given."""
-  if text is not None:
-    inputs.text("--prompt", text)  # undecodable command-line bytes: one line, not a traceback
-    if tok is None:
-      raise KvjaxError("this model has no tokenizer; pass --prompt-ids 1,2,3 instead of --prompt")
-    if not chat:
-      return [tok.encode(text)]
-    from kvjax.io import chat as chat_lib
-    rendered = chat_lib.render(tok.chat, [{"role": "user", "content": text}])
-    return [tok.encode(rendered, bos=False)]
-  if ids:
-    if chat:
-      raise KvjaxError("--chat renders a text prompt; give --prompt TEXT, not --prompt-ids")
-    return [list(map(int, p)) for p in ids]
-  raise KvjaxError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3")
-
-
-def read_prompt(path: str) -> str:
-  """A prompt file's text (UTF-8); a missing, unreadable or undecodable file is one line."""
-  from pathlib import Path
-
-  try:
-    raw = Path(path).read_bytes()
-  except OSError as e:
-    raise KvjaxError(f"cannot read --prompt-file {path}: {e.strerror or e}") from None
-  try:
-    text = raw.decode("utf-8")
-  except UnicodeDecodeError as e:
-    raise KvjaxError(f"--prompt-file {path} is not UTF-8 text (byte {e.start}); convert it "
-                     "or pass token ids with --prompt-ids") from None
-  if not text:
-    raise KvjaxError(f"--prompt-file {path} is empty; give it the prompt's text")
-  return text
-
-
-def report(cfg, params, tok, src, prompt_ids: list[list[int]], max_new_tokens: int,
-           seed: int | None = None, stop: bool = True, chat: bool = False,
-           warm: bool = False) -> dict:
-  """Generate and describe the run: tokens (and text), cache bytes, timings, the variant.
-  `stop`: end each sequence at the model's first stop token (else `workload.eos_id` only).
-  `warm`: a warm-up run before the timed one (False, the default: one run, its timings
-  including first-execution costs, and a long prompt prefilled once)."""
-  from kvjax import memory
-
-  if prompt_ids and all(prompt_ids) and max_new_tokens > 0:  # else generate names the problem
-    capacity = cfg.cache.capacity or max(map(len, prompt_ids)) + max_new_tokens
-    memory.check(cfg, len(prompt_ids), capacity, max(map(len, prompt_ids)),
-                 what="this generate")
-  stops = sorted(getattr(tok, "stop_ids", ())) if stop and tok is not None else []
-  # `seed` seeds sampling only; the weights of a config model come from its `seed` key.
-  out = generate(cfg, params, prompt_ids, max_new_tokens, seed=seed, stop=stops, timed=warm)
-  result = {"tokens": out["tokens"]}
-  if tok is not None:
-    result["text"] = [tok.decode(t) for t in out["tokens"]]
-  result.update({k: out[k] for k in ("cache_bytes", "cache_bytes_per_device", "ttft_s", "tpot_s",
-                                     "compile_s", "capacity")})
-  result["warm"] = warm  # False: ttft_s and tpot_s include first-execution costs
-  result["mesh"] = {"data": cfg.mesh.data, "model": cfg.mesh.model}
-  result.update({"variant": cfg.model.variant, "layout": cfg.cache.layout,
-                 "policy": cfg.cache.policy,
-                 "k_codec": cfg.cache.k_codec, "v_codec": cfg.cache.v_codec,
-                 "batch": len(prompt_ids), "source": str(src),
-                 # only a config's model is initialised here; every other source read weights
-                 "random_weights": src.kind == "config",
-                 "chat": chat, "stop_ids": stops})
-  return result

@@ -131,7 +131,7 @@ def time_call(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> di
 
 def bench_interleaved(timers: dict, repeats: int = 5, warmup: int = 1,
                       before_repeat=None, samples: bool = False) -> dict:
-  """Round-robin repeats over named timers (`generate.DecodeTimer`, or anything with its
+  """Round-robin repeats over named timers (`kvjax.lab.timers.DecodeTimer`, or anything with its
   `once()`, `compile_s` and `cache_bytes`); per name: TTFT/TPOT medians and spreads; with
   `samples`, also the per-repeat TPOTs (`tpot_s_samples`, in repeat order, for paired
   ratios). `before_repeat()`, when given, runs before each timed repeat (a bandwidth probe)."""

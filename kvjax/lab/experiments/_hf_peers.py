@@ -1,6 +1,6 @@
 """The transformers (torch) side of the peer experiment (kvjax/lab/experiments/peer.py): the
 shared random checkpoint, a GGUF file's weights read by transformers, the `generate` and
-filled-cache timers with `kvjax.decode.generate.DecodeTimer`'s `once()` interface, and the thread
+filled-cache timers with `kvjax.lab.timers.DecodeTimer`'s `once()` interface, and the thread
 pinning that gives torch and XLA the same cores. Not an experiment itself (the leading
 underscore keeps it off `kvjax run`'s list)."""
 
@@ -68,7 +68,7 @@ def gguf_models(path: str):
 # -- transformers timers ----------------------------------------------------------------------
 class HFTimer:
   """`model.generate` for one cache implementation, with the same `once()` interface as
-  `kvjax.decode.generate.DecodeTimer`: returns (ttft_s, tpot_s)."""
+  `kvjax.lab.timers.DecodeTimer`: returns (ttft_s, tpot_s)."""
 
   def __init__(self, model, tokens_BT: np.ndarray, gen_len: int, kind: str):
     import torch

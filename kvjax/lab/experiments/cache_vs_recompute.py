@@ -16,10 +16,9 @@ cached rows) shares the machine's noise.
 from __future__ import annotations
 
 from kvjax import config as config_lib
-from kvjax.decode import generate
 from kvjax.errors import KvjaxError
 from kvjax.lab import experiments as ex
-from kvjax.lab import metrics
+from kvjax.lab import metrics, timers
 
 # The params.NAME options this experiment reads (`setting` and `settings` are every
 # experiment's); `kvjax run` refuses any other, which would be accepted and ignored.
@@ -51,9 +50,9 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
   tokens, lengths = ex.prompts(cfg, w.batch, w.prompt_len)
   cfgs = {lay: config_lib.apply_overrides(cfg, {"cache.layout": lay})
           for lay in cfg.param("layouts", ["none", "contiguous"])}
-  timers = {lay: generate.DecodeTimer(c, params, tokens, lengths, steps=steps, capacity=S)
+  clocks = {lay: timers.DecodeTimer(c, params, tokens, lengths, steps=steps, capacity=S)
             for lay, c in cfgs.items()}
-  res = metrics.bench_interleaved(timers, repeats=w.repeats)
+  res = metrics.bench_interleaved(clocks, repeats=w.repeats)
   rows = []
   for lay, m in res.items():
     m["tokens_per_s"] = w.batch / m["tpot_s"]

@@ -4,7 +4,7 @@ One cell = one attention variant x codec x layout x batch x prompt length. The p
 (`workload.prompt_len` random tokens per sequence) is prefilled, then `gen_len - 1`
 tokens are decoded in one compiled `lax.scan`; TTFT and TPOT are the medians of
 `workload.repeats` timed repeats after a warm-up, each with a fresh cache allocated
-outside the timed region (kvjax.decode.generate.DecodeTimer). The cache holds
+outside the timed region (kvjax.lab.timers.DecodeTimer). The cache holds
 `prompt_len + gen_len` tokens (`context` in the rows), so TPOT is the decode cost at
 that context. Weights are random: speed does not depend on their values.
 
@@ -41,7 +41,7 @@ from kvjax.decode import generate
 from kvjax.errors import KvjaxError
 from kvjax.lab import experiments as ex
 from kvjax.lab import intervals
-from kvjax.lab import metrics
+from kvjax.lab import metrics, timers
 from kvjax.lab.experiments import roofline
 
 # The params.NAME options this experiment reads (`setting` and `settings` are every
@@ -63,7 +63,7 @@ class StepTimer:
   """Decode steps of one config from one prefilled cache. The prompt is prefilled once
   (through `cache.policy`'s compaction; `ttft_s` is that one run), then each `once()`
   decodes `steps` tokens from a copy of that cache, copied before the clock starts (decode
-  donates its cache). Same interface as `generate.DecodeTimer` for `bench_interleaved`."""
+  donates its cache). Same interface as `timers.DecodeTimer` for `bench_interleaved`."""
 
   def __init__(self, cfg, params, tokens_BT, lengths_B, steps: int, capacity: int):
     self.steps = max(int(steps), 1)
@@ -92,9 +92,9 @@ def _interleaved_cell(cfg: config_lib.Config, cfgs: dict) -> list[dict]:
   params = ex.random_params(cfg.model, cfg.seed)
   tokens, lengths = ex.prompts(cfg, w.batch, w.prompt_len)
   S = capacity(cfg)
-  timers = {name: StepTimer(c, params, tokens, lengths, steps=max(w.gen_len - 1, 1), capacity=S)
+  clocks = {name: StepTimer(c, params, tokens, lengths, steps=max(w.gen_len - 1, 1), capacity=S)
             for name, c in cfgs.items()}
-  res = metrics.bench_interleaved(timers, repeats=w.repeats, samples=True)
+  res = metrics.bench_interleaved(clocks, repeats=w.repeats, samples=True)
   rates = roofline.machine_rates(cfg.param("bandwidth_mib", 512))
   ref = next(iter(res.values()))["tpot_s_samples"]  # `ex.interleaved` puts the reference first
   rows = []
@@ -106,13 +106,13 @@ def _interleaved_cell(cfg: config_lib.Config, cfgs: dict) -> list[dict]:
               "tpot_vs_ref_ci95": ci,
               "bytes_per_token": m["cache_bytes"] / (w.batch * S),
               "bytes_per_token_asymptotic": footprint.asymptotic(cfgs[name]),
-              **roofline.roofs(cfgs[name], params, w.batch, w.prompt_len, timers[name].steps,
+              **roofline.roofs(cfgs[name], params, w.batch, w.prompt_len, clocks[name].steps,
                                m["tpot_s"], *rates)})
     rows.append({
         "variant": ex.variant(cfgs[name], setting=name, policy=c.policy, budget=c.budget,
                               ratio=c.ratio, window=c.window, sinks=c.sinks),
         "workload": {"batch": w.batch, "prompt_len": w.prompt_len, "gen_len": w.gen_len,
-                     "context": S, "decode_steps": timers[name].steps,
+                     "context": S, "decode_steps": clocks[name].steps,
                      "timing": "interleaved, decode from one prefilled cache"},
         "metrics": m,
     })
@@ -127,7 +127,7 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
   params = ex.random_params(cfg.model, cfg.seed)
   tokens, lengths = ex.prompts(cfg, w.batch, w.prompt_len)
   S = capacity(cfg)
-  timer = generate.DecodeTimer(cfg, params, tokens, lengths, steps=max(w.gen_len - 1, 1),
+  timer = timers.DecodeTimer(cfg, params, tokens, lengths, steps=max(w.gen_len - 1, 1),
                               capacity=S)
   m = metrics.bench_interleaved({"cell": timer}, repeats=w.repeats)["cell"]
   m.update({

@@ -28,10 +28,9 @@ from __future__ import annotations
 import numpy as np
 
 from kvjax import config as config_lib
-from kvjax.decode import generate
 from kvjax.errors import KvjaxError
 from kvjax.lab import experiments as ex
-from kvjax.lab import metrics
+from kvjax.lab import metrics, timers
 from kvjax.lab.serve import engine
 
 # The params.NAME options this experiment reads (`setting` and `settings` are every
@@ -119,11 +118,11 @@ def _gather_bench(cfg, params) -> dict:
   """Decode time per token through the block table vs contiguous, interleaved."""
   B, ctx = cfg.param_int("bench_batch", 8), cfg.param_int("bench_context", 192)
   tokens, lengths = ex.prompts(cfg, B, ctx - 16)
-  timers = {lay: generate.DecodeTimer(config_lib.replace(cfg, **{"cache.layout": lay,
+  clocks = {lay: timers.DecodeTimer(config_lib.replace(cfg, **{"cache.layout": lay,
                                                                 "cache.num_pages": 0}),
                                      params, tokens, lengths, steps=15, capacity=ctx)
             for lay in ("contiguous", "paged")}
-  m = metrics.bench_interleaved(timers, repeats=cfg.param_int("bench_repeats", 3))
+  m = metrics.bench_interleaved(clocks, repeats=cfg.param_int("bench_repeats", 3))
   return {"tpot_s": m["paged"]["tpot_s"], "tpot_s_iqr": m["paged"]["tpot_s_iqr"],
           "tpot_s_contiguous": m["contiguous"]["tpot_s"],
           "gather_overhead": m["paged"]["tpot_s"] / m["contiguous"]["tpot_s"],

@@ -62,7 +62,7 @@ from kvjax import model as model_lib
 from kvjax.decode import generate
 from kvjax.errors import KvjaxError
 from kvjax.lab import experiments as ex
-from kvjax.lab import intervals, metrics
+from kvjax.lab import intervals, metrics, timers
 from kvjax.lab.experiments import _hf_peers as hf_peers
 from kvjax.lab.experiments import roofline
 
@@ -135,7 +135,7 @@ def _kvjax_config(cfg: config_lib.Config, folder: str) -> tuple[config_lib.Confi
 
 
 # -- kvjax timers: one `kvjax.decode.generate.Compiled` each -------------------------------------------
-class KvjaxTimer(generate.DecodeTimer):
+class KvjaxTimer(timers.DecodeTimer):
   """DecodeTimer that also hands back one run's greedy tokens, from the program it already
   compiled (a second `generate.generate` would compile it again)."""
 
@@ -170,34 +170,34 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
   threads = cfg.param_int("threads", 0)
   with tempfile.TemporaryDirectory() as folder, hf_peers.same_threads(threads) as n:
     hf_model, kcfg, params = _models(cfg, folder)
-    timers, cfgs = {}, {}
+    clocks, cfgs = {}, {}
     filled = _filled(cfg)
     for peer in peers:
       if peer.startswith("kvjax"):
         cfgs[peer] = pcfg = _kvjax_config_of(peer, kcfg)
         prepare = peer != "kvjax_nnscan"  # stacked params run the nn.scan program
-        timers[peer] = (KvjaxFilledTimer(pcfg, params, w.batch, w.prompt_len, w.gen_len - 1,
+        clocks[peer] = (KvjaxFilledTimer(pcfg, params, w.batch, w.prompt_len, w.gen_len - 1,
                                          prepare=prepare)
                         if filled else
                         KvjaxTimer(pcfg, params, tokens, lengths, steps=w.gen_len - 1,
                                    capacity=w.prompt_len + w.gen_len, prepare=prepare))
       elif filled:
-        timers[peer] = hf_peers.HFFilledTimer(hf_model, w.batch, w.prompt_len, w.gen_len - 1,
+        clocks[peer] = hf_peers.HFFilledTimer(hf_model, w.batch, w.prompt_len, w.gen_len - 1,
                                               peer)
       else:
-        timers[peer] = hf_peers.HFTimer(hf_model, tokens, w.gen_len, peer)
+        clocks[peer] = hf_peers.HFTimer(hf_model, tokens, w.gen_len, peer)
     meter, probe, bws, dots = roofline.Bandwidth(512), roofline.DotProbe(), [], []
     results = metrics.bench_interleaved(
-        timers, repeats=w.repeats, samples=True,
+        clocks, repeats=w.repeats, samples=True,
         before_repeat=lambda: (bws.append(meter.measure()), dots.append(probe.measure())))
     del meter, probe
     bw = float(np.median(bws))
     rate = {k: float(np.median([d[k] for d in dots])) for k in roofline.DotProbe.TYPES}
-    ours = (timers["kvjax"] if "kvjax" in timers else
+    ours = (clocks["kvjax"] if "kvjax" in clocks else
             KvjaxFilledTimer(kcfg, params, w.batch, w.prompt_len, w.gen_len - 1) if filled else
             KvjaxTimer(kcfg, params, tokens, lengths, steps=w.gen_len - 1)).greedy_tokens()
     theirs = {p: (t.greedy_tokens() if p.startswith("kvjax") else t.tokens)
-              for p, t in timers.items() if p != "kvjax"}
+              for p, t in clocks.items() if p != "kvjax"}
     torch_threads = hf_peers.hf_model_threads()
 
   base = results.get("kvjax", {}).get("tpot_s_samples")

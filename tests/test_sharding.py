@@ -327,3 +327,53 @@ def test_distributed_flags_must_come_together(monkeypatch):
 
 if __name__ == "__main__" and sys.argv[1:] == ["child"]:
   print(json.dumps(child()))
+
+
+def _cache_classes():
+  """Every cache pytree class of the layouts (a flax struct with a static `spec`)."""
+  import dataclasses
+  import importlib
+  import pkgutil
+  import kvjax.cache
+  out = []
+  for m in pkgutil.iter_modules(kvjax.cache.__path__):
+    mod = importlib.import_module(f"kvjax.cache.{m.name}")
+    for obj in vars(mod).values():
+      if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == mod.__name__ \
+          and "spec" in {f.name for f in dataclasses.fields(obj)} and hasattr(obj, "replace"):
+        out.append(obj)
+  return out
+
+
+def test_every_cache_field_names_its_logical_axes():
+  """Each layout's cache class names the axes of every pytree field it has, each axis one
+  the rules table maps: no leaf is replicated by omission."""
+  import dataclasses
+  classes = _cache_classes()
+  assert {c.__name__ for c in classes} >= {"KVCache", "CompactedCache", "LatentCache",
+                                           "PagedCache", "CompactedPagedCache", "TokenBuffer"}
+  for cls in classes:
+    fields = {f.name for f in dataclasses.fields(cls) if f.metadata.get("pytree_node", True)}
+    assert fields == set(cls.AXES), (cls.__name__, fields ^ set(cls.AXES))
+    assert all(a in sharding.RULES for axes in cls.AXES.values() for a in axes), cls.__name__
+
+
+def test_cache_specs_follow_the_declared_axes_and_refuse_an_undeclared_leaf():
+  from kvjax import cache as cache_lib
+  from kvjax.cache import compact
+  cfg = _cfg(**{"cache.codec": "int8", "cache.residual": 4})
+  c = jax.eval_shape(lambda: cache_lib.init_cache(cfg, 2, 16))
+  specs = {tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in p): s
+           for p, s in jax.tree_util.tree_leaves_with_path(
+               sharding.cache_specs(c), is_leaf=lambda s: isinstance(s, P))}
+  assert {p[0] for p in specs} == {"k", "v", "k_win", "v_win", "lengths"}
+  for path, spec in specs.items():  # codes, scales and the residual window alike
+    want = ("data",) if path[0] == "lengths" else (None, "data", "kv")
+    assert tuple(spec)[:len(want)] == want and set(tuple(spec)[len(want):]) <= {None}, path
+  # a compacted cache's per-sequence counters split the batch like its lengths
+  for field in ("held", "budget", "prompt_end"):
+    assert sharding.cache_leaf_spec([field], 1, compact.CompactedCache.AXES) == P("data")
+  assert sharding.cache_leaf_spec(["head_held"], 3, compact.CompactedCache.AXES) == \
+      P(None, "data", "kv")
+  with pytest.raises(KvjaxError, match=r"cache leaf held of layout compacted has no logical"):
+    sharding.cache_leaf_spec(["held"], 1, {"k": ("layers",)}, "compacted")

@@ -18,6 +18,11 @@ and how a layer sees them, through five named steps the model calls (`kvjax.mode
 plus `check(cache_cfg, model_cfg)` (host-side limits, run by `config.validate`) and
 `closed_form_bytes(spec)` (what `kvjax size` reports). Each module of this folder defines
 one layout and registers it; adding a layout = one module here that calls `register`.
+
+Each cache class names the logical axes of its fields' leaves in `AXES` (field -> the
+leading dimensions' names below; a codec's own trailing dimensions are unnamed). One rules
+table maps them onto the mesh (`kvjax.decode.sharding.RULES`); a field without named axes
+is refused there, never silently replicated.
 """
 
 from __future__ import annotations
@@ -31,6 +36,13 @@ import jax.numpy as jnp
 from kvjax import codecs
 from kvjax.config import CacheConfig, Config, ModelConfig
 from kvjax.errors import KvjaxError
+
+# The logical axes of cache leaves (`AXES` of each cache class).
+LAYERS, BATCH, KV_HEADS, TOKENS, PAGES = "layers", "batch", "kv_heads", "tokens", "pages"
+KV = (LAYERS, BATCH, KV_HEADS, TOKENS)        # per sequence: [L, B, K, S, ...]
+POOL = (LAYERS, PAGES, KV_HEADS, TOKENS)      # a shared page pool: [L, P, K, page, ...]
+PER_SEQUENCE = (BATCH,)                       # [B]
+WEIGHTS = ()                                  # attached weights: whole on every device
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,7 @@ The policy's state is the full layers' alone.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +65,11 @@ class CompactedCache:
   head_held: Any = None  # cache.heads=adaptive: [L, B, K] int32, the prompt's slots each head
   prompt_end: Any = None # holds ([0, head_held)) and [B] the slots the prompt took; slots
   #                        from prompt_end on (decode's) are valid in every head
+
+  AXES: ClassVar[dict] = {**{f: base.KV for f in ("k", "v", "state", "k_ring", "v_ring")},
+                          **{f: base.PER_SEQUENCE for f in ("lengths", "held", "budget",
+                                                            "prompt_end")},
+                          "head_held": (base.LAYERS, base.BATCH, base.KV_HEADS)}
 
 
 def policy_of(spec: base.CacheSpec):

@@ -7,7 +7,7 @@ with sliding-window layers keeps those layers in rings of W slots (`kvjax.cache.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,10 @@ class KVCache:
   v_first: Any = None
   k_ring: Any = None     # sliding-window layers' last W tokens [Lw, B, K, W, ...] (kvjax.cache.ring);
   v_ring: Any = None     # then k and v hold the other layers only [Lg, B, K, S, ...]
+
+  AXES: ClassVar[dict] = {**{f: base.KV for f in ("k", "v", "k_win", "v_win", "k_first",
+                                                   "v_first", "k_ring", "v_ring")},
+                          "lengths": base.PER_SEQUENCE}
 
 
 def check_capacity(spec: base.CacheSpec) -> None:

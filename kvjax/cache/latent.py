@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +110,11 @@ class LatentCache:
                          # cache: `write` detaches them)
   rope: Any = None       # [L, K, 2r] and [L, K, D - 2r]: each head's rotated and other key
   rest: Any = None       # columns (model.rope_pairs > 0; attached like `up`)
+
+  # the latent is one row per token shared by every head: no KV-head axis to split
+  AXES: ClassVar[dict] = {"c": (base.LAYERS, base.BATCH, None, base.TOKENS),
+                          "lengths": base.PER_SEQUENCE,
+                          **{f: base.WEIGHTS for f in ("up", "bias", "rope", "rest")}}
 
 
 def weights(params, m) -> tuple[jax.Array, jax.Array]:

@@ -4,6 +4,8 @@ reads this cache; `kvjax.decode.step.run` runs the recompute mode when it is han
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -16,6 +18,8 @@ class TokenBuffer:
   tokens: jax.Array      # [B, S] int32
   lengths: jax.Array     # [B] int32
   spec: base.CacheSpec = struct.field(pytree_node=False)
+
+  AXES: ClassVar[dict] = {"tokens": (base.BATCH, base.TOKENS), "lengths": base.PER_SEQUENCE}
 
 
 class NoCache(base.Layout):

@@ -38,7 +38,7 @@ blocks straddle pages.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -94,6 +94,11 @@ class PagedCache:
   spec: base.CacheSpec = struct.field(pytree_node=False)
   k_ring: Any = None      # sliding-window layers' last W tokens [Lw, B, K, W, ...] (`rings`);
   v_ring: Any = None      # then the pools hold the other layers only [Lg, P, K, page_size, ...]
+
+  # any sequence may own (or share, with prefix caching) any page: pools split KV heads only
+  AXES: ClassVar[dict] = {"k": base.POOL, "v": base.POOL, "k_ring": base.KV,
+                          "v_ring": base.KV, "block_table": base.PER_SEQUENCE,
+                          "lengths": base.PER_SEQUENCE}
 
 
 class Paged(base.Layout):

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,10 @@ class CompactedPagedCache:
   budget: jax.Array       # [B] int32 tokens kept per sequence (ring size of window/sinks)
   state: Any              # {name: [L, B, K, S]}: the policy's own leaves per slot (h2o: acc, pos)
   spec: base.CacheSpec = struct.field(pytree_node=False)
+
+  AXES: ClassVar[dict] = {"k": base.POOL, "v": base.POOL, "state": base.KV,
+                          **{f: base.PER_SEQUENCE for f in ("block_table", "lengths", "held",
+                                                            "budget")}}
 
 
 def locate(table_BQ, b_idx, slot, ps: int, P: int):

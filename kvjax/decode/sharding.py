@@ -20,8 +20,11 @@ Embedding and lm_head split the vocabulary over TP (a vocab-parallel embedding i
 masked gather plus an all-reduce; the logits stay vocab-split until the sampler's
 argmax). Norms are replicated (E floats per layer). The batch splits over `data`.
 
-The `paged` layout's pool [L, P, K, page, ...] splits KV heads only (pages are shared by
-the batch, so they are replicated over `data`); its block table splits the batch.
+The cache is laid out by the logical axes each cache class names for its fields (`AXES`,
+kvjax.cache.base) through one table, `RULES`: batch over `data`, KV heads over `kv`,
+everything else whole. So the `paged` layout's pool [L, P, K, page, ...] splits KV heads
+only (pages are shared by the batch, so they are replicated over `data`), its block table
+and every per-sequence counter split the batch, and a field with no named axes is refused.
 
 Divisibility: heads that do not divide -> one-line KvjaxError (a head is never split);
 a batch that `data` does not divide -> KvjaxError; d_ff or vocab that `TP` does not
@@ -51,8 +54,11 @@ TP = ("kv", "rep")          # the whole `model` axis
 COLUMN = ("q_proj", "gate_proj", "up_proj")   # split the output axis over TP
 KV_PROJ = ("k_proj", "v_proj")                # split the output axis over `kv`
 ROW = ("o_proj", "down_proj")                 # split the input axis over TP
-CACHE_FIELDS = ("k", "v", "k_win", "v_win", "k_first", "v_first", "k_ring", "v_ring",
-                "state")  # [L, B, K, S, ...]
+# The cache's logical axes (`kvjax.cache.base`: each cache class's `AXES`) on the mesh: a
+# sequence's leaves split the batch over `data` and KV heads over `kv`; layers, tokens and
+# a shared pool's pages stay whole.
+RULES = {"batch": "data", "kv_heads": "kv", "layers": None, "tokens": None, "pages": None,
+         None: None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,29 +167,23 @@ def param_specs(params: Any, cfg: Config) -> Any:
       lambda path, x: param_spec(_names(path), tuple(x.shape), p), params)
 
 
-def cache_leaf_spec(path: list[str], ndim: int, paged: bool = False) -> P:
-  """KV leaves [L, B, K, S, ...] split batch over `data` and KV heads over `kv`;
-  `lengths` [B], block tables [B, Q] and the `none` layout's tokens [B, S] split the batch.
-
-  A paged pool [L, P, K, page, ...] splits KV heads only: any sequence may own (or share,
-  with prefix caching) any page, so pages are replicated over `data`; each data shard
-  gathers its sequences' pages locally and the writes (new tokens only) are exchanged.
-  Its windowed layers' rings [Lw, B, K, W, ...] are per sequence: batch over `data`."""
+def cache_leaf_spec(path: list[str], ndim: int, axes: dict, layout: str = "") -> P:
+  """The PartitionSpec of one cache leaf: its field's logical axes (`axes`, the cache
+  class's `AXES`) through `RULES`, its trailing (codec) dimensions whole. A field the class
+  names no axes for is refused: a leaf must never be replicated by omission."""
   field = path[0] if path else ""
-  if field in CACHE_FIELDS:
-    pool = paged and field in ("k", "v")
-    return P(None, None if pool else "data", "kv", *([None] * (ndim - 3)))
-  if field in ("lengths", "tokens", "block_table"):
-    return P("data", *([None] * (ndim - 1)))
-  return P()  # a leaf no rule names: replicated
+  if field not in axes:
+    raise KvjaxError(f"cache leaf {'.'.join(path) or '(root)'} of layout {layout or '?'} has "
+                     "no logical axes: name them in its cache class's AXES (kvjax.cache.base)")
+  names = tuple(axes[field])[:ndim]
+  return P(*(RULES[n] for n in names), *([None] * (ndim - len(names))))
 
 
 def cache_specs(cache: Any) -> Any:
-  """The PartitionSpec of every leaf of a cache (any layout: its spec names it)."""
-  from kvjax import cache as cache_lib
-  paged = cache_lib.get(cache.spec.layout).shared_pool  # the layout says (`Layout`)
+  """The PartitionSpec of every leaf of a cache (any layout: its class names the axes)."""
+  axes = type(cache).AXES
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: cache_leaf_spec(_names(path), x.ndim, paged), cache)
+      lambda path, x: cache_leaf_spec(_names(path), x.ndim, axes, cache.spec.layout), cache)
 
 
 def shardings(specs: Any, mesh: Mesh) -> Any:

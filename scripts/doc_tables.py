@@ -1031,11 +1031,16 @@ def shrink_speed_table(rows: list[dict]) -> str:
                + " | ".join(dppl + timed) + " |")
   shapes = sorted({(r["workload"]["batch"], r["workload"]["context"]) for r in speed.values()})
   how = ", ".join(f"batch {b} x {c:,} tokens of context" for b, c in shapes) or "not yet run"
+  hosts = sorted({f"{r['env']['cpu_count']} CPU cores"
+                  + (f" of {r['env']['cpu_model']}" if r["env"].get("cpu_model") else "")
+                  for r in speed.values() if r.get("env")})
+  how += f" on {' and '.join(hosts)}" if hosts else ""
   return "\n".join(out) + (
       "\n\nQuality: the frontier rows above (Δppl against the fp32 cache, 95 % paired-"
       "bootstrap interval). Passkey: right of 10 (5 depths x 2 seeds, 1,024-token prompts in "
       "the model's chat template) with the Wilson 95 % interval "
-      "(results/real_models/frontier_passkey; — where the setting was not asked). Speed: {how}, every setting of one model timed in turn in each "
+      "(results/real_models/frontier_passkey; — where the setting was not asked). "
+      f"Speed: {how}, every setting of one model timed in turn in each "
       "repeat from a cache filled by length (random weights of the setting's shape), the "
       "ratio to bf16's step the median of per-repeat ratios with its 95 % bootstrap interval; "
       "a policy is timed as the cache it leaves (*held tokens*). *roof fraction*: the "

@@ -35,6 +35,7 @@ import numpy as np
 
 from kvjax import config as config_lib
 from kvjax import memory, policies
+from kvjax.decode import step
 from kvjax.errors import KvjaxError
 from kvjax.lab import data, evaluate, intervals, lockstep
 from kvjax.lab import experiments as ex
@@ -129,6 +130,7 @@ def run_cell(cfg, scratch=None) -> list[dict]:
     if tok is None:
       raise KvjaxError(f"{src} has no tokenizer to read params.text with")
     M = min(want, mcfg.model.max_seq_len)
+    params = step.prepare_params(mcfg, params)  # the one copy every stream reads
     base = quality.cell_config(cfg, mcfg)
     tcfgs = {name: config_lib.validate(config_lib.apply_overrides(base, over))
              for name, over in _caches(cfg).items()}

@@ -111,8 +111,8 @@ def check(cfg) -> None:
 
 @functools.lru_cache(maxsize=4)
 def load_model(src: sources.Source):
-  """(config, params, tokenizer) of a model source, cached: shared by the experiments that
-  read the same models (quality, compression)."""
+  """(config, params, tokenizer) of a model source, read afresh (not cached: a cell holds
+  its model only while it runs); shared by the experiments that read the same models."""
   return sources.load(src)
 
 

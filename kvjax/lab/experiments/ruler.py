@@ -177,6 +177,7 @@ def run_cell(cfg) -> list[dict]:
   for spec in long_context.models(cfg):
     src, mcfg, raw, tok = long_context.load(spec)
     params = step.prepare_params(mcfg, raw)
+    del raw  # the prepared copy is the one every call reads: one copy of the weights held
     caches = _model_cfgs(cfg, mcfg)  # validated once, read by every question
     e = _example(cfg, spec)
     width = _context(cfg)

@@ -8,7 +8,8 @@ read back from the file (config hashes, git commits, machines, row count).
     python scripts/manifest.py compare DIR            # DIR's files have the committed structure
 
 A `kvjax run` entry names its `config`, `set` overrides and `out` folder; its command is
-built from them, and `check` holds every row's `config_hash` equal to a cell of that
+built from them (an entry whose committed cells are several slices of a grid, filled over
+several sessions, lists each slice's overrides under `slices`, a command each), and `check` holds every row's `config_hash` equal to a cell of that
 config as committed now (so editing a config without regenerating its results fails the
 test suite). Other entries (benchmark scripts, whose rows carry no config) list their
 `commands` verbatim, `{results}` standing for the results folder; a `kvjax run` entry may
@@ -54,13 +55,21 @@ def _under(path: str, results_dir: str) -> str:
   return str(Path(results_dir) / rel) if str(rel) != "." else results_dir
 
 
+def slices(entry: dict) -> list[list[str]]:
+  """The `--set` overrides of each `kvjax run` the entry's cells come from: its `slices`, or
+  its one `set`."""
+  return [list(s) for s in entry["slices"]] if "slices" in entry else [list(entry.get("set", []))]
+
+
 def commands(entry: dict, results_dir: str = "results") -> list[str]:
-  """The shell commands of one entry (`kvjax run` ones are built from config/set/out);
-  `{results}` in a verbatim command is the results folder."""
+  """The shell commands of one entry (`kvjax run` ones are built from config/set/out, one a
+  slice); `{results}` in a verbatim command is the results folder."""
   if "config" in entry:
-    sets = "".join(f" --set {shlex.quote(s)}" for s in entry.get("set", []))
     before = [c.format(results=results_dir) for c in entry.get("before", [])]
-    return before + [f"kvjax run {entry['config']} --out {_under(entry['out'], results_dir)}{sets}"]
+    out = _under(entry["out"], results_dir)
+    return before + [f"kvjax run {entry['config']} --out {out}"
+                     + "".join(f" --set {shlex.quote(s)}" for s in sets)
+                     for sets in slices(entry)]
   return [c.format(results=results_dir) for c in entry["commands"]]
 
 
@@ -73,11 +82,10 @@ def runnable(entry: dict) -> bool:
 
 
 def expected_hashes(entry: dict) -> set[str]:
-  """Hashes of the cells the entry's config expands to, as committed now."""
+  """Hashes of the cells the entry's config expands to (each slice's), as committed now."""
   sys.path.insert(0, str(ROOT))
   from kvjax.lab import runner
-  _, cells = runner.expand(ROOT / entry["config"], list(entry.get("set", [])))
-  return {c.hash for c in cells}
+  return {c.hash for sets in slices(entry) for c in runner.expand(ROOT / entry["config"], sets)[1]}
 
 
 def facts(path: Path) -> dict:
@@ -99,20 +107,22 @@ def update(path: Path = MANIFEST) -> None:
   man = load(path)
   out = {}
   for name in sorted(man):
-    entry = {k: v for k, v in man[name].items() if k in ("config", "set", "out", "commands",
-                                                               "before", "needs")}
+    entry = {k: v for k, v in man[name].items() if k in ("config", "set", "slices", "out",
+                                                               "commands", "before", "needs")}
     entry.update(facts(ROOT / name))
     out[name] = entry
   path.write_text(HEADER + yaml.safe_dump(out, sort_keys=False, width=100))
 
 
 def results_files() -> set[str]:
-  """Committed results: every file under results/ except the manifest, scratch folders and
-  the NOTES.md beside rows (what a run's story, host and commit were: prose, no command)."""
+  """Committed results: every file under results/ except the manifest, scratch folders, a
+  live run's own state (`.kvjax-locks`, `.kvjax-partial`: hidden, never committed) and the
+  NOTES.md beside rows (what a run's story, host and commit were: prose, no command)."""
   base = ROOT / "results"
   return {str(p.relative_to(ROOT)) for p in base.rglob("*") if p.is_file()
           and p != MANIFEST and p.name != "NOTES.md"
-          and not p.relative_to(base).parts[0].startswith("tmp")}
+          and not p.relative_to(base).parts[0].startswith("tmp")
+          and not any(part.startswith(".") for part in p.relative_to(base).parts)}
 
 
 def check(path: Path = MANIFEST) -> list[str]:

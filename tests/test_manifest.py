@@ -40,7 +40,9 @@ def test_every_run_file_has_one_recorded_config_and_command(manifest):
     assert not entry["config"].startswith("/") and entry["out"].startswith("results")
     assert manifest.commands(entry) == list(entry.get("before", [])) + [
         f"kvjax run {entry['config']} --out {entry['out']}"
-        + "".join(f" --set {shlex.quote(s)}" for s in entry.get("set", []))]  # a shell's
+        + "".join(f" --set {shlex.quote(s)}" for s in sets)  # a shell's
+        for sets in manifest.slices(entry)]
+    assert ("set" in entry) + ("slices" in entry) <= 1, name  # one way to say the cells
   # the converted checkpoints a quality config reads are made by its `before` commands
   conv = runs["results/real_models/convert_smollm2/quality.jsonl"]
   assert all(c.split()[:2] == ["kvjax", "convert"] for c in conv["before"])
@@ -97,3 +99,27 @@ def test_check_flags_rows_of_a_config_that_changed(tmp_path, manifest, monkeypat
   monkeypatch.setattr(manifest, "expected_hashes", lambda e: set(entry["config_hashes"][1:]))
   problems = [p for p in manifest.check() if p.startswith("results/cpu/roofline.jsonl")]
   assert len(problems) == 1 and "no cell of configs/roofline.yaml" in problems[0]
+
+
+def test_an_entry_of_slices_expects_the_union_of_their_cells(manifest):
+  """Cells committed as two slices of one grid (filled in two sessions): a command each,
+  and the expected cells are both slices' (a file holding one slice only misses cells)."""
+  entry = {"config": "configs/ruler_qwen.yaml", "out": "results/real_models/ruler_qwen",
+           "slices": [["grid.params.context=[8192]", "grid.params.sample=[0,1]"],
+                      ["grid.params.context=[8192]", "grid.params.sample=[2]",
+                       "grid.params.task=[vt]"]]}
+  assert [c.split("--set ", 1)[1] for c in manifest.commands(entry)] == [
+      "'grid.params.context=[8192]' --set 'grid.params.sample=[0,1]'",
+      "'grid.params.context=[8192]' --set 'grid.params.sample=[2]' --set 'grid.params.task=[vt]'"]
+  first = manifest.expected_hashes({**entry, "slices": entry["slices"][:1]})
+  both = manifest.expected_hashes(entry)
+  assert len(first) == 22 and len(both) == 23 and first < both
+
+
+def test_a_live_runs_hidden_state_is_not_a_results_file(manifest, tmp_path, monkeypatch):
+  base = tmp_path / "results"
+  for rel in ("a/rows.jsonl", "a/.kvjax-partial/abc/x.npz", "a/.kvjax-locks/l", "tmp1/x"):
+    (base / rel).parent.mkdir(parents=True, exist_ok=True)
+    (base / rel).write_text("")
+  monkeypatch.setattr(manifest, "ROOT", tmp_path)
+  assert manifest.results_files() == {"results/a/rows.jsonl"}

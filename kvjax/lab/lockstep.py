@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
@@ -82,7 +83,7 @@ class Store:
             dtype = np.dtype(leaf.dtype)
             if raw.nbytes != dtype.itemsize * int(np.prod(leaf.shape)):
               raise ValueError(f"cache {s!r} leaf {j} is {raw.nbytes} bytes, not its shape's")
-            got.append(jax.numpy.asarray(raw.view(dtype).reshape(leaf.shape)))
+            got.append(jnp.asarray(raw.view(dtype).reshape(leaf.shape)))
           caches[s] = jax.tree.unflatten(tree, got)
         parts = {n: [tuple(z[f"t{i}_{k}"] for k in range(4))] if meta["done"] else []
                  for i, n in enumerate(meta["names"])}
@@ -199,7 +200,7 @@ def terms(tcfgs: dict, ref_cfg, params, tokens_BM, chunk: int, progress=None,
         state[s] = fresh(c, M)
       streams.append(stream(run_cfg, a, b, state[s], progress))
     for (start, ref_lp), *segs in zip(*streams):
-      if start is None:
+      if start is None:  # each stream's last item is its cache (`keep=True`)
         state[None] = ref_lp
         for s, (_, c) in zip(names, segs):
           state[s] = c

@@ -129,7 +129,7 @@ class Model:
         ids += faces.prompts(self.tokenizer, ids=[p], chat=chat)
     cfg = self.with_cache(cache, temperature=temperature, top_k=top_k, top_p=top_p)
     raw = faces.report(cfg, self.params, self.tokenizer, self.source, ids,
-                            max_new_tokens, seed=seed, stop=stop, chat=chat)
+                       max_new_tokens, seed=seed, stop=stop, chat=chat)
     inputs.refuse_non_finite("generate", raw)
     text = raw.get("text")
     one = (lambda x: x) if batch else (lambda x: x[0])  # noqa: E731

@@ -148,7 +148,8 @@ def cmd_generate(args) -> dict:
   text = faces.read_prompt(args.prompt_file) if args.prompt_file else args.prompt
   prompts = faces.prompts(tok, text, ids, chat=args.chat)
   return faces.report(cfg, params, tok, src, prompts, args.max_new_tokens, seed=args.seed,
-                           stop=not args.no_stop, chat=args.chat, warm=args.warmup and not args.no_warmup)
+                      stop=not args.no_stop, chat=args.chat,
+                      warm=args.warmup and not args.no_warmup)
 
 
 # -- run / train --------------------------------------------------------------------------

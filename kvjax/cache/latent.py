@@ -34,9 +34,8 @@ fp32, against 2 · L · K · D · 4 for the dense cache. Codecs apply to the who
 layer, the SVD of [W_k | W_v] ([E, Y]) gives U = the top A right singular vectors and
 W ← W Uᵀ U (the best rank-A approximation); `rope_pairs` r > 0 first picks each KV head's r
 pairs (the r highest frequencies, or by the weights' share of q·k: `weight_pairs`) and
-factors the rest. At A = min(E, Y)
-and r = 0 or r = D/2 nothing is lost and the logits equal the dense model's
-(tests/test_latent.py, tests/test_mla.py).
+factors the rest. At A = min(E, Y) and r = 0 or r = D/2 nothing is lost and the logits
+equal the dense model's (tests/test_latent.py, tests/test_mla.py).
 """
 
 from __future__ import annotations
@@ -111,10 +110,9 @@ class LatentCache:
   rope: Any = None       # [L, K, 2r] and [L, K, D - 2r]: each head's rotated and other key
   rest: Any = None       # columns (model.rope_pairs > 0; attached like `up`)
 
-  # the latent is one row per token shared by every head: no KV-head axis to split
-  AXES: ClassVar[dict] = {"c": (base.LAYERS, base.BATCH, None, base.TOKENS),
+  AXES: ClassVar[dict] = {"c": (base.LAYERS, base.BATCH, None, base.TOKENS),  # one row/token
                           "lengths": base.PER_SEQUENCE,
-                          **{f: base.WEIGHTS for f in ("up", "bias", "rope", "rest")}}
+                          **dict.fromkeys(("up", "bias", "rope", "rest"), base.WEIGHTS)}
 
 
 def weights(params, m) -> tuple[jax.Array, jax.Array]:

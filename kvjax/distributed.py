@@ -7,8 +7,11 @@ A multi-process command runs under a small supervisor (`supervise`): the CLI sta
 same command again as a child process and relays its output. JAX shares fate between the
 processes of a run: when one dies (or never joins), the others' runtime ends them with a
 fatal C++ log and a stack trace after the heartbeat (or join) timeout, which no Python
-code of theirs can catch. The supervisor turns that into one line naming the fix, and drops
-the gloo CPU collectives' connection notices from stdout so `--json` stays one line.
+code of theirs can catch. The supervisor turns that into one line naming the fix. The child
+keeps the C++ runtime off stdout (`python_stdout_only`): the gloo CPU collectives print
+their connection notices there from several threads at once, pieces of two notices
+interleaved anywhere, so no filter of the relayed lines can remove them reliably; and
+`--json` must stay one line.
 """
 
 from __future__ import annotations
@@ -32,22 +35,6 @@ CHILD = "KVJAX_DISTRIBUTED_CHILD"   # set in the supervised child: it runs the c
 MAX_TIMEOUT = 86400
 # The C++ runtime's fatal log line (absl/glog: severity F, date, time, thread, file:line]).
 _FATAL = re.compile(rb"^F\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\] ")
-# gloo's notice, printed to stdout by each rank's threads: two may interleave anywhere, so a
-# line may hold pieces of both, or a piece glued to the command's own output.
-_GLOO_MARK = re.compile(rb"\[Gloo\] Rank |peer ranks\. Expected number of connected peer ranks")
-_GLOO_PART = re.compile(rb"\[Gloo\] Rank (\d+ )?|(\d+ )?is connected to \d+|\s*peer ranks\. "
-                        rb"Expected number of connected peer ranks is : \d+")
-
-
-def strip_gloo(line: bytes) -> bytes:
-  """`line` without any piece of gloo's connection notices (b"" when nothing else is left;
-  a line without the notice's marks is returned as it is)."""
-  if not _GLOO_MARK.search(line):
-    return line
-  rest = _GLOO_PART.sub(b"", line)
-  return b"" if not rest.strip() else rest if rest.endswith(b"\n") else rest + b"\n"
-
-
 def settings(coordinator: str | None = None, num_processes: int | None = None,
              process_id: int | None = None, auto: bool = False,
              timeout: int | None = None) -> dict | None:
@@ -102,6 +89,21 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
   return True
 
 
+def python_stdout_only() -> None:
+  """In the supervised child, before anything runs: Python's `sys.stdout` moves to a copy of
+  file descriptor 1, and descriptor 1 itself, where native code writes (gloo's notices),
+  to the null device. Everything kvjax prints is Python's; KVJAX_DEBUG=1 keeps both."""
+  if os.environ.get("KVJAX_DEBUG"):
+    return
+  sys.stdout.flush()
+  python_fd = os.dup(1)
+  null = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(null, 1)
+  os.close(null)
+  sys.stdout = open(python_fd, "w", encoding=sys.stdout.encoding, errors=sys.stdout.errors,
+                    buffering=1)
+
+
 def supervised() -> bool:
   """Whether this process is the supervised child of a multi-process command."""
   return os.environ.get(CHILD) == "1"
@@ -114,7 +116,8 @@ def supervise(argv: list[str], s: dict) -> int:
   if not os.environ.get("KVJAX_DEBUG"):  # the runtime's error logs before its fatal line
     env["TF_CPP_MIN_LOG_LEVEL"] = "3"     # (importing jax first leaves this at jax's 1)
   child = subprocess.Popen(
-      [sys.executable, "-c", "import sys; from kvjax.cli import main; sys.exit(main())", *argv],
+      [sys.executable, "-c", "import sys; from kvjax import distributed; "
+       "distributed.python_stdout_only(); from kvjax.cli import main; sys.exit(main())", *argv],
       env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
   fatal: list[bytes] = []
   relays = [threading.Thread(target=_relay_stdout, args=(child.stdout,), daemon=True),
@@ -163,9 +166,6 @@ def _death_message(rc: int, fatal: list[bytes], s: dict) -> str:
 def _relay_stdout(pipe) -> None:
   out = sys.stdout.buffer
   for line in iter(pipe.readline, b""):
-    line = strip_gloo(line)
-    if not line:
-      continue
     try:
       out.write(line)
       out.flush()

@@ -138,10 +138,7 @@ def _rows(path: Path | tuple) -> list[dict]:
 def _ci_method(rows: list[dict]) -> str:
   """How the rows' quality intervals were drawn (rows before `ci_method` was recorded
   resampled 32-token blocks alone)."""
-  how = {r.get("metrics", {}).get("ci_method", "blocks") for r in rows}
-  words = {"blocks": "a paired bootstrap over 32-token blocks",
-           "two_stage": "a paired bootstrap of the windows, then of 32-token blocks in each"}
-  return "; ".join(words.get(h, h) for h in sorted(how))
+  return intervals.describe(r.get("metrics", {}).get("ci_method", "blocks") for r in rows)
 
 
 def _signed(v: float) -> str:

@@ -74,7 +74,7 @@ def test_eval_json_carries_intervals_around_its_points(tiny, capsys):
   assert out["warnings"] == []  # 4 windows of 80 tokens: 12 blocks of 32, enough
   assert cli.main(argv) == 0  # the person's output prints the intervals
   text = capsys.readouterr().out
-  assert "{:+.3f}".format(100 * out["dppl_rel_ci95"][0]) in text and "bootstrap" in text
+  assert "{:+.3f}".format(100 * out["dppl_rel_ci95"][0]) in text and "t interval over the windows" in text
   # the fp32 cache against itself: intervals of zero width at no difference
   ref = evaluate.eval_cli(sources.parse(str(tiny / "model.yaml")), {"cache.codec": "fp32"},
                           text=str(tiny / "text.txt"), tokens=96, seqs=1, progress=False)

@@ -1,5 +1,6 @@
-"""kvjax.lab.intervals: the paired block bootstrap covers a known mean at about its nominal
-rate and narrows as tokens grow; Wilson intervals equal their closed form."""
+"""kvjax.lab.intervals: the default interval (a t interval over windows) covers a known mean
+at about its nominal rate, also when windows differ, and narrows as tokens grow; Wilson
+intervals equal their closed form."""
 
 import math
 
@@ -36,13 +37,14 @@ def test_bootstrap_covers_the_true_mean_at_about_the_nominal_rate():
     assert 0.88 <= hits[k] / reps <= 0.99, (k, hits[k] / reps)
 
 
-def test_windows_that_differ_are_covered_by_the_two_stage_bootstrap():
+def test_windows_that_differ_are_covered_by_the_default_and_the_two_stage_bootstrap():
   """Windows of one text differ (each its own offset of the NLL difference, as one source
   file loses more to a codec than another): the interval must hold the mean over the whole
   text. Resampling blocks alone sees only the within-window noise and falls well short;
-  the default (windows, then blocks) holds it at about its nominal rate."""
+  the default (a t interval over windows) and the two-stage bootstrap (windows, then
+  blocks) hold it at about their nominal rate."""
   mu, reps = 0.02, 150
-  hits = {"blocks": 0, "two_stage": 0}
+  hits = {"blocks": 0, "two_stage": 0, "windows_t": 0}
   for seed in range(reps):
     rng = np.random.default_rng(seed)
     nll, ref, kl, agree = synthetic(rng, 4, 512, mu)
@@ -53,13 +55,27 @@ def test_windows_that_differ_are_covered_by_the_two_stage_bootstrap():
       hits[method] += ci[0] <= math.expm1(mu) <= ci[1]
   assert hits["blocks"] / reps < 0.75, hits
   assert hits["two_stage"] / reps >= 0.82, hits  # (four windows: a little under 0.95)
+  assert hits["windows_t"] / reps >= 0.88, hits
+
+
+def test_windows_that_happen_to_agree_still_get_the_noise_within_them():
+  """Two windows with the same agreement and the same NLL difference: the spread over
+  windows is zero, but each window's tokens still vary; the interval keeps that width."""
+  nll, ref, kl, agree = synthetic(np.random.default_rng(3), 1, 320)
+  two = [np.concatenate([x, x]) for x in (nll, ref, kl, agree)]
+  ci = intervals.quality_ci(*two)
+  assert ci["ci_method"] == "windows_t"
+  for k in ("dppl_rel_ci95", "kl_ci95", "agreement_ci95"):
+    assert ci[k][0] < ci[k][1], k
+  point = math.expm1(np.mean(nll) - np.mean(ref))
+  assert ci["dppl_rel_ci95"][0] < point < ci["dppl_rel_ci95"][1]
 
 
 def test_few_windows_are_warned_about():
   assert intervals.few_windows(4) is None
   assert "at least 4 windows" in intervals.few_windows(1)
   assert "its blocks only" in intervals.few_windows(1)
-  assert "so few windows" in intervals.few_windows(2)
+  assert "1 degree of freedom, so they are wide" in intervals.few_windows(2)
 
 
 def test_interval_narrows_as_tokens_grow_and_holds_the_point():
@@ -82,7 +98,7 @@ def test_seeded_and_paired():
   nll, _, kl, _ = data
   same = intervals.quality_ci(nll, nll, np.zeros_like(kl), np.ones(kl.shape, bool))
   assert same == {"dppl_rel_ci95": [0.0, 0.0], "kl_ci95": [0.0, 0.0],
-                  "agreement_ci95": [1.0, 1.0], "ci_method": "two_stage"}
+                  "agreement_ci95": [1.0, 1.0], "ci_method": "windows_t"}
   one = intervals.quality_ci(*(x[:1] for x in data))
   assert one["ci_method"] == "blocks"  # one window: its blocks are all there is
 

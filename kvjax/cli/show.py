@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 from kvjax.footprint import human
-from kvjax.lab.intervals import BLOCK, RESAMPLES
+from kvjax.lab import intervals
 from kvjax.lab.intervals import text as ci_text
 
 
@@ -80,8 +80,8 @@ def print_human(command: str, result: dict) -> None:
           f"KL {result['kl']:.3g}{_ci(ci['kl'], '{:.3g}')}  "
           f"agreement {result['agreement']:.4f}{_ci(ci['agreement'], '{:.4f}')}")
     if ci["dppl_rel"]:
-      print(f"  (95 % intervals: a paired bootstrap of the {result.get('seqs', 1)} windows, "
-            f"then blocks of {BLOCK} tokens within each, {RESAMPLES} resamples)")
+      print(f"  (95 % intervals, {result.get('seqs', 1)} windows: "
+            f"{intervals.describe(result.get('ci_method', 'blocks'))})")
     print(f"cache {result['bytes_per_token']:,.0f} B/token held at {result['tokens']} tokens "
           f"({result['bits_per_element']:.2f} bits/element all-in), "
           f"{result['bytes_per_token_asymptotic']:,.0f} B/token in the long-context limit")

@@ -3,8 +3,8 @@
 `kvjax eval --ref SETTING`, `Model.evaluate(ref=...)`, `Model.compare(...)` and the quality
 experiment's `params.reference` all hold a cache (A) to a reference (B) read on the same
 token windows: Δppl = ppl(A) / ppl(B) - 1, KL(B || A) and the argmax agreement of A with B,
-each with the paired two-stage bootstrap 95 % interval of `kvjax.lab.intervals` (the tokens are
-shared, so the per-token numbers of A and B are resampled together). B is
+each with its paired 95 % interval (`kvjax.lab.intervals`: the tokens are shared, so each
+window's sums for A and B are taken together). B is
 
   - a cache setting of the same model: a codec name (`bf16`, `int8`) or `cache.*` keys as
     `KEY=VALUE[,KEY=VALUE...]` (`codec=int4,group_size=32`, `k_codec=int8,v_codec=int4`),

@@ -16,9 +16,9 @@ model on the same tokenizer, read once per window and reused by every setting,
   agreement  fraction of positions whose argmax token matches the reference's, along a
              fixed (teacher-forced) continuation, so one early flip spoils nothing after
   recall     accuracy on associative-recall answers (kvjax.lab.data) at a given context
-dppl_rel, kl and agreement each come with a 95 % interval (`*_ci95`, [lo, hi]): a paired
-bootstrap of the windows, then of blocks of 32 contiguous tokens within each
-(kvjax.lab.intervals).
+dppl_rel, kl and agreement each come with a 95 % interval (`*_ci95`, [lo, hi]): a t
+interval over the windows' paired sums, or with one window a paired bootstrap over its
+blocks of 32 contiguous tokens (kvjax.lab.intervals; `ci_method` says which).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def _token_terms(lp_BmV, ref_BmV, nxt_Bn):  # one program: no full-vocabulary te
 
 def metrics_of(nll_Bm, nll_ref_Bm, kl_BM, agree_BM) -> dict:
   """ppl, ppl_ref, dppl_rel, kl, agreement of per-position numbers (`token_terms`), each
-  with its 95 % interval (`kvjax.lab.intervals`: a paired bootstrap of windows, then token blocks)."""
+  with its 95 % interval (`kvjax.lab.intervals`, `ci_method`)."""
   ppl, ppl_ref = float(np.exp(np.mean(nll_Bm))), float(np.exp(np.mean(nll_ref_Bm)))
   return {"ppl": ppl, "ppl_ref": ppl_ref, "dppl_rel": ppl / ppl_ref - 1.0,
           "kl": max(float(np.mean(kl_BM)), 0.0), "agreement": float(np.mean(agree_BM)),

@@ -15,7 +15,7 @@ Row metrics, over the continuation's tokens: `ppl` through this cache, `ppl_ref`
 the original model's fp32 cache (or the cache `params.reference` names, as in the quality
 experiment; the row's `workload.reference` says which), `dppl_rel` = ppl / ppl_ref - 1, `kl` (KL(ref || cache)
 per token), `agreement` (argmax equal to the reference's), each of the last three with its
-95 % paired-bootstrap interval (`kvjax.lab.intervals`); `cache_bytes` held at the end (batch
+95 % paired interval (`kvjax.lab.intervals`); `cache_bytes` held at the end (batch
 of all windows), `bytes_per_token` = cache_bytes / (windows x (context + continuation))
 (so eviction, codecs, fewer heads and latents compare per token seen; measured, so
 windows, scales and a policy's state are in), `of_bf16` = that over `bf16_bytes_per_token`

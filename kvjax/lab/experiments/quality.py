@@ -15,8 +15,8 @@ For each model:
   - a `task: text` row: validation text streamed token by token (`params.chunk`) through
     the cache; `ppl`, `ppl_ref` (same model, fp32 cache), `dppl_rel`, `kl`, `agreement`
     (teacher-forced greedy tokens vs the fp32 cache), each of the last three with its 95 %
-    interval (`dppl_rel_ci95`, `kl_ci95`, `agreement_ci95`: kvjax.lab.intervals, a paired
-    bootstrap over 32-token blocks), `gen_agreement` (free-running greedy
+    interval (`dppl_rel_ci95`, `kl_ci95`, `agreement_ci95`: kvjax.lab.intervals, a t
+    interval over the windows' paired sums), `gen_agreement` (free-running greedy
     decode of `workload.gen_len` tokens after `workload.prompt_len`), `cache_bytes` (the
     cache tree after the windows), `bytes_per_token` (what it held per token, window and
     scales in: `kvjax.footprint`), `bytes_per_token_asymptotic` (the long-context cost) and

@@ -5,8 +5,8 @@
     cut at 5 %, larger values printed beside an arrow.
   quality_kl: mean KL vs the fp32 cache per setting (log scale), bars per model; the fp32
     reference itself (KL 0) is not drawn.
-  Both draw each row's 95 % interval (`dppl_rel_ci95`, `kl_ci95`: a paired bootstrap over
-  token blocks, kvjax.lab.intervals) where the row has one; older rows are drawn without.
+  Both draw each row's 95 % interval (`dppl_rel_ci95`, `kl_ci95`, drawn as the row's
+  `ci_method` says: kvjax.lab.intervals) where the row has one; older rows are drawn without.
   quality_recall (only when the rows hold recall, i.e. params.recall_contexts): recall
     accuracy vs context, one panel per model, one line per setting (dashed grey: the same
     model through the fp32 cache). configs/quality.yaml measures no recall.
@@ -19,6 +19,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
+from kvjax.lab import intervals
 from kvjax.lab.plots.texts import label_points
 from kvjax.lab.plots.style import (
     FAMILY_COLORS, HATCHES, Look, bytes_per_token, cache_label, save, variant_color,
@@ -75,6 +76,11 @@ def _bpt(r) -> float:
 CAP = 5.0  # Δppl (%) axis limit; larger values are drawn at the edge with their value
 
 
+def _ci_words(rows) -> str:
+  return intervals.describe(r["metrics"].get("ci_method", "blocks") for r in rows
+                            if "dppl_rel_ci95" in r["metrics"])
+
+
 def _text_note(rows, tag: str) -> str:
   return f", text: {rows[0]['workload'].get('data')}" if tag else ""
 
@@ -128,8 +134,7 @@ def _dppl(rows, out_dir, tag: str = ""):
   ref = _reference(rows)
   ax.set_xlabel(f"Δ perplexity vs the {ref} (%; dotted: 1 %), axis cut at {CAP + 0.3:g} % "
                 "(arrows: a point or interval beyond it, the point's value beside)"
-                + ("; bars: 95 % intervals (paired bootstrap over blocks of tokens)"
-                   if bars else ""))
+                + (f"; bars: 95 % intervals ({_ci_words(rows)})" if bars else ""))
   ax.set_title(f"Quality vs cache size: settings from most to fewest measured bytes per token\n"
                f"(per model: {'/'.join(look.names[v] for v in variants)}); {n.get('batch')}×{n.get('context')} "
                f"validation tokens per model, fed {n.get('chunk')} at a time{_text_note(rows, tag)}",
@@ -180,7 +185,7 @@ def _kl(rows, out_dir, tag: str = ""):
   ax.set_title(f"Next-token KL divergence from the {_reference(rows)}, settings from most to fewest "
                f"bytes per token{_text_note(rows, tag)}\n(fp32 itself, KL 0, not drawn; no bar: "
                "not run on that model"
-               + ("; error bars: 95 % intervals, paired bootstrap over blocks" if bars else "")
+               + (f"; error bars: 95 % intervals, {_ci_words(rows)}" if bars else "")
                + ")", fontsize=9)
   ax.grid(True, axis="y", alpha=0.3)
   if len(variants) > 1:

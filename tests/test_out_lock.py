@@ -1,4 +1,4 @@
-"""One writer per --out (kvjax.lab.runner.claims.sole_writer): while a `kvjax train` or
+"""One writer per --out (kvjax.lab.claims.sole_writer): while a `kvjax train` or
 `kvjax convert` writes a folder, a second one into the same folder is refused in one line
 before it writes anything (two would race inside orbax). The lock is an flock held by the
 writer's open file, so holding it here (another open file, as another process would) is
@@ -10,7 +10,7 @@ import pytest
 
 from kvjax import cli
 from kvjax.io import checkpoint
-from kvjax.lab.runner import claims
+from kvjax.lab import claims
 
 import model_files as mf
 from conftest import tiny_config, tiny_params

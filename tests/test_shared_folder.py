@@ -18,7 +18,8 @@ import pytest
 
 from kvjax import cli
 from kvjax.lab import runner
-from kvjax.lab.runner import claims, shard
+from kvjax.lab import claims
+from kvjax.lab.runner import shard
 
 ROOT = Path(__file__).resolve().parent.parent
 CFG = """\

@@ -142,6 +142,37 @@ def test_no_import_cycle():
       + "; ".join(found)
 
 
+def _package_cycle_report(pkg: Path) -> list[str]:
+  """Cycles between packages: each module stands for the package that holds it, and an
+  import of a module in an enclosing package (kvjax.lab.runner -> kvjax.lab.data) is left
+  out (a package may use what its parents hold); each cycle with one import per hop."""
+  modules = _modules(pkg)
+  graph = _graph(modules)
+  home = {n: _package_of(n, p) for n, p in modules.items()}
+  edges: dict[str, dict[str, str]] = {}
+  for a, out in graph.items():
+    for b, line in out.items():
+      pa, pb = home[a], home[b]
+      if pa != pb and not pa.startswith(pb + "."):
+        where = f"{a} ({modules[a].relative_to(pkg.parent)}:{line})"
+        edges.setdefault(pa, {}).setdefault(pb, where)
+  return [" -> ".join(edges[x][y] for x, y in zip(c, c[1:])) + f" -> {c[-1]}"
+          for c in _cycles({k: set(v) for k, v in edges.items()})]
+
+
+def test_no_import_cycle_between_packages(tmp_path):
+  """A package-level cycle (two packages each importing a module of the other) is a
+  layering the module test does not see; the check finds one that is planted."""
+  assert not _package_cycle_report(PKG), "; ".join(_package_cycle_report(PKG))
+  for name, text in {"a/__init__.py": "", "a/x.py": "from p.b import y\n",
+                     "b/__init__.py": "", "b/y.py": "", "b/z.py": "from p.a import x\n",
+                     "__init__.py": ""}.items():
+    (tmp_path / "p" / name).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "p" / name).write_text(text)
+  found = _package_cycle_report(tmp_path / "p")
+  assert len(found) == 1 and "p.a.x" in found[0] and "p.b.z" in found[0], found
+
+
 # The ground floor: what these import, at any depth, is each other and nothing else, so any
 # module may import them (the registries add their checks to the config, `config.add_check`).
 GROUND = ("kvjax.config", "kvjax.errors", "kvjax.plugins")

@@ -30,7 +30,7 @@ from kvjax.config import Config, ModelConfig, jsonfile
 from kvjax.errors import KvjaxError
 from kvjax.io import checkpoint
 from kvjax.lab import data
-from kvjax.lab.runner import claims
+from kvjax.lab import claims
 from kvjax.model import Transformer, init_params, trainable
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
 from kvjax.lab.convert import METHODS, align, fit, judge, latent, pool
-from kvjax.lab.runner import claims
+from kvjax.lab import claims
 
 SEQ_LEN = 512  # calibration window (tokens), or the model's max_seq_len if shorter
 

@@ -295,7 +295,7 @@ def cli(args, src, windows: Callable, seq_len: int) -> dict:
   by it (it imports this module)."""
   from kvjax import config as config_lib
   from kvjax.io import checkpoint, sources
-  from kvjax.lab.runner import claims
+  from kvjax.lab import claims
 
   if getattr(args, "latent_rank", None) is not None:
     raise KvjaxError("--method distill trains a converted model's attention; it takes no "

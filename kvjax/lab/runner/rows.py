@@ -34,7 +34,7 @@ def encode(row: dict) -> str:
 def repair(path: Path) -> set[str]:
   """Drop corrupt lines, partial cells (a killed run) and repeated rows from a results file;
   return its complete cells' hashes. Dropped lines are appended to `<file>.rejected` and
-  named in one warning line. The caller holds the file's lock (kvjax.lab.runner.claims)."""
+  named in one warning line. The caller holds the file's lock (kvjax.lab.claims)."""
   path = Path(path)
   got = scan(path)
   keep, done = complete_rows(got.rows)

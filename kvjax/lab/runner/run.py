@@ -2,7 +2,7 @@
 lists the cells and their resolved cache settings without running anything.
 
 Runs that share a folder never duplicate a row: a run claims a cell before running it and
-re-reads the results under the results file's lock before it appends (kvjax.lab.runner.claims),
+re-reads the results under the results file's lock before it appends (kvjax.lab.claims),
 so a second run takes only the cells nobody holds or has finished, then waits for the held
 ones (running any whose holder ended without finishing). `--shard I/N` runs one part of the
 grid into its own file (kvjax.lab.runner.shard); a cell counts as done when it is complete in
@@ -24,7 +24,7 @@ from pathlib import Path
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
 from kvjax.lab import rowfile
-from kvjax.lab.runner import claims
+from kvjax.lab import claims
 from kvjax.lab.runner import shard as shard_lib
 from kvjax.lab.runner.grid import Cell, check_params, coords_str, expand, load_experiment
 from kvjax.lab.runner.rows import check_rows, complete_rows, describe, encode, repair, scan, warn

@@ -106,14 +106,12 @@ def asymptotic(cfg: Config) -> float:
 
 def _growing_layers(cfg: Config) -> int:
   """Layers whose cache grows with the context: all but the sliding-window layers that the
-  layout holds in rings (`kvjax.cache.ring`: the contiguous layout, and the paged one
-  without an eviction policy, `kvjax.cache.paged.rings`)."""
+  layout holds in rings (its `rings`)."""
   from kvjax import cache
-  from kvjax.cache import paged, ring
-  if cfg.cache.layout not in ("contiguous", "paged") or not cfg.model.windowed:
+  if not cfg.model.windowed:
     return cfg.model.n_layers
   spec = cache.CacheSpec.from_config(cfg, 1, 1 << 30)
-  rg = ring.layers(spec) if cfg.cache.layout == "contiguous" else paged.rings(spec)
+  rg = cache.get(cfg.cache.layout).rings(spec)
   return cfg.model.n_layers if rg is None else len(rg.full)
 
 
@@ -305,11 +303,11 @@ def temp_bytes(cfg: Config, batch: int, tokens: int, capacity: int) -> int:
   - one widened block of K and V codes (2 x B x K x C x D in the compute dtype; C the
     slots a block reads), in case the compiler does not fuse the convert into the dot.
 
-  T is the whole capacity for the `none` layout, which recomputes the prefix."""
-  from kvjax import codecs
+  T is the whole capacity for a layout that recomputes the prefix (`Layout.recomputes`)."""
+  from kvjax import cache, codecs
   from kvjax.attention import base, xla
   m = cfg.model
-  none = cfg.cache.layout == "none"
+  none = cache.get(cfg.cache.layout).recomputes
   T = capacity if none else tokens
   S = 0 if none else capacity
   B, H, K, D, L = batch, m.n_heads, m.n_kv_heads, m.D, m.n_layers

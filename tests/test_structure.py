@@ -349,6 +349,18 @@ def test_one_module_counts_a_setting_s_bytes():
   assert not found, "bytes counted outside kvjax.footprint: " + ", ".join(found)
 
 
+def test_the_byte_count_names_no_layout():
+  """`kvjax.footprint` asks each layout what it holds (`closed_form_bytes`, `asymptotic`,
+  `rings`) and never branches on a layout's name: a new layout is counted by its own
+  module, not by an edit here."""
+  from kvjax import cache
+  names = set(cache.LAYOUTS)
+  found = [f"kvjax/footprint.py:{node.lineno} {node.value!r}"
+           for node in ast.walk(ast.parse((PKG / "footprint.py").read_text()))
+           if isinstance(node, ast.Constant) and node.value in names]
+  assert not found, "layout names in the byte count: " + ", ".join(found)
+
+
 def test_a_codec_is_read_through_one_interface():
   """Every read takes a codec through `qk` / `pv` (a block's logits and values, `native`
   for the stored-type dots) and `stored` (what the folded, Pallas and CPU-kernel reads

@@ -228,6 +228,7 @@ class Layout:
   shared_pool = False  # True: leaves [L, P, K, ...] any sequence's pages may use (sharding
                        # replicates them over the data axis instead of splitting the batch)
   compacts = None   # the layout whose caches a cache.policy compacts into this one
+  recomputes = False  # True: holds token ids, and every step runs the whole prefix again
 
   def check(self, cache_cfg: CacheConfig, model_cfg: ModelConfig) -> None:
     """Host-side limits of this layout, when `cache.layout` names it."""
@@ -253,6 +254,12 @@ class Layout:
 
   def closed_form_bytes(self, spec: CacheSpec) -> int:
     raise NotImplementedError
+
+  def rings(self, spec: CacheSpec):
+    """The sliding-window layers this layout holds in rings of their window
+    (`kvjax.cache.ring.Layers`: which layers are full, which windowed), or None where it
+    holds every layer whole; `kvjax.footprint` counts only the full layers as growing."""
+    return None
 
   def asymptotic(self, cfg: Config) -> float | None:
     """Bytes one more stored token costs over all layers in the long-context limit, where

@@ -62,8 +62,11 @@ class Contiguous(base.Layout):
 
   name = "contiguous"
 
+  def rings(self, spec: base.CacheSpec) -> ring.Layers | None:
+    return ring.layers(spec)
+
   def init(self, spec: base.CacheSpec) -> KVCache:
-    rg = ring.layers(spec)
+    rg = self.rings(spec)
     if rg is not None:  # sliding-window layers keep rings (kvjax.cache.ring)
       full, local = ring.shapes(spec, rg)
       return KVCache(k=spec.kc.init(full), v=spec.vc.init(full), k_ring=spec.kc.init(local),
@@ -93,7 +96,7 @@ class Contiguous(base.Layout):
     return out
 
   def read(self, spec, store, lengths_B, layer):
-    rg = ring.layers(spec)
+    rg = self.rings(spec)
     if rg is not None:
       return ring.read(spec, store, lengths_B, layer, rg)
     k, v = store[:2]
@@ -125,7 +128,7 @@ class Contiguous(base.Layout):
     k_LBKTD = jnp.swapaxes(k_LBTKD, 2, 3)
     v_LBKTD = jnp.swapaxes(v_LBTKD, 2, 3)
     lengths = cache.lengths + jnp.sum(positions_BT >= 0, axis=1).astype(jnp.int32)
-    rg = ring.layers(spec)
+    rg = self.rings(spec)
     if rg is not None:
       return dataclasses.replace(cache, lengths=lengths, **ring.write(
           cache, k_LBKTD, v_LBKTD, positions_BT, lengths, rg))
@@ -184,7 +187,7 @@ class Contiguous(base.Layout):
     return {"k": k, "v": v, "k_win": k_win, "v_win": v_win}
 
   def closed_form_bytes(self, spec: base.CacheSpec) -> int:
-    rg = ring.layers(spec)
+    rg = self.rings(spec)
     if rg is not None:
       return ring.closed_form_bytes(spec, rg)
     check_capacity(spec)

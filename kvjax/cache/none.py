@@ -25,6 +25,7 @@ class TokenBuffer:
 class NoCache(base.Layout):
   name = "none"
   sized_as = "contiguous"  # sized as the K/V it recomputes at every step
+  recomputes = True
 
   def init(self, spec: base.CacheSpec) -> TokenBuffer:
     B, S = spec.batch, spec.capacity

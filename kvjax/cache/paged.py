@@ -111,6 +111,9 @@ class Paged(base.Layout):
     if cache_cfg.layout == self.name:
       check_config(cache_cfg)
 
+  def rings(self, spec: base.CacheSpec) -> ring.Layers | None:
+    return rings(spec)
+
   def init(self, spec: base.CacheSpec) -> PagedCache:
     """A pool with every sequence's pages allocated up front (what `generate.generate` needs:
     page j of sequence b is physical page b * Q + j). The engine uses `init_pool`."""

@@ -146,7 +146,7 @@ def run(static: Static, params, tokens_BT, positions_BT, cache, *, logits="all",
   model, params = network(static, params, logits_last=last, read_bucket=bucket,
                           return_queries=queries)
   with sharding.visible(static):
-    if cache.spec.layout != "none":
+    if not cache_lib.get(cache.spec.layout).recomputes:
       res = model.apply({"params": params}, tokens_BT, positions_BT, cache, logits_at=at)
     else:
       buf = cache_lib.get("none").write(cache, tokens_BT, positions_BT)

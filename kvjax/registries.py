@@ -25,7 +25,7 @@ def names(kind: str) -> list[str]:
   if kind == "layout":
     return [n for n, lay in cache.LAYOUTS.items() if not getattr(lay, "internal", False)]
   if kind == "attention":
-    return list(attention.ATTENTIONS)
+    return attention.names()
   if kind == "policy":
     return list(policies.POLICIES)
   raise ValueError(f"no registry of {kind!r}")

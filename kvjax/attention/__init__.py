@@ -4,8 +4,8 @@ with a Pallas kernel. Every module of this folder is imported here and registers
 
 from kvjax import config as config_lib
 from kvjax import plugins
-from kvjax.attention.base import (ATTENTIONS, MASKED, check, get, program, register,  # noqa: F401
-                                  resolve, update)
+from kvjax.attention.base import (ATTENTIONS, MASKED, check, get, names, program,  # noqa: F401
+                                  register, resolve, update)
 
 plugins.import_all(__name__, __path__)
 config_lib.add_check(check)  # the variant named exists, and its own limits

@@ -27,6 +27,14 @@ CHECKS: dict[str, Callable] = {}
 MASKED = -1e30  # finite running-max floor: exp(MASKED - m) is 0 and never NaN
 
 
+AUTO = "auto"  # not a variant: the name `resolve` turns into one per program
+
+
+def names() -> list[str]:
+  """What `model.attention` may name: `auto`, then the registered variants."""
+  return [AUTO, *ATTENTIONS]
+
+
 def register(name: str, fn: Callable, check: Callable | None = None) -> Callable:
   """Register a variant; `check(cache_cfg, model_cfg)` holds its host-side limits."""
   ATTENTIONS[name] = fn
@@ -53,7 +61,7 @@ def resolve(name: str, prog: str = "cpu") -> str:
   """The variant `name` runs in the resolved program `prog`: `auto` (the default) is
   `native` in the CPU program, where the read kernel and the stored-type dots pay, and
   `grouped` (the XLA read) in the accelerator program."""
-  if name != "auto":
+  if name != AUTO:
     return name
   return "native" if prog == "cpu" else "grouped"
 
@@ -66,7 +74,7 @@ def get(name: str, prog: str | None = "auto", bucket: int = 0) -> Callable:
   try:
     fn = ATTENTIONS[resolve(name, prog)]
   except KeyError:
-    raise KvjaxError(f"unknown attention '{name}'; known: {', '.join(ATTENTIONS)}") from None
+    raise KvjaxError(f"unknown attention '{name}'; known: {', '.join(names())}") from None
   if not _takes_program(fn):  # a variant of the plain five-argument form
     return fn
   return functools.partial(fn, program=prog, bucket=bucket)
@@ -80,8 +88,8 @@ def _takes_program(fn: Callable) -> bool:
 def check(cache_cfg, model_cfg) -> None:
   """The registry's config checks (`kvjax.attention` adds them to `config.validate`): the
   chosen variant exists, and its own limits."""
-  if model_cfg.attention not in ATTENTIONS:
-    raise KvjaxError(f"unknown attention '{model_cfg.attention}'; known: {', '.join(ATTENTIONS)}")
+  if model_cfg.attention not in names():
+    raise KvjaxError(f"unknown attention '{model_cfg.attention}'; known: {', '.join(names())}")
   if model_cfg.attention in CHECKS:
     CHECKS[model_cfg.attention](cache_cfg, model_cfg)
 

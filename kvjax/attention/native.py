@@ -58,11 +58,4 @@ def native(q_BTHD, k_BTKD, v_BTKD, positions_BT, segments, *, program: str = "cp
                      floor_BT=floor_BT, band=band)
 
 
-def auto(*args, program: str = "cpu", bucket: int = 0, **window):
-  """The default variant: `base.resolve("auto", program)` (native in the CPU program,
-  grouped in the accelerator program)."""
-  return base.get("auto", program, bucket)(*args, **window)
-
-
 base.register("native", native)
-base.register("auto", auto)

@@ -85,10 +85,8 @@ class Held:
 
 def layout_name(cfg: Config) -> str:
   """The layout that holds the tokens: a cache.policy's compacted one, else cache.layout."""
-  from kvjax import cache, policies
-  if policies.evicts(cfg.cache):
-    return cache.compacted(cfg.cache.layout).name  # (the registry's: one place names it)
-  return cfg.cache.layout
+  from kvjax import cache
+  return cache.built(cfg.cache).name
 
 
 def asymptotic(cfg: Config) -> float:

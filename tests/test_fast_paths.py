@@ -533,14 +533,15 @@ def _weight_copies(hlo: str, params) -> list[str]:
 def test_default_decode_step_copies_no_weight(over):
   """The compiled default decode (params from `step.prepare_params`) holds no buffer of a
   weight matrix's shape and fewer temporary bytes than one layer's weights; the nn.scan
-  program on stacked params copies every matrix each step (the check's positive control)."""
+  program (`model.layer_loop=scan`) on stacked params copies every matrix each step (the
+  check's positive control)."""
   cfg = config.load(None, {**NOCOPY, **over})
   params = model.init_params(cfg.model, 0)
   layer_bytes = sum(a[0].nbytes for a in jax.tree.leaves(params["layers"]) if a.ndim == 3)
   hlo, temp = _program(cfg, step.prepare_params(cfg, params))
   assert _weight_copies(hlo, params) == [] and temp < layer_bytes
   assert " conditional(" in hlo  # the switched layer loop
-  old_hlo, old_temp = _program(cfg, params)
+  old_hlo, old_temp = _program(config.replace(cfg, **{"model.layer_loop": "scan"}), params)
   assert len(_weight_copies(old_hlo, params)) >= 7 and old_temp > layer_bytes
 
 
@@ -573,14 +574,17 @@ def _tokens_and_cache(cfg, params, prompts, n):
 
 @pytest.mark.parametrize("case", sorted(PROGRAM_CASES))
 def test_default_program_equals_previous_program(case):
-  """The switched layer loop (split params, the default) gives the nn.scan program's greedy
-  tokens and final cache, for MHA/GQA/MQA x codecs x layouts; and the none layout's tokens
-  (the full forward pass over the prefix at every step)."""
+  """The switched layer loop (split params, the default) gives the nn.scan program's
+  (`model.layer_loop=scan`, stacked params) greedy tokens and final cache, for MHA/GQA/MQA
+  x codecs x layouts; and the none layout's tokens (the full forward pass over the prefix
+  at every step)."""
   cfg = config.load(None, {**NOCOPY, **PROGRAM_CASES[case]})
   params = model.init_params(cfg.model, 1)
   prompts = [[3, 14, 15, 9, 2, 6, 5, 3, 5], [5, 35]]
   new, c_new = _tokens_and_cache(cfg, step.prepare_params(cfg, params), prompts, 10)
-  old, c_old = _tokens_and_cache(cfg, params, prompts, 10)
+  scan = config.replace(cfg, **{"model.layer_loop": "scan"})
+  assert step.Static.of(cfg).model.layer_loop == "switch"
+  old, c_old = _tokens_and_cache(scan, step.prepare_params(scan, params), prompts, 10)
   np.testing.assert_array_equal(new, old)
   for x, y in zip(jax.tree.leaves(c_new), jax.tree.leaves(c_old), strict=True):
     if jnp.issubdtype(x.dtype, jnp.floating):

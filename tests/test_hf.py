@@ -375,12 +375,13 @@ def test_peer_experiment_rows_and_plot(tmp_path):
                                "model.n_heads": 4, "model.n_kv_heads": 2, "model.max_seq_len": 64,
                                "cache.codec": "fp32", "workload.batch": 2, "workload.prompt_len": 4,
                                "workload.gen_len": 3, "workload.repeats": 1,
-                               "params": {"peers": ["kvjax", "kvjax_unrolled", "kvjax_bf16w",
-                                                    "dynamic", "static"], "threads": 1}})
+                               "params": {"peers": ["kvjax", "kvjax_nnscan", "kvjax_unrolled",
+                                                    "kvjax_bf16w", "dynamic", "static"],
+                                          "threads": 1}})
   peer.check(cfg)
   rows = peer.run_cell(cfg)
   names = [r["variant"]["peer"] for r in rows]
-  assert names == ["kvjax", "kvjax_unrolled", "kvjax_bf16w", "dynamic", "static"]
+  assert names == ["kvjax", "kvjax_nnscan", "kvjax_unrolled", "kvjax_bf16w", "dynamic", "static"]
   by = dict(zip(names, (r["metrics"] for r in rows)))
   for r in rows:
     m = r["metrics"]
@@ -389,7 +390,11 @@ def test_peer_experiment_rows_and_plot(tmp_path):
     assert r["workload"]["threads"] == 1 == r["workload"]["torch_threads"]
     lo, hi = m["tpot_vs_kvjax_ci95"]
     assert lo <= m["tpot_vs_kvjax"] <= hi
-  assert [by[p].get("agreement") for p in ("kvjax_unrolled", "dynamic", "static")] == [1.0] * 3
+  assert [by[p].get("agreement") for p in ("kvjax_nnscan", "kvjax_unrolled", "dynamic",
+                                           "static")] == [1.0] * 4
+  loops = {r["variant"]["peer"]: r["variant"].get("layers") for r in rows}
+  assert [loops[p] for p in ("kvjax", "kvjax_nnscan", "kvjax_unrolled")] == \
+      ["switched", "nn.scan", "unrolled"]
   # kvjax rows carry both roofs of their own step; bf16 weights are half the weight bytes
   for p in ("kvjax", "kvjax_unrolled", "kvjax_bf16w"):
     assert by[p]["bound"] in ("bytes", "flops")

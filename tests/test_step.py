@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, tiny_params
+from kvjax import config
+from kvjax.errors import KvjaxError
 from kvjax.decode import evict, generate, step
 from kvjax.lab import evaluate, tasks
 from kvjax.lab.experiments import latency
@@ -78,7 +80,7 @@ def test_positions_continue_the_cache_and_pad_with_minus_one():
 
 def test_the_step_returns_the_queries_the_layout_would_be_given():
   """`queries=True` returns the new tokens' rotated queries, [L, B, T, H, D], the same for
-  any layer loop, and asking for them changes neither the logits nor the cache."""
+  every layer loop, and asking for them changes neither the logits nor the cache."""
   cfg = tiny_config(**{"cache.rotate": "hadamard"})
   from kvjax import cache as cache_lib
   params = tiny_params(cfg)
@@ -86,11 +88,37 @@ def test_the_step_returns_the_queries_the_layout_would_be_given():
   pos = step.positions(jnp.array([0]), jnp.array([4]), 4)
   static = step.Static.of(cfg)
   plain = step.run(static, params, toks, pos, cache_lib.init_cache(cfg, 1, 8))
-  split = step.prepare_params(cfg, params)
-  outs = [step.run(static, p, toks, pos, cache_lib.init_cache(cfg, 1, 8), queries=True)
-          for p in (params, split)]
+  loops = [config.replace(cfg, **{"model.layer_loop": loop})
+           for loop in ("scan", "switch", "unrolled")]
+  outs = [step.run(step.Static.of(c), step.prepare_params(c, params), toks, pos,
+                   cache_lib.init_cache(cfg, 1, 8), queries=True) for c in loops]
   m = cfg.model
   assert plain.queries is None and outs[0].queries.shape == (m.n_layers, 1, 4, m.n_heads, m.D)
-  np.testing.assert_allclose(outs[0].queries, outs[1].queries, rtol=1e-5, atol=1e-6)
+  for out in outs[1:]:
+    np.testing.assert_allclose(out.queries, outs[0].queries, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(outs[0].logits, plain.logits, rtol=1e-6, atol=1e-6)
   np.testing.assert_array_equal(outs[0].cache.lengths, plain.cache.lengths)
+
+
+def test_the_layer_loop_is_decided_once_from_the_config():
+  """`step.layer_loop` is the one decision: the switched scan in the CPU program, nn.scan in
+  the accelerator program (the switched scan again for pallas), a Python loop when
+  `model.scan_unroll` covers every layer, and `model.layer_loop` when set; `Static.of`
+  carries the resolved loop, and params split for one loop are refused by nn.scan."""
+  cfg = tiny_config()
+  loop = lambda **o: step.layer_loop(config.replace(cfg, **o).model)  # noqa: E731
+  assert loop(**{"model.program": "cpu"}) == "switch"
+  assert loop(**{"model.program": "accelerator"}) == "scan"
+  assert loop(**{"model.program": "accelerator", "model.attention": "pallas"}) == "switch"
+  assert loop(**{"model.scan_unroll": cfg.model.n_layers}) == "unrolled"
+  assert loop(**{"model.program": "accelerator", "model.layer_loop": "unrolled"}) == "unrolled"
+  assert step.Static.of(cfg).model.layer_loop == "switch"
+  scan = config.replace(cfg, **{"model.layer_loop": "scan"})
+  split = step.prepare_params(cfg, tiny_params(cfg))
+  toks = jnp.array([[1, 2]], jnp.int32)
+  from kvjax import cache as cache_lib
+  with pytest.raises(KvjaxError, match="split per layer .* model.layer_loop=scan"):
+    step.run(step.Static.of(scan), split, toks, step.positions(jnp.array([0]), jnp.array([2]), 2),
+             cache_lib.init_cache(cfg, 1, 4))
+  with pytest.raises(KvjaxError, match="unknown model.layer_loop 'loop'; use one of auto, scan"):
+    config.replace(cfg, **{"model.layer_loop": "loop"})

@@ -320,6 +320,62 @@ def _lines(pattern: str, owner, skip=lambda line: False) -> list[str]:
           if test.search(line) and not skip(line)]
 
 
+# Each decision the compiled programs depend on is made in one function of the library (the
+# resolver), and `tell` marks making it: a match anywhere else in the library (docstrings,
+# comments and `def` lines aside) is a second resolver. Everything else reads the answer.
+DECISIONS = {
+    "program": ("kvjax.attention.base", "program", r"default_backend\(\)\s*[!=]=\s*[\"']cpu"),
+    "layer loop": ("kvjax.decode.step", "layer_loop",
+                   r"(?<![\w])unrolled\(|\.layer_loop\s*[!=]=\s*[\"']auto"),
+    "read route": ("kvjax.attention.base", "resolve",
+                   r"[\"']native[\"']\s+if\b|\belse\s+[\"']native[\"']"),
+    "built layout": ("kvjax.cache", "built", r"(?<![\w.])compacted\(|\.compacted\("),
+    "mesh": ("kvjax.decode.sharding", "_mesh", r"(?<![\w])Mesh\("),
+}
+
+
+def _code_lines(path: Path) -> tuple[list[str], set[int], list[tuple[int, int, str]]]:
+  """The file's lines, its docstrings' line numbers, and (first, last, name) of every
+  function (methods included), outermost first."""
+  tree = ast.parse(path.read_text())
+  doc: set[int] = set()
+  funcs = []
+  for node in ast.walk(tree):
+    body = getattr(node, "body", None)
+    if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
+        isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+      doc.update(range(body[0].lineno, body[0].end_lineno + 1))
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      funcs.append((node.lineno, node.end_lineno, node.name))
+  return path.read_text().splitlines(), doc, sorted(funcs, key=lambda f: f[0] - f[1])
+
+
+def _decision_sites(pattern: str, names) -> list[tuple[str, int, str]]:
+  """(module, line, outermost function or "") of each code line matching `pattern`."""
+  import re
+  test, out = re.compile(pattern), []
+  for name in names:
+    lines, doc, funcs = _code_lines(MODULES[name])
+    for i, line in enumerate(lines, 1):
+      code = line.split("#")[0]
+      if i in doc or code.lstrip().startswith("def ") or not test.search(code):
+        continue
+      out.append((name, i, next((f for a, b, f in funcs if a <= i <= b), "")))
+  return out
+
+
+def test_each_decision_is_made_in_one_function():
+  """Program, layer loop, read route, built layout and mesh: each resolved by one function
+  of the library, which holds the decision's tell; no other library line holds it."""
+  found = []
+  for what, (module, func, pattern) in DECISIONS.items():
+    sites = _decision_sites(pattern, LIBRARY)
+    assert any((m, f) == (module, func) for m, _, f in sites), f"{module}.{func} decides {what}"
+    found += [f"{what}: {MODULES[m].relative_to(ROOT)}:{i} ({f or 'module level'})"
+              for m, i, f in sites if (m, f) != (module, func)]
+  assert not found, "a decision made outside its one resolver: " + "; ".join(found)
+
+
 def test_only_the_policy_registry_names_the_full_policy():
   """Whether a cache evicts is the registry's question (`policies.evicts`): a layout, a
   program or an experiment that tests `cache.policy` against "full" itself is wiring the

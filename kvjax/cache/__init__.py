@@ -35,6 +35,14 @@ def compacted(name: str) -> Layout | None:
   return next((lay for lay in LAYOUTS.values() if lay.compacts == name), None)
 
 
+def built(cache_cfg) -> Layout:
+  """The layout a cache of `cache_cfg` is held in once built, decided here only: the one its
+  cache.policy compacts the prompt's cache into (`compacted`), else `cache.layout`'s own."""
+  if policies.evicts(cache_cfg):
+    return compacted(cache_cfg.layout)
+  return get(cache_cfg.layout)
+
+
 def check(cache_cfg, model_cfg) -> None:
   """The layout registry's config checks: the chosen layout exists and is not one only a
   policy builds, a policy other than `full` has a layout it can compact, and every layout
@@ -46,7 +54,7 @@ def check(cache_cfg, model_cfg) -> None:
     evicting = ", ".join(p for p in policies.POLICIES if p != policies.FULL)
     raise KvjaxError(f"cache.layout={c.layout} is what a policy builds; set cache.policy "
                      f"({evicting}) with cache.layout={sources}")
-  if policies.evicts(c) and compacted(c.layout) is None:
+  if policies.evicts(c) and built(c) is None:
     raise KvjaxError(f"cache.policy={c.policy} needs cache.layout={sources} (the {c.layout} "
                      "layout cannot evict tokens)")
   for layout in LAYOUTS.values():

@@ -114,6 +114,8 @@ def check_number(key: str, value: Any, rng: tuple, integer: bool) -> None:
 ROPE_TYPES = ("default", "llama3")
 # The compiled programs (`kvjax.attention.base.program`): auto resolves per backend.
 PROGRAMS = ("auto", "cpu", "accelerator")
+# The layer loops (`kvjax.decode.step.layer_loop`): auto resolves per program.
+LAYER_LOOPS = ("auto", "scan", "switch", "unrolled")
 MLP_ACTS = ("silu", "gelu_tanh")  # the gate activations kvjax.model.layers implements
 _LLAMA3 = {"factor": _POS_F, "low_freq_factor": _POS_F, "high_freq_factor": _POS_F,
            "original_max_position_embeddings": (1, True, I32, True)}
@@ -224,6 +226,9 @@ def validate(cfg: Config) -> Config:
                      "model has local layers: set model.rope_pairs=0")
   if m.program not in PROGRAMS:
     raise KvjaxError(f"unknown model.program '{m.program}'; use one of {', '.join(PROGRAMS)}")
+  if m.layer_loop not in LAYER_LOOPS:
+    raise KvjaxError(f"unknown model.layer_loop '{m.layer_loop}'; use one of "
+                     f"{', '.join(LAYER_LOOPS)}")
   if c.k_axis not in ("token", "channel"):
     raise KvjaxError(f"unknown cache.k_axis '{c.k_axis}'; use token or channel")
   for check in REGISTRY_CHECKS:

@@ -44,6 +44,8 @@ class ModelConfig:
                                  # and its decode reads the latent absorbed (MLA)
   program: str = "auto"          # cpu | accelerator | auto (per backend): the layer loop and
                                  # cache read the compiled programs use (attention.base.program)
+  layer_loop: str = "auto"       # scan | switch | unrolled | auto (per program): how the layers
+                                 # run (kvjax.decode.step.layer_loop, the one place it is decided)
   # Architecture knobs beyond Llama (kvjax.model.layers): Qwen2 is Llama + qkv_bias; Gemma 3
   # sets every one of these.
   qk_norm: bool = False          # RMSNorm over head_dim on each query and key head (q_norm, k_norm)

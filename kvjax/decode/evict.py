@@ -31,9 +31,9 @@ def _prompt(params, tokens_BT, lengths_B, cache, static, queries: bool) -> step.
 
 
 def _squeeze(cache):
-  """The compaction of `cache`'s layout (the layout that says it `compacts` it: `compacted`
-  for contiguous, `paged_compacted` for paged)."""
-  return cache_lib.compacted(cache.spec.layout).compress
+  """The compaction of `cache` into the layout its policy builds (`cache.built`: the one
+  that says it `compacts` the cache's layout)."""
+  return cache_lib.built(cache.spec.cache_cfg).compress
 
 
 # Not donated: the compacted cache has another shape, so XLA could not reuse the prompt's

@@ -84,16 +84,13 @@ class Compiled:
 
   `keys` = (prefill key, decode key), both `PRNGKey(cfg.seed)` unless given."""
 
-  def __init__(self, cfg: Config, params, shape: Shape, *, prepare: bool = True,
-               keys: tuple | None = None):
+  def __init__(self, cfg: Config, params, shape: Shape, *, keys: tuple | None = None):
     self.cfg, self.shape = cfg, shape
     self.sampler = decode.Sampler.from_config(cfg)
     key = jax.random.PRNGKey(cfg.seed)
     self.keys = tuple(keys) if keys is not None else (key, key)
     self.place = sharding.Placement(cfg, shape.batch)
-    self.params = self.place.params(params)
-    if prepare:
-      self.params = step.prepare_params(cfg, self.params)
+    self.params = step.prepare_params(cfg, self.place.params(params))
     self.pre = self.dec = self.token = self.prompts = None
     self.bucket = 0  # slots decode's reads cover (`decode.bucket_for`; 0: all)
     self.compile_s = 0.0

@@ -7,7 +7,7 @@ Every program that calls the model through a cache calls `run` inside its own ji
 and the decode loop (kvjax.decode), prefill with a policy's capture (kvjax.decode.evict),
 and in the lab streamed evaluation (kvjax.lab.evaluate), task prefixes, tails and answers
 (kvjax.lab.tasks.through_cache) and the serving step (kvjax.lab.serve.device); the timers
-time those programs. So there is one layer-loop choice (`network`), one position rule
+time those programs. So there is one layer-loop choice (`layer_loop`), one position rule
 (`positions`), one recompute path (layout `none`) and one place that builds what jit
 hashes (`statics`, whose `Static` holds the model, cache and mesh configs).
 """
@@ -27,6 +27,7 @@ from kvjax import model as model_lib
 from kvjax.attention import base as attn_base
 from kvjax.config import CacheConfig, Config, MeshConfig, ModelConfig
 from kvjax.decode import sharding
+from kvjax.errors import KvjaxError
 from kvjax.model import Transformer
 
 
@@ -49,9 +50,29 @@ class Static:
 
 
 def resolved(m: ModelConfig) -> ModelConfig:
-  """`m` with `program` resolved to `cpu` or `accelerator` (`attention.base.program`)."""
+  """`m` with `program` resolved to `cpu` or `accelerator` (`attention.base.program`) and
+  `layer_loop` to the loop it runs (`layer_loop`)."""
   prog = attn_base.program(m.program)
-  return m if m.program == prog else dataclasses.replace(m, program=prog)
+  m = m if m.program == prog else dataclasses.replace(m, program=prog)
+  loop = layer_loop(m)
+  return m if m.layer_loop == loop else dataclasses.replace(m, layer_loop=loop)
+
+
+def layer_loop(m: ModelConfig) -> str:
+  """How the layers run, decided here only: `model.layer_loop` when set, else `unrolled`
+  (a Python loop over per-layer weights) when `model.unrolled`; `scan` (nn.scan over the
+  stacked params) in the accelerator program, where slicing a layer's weights is fused into
+  its matmuls while the switched scan's conditionals would each copy their branch index to
+  the host and sync once per layer; `switch` (one lax.scan over per-layer weights, none
+  copied: `model.switched_layers`) in the CPU program, and for `pallas`, whose kernel inside
+  nn.scan failed Flax's loop-invariance check on the H200 (docs/gpu.md)."""
+  if m.layer_loop != "auto":
+    return m.layer_loop
+  if model_lib.unrolled(m):
+    return "unrolled"
+  if attn_base.program(m.program) == "accelerator" and m.attention != "pallas":
+    return "scan"
+  return "switch"
 
 
 def statics(cfg: Config, sampler=None, **extra) -> dict:
@@ -69,21 +90,14 @@ def positions(start_B, lengths_B, T: int):
 
 
 def prepare_params(cfg: Config | Static, params):
-  """Params as the step wants them: in the CPU program split per layer once, here
-  (`model.split_layers`), so that no call pays for the split and no step copies a weight
-  (`model.switched_layers`, or the unrolled loop when `model.unrolled`); in the accelerator
-  program (`model.program`) left stacked for nn.scan (see below); and stored in
+  """Params in the form the layer loop (`layer_loop`) runs: split per layer once, here
+  (`model.split_layers`), for the switched and unrolled loops, so that no call pays for
+  the split and no step copies a weight; left stacked for nn.scan; and stored in
   `model.param_dtype` whatever their source (an imported checkpoint keeps its own dtype
   until here). A second copy of the layer weights for as long as the caller also keeps the
-  stacked ones; params already split and in that dtype come back as they are."""
+  stacked ones; params already in that form and dtype come back as they are."""
   dtype = jnp.dtype(cfg.model.param_dtype)
-  if resolved(cfg.model).program == "accelerator" and \
-      not model_lib.unrolled(cfg.model) and cfg.model.attention != "pallas":
-    # The accelerator program keeps the stacked params and runs nn.scan: slicing a layer's
-    # weights is fused into its matmuls there, while the switched scan's conditionals would
-    # each copy their branch index to the host and sync once per layer. The Pallas kernel
-    # inside nn.scan failed Flax's loop-invariance check on the H200 (docs/gpu.md), so
-    # `pallas` keeps the switched scan.
+  if layer_loop(cfg.model) == "scan":
     if "layers" in params:
       return _prepare(dtype.name, split=False)(params)
   if "layers" not in params and all(a.dtype == dtype for a in jax.tree.leaves(params)
@@ -105,16 +119,20 @@ def _prepare(dtype_name: str, split: bool):
 
 
 def network(cfg: Config | Static, params, **kw) -> tuple[Transformer, Any]:
-  """The network of `cfg.model` for these params: the one layer-loop choice. Split ones
-  (`prepare_params`) run the switched layer scan (the default) or, when `model.unrolled`,
-  the unrolled loop. Stacked ones run the nn.scan program (the accelerator program, and the
-  reference the others are tested against), or are split here, inside the program, when
-  unrolled."""
-  if model_lib.unrolled(cfg.model):
-    return Transformer(cfg.model, layer_loop="unrolled", **kw), model_lib.split_layers(params)
-  if "layers" not in params:
-    return Transformer(cfg.model, layer_loop="switch", **kw), params
-  return Transformer(cfg.model, **kw), params
+  """The network of `cfg.model` running its `layer_loop`, and the params in that loop's
+  form: stacked params given to the switched or unrolled loop are split here, inside the
+  program (each call then copies the weights: `prepare_params` splits them once instead);
+  params split per layer cannot run nn.scan (a one-line error)."""
+  loop = layer_loop(cfg.model)
+  stacked = "layers" in params
+  if loop == "scan":
+    if not stacked:
+      raise KvjaxError("these params are split per layer (step.prepare_params of another "
+                       "layer loop), and model.layer_loop=scan runs nn.scan over stacked "
+                       "params; prepare them with this config, or pass the stacked params")
+    return Transformer(cfg.model, **kw), params
+  return (Transformer(cfg.model, layer_loop=loop, **kw),
+          model_lib.split_layers(params) if stacked else params)
 
 
 @struct.dataclass

@@ -17,15 +17,12 @@ class DecodeTimer:
   turn (`bench_interleaved`) so that A-vs-B ratios share the same machine noise.
   """
 
-  def __init__(self, cfg, params, tokens_BT, lengths_B, steps: int, capacity: int = 0,
-               prepare: bool = True):
+  def __init__(self, cfg, params, tokens_BT, lengths_B, steps: int, capacity: int = 0):
     self.steps = max(int(steps), 1)
     B, T = tokens_BT.shape
     self.capacity = capacity or T + self.steps + 1
     shape = Shape(B, T, self.capacity, self.steps)
-    # prepare=False: the params as given (stacked ones run the nn.scan program)
-    self.compiled = Compiled(cfg, params, shape, prepare=prepare).compile(tokens_BT,
-                                                                                lengths_B)
+    self.compiled = Compiled(cfg, params, shape).compile(tokens_BT, lengths_B)
     self.compile_s = self.compiled.compile_s
     self.cache_bytes = None
     self.peak_bytes = self.compiled.peak_bytes

@@ -10,7 +10,7 @@ interleaved in one process (round-robin repeats, medians; `kvjax.lab.metrics.ben
   kvjax       compiled prefill + `lax.scan` decode, contiguous cache (`cache.codec`), the
               default program: layers as one scan over per-layer weights, no weight
               copied per step (`model.switched_layers`);
-  kvjax_nnscan  the same on stacked params: the nn.scan program that was the default
+  kvjax_nnscan  the same with `model.layer_loop = scan`: nn.scan over stacked params, the default
               before, which copies every weight matrix out of the stack each step;
   kvjax_unrolled  the same with `model.scan_unroll = n_layers`: a Python layer loop over
               weights split per layer once (compile time grows with depth;
@@ -58,8 +58,7 @@ from pathlib import Path
 import numpy as np
 
 from kvjax import config as config_lib
-from kvjax import model as model_lib
-from kvjax.decode import generate
+from kvjax.decode import generate, step
 from kvjax.errors import KvjaxError
 from kvjax.lab import experiments as ex
 from kvjax.lab import intervals, metrics, timers
@@ -148,10 +147,10 @@ class KvjaxFilledTimer:
   sequence (a program of prompt width 0, as roofline.FilledDecode), with the `once()`
   interface: (nan, tpot_s). Its tokens start with the input token 0."""
 
-  def __init__(self, cfg, params, batch: int, context: int, steps: int, prepare: bool = True):
+  def __init__(self, cfg, params, batch: int, context: int, steps: int):
     t0 = time.perf_counter()
     shape = generate.Shape(batch, 0, context + steps + 1, steps, context=context)
-    self.compiled = generate.Compiled(cfg, params, shape, prepare=prepare).compile()
+    self.compiled = generate.Compiled(cfg, params, shape).compile()
     self.compile_s = time.perf_counter() - t0
     self.steps, self.cache_bytes = steps, None
 
@@ -175,12 +174,10 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
     for peer in peers:
       if peer.startswith("kvjax"):
         cfgs[peer] = pcfg = _kvjax_config_of(peer, kcfg)
-        prepare = peer != "kvjax_nnscan"  # stacked params run the nn.scan program
-        clocks[peer] = (KvjaxFilledTimer(pcfg, params, w.batch, w.prompt_len, w.gen_len - 1,
-                                         prepare=prepare)
+        clocks[peer] = (KvjaxFilledTimer(pcfg, params, w.batch, w.prompt_len, w.gen_len - 1)
                         if filled else
                         KvjaxTimer(pcfg, params, tokens, lengths, steps=w.gen_len - 1,
-                                   capacity=w.prompt_len + w.gen_len, prepare=prepare))
+                                   capacity=w.prompt_len + w.gen_len))
       elif filled:
         clocks[peer] = hf_peers.HFFilledTimer(hf_model, w.batch, w.prompt_len, w.gen_len - 1,
                                               peer)
@@ -218,7 +215,7 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
       m["first_mismatch"] = _first_mismatch(theirs[peer], ours)
     rows.append({
         "variant": ex.variant(cfgs.get(peer, kcfg), peer=peer, cache_kind=_cache_kind(peer, kcfg),
-                              **_impl(cfgs.get(peer), peer == "kvjax_nnscan")),
+                              **_impl(cfgs.get(peer))),
         "workload": {"batch": w.batch, "prompt_len": w.prompt_len, "gen_len": w.gen_len,
                      "context": w.prompt_len + w.gen_len, "threads": n, "filled": filled,
                      "torch_threads": torch_threads,
@@ -229,8 +226,11 @@ def run_cell(cfg: config_lib.Config) -> list[dict]:
 
 
 def _kvjax_config_of(peer: str, cfg: config_lib.Config) -> config_lib.Config:
-  """The config a kvjax peer runs: the default's, unrolled, or with bf16 weights (the step
-  casts the shared params to `model.param_dtype`, `step.prepare_params`)."""
+  """The config a kvjax peer runs: the default's, nn.scan over stacked params, unrolled, or
+  with bf16 weights (the step casts the shared params to `model.param_dtype`,
+  `step.prepare_params`)."""
+  if peer == "kvjax_nnscan":
+    return config_lib.replace(cfg, **{"model.layer_loop": "scan"})
   if peer == "kvjax_unrolled":
     return config_lib.replace(cfg, **{"model.scan_unroll": cfg.model.n_layers})
   if peer == "kvjax_bf16w":
@@ -244,14 +244,13 @@ def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int:
   return int(diff[0]) if diff.size else int(a.shape[1])
 
 
-def _impl(kvjax_cfg: config_lib.Config | None, nnscan: bool = False) -> dict:
-  """Which framework ran a row, and for kvjax how its layers ran: the switched scan (the
-  default), nn.scan over stacked params, or unrolled."""
+def _impl(kvjax_cfg: config_lib.Config | None) -> dict:
+  """Which framework ran a row, and for kvjax how its layers ran (`step.layer_loop`): the
+  switched scan (the default), nn.scan over stacked params, or unrolled."""
   if kvjax_cfg is None:
     return {"impl": "transformers"}
-  if model_lib.unrolled(kvjax_cfg.model):
-    return {"impl": "kvjax", "layers": "unrolled"}
-  return {"impl": "kvjax", "layers": "nn.scan" if nnscan else "switched"}
+  loop = step.layer_loop(kvjax_cfg.model)
+  return {"impl": "kvjax", "layers": {"scan": "nn.scan", "switch": "switched"}.get(loop, loop)}
 
 
 def _cache_kind(peer: str, cfg: config_lib.Config) -> str:

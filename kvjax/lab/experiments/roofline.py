@@ -220,12 +220,10 @@ class FilledDecode:
   """Compiled decode of `steps` tokens from a cache that already holds `context` tokens
   (a `kvjax.decode.generate.Compiled` of prompt width 0)."""
 
-  def __init__(self, cfg, params, batch: int, context: int, steps: int, cap: int,
-               prepare: bool = True):
-    """`prepare=False` runs the params as given (stacked: the nn.scan program)."""
+  def __init__(self, cfg, params, batch: int, context: int, steps: int, cap: int):
     self.steps = steps
     shape = generate.Shape(batch, 0, cap, steps, context=context)
-    self.compiled = generate.Compiled(cfg, params, shape, prepare=prepare).compile()
+    self.compiled = generate.Compiled(cfg, params, shape).compile()
 
   def once(self) -> float:
     return self.compiled.run().decode_s / self.steps

@@ -163,7 +163,7 @@ class ModelBackend:
     self.paged = spec.layout == "paged"
     self.evicts = policies.evicts(cfg.cache)
     if self.evicts:  # held slots, not positions, index a request's pages once compacted
-      self.spec = spec = dataclasses.replace(spec, layout=cache_lib.compacted("paged").name)
+      self.spec = spec = dataclasses.replace(spec, layout=cache_lib.built(cfg.cache).name)
       self.cache = paged_compact.init_pool(spec)
     else:
       self.cache = paged.init_pool(spec) if self.paged else \

@@ -207,40 +207,26 @@ class Model:
     cache when `cache` names no codec); with `budget` ("80GiB", "80GB"), how many
     sequences fit after the weights, per codec. (`kvjax.size` answers the same without
     loading the weights.)"""
-    return _size(self.size_flags(), {**self.overrides, **cache_items(cache)}, seq_len, batch,
-                 budget)
-
-  def size_flags(self) -> list[str]:
-    """The `kvjax size` flags that name this model."""
-    return size_flags(self.source, self.config)
+    return _size(self.source, {**self.overrides, **cache_items(cache)}, seq_len, batch, budget)
 
 
-def size_flags(src, cfg: config_lib.Config | None = None) -> list[str]:
-  """The `kvjax size` flags that name a model source: its file, or (a checkpoint, the
-  default config) its shape, read from `cfg` or from the source's config alone."""
-  kind, ref = src.kind, src.ref
-  if kind in ("gguf", "hf") or (kind == "config" and ref):
-    return [f"--{kind}", ref]
-  if cfg is None:
-    from kvjax.io import sources
-    cfg = sources.load_config(src)  # a checkpoint's config.yaml: no weights read
-  m = cfg.model
-  return ["--layers", str(m.n_layers), "--heads", str(m.n_heads), "--kv-heads",
-          str(m.n_kv_heads), "--head-dim", str(m.D)]
+def _size(src, items: dict, seq_len, batch, budget) -> SizeResult:
+  """`kvjax size`'s result for a model source through the lab's sizing (`kvjax.lab.sizing`),
+  as the CLI gets it: its config read without its weights, `items` (dotted keys) over it,
+  DEFAULT_CODEC when neither they nor the model's own config file name a codec."""
+  from kvjax.lab import sizing
 
-
-def _size(flags: list[str], items: dict, seq_len, batch, budget) -> SizeResult:
-  from kvjax import cli
-  from kvjax.cli import commands
-
+  cfg, param_dtype, file_items = sizing.of_source(src)
+  named = src.kind != "config" or bool(src.ref)  # a file or folder (a packaged shape too)
   for name, value in (("seq_len", seq_len), ("batch", batch)):  # named as keywords here
     as_arg(name, inputs.count, value)
-  argv = ["size", *flags, "--seq-len", str(seq_len), "--batch", str(batch)]
-  argv += ["--budget", str(budget)] if budget is not None else []
-  for key, value in items.items():
-    value = str(value).lower() if isinstance(value, bool) else value
-    argv += ["--set", f"{key}={value}"]
-  raw = commands.cmd_size(cli.parse_args(argv))
+  notes = []
+  if not sizing.names_codec(items, file_items):
+    items = {**items, "cache.codec": sizing.DEFAULT_CODEC}
+    notes.append(f"no codec given: {sizing.DEFAULT_CODEC} cache assumed; cache= to change")
+  cfg = config_lib.apply_overrides(cfg, items)
+  raw = sizing.report(cfg, seq_len, batch, named=named, notes=notes, param_dtype=param_dtype,
+                      budget=None if budget is None else str(budget))
   for w in raw.get("warnings", ()):
     warnings.warn(w, stacklevel=3)
   b = raw.get("budget") or {}
@@ -261,8 +247,7 @@ def size(source: str = "smollm2-135m", cache=None, seq_len: int = 4096, batch: i
   src = resolve_source(source)
   if overrides is not None and not isinstance(overrides, dict):
     raise KvjaxError(f"overrides= expects a dict of dotted keys, got {type(overrides).__name__}")
-  return _size(size_flags(src), {**(overrides or {}), **cache_items(cache)}, seq_len, batch,
-               budget)
+  return _size(src, {**(overrides or {}), **cache_items(cache)}, seq_len, batch, budget)
 
 
 def run(config: str | Path, out: str | Path | None = None,

@@ -65,6 +65,23 @@ def test_size_is_the_cli_size(tiny, capsys):
   assert s.bits_per_element == s.to_dict()["bits_per_element"]
 
 
+def test_size_of_a_checkpoint_is_read_from_its_config(tmp_path):
+  """A checkpoint is sized from its own config.yaml (no weights read), a latent's rank
+  included: as the same config given as a file, and apart from the dense cache of its
+  head shape."""
+  from kvjax.io import checkpoint
+  yaml = tmp_path / "latent.yaml"
+  yaml.write_text(TINY_YAML.replace("d_ff: 48}", "d_ff: 48, latent_rank: 8}")
+                  + "cache: {layout: latent}\n")
+  checkpoint.write_config(tmp_path / "ckpt", config_lib.load(str(yaml)))
+  got = kvjax.size(f"checkpoint:{tmp_path / 'ckpt'}", cache="bf16", seq_len=64)
+  want = kvjax.size(f"config:{yaml}", cache="bf16", seq_len=64)
+  dense = kvjax.size(f"config:{yaml}", cache={"codec": "bf16", "layout": "contiguous"},
+                     seq_len=64, overrides={"model.latent_rank": 0})
+  assert got.bytes_per_token == want.bytes_per_token < dense.bytes_per_token
+  assert got.to_dict()["layout"] == "latent"
+
+
 @pytest.mark.parametrize("call, words", [
     (lambda m: m.generate("x", cache={"group_size": -1}), "cache.group_size"),
     (lambda m: m.generate("x", cache={"codec": "int5"}), "unknown codec 'int5'"),

@@ -10,6 +10,7 @@ import sys
 
 from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
+from kvjax.lab.sizing import DEFAULT_CODEC  # `kvjax size`'s codec when none is named
 
 
 def _cache_overrides(args, over: dict) -> dict:
@@ -39,7 +40,6 @@ def _sampling_overrides(args) -> dict:
 
 
 # -- size ---------------------------------------------------------------------------------
-DEFAULT_CODEC = "bf16"  # the common serving dtype, for every way of naming the model
 
 
 def codec_names() -> list[str]:
@@ -53,14 +53,6 @@ def layout_names() -> list[str]:
   """Every layout a user chooses as cache.layout (not those a policy builds)."""
   from kvjax import registries
   return registries.names("layout")
-
-
-def _names_codec(args, over: dict, file_cfg: dict) -> bool:
-  """Whether the command (flags, --set, the config file) names a cache codec."""
-  keys = ("cache.codec", "cache.k_codec", "cache.v_codec")
-  return bool(args.codec or args.k_codec or args.v_codec or args.dtype
-              or any(k in over or k in config_lib.parse_set(args.set) for k in keys)
-              or any(k in file_cfg for k in keys))
 
 
 SHAPE_FLAGS = {"layers": "--layers", "heads": "--heads", "kv_heads": "--kv-heads",
@@ -98,19 +90,10 @@ def cmd_size(args) -> dict:
     flag = SHAPE_FLAGS[shape[0]]
     raise KvjaxError(f"{flag} is for the shape-only form; with --hf, --gguf or --config use "
                      f"--set {SHAPE_KEYS[flag]}=N instead (or drop the model source)")
-  if args.hf:
-    from kvjax.io import hf
-    param_dtype, source = sizing.hf_param_dtype(hf.read_hf_config(args.hf))
-    cfg = hf.load_config(args.hf, {"model.param_dtype": param_dtype})
-    param_dtype = f"{param_dtype} ({source})"
-  elif args.config:
-    cfg = config_lib.load(args.config)  # refuses a bad file, so reading it again succeeds
-    file_items = config_lib.flat(config_lib.read_yaml(config_lib.shape_path(args.config)) or {})
-    param_dtype = f"{cfg.model.param_dtype} (model.param_dtype)"
-  elif args.gguf:
+  if args.hf or args.config or args.gguf:
     from kvjax.io import sources
-    cfg = sources.load_config(sources.Source("gguf", args.gguf))
-    param_dtype = f"{cfg.model.param_dtype} (dequantized from the GGUF file)"
+    kind = "hf" if args.hf else "config" if args.config else "gguf"
+    cfg, param_dtype, file_items = sizing.of_source(sources.Source(kind, getattr(args, kind)))
   else:
     missing = [n for n in SHAPE_FLAGS if getattr(args, n) is None]
     if missing:
@@ -126,7 +109,8 @@ def cmd_size(args) -> dict:
       raise KvjaxError(f"unknown --dtype '{args.dtype}'; use one of "
                        f"{', '.join(codecs.DTYPE_TO_CODEC)}")
     over["cache.codec"] = codecs.DTYPE_TO_CODEC[args.dtype]
-  elif not _names_codec(args, over, file_items):
+  elif not (args.codec or args.k_codec or args.v_codec
+             or sizing.names_codec(over, config_lib.parse_set(args.set), file_items)):
     over["cache.codec"] = DEFAULT_CODEC
     notes.append(f"no codec given: {DEFAULT_CODEC} cache assumed; --codec, --k-codec/--v-codec "
                  "or --dtype to change")

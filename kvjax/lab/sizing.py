@@ -106,6 +106,36 @@ def budget_report(cfg: config_lib.Config, seq_len: int, batch: int, budget: int,
   }
 
 
+DEFAULT_CODEC = "bf16"  # the common serving dtype, for every way of naming the model
+CODEC_KEYS = ("cache.codec", "cache.k_codec", "cache.v_codec")
+
+
+def of_source(src) -> tuple[config_lib.Config, str, dict]:
+  """A model source's (`kvjax.io.sources.Source`) config without reading its weights, the
+  dtype its weights load in and why, and the dotted items its own config file sets (a
+  codec it names is kept; otherwise `size` assumes DEFAULT_CODEC)."""
+  from kvjax.io import sources
+  if src.kind == "hf":
+    from kvjax.io import hf
+    dtype, why = hf_param_dtype(hf.read_hf_config(src.ref))
+    return hf.load_config(src.ref, {"model.param_dtype": dtype}), f"{dtype} ({why})", {}
+  if src.kind == "gguf":
+    cfg = sources.load_config(src)
+    return cfg, f"{cfg.model.param_dtype} (dequantized from the GGUF file)", {}
+  if src.kind == "checkpoint":  # (the cache it was trained with is not the one sized)
+    cfg = sources.load_config(src)
+    return cfg, f"{cfg.model.param_dtype} (the checkpoint's)", {}
+  cfg = config_lib.load(src.ref or None)  # refuses a bad file, so reading it again succeeds
+  items = config_lib.flat(config_lib.read_yaml(config_lib.shape_path(src.ref)) or {}) \
+      if src.ref else {}
+  return cfg, f"{cfg.model.param_dtype} (model.param_dtype)", items
+
+
+def names_codec(*item_sets: dict) -> bool:
+  """Whether any of these dotted items names a cache codec."""
+  return any(k in items for items in item_sets for k in CODEC_KEYS)
+
+
 def sized(cfg: config_lib.Config) -> config_lib.Config:
   """`cfg` as `size` counts it: the layout stands in for what it holds (`Layout.sized_as`:
   `none` as the contiguous K/V it recomputes), and the cache reserves exactly the context

@@ -249,7 +249,7 @@ def test_decode_step_never_materializes_a_dequantized_cache(name):
   cfg = config.load(None, {"model.d_model": 128, "model.n_heads": 2, "model.n_kv_heads": 1,
                            "model.n_layers": 4, "cache.codec": name})
   m, S = cfg.model, 4096
-  params = jax.eval_shape(lambda: model.init_params(m, 0))
+  params = jax.eval_shape(lambda: step.prepare_params(cfg, model.init_params(m, 0)))
   cache = jax.eval_shape(lambda: cache_lib.init_cache(cfg, 1, S))
   static = step.Static.of(cfg)
 

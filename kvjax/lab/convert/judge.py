@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvjax.decode import step
 from kvjax.errors import KvjaxError
 from kvjax.lab import intervals
 from kvjax.lab.tasks import haystack, through_cache
@@ -40,6 +41,7 @@ def retrieval(cfg, params, tok, context: int = 1024) -> dict:
                      f"{cfg.model.max_seq_len}); lower --judge-context")
   template = template_of(tok)
   encode = tok.encode
+  params = step.prepare_params(cfg, params)  # once, in the layer loop's form
   out = {}
   for task in TASKS:
     scores = []

@@ -133,6 +133,15 @@ def test_cli_distills_toward_the_model_it_was_converted_from(converted, tmp_path
   assert got_cfg.model.variant == "MQA"
 
 
+def test_calib_len_sets_the_distillation_windows(converted, tmp_path):
+  """`--calib-len` is the window the student is trained on (a distillation sees no position
+  beyond it), capped by the model's context; 0 is refused in one line."""
+  _, mqa, text = converted
+  assert cli.main(_args(mqa, tmp_path / "d", "--calib-len", "64", text=text)) == 0
+  assert checkpoint.read_meta(tmp_path / "d")["recipe"]["calib_seq_len"] == 64
+  assert cli.main(_args(mqa, tmp_path / "e", "--calib-len", "0", text=text)) == 2
+
+
 def test_cli_distillations_that_cannot_run_are_one_line(converted, tmp_path, capsys):
   path, mqa, text = converted
   other = tiny_config(**{"model.n_kv_heads": 2, "model.n_layers": 1})

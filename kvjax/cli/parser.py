@@ -247,7 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
                  "documents, never the split eval reads), a file or a folder; several, "
                  "comma-separated, share the tokens equally (stdlib,shakespeare)")
   c.add_argument("--calib-tokens", type=_number("--calib-tokens", (1024, True, 1 << 22, True)),
-                 default=16384, metavar="N", help="calibration tokens (windows of 512)")
+                 default=16384, metavar="N", help="calibration tokens (windows of --calib-len)")
+  c.add_argument("--calib-len", type=_number("--calib-len", (16, True, 1 << 17, True)),
+                 default=512, metavar="N", help="tokens per calibration window (default 512, "
+                 "or the model's max_seq_len if shorter): a distillation sees no position "
+                 "beyond it")
   c.add_argument("--minutes", type=_number("--minutes", (0, False, 10_000, True), integer=False),
                  default=30.0, metavar="M", help="fit's time budget, shared over the layers "
                  "(distill's: the whole run's, resumed runs included)")

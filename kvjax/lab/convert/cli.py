@@ -19,7 +19,6 @@ from kvjax.errors import KvjaxError
 from kvjax.lab.convert import METHODS, align, fit, judge, latent, pool
 from kvjax.lab import claims
 
-SEQ_LEN = 512  # calibration window (tokens), or the model's max_seq_len if shorter
 
 
 def convert_cli(args) -> dict:
@@ -38,7 +37,7 @@ def convert_cli(args) -> dict:
   method = getattr(args, "method", None)
   if method == "distill":  # a converted checkpoint trained end to end toward a teacher
     from kvjax.lab.convert import distill
-    return distill.cli(args, src, calib_tokens, SEQ_LEN)
+    return distill.cli(args, src, calib_tokens, int(args.calib_len))
   if (args.kv_heads is None) == (rank is None):
     raise KvjaxError("convert needs exactly one of --kv-heads K or --latent-rank R")
   if method is not None and method not in METHODS:
@@ -69,7 +68,7 @@ def convert_cli(args) -> dict:
   else:
     from kvjax.cache import latent as latent_cache
     latent_cache.check_conversion(cfg0.model, rank, pairs, choice)
-  recipe = _recipe(args, src, method, settings, min(SEQ_LEN, cfg0.model.max_seq_len))
+  recipe = _recipe(args, src, method, settings, min(int(args.calib_len), cfg0.model.max_seq_len))
   with claims.sole_writer(args.out, "convert"):  # one writer per --out, from the start
     return _convert(args, src, rank, recipe, settings, overrides)
 
@@ -83,7 +82,7 @@ def default_method(cfg, kv_heads: int | None) -> str:
   fewer = kv_heads is not None and kv_heads < cfg.model.n_kv_heads
   if fewer and cfg.tokenizer not in ("", "none"):
     print(f"--method align (the default for fewer KV heads: each group's heads rotated onto "
-          f"its first on {SEQ_LEN}-token calibration windows, then pooled; --method fit "
+          f"its first on calibration windows, then pooled; --method fit "
           "trains each layer too, pool skips the calibration)")
     return "align"
   return "pool"

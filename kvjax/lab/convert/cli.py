@@ -68,7 +68,7 @@ def convert_cli(args) -> dict:
   else:
     from kvjax.cache import latent as latent_cache
     latent_cache.check_conversion(cfg0.model, rank, pairs, choice)
-  recipe = _recipe(args, src, method, settings, min(int(args.calib_len), cfg0.model.max_seq_len))
+  recipe = _recipe(args, src, method, settings, cfg0.model.max_seq_len)
   with claims.sole_writer(args.out, "convert"):  # one writer per --out, from the start
     return _convert(args, src, rank, recipe, settings, overrides)
 
@@ -88,7 +88,7 @@ def default_method(cfg, kv_heads: int | None) -> str:
   return "pool"
 
 
-def _recipe(args, src, method: str, settings: fit.FitSettings, seq_len: int) -> dict:
+def _recipe(args, src, method: str, settings: fit.FitSettings, max_seq_len: int) -> dict:
   recipe = {"method": method, "kv_heads": args.kv_heads, "source": str(src)}
   if getattr(args, "latent_rank", None) is not None:
     recipe["latent_rank"] = int(args.latent_rank)
@@ -96,7 +96,8 @@ def _recipe(args, src, method: str, settings: fit.FitSettings, seq_len: int) -> 
     recipe["rope_pairs"] = int(args.rope_pairs)
     recipe["rope_choice"] = getattr(args, "rope_choice", None) or "high"
   if method != "pool":
-    recipe.update(calib=args.calib, calib_tokens=int(args.calib_tokens), calib_seq_len=seq_len)
+    recipe.update(calib=args.calib, calib_tokens=int(args.calib_tokens),
+                  calib_seq_len=min(int(args.calib_len), max_seq_len))
   if method == "fit":
     recipe.update(minutes=float(settings.minutes), steps=settings.max_steps,
                   fit_inputs=settings.inputs, lr=settings.lr, batch=settings.batch)

@@ -153,14 +153,18 @@ def windows_t(window_sums: tuple, block_sums: tuple | None = None):
   window's blocks pooled: the noise within the text, which a few windows that happen to
   agree would hide); Δppl on the log scale, then expm1."""
   from scipy import stats
-  dnll, nt, kl, agree, npos = window_sums
-  t = stats.t.ppf(0.5 + LEVEL / 2, len(dnll) - 1)
+  def ratios(sums):  # (numerator, denominator) of Δppl's log, KL and agreement
+    dnll, nt, kl, agree, npos = sums
+    return ((dnll, nt), (kl, npos), (agree, npos))
+
+  t = stats.t.ppf(0.5 + LEVEL / 2, len(window_sums[0]) - 1)
   z = stats.norm.ppf(0.5 + LEVEL / 2)
+  floors = ratios(block_sums) if block_sums is not None and len(block_sums[0]) >= 2 else None
   out = []
-  for i, (x, n) in enumerate(((dnll, nt), (kl, npos), (agree, npos))):
+  for i, (x, n) in enumerate(ratios(window_sums)):
     half = t * _ratio_se(x, n)
-    if block_sums is not None and len(block_sums[0]) >= 2:  # many blocks: a normal quantile
-      half = max(half, z * _ratio_se(block_sums[(0, 2, 3)[i]], block_sums[(1, 4, 4)[i]]))
+    if floors is not None:  # many blocks: a normal quantile
+      half = max(half, z * _ratio_se(*floors[i]))
     r = x.sum() / n.sum()
     out.append((r - half, r + half))
   (a, b), (c, d), (e, f) = out

@@ -122,6 +122,25 @@ def test_scan_unroll_changes_nothing_but_the_program():
                              atol=1e-6)
 
 
+def test_remat_recomputes_the_same_forward_and_gradient():
+  """`remat=True` (a distillation on long windows) trades memory for a second forward in the
+  backward pass: the loss and every parameter's gradient are those of the plain scan."""
+  cfg = tiny_config()
+  params = tiny_params(cfg)
+  tokens = _ragged_batch(cfg.model.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+
+  def loss(p, remat):
+    logits, _ = Transformer(cfg.model, remat=remat).apply({"params": p}, tokens, pos)
+    return jnp.mean(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1))
+
+  (l0, g0), (l1, g1) = (jax.value_and_grad(loss)(params, r) for r in (False, True))
+  np.testing.assert_allclose(l1, l0, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7), g0, g1)
+  grad_norm = sum(float(jnp.sum(jnp.abs(g))) for g in jax.tree.leaves(g0))
+  assert grad_norm > 0
+
+
 def test_rope_is_a_rotation_that_depends_on_relative_position():
   """<rope(q, m), rope(k, n)> depends only on m - n (the property RoPE exists for)."""
   cfg = tiny_config()

@@ -81,6 +81,10 @@ class Transformer(nn.Module):
   read_bucket: int = 0  # > 0: the accelerator program's reads cover that many stored slots
   # True: also return the new tokens' rotated queries [L, B, T, H, D] (`kvjax.decode.step.run`)
   return_queries: bool = False
+  # True (layer_loop "scan" only): each layer's activations are recomputed in the backward
+  # pass, so a gradient through T tokens holds one layer's [T, T] attention at a time, not
+  # every layer's (a distillation on long windows)
+  remat: bool = False
 
   @nn.compact
   def __call__(self, tokens_BT, positions_BT, cache=None, logits_at=None):
@@ -119,7 +123,8 @@ class Transformer(nn.Module):
       layers = [self.variables["params"][f"layers_{i}"] for i in range(cfg.n_layers)]
       x_BTE, (k_LBTKD, v_LBTKD, *q) = switched_layers(cfg, layers, x_BTE, inp)
     else:
-      layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+      block = nn.remat(Block, prevent_cse=False) if self.remat else Block
+      layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                        in_axes=(0, nn.broadcast), length=cfg.n_layers, unroll=cfg.scan_unroll)
       x_BTE, (k_LBTKD, v_LBTKD, *q) = layers(cfg, name="layers")(
           x_BTE, jnp.arange(cfg.n_layers), inp)

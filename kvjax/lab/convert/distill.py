@@ -13,7 +13,9 @@ kernels and biases of every layer; a latent student's K/V kernel as its two fact
 rotated key columns beside them, so it keeps its rank, and its up-projection is then the
 orthonormal basis of what was trained); the embeddings, norms and MLPs stay as they are. The
 KL is taken in float32 over CHUNK token rows at a time, each chunk's logits recomputed in
-the backward pass (`jax.checkpoint`), so no [tokens, vocab] array of a whole batch is held.
+the backward pass (`jax.checkpoint`), so no [tokens, vocab] array of a whole batch is held;
+the student's layers are recomputed there too (`Transformer(remat=True)`), so a long window
+holds one layer's [T, T] attention at a time.
 
 Adam with global-norm gradient clipping; the learning rate warms up linearly over the first
 steps, then decays by a cosine to zero at the run's expected last step: `max_steps`, or
@@ -99,9 +101,9 @@ def _hidden(cfg: ModelConfig, params, tokens_BT):
   """The final-normed residual stream [B, T, E]: the full forward, its lm_head left unused."""
   B, T = tokens_BT.shape
   pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  _, state = Transformer(trainable(cfg)).apply({"params": params}, tokens_BT, pos, None,
-                                    capture_intermediates=lambda m, _: m.name == "norm",
-                                    mutable=["intermediates"])
+  _, state = Transformer(trainable(cfg), remat=True).apply(
+      {"params": params}, tokens_BT, pos, None,
+      capture_intermediates=lambda m, _: m.name == "norm", mutable=["intermediates"])
   return state["intermediates"]["norm"]["__call__"][0]
 
 

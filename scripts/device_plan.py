@@ -13,8 +13,8 @@ when the budget is short:
   model-smollm2     the three real models' shapes, bf16 weights, bf16/int8/int4 caches,
   model-qwen        batch 8 x 8k (configs/roofline_smollm2.yaml, configs/accel/roofline_qwen
   model-gemma3      .yaml, roofline_gemma3.yaml: Gemma's hybrid timed against its full variant)
-  gpu-tests         tests/test_pallas.py, test_decode.py, test_accel.py on the GPU, float32
-                    matmuls at full precision (JAX_DEFAULT_MATMUL_PRECISION=highest)
+  gpu-tests         tests/library/: test_pallas.py, test_decode.py, test_accel.py on the GPU,
+                    float32 matmuls at full precision (JAX_DEFAULT_MATMUL_PRECISION=highest)
   distill           one `kvjax convert --method distill` step's tokens per second at
                     SmolLM2's shape, GQA-3 -> MQA, batch 2 x 512 (scripts/bench_distill.py)
   roofline-8b-long  the Llama-3-8B cells at batch 16 x 32k
@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 H200_LIMIT = int(0.92 * 139 * 2**30)  # what XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 leaves JAX
 CODECS = ["bf16", "int8", "int4", "fp8_e4m3"]
-GPU_TESTS = ["tests/test_pallas.py", "tests/test_decode.py", "tests/test_accel.py"]
+GPU_TESTS = [f"tests/library/test_{name}.py" for name in ("pallas", "decode", "accel")]
 
 
 def stages() -> list[dict]:

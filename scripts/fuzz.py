@@ -1,4 +1,4 @@
-"""A long run of the model-file fuzz harness (tests/test_fuzz_models.py), which the test
+"""A long run of the model-file fuzz harness (tests/library/test_fuzz_models.py), which the test
 suite runs with a few examples per test only.
 
     python scripts/fuzz.py                      # 2000 examples per fuzz test
@@ -30,7 +30,7 @@ def main() -> int:
   if args.examples < 1:
     ap.error("--examples must be at least 1")
   cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-         str(ROOT / "tests" / "test_fuzz_models.py")]
+         str(ROOT / "tests" / "library" / "test_fuzz_models.py")]
   if args.k:
     cmd += ["-k", f"({args.k}) or outcomes"]
   env = {**os.environ, "KVJAX_FUZZ_EXAMPLES": str(args.examples), "JAX_PLATFORMS": "cpu"}

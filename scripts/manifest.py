@@ -34,7 +34,7 @@ MANIFEST = ROOT / "results" / "MANIFEST.yaml"
 MACHINE_KEYS = ("host", "backend", "device_kind", "device_count", "cpu_count", "python", "jax")
 HEADER = """\
 # Every committed file under results/ and the command that makes it (scripts/manifest.py).
-# `make reproduce` runs these commands (scripts/reproduce.sh); tests/test_manifest.py checks
+# `make reproduce` runs these commands (scripts/reproduce.sh); tests/lab/test_manifest.py checks
 # that each `kvjax run` file's config_hashes are cells of its config as committed, and that
 # the facts below (rows, commits, machines) are those of the file. Edit `config`, `set`,
 # `out` or `commands`; the rest is rewritten by `python scripts/manifest.py update`.

@@ -1,4 +1,12 @@
-"""Shared fixtures: tiny configs and parameters, built once per session."""
+"""Shared fixtures: tiny configs and parameters, built once per session.
+
+The tests live in rooms that mirror the package: `library/` (what a decode step needs:
+model, cache, codecs, attention, policies, model files, kernels, config), `lab/` (the
+experiments, conversions, intervals, runner, results and plots), `faces/` (the command
+line, the Python API and what they share), and here the contracts across all three
+(structure, docs, golden decode, the real models, one-module plugins). A test module may
+import another's helpers by its name from any room (the rooms are on `sys.path`).
+"""
 
 import atexit
 import copy
@@ -10,6 +18,9 @@ import subprocess
 import sys
 import tempfile
 
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[1:1] = [os.path.join(_TESTS, room) for room in ("library", "lab", "faces")
+                 if os.path.join(_TESTS, room) not in sys.path]
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A JAX persistent compilation cache private to this run (a fresh temp dir, removed at exit,
 # so nothing carries over to the next run and a program that no longer compiles fails):

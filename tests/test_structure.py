@@ -241,6 +241,24 @@ def test_the_lab_lives_under_kvjax_lab():
   assert not found, "lab modules outside kvjax/lab: " + ", ".join(found)
 
 
+# The test modules that hold all three rooms to a contract, kept beside conftest.py.
+CONTRACTS = {"test_structure.py", "test_docs.py", "test_golden.py", "test_qwen2.py",
+             "test_gemma3.py", "test_registries.py"}
+
+
+def test_the_tests_mirror_the_rooms():
+  """Each test module sits in the room of what it tests (tests/library, tests/lab,
+  tests/faces), or is one of the named contracts across them at tests/."""
+  tests = ROOT / "tests"
+  top = {p.name for p in tests.glob("test_*.py")}
+  assert top == CONTRACTS, f"test modules outside a room: {sorted(top - CONTRACTS)}; " \
+      f"contracts that are gone: {sorted(CONTRACTS - top)}"
+  rooms = {p.name for p in tests.iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
+  assert rooms == {"library", "lab", "faces"}, rooms
+  names = [p.name for p in tests.rglob("test_*.py")]
+  assert len(names) == len(set(names)), "two test modules share a name across rooms"
+
+
 def test_a_cycle_through_a_function_level_import_is_reported(tmp_path):
   """The check itself: a throwaway package whose two modules import each other, one of them
   only inside a function, is reported with both files and lines; without that import the

@@ -35,7 +35,7 @@ layer, the SVD of [W_k | W_v] ([E, Y]) gives U = the top A right singular vector
 W ← W Uᵀ U (the best rank-A approximation); `rope_pairs` r > 0 first picks each KV head's r
 pairs (the r highest frequencies, or by the weights' share of q·k: `weight_pairs`) and
 factors the rest. At A = min(E, Y) and r = 0 or r = D/2 nothing is lost and the logits
-equal the dense model's (tests/test_latent.py, tests/test_mla.py).
+equal the dense model's (tests/library/test_latent.py, tests/library/test_mla.py).
 """
 
 from __future__ import annotations

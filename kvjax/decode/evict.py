@@ -66,7 +66,7 @@ def prefill_queries(params, tokens_BT, lengths_B, cache, *, static):
 def compress_filled(cache, lengths_B, q_LBTHD, *, room: int, T: int):
   """`compress` of a filled contiguous (or paged) cache (its own `cache.policy`, budget and
   codec) with the prompt's queries from `prefill_queries`: the cache `prefill` would return
-  for the same prompt, when `cache` holds the same keys and values (tests/test_tasks.py)."""
+  for the same prompt, when `cache` holds the same keys and values (tests/lab/test_tasks.py)."""
   q = q_LBTHD if policies.get(cache.spec.cache_cfg.policy).needs_queries else None
   return _squeeze(cache)(cache, lengths_B, room, q, T=T)
 

@@ -28,7 +28,7 @@ and every per-sequence counter split the batch, and a field with no named axes i
 
 Divisibility: heads that do not divide -> one-line KvjaxError (a head is never split);
 a batch that `data` does not divide -> KvjaxError; d_ff or vocab that `TP` does not
-divide -> that weight is replicated (pinned by tests/test_sharding.py).
+divide -> that weight is replicated (pinned by tests/library/test_sharding.py).
 
 Starting the processes of a multi-host run (`jax.distributed`) is kvjax.distributed's.
 """

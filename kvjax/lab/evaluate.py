@@ -4,7 +4,7 @@
 decode) into a cache of the configured layout and codec; each chunk's positions continue
 from `cache.lengths`, so every earlier token is read back from the encoded cache and only
 the chunk's own tokens are fresh. With the fp32 cache this equals the teacher-forced full
-forward pass (tests/test_quality.py holds the harness to that), so any difference under
+forward pass (tests/lab/test_quality.py holds the harness to that), so any difference under
 another codec is the codec's.
 
 Metrics against a reference on the same tokens (`Reference`: by default the same model with

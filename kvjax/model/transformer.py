@@ -144,7 +144,7 @@ class Transformer(nn.Module):
         # Unrolled, nothing orders the write after the last layer's read of the old cache,
         # so XLA may schedule it first and copy the whole cache to keep the old values.
         # No float exceeds +inf, so `tie` is 0, but XLA cannot fold it: the write waits.
-        # (An optimization_barrier did not order it; tests/test_decode.py checks the HLO.)
+        # (An optimization_barrier did not order it; tests/library/test_decode.py checks the HLO.)
         tie_B1 = (jnp.max(x_BTE, axis=(1, 2)) > jnp.inf).astype(jnp.int32)[:, None]
         write_BT = positions_BT + tie_B1
       wants = layout.wants_queries(cache.spec)

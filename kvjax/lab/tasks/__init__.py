@@ -30,7 +30,7 @@ K/V; only *later* calls read K/V back through the cache codec. If prefix and que
 in as one prefill, a lossy cache would never touch the first answer token. So
 `answer_through_cache` feeds the prefix first, then the query's tail as its own call, then
 decodes greedily: every token of the tail and of the answer reads the prefix's K/V through
-the codec (tests/test_tasks.py holds that this differs from a one-shot prefill under int2).
+the codec (tests/lab/test_tasks.py holds that this differs from a one-shot prefill under int2).
 The prefix itself is prefilled at full precision and then stored through the codec
 (`encode_prefix`), which is KIVI's protocol (full-precision prefill, compressed cache) and
 lets one fp32 prefill serve every cache setting: storing the fp32 K/V through a codec is
@@ -43,7 +43,7 @@ stored through the setting's codec and compacted to the budget (`evict_prefix`),
 question and answer read the compacted cache. The selection sees the prefix alone: the
 question comes after it, so no policy is query-aware here. One such prefill serves every
 policy and codec (a call's queries and fresh K/V do not depend on the codec), and the cache
-is the one `kvjax.decode.evict.prefill` returns for the prefix (tests/test_tasks.py).
+is the one `kvjax.decode.evict.prefill` returns for the prefix (tests/lab/test_tasks.py).
 
 Scoring (`score`): the first run of digits in the generated text must equal the answer
 exactly (so "123456" does not count for "12345").

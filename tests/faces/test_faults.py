@@ -19,7 +19,7 @@ from kvjax import cli, config, model
 from kvjax.io import checkpoint
 from kvjax.lab import evaluate, train
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

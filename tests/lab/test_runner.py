@@ -294,7 +294,7 @@ def test_latency_interleaves_paired_variants_from_one_prefill(tmp_path):
 
 
 def test_every_shipped_config_expands():
-  root = Path(__file__).resolve().parent.parent / "configs"
+  root = Path(__file__).resolve().parents[2] / "configs"
   for name in ("memory", "latency", "cache_vs_recompute", "quickstart"):
     for path in (root / f"{name}.yaml", root / "accel" / f"{name}.yaml"):
       base, cells = runner.expand(path)

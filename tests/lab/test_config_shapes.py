@@ -9,7 +9,7 @@ from kvjax import config as config_lib
 from kvjax.errors import KvjaxError
 from kvjax.lab.runner import grid
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # The model: sections these configs held before they named the shape, verbatim.
 PASTED = {
     "budget_smollm2": """\

@@ -229,7 +229,7 @@ def test_greedy_decode_equals_the_masked_full_forward(policy, size, budgets, ful
 def test_budget_of_prompt_and_new_tokens_equals_the_full_cache(policy, full_run):
   """No eviction ever happens, so this is the full cache to float32 rounding. Not bit for
   bit under the suite's compile flags (conftest.py): the prompt runs in the program that
-  also captures queries (as snapkv's, tests/test_policies.py), and in a decode step the
+  also captures queries (as snapkv's, tests/library/test_policies.py), and in a decode step the
   rotated query has a second reader (the write's scoring), after which XLA:CPU's legacy
   emitters round the step's logits differently in the last place (measured: 1 ulp, and
   0 with XLA's default flags, from the same prefilled cache)."""

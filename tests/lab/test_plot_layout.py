@@ -258,7 +258,7 @@ def test_quality_bytes_agree_with_the_run_summary(drawn):
 
 
 # -- every plot `kvjax plot` draws from the committed rows reads at a glance ------------------
-ROOT = Path(__file__).resolve().parent.parent  # the repository
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
 def draw_all(folder) -> list:

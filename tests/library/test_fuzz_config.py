@@ -10,7 +10,7 @@ printed (`pytest -s`) and recorded as a test property, and both outcomes must oc
 harness that only ever refuses (or only ever accepts) is visible.
 
 Hypothesis runs derandomized (the same cases every run) with no deadline and a small
-budget; `KVJAX_FUZZ_EXAMPLES=2000 pytest tests/test_fuzz_config.py -s` runs longer.
+budget; `KVJAX_FUZZ_EXAMPLES=2000 pytest tests/library/test_fuzz_config.py -s` runs longer.
 """
 
 from __future__ import annotations
@@ -285,6 +285,6 @@ def test_cli_subprocess_refusal_exits_cleanly(tmp_path):
   path.write_bytes(KNOWN_FILES[1])
   proc = subprocess.run([sys.executable, "-m", "kvjax.cli", "size", "--config", str(path),
                          "--seq-len", "16", "--json"], capture_output=True, text=True,
-                        timeout=120, cwd=Path(__file__).resolve().parent.parent)
+                        timeout=120, cwd=Path(__file__).resolve().parents[2])
   assert proc.returncode == 2 and proc.stdout == "", proc
   assert len(proc.stderr.strip().splitlines()) == 1 and "cycle" in proc.stderr, proc.stderr

@@ -254,7 +254,7 @@ def _option_names(raw: dict) -> set[str]:
 
 def test_committed_configs_use_only_options_their_experiment_reads():
   import importlib
-  configs = sorted(Path(__file__).resolve().parent.parent.glob("configs/*.yaml"))
+  configs = sorted(Path(__file__).resolve().parents[2].glob("configs/*.yaml"))
   checked = 0
   for path in configs:
     raw = config_lib.read_yaml(path)

@@ -12,7 +12,7 @@ from kvjax import cli
 from kvjax.errors import KvjaxError
 from kvjax.lab import sizing
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LLAMA3 = ROOT / "kvjax" / "shapes" / "llama3-8b.yaml"
 L, H, K, D, E, F, V = 32, 32, 8, 128, 4096, 14336, 128256
 PARAMS = 2 * V * E + L * (E * H * D + 2 * E * K * D + H * D * E + 3 * E * F + 2 * E) + E

@@ -309,7 +309,7 @@ def test_fuzz_resume_on_corrupt_files(base, canned_cells, expand_once, tmp_path,
 def test_the_committed_results_read_without_a_warning(capsys):
   """Every committed row (written before checksums, or with them) passes the checks: no
   false alarm on real files, and the same rows as a plain JSON read of the run rows."""
-  root = Path(__file__).resolve().parent.parent / "results"
+  root = Path(__file__).resolve().parents[2] / "results"
   rows = results.load(root)
   assert capsys.readouterr().err == ""
   plain = [json.loads(line) for p in sorted(root.rglob("*.jsonl"))

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("kvpress_peer", ROOT / "scripts" / "kvpress_peer.py")
 peer = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(peer)

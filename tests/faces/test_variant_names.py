@@ -12,7 +12,7 @@ from kvjax import cli
 from kvjax.config.schema import variant_name
 from kvjax.io import gguf, zoo
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_variant_name_convention():

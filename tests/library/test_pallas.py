@@ -193,7 +193,7 @@ def test_bench_pallas_lays_our_cache_out_for_jax_paged_kernel(codec):
   from pathlib import Path
 
   from jax.experimental.pallas.ops.gpu import paged_attention as jpa
-  sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+  sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
   import bench_pallas as bp
   shape = dict(bp.SMOKE, heads=8, kv_heads=2)  # 4 query heads per kv head
   c, (q, _, _, _, k_enc, v_enc, _) = bp._cell(shape, codec, 2, 32, jax.random.PRNGKey(3))

@@ -2,7 +2,7 @@
 size (one context, one repeat) and write the rows they promise. Timings are never asserted.
 bench_axis_order (fixed multi-MiB shapes), bench_xla_cpu, bench_prefill (torch) and
 bench_accelerator (a multi-minute driver of the others) are covered by --help only. What
-an experiment measures is an experiment's config, not a script (tests/test_bench_configs.py)."""
+an experiment measures is an experiment's config, not a script (tests/lab/test_bench_configs.py)."""
 
 import json
 import os
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py"))
 TINY = ["--set", "model.d_model=32", "--set", "model.n_layers=1", "--set", "model.n_heads=4",
         "--set", "model.n_kv_heads=2"]

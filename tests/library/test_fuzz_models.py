@@ -241,7 +241,7 @@ def test_fuzz_checkpoint_cli(originals, target, flips, cut, remove):
     run = subprocess.run([sys.executable, "-m", "kvjax.cli", "generate", "--checkpoint", tmp,
                           "--prompt-ids", "1,2", "--max-new-tokens", "1", "--json"],
                          capture_output=True, text=True, timeout=240,
-                         cwd=Path(__file__).resolve().parent.parent)
+                         cwd=Path(__file__).resolve().parents[2])
   if run.returncode == 2:
     assert run.stdout == "" and run.stderr.count("\n") == 1, run.stderr[-3000:]
     assert run.stderr.startswith("kvjax: error: ")

@@ -130,7 +130,7 @@ def test_committed_real_rows_are_what_count_says_they_held():
   `count` of the setting it records, on the packaged shape, at its context; `row_bytes`
   reads it back (the KIVI int4 R=128 setting: 9,630 B/token held, 7,200 in the limit)."""
   from pathlib import Path
-  root = Path(__file__).resolve().parent.parent
+  root = Path(__file__).resolve().parents[2]
   rows = [json.loads(line) for line in
           (root / "results" / "real" / "quality.jsonl").read_text().splitlines()]
   own = [r for r in rows if not r["variant"].get("peer")]

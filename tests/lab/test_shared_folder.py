@@ -21,7 +21,7 @@ from kvjax.lab import runner
 from kvjax.lab import claims
 from kvjax.lab.runner import shard
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CFG = """\
 name: tiny
 experiment: memory

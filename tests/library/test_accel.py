@@ -318,7 +318,7 @@ def test_device_plan_dry_run_checks_every_stage_on_the_host(monkeypatch, capsys)
   """scripts/device_check.sh --dry-run: every stage's config loads, expands and passes its
   host checks at an H200's memory; a cell that cannot fit is refused in its stage's line."""
   from pathlib import Path
-  scripts = str(Path(__file__).resolve().parent.parent / "scripts")
+  scripts = str(Path(__file__).resolve().parents[2] / "scripts")
   monkeypatch.syspath_prepend(scripts)
   import device_plan
   monkeypatch.setenv("KVJAX_MEMORY_LIMIT", str(device_plan.H200_LIMIT))

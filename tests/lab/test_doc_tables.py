@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from conftest import ruler_row
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

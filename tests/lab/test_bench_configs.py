@@ -9,7 +9,7 @@ from kvjax.lab import experiments as ex
 from kvjax.lab import runner
 from kvjax.lab.experiments import latency
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # scripts/bench_codecs.py's VARIANTS, by name
 CODECS = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "bf16"), "fp16": ("fp16", "fp16"),

@@ -17,7 +17,7 @@ import pytest
 from kvjax.errors import KvjaxError
 from kvjax.lab import plots, runner
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def timing_row(experiment, variant, codec, layout, workload, tpot, name="tiny"):
@@ -132,7 +132,7 @@ def test_variant_colours_are_fixed_by_name():
           "print(variant_color('GQA-3'), variant_color('GQA-5'))")
   seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "PYTHONHASHSEED": seed}, check=True,
-                         cwd=Path(__file__).resolve().parent.parent).stdout
+                         cwd=Path(__file__).resolve().parents[2]).stdout
           for seed in ("1", "2", "3")}
   assert seen == {f"{variant_color('GQA-3')} {variant_color('GQA-5')}\n"}
 

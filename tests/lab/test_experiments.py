@@ -13,7 +13,7 @@ from kvjax import cli, config
 from kvjax.io import checkpoint
 from kvjax.lab import runner, train
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _plot(results: Path, out: Path) -> list[str]:

@@ -301,18 +301,23 @@ def temp_bytes(cfg: Config, batch: int, tokens: int, capacity: int) -> int:
   - one widened block of K and V codes (2 x B x K x C x D in the compute dtype; C the
     slots a block reads), in case the compiler does not fuse the convert into the dot.
 
-  T is the whole capacity for a layout that recomputes the prefix (`Layout.recomputes`)."""
+  T is the whole capacity for a layout that recomputes the prefix (`Layout.recomputes`), and
+  at most `workload.prefill_chunk` for a prompt prefilled in chunks (whose scan also carries
+  a second B x V of logits)."""
   from kvjax import cache, codecs
   from kvjax.attention import base, xla
   m = cfg.model
   none = cache.get(cfg.cache.layout).recomputes
   T = capacity if none else tokens
+  chunk = cfg.workload.prefill_chunk
+  chunked = bool(chunk) and not none and T > chunk
+  T = chunk if chunked else T
   S = 0 if none else capacity
   B, H, K, D, L = batch, m.n_heads, m.n_kv_heads, m.D, m.n_layers
   Cq, Ck = xla.prompt_blocks(T, m.sliding_window)
   Cq, Ck = (T, T) if T <= Cq else (Cq, Ck)
   itemsize = _ITEMSIZE[m.dtype]
-  logits = B * m.vocab_size
+  logits = B * m.vocab_size * (2 if chunked else 1)
   from kvjax.model import layers
   acts = B * T * (2 * m.d_model + 4 * H * D + 4 * K * D + 4 * D) + \
       B * min(T, layers.MLP_ROWS) * 3 * m.F

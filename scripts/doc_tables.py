@@ -1202,6 +1202,15 @@ def gpu_table(rows: list[dict]) -> str:
 BUILDERS["gpu"] = gpu_table
 
 
+def _chunk(row: dict) -> int:
+  """The `workload.prefill_chunk` a long_prefill row ran with (0: the whole prompt)."""
+  for o in row.get("overrides") or []:
+    key, _, val = o.partition("=")
+    if key == "workload.prefill_chunk":
+      return int(val)
+  return 0
+
+
 def long_prefill_table(rows: list[dict]) -> str:
   """docs/long_prompts.md: each long prompt's prefill (scripts/long_prefill.py), its memory
   against the estimate, the keys each kind of layer reads, and transformers beside it."""
@@ -1209,17 +1218,21 @@ def long_prefill_table(rows: list[dict]) -> str:
   names = {"gguf:gemma3-270m": "Gemma 3 270M", "gguf:qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B",
            "gguf:smollm2-135m": "SmolLM2-135M"}
   gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
-  out = ["| model | tokens | compile (s) | prefill (s) | tokens/s | GFLOP/s | of XLA's matmul | "
-         "prefill peak RSS (GiB) | estimate (GiB) | peak / estimate | load peak (GiB) | full "
-         "layers: keys read / needed | windowed layers: keys read / needed |",
-         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-  for r in sorted(rows, key=lambda r: (r["model"], r["tokens"])):
+  out = ["| model | tokens | chunk | compile (s) | prefill (s) | tokens/s | GFLOP/s | of XLA's "
+         "matmul | prefill peak RSS (GiB) | estimate (GiB) | of which temporaries (GiB) | peak / "
+         "estimate | load peak (GiB) | full layers: keys read / needed | windowed layers: keys "
+         "read / needed |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in sorted(rows, key=lambda r: (r["model"], _chunk(r), r["tokens"])):
     reads = r["reads"]
-    ratio = {k: f"{v['keys_read'] / v['keys_needed']:.2f}x" for k, v in reads.items()}
-    out.append(f"| {names.get(r['model'], r['model'])} | {r['tokens']:,} | {r['compile_s']:.1f} | "
+    ratio = {k: f"{v['keys_read'] / v['keys_needed']:.2f}x" if v["keys_read"] else "—"
+             for k, v in reads.items()}
+    out.append(f"| {names.get(r['model'], r['model'])} | {r['tokens']:,} | "
+               f"{f'{_chunk(r):,}' if _chunk(r) else '—'} | {r['compile_s']:.1f} | "
                f"{r['prefill_s']:.1f} | {r['tokens_per_s']:.0f} | {r['flops_per_s'] / 1e9:.0f} | "
                f"{r['flops_roof_fraction']:.2f} | "
                f"{gib(r['prefill_peak_rss_bytes'])} | {gib(r['prefill_estimate_bytes'])} | "
+               f"{gib(r['estimate_parts']['temporaries'])} | "
                f"{r['prefill_peak_over_estimate']:.2f} | {gib(r['load_peak_rss_bytes'])} | "
                f"{ratio['full']} | {ratio.get('windowed', '—')} |")
   peers = [r for r in rows if "speedup_vs_torch" in r]

@@ -51,7 +51,7 @@ _RANGES = {
     # (kvjax.decode.Sampler), as 0 does
     "workload.temperature": (0, True, F32_MAX, True), "workload.top_k": _NONNEG,
     "workload.top_p": (F32_TINY, True, 1, True), "workload.eos_id": (-1, True, I32, True),
-    "workload.repeats": _POS,
+    "workload.repeats": _POS, "workload.prefill_chunk": _NONNEG,
     "mesh.data": _POS, "mesh.model": _POS,
     "train.steps": _POS, "train.batch": _POS, "train.seq_len": _POS,
     "train.lr": (F32_TINY, True, 1, True),  # AdamW moves a weight by about lr per step
@@ -73,7 +73,8 @@ _DEFAULT_HINT = {"model.head_dim": " (0 picks d_model // n_heads)",
                  "model.sliding_window": " (0 means every layer attends to all tokens)",
                  "workload.temperature": " (0 means greedy)",
                  "workload.top_k": " (0 means no top-k cut)",
-                 "workload.eos_id": " (-1 means no stop token)"}
+                 "workload.eos_id": " (-1 means no stop token)",
+                 "workload.prefill_chunk": " (0 means the whole prompt in one call)"}
 
 
 def _num(x) -> str:

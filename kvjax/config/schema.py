@@ -140,6 +140,8 @@ class WorkloadConfig:
   top_p: float = 1.0
   eos_id: int = -1               # stop token; -1 means none
   repeats: int = 5               # timing repeats (median reported)
+  prefill_chunk: int = 0         # N > 0: a prompt is prefilled N tokens at a time through the
+                                 # cache (bounded temporaries; kvjax.decode.prefill); 0: whole
 
 
 @dataclasses.dataclass(frozen=True)

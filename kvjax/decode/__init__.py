@@ -89,12 +89,40 @@ class LoopState:
 @functools.partial(jax.jit, static_argnames=("static", "sampler"), donate_argnames=("cache",))
 def prefill(params, tokens_BT, lengths_B, cache, key, *, static: Static, sampler: Sampler):
   """Run the (right-padded, ragged) prompts; return the first sampled token, its logits
-  and the cache."""
+  and the cache. With `workload.prefill_chunk` N below the prompt's width, the prompt goes
+  through the cache N tokens at a time (`chunked`)."""
   TRACES["prefill"] += 1
-  positions_BT = step.positions(cache.lengths, lengths_B, tokens_BT.shape[1])
+  N, T = static.prefill_chunk, tokens_BT.shape[1]
+  if N and T > N:
+    last_BV, cache = chunked(static, params, tokens_BT, lengths_B, cache, N)
+    return sampler(last_BV, key), last_BV, cache
+  positions_BT = step.positions(cache.lengths, lengths_B, T)
   out = step.run(static, params, tokens_BT, positions_BT, cache, logits="last")
   last_BV = out.logits[:, 0]
   return sampler(last_BV, key), last_BV, out.cache
+
+
+def chunked(static: Static, params, tokens_BT, lengths_B, cache, N: int):
+  """A prompt prefilled N tokens at a time: one `lax.scan` over its C = ceil(T / N) chunks
+  whose body is the prefill of N tokens after what the cache holds (each chunk reads the
+  earlier ones from the cache, through its codec), so a prompt's temporaries are those of
+  N tokens whatever its length and the program is the same for every T. Each row's logits
+  are those of the chunk holding its last token. Returns (logits [B, V], cache)."""
+  B, T = tokens_BT.shape
+  C = -(-T // N)
+  tokens_CBN = jnp.swapaxes(jnp.pad(tokens_BT, ((0, 0), (0, C * N - T))).reshape(B, C, N), 0, 1)
+  n_CB = jnp.clip(lengths_B[None, :] - N * jnp.arange(C, dtype=jnp.int32)[:, None], 0, N)
+
+  def one(carry, xs):
+    cache, last_BV = carry
+    tokens_BN, n_B = xs
+    out = step.run(static, params, tokens_BN, step.positions(cache.lengths, n_B, N), cache,
+                   logits="last")
+    return (out.cache, jnp.where((n_B > 0)[:, None], out.logits[:, 0], last_BV)), None
+
+  last0_BV = jnp.zeros((B, static.model.vocab_size), jnp.float32)
+  (cache, last_BV), _ = jax.lax.scan(one, (cache, last0_BV), (tokens_CBN, n_CB))
+  return last_BV, cache
 
 
 @functools.partial(jax.jit, static_argnames=("static", "sampler", "steps", "bucket", "logprobs"),

@@ -83,8 +83,15 @@ class CompactingPrefill:
 
 
 def prefill_for(cfg, default):
-  """The prefill program `generate.generate` lowers: `default` for `full`, else compaction."""
-  return default if not policies.evicts(cfg.cache) else CompactingPrefill()
+  """The prefill program `generate.generate` lowers: `default` for `full`, else compaction
+  (which scores the whole prompt at once, so it refuses `workload.prefill_chunk`)."""
+  if not policies.evicts(cfg.cache):
+    return default
+  if cfg.workload.prefill_chunk:
+    raise KvjaxError(f"workload.prefill_chunk={cfg.workload.prefill_chunk} prefills a prompt in "
+                     f"pieces, but cache.policy={cfg.cache.policy} scores the whole prompt at "
+                     "once; set workload.prefill_chunk=0 or cache.policy=full")
+  return CompactingPrefill()
 
 
 

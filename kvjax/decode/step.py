@@ -34,19 +34,22 @@ from kvjax.model import Transformer
 @dataclasses.dataclass(frozen=True)
 class Static:
   """What the compiled programs depend on, and all that jit hashes besides the sampler:
-  the model, the cache config (layout, codecs, policy), the mesh and the eos id. A change
-  to anything else in an experiment's Config (train, grid, params, name) never retraces."""
+  the model, the cache config (layout, codecs, policy), the mesh, the eos id and the
+  prefill's chunk. A change to anything else in an experiment's Config (train, grid,
+  params, name) never retraces."""
 
   model: ModelConfig
   cache: CacheConfig
   mesh: MeshConfig
   eos_id: int = -1
+  prefill_chunk: int = 0  # `workload.prefill_chunk` (kvjax.decode.prefill)
 
   @classmethod
   def of(cls, cfg: Config) -> "Static":
     """The Static of `cfg`, its `model.program` resolved (auto: per backend) on the host, so
     that what jit hashes names the program it compiles."""
-    return cls(resolved(cfg.model), cfg.cache, cfg.mesh, cfg.workload.eos_id)
+    return cls(resolved(cfg.model), cfg.cache, cfg.mesh, cfg.workload.eos_id,
+               cfg.workload.prefill_chunk)
 
 
 def resolved(m: ModelConfig) -> ModelConfig:

@@ -107,6 +107,74 @@ def test_unrolled_decode_writes_the_cache_in_place(case):
   assert _cache_copies(config_lib.replace(cfg, **{"model.scan_unroll": 2})) == []
 
 
+GEMMA_LIKE = {"model.n_kv_heads": 1, "model.global_every": 2, "model.sliding_window": 3,
+              "model.rope_local_theta": 100.0}
+CHUNK_CASES = {
+    "fp32": {"model.n_kv_heads": 2},
+    "paged": {"model.n_kv_heads": 2, "cache.layout": "paged", "cache.page_size": 4},
+    "windowed": GEMMA_LIKE,
+    "latent": "rank 8 (latent.factor)",
+    "mla": "rank 8 beside 2 rotated pairs, read absorbed (latent.factor)",
+    "none": {"cache.layout": "none"},
+    "bf16": {"model.n_kv_heads": 2, "cache.codec": "bf16"},
+    "int8": {"model.n_kv_heads": 2, "cache.codec": "int8"},
+}
+
+
+@pytest.mark.parametrize("chunk", [2, 4])
+@pytest.mark.parametrize("case", sorted(CHUNK_CASES))
+def test_a_prompt_prefilled_in_chunks_decodes_as_in_one_call(case, chunk):
+  """`workload.prefill_chunk` N: the prompts (ragged, 6, 2 and 5 tokens) go through the
+  cache N tokens at a time, each chunk reading the earlier ones from the cache. With a
+  float cache that is the one-call prefill: the same greedy tokens and the same stored K/V.
+  A quantized cache's later chunks read the earlier ones through the codec, as decode
+  does: the same tokens here, and the stored codes within one step of the codec."""
+  if case in ("latent", "mla"):  # a model whose K/V are rank 8: its latents hold them exactly
+    from kvjax.cache import latent
+    cfg, params = latent.factor(tiny_config(), tiny_params(tiny_config()), 8,
+                                rope_pairs=2 if case == "mla" else 0)
+  else:
+    cfg = tiny_config(**CHUNK_CASES[case])
+    params = tiny_params(cfg)
+  chunked = config_lib.replace(cfg, **{"workload.prefill_chunk": chunk})
+  a, b = (generate.generate(c, params, PROMPTS, 6, timed=False, return_cache=True)
+          for c in (cfg, chunked))
+  assert a["tokens"] == b["tokens"]
+  for x, y in zip(jax.tree.leaves(a["cache"]), jax.tree.leaves(b["cache"]), strict=True):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-5)
+    elif x.dtype == jnp.uint16:  # bfloat16 values or scales, stored as their bit patterns
+      widen = lambda a: np.asarray(a).view(jnp.bfloat16).astype(np.float32)  # noqa: E731
+      np.testing.assert_allclose(widen(y), widen(x), rtol=2e-2, atol=1e-3)
+    elif case == "int8" and x.dtype == jnp.int8:
+      assert np.max(np.abs(np.asarray(x, np.int32) - np.asarray(y, np.int32))) <= 1
+    else:  # lengths, block tables
+      np.testing.assert_array_equal(x, y)
+
+
+def test_a_chunked_prefill_holds_the_temporaries_of_one_chunk():
+  """The memory estimate of a long prompt prefilled in chunks counts one chunk's
+  temporaries (and the carried logits), not the prompt's."""
+  from kvjax import footprint
+  cfg = tiny_config(**{"model.n_kv_heads": 2})
+  chunked = config_lib.replace(cfg, **{"workload.prefill_chunk": 64})
+  whole = footprint.temp_bytes(cfg, 1, 4096, 4096)
+  assert footprint.temp_bytes(chunked, 1, 4096, 4096) < whole / 4
+  assert footprint.temp_bytes(chunked, 1, 64, 4096) == footprint.temp_bytes(cfg, 1, 64, 4096)
+  V = cfg.model.vocab_size
+  assert footprint.temp_bytes(chunked, 1, 4096, 4096) == \
+      footprint.temp_bytes(cfg, 1, 64, 4096) + 4 * V
+
+
+def test_a_chunked_prefill_with_an_eviction_policy_is_refused():
+  cfg = tiny_config(**{"cache.policy": "window", "cache.budget": 8,
+                       "workload.prefill_chunk": 2})
+  with pytest.raises(KvjaxError, match="workload.prefill_chunk=2 .* cache.policy=window"):
+    generate.generate(cfg, tiny_params(cfg), PROMPTS, 2, timed=False)
+  with pytest.raises(KvjaxError, match="workload.prefill_chunk must be an integer >= 0"):
+    tiny_config(**{"workload.prefill_chunk": -1})
+
+
 def test_split_params_run_either_way():
   """Params already split per layer (`step.prepare_params`, whatever `model.scan_unroll`
   says) run the default switched scan to the same tokens, and splitting twice changes

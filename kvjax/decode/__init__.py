@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kvjax import progress
 from kvjax.config import Config
 from kvjax.decode import step
 from kvjax.decode.step import Static
@@ -118,6 +119,8 @@ def chunked(static: Static, params, tokens_BT, lengths_B, cache, N: int):
     tokens_BN, n_B = xs
     out = step.run(static, params, tokens_BN, step.positions(cache.lengths, n_B, N), cache,
                    logits="last")
+    if progress.wanted(T) and not progress.wanted(N):  # short chunks: one tick a chunk
+      jax.debug.callback(progress.tick, n_B[0])
     return (out.cache, jnp.where((n_B > 0)[:, None], out.logits[:, 0], last_BV)), None
 
   last0_BV = jnp.zeros((B, static.model.vocab_size), jnp.float32)

@@ -200,9 +200,9 @@ def generate(cfg: Config, params, prompts: list[list[int]], max_new_tokens: int,
   steps = max_new_tokens - 1
   shape = Shape(len(prompts), tokens.shape[1], capacity, steps)
   prog = Compiled(cfg, params, shape, keys=keys).compile(tokens, lengths)
-  bar = progress.layers(cfg.model.n_layers * (1 + timed)) if progress.wanted(shape.width) \
-      else contextlib.nullcontext()
-  with bar:  # a long prompt's prefill ticks once a layer (warm-up and timed run)
+  n, unit = progress.ticks(shape.width, cfg.workload.prefill_chunk, cfg.model.n_layers)
+  bar = progress.layers(n * (1 + timed), unit=unit) if n else contextlib.nullcontext()
+  with bar:  # a long prompt's prefill ticks once a layer or chunk (warm-up and timed run)
     if timed:
       prog.run()  # warm-up: first executions pay one-time costs
     run = prog.run()

@@ -1,4 +1,4 @@
-"""kvjax/progress.py: a long prompt's prefill ticks once a layer inside a bar; a short one's
+"""kvjax/progress.py: a long prompt's prefill ticks once a layer (or a chunk) inside a bar; a short one's
 program has no tick; a tick with no bar open does nothing."""
 
 import jax
@@ -32,3 +32,19 @@ def test_a_long_prompt_ticks_once_a_layer_and_a_short_one_never(monkeypatch):
     assert bar.n == 3
   _prefill(cfg, params, 20)  # no bar open: the ticks go nowhere
   jax.effects_barrier()
+
+
+def test_a_chunked_prompt_ticks_as_many_times_as_its_bar_expects(monkeypatch):
+  """`workload.prefill_chunk`: chunks at least TOKENS long tick once a layer each, shorter
+  chunks of a long prompt once a chunk; `progress.ticks` (the bar's total) counts the same."""
+  monkeypatch.setattr(progress, "TOKENS", 16)
+  base = {"model.n_layers": 3, "model.d_model": 32, "model.n_heads": 4,
+          "model.n_kv_heads": 2, "model.head_dim": 8, "model.norm_eps": 2.3456e-6}
+  for chunk, T, want in ((16, 40, (9, "layer")), (8, 40, (5, "chunk")), (8, 12, (0, "chunk"))):
+    cfg = config.load(None, {**base, "workload.prefill_chunk": chunk})
+    assert progress.ticks(T, chunk, 3) == want
+    params = step.prepare_params(cfg, model.init_params(cfg.model, 0))
+    with progress.layers(100) as bar:
+      _prefill(cfg, params, T)
+      jax.effects_barrier()
+      assert bar.n == want[0], (chunk, T)

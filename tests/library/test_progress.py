@@ -1,5 +1,5 @@
-"""kvjax/progress.py: a long prompt's prefill ticks once a layer (or a chunk) inside a bar; a short one's
-program has no tick; a tick with no bar open does nothing."""
+"""kvjax/progress.py: a long prompt's prefill ticks once a layer (or a chunk) inside a bar;
+a short one's program has no tick; a tick with no bar open does nothing."""
 
 import jax
 import jax.numpy as jnp

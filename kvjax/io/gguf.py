@@ -30,8 +30,6 @@ import functools
 import os
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -282,10 +280,14 @@ def read_params(path: str | Path, cfg: Config) -> dict:
   norms.update({g: (leaf, (D,) if leaf in ("q_norm", "k_norm") else (E,))
                 for g, leaf in arch.norms})
   biased = ("attn_q", "attn_k", "attn_v") if m.qkv_bias else ()
-  layers: dict = {leaf: {"kernel": [], **({"bias": []} if g in biased else {})}
+  # each stacked [L, ...] leaf allocated once and filled layer by layer (a list of the
+  # layers' arrays stacked at the end would hold every layer weight twice)
+  L = m.n_layers
+  layers: dict = {leaf: {"kernel": np.empty((L, *shapes[g][::-1]), dtype),
+                         **({"bias": np.empty((L, shapes[g][0]), dtype)} if g in biased else {})}
                   for g, leaf in _LAYER_TENSORS.items()}
-  layers.update({leaf: {"weight": []} for leaf, _ in norms.values()})
-  for i in range(m.n_layers):
+  layers.update({leaf: {"weight": np.empty((L, *shape), dtype)} for leaf, shape in norms.values()})
+  for i in range(L):
     for g, leaf in _LAYER_TENSORS.items():
       w = get(f"blk.{i}.{g}.weight", shapes[g])
       b = get(f"blk.{i}.{g}.bias", shapes[g][:1]) if g in biased else None
@@ -293,12 +295,11 @@ def read_params(path: str | Path, cfg: Config) -> dict:
         heads = H if g == "attn_q" else K
         w = unpermute(w, heads)
         b = None if b is None else unpermute(b, heads)
-      layers[leaf]["kernel"].append(w.T.astype(dtype))
+      layers[leaf]["kernel"][i] = w.T
       if b is not None:
-        layers[leaf]["bias"].append(b.astype(dtype))
+        layers[leaf]["bias"][i] = b
     for g, (leaf, shape) in norms.items():
-      layers[leaf]["weight"].append(get(f"blk.{i}.{g}.weight", shape).astype(dtype))
-  layers = {leaf: {k: np.stack(v) for k, v in d.items()} for leaf, d in layers.items()}
+      layers[leaf]["weight"][i] = get(f"blk.{i}.{g}.weight", shape)
   params = {"embed_tokens": {"embedding": get("token_embd.weight", (V, E)).astype(dtype)},
             "layers": layers, "norm": {"weight": get("output_norm.weight", (E,)).astype(dtype)}}
   if not m.tie_embeddings:
@@ -317,4 +318,4 @@ def load(path: str | Path, overrides: dict | None = None) -> tuple[Config, dict]
   cfg = load_config(path, overrides)
   params = read_params(path, cfg)
   hf.check_tree(cfg, params)
-  return cfg, jax.tree_util.tree_map(jnp.asarray, params)
+  return cfg, hf.to_device(params)

@@ -224,7 +224,19 @@ def load(folder: str | Path, overrides: dict | None = None) -> tuple[Config, dic
   memory.check_params(cfg, f"the weights of {folder}")
   params = read_params(folder, cfg)
   check_tree(cfg, params)
-  return cfg, jax.tree_util.tree_map(jnp.asarray, params)
+  return cfg, to_device(params)
+
+
+def to_device(tree: dict) -> dict:
+  """A nested dict of numpy arrays as jax arrays, emptied leaf by leaf as it goes, so the
+  host copy and the device copy of the weights never both exist whole (a load's peak is
+  then about one copy and a leaf, not two copies)."""
+  out = {}
+  for name in list(tree):
+    sub = tree.pop(name)
+    out[name] = to_device(sub) if isinstance(sub, dict) else jnp.asarray(sub)
+    del sub
+  return out
 
 
 def check_tree(cfg: Config, params: dict) -> None:

@@ -39,8 +39,9 @@ the plots' bytes axes.
 
 ## Weights, temporaries, programs
 
-`param_bytes`: every weight of the model at `model.param_dtype` (twice with a fully unrolled
-layer scan, which splits the stacked weights into a second per-layer copy). `cache_bytes`:
+`param_bytes`: every weight of the model at `model.param_dtype`; `layer_param_bytes`: the
+layers' share, which a layer loop over per-layer weights copies once more
+(`kvjax.memory.split_bytes`). `cache_bytes`:
 the layout's `closed_form_bytes` for `batch` x `capacity`. `temp_bytes`: the widest call's
 temporaries (its docstring lists them). `program_bytes`: the peak a compiled program needs.
 """
@@ -269,8 +270,15 @@ def param_count(m: ModelConfig) -> int:
 
 
 def param_bytes(m: ModelConfig) -> int:
-  n = param_count(m) * _ITEMSIZE[m.param_dtype]
-  return 2 * n if m.scan_unroll >= m.n_layers > 1 else n
+  """Every weight of the model once, at `model.param_dtype`."""
+  return param_count(m) * _ITEMSIZE[m.param_dtype]
+
+
+def layer_param_bytes(m: ModelConfig) -> int:
+  """The layers' weights alone (no embeddings, head or final norm): what a layer loop over
+  per-layer weights copies out of the stacked params (`memory.split_bytes`)."""
+  outside = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2) + m.d_model
+  return (param_count(m) - outside) * _ITEMSIZE[m.param_dtype]
 
 
 def cache_bytes(cfg: Config, batch: int, capacity: int, layout: str | None = None) -> int:

@@ -6,8 +6,11 @@
 The estimate is a closed form, host-side, before anything is traced, from `kvjax.footprint`'s
 counts:
 
-- params: every weight of the model at `model.param_dtype` (twice with `model.unrolled`,
-  which splits the stacked weights into a second per-layer copy);
+- params: every weight of the model at `model.param_dtype`, when not yet allocated;
+- per-layer weights: the second copy of the layers' weights that a layer loop over
+  per-layer weights makes (`step.layer_loop`: switch, the CPU default, or unrolled;
+  `step.prepare_params` splits them once) while the caller keeps the stacked ones
+  (`split_bytes`);
 - cache: the layout's `closed_form_bytes` for `batch` x `capacity`, counted `caches`
   times (default twice: a fresh cache is built for each timed run while the previous one
   may still be referenced; once where a program donates its only cache);
@@ -30,7 +33,7 @@ import os
 
 from kvjax import envcheck
 from kvjax.config import Config
-from kvjax.footprint import cache_bytes, human, param_bytes, temp_bytes
+from kvjax.footprint import cache_bytes, human, layer_param_bytes, param_bytes, temp_bytes
 from kvjax.errors import KvjaxError
 
 _FIX = "lower the batch, cache.capacity or --max-new-tokens, or choose a smaller codec"
@@ -82,12 +85,23 @@ def check_params(cfg: Config, what: str = "the model's weights") -> int:
   return need
 
 
+def split_bytes(cfg: Config) -> int:
+  """The per-layer copy of the layers' weights the program's layer loop makes (switch and
+  unrolled loops run on weights split per layer; nn.scan on the stacked ones): 0 or
+  `footprint.layer_param_bytes`, per device."""
+  from kvjax.decode import step
+  if step.layer_loop(step.resolved(cfg.model)) == "scan":
+    return 0
+  return layer_param_bytes(cfg.model) // max(cfg.mesh.model, 1)
+
+
 def estimate(cfg: Config, batch: int, capacity: int, tokens: int,
              params: bool = False, caches: int = 2) -> dict:
-  """Bytes per device by part: params (when not yet allocated), cache (x `caches`),
-  temporaries."""
+  """Bytes per device by part: params (when not yet allocated), their per-layer copy
+  (`split_bytes`), cache (x `caches`), temporaries."""
   n = _devices(cfg)
   parts = {"params": param_bytes(cfg.model) // max(cfg.mesh.model, 1) if params else 0,
+           "per-layer weights": split_bytes(cfg),
            f"cache x{caches}": caches * cache_bytes(cfg, batch, capacity) // n,
            "temporaries": temp_bytes(cfg, batch, tokens, capacity) // n}
   return parts

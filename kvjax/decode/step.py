@@ -97,16 +97,26 @@ def prepare_params(cfg: Config | Static, params):
   (`model.split_layers`), for the switched and unrolled loops, so that no call pays for
   the split and no step copies a weight; left stacked for nn.scan; and stored in
   `model.param_dtype` whatever their source (an imported checkpoint keeps its own dtype
-  until here). A second copy of the layer weights for as long as the caller also keeps the
-  stacked ones; params already in that form and dtype come back as they are."""
+  until here). Only what changes is copied: the layers' weights when they are split (a
+  second copy for as long as the caller also keeps the stacked ones: `memory.split_bytes`)
+  and a leaf of another dtype; every other leaf comes back as it is."""
   dtype = jnp.dtype(cfg.model.param_dtype)
-  if layer_loop(cfg.model) == "scan":
-    if "layers" in params:
-      return _prepare(dtype.name, split=False)(params)
-  if "layers" not in params and all(a.dtype == dtype for a in jax.tree.leaves(params)
-                                    if jnp.issubdtype(a.dtype, jnp.floating)):
+  split = layer_loop(cfg.model) != "scan" and "layers" in params
+  if not split and not any(_recast(a, dtype) for a in jax.tree.leaves(params)):
     return params
-  return _prepare(dtype.name, split=True)(params)
+  out = {}
+  for name, sub in params.items():
+    if split and name == "layers":
+      out.update(_prepare(dtype.name, split=True)({"layers": sub}))
+    elif any(_recast(a, dtype) for a in jax.tree.leaves(sub)):
+      out[name] = _prepare(dtype.name, split=False)(sub)
+    else:
+      out[name] = sub
+  return out
+
+
+def _recast(a, dtype) -> bool:
+  return jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != dtype
 
 
 @functools.lru_cache(maxsize=8)

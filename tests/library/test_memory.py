@@ -26,6 +26,23 @@ def test_param_count_is_the_initialised_tree(over):
   assert footprint.param_bytes(cfg.model) == 4 * footprint.param_count(cfg.model)
 
 
+@pytest.mark.parametrize("loop", ["switch", "unrolled", "scan"])
+def test_the_per_layer_copy_is_what_prepare_params_makes(loop):
+  """A layer loop over per-layer weights (switch, unrolled) runs on a second copy of the
+  layers' weights, made once by `step.prepare_params` while the caller keeps the stacked
+  params: the estimate counts exactly that copy, and nothing for nn.scan."""
+  from kvjax.decode import step
+  cfg = config.load(None, {"model.layer_loop": loop, "model.qkv_bias": True})
+  params = model.init_params(cfg.model, 0)
+  prepared = step.prepare_params(cfg, params)
+  held = {x.unsafe_buffer_pointer() for x in jax.tree.leaves(params)}  # the same buffers
+  copied = sum(x.nbytes for x in jax.tree.leaves(prepared)
+               if x.unsafe_buffer_pointer() not in held)
+  assert memory.split_bytes(cfg) == copied
+  assert memory.estimate(cfg, 1, 8, 4)["per-layer weights"] == copied
+  assert (copied == footprint.layer_param_bytes(cfg.model)) == (loop != "scan")
+
+
 @pytest.mark.parametrize("over", [
     {"cache.codec": "fp32"}, {"cache.codec": "int8"}, {"cache.layout": "none"},
     {"cache.codec": "int4", "cache.k_axis": "channel", "cache.group_size": 8,

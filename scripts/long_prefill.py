@@ -138,7 +138,9 @@ def one(model: str, overrides: list[str], T: int, repeats: int = 1, peer: bool =
   estimate = sum(parts.values()) + base_rss
   # The prefill's own part: what the process held once the weights were ready, plus the
   # closed forms of the cache and the prompt's temporaries.
-  prefill_estimate = loaded_rss + sum(v for k, v in parts.items() if k != "params")
+  # (the weights and their per-layer copy are in what it held)
+  prefill_estimate = loaded_rss + sum(v for k, v in parts.items()
+                                      if k not in ("params", "per-layer weights"))
   # Dense prefill arithmetic: 2 x the non-embedding weights x T, plus QK and PV over the
   # keys each layer reads as needed (the causal triangle, or each window's band).
   emb = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)

@@ -345,7 +345,10 @@ def cli(args, src, windows: Callable, seq_len: int) -> dict:
                                                         "method": "distill", "recipe": recipe,
                                                         **report})
     shutil.rmtree(out / "partial", ignore_errors=True)
-  print(f"distilled {cfg.model.variant} toward {tsrc}: held-out KL {r.before:.4f} -> "
+  m = cfg.model
+  student = m.variant if not m.latent_rank else f"the rank-{m.latent_rank} latent" + (
+      f" with {m.rope_pairs} rotated pairs a KV head" if m.rope_pairs else "")
+  print(f"distilled {student} toward {tsrc}: held-out KL {r.before:.4f} -> "
         f"{r.after:.4f} nats/token in {r.steps} steps ({r.seconds:.0f} s); checkpoint in {out}")
   return {"from": cfg.model.variant, "to": cfg.model.variant, "out": str(out),
           "method": "distill", "recipe": recipe, **report}

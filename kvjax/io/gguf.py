@@ -300,10 +300,11 @@ def read_params(path: str | Path, cfg: Config) -> dict:
         layers[leaf]["bias"][i] = b
     for g, (leaf, shape) in norms.items():
       layers[leaf]["weight"][i] = get(f"blk.{i}.{g}.weight", shape)
-  params = {"embed_tokens": {"embedding": get("token_embd.weight", (V, E)).astype(dtype)},
-            "layers": layers, "norm": {"weight": get("output_norm.weight", (E,)).astype(dtype)}}
+  cast = lambda a: a.astype(dtype, copy=False)  # noqa: E731 (a dequantized copy: no second)
+  params = {"embed_tokens": {"embedding": cast(get("token_embd.weight", (V, E)))},
+            "layers": layers, "norm": {"weight": cast(get("output_norm.weight", (E,)))}}
   if not m.tie_embeddings:
-    params["lm_head"] = {"kernel": get("output.weight", (V, E)).T.astype(dtype)}
+    params["lm_head"] = {"kernel": cast(get("output.weight", (V, E)).T)}
   leftover = sorted(set(tensors) - used)
   if leftover:
     raise KvjaxError(f"GGUF tensor '{leftover[0]}' (and {len(leftover) - 1} more) has no place in "

@@ -118,6 +118,7 @@ CHUNK_CASES = {
     "none": {"cache.layout": "none"},
     "bf16": {"model.n_kv_heads": 2, "cache.codec": "bf16"},
     "int8": {"model.n_kv_heads": 2, "cache.codec": "int8"},
+    "accelerator": {"model.n_kv_heads": 2, "model.program": "accelerator"},
 }
 
 

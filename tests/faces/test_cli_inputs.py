@@ -286,7 +286,7 @@ def _random_params(model_cfg, seed: int = 0):
 def _write_sources(tmp_path) -> dict[str, list[str]]:
   """A tiny model written as each source kind kvjax reads (the weights really load)."""
   from kvjax.io import checkpoint
-  from tests.test_gguf import SHAPE, write_gguf
+  from test_gguf import SHAPE, write_gguf
   cfg = config_lib.apply_overrides(config_lib.Config(), SHAPE)
   npp = _random_params(cfg.model)
   write_gguf(tmp_path / "m.gguf", cfg, npp)

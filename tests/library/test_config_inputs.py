@@ -15,7 +15,7 @@ import pytest
 from kvjax import config as config_lib
 from kvjax.config import checks, schema
 from kvjax.errors import KvjaxError
-from tests.conftest import tiny_config, tiny_params
+from conftest import tiny_config, tiny_params
 
 
 def _one_line(err) -> str:

@@ -1237,12 +1237,13 @@ def long_prefill_table(rows: list[dict]) -> str:
                f"{ratio['full']} | {ratio.get('windowed', '—')} |")
   peers = [r for r in rows if "speedup_vs_torch" in r]
   if peers:
-    out += ["", "| model | tokens | kvjax prefill (s) | transformers prefill (s) | kvjax's "
-            "speed / transformers' | 95 % interval | threads | same first token |",
-            "|---|---:|---:|---:|---:|---|---:|---|"]
+    out += ["", "| model | tokens | chunk | kvjax prefill (s) | transformers prefill (s) | "
+            "kvjax's speed / transformers' | 95 % interval | threads | same first token |",
+            "|---|---:|---:|---:|---:|---:|---|---:|---|"]
     for r in peers:
       lo, hi = r["speedup_vs_torch_ci"]
       out.append(f"| {names.get(r['model'], r['model'])} | {r['tokens']:,} | "
+                 f"{f'{_chunk(r):,}' if _chunk(r) else '—'} | "
                  f"{r['prefill_s']:.1f} | {r['torch_prefill_s']:.1f} | "
                  f"{r['speedup_vs_torch']:.2f}x | [{lo:.2f}, {hi:.2f}] | {r['torch_threads']} | "
                  f"{'yes' if r['torch_first_token'] == r['first_token'] else 'no'} |")

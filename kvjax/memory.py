@@ -90,7 +90,7 @@ def split_bytes(cfg: Config) -> int:
   unrolled loops run on weights split per layer; nn.scan on the stacked ones): 0 or
   `footprint.layer_param_bytes`, per device."""
   from kvjax.decode import step
-  if step.layer_loop(step.resolved(cfg.model)) == "scan":
+  if step.resolved(cfg.model).layer_loop == "scan":
     return 0
   return layer_param_bytes(cfg.model) // max(cfg.mesh.model, 1)
 
